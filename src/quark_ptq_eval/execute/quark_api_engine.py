@@ -1,0 +1,98 @@
+"""Quark's public Python API as a command-line engine, for what `quark-cli` 0.13 cannot do.
+
+`quark-cli torch-llm-ptq` loads with ``device_map="auto"`` (fails on hosts with no GPU) and
+calibrates only from fixed Hub dataset ids (fails offline). This module takes the same flags
+plus ``--calib_data PATH`` and drives the same public API the CLI uses (``LLMTemplate``,
+``ModelQuantizer``, ``export_safetensors``), on any device, with local calibration text.
+Non-weight files of the source are copied byte for byte, so the output has no tokenizer drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+NON_WEIGHT_SKIP = ("config.json", "model.safetensors.index.json")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m quark_ptq_eval.execute.quark_api_engine")
+    p.add_argument("--model_dir", required=True)
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--quant_scheme", required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--calib_data", required=True, help=".txt, .jsonl or .parquet")
+    p.add_argument("--seq_len", type=int, default=512)
+    p.add_argument("--batch_size", type=int, default=1)
+    p.add_argument("--num_calib_data", type=int, default=128)
+    p.add_argument("--layer_quant_scheme", nargs=2, action="append", metavar=("PATTERN", "QUANT_SCHEME"))
+    p.add_argument("--kv_cache_dtype", default=None)
+    p.add_argument("--quant_algo", default=None)
+    p.add_argument("--exclude_layers", nargs="*", default=None)
+    p.add_argument("--trust_remote_code", action="store_true")
+    return p
+
+
+def calibration_batches(tokenizer, texts: list[str], seq_len: int, num: int, batch_size: int, device):
+    """Non-overlapping token windows of ``seq_len`` over the joined local text."""
+    import torch
+
+    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0]
+    windows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)][:num]
+    if not windows:  # text shorter than one window: calibrate on what there is
+        windows = [ids]
+    print(f"[quark-ptq-eval] calibration: {len(windows)} samples x {len(windows[0])} tokens", flush=True)
+    return [torch.stack(windows[i : i + batch_size]).to(device) for i in range(0, len(windows), batch_size)]
+
+
+def copy_non_weight_files(src: Path, dst: Path) -> None:
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in NON_WEIGHT_SKIP and not f.name.startswith("."):
+            shutil.copy2(f, dst / f.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
+    from quark_ptq_eval.textdata import load_texts
+
+    t0 = time.time()
+    print(f"[quark-ptq-eval] loading {args.model_dir} on {args.device}", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir, dtype="auto", trust_remote_code=args.trust_remote_code
+    ).to(args.device)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, trust_remote_code=args.trust_remote_code)
+    batches = calibration_batches(
+        tokenizer, load_texts(args.calib_data), args.seq_len, args.num_calib_data, args.batch_size, args.device
+    )
+    template = LLMTemplate.get(model.config.model_type)
+    config = template.get_config(
+        scheme=args.quant_scheme,
+        algorithm=args.quant_algo.split(",") if args.quant_algo else None,
+        kv_cache_scheme=args.kv_cache_dtype,
+        layer_config=dict(args.layer_quant_scheme or []),
+        exclude_layers=args.exclude_layers,
+    )
+    print("[quark-ptq-eval] quantizing", flush=True)
+    quantizer = ModelQuantizer(config)
+    with torch.no_grad():
+        model = quantizer.quantize_model(model, batches)
+        model = quantizer.freeze(model)
+        print("[quark-ptq-eval] exporting", flush=True)
+        out = Path(args.output_dir)
+        export_safetensors(model=model, output_dir=out, custom_mode="quark",
+                           weight_format="real_quantized", pack_method="reorder")
+    copy_non_weight_files(Path(args.model_dir), out)
+    print(f"[quark-ptq-eval] done in {time.time() - t0:.1f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Crash-safe file writes and friendly reads.
+
+Every artifact is written to a temporary file in the same directory, fsynced, then renamed
+over the target, so a reader (or a resumed run) sees either the old file or the new one,
+never half of one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import QpeError, UsageError
+
+
+class DiskFullError(QpeError):
+    pass
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        _unlink_quietly(tmp)
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise DiskFullError(
+                f"Could not write {path}: {os.strerror(exc.errno)} ({len(data)} bytes needed).",
+                "Free some space or choose another work directory, then re-run.",
+            ) from None
+        raise
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False) + "\n")
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    """Read JSON, turning every expected failure into one clear sentence."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"The {what} {path} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"The {what} {path} cannot be read: {exc}.") from None
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise UsageError(f"The {what} {path} is not valid JSON ({exc}).", "Fix or remove it.") from None
+
+
+def _unlink_quietly(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,90 @@
+"""Shared, session-scoped fixtures: tiny real models, a local corpus, quantized outputs.
+
+Everything is built offline on the spot. Quantized outputs are produced by our Quark API
+engine in this process (``import quark.torch`` costs ~20 s: pay it once per session) and
+cached per (arch, scheme, algorithm).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("assets")
+
+
+@pytest.fixture(scope="session")
+def corpus(assets) -> Path:
+    from quark_ptq_eval.demo import build_corpus
+
+    return build_corpus(assets / "corpus.txt")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(assets, corpus):
+    """``tiny_model("llama")`` / ``tiny_model("qwen3")``: path of a trained tiny checkpoint.
+    Treat it as read-only: copy it (``copy_model``) before planting faults."""
+    from quark_ptq_eval.demo import build_tiny_model
+
+    built: dict[str, Path] = {}
+
+    def get(arch: str = "llama") -> Path:
+        if arch not in built:
+            built[arch] = build_tiny_model(assets / f"tiny-{arch}", corpus, arch=arch)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model) -> Path:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def quantized(assets, corpus, tiny_model):
+    """``quantized("int8", arch="llama", algorithm=None)``: a real Quark export of the tiny model."""
+    from quark_ptq_eval.execute import quark_api_engine
+
+    done: dict[tuple, Path] = {}
+
+    def get(scheme: str, arch: str = "llama", algorithm: str | None = None, exclude: list[str] | None = None) -> Path:
+        key = (scheme, arch, algorithm, tuple(exclude) if exclude is not None else None)
+        if key not in done:
+            out = assets / "quantized" / "-".join(str(k).replace("/", "_") for k in key if k is not None)
+            argv = ["--model_dir", str(tiny_model(arch)), "--output_dir", str(out), "--quant_scheme", scheme,
+                    "--calib_data", str(corpus), "--num_calib_data", "16", "--seq_len", "128"]
+            if algorithm:
+                argv += ["--quant_algo", algorithm]
+            if exclude is not None:
+                argv += ["--exclude_layers", *exclude]
+            assert quark_api_engine.main(argv) == 0
+            done[key] = out
+        return done[key]
+
+    return get
+
+
+@pytest.fixture
+def copy_model(tmp_path):
+    """Copy a model directory into this test's tmp dir (to plant faults safely)."""
+    import shutil
+
+    def copy(src: Path, name: str | None = None) -> Path:
+        dst = tmp_path / (name or src.name)
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy
