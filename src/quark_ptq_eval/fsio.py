@@ -7,6 +7,7 @@ never half of one.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -69,7 +70,5 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
 
 
 def _unlink_quietly(path: str | os.PathLike) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass

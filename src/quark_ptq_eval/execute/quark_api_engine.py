@@ -57,9 +57,9 @@ def copy_non_weight_files(src: Path, dst: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
+    from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
     from quark_ptq_eval.textdata import load_texts
 
     t0 = time.time()

@@ -1,0 +1,234 @@
+"""The `quark-ptq-eval` command line: a thin layer over the Python API.
+
+Exit codes: 0 done, 1 failed, 2 usage/bad input, 3 stopped at a checkpoint, 4 validation
+failed, 5 work dir locked, 130 interrupted. Expected failures print one sentence (and a hint),
+never a traceback. No torch or Quark import happens before a command needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import CheckpointPending, ExitCode, QpeError
+
+PLAN_FIELDS = ("goal", "scheme", "algorithm", "kv_cache_scheme", "exclude_layers", "no_exclusions",
+               "layer_quant_config", "calib_data", "calib_dataset", "num_calib_samples", "calib_seq_len",
+               "batch_size", "device", "multi_device", "engine", "trust_remote_code", "evaluation_intent")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run control")
+    g.add_argument("--workdir", type=Path, default=Path("."), help="where artifacts, state and logs go (default: .)")
+    g.add_argument("--approve", default="", metavar="GATES",
+                   help="comma-separated approvals: intake,plan,execute,result,eval,overwrite,fix,baseline")
+    g.add_argument("--yes", "-y", action="store_true", help="approve every pipeline gate (not overwrite/fix)")
+    g.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
+    g.add_argument("--quiet", "-q", action="store_true", help="only errors and the final line")
+    g.add_argument("--offline", action="store_true", default=None,
+                   help="Hugging Face offline mode for this run and every child process")
+    g.add_argument("--execution-mode", choices=("plan_only", "interactive_execute", "batch_execute"))
+    for kind in ("session_context", "env_context", "workspace_context", "pytorch_install_result",
+                 "quark_install_result"):
+        g.add_argument(f"--{kind.replace('_', '-')}", dest=kind, type=Path, metavar="FILE",
+                       help=f"use this {kind}.json instead of producing one")
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("quantization plan")
+    g.add_argument("--goal", help='what you want, e.g. "fp8 for MI300X, accuracy first"')
+    g.add_argument("--scheme", help="exact Quark scheme name (int8, fp8, int4_wo_128, mxfp4, ...)")
+    g.add_argument("--algorithm", help="awq, gptq, smoothquant, rotation, ... (comma-separated; '' disables)")
+    g.add_argument("--kv-cache-scheme", help="KV-cache scheme the model template accepts (e.g. fp8)")
+    g.add_argument("--exclude", dest="exclude_layers", nargs="+", metavar="PATTERN",
+                   help="layers to keep unquantized; replaces the template defaults")
+    g.add_argument("--no-exclusions", action="store_true", default=None,
+                   help="quantize every layer, lm_head included (explicit only)")
+    g.add_argument("--layer-quant-scheme", dest="layer_quant_config", nargs=2, action="append",
+                   metavar=("PATTERN", "SCHEME"), help="per-pattern scheme override (repeatable)")
+    g.add_argument("--calib-data", help="local calibration text: .txt, .jsonl or .parquet")
+    g.add_argument("--calib-dataset", help="quark-cli calibration dataset id (default pileval)")
+    g.add_argument("--num-calib-samples", type=int)
+    g.add_argument("--calib-seq-len", type=int)
+    g.add_argument("--batch-size", type=int, help="calibration batch size")
+    g.add_argument("--device", help="cpu, cuda (ROCm GPUs are 'cuda' in torch)")
+    g.add_argument("--multi-device", action="store_true", default=None, help="spread the model over devices")
+    g.add_argument("--engine", choices=("auto", "quark-cli", "quark-api"))
+    g.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="allow the model repository's own code to run (never implied)")
+    g.add_argument("--eval-intent", dest="evaluation_intent", choices=("none", "smoke", "full"))
+
+
+def _run_args(p: argparse.ArgumentParser, model_required: bool) -> None:
+    p.add_argument("model", nargs=None if model_required else "?", help="local model directory or Hub repo id")
+    p.add_argument("-o", "--output-dir", help="directory for the quantized model")
+    p.add_argument("--overwrite", action="store_true", default=None,
+                   help="allow a non-empty output dir (its contents are moved aside, never deleted)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .evaluate import add_eval_arguments
+    from .validate import add_validate_arguments
+
+    parser = argparse.ArgumentParser(prog="quark-ptq-eval", description=__doc__.split("\n")[0],
+                                     epilog="Exit codes: 0 done, 1 failed, 2 usage, 3 checkpoint, "
+                                            "4 validation failed, 5 locked, 130 interrupted.")
+    parser.add_argument("--version", action="version", version=f"quark-ptq-eval {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(command=name)
+        return p
+
+    p = add("preflight", "Detect the environment and write the context files.")
+    _common(p)
+    p.add_argument("model", nargs="?")
+    p.add_argument("-o", "--output-dir")
+    p = add("intake", "Phase 1 step 1: analyse the model (config and headers only) -> model_analysis.json.")
+    _run_args(p, model_required=True)
+    _common(p)
+    for name, text in (("plan", "Phase 1 step 2: recommend a plan -> quant_plan.json (needs checkpoint 1)."),
+                       ("manifest", "Phase 1 step 3: the exact command -> run_manifest.yaml (needs checkpoint 2)."),
+                       ("execute", "Phase 1 step 4: run the approved command and verify the output.")):
+        p = add(name, text)
+        _run_args(p, model_required=False)
+        _plan_args(p)
+        _common(p)
+    p = add("validate", "Phase 2: structural validation of a quantized model against its source.")
+    add_validate_arguments(p)
+    _common(p)
+    p = add("eval", "Phase 3: evaluate a model (perplexity, lm-eval tasks, or vLLM on ROCm).")
+    add_eval_arguments(p, standalone=True)
+    _common(p)
+    for name, text in (("run", "The whole recipe: quantize -> validate -> evaluate, stopping at each gate."),
+                       ("resume", "Continue the run in --workdir from where it stopped.")):
+        p = add(name, text)
+        _run_args(p, model_required=name == "run")
+        _plan_args(p)
+        add_eval_arguments(p, standalone=False)
+        _common(p)
+    p = add("status", "Show where the run in --workdir stands.")
+    p.add_argument("--workdir", type=Path, default=Path("."))
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def _approver(args: argparse.Namespace):
+    from .checkpoints import FlagApprover, TerminalApprover
+
+    gates = [g.strip() for g in (getattr(args, "approve", "") or "").split(",") if g.strip()]
+    if getattr(args, "overwrite", None):
+        gates.append("overwrite")
+    mode = getattr(args, "execution_mode", None)
+    interactive = sys.stdin.isatty() and mode != "batch_execute" and not getattr(args, "json", False)
+    cls = TerminalApprover if interactive or mode == "interactive_execute" else FlagApprover
+    return cls(gates, all_gates=bool(getattr(args, "yes", False)))
+
+
+def _run_options(args: argparse.Namespace):
+    from .evaluate import eval_options_from_args
+    from .pipeline import RunOptions
+
+    plan: dict[str, Any] = {f: getattr(args, f, None) for f in PLAN_FIELDS}
+    if plan["layer_quant_config"] is not None:
+        plan["layer_quant_config"] = dict(plan["layer_quant_config"])
+    eval_opts = eval_options_from_args(args, explicit_only=True) if hasattr(args, "eval_tier") else {}
+    return RunOptions(
+        model=getattr(args, "model", None), output_dir=getattr(args, "output_dir", None), plan=plan,
+        overwrite=bool(getattr(args, "overwrite", None)), eval_tier=getattr(args, "eval_tier", None),
+        eval=eval_opts, offline=getattr(args, "offline", None), execution_mode=getattr(args, "execution_mode", None),
+        contexts={k: str(getattr(args, k)) if getattr(args, k, None) else None
+                  for k in ("session_context", "env_context", "workspace_context", "pytorch_install_result",
+                            "quark_install_result")},
+    )
+
+
+STOP_AFTER = {"intake": "intake", "plan": "plan", "manifest": "manifest", "execute": "execute",
+              "run": None, "resume": None}
+
+
+def _cmd_pipeline(args: argparse.Namespace) -> int:
+    from .pipeline import Recipe
+    from .summary import summary_rows
+    from .ui import Reporter
+
+    ui = Reporter(quiet=args.quiet or args.json)
+    recipe = Recipe(args.workdir, _approver(args), ui)
+    summary = recipe.run(_run_options(args), stop_after=STOP_AFTER[args.command])
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        ui.table("Summary", summary_rows(summary))
+        if summary["stopped_after"]:
+            ui.info(f"Done: {summary['stopped_after']} step finished; artifacts in {summary['workdir']}.")
+    return ExitCode.OK
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from .status import describe_status
+
+    report = describe_status(args.workdir)
+    print(json.dumps(report, indent=2) if args.json else report["text"])
+    return ExitCode.OK
+
+
+def _cmd_preflight(args: argparse.Namespace) -> int:
+    from . import preflight
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    ctx = preflight.gather(args.workdir.resolve(), {k: getattr(args, k) for k in preflight.CONTEXT_KINDS},
+                           goal="", offline=args.offline, execution_mode=args.execution_mode,
+                           model=args.model or "", model_path=Path(args.model).resolve() if args.model else None,
+                           output_dir=Path(args.output_dir or "").resolve(), trust_remote_code=False)
+    data = {"env_context": ctx.env, "pytorch_install_result": ctx.pytorch, "quark_install_result": ctx.quark}
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        hw = ctx.env["hardware"]
+        print(f"accelerator: {hw['accelerator']} {hw.get('gpu_model') or ''} {hw.get('gpu_arch') or ''}".rstrip())
+        print(f"torch {ctx.pytorch['pytorch_version']}, amd-quark {ctx.quark['quark_version']}, "
+              f"quark-cli: {'yes' if ctx.quark['extras_installed']['cli'] else 'no'}")
+        print(f"context files written to {args.workdir.resolve()}")
+    return ExitCode.OK
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from .validate import cmd_validate
+
+    return cmd_validate(args, _approver(args))
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluate import cmd_eval
+
+    return cmd_eval(args, _approver(args))
+
+
+HANDLERS = {"status": _cmd_status, "preflight": _cmd_preflight, "validate": _cmd_validate, "eval": _cmd_eval}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = HANDLERS.get(args.command, _cmd_pipeline)
+    try:
+        return handler(args)
+    except CheckpointPending as exc:
+        print(f"⏸  {exc.message}\n   {exc.hint}", file=sys.stderr)
+        if getattr(args, "json", False):
+            print(json.dumps({"status": "waiting", "message": exc.message, "continue": exc.hint}))
+        return exc.exit_code
+    except QpeError as exc:
+        print(f"error: {exc.message}" + (f"\n  hint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

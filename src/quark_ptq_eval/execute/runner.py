@@ -1,0 +1,86 @@
+"""Run the approved engine command as a child process: argument list, own process group,
+streamed progress, full log under the work dir; Ctrl-C / SIGTERM stop the whole group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from ..errors import Interrupted
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    seconds: float
+    log: Path
+    tail: list[str]
+    interrupted: bool = False
+
+
+def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the child's process group, then SIGKILL what is left after ``grace`` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _is_progress_noise(line: str) -> bool:
+    return not line.strip() or line.strip() in ("\x1b[32m", "\x1b[0m")
+
+
+def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd: Path,
+                echo: TextIO | None = sys.stderr) -> RunResult:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **env_extra, "PYTHONUNBUFFERED": "1"}
+    tail: deque[str] = deque(maxlen=200)
+    start = time.monotonic()
+    interrupted = False
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    with open(log_path, "a", encoding="utf-8", errors="replace") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {argv}\n")
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+        signal.signal(signal.SIGTERM, on_signal)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                tail.append(line.rstrip("\n"))
+                if echo is not None and not _is_progress_noise(line):
+                    echo.write(line)
+            proc.wait()
+        except KeyboardInterrupt:
+            interrupted = True
+            _stop_group(proc)
+            log.write("\n=== interrupted: the engine's process group was stopped\n")
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+    result = RunResult(proc.returncode if proc.returncode is not None else -9, time.monotonic() - start,
+                       log_path, list(tail), interrupted)
+    return result
+
+
+def raise_if_interrupted(result: RunResult) -> None:
+    if result.interrupted:
+        raise Interrupted(f"Interrupted; the engine was stopped (log: {result.log}).",
+                          "Re-run the same command to resume; the partial output is kept aside until you approve removing it.")

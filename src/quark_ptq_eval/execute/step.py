@@ -1,0 +1,112 @@
+"""Phase 1, step 4 — execute the approved command and verify its output on disk."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..artifacts import ModelAnalysis, RunManifest
+from ..errors import CheckpointPending, QpeError, UsageError
+from ..safety import check_free_space, is_nonempty_dir
+from .classify import classify_failure
+from .inspect_output import inspect_output
+from .runner import raise_if_interrupted, run_command
+
+if TYPE_CHECKING:
+    from ..pipeline import Recipe
+
+
+class EngineFailed(QpeError):
+    pass
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _estimated_output_bytes(analysis: ModelAnalysis) -> int:
+    return int(analysis.size["bytes"] * 0.6) + (1 << 20)
+
+
+def _set_aside(recipe: Recipe, path: Path, why: str) -> Path:
+    """Move ``path`` out of the way (never delete it), after the overwrite approval."""
+    recipe._gate("overwrite", str(path), f"{path} {why}")
+    aside = path.with_name(f"{path.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
+    path.rename(aside)
+    recipe.ui.info(f"Moved {path} aside to {aside} (nothing deleted).")
+    return aside
+
+
+def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnalysis, output_dir: Path,
+                     overwrite: bool) -> dict:
+    recipe.ui.headline("Phase 1 · step 4 — execute")
+    on_disk = RunManifest.load(recipe.workdir)  # run what is on disk, and only if that was approved
+    previous = recipe.state.steps.get("execute", {})
+    if (previous.get("status") == "succeeded" and previous.get("command_digest") == on_disk.command_digest
+            and previous.get("output_dir") == str(output_dir)):
+        facts = inspect_output(output_dir)
+        if facts["ok"]:
+            recipe.ui.info(f"Already executed and verified: {output_dir}")
+            return facts
+    staging = Path(on_disk.outputs["staging_dir"])
+    if is_nonempty_dir(output_dir) and not overwrite:
+        raise UsageError(f"The output directory {output_dir} is not empty.",
+                         "Choose another -o, or pass --overwrite (its contents are moved aside, not deleted).")
+    check_free_space(output_dir, _estimated_output_bytes(analysis))
+    recipe._gate("execute", on_disk.command_digest, on_disk.command["shell"])
+    if staging.exists():
+        _set_aside(recipe, staging, "holds a partial output from an interrupted or failed run")
+    if is_nonempty_dir(output_dir):
+        _set_aside(recipe, output_dir, "is not empty and will be replaced")
+    _prepare_calibration(recipe, on_disk)
+    run = {"status": "running", "started_at": _now(), "command_digest": on_disk.command_digest}
+    on_disk.runs.append(run)
+    on_disk.write(recipe.workdir)
+    recipe.state.record_step("execute", "running", command_digest=on_disk.command_digest)
+    result = run_command(on_disk.command["argv"], on_disk.command.get("env", {}),
+                         Path(on_disk.outputs["log"]), recipe.workdir, echo=None if recipe.ui.quiet else recipe.ui.stream)
+    facts = inspect_output(staging)
+    run.update(finished_at=_now(), returncode=result.returncode, seconds=round(result.seconds, 1), log=str(result.log))
+    if result.interrupted:
+        run["status"] = "interrupted"
+        _record(recipe, on_disk, run, facts, "interrupted")
+        raise_if_interrupted(result)
+    if result.returncode != 0 or not facts["ok"]:
+        failure = classify_failure(result.tail, result.returncode)
+        run.update(status="failed", failure=failure)
+        _record(recipe, on_disk, run, facts, "failed")
+        why = f"exit code {result.returncode}" if result.returncode else "; ".join(facts["problems"])
+        raise EngineFailed(
+            f"The engine failed ({failure['cause']}: {why}); evidence: {' | '.join(failure['evidence'][-2:]) or 'none'}.",
+            f"Suggested change: {failure['proposal']} Full log: {result.log}",
+        )
+    staging.rename(output_dir)
+    facts = inspect_output(output_dir)
+    run["status"] = "succeeded"
+    _record(recipe, on_disk, run, facts, "succeeded", output_dir=str(output_dir))
+    recipe.ui.table("Verified output", [("dir", output_dir), ("shards", ", ".join(facts["shards"])),
+                                        ("tensors", facts["tensor_count"]), ("quant_method", facts["quant_method"]),
+                                        ("tokenizer", ", ".join(facts["tokenizer_files"])),
+                                        ("size", f"{facts['size_bytes'] / 2**20:.2f} MiB"),
+                                        ("engine time", f"{result.seconds:.1f} s")])
+    return facts
+
+
+def _record(recipe: Recipe, manifest: RunManifest, run: dict, facts: dict, status: str, **extra) -> None:
+    run["observed"] = {k: facts.get(k) for k in ("dir", "files", "shards", "size_bytes", "quant_method", "problems")}
+    manifest.observed = run["observed"]
+    manifest.write(recipe.workdir)
+    recipe.state.record_step("execute", status, command_digest=manifest.command_digest, **extra)
+
+
+def _prepare_calibration(recipe: Recipe, manifest: RunManifest) -> None:
+    cache = manifest.command.get("env", {}).get("HF_DATASETS_CACHE")
+    if not cache or manifest.engine["name"] != "quark-cli":
+        return
+    from .calib_cache import prepare_offline_calibration
+
+    calib = manifest.inputs.get("calibration")
+    if not calib or not Path(calib).exists():
+        raise CheckpointPending("The calibration file named in the manifest is missing.", "Re-run the plan step.")
+    prepare_offline_calibration(Path(calib), Path(cache))

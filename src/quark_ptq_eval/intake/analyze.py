@@ -1,0 +1,201 @@
+"""Read a model's config.json and safetensors headers (never tensor payloads) and describe it.
+
+The linear-layer count is exact when the headers are local (2-D ``*.weight`` tensors that are
+not embeddings or norms) and a formula over the config otherwise; the analysis says which.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from ..artifacts import ModelAnalysis
+from ..errors import UsageError
+from ..fsio import read_json
+from ..safetensors_io import read_model_headers, weight_files
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+NON_LINEAR_HINTS = ("embed", "norm", "wte", "wpe", "rotary")
+
+
+def resolve_model(model: str, offline: bool) -> tuple[Path | None, str]:
+    """(local directory or None, source) for a model argument; refuses what cannot work."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UsageError(f"The model path {path} is a file; give the model's directory.")
+        if not any(path.iterdir()):
+            raise UsageError(f"The model directory {path} is empty.", "Point to a directory with config.json and safetensors.")
+        if not (path / "config.json").is_file():
+            raise UsageError(f"The model directory {path} has no config.json.", "Point to a Hugging Face model directory.")
+        return path.resolve(), "local"
+    if HUB_ID.match(model) and not model.startswith((".", "/")):
+        if offline:
+            raise UsageError(
+                f"{model} is not a local directory and offline mode is on, so it cannot be fetched from the Hub.",
+                "Download it first (huggingface-cli download) and pass the local directory.",
+            )
+        return None, "huggingface_id"
+    raise UsageError(f"The model {model} is neither an existing directory nor a Hugging Face repo id (org/name).")
+
+
+def _hub_config(model: str) -> dict:
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return read_json(hf_hub_download(model, "config.json"), "config.json")
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - hub errors come in many types
+        raise UsageError(f"Could not fetch config.json of {model} from the Hugging Face Hub ({type(exc).__name__}).",
+                         "Check the repo id, your network and HF_TOKEN, or pass a local directory.") from None
+
+
+def _load_config(model: str, path: Path | None) -> dict:
+    config = read_json(path / "config.json", "config.json") if path else _hub_config(model)
+    if not isinstance(config, dict):
+        raise UsageError("config.json is not a JSON object.", "Check the model files.")
+    if not isinstance(config.get("model_type"), str) or not config["model_type"]:
+        raise UsageError("config.json has no model_type, so the architecture is unknown.",
+                         "Add the model_type of the architecture to config.json.")
+    return config
+
+
+def _int(cfg: dict, *keys: str) -> int | None:
+    for k in keys:
+        v = cfg.get(k)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _module_of(tensor_name: str) -> str:
+    return tensor_name.rsplit(".", 1)[0]
+
+
+def _count_linears_from_headers(tensors: dict) -> tuple[list[str], int]:
+    linears = sorted(
+        _module_of(n) for n, t in tensors.items()
+        if n.endswith(".weight") and len(t.shape) == 2 and not any(h in n for h in NON_LINEAR_HINTS)
+    )
+    return linears, sum(t.nbytes for t in tensors.values())
+
+
+def _count_linears_from_config(text_cfg: dict, tied: bool) -> int:
+    layers = _int(text_cfg, "num_hidden_layers", "n_layer") or 0
+    experts = _int(text_cfg, "num_experts", "num_local_experts", "n_routed_experts") or 0
+    mlp = 3 * max(experts, 1)
+    return layers * (4 + mlp) + (0 if tied else 1)
+
+
+def _config_size_bytes(text_cfg: dict) -> int | None:
+    h, layers, vocab = (_int(text_cfg, "hidden_size", "n_embd"), _int(text_cfg, "num_hidden_layers", "n_layer"),
+                        _int(text_cfg, "vocab_size"))
+    if not (h and layers and vocab):
+        return None
+    inter = _int(text_cfg, "intermediate_size") or 4 * h
+    return 2 * (layers * (4 * h * h + 3 * h * inter) + 2 * vocab * h)  # bf16
+
+
+def _risks(cfg: dict, text_cfg: dict, template: bool, model_type: str, has_weights: bool) -> list[dict]:
+    risks = []
+
+    def add(sev: str, msg: str, hint: str) -> None:
+        risks.append({"severity": sev, "message": msg, "recovery_hint": hint})
+
+    if not template:
+        add("high", f"The installed Quark has no LLM template for model_type {model_type!r}.",
+            "Register one with --template-file (see `quark-cli register-template -h`) or pick a supported model.")
+    if cfg.get("auto_map"):
+        add("high", "The model ships custom code (auto_map); loading it executes code from the model repository.",
+            "Review the code; pass --trust-remote-code only if you trust it. Nothing runs it otherwise.")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "unknown") if isinstance(cfg["quantization_config"], dict) else "unknown"
+        add("high", f"The model is already quantized ({method}); quantizing it again is usually wrong.",
+            "Start from the unquantized checkpoint.")
+    if any(k in text_cfg for k in MOE_KEYS):
+        add("medium", "Mixture-of-experts model: experts need calibration coverage and more memory.",
+            "Use more calibration samples; consider excluding or overriding '*experts*' / routers.")
+    if "vision_config" in cfg or "text_config" in cfg:
+        add("medium", "Multimodal model: only the language model is quantized.",
+            "Check the template's exclusions cover the vision tower.")
+    if not has_weights:
+        add("medium", "No local safetensors headers: the linear count and size are estimated from config.json.",
+            "Download the model locally for an exact analysis.")
+    return risks
+
+
+def analyze_model(model: str, *, offline: bool, catalog: dict, trust_remote_code: bool = False) -> ModelAnalysis:
+    path, source = resolve_model(model, offline)
+    cfg = _load_config(model, path)
+    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    model_type = cfg["model_type"]
+    tmpl = catalog["templates"].get(model_type) or catalog["templates"].get(text_cfg.get("model_type", ""))
+    excludes = list(tmpl["exclude_layers"]) if tmpl else []
+    tied = bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False)))
+
+    has_weights = bool(path and weight_files(path))
+    if has_weights:
+        tensors = read_model_headers(path)
+        linears, nbytes = _count_linears_from_headers(tensors)
+        excluded = [m for m in linears if any(fnmatch.fnmatchcase(m, p) for p in excludes)]
+        count, method = len(linears), "safetensors_header"
+        size = {"bytes": nbytes, "method": "safetensors_header", "params": sum(math.prod(t.shape) for t in tensors.values())}
+    else:
+        count, method, excluded = _count_linears_from_config(text_cfg, tied), "config_formula", []
+        size = {"bytes": _config_size_bytes(text_cfg) or 0, "method": "config_formula_bf16"}
+    risks = _risks(cfg, text_cfg, tmpl is not None, model_type, has_weights)
+    complete = has_weights and tmpl is not None
+    return ModelAnalysis(
+        analysis_status="complete" if complete else "partial",
+        model={"model_path": str(path or model), "model_source": source, "model_type": model_type,
+               "architectures": list(cfg.get("architectures") or []), "trust_remote_code": trust_remote_code,
+               "has_custom_code": bool(cfg.get("auto_map")),
+               "transformers_version": str(cfg.get("transformers_version", "")),
+               "torch_dtype": str(cfg.get("dtype", cfg.get("torch_dtype", "")))},
+        architecture={"num_hidden_layers": _int(text_cfg, "num_hidden_layers", "n_layer"),
+                      "hidden_size": _int(text_cfg, "hidden_size", "n_embd"),
+                      "intermediate_size": _int(text_cfg, "intermediate_size"),
+                      "num_attention_heads": _int(text_cfg, "num_attention_heads"),
+                      "num_key_value_heads": _int(text_cfg, "num_key_value_heads"),
+                      "vocab_size": _int(text_cfg, "vocab_size"), "tie_word_embeddings": tied,
+                      "is_moe": any(k in text_cfg for k in MOE_KEYS),
+                      "is_multimodal": "vision_config" in cfg or "text_config" in cfg,
+                      "is_prequantized": bool(cfg.get("quantization_config"))},
+        template={"available": tmpl is not None, "exclude_layers": excludes,
+                  "kv_layers": tmpl["kv_layers"] if tmpl else [], "algorithms": tmpl["algorithms"] if tmpl else []},
+        quantization_targets={"linear_layer_count": count, "linear_count_method": method,
+                              "exclude_defaults": excludes, "excluded_by_default": excluded,
+                              "quantized_by_default": count - len(excluded),
+                              "has_non_linear_experts": False},
+        size=size,
+        risks=risks,
+        analyzed_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+
+
+def output_size_estimate(size_bytes: int, bits: float) -> int:
+    """Rough output size for a weight width: source bytes scaled from 16-bit, plus 5% for scales."""
+    return int(size_bytes * bits / 16 * 1.05)
+
+
+def describe(analysis: ModelAnalysis) -> list[tuple[str, Any]]:
+    a, t = analysis.architecture, analysis.quantization_targets
+    return [
+        ("model", analysis.model["model_path"]), ("model_type", analysis.model_type),
+        ("architectures", ", ".join(analysis.model["architectures"]) or "-"),
+        ("layers / hidden", f"{a['num_hidden_layers']} / {a['hidden_size']}"),
+        ("MoE / multimodal / pre-quantized", f"{a['is_moe']} / {a['is_multimodal']} / {a['is_prequantized']}"),
+        ("Quark template", "yes" if analysis.template["available"] else "NO"),
+        ("default exclusions", ", ".join(analysis.template["exclude_layers"]) or "(none)"),
+        ("quantizable linears", f"{t['linear_layer_count']} ({t['linear_count_method']})"),
+        ("size", f"{analysis.size['bytes'] / 2**20:.1f} MiB ({analysis.size['method']})"),
+        ("status", analysis.analysis_status),
+    ]
+
+

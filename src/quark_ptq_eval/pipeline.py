@@ -1,0 +1,269 @@
+"""The recipe as one flow: intake -> plan -> manifest -> execute (Phase 1), validate (Phase 2),
+evaluate (Phase 3), summary. Every step writes its artifact; every gate goes through
+``_gate`` so approvals are bound to content and a resumed run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import preflight
+from .artifacts import ModelAnalysis, QuantPlan, RunManifest
+from .catalog import load_catalog, quark_version
+from .checkpoints import Approver, require
+from .errors import CheckpointPending, UsageError
+from .execute.step import EngineFailed
+from .fsio import write_json
+from .plan import PlanRequest, make_plan
+from .state import RunState, WorkdirLock, digest
+from .ui import Reporter
+
+STEPS = ("intake", "plan", "manifest", "execute", "validate", "eval")
+CONTEXT_OPTIONS = ("session_context", "env_context", "workspace_context", "pytorch_install_result",
+                   "quark_install_result")
+
+
+@dataclass
+class RunOptions:
+    """Everything a run was asked to do; persisted in run_state.json so `resume` needs no flags."""
+
+    model: str | None = None
+    output_dir: str | None = None
+    plan: dict[str, Any] = field(default_factory=dict)  # PlanRequest fields given explicitly
+    overwrite: bool = False
+    eval_tier: str | None = None
+    eval: dict[str, Any] = field(default_factory=dict)  # EvalOptions fields given explicitly
+    offline: bool | None = None
+    execution_mode: str | None = None
+    contexts: dict[str, str | None] = field(default_factory=dict)
+
+    def merged_over(self, stored: dict[str, Any]) -> RunOptions:
+        """These options, with anything not given now taken from a stored earlier run."""
+        merged = dict(stored)
+        for k, v in dataclasses.asdict(self).items():
+            if isinstance(v, dict):
+                merged[k] = {**(stored.get(k) or {}), **{kk: vv for kk, vv in v.items() if vv is not None}}
+            elif v not in (None, False):
+                merged[k] = v
+        names = {f.name for f in dataclasses.fields(RunOptions)}
+        return RunOptions(**{k: v for k, v in merged.items() if k in names})
+
+
+class Recipe:
+    def __init__(self, workdir: str | Path, approver: Approver, reporter: Reporter | None = None):
+        self.workdir = Path(workdir).resolve()
+        self.approver = approver
+        self.ui = reporter or Reporter()
+        self.state: RunState
+        self.timings: dict[str, float] = {}
+
+    # -- the one gate mechanism -------------------------------------------------------------
+    def _gate(self, name: str, content_digest: str, summary: str) -> None:
+        if self.state.is_approved(name, content_digest):
+            return
+        self.state.waiting_for = name
+        self.state.save()
+        hint = f"quark-ptq-eval resume --workdir {shlex.quote(str(self.workdir))} --approve {name}"
+        require(name, self.approver, summary, hint)
+        self.state.waiting_for = None
+        self.state.approve(name, content_digest)
+
+    # -- the flow ---------------------------------------------------------------------------
+    def run(self, options: RunOptions, stop_after: str | None = None) -> dict[str, Any]:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with WorkdirLock(self.workdir):
+            self.state = RunState.load(self.workdir)
+            opts = options.merged_over(self.state.options)
+            if not opts.model:
+                raise UsageError("No model given and no earlier run in this work dir.",
+                                 "Run `quark-ptq-eval run MODEL -o OUTPUT_DIR` first.")
+            self.state.options = dataclasses.asdict(opts)
+            self.state.save()
+            return self._run_locked(opts, stop_after)
+
+    def _run_locked(self, opts: RunOptions, stop_after: str | None) -> dict[str, Any]:
+        from .intake import resolve_model
+
+        t0 = time.monotonic()
+        offline = bool(opts.offline)
+        if offline:
+            os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        model_path, _ = resolve_model(opts.model, offline)
+        output_dir = self._output_dir(opts, model_path) if opts.output_dir or stop_after != "intake" else None
+        ctx = preflight.gather(self.workdir, opts.contexts, goal=opts.plan.get("goal", ""), offline=opts.offline,
+                               execution_mode=opts.execution_mode, model=opts.model, model_path=model_path,
+                               output_dir=output_dir or Path(""), trust_remote_code=bool(opts.plan.get("trust_remote_code")))
+        if ctx.offline and not offline:
+            return self._run_locked(dataclasses.replace(opts, offline=True), stop_after)
+        catalog = load_catalog()
+
+        analysis = self.step_intake(opts, catalog, ctx)
+        if stop_after == "intake":
+            return self._summary(opts, analysis=analysis, stopped_at="intake")
+        self._gate("intake", analysis.digest, "analysis")
+        plan = self.step_plan(opts, analysis, ctx, catalog, output_dir)
+        if stop_after == "plan":
+            return self._summary(opts, analysis=analysis, plan=plan, stopped_at="plan")
+        self._gate("plan", plan.digest, "plan")
+        plan.requires_confirmation = False
+        plan.write(self.workdir)
+        manifest = self.step_manifest(plan, output_dir, ctx.offline)
+        self.timings["phase1_prepare"] = time.monotonic() - t0
+        if stop_after == "manifest" or ctx.execution_mode == "plan_only":
+            return self._summary(opts, analysis=analysis, plan=plan, stopped_at="manifest")
+        from .execute.step import execute_manifest
+
+        t1 = time.monotonic()
+        facts = execute_manifest(self, manifest, analysis, output_dir, opts.overwrite)
+        self._gate("result", digest(_stable_facts(facts)), "result")
+        self.timings["phase1_execute"] = time.monotonic() - t1
+        if stop_after == "execute":
+            return self._summary(opts, analysis=analysis, plan=plan, stopped_at="execute")
+        validation = self.step_validate(model_path, output_dir, plan)
+        evaluation = self.step_eval(opts, model_path, output_dir, plan)
+        return self._summary(opts, analysis=analysis, plan=plan, validation=validation, evaluation=evaluation,
+                             stopped_at=None)
+
+    def _output_dir(self, opts: RunOptions, model_path: Path | None) -> Path:
+        from .safety import check_output_target
+
+        if not opts.output_dir:
+            raise UsageError("No output directory given.", "Pass -o/--output-dir for the quantized model.")
+        return check_output_target(Path(opts.output_dir), model_path, self.workdir)
+
+    # -- Phase 1 steps ----------------------------------------------------------------------
+    def step_intake(self, opts: RunOptions, catalog: dict, ctx: preflight.Contexts) -> ModelAnalysis:
+        from .intake import analyze_model
+        from .intake.analyze import describe
+
+        self.ui.headline("Phase 1 · step 1 — intake")
+        analysis = analyze_model(opts.model, offline=ctx.offline, catalog=catalog,
+                                 trust_remote_code=bool(opts.plan.get("trust_remote_code")))
+        previous = self._load_quietly(ModelAnalysis)
+        if previous is not None and previous.digest == analysis.digest:
+            analysis = previous  # unchanged: keep the file (and its approval) as it is
+        else:
+            analysis.write(self.workdir)
+        self.ui.table("Model analysis", describe(analysis))
+        for r in analysis.risks:
+            self.ui.info(f"  risk [{r['severity']}]: {r['message']} → {r['recovery_hint']}")
+        self.state.record_step("intake", "done", artifact=str(ModelAnalysis.path_in(self.workdir)),
+                               digest=analysis.digest)
+        return analysis
+
+    def step_plan(self, opts: RunOptions, analysis: ModelAnalysis, ctx: preflight.Contexts, catalog: dict,
+                  output_dir: Path) -> QuantPlan:
+        self.ui.headline("Phase 1 · step 2 — plan")
+        fields = {f.name for f in dataclasses.fields(PlanRequest)}
+        req = PlanRequest(**{k: v for k, v in opts.plan.items() if k in fields}, offline=ctx.offline)
+        plan = make_plan(analysis, ctx.env, req, catalog, ModelAnalysis.path_in(self.workdir), output_dir)
+        plan.requires_confirmation = not self.state.is_approved("plan", plan.digest)
+        plan.write(self.workdir)
+        self.ui.table("Quantization plan", [(d["decision"], _short(d["value"]), d["reason"]) for d in plan.decisions],
+                      ("decision", "value", "reason"))
+        self.state.record_step("plan", "done", artifact=str(QuantPlan.path_in(self.workdir)), digest=plan.digest)
+        return plan
+
+    def step_manifest(self, plan: QuantPlan, output_dir: Path, offline: bool) -> RunManifest:
+        from .manifest import build_manifest
+
+        self.ui.headline("Phase 1 · step 3 — manifest")
+        manifest = build_manifest(plan, self.workdir, output_dir, offline=offline, engine_version=quark_version())
+        previous = self._load_quietly(RunManifest)
+        if previous is not None and previous.command_digest == manifest.command_digest:
+            manifest.runs, manifest.observed = previous.runs, previous.observed
+        manifest.write(self.workdir)
+        self.ui.table("Engine", [("engine", f"{manifest.engine['name']} (Quark {manifest.engine['version']})"),
+                                 ("why", manifest.engine["reason"]), ("output", str(output_dir))])
+        self.ui.info(f"Command:\n  {manifest.command['shell']}")
+        self.state.record_step("manifest", "done", artifact=str(RunManifest.path_in(self.workdir)),
+                               command_digest=manifest.command_digest)
+        return manifest
+
+    # -- Phase 2 and 3 ----------------------------------------------------------------------
+    def step_validate(self, source: Path | None, output_dir: Path, plan: QuantPlan):
+        self.ui.headline("Phase 2 — validate")
+        t = time.monotonic()
+        report = self._validate(source, output_dir, plan.to_dict())
+        self.timings["phase2_validate"] = time.monotonic() - t
+        return report
+
+    def step_eval(self, opts: RunOptions, source: Path | None, output_dir: Path, plan: QuantPlan):
+        self.ui.headline("Phase 3 — evaluate")
+        t = time.monotonic()
+        report = self._evaluate(opts, source, output_dir, plan.to_dict())
+        self.timings["phase3_eval"] = time.monotonic() - t
+        return report
+
+    def _validate(self, source: Path | None, output_dir: Path, plan: dict):
+        from .validate import apply_fixes, propose_fixes, validate_model
+
+        report = validate_model(source, output_dir, plan)
+        report.write(self.workdir)
+        fixes = propose_fixes(report, source, output_dir) if report.status == "failed" else []
+        if fixes:
+            summary = "\n".join(f"- {f}" for f in fixes)
+            self.ui.info(f"Validation found fixable problems:\n{summary}")
+            self._gate("fix", digest([str(f) for f in fixes]), summary)
+            apply_fixes(fixes, source, output_dir)
+            report = validate_model(source, output_dir, plan)
+            report.write(self.workdir)
+        self.ui.info(report.one_line())
+        self.state.record_step("validate", report.status, report=str(self.workdir / "validation_report.md"))
+        report.raise_for_status()
+        return report
+
+    def _evaluate(self, opts: RunOptions, source: Path | None, output_dir: Path, plan: dict):
+        from .evaluate import EvalOptions, evaluate
+
+        tier = opts.eval_tier
+        if tier is None:
+            self.state.waiting_for = "eval"
+            self.state.save()
+            raise CheckpointPending(
+                "Stopped at the evaluation checkpoint: choose a tier (ppl = perplexity, minutes; lm_eval = "
+                "task benchmarks, can take hours; vllm = ROCm server) or skip.",
+                f"To continue: quark-ptq-eval resume --workdir {shlex.quote(str(self.workdir))} "
+                "--eval-tier ppl|lm_eval|vllm|skip",
+            )
+        if tier == "skip":
+            self.state.record_step("eval", "skipped")
+            self.ui.info("Evaluation skipped.")
+            return "skipped"
+        fields = {f.name for f in dataclasses.fields(EvalOptions)}
+        options = EvalOptions(**{k: v for k, v in opts.eval.items() if k in fields} | {"tier": tier})
+        report = evaluate(output_dir, options, self.workdir, self.approver, source_model=source, plan=plan)
+        self.state.record_step("eval", "done", tier=tier, report=str(self.workdir / "eval_report.md"))
+        return report
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _load_quietly(self, cls):
+        try:
+            return cls.load(self.workdir) if cls.path_in(self.workdir).exists() else None
+        except UsageError:
+            return None  # a damaged or hand-broken artifact is regenerated
+
+    def _summary(self, opts: RunOptions, stopped_at: str | None, **parts: Any) -> dict[str, Any]:
+        from .summary import build_summary
+
+        summary = build_summary(self, opts, stopped_at, parts)
+        write_json(self.workdir / "run_summary.json", summary)
+        return summary
+
+
+def _stable_facts(facts: dict) -> dict:
+    return {k: v for k, v in facts.items() if k in ("files", "shards", "tensor_count", "quant_method", "size_bytes")}
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+__all__ = ["CheckpointPending", "EngineFailed", "Recipe", "RunOptions", "STEPS"]

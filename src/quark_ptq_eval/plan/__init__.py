@@ -1,0 +1,5 @@
+"""Phase 1, step 2 — plan: ``quant_plan.json``, a recommendation with a reason for every decision."""
+
+from .recommend import PlanRequest, make_plan
+
+__all__ = ["PlanRequest", "make_plan"]

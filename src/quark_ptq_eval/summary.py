@@ -1,0 +1,69 @@
+"""The final summary: every artifact with its path, the scheme, sizes, verdicts, time per phase."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .pipeline import Recipe, RunOptions
+
+ARTIFACTS = ("model_analysis.json", "quant_plan.json", "run_manifest.yaml", "validation_report.md",
+             "validation_report.json", "eval_report.md", "eval_results.json")
+
+
+def _dir_bytes(path: Path) -> int | None:
+    if not path.is_dir():
+        return None
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def build_summary(recipe: Recipe, opts: RunOptions, stopped_at: str | None, parts: dict[str, Any]) -> dict[str, Any]:
+    wd = recipe.workdir
+    plan = parts.get("plan")
+    analysis = parts.get("analysis")
+    out = Path(opts.output_dir).resolve() if opts.output_dir else None
+    validation, evaluation = parts.get("validation"), parts.get("evaluation")
+    artifacts = {name: str(wd / name) for name in ARTIFACTS if (wd / name).exists()}
+    if out is not None and out.is_dir():
+        artifacts["quantized_model"] = str(out)
+    return {
+        "status": "stopped" if stopped_at else "done",
+        "stopped_after": stopped_at,
+        "workdir": str(wd),
+        "model": opts.model,
+        "scheme": plan.global_scheme if plan else None,
+        "algorithm": plan.algorithm if plan else None,
+        "size_before_bytes": analysis.size["bytes"] if analysis else None,
+        "size_after_bytes": _dir_bytes(out) if out and stopped_at not in ("intake", "plan", "manifest") else None,
+        "validation": getattr(validation, "status", None),
+        "evaluation": _eval_summary(evaluation),
+        "artifacts": artifacts,
+        "timings_s": {k: round(v, 2) for k, v in recipe.timings.items()},
+    }
+
+
+def _eval_summary(evaluation: Any) -> Any:
+    if evaluation is None or isinstance(evaluation, str):
+        return evaluation
+    for attr in ("summary", "to_dict"):
+        fn = getattr(evaluation, attr, None)
+        if callable(fn):
+            return fn()
+    return str(evaluation)
+
+
+def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [(name, path) for name, path in summary["artifacts"].items()]
+    mib = lambda b: f"{b / 2**20:.2f} MiB" if b else "-"  # noqa: E731
+    rows += [("scheme", f"{summary['scheme']}" + (f" + {summary['algorithm']}" if summary["algorithm"] else "")),
+             ("size before → after", f"{mib(summary['size_before_bytes'])} → {mib(summary['size_after_bytes'])}"),
+             ("validation", str(summary["validation"])), ("evaluation", _verdict_text(summary["evaluation"]))]
+    rows += [(f"time: {k}", f"{v:.1f} s") for k, v in summary["timings_s"].items()]
+    return rows
+
+
+def _verdict_text(evaluation: Any) -> str:
+    if isinstance(evaluation, dict):
+        return str(evaluation.get("verdict") or evaluation.get("overall_verdict") or evaluation)
+    return str(evaluation)
