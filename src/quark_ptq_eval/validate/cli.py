@@ -1,0 +1,66 @@
+"""The ``validate`` sub-command's pieces, used by the main CLI (which owns the parser and approver)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..checkpoints import Approver
+from ..errors import UsageError
+from ..fsio import read_json
+from .fixes import fix_and_revalidate
+from .report import ValidationReport
+from .runner import validate_model
+
+MAX_PRINTED = 20
+
+
+def add_validate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", required=True, type=Path, help="the unquantized model directory")
+    parser.add_argument("--quantized", required=True, type=Path, help="the Quark export to validate")
+    parser.add_argument("--plan", type=Path, default=None,
+                        help="quant_plan.json (exclusions, overrides); default: the output's quantization_config")
+    parser.add_argument("--max-samples", type=int, default=None,
+                        help="MD5 at most this many excluded tensors, drawn with --seed (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --max-samples draw (default 0)")
+    parser.add_argument("--workers", type=int, default=None, help="parallel MD5 readers (default: up to 4 cores)")
+
+
+def cmd_validate(args: argparse.Namespace, approver: Approver) -> int:
+    """Validate, write the reports into ``args.workdir``, offer fixes; exit 0 or raise per exit codes."""
+    plan = _load_plan(args.plan)
+    workdir = Path(getattr(args, "workdir", None) or ".")
+    options = {"max_samples": args.max_samples, "seed": args.seed, "workers": args.workers}
+    report = validate_model(args.source, args.quantized, plan, **options)
+    md_path, _ = report.write(workdir)
+    if report.status == "failed" and not report.structural_failure:
+        _print_failures(report)
+        report = fix_and_revalidate(report, approver, plan, **options)  # asks the "fix" gate
+        md_path, _ = report.write(workdir)
+    if report.status == "failed":
+        _print_failures(report)
+        print(f"Report: {md_path}", file=sys.stderr)
+        report.raise_for_status()
+    print(report.one_line())
+    for fix in report.applied_fixes:
+        print(f"Applied fix: {fix}")
+    print(f"Report: {md_path}")
+    return 0
+
+
+def _load_plan(path: Path | None) -> dict | None:
+    if path is None:
+        return None
+    plan = read_json(path, "quant plan")
+    if not isinstance(plan, dict) or not isinstance(plan.get("exclude_layers", []), list):
+        raise UsageError(f"The quant plan {path} is not a quant_plan.json object with an exclude_layers list.")
+    return plan
+
+
+def _print_failures(report: ValidationReport) -> None:
+    print(report.one_line(), file=sys.stderr)
+    for name, finding in report.failures[:MAX_PRINTED]:
+        print(f"  [{name}] {finding.line()}", file=sys.stderr)
+    if len(report.failures) > MAX_PRINTED:
+        print(f"  ... and {len(report.failures) - MAX_PRINTED} more", file=sys.stderr)

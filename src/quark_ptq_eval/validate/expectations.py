@@ -1,0 +1,182 @@
+"""What the quantized output should hold, derived from Quark's own ``quantization_config``.
+
+No table keyed by scheme name: each quantization spec Quark wrote into the output's
+``config.json`` (dtype, qscheme, group size, dynamic or static, scale format, second-level
+specs) says which tensors a quantized linear layer must carry and how many bytes each takes.
+A spec list is a multi-level scheme: level 1 names its tensors ``weight_scale``, level 2
+``weight_scale_2`` and so on; a level with ``is_scale_quant`` quantizes the scales of the
+level before it (nvfp4's FP8 block scales).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+INTEGER_CONTAINERS = frozenset({"U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"})
+FP8_CONTAINERS = {"fp8_e4m3": {"F8_E4M3", "F8_E4M3FNUZ"}, "fp8_e5m2": {"F8_E5M2", "F8_E5M2FNUZ"}}
+E8M0_CONTAINERS = frozenset({"U8", "F8_E8M0"})
+EMBEDDING_MARKERS = ("embed", "wte", "wpe")
+_BITS = re.compile(r"^(?:u?int|fp|float|bfloat)(\d+)")
+
+
+def dtype_bits(quark_dtype: str | None) -> int | None:
+    """``int4`` -> 4, ``fp8_e4m3`` -> 8, ``fp4`` -> 4; None for block formats we cannot size."""
+    m = _BITS.match(quark_dtype or "")
+    return int(m.group(1)) if m else None
+
+
+def is_integer(quark_dtype: str | None) -> bool:
+    return bool(quark_dtype) and quark_dtype.startswith(("int", "uint"))
+
+
+@dataclass(frozen=True)
+class TensorExpectation:
+    """One tensor a quantized module must carry: its suffix, element count and storage."""
+
+    suffix: str  # "weight", "weight_scale", "input_zero_point_2", ...
+    count: int | None  # logical elements; None when the spec does not let us size it
+    bits: int | None  # bits per logical element; None for float scales (any float dtype)
+    containers: frozenset[str]  # acceptable safetensors dtypes
+    why: str  # the spec that asks for it, for messages
+
+    def nbytes(self) -> int | None:
+        if self.count is None or self.bits is None:
+            return None
+        return math.ceil(self.count * self.bits / 8)
+
+
+def as_spec_list(spec: Any) -> list[dict]:
+    if spec is None:
+        return []
+    specs = spec if isinstance(spec, list) else [spec]
+    return [s for s in specs if isinstance(s, dict)]
+
+
+def _element_containers(dtype: str, bits: int | None) -> frozenset[str]:
+    if dtype in FP8_CONTAINERS:
+        return frozenset(FP8_CONTAINERS[dtype])
+    if bits == 8 and is_integer(dtype):
+        return frozenset({"I8", "U8"})
+    if bits is not None and bits >= 16:
+        return FLOAT_DTYPES | INTEGER_CONTAINERS
+    return INTEGER_CONTAINERS  # sub-byte values are packed into integer containers
+
+
+def _scale_count(spec: dict, shape: tuple[int, ...]) -> int | None:
+    numel = math.prod(shape)
+    qscheme = spec.get("qscheme")
+    if qscheme == "per_tensor":
+        return 1
+    if qscheme == "per_channel" and shape:
+        axis = spec.get("ch_axis")
+        axis = 0 if axis is None else axis
+        return shape[axis] if -len(shape) <= axis < len(shape) else None
+    if qscheme == "per_group" and shape and spec.get("group_size"):
+        group = int(spec["group_size"])
+        return numel // shape[-1] * math.ceil(shape[-1] / group)
+    return None
+
+
+def _scale_storage(specs: list[dict], level: int) -> tuple[int | None, frozenset[str]]:
+    """The scale of ``level`` is stored quantized when the next level is a scale quantizer."""
+    nxt = specs[level + 1] if level + 1 < len(specs) else None
+    if nxt and nxt.get("is_scale_quant"):
+        dtype = nxt.get("dtype") or ""
+        bits = dtype_bits(dtype)
+        return bits, _element_containers(dtype, bits)
+    if specs[level].get("scale_format") == "e8m0":
+        return 8, E8M0_CONTAINERS
+    return None, FLOAT_DTYPES
+
+
+def weight_expectations(weight_spec: Any, shape: tuple[int, ...]) -> list[TensorExpectation]:
+    """Tensors of a quantized linear weight of source ``shape`` under ``weight_spec``."""
+    specs = as_spec_list(weight_spec)
+    if not specs:
+        return []
+    storage = next((s for s in reversed(specs) if not s.get("is_scale_quant")), specs[-1])
+    dtype = storage.get("dtype") or ""
+    bits = dtype_bits(dtype)
+    out = [TensorExpectation("weight", math.prod(shape), bits, _element_containers(dtype, bits),
+                             f"weight dtype {dtype}")]
+    out += _scale_expectations("weight", specs, shape)
+    return out
+
+
+def activation_expectations(kind: str, spec: Any, shape: tuple[int, ...] = ()) -> list[TensorExpectation]:
+    """Static activation quantizers (``input``/``output``) store their scales; dynamic ones don't."""
+    specs = as_spec_list(spec)
+    return [e for e in _scale_expectations(kind, specs, shape) if e is not None]
+
+
+def _scale_expectations(kind: str, specs: list[dict], shape: tuple[int, ...]) -> list[TensorExpectation]:
+    out: list[TensorExpectation] = []
+    for level, spec in enumerate(specs):
+        if kind != "weight" and spec.get("is_dynamic"):
+            continue
+        sfx = "" if level == 0 else f"_{level + 1}"
+        # Activation scales are per tensor in practice; their count is only known for per_tensor.
+        count = _scale_count(spec, shape) if kind == "weight" else (1 if spec.get("qscheme") == "per_tensor" else None)
+        bits, containers = _scale_storage(specs, level)
+        what = f"{kind} spec {level + 1} ({spec.get('dtype')}, {spec.get('qscheme')})"
+        out.append(TensorExpectation(f"{kind}_scale{sfx}", count, bits, containers, what))
+        if is_integer(spec.get("dtype")):
+            zp_bits = dtype_bits(spec.get("dtype"))
+            containers = _element_containers(spec["dtype"], zp_bits)
+            out.append(TensorExpectation(f"{kind}_zero_point{sfx}", count, zp_bits, containers, what))
+    return out
+
+
+QUANT_PARAM = re.compile(r"^(weight|input|output|bias)_(scale|zero_point)(_\d+)?$")
+
+
+def is_quant_param(suffix: str) -> bool:
+    return bool(QUANT_PARAM.match(suffix))
+
+
+def matches(module: str, tensor: str | None, patterns: list[str]) -> bool:
+    """Quark's exclude semantics: a pattern matches the module name or the full tensor name."""
+    return any(fnmatchcase(module, p) or (tensor is not None and fnmatchcase(tensor, p)) for p in patterns)
+
+
+def is_embedding(module: str) -> bool:
+    last = module.rsplit(".", 1)[-1].lower()
+    return any(marker in last for marker in EMBEDDING_MARKERS)
+
+
+@dataclass(frozen=True)
+class ModuleConfig:
+    """The quantization config that applies to one linear module, and where it came from."""
+
+    weight: Any
+    input_tensors: Any
+    output_tensors: Any
+    source: str  # "global_quant_config" or "layer_quant_config[PATTERN]" ...
+
+
+def module_config(qconfig: dict, module: str) -> ModuleConfig | None:
+    """First ``layer_quant_config`` pattern matching ``module``, else the global config."""
+    for key in ("layer_quant_config", "layer_type_quant_config"):
+        for pattern, cfg in (qconfig.get(key) or {}).items():
+            if isinstance(cfg, dict) and (fnmatchcase(module, pattern) or key == "layer_type_quant_config"
+                                          and pattern in ("Linear", "nn.Linear", "torch.nn.Linear")):
+                return _as_module_config(cfg, f"{key}[{pattern!r}]")
+    glob = qconfig.get("global_quant_config")
+    return _as_module_config(glob, "global_quant_config") if isinstance(glob, dict) else None
+
+
+def _as_module_config(cfg: dict, source: str) -> ModuleConfig:
+    return ModuleConfig(cfg.get("weight"), cfg.get("input_tensors"), cfg.get("output_tensors"), source)
+
+
+def kv_cache_output(qconfig: dict, module: str) -> Any:
+    """The output (KV-cache) spec applied to ``module`` by ``kv_cache_quant_config``, if any."""
+    for pattern, cfg in (qconfig.get("kv_cache_quant_config") or {}).items():
+        if isinstance(cfg, dict) and fnmatchcase(module, pattern):
+            return cfg.get("output_tensors")
+    return None

@@ -1,0 +1,91 @@
+"""Safe fixes for real failures, applied only on approval of the ``fix`` gate, then re-validated.
+
+The only fix is re-copying a missing or changed auxiliary file (tokenizer, generation config,
+README, ...) from the source. Files the Quark export wrote (weights, index, ``config.json``)
+and Quark's own package are never touched: those failures need a new export.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checkpoints import Approver, require
+from ..errors import UnsafeInputError
+from .report import ValidationReport
+from .runner import validate_model
+
+
+@dataclass(frozen=True)
+class Fix:
+    relative_path: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"re-copy {self.relative_path} from the source ({self.reason})"
+
+
+def propose_fixes(report: ValidationReport, source: Path, quantized: Path) -> list[Fix]:
+    """One re-copy per auxiliary file that is missing or really changed (benign drift needs none)."""
+    fixes = []
+    for finding in report.check("aux").failures:
+        if (Path(source) / finding.subject).is_file():
+            fixes.append(Fix(finding.subject, finding.message.rstrip(".")))
+    return fixes
+
+
+def apply_fixes(fixes: list[Fix], source: Path, quantized: Path, approver: Approver) -> list[str]:
+    """Ask the ``fix`` gate, then copy each file atomically; returns what was applied."""
+    if not fixes:
+        return []
+    summary = "\n".join(f"- {f.describe()}" for f in fixes)
+    require("fix", approver, f"Fixes for {quantized}:\n{summary}", "re-run with --approve fix (or answer yes).")
+    source, quantized = Path(source).resolve(), Path(quantized).resolve()
+    _refuse_quark_package(quantized)
+    applied = []
+    for fix in fixes:
+        _copy_atomic(_inside(source, fix.relative_path), _inside(quantized, fix.relative_path, must_exist=False))
+        applied.append(fix.describe())
+    return applied
+
+
+def fix_and_revalidate(report: ValidationReport, approver: Approver, plan: dict | None = None,
+                       **validate_kwargs) -> ValidationReport:
+    """Apply the proposed fixes (on approval) and validate again; the new report lists them."""
+    fixes = propose_fixes(report, report.source, report.quantized)
+    if not fixes:
+        return report
+    applied = apply_fixes(fixes, report.source, report.quantized, approver)
+    again = validate_model(report.source, report.quantized, plan, **validate_kwargs)
+    again.applied_fixes = report.applied_fixes + applied
+    return again
+
+
+def _inside(root: Path, relative: str, must_exist: bool = True) -> Path:
+    target = (root / relative).resolve(strict=must_exist)
+    if not target.is_relative_to(root):
+        raise UnsafeInputError(f"Refusing to touch {relative}: it resolves outside {root}.")
+    return target
+
+
+def _refuse_quark_package(target: Path) -> None:
+    spec = importlib.util.find_spec("quark")  # locates the package without importing it
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if target.is_relative_to(Path(location).resolve()):
+            raise UnsafeInputError(f"Refusing to write into Quark's installed package at {location}.")
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        shutil.copy2(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

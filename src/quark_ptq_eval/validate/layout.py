@@ -1,0 +1,209 @@
+"""Check 1, fuzzy layout: safetensors headers of source and output held against the plan.
+
+Every linear layer the plan quantizes must carry the storage and the scale/zero-point tensors
+its Quark spec asks for; excluded layers, embeddings and norms keep the source dtype and shape;
+no source tensor may be missing and no output tensor unexplained.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from ..safetensors_io import TensorInfo, canonical_name
+from .expectations import (
+    TensorExpectation,
+    activation_expectations,
+    is_embedding,
+    is_quant_param,
+    kv_cache_output,
+    matches,
+    module_config,
+    weight_expectations,
+)
+from .report import CheckResult, Finding
+
+LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
+def split_name(name: str) -> tuple[str, str]:
+    module, _, suffix = name.rpartition(".")
+    return module, suffix
+
+
+def fuzzy_patterns(tensors: dict[str, TensorInfo]) -> list[dict]:
+    """Canonical name patterns with dtype counts, in order of first appearance (as Quark lists them)."""
+    counts: dict[str, Counter] = {}
+    for name, info in tensors.items():
+        counts.setdefault(canonical_name(name), Counter())[info.dtype] += 1
+    return [{"pattern": p, "dtype_counts": dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))}
+            for p, c in counts.items()]
+
+
+def layer_count(tensors: dict[str, TensorInfo]) -> int:
+    indices = [int(m.group(1)) for name in tensors if (m := LAYER_INDEX.search(name))]
+    return max(indices) + 1 if indices else 0
+
+
+@dataclass
+class LayoutInputs:
+    source: dict[str, TensorInfo]
+    output: dict[str, TensorInfo]
+    qconfig: dict | None  # the output's quantization_config
+    exclude: list[str]
+    plan_overrides: dict[str, str]
+
+
+def check_layout(inputs: LayoutInputs) -> CheckResult:
+    result = CheckResult("layout")
+    src_modules = _group(inputs.source)
+    out_modules = _group(inputs.output)
+    if inputs.qconfig is None:
+        result.findings.append(Finding(
+            "config.json", "the output has no quantization_config, so nothing says how it was quantized.",
+            side="quark", evidence="quantization_config is absent from the output's config.json"))
+    quantized = excluded = 0
+    for module, suffixes in src_modules.items():
+        out_suffixes = out_modules.get(module, {})
+        if _expect_quantized(module, suffixes, inputs):
+            quantized += 1
+            result.findings += _check_quantized(module, suffixes, out_suffixes, inputs.qconfig or {})
+        else:
+            excluded += matches(module, f"{module}.weight", inputs.exclude)
+            result.findings += _check_unchanged(module, suffixes, out_suffixes, inputs.exclude)
+    result.findings += _unexplained_extras(src_modules, out_modules)
+    result.findings += _overrides_honoured(inputs)
+    _summarize(result, inputs, quantized, excluded)
+    return result
+
+
+def _group(tensors: dict[str, TensorInfo]) -> dict[str, dict[str, TensorInfo]]:
+    grouped: dict[str, dict[str, TensorInfo]] = defaultdict(dict)
+    for name, info in tensors.items():
+        module, suffix = split_name(name)
+        grouped[module][suffix] = info
+    return grouped
+
+
+def _expect_quantized(module: str, suffixes: dict[str, TensorInfo], inputs: LayoutInputs) -> bool:
+    weight = suffixes.get("weight")
+    if weight is None or len(weight.shape) != 2 or is_embedding(module):
+        return False
+    if matches(module, f"{module}.weight", inputs.exclude):
+        return False
+    cfg = module_config(inputs.qconfig or {}, module)
+    return cfg is not None and bool(cfg.weight)
+
+
+def _check_quantized(module: str, src: dict[str, TensorInfo], out: dict[str, TensorInfo], qconfig: dict) -> list[Finding]:
+    cfg = module_config(qconfig, module)
+    assert cfg is not None  # _expect_quantized guarantees it
+    weight = src["weight"]
+    out_weight = out.get("weight")
+    if out_weight is not None and out_weight.dtype == weight.dtype and not any(is_quant_param(s) for s in out):
+        return [Finding(module, f"is not quantized: its weight is still {weight.dtype} {list(weight.shape)} "
+                                f"with no scale, but {cfg.source} quantizes it.", side="quark",
+                        evidence=f"{_spec_summary(cfg.weight)} expected; no exclusion pattern matches it")]
+    expected = weight_expectations(cfg.weight, weight.shape)
+    expected += activation_expectations("input", cfg.input_tensors)
+    expected += activation_expectations("output", cfg.output_tensors or kv_cache_output(qconfig, module))
+    findings = [f for e in expected if (f := _check_expectation(module, e, out.get(e.suffix), cfg.source))]
+    wanted = {e.suffix for e in expected}
+    for suffix, info in src.items():  # the bias and any other plain tensor keep their header
+        if suffix != "weight" and suffix not in wanted:
+            findings += _same_header(module, suffix, info, out.get(suffix))
+    findings += [Finding(f"{module}.{s}", f"is a quantization tensor that {cfg.source} does not ask for.",
+                         side="quark", evidence=f"{out[s].dtype} {list(out[s].shape)}")
+                 for s in out if is_quant_param(s) and s not in wanted]
+    return findings
+
+
+def _check_expectation(module: str, exp: TensorExpectation, got: TensorInfo | None, origin: str) -> Finding | None:
+    name = f"{module}.{exp.suffix}"
+    if got is None:
+        return Finding(name, f"is missing, but {origin} stores it ({exp.why}).", side="quark")
+    if got.dtype not in exp.containers:
+        return Finding(name, f"is stored as {got.dtype}, but {exp.why} needs one of {sorted(exp.containers)}.",
+                       side="quark", evidence=f"{got.dtype} {list(got.shape)}")
+    want_bytes = exp.nbytes()
+    if want_bytes is not None and got.nbytes != want_bytes:
+        return Finding(name, f"holds {got.nbytes} bytes, but {exp.count} values at {exp.bits} bits "
+                             f"({exp.why}) need {want_bytes}.", side="quark",
+                       evidence=f"{got.dtype} {list(got.shape)}")
+    if want_bytes is None and exp.count is not None and _numel(got) != exp.count:
+        return Finding(name, f"has {_numel(got)} values, but {exp.why} needs {exp.count}.", side="quark",
+                       evidence=f"{got.dtype} {list(got.shape)}")
+    return None
+
+
+def _check_unchanged(module: str, src: dict[str, TensorInfo], out: dict[str, TensorInfo],
+                     exclude: list[str]) -> list[Finding]:
+    findings: list[Finding] = []
+    for suffix, info in src.items():
+        findings += _same_header(module, suffix, info, out.get(suffix))
+    extra = sorted(s for s in out if is_quant_param(s))
+    if extra:
+        why = "is excluded from quantization" if matches(module, f"{module}.weight", exclude) else \
+            "is not a linear layer the plan quantizes"
+        findings.append(Finding(module, f"{why} but the output quantized it.", side="quark",
+                                evidence=f"output carries {', '.join(extra)}"))
+    return findings
+
+
+def _same_header(module: str, suffix: str, src: TensorInfo, got: TensorInfo | None) -> list[Finding]:
+    name = f"{module}.{suffix}"
+    if got is None:
+        return [Finding(name, "is missing from the output.", side="quark",
+                        evidence=f"source has {src.dtype} {list(src.shape)} in {src.file.name}")]
+    if (got.dtype, got.shape) != (src.dtype, src.shape):
+        side = "environment" if got.shape == src.shape else "quark"
+        return [Finding(name, f"should keep the source header {src.dtype} {list(src.shape)} "
+                              f"but is {got.dtype} {list(got.shape)}.", side=side,
+                        evidence="same shape, other dtype: the model was loaded in another dtype"
+                        if side == "environment" else "")]
+    return []
+
+
+def _unexplained_extras(src: dict[str, dict], out: dict[str, dict[str, TensorInfo]]) -> list[Finding]:
+    findings = []
+    for module, suffixes in out.items():
+        for suffix, info in suffixes.items():
+            if suffix in src.get(module, {}) or (module in src and is_quant_param(suffix)):
+                continue
+            findings.append(Finding(f"{module}.{suffix}", "is in the output but has no counterpart in the source.",
+                                    side="quark", evidence=f"{info.dtype} {list(info.shape)} in {info.file.name}"))
+    return findings
+
+
+def _overrides_honoured(inputs: LayoutInputs) -> list[Finding]:
+    written = (inputs.qconfig or {}).get("layer_quant_config") or {}
+    return [Finding(f"layer_quant_config[{pattern!r}]",
+                    f"the plan overrides it with {scheme!r} but the output's quantization_config has no such entry.",
+                    side="quark", evidence=f"written patterns: {sorted(written) or 'none'}")
+            for pattern, scheme in inputs.plan_overrides.items() if pattern not in written]
+
+
+def _summarize(result: CheckResult, inputs: LayoutInputs, quantized: int, excluded: int) -> None:
+    source_patterns = fuzzy_patterns(inputs.source)
+    output_patterns = fuzzy_patterns(inputs.output)
+    mixed = [p for p in output_patterns if len(p["dtype_counts"]) > 1]
+    result.stats.update(
+        source_tensors=len(inputs.source), output_tensors=len(inputs.output), quantized_layers=quantized,
+        excluded_layers=excluded, output_patterns=len(output_patterns), mixed_dtype_patterns=len(mixed),
+    )
+    result.notes += [f"mixed dtypes in {p['pattern']}: {p['dtype_counts']}" for p in mixed]
+    result.stats["source_fuzzy"] = source_patterns
+    result.stats["output_fuzzy"] = output_patterns
+
+
+def _spec_summary(spec: object) -> str:
+    specs = spec if isinstance(spec, list) else [spec]
+    return " + ".join(f"{s.get('dtype')} {s.get('qscheme')}" for s in specs if isinstance(s, dict))
+
+
+def _numel(info: TensorInfo) -> int:
+    n = 1
+    for d in info.shape:
+        n *= d
+    return n
