@@ -1,0 +1,205 @@
+"""`evaluate()`: pilot -> estimate -> (ask again when long) -> run the tier -> compare -> report."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checkpoints import require
+from ..errors import UsageError
+from . import report as report_files
+from .context import RuntimeEstimate, Scores, TierContext, TierOutcome, format_duration, log
+from .options import EvalOptions, Thresholds
+from .reference import align_scale, merge_references, model_card_reference
+from .remedies import suggest_remedies
+from .tiers import TIERS, get_tier, tier_module
+from .verdict import Comparison, compare_all, overall_verdict
+
+BASELINE_FROM_SOURCE = "source"  # `--baseline` without a path: the source model of the run
+
+
+@dataclass
+class EvalReport:
+    tier: str
+    model_dir: Path
+    workdir: Path
+    source_model: Path | None
+    settings: dict[str, Any]
+    thresholds: Thresholds
+    quantized: Scores
+    baseline: Scores | None
+    reference: Scores
+    comparisons: list[Comparison]
+    verdict: str
+    remedies: list[str]
+    estimate: RuntimeEstimate | None
+    actual_s: float | None
+    details: dict[str, Any] = field(default_factory=dict)
+    deferred_commands: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    artifacts: dict[str, str] = field(default_factory=dict)
+    chart_path: Path | None = None
+
+    @property
+    def report_path(self) -> Path:
+        return self.workdir / report_files.REPORT_NAME
+
+    @property
+    def results_path(self) -> Path:
+        return self.workdir / report_files.RESULTS_NAME
+
+    def one_line(self) -> str:
+        scores = "; ".join(f"{t}:{m}={v:.4g}" for t, ms in self.quantized.items() for m, v in ms.items())
+        return f"eval tier {self.tier}: verdict {self.verdict}" + (f" ({scores})" if scores else "")
+
+    def as_dict(self) -> dict:
+        return report_files.results_document(self)
+
+
+def evaluate(
+    model_dir: Path,
+    options: EvalOptions,
+    workdir: Path,
+    approver,
+    *,
+    source_model: Path | None = None,
+    plan: dict | None = None,
+) -> EvalReport:
+    """Run ``options.tier`` on ``model_dir``; write eval_report.md, eval_results.json and a chart to ``workdir``."""
+    model_dir, workdir = Path(model_dir), Path(workdir)
+    options = _resolve_baseline(options, source_model)
+    tier = get_tier(options.tier)
+    if tier.module is not None and not (model_dir / "config.json").is_file():
+        raise UsageError(f"{model_dir} has no config.json: give the quantized model's output directory.")
+    workdir.mkdir(parents=True, exist_ok=True)
+    ctx = TierContext(model_dir, options, workdir, approver, source_model, plan)
+    estimate, outcome, actual = None, TierOutcome(quantized={}, notes=["Evaluation skipped."]), None
+    if tier.module is not None:
+        module = tier_module(tier)
+        prepared = module.prepare(ctx)
+        estimate = prepared.estimate
+        ctx.log(estimate.summary())
+        _confirm_if_long(estimate, tier.name, approver, workdir)
+        started = time.perf_counter()
+        outcome = module.run(prepared)
+        actual = time.perf_counter() - started + _pilot_seconds(prepared)
+    report = _build_report(ctx, outcome, estimate, actual)
+    report_files.write_all(report)
+    ctx.log(f"{report.one_line()}; report: {report.report_path}")
+    return report
+
+
+def estimate_runtime(
+    model_dir: Path, options: EvalOptions, *, source_model: Path | None = None
+) -> RuntimeEstimate:
+    """Load the model(s) and time a pilot on the real data: the estimate shown at the eval checkpoint."""
+    import tempfile
+
+    options = _resolve_baseline(options, source_model)
+    tier = get_tier(options.tier)
+    if tier.module is None:
+        return RuntimeEstimate(tier.name, 0.0, "-", 0, "none", "skipped: nothing runs")
+    with tempfile.TemporaryDirectory(prefix="qpe-estimate-") as scratch:
+        ctx = TierContext(Path(model_dir), options, Path(scratch), None, source_model, None)
+        return tier_module(tier).prepare(ctx).estimate
+
+
+def _resolve_baseline(options: EvalOptions, source_model: Path | None) -> EvalOptions:
+    if options.baseline is None or str(options.baseline) != BASELINE_FROM_SOURCE:
+        return options
+    if source_model is None:
+        raise UsageError("--baseline without a path needs the source model; give --baseline SRC.")
+    return dataclasses.replace(options, baseline=Path(source_model))
+
+
+def _confirm_if_long(estimate: RuntimeEstimate, tier: str, approver, workdir: Path) -> None:
+    if not estimate.long:
+        return
+    hours = " Tier 2 on full benchmarks can take hours." if tier == "lm_eval" else ""
+    summary = f"{estimate.summary()}\nThis run is long (over {format_duration(estimate.threshold_s)}).{hours}"
+    log(summary)
+    require(
+        "eval",
+        approver,
+        summary,
+        f"re-run with --approve eval (or --yes) to accept about {format_duration(estimate.seconds or 0)}, "
+        "or lower --limit / use --eval-data with less text.",
+    )
+
+
+def _pilot_seconds(prepared: Any) -> float:
+    return float(getattr(prepared, "pilot_s", 0.0))
+
+
+def _build_report(ctx: TierContext, outcome: TierOutcome, estimate, actual) -> EvalReport:
+    options = ctx.options
+    card_dir = ctx.source_model or options.baseline or ctx.model_dir
+    reference = merge_references(model_card_reference(card_dir), options.reference)
+    notes = list(outcome.notes) + align_scale(reference, outcome.quantized)
+    comparisons = compare_all(
+        outcome.quantized,
+        outcome.baseline,
+        reference,
+        outcome.directions,
+        options.thresholds,
+        outcome.informational,
+    )
+    verdict = overall_verdict(comparisons)
+    remedies = suggest_remedies(ctx.plan, _num_layers(ctx.model_dir)) if verdict in ("hurt", "watch") else []
+    return EvalReport(
+        tier=options.tier,
+        model_dir=ctx.model_dir,
+        workdir=ctx.workdir,
+        source_model=ctx.source_model,
+        settings=_settings(options),
+        thresholds=options.thresholds,
+        quantized=outcome.quantized,
+        baseline=outcome.baseline,
+        reference=reference,
+        comparisons=comparisons,
+        verdict=verdict,
+        remedies=remedies,
+        estimate=estimate,
+        actual_s=actual,
+        details=outcome.details,
+        deferred_commands=outcome.deferred_commands,
+        notes=notes,
+        artifacts=outcome.artifacts,
+    )
+
+
+def _settings(options: EvalOptions) -> dict[str, Any]:
+    keep = (
+        "tier",
+        "eval_data",
+        "seq_len",
+        "batch_size",
+        "device",
+        "baseline",
+        "tasks",
+        "num_fewshot",
+        "limit",
+        "include_path",
+        "max_gen_toks",
+        "max_windows",
+        "eval_text_limit",
+    )
+    values = {k: getattr(options, k) for k in keep}
+    values["eval_data"] = str(options.eval_data) if options.eval_data else "wikitext-2-raw-v1 test"
+    values["healthy_pct"], values["hurt_pct"] = options.thresholds.healthy_pct, options.thresholds.hurt_pct
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in values.items() if v not in (None, [], "")}
+
+
+def _num_layers(model_dir: Path) -> int | None:
+    from .loading import read_config
+
+    try:
+        return read_config(model_dir).get("num_hidden_layers")
+    except UsageError:
+        return None
+
+
+__all__ = ["EvalOptions", "EvalReport", "TIERS", "evaluate", "estimate_runtime"]

@@ -1,0 +1,145 @@
+"""Load a model for evaluation with the loader its config.json calls for, and prove its logits finite.
+
+transformers' Quark integration loads single-level-scale exports (int8, fp8, int4, mxfp4) but
+leaves the second-level scales of two-level schemes (nvfp4, int4_fp8) uninitialised: NaN logits.
+Quark's own importer loads those correctly but costs ~20 s to import, so it is used only there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import QpeError, UsageError
+
+TRANSFORMERS = "transformers"
+QUARK = "quark"
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    model: Any
+    tokenizer: Any
+    loader: str
+    loader_reason: str
+    device: str
+    load_s: float
+    size_bytes: int
+
+
+def model_size_bytes(model_dir: Path) -> int:
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
+def read_config(model_dir: Path) -> dict:
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        raise UsageError(f"{model_dir} has no config.json: it is not a Hugging Face model directory.")
+    try:
+        return json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{config_path} cannot be read as JSON ({exc}).") from None
+
+
+def choose_loader(config: dict) -> tuple[str, str]:
+    """(loader, reason) from the quantization_config of a model's config.json."""
+    qconfig = config.get("quantization_config")
+    if not qconfig:
+        return TRANSFORMERS, "no quantization_config: an unquantized model"
+    if qconfig.get("quant_method") != "quark":
+        return TRANSFORMERS, f"quant_method {qconfig.get('quant_method')!r} is handled by transformers"
+    if _has_two_level_scales(qconfig):
+        return (
+            QUARK,
+            "Quark export with two-level scales (nvfp4 / int4_fp8 style): transformers leaves them uninitialised",
+        )
+    return TRANSFORMERS, "Quark export with single-level scales: transformers' Quark integration loads it"
+
+
+def _has_two_level_scales(qconfig: dict) -> bool:
+    configs = [qconfig.get("global_quant_config") or {}]
+    for key in ("layer_quant_config", "layer_type_quant_config"):
+        configs.extend((qconfig.get(key) or {}).values())
+    for layer_config in configs:
+        for role in ("weight", "input_tensors", "output_tensors", "bias"):
+            spec = (layer_config or {}).get(role)
+            # A list of specs quantizes the scales themselves: a second level.
+            if isinstance(spec, list) and (len(spec) > 1 or any(s.get("is_scale_quant") for s in spec)):
+                return True
+            if isinstance(spec, dict) and spec.get("is_scale_quant"):
+                return True
+    return False
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"  # ROCm builds answer through torch.cuda too
+
+
+def load_model(
+    model_dir: Path, device: str = "auto", trust_remote_code: bool = False, loader: str | None = None
+) -> LoadedModel:
+    """Load ``model_dir`` with the right loader; ``loader`` forces one (tests, fallbacks)."""
+    model_dir = Path(model_dir)
+    chosen, reason = choose_loader(read_config(model_dir))
+    if loader is not None:
+        chosen, reason = loader, f"forced {loader} loader"
+    device = resolve_device(device)
+    started = time.perf_counter()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    load = _load_with_quark if chosen == QUARK else _load_with_transformers
+    try:
+        model = load(model_dir, device, trust_remote_code)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise QpeError(
+            f"Could not load {model_dir} with the {chosen} loader: {exc}".rstrip(".") + "."
+        ) from exc
+    model.eval()
+    return LoadedModel(
+        model_dir,
+        model,
+        tokenizer,
+        chosen,
+        reason,
+        device,
+        time.perf_counter() - started,
+        model_size_bytes(model_dir),
+    )
+
+
+def _load_with_transformers(model_dir: Path, device: str, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", trust_remote_code=trust_remote_code)
+    return model.to(device)
+
+
+def _load_with_quark(model_dir: Path, device: str, trust_remote_code: bool):
+    from quark.torch import import_model_from_safetensors
+
+    return import_model_from_safetensors(
+        None, str(model_dir), trust_remote_code=trust_remote_code, attn_implementation="sdpa", device=device
+    )
+
+
+def require_finite(logits, what: str) -> None:
+    """Refuse to report a number computed from NaN/inf logits."""
+    import torch
+
+    if not bool(torch.isfinite(logits).all()):
+        raise QpeError(
+            f"{what} produced non-finite logits (NaN or inf): no score is reported from them.",
+            "The export may hold uninitialised scales; re-export it, or check that it loads with Quark's "
+            "import_model_from_safetensors.",
+        )

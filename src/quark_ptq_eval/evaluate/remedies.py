@@ -1,0 +1,77 @@
+"""Remedies for a model that quantization hurt, chosen from what the plan did not already try."""
+
+from __future__ import annotations
+
+# A wider format to fall back to, per scheme family (first match on the scheme name wins).
+WIDER_FORMAT = (
+    ("int4_fp8", "fp8 (w8a8)"),
+    ("nvfp4", "fp8 (w8a8) or mxfp6"),
+    ("mxfp4", "mxfp6 or fp8 (w8a8)"),
+    ("mxfp6", "fp8 (w8a8)"),
+    ("int4", "int8 weights (or int4 with a smaller group size, e.g. int4_wo_64)"),
+    ("uint4", "int8 weights (or a smaller group size)"),
+    ("int8", "fp8 (w8a8), which keeps more dynamic range for activations"),
+    ("fp8", "bf16 for the most sensitive layers (fp8 is already wide: exclude those layers instead)"),
+)
+WEIGHT_ONLY_MARKERS = ("_wo", "w4a16", "w8a16")
+ACCURACY_ALGORITHMS = ("awq", "gptq", "smoothquant", "rotation", "quarot", "autosmoothquant")
+MIN_CALIBRATION = 512
+
+
+def suggest_remedies(plan: dict | None, num_layers: int | None = None) -> list[str]:
+    """Concrete next steps, most effective first, skipping what the plan already does."""
+    plan = plan or {}
+    scheme = str(plan.get("global_scheme") or plan.get("scheme") or "")
+    algorithms = _algorithms(plan)
+    excluded = " ".join(plan.get("exclude_layers") or [])
+    remedies = []
+    remedies += _algorithm_remedies(scheme, algorithms)
+    remedies += _exclusion_remedies(excluded, num_layers)
+    samples = (plan.get("calibration") or {}).get("num_samples")
+    if samples is None or samples < MIN_CALIBRATION:
+        have = f"{samples}" if samples is not None else "the current number of"
+        remedies.append(
+            f"Calibrate on more data: {have} samples -> {MIN_CALIBRATION} (--num-calib-samples "
+            f"{MIN_CALIBRATION}), drawn from text like the model's real use."
+        )
+    wider = next((w for key, w in WIDER_FORMAT if key in scheme), None)
+    if wider:
+        remedies.append(f"Use a wider format than {scheme}: {wider}.")
+    elif not scheme:
+        remedies.append("Use a wider format (e.g. fp8 instead of a 4-bit scheme).")
+    return remedies
+
+
+def _algorithms(plan: dict) -> set[str]:
+    value = plan.get("algorithm") or plan.get("algorithms") or []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return {a.strip().lower() for a in items if a and a.strip()}
+
+
+def _algorithm_remedies(scheme: str, algorithms: set[str]) -> list[str]:
+    if algorithms & set(ACCURACY_ALGORITHMS):
+        tried = ", ".join(sorted(algorithms & set(ACCURACY_ALGORITHMS)))
+        return [
+            f"The plan already uses {tried}: try another of awq / gptq / smoothquant, or combine "
+            "rotation with it."
+        ]
+    if any(marker in scheme for marker in WEIGHT_ONLY_MARKERS):
+        return [
+            "Add an accuracy-recovering algorithm for weight-only quantization: --algorithm awq (or gptq)."
+        ]
+    return [
+        "Add an accuracy-recovering algorithm: --algorithm smoothquant for activation outliers "
+        "(w8a8), or awq / gptq for the weights."
+    ]
+
+
+def _exclusion_remedies(excluded: str, num_layers: int | None) -> list[str]:
+    remedies = []
+    if "down_proj" not in excluded:
+        remedies.append("Keep the most sensitive projections unquantized: add '*down_proj' to --exclude.")
+    if "layers.0." not in excluded:
+        last = f"model.layers.{num_layers - 1}.*" if num_layers else "the last block"
+        remedies.append(
+            f"Exclude the first and last blocks (model.layers.0.*, {last}), which quantize worst."
+        )
+    return remedies

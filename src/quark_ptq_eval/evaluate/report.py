@@ -1,0 +1,243 @@
+"""eval_report.md, eval_results.json and the chart next to them."""
+
+from __future__ import annotations
+
+import io
+import math
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..fsio import atomic_write_bytes, atomic_write_text, write_json
+from .context import format_duration
+
+if TYPE_CHECKING:
+    from .api import EvalReport
+
+REPORT_NAME = "eval_report.md"
+RESULTS_NAME = "eval_results.json"
+CHART_NAME = "eval_chart.png"
+RESULTS_SCHEMA = "quark-ptq-eval/eval_results/1"
+
+
+def write_all(report: EvalReport) -> None:
+    report.chart_path = write_chart(report, report.workdir / CHART_NAME)
+    write_json(report.results_path, results_document(report))
+    atomic_write_text(report.report_path, markdown(report))
+
+
+def results_document(report: EvalReport) -> dict:
+    doc = {
+        "schema": RESULTS_SCHEMA,
+        "tier": report.tier,
+        "model": str(report.model_dir),
+        "source_model": str(report.source_model) if report.source_model else None,
+        "settings": report.settings,
+        "quantized": report.quantized,
+    }
+    if report.baseline is not None:
+        doc["baseline"] = report.baseline
+    doc.update(
+        {
+            "reference": report.reference,
+            "deltas": [c.as_dict() for c in report.comparisons],
+            "verdict": report.verdict,
+            "remedies": report.remedies,
+            "runtime": {
+                "estimate": report.estimate.as_dict() if report.estimate else None,
+                "actual_s": report.actual_s,
+            },
+            "details": report.details,
+            "deferred_commands": report.deferred_commands,
+            "notes": report.notes,
+            "artifacts": report.artifacts | ({"chart": str(report.chart_path)} if report.chart_path else {}),
+        }
+    )
+    return _json_safe(doc)
+
+
+def _json_safe(value):
+    """NaN is not JSON: write null instead."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def markdown(report: EvalReport) -> str:
+    lines = [
+        f"# Evaluation report — tier {report.tier}",
+        "",
+        f"**Verdict: {report.verdict}**" + _verdict_explanation(report),
+        "",
+    ]
+    lines += _settings_section(report)
+    lines += _scores_section(report)
+    lines += _details_section(report)
+    if report.remedies:
+        lines += ["## Remedies", "", *[f"- {r}" for r in report.remedies], ""]
+    if report.deferred_commands:
+        lines += _deferred_section(report)
+    if report.notes:
+        lines += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
+    if report.chart_path:
+        lines += ["## Chart", "", f"![quantized vs baseline]({report.chart_path.name})", ""]
+    return "\n".join(lines)
+
+
+def _verdict_explanation(report: EvalReport) -> str:
+    t = report.thresholds
+    if report.verdict == "unknown":
+        return (
+            " — scores only: no baseline and no published reference to compare with, so the delta is "
+            "unknown (opt in with --baseline, or give --reference task:metric=value)."
+        )
+    return (
+        f" (healthy: at most {t.healthy_pct:g} % worse; hurt: more than {t.hurt_pct:g} % worse; "
+        "direction-aware per metric)."
+    )
+
+
+def _settings_section(report: EvalReport) -> list[str]:
+    rows = [("model", str(report.model_dir)), ("source model", str(report.source_model or "-"))]
+    rows += [(k, str(v)) for k, v in report.settings.items()]
+    if report.estimate:
+        estimate = report.estimate
+        rows += [
+            ("hardware", estimate.hardware),
+            ("data", estimate.data),
+            ("pilot", estimate.basis),
+            ("estimated time", format_duration(estimate.seconds) if estimate.seconds is not None else "-"),
+        ]
+    if report.actual_s is not None:
+        rows.append(("actual time", format_duration(report.actual_s)))
+    return [
+        "## Settings and environment",
+        "",
+        "| setting | value |",
+        "|---|---|",
+        *[f"| {k} | {_cell(v)} |" for k, v in rows],
+        "",
+    ]
+
+
+def _scores_section(report: EvalReport) -> list[str]:
+    if not report.comparisons:
+        return ["## Scores", "", "No scores (nothing was evaluated on this host).", ""]
+    lines = [
+        "## Scores, deltas and verdicts",
+        "",
+        "| task | metric | quantized | compared to | value | worse by | verdict |",
+        "|---|---|---:|---|---:|---:|---|",
+    ]
+    for c in report.comparisons:
+        other = "-" if c.other is None else _num(c.other)
+        worse = "unknown" if c.degradation_pct is None else f"{c.degradation_pct:+.2f} %"
+        if c.verdict == "info":
+            worse = "-"
+        lines.append(
+            f"| {c.task} | {c.metric} | {_num(c.value)} | {c.compared_to or '-'} | {other} | "
+            f"{worse} | {c.verdict} |"
+        )
+    return [*lines, ""]
+
+
+def _details_section(report: EvalReport) -> list[str]:
+    details = report.details
+    lines = []
+    if (
+        "quantized" in details
+        and isinstance(details["quantized"], dict)
+        and "windows" in details["quantized"]
+    ):
+        lines += ["## Perplexity details", ""]
+        for label in ("quantized", "baseline"):
+            stats = details.get(label)
+            if stats:
+                lines.append(
+                    f"- {label}: perplexity {_num(stats['perplexity'])} (95 % CI {_num(stats['perplexity_ci95_low'])}"
+                    f"–{_num(stats['perplexity_ci95_high'])}; NLL {stats['mean_nll']:.5f} ± {stats['nll_stderr']:.5f} "
+                    f"s.e. over windows), {stats['tokens']:,} scored tokens in {stats['windows']} windows"
+                )
+        if "kl" in details:
+            kl = details["kl"]
+            lines.append(
+                f"- KL(baseline ‖ quantized) per token: mean {kl['kl_divergence']:.5f}, p50 {kl['kl_p50']:.5f}, "
+                f"p90 {kl['kl_p90']:.5f}, p99 {kl['kl_p99']:.5f}, max {kl['kl_max']:.5f} nats"
+            )
+            lines.append(f"- top-1 agreement with the baseline: {100 * kl['top1_agreement']:.2f} %")
+        if "paired" in details:
+            paired = details["paired"]
+            lines.append(
+                f"- paired NLL delta (quantized − baseline): {paired['delta_nll']:+.5f} ± "
+                f"{paired['delta_nll_stderr']:.5f} s.e.; perplexity ratio {paired['perplexity_ratio']:.4f}"
+            )
+        lines.append(f"- loader: {details.get('loader')}")
+        lines.append("")
+    if report.artifacts:
+        lines += ["## Files", "", *[f"- {name}: `{path}`" for name, path in report.artifacts.items()], ""]
+    return lines
+
+
+def _deferred_section(report: EvalReport) -> list[str]:
+    lines = [
+        "## Deferred commands (run later on a ROCm host)",
+        "",
+        "These were planned but not run here; each is an exact argument list.",
+        "",
+        "```sh",
+    ]
+    for command in report.deferred_commands:
+        lines.append(f"# {command['purpose']}")
+        lines.append(shlex.join(command["argv"]))
+    return [*lines, "```", ""]
+
+
+def _num(value) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.1f}"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def write_chart(report: EvalReport, path: Path) -> Path | None:
+    """One small panel per metric: quantized next to baseline (or reference) when there is one."""
+    rows = [c for c in report.comparisons if c.verdict != "info" and math.isfinite(c.value)]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.2), squeeze=False)
+    for ax, row in zip(axes[0], rows, strict=True):
+        labels, values, colors = (
+            ["quantized"],
+            [row.value],
+            ["#d9534f" if row.verdict == "hurt" else "#5b9bd5"],
+        )
+        if row.other is not None:
+            labels.append(row.compared_to or "other")
+            values.append(row.other)
+            colors.append("#7f7f7f")
+        ax.bar(labels, values, color=colors)
+        ax.set_title(f"{row.task}\n{row.metric}", fontsize=9)
+        ax.tick_params(labelsize=8)
+        for x, v in enumerate(values):
+            ax.annotate(_num(v), (x, v), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(f"Tier {report.tier}: verdict {report.verdict}", fontsize=10)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
+    return path

@@ -1,0 +1,308 @@
+"""Tier 1: token-level perplexity over non-overlapping windows, plus KL/top-1 against a baseline.
+
+Windowing and averaging match Quark's ``quark.contrib.llm_eval.evaluation.ppl_eval``: the text is
+joined with blank lines, tokenized once, cut into ``len // seq_len`` full windows (the tail is
+dropped), each window scores its ``seq_len - 1`` next-token predictions, and the perplexity is
+exp of the mean negative log-likelihood. Windows are batched, and with a baseline each window
+pair is scored in one pass (KL, top-1, both NLLs) so no logits outlive their batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from .context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
+from .loading import LoadedModel, load_model, require_finite
+
+TASK = "perplexity"
+LOGIT_BUDGET = 64 * 2**20  # logits elements per batch when --batch-size is not given
+MAX_AUTO_BATCH = 8
+ROW_CHUNK_ELEMENTS = 16 * 2**20  # rows of the vocabulary softmax handled at once (memory bound)
+Z95 = 1.959963984540054
+
+
+# ---------------------------------------------------------------- data
+
+
+def eval_texts(eval_data: Path | None, limit: int | None = None) -> list[str]:
+    """Documents to score: a local text source, or wikitext-2's test split through `datasets`."""
+    if eval_data is not None:
+        from ..textdata import load_texts
+
+        texts = load_texts(eval_data)
+    else:
+        texts = _wikitext2_test()
+    return texts[:limit] if limit else texts
+
+
+def _wikitext2_test() -> list[str]:
+    try:
+        import datasets
+
+        return list(datasets.load_dataset("Salesforce/wikitext", "wikitext-2-raw-v1", split="test")["text"])
+    except Exception as exc:  # noqa: BLE001 - offline, missing cache, hub errors: all mean "no wikitext"
+        raise UsageError(
+            f"wikitext-2 could not be loaded through `datasets` ({type(exc).__name__}); "
+            "pass --eval-data PATH with a local .txt, .jsonl or .parquet text instead."
+        ) from None
+
+
+def token_windows(tokenizer, texts: list[str], seq_len: int, max_windows: int | None = None):
+    """``[n, seq_len]`` non-overlapping windows of the joined text (Quark's tokenization)."""
+    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0]
+    count = ids.numel() // seq_len
+    if max_windows:
+        count = min(count, max_windows)
+    if count == 0:
+        raise UsageError(
+            f"The evaluation text has {ids.numel()} tokens, fewer than one window of --seq-len {seq_len}; "
+            "give more text or a smaller --seq-len."
+        )
+    return ids[: count * seq_len].view(count, seq_len)
+
+
+def auto_batch_size(seq_len: int, vocab: int, device: str) -> int:
+    budget = LOGIT_BUDGET * (4 if device.startswith("cuda") else 1)
+    return max(1, min(MAX_AUTO_BATCH, budget // max(1, seq_len * vocab)))
+
+
+# ---------------------------------------------------------------- scoring
+
+
+@dataclass
+class Accumulator:
+    """Per-window mean NLLs (for the standard error) and per-token KL values (for percentiles)."""
+
+    window_nll: list[float] = field(default_factory=list)
+    base_window_nll: list[float] = field(default_factory=list)
+    kl_values: list[Any] = field(default_factory=list)  # float32 tensors, one per batch
+    top1_matches: int = 0
+    tokens: int = 0
+    windows: int = 0
+
+
+def score_batch(model, batch, acc: Accumulator, baseline=None) -> None:
+    """Score one batch of windows; with ``baseline``, also the same windows under it (one pass)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(batch).logits[:, :-1]
+        require_finite(logits, "The quantized model")
+        labels = batch[:, 1:].to(logits.device)
+        acc.window_nll.extend(_window_nll(logits, labels))
+        if baseline is not None:
+            base_logits = baseline(batch.to(_device_of(baseline))).logits[:, :-1].to(logits.device)
+            require_finite(base_logits, "The baseline model")
+            if base_logits.shape[-1] != logits.shape[-1]:
+                raise UsageError(
+                    "The baseline's vocabulary differs from the quantized model's: KL is undefined."
+                )
+            acc.base_window_nll.extend(_window_nll(base_logits, labels))
+            kl, matches = _kl_and_top1(logits, base_logits)
+            acc.kl_values.append(kl)
+            acc.top1_matches += matches
+    acc.tokens += labels.numel()
+    acc.windows += batch.shape[0]
+
+
+def _device_of(model) -> Any:
+    return next(model.parameters()).device
+
+
+def _window_nll(logits, labels) -> list[float]:
+    """Mean next-token NLL of each window, computed in float32 whatever the model dtype."""
+    import torch
+
+    nll = torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+    )
+    return nll.view(labels.shape).double().mean(dim=1).tolist()
+
+
+def _kl_and_top1(logits, base_logits):
+    """Per-token KL(baseline || quantized) and the count of equal argmax, in row chunks."""
+    import torch
+
+    vocab = logits.shape[-1]
+    q_rows, b_rows = logits.reshape(-1, vocab), base_logits.reshape(-1, vocab)
+    step = max(1, ROW_CHUNK_ELEMENTS // vocab)
+    kls, matches = [], 0
+    for start in range(0, q_rows.shape[0], step):
+        log_q = torch.log_softmax(q_rows[start : start + step].float(), dim=-1)
+        log_b = torch.log_softmax(b_rows[start : start + step].float(), dim=-1)
+        kl = (log_b.exp() * (log_b - log_q)).sum(dim=-1).clamp_min(0.0)  # clamp: float rounding below 0
+        kls.append(kl.cpu())
+        matches += int((log_q.argmax(-1) == log_b.argmax(-1)).sum())
+    return torch.cat(kls), matches
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def perplexity_stats(window_nll: list[float], tokens_per_window: int) -> dict[str, float]:
+    """Perplexity, the standard error of the mean NLL over windows and a 95 % interval."""
+    n = len(window_nll)
+    mean_nll = sum(window_nll) / n
+    if n > 1:
+        variance = sum((x - mean_nll) ** 2 for x in window_nll) / (n - 1)
+        stderr = math.sqrt(variance / n)  # windows, not tokens: tokens inside a window are correlated
+    else:
+        stderr = float("nan")
+    return {
+        "perplexity": math.exp(mean_nll),
+        "mean_nll": mean_nll,
+        "nll_stderr": stderr,
+        "perplexity_ci95_low": math.exp(mean_nll - Z95 * stderr) if n > 1 else float("nan"),
+        "perplexity_ci95_high": math.exp(mean_nll + Z95 * stderr) if n > 1 else float("nan"),
+        "tokens": n * tokens_per_window,
+        "windows": n,
+    }
+
+
+def kl_stats(acc: Accumulator) -> dict[str, float]:
+    import torch
+
+    kl = torch.cat(acc.kl_values).double()
+    quantiles = torch.quantile(
+        kl[:: max(1, kl.numel() // 2**20)], torch.tensor([0.5, 0.9, 0.99], dtype=torch.double)
+    )
+    return {
+        "kl_divergence": float(kl.mean()),
+        "kl_p50": float(quantiles[0]),
+        "kl_p90": float(quantiles[1]),
+        "kl_p99": float(quantiles[2]),
+        "kl_max": float(kl.max()),
+        "top1_agreement": acc.top1_matches / kl.numel(),
+    }
+
+
+def paired_delta(acc: Accumulator) -> dict[str, float]:
+    """Mean NLL difference quantized - baseline over the same windows, with its paired standard error."""
+    diffs = [q - b for q, b in zip(acc.window_nll, acc.base_window_nll, strict=True)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else float("nan")
+    return {"delta_nll": mean, "delta_nll_stderr": se, "perplexity_ratio": math.exp(mean)}
+
+
+# ---------------------------------------------------------------- the tier
+
+
+@dataclass
+class Prepared:
+    ctx: TierContext
+    quantized: LoadedModel
+    baseline: LoadedModel | None
+    windows: Any
+    batch_size: int
+    acc: Accumulator
+    estimate: RuntimeEstimate
+    pilot_s: float = 0.0
+    next_batch: int = 1  # batch 0 was the pilot
+
+
+def prepare(ctx: TierContext) -> Prepared:
+    """Load the data and the model(s), score the first batch as a pilot, and estimate the rest."""
+    options = ctx.options
+    texts = eval_texts(options.eval_data, options.eval_text_limit)  # fails before any model loads
+    quantized = load_model(ctx.model_dir, options.device, options.trust_remote_code)
+    ctx.log(
+        f"loaded {ctx.model_dir} with the {quantized.loader} loader in {quantized.load_s:.1f} s ({quantized.loader_reason})"
+    )
+    windows = token_windows(quantized.tokenizer, texts, options.seq_len, options.max_windows)
+    baseline = _load_baseline(ctx, texts, quantized.tokenizer) if options.baseline else None
+    vocab = quantized.model.get_output_embeddings().weight.shape[0]
+    batch_size = options.batch_size or auto_batch_size(options.seq_len, vocab, quantized.device)
+    acc = Accumulator()
+    # Batch 0 warms up (first-call allocations, kernel selection); batch 1, when there is one, is timed.
+    pilot_batches, pilot_s, per_batch_s = min(2, math.ceil(windows.shape[0] / batch_size)), 0.0, 0.0
+    for index in range(pilot_batches):
+        started = time.perf_counter()
+        score_batch(
+            quantized.model,
+            windows[index * batch_size : (index + 1) * batch_size].to(quantized.device),
+            acc,
+            baseline.model if baseline else None,
+        )
+        per_batch_s = time.perf_counter() - started
+        pilot_s += per_batch_s
+    estimate = _estimate(ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_batches)
+    return Prepared(ctx, quantized, baseline, windows, batch_size, acc, estimate, pilot_s, pilot_batches)
+
+
+def _load_baseline(ctx: TierContext, texts: list[str], tokenizer) -> LoadedModel:
+    baseline = load_model(ctx.options.baseline, ctx.options.device, ctx.options.trust_remote_code)
+    ctx.log(f"loaded baseline {ctx.options.baseline} in {baseline.load_s:.1f} s")
+    sample = "\n\n".join(texts)[:20000]
+    if baseline.tokenizer(sample).input_ids != tokenizer(sample).input_ids:
+        raise UsageError(
+            f"The baseline {ctx.options.baseline} tokenizes the text differently from the quantized model; "
+            "per-token KL needs the same tokenizer."
+        )
+    return baseline
+
+
+def _estimate(ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_batches) -> RuntimeEstimate:
+    n = windows.shape[0]
+    remaining_batches = math.ceil(n / batch_size) - pilot_batches
+    models = "quantized + baseline" if baseline else "quantized"
+    return RuntimeEstimate(
+        tier="1 (ppl)",
+        seconds=per_batch_s * remaining_batches,
+        hardware=hardware_description(quantized.device),
+        model_bytes=quantized.size_bytes + (baseline.size_bytes if baseline else 0),
+        data=f"{n * ctx.options.seq_len:,} tokens in {n} windows of {ctx.options.seq_len}",
+        basis=(
+            f"pilot: {pilot_batches} batch(es) of up to {batch_size} window(s) on the {models} model(s), "
+            f"{per_batch_s:.2f} s per batch after warm-up; {remaining_batches} batch(es) left"
+        ),
+        threshold_s=ctx.options.confirm_above_s,
+    )
+
+
+def run(prepared: Prepared) -> TierOutcome:
+    ctx, acc, windows, size = prepared.ctx, prepared.acc, prepared.windows, prepared.batch_size
+    baseline_model = prepared.baseline.model if prepared.baseline else None
+    total = math.ceil(windows.shape[0] / size)
+    for index in range(prepared.next_batch, total):
+        score_batch(
+            prepared.quantized.model,
+            windows[index * size : (index + 1) * size].to(prepared.quantized.device),
+            acc,
+            baseline_model,
+        )
+        if index % 10 == 0 or index == total - 1:
+            ctx.log(f"perplexity: batch {index + 1}/{total}")
+    return outcome_from(acc, ctx.options.seq_len, prepared)
+
+
+def outcome_from(acc: Accumulator, seq_len: int, prepared: Prepared) -> TierOutcome:
+    stats = perplexity_stats(acc.window_nll, seq_len - 1)
+    quantized = {TASK: {"perplexity": stats["perplexity"]}}
+    details: dict[str, Any] = {
+        "quantized": stats,
+        "seq_len": seq_len,
+        "batch_size": prepared.batch_size,
+        "loader": f"{prepared.quantized.loader} ({prepared.quantized.loader_reason})",
+        "method": "non-overlapping windows, mean next-token NLL (Quark ppl_eval's averaging)",
+    }
+    baseline = None
+    if prepared.baseline is not None:
+        base_stats = perplexity_stats(acc.base_window_nll, seq_len - 1)
+        kl = kl_stats(acc)
+        quantized[TASK].update({"kl_divergence": kl["kl_divergence"], "top1_agreement": kl["top1_agreement"]})
+        baseline = {TASK: {"perplexity": base_stats["perplexity"]}}
+        details.update(baseline=base_stats, kl=kl, paired=paired_delta(acc))
+        details["loader"] += f"; baseline: {prepared.baseline.loader}"
+    return TierOutcome(
+        quantized=quantized,
+        baseline=baseline,
+        directions={TASK: {"perplexity": False, "kl_divergence": False, "top1_agreement": True}},
+        details=details,
+        informational=("top1_agreement",),
+    )

@@ -1,0 +1,181 @@
+"""Tier 1 (perplexity) end to end on real Quark exports of the tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from quark_ptq_eval.checkpoints import FlagApprover
+from quark_ptq_eval.errors import CheckpointPending, UsageError
+from quark_ptq_eval.evaluate import EvalOptions, estimate_runtime, evaluate
+
+pytestmark = pytest.mark.slow
+SEQ_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def eval_text(corpus, tmp_path_factory) -> Path:
+    """A small slice of the corpus the tiny model was not calibrated with at this offset."""
+    text = corpus.read_text(encoding="utf-8")
+    path = tmp_path_factory.mktemp("evaltext") / "eval.txt"
+    path.write_text(text[len(text) // 2 : len(text) // 2 + 12_000], encoding="utf-8")
+    return path
+
+
+def ppl_options(eval_text: Path, **overrides) -> EvalOptions:
+    return EvalOptions(
+        **{"tier": "ppl", "eval_data": eval_text, "seq_len": SEQ_LEN, "max_windows": 16, "device": "cpu"}
+        | overrides
+    )
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4_wo_128", "mxfp4", "nvfp4"])
+def test_tier1_with_baseline_gives_finite_scores_and_a_verdict(
+    scheme, quantized, tiny_llama, eval_text, tmp_path
+):
+    report = evaluate(
+        quantized(scheme),
+        ppl_options(eval_text, baseline=tiny_llama),
+        tmp_path,
+        FlagApprover(),
+        source_model=tiny_llama,
+    )
+    ours, base = report.quantized["perplexity"], report.baseline["perplexity"]
+    assert math.isfinite(ours["perplexity"]) and ours["perplexity"] > 1
+    assert math.isfinite(base["perplexity"])
+    assert ours["kl_divergence"] >= 0 and 0 < ours["top1_agreement"] <= 1
+    assert report.verdict in ("healthy", "watch", "hurt")
+    results = json.loads((tmp_path / "eval_results.json").read_text())
+    assert set(results["quantized"]["perplexity"]) == {"perplexity", "kl_divergence", "top1_agreement"}
+    assert results["baseline"]["perplexity"]["perplexity"] == pytest.approx(base["perplexity"])
+    assert results["details"]["kl"]["kl_p99"] >= results["details"]["kl"]["kl_p50"] >= 0
+    assert (tmp_path / "eval_report.md").read_text().count("| perplexity | perplexity |") == 1
+    assert (tmp_path / "eval_chart.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_two_level_scale_export_is_loaded_with_quarks_importer(quantized, eval_text, tmp_path):
+    report = evaluate(quantized("nvfp4"), ppl_options(eval_text, max_windows=4), tmp_path, FlagApprover())
+    assert report.details["loader"].startswith("quark")
+    assert math.isfinite(report.quantized["perplexity"]["perplexity"])
+
+
+def scale_tensors(model_dir: Path, suffix: str, factor: float) -> int:
+    """Multiply every tensor whose name ends with ``suffix`` by ``factor``, in place."""
+    from safetensors.torch import load_file, save_file
+
+    changed = 0
+    for shard in model_dir.glob("*.safetensors"):
+        tensors = load_file(shard)
+        for name in tensors:
+            if name.endswith(suffix):
+                tensors[name] = tensors[name] * factor
+                changed += 1
+        save_file(tensors, shard, metadata={"format": "pt"})
+    return changed
+
+
+def test_damaged_model_is_judged_hurt_with_remedies(quantized, copy_model, tiny_llama, eval_text, tmp_path):
+    damaged = copy_model(quantized("int8"), "damaged-int8")
+    assert scale_tensors(damaged, "down_proj.weight_scale", 10.0) == 2  # down_proj weights x10
+    plan = {
+        "global_scheme": "int8",
+        "algorithm": None,
+        "exclude_layers": ["lm_head"],
+        "calibration": {"num_samples": 16},
+    }
+    report = evaluate(
+        damaged,
+        ppl_options(eval_text, baseline=tiny_llama),
+        tmp_path / "work",
+        FlagApprover(),
+        source_model=tiny_llama,
+        plan=plan,
+    )
+    assert report.verdict == "hurt"
+    row = next(c for c in report.comparisons if c.metric == "perplexity")
+    assert row.verdict == "hurt" and row.degradation_pct > 5
+    joined = " ".join(report.remedies)
+    assert "smoothquant" in joined and "down_proj" in joined and "512" in joined
+    assert "## Remedies" in (tmp_path / "work" / "eval_report.md").read_text()
+
+
+def test_matches_quarks_ppl_eval(tiny_llama, eval_text, corpus):
+    """Same model, same text, Quark's fixed 2048-token windows: relative difference < 1e-4."""
+    import torch
+    from quark.contrib.llm_eval.evaluation import ppl_eval
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quark_ptq_eval.evaluate import tier_ppl
+
+    texts = [corpus.read_text(encoding="utf-8")[:30_000]]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    theirs = float(ppl_eval(model, tokenizer("\n\n".join(texts), return_tensors="pt"), "cpu"))
+    windows = tier_ppl.token_windows(tokenizer, texts, 2048)
+    acc = tier_ppl.Accumulator()
+    for start in range(0, windows.shape[0], 3):  # batched differently from Quark's one-by-one loop
+        tier_ppl.score_batch(model, windows[start : start + 3], acc)
+    ours = tier_ppl.perplexity_stats(acc.window_nll, 2047)["perplexity"]
+    assert windows.shape[0] >= 3
+    assert abs(ours - theirs) / theirs < 1e-4
+    assert torch.isfinite(torch.tensor(ours))
+
+
+def test_scores_only_without_baseline_or_reference(tiny_llama, eval_text, tmp_path):
+    report = evaluate(tiny_llama, ppl_options(eval_text, max_windows=4), tmp_path, FlagApprover())
+    assert report.baseline is None and report.verdict == "unknown"
+    assert report.comparisons[0].degradation_pct is None
+    assert "delta is unknown" in (tmp_path / "eval_report.md").read_text()
+    stats = report.details["quantized"]
+    assert stats["windows"] == 4 and stats["tokens"] == 4 * (SEQ_LEN - 1)
+    assert stats["perplexity_ci95_low"] < stats["perplexity"] < stats["perplexity_ci95_high"]
+
+
+def test_reference_gives_a_verdict_without_baseline(tiny_llama, eval_text, tmp_path):
+    first = evaluate(tiny_llama, ppl_options(eval_text, max_windows=4), tmp_path / "a", FlagApprover())
+    measured = first.quantized["perplexity"]["perplexity"]
+    worse_reference = {"perplexity": {"perplexity": measured / 1.2}}  # we are 20 % worse than published
+    report = evaluate(
+        tiny_llama,
+        ppl_options(eval_text, max_windows=4, reference=worse_reference),
+        tmp_path / "b",
+        FlagApprover(),
+    )
+    row = report.comparisons[0]
+    assert row.compared_to == "reference" and row.degradation_pct == pytest.approx(20.0, rel=1e-6)
+    assert report.verdict == "hurt"
+
+
+def test_long_estimate_stops_at_the_eval_checkpoint(tiny_llama, eval_text, tmp_path):
+    options = ppl_options(eval_text, max_windows=32, batch_size=4, confirm_above_s=0.0)
+    with pytest.raises(CheckpointPending) as stopped:
+        evaluate(tiny_llama, options, tmp_path, FlagApprover())
+    assert "eval" in stopped.value.message and "--approve eval" in stopped.value.hint
+    assert not (tmp_path / "eval_results.json").exists()
+    report = evaluate(tiny_llama, options, tmp_path, FlagApprover(["eval"]))
+    assert report.estimate.seconds > 0 and report.actual_s > 0
+
+
+def test_estimate_runtime_measures_a_pilot(tiny_llama, eval_text):
+    estimate = estimate_runtime(tiny_llama, ppl_options(eval_text, max_windows=24, batch_size=4))
+    assert estimate.seconds is not None and estimate.seconds > 0
+    assert "24 windows" in estimate.data and "pilot" in estimate.basis and "CPU" in estimate.hardware
+
+
+def test_missing_wikitext_offline_is_one_clear_sentence(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(UsageError, match="--eval-data PATH"):
+        evaluate(tiny_llama, EvalOptions(tier="ppl", seq_len=SEQ_LEN), tmp_path, FlagApprover())
+
+
+def test_non_finite_logits_are_refused(tiny_llama, copy_model, eval_text, tmp_path):
+    broken = copy_model(tiny_llama, "nan-model")
+    assert scale_tensors(broken, "layers.0.mlp.down_proj.weight", float("nan")) == 1
+    with pytest.raises(Exception, match="non-finite logits"):
+        evaluate(broken, ppl_options(eval_text, max_windows=2), tmp_path, FlagApprover())
+    assert not (tmp_path / "eval_results.json").exists()
