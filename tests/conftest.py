@@ -8,6 +8,9 @@ cached per (arch, scheme, algorithm).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
+# Quark's capability catalog is cached per checkout (computing it imports quark.torch: ~25 s).
+os.environ.setdefault("QUARK_PTQ_EVAL_CACHE", str(ROOT / ".pytest_cache" / "quark-ptq-eval"))
 
 
 @pytest.fixture(scope="session")
@@ -88,3 +93,30 @@ def copy_model(tmp_path):
         return dst
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def catalog() -> dict:
+    from quark_ptq_eval.catalog import load_catalog
+
+    return load_catalog()
+
+
+@dataclass
+class CliResult:
+    rc: int
+    out: str
+    err: str
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """Run ``quark-ptq-eval ARGS`` in a child process (the way users run it)."""
+
+    def run(*args: str | Path, cwd: Path | None = None, timeout: int = 600, env: dict | None = None) -> CliResult:
+        proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval", *map(str, args)], capture_output=True,
+                              text=True, cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL,
+                              env={**os.environ, **(env or {})})
+        return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+    return run

@@ -34,7 +34,9 @@ def resolve_model(model: str, offline: bool) -> tuple[Path | None, str]:
         if not (path / "config.json").is_file():
             raise UsageError(f"The model directory {path} has no config.json.", "Point to a Hugging Face model directory.")
         return path.resolve(), "local"
-    if HUB_ID.match(model) and not model.startswith((".", "/")):
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise UsageError(f"The model directory {path} does not exist.", "Check the path.")
+    if HUB_ID.match(model):
         if offline:
             raise UsageError(
                 f"{model} is not a local directory and offline mode is on, so it cannot be fetched from the Hub.",
