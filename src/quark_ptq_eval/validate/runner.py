@@ -13,7 +13,7 @@ from ..safetensors_io import TensorInfo, read_model_headers
 from .auxfiles import check_aux
 from .configdiff import ConfigContext, check_config
 from .layout import LayoutInputs, check_layout, layer_count
-from .md5check import Progress, check_md5
+from .md5check import Progress, check_md5, excluded_candidates, sample
 from .report import CheckResult, Finding, ValidationReport
 
 DEFAULT_EXCLUDE = ["lm_head"]
@@ -96,15 +96,21 @@ def _layout(source: Path, quantized: Path, qconfig: dict | None, exclude: list[s
 
 def _md5(headers: dict, exclude: list[str], tied: bool, max_samples: int | None, seed: int,
          workers: int | None, progress: Progress | None) -> CheckResult:
-    unreadable = [side for side, h in headers.items() if isinstance(h, str)]
-    if unreadable:
-        result = CheckResult("md5")
-        result.findings.append(Finding(f"{' and '.join(unreadable)} safetensors",
-                                       "excluded tensors cannot be compared because the safetensors headers "
-                                       "were refused (see the layout check).", side="environment"))
+    source, output = headers["source"], headers["output"]
+    if isinstance(source, dict) and isinstance(output, dict):
+        return check_md5(source, output, exclude, tied_embeddings=tied,
+                         max_samples=max_samples, seed=seed, workers=workers, progress=progress)
+    result = CheckResult("md5")
+    why = "the safetensors headers were refused (see the layout check)"
+    if isinstance(source, str):
+        result.findings.append(Finding("source safetensors", f"excluded tensors cannot be compared: {why}.",
+                                       side="environment"))
         return result
-    return check_md5(headers["source"], headers["output"], exclude, tied_embeddings=tied,
-                     max_samples=max_samples, seed=seed, workers=workers, progress=progress)
+    checked = sample(excluded_candidates(source, exclude, tied), max_samples, seed)
+    result.findings += [Finding(name, f"cannot be compared with the source: the output's {why}.",
+                                side="environment") for name in checked]
+    result.stats.update(checked=len(checked))
+    return result
 
 
 def _timed(run: Callable[[], CheckResult]) -> CheckResult:
