@@ -79,7 +79,7 @@ def scale_tensors(model_dir: Path, suffix: str, factor: float) -> int:
 
 def test_damaged_model_is_judged_hurt_with_remedies(quantized, copy_model, tiny_llama, eval_text, tmp_path):
     damaged = copy_model(quantized("int8"), "damaged-int8")
-    assert scale_tensors(damaged, "down_proj.weight_scale", 10.0) == 2  # down_proj weights x10
+    assert scale_tensors(damaged, "lm_head.weight", 10.0) == 1  # logits x10: a far too confident model
     plan = {
         "global_scheme": "int8",
         "algorithm": None,

@@ -18,7 +18,7 @@ from .remedies import suggest_remedies
 from .tiers import TIERS, get_tier, tier_module
 from .verdict import Comparison, compare_all, overall_verdict
 
-BASELINE_FROM_SOURCE = "source"  # `--baseline` without a path: the source model of the run
+BASELINE_FROM_SOURCE = "<source>"  # `--baseline` without a path: the source model of the run
 
 
 @dataclass

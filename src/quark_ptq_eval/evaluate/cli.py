@@ -64,7 +64,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser, standalone: bool = True)
     g.add_argument(
         "--baseline",
         nargs="?",
-        const="source",
+        const="<source>",
         metavar="SRC",
         help="also evaluate the unquantized model (about double the time); no value: the source",
     )

@@ -1,0 +1,126 @@
+"""Tier 1 throughput against its peers on the same model and text, printed as ratios.
+
+Peers: Quark's own ``quark.contrib.llm_eval.evaluation.ppl_eval`` (one 2048-token window at a
+time) and lm-eval's rolling-loglikelihood perplexity (``HFLM.loglikelihood_rolling``). All three
+score the same pre-tokenized text with the same in-memory model; tokenization and model loading
+are outside the timed region. Run: ``python bench/bench_ppl.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SEQ_LEN = 2048  # Quark's ppl_eval is fixed to 2048-token windows
+ASSETS = Path(tempfile.gettempdir()) / "qpe-bench-assets"
+
+
+def build_assets() -> tuple[Path, Path]:
+    from quark_ptq_eval.demo import build_corpus, build_tiny_model
+
+    corpus = ASSETS / "corpus.txt"
+    if not corpus.exists():
+        build_corpus(corpus)
+    model = ASSETS / "tiny-llama"
+    if not (model / "config.json").exists():
+        build_tiny_model(model, corpus)
+    return model, corpus
+
+
+def time_ours(model, windows) -> tuple[float, float]:
+    from quark_ptq_eval.evaluate import tier_ppl
+
+    batch = tier_ppl.auto_batch_size(SEQ_LEN, model.get_output_embeddings().weight.shape[0], "cpu")
+    acc = tier_ppl.Accumulator()
+    started = time.perf_counter()
+    for start in range(0, windows.shape[0], batch):
+        tier_ppl.score_batch(model, windows[start : start + batch], acc)
+    elapsed = time.perf_counter() - started
+    return elapsed, tier_ppl.perplexity_stats(acc.window_nll, SEQ_LEN - 1)["perplexity"]
+
+
+def time_quark(model, encoding) -> tuple[float, float]:
+    from quark.contrib.llm_eval.evaluation import ppl_eval
+
+    started = time.perf_counter()
+    ppl = float(ppl_eval(model, encoding, "cpu"))
+    return time.perf_counter() - started, ppl
+
+
+def time_lm_eval(model, tokenizer, text: str) -> tuple[float, float]:
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, max_length=SEQ_LEN)
+    request = Instance(request_type="loglikelihood_rolling", doc={}, arguments=(text,), idx=0)
+    started = time.perf_counter()
+    (logprob,) = lm.loglikelihood_rolling([request], disable_tqdm=True)
+    elapsed = time.perf_counter() - started
+    tokens = len(tokenizer(text).input_ids)
+    return elapsed, math.exp(-logprob / tokens)
+
+
+def run(quick: bool) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quark_ptq_eval.evaluate import tier_ppl
+
+    model_dir, corpus = build_assets()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    text = corpus.read_text(encoding="utf-8")[: 60_000 if quick else 240_000]
+    windows = tier_ppl.token_windows(tokenizer, [text], SEQ_LEN)
+    # Quark and ours score the very same token ids; lm-eval re-tokenizes the covered text itself.
+    encoding = SimpleNamespace(input_ids=windows.reshape(1, -1))
+    scored_text = tokenizer.decode(windows.reshape(-1))
+    tokens = windows.numel()
+    import quark.contrib.llm_eval.evaluation  # noqa: F401 - import cost outside the timed regions
+
+    with torch.inference_mode():
+        model(windows[:1])  # warm-up shared by all contenders
+    repeats = 1 if quick else 3
+    ours = min(time_ours(model, windows) for _ in range(repeats))
+    quark = min(time_quark(model, encoding) for _ in range(repeats))
+    lm_eval = min(time_lm_eval(model, tokenizer, scored_text) for _ in range(repeats))
+    rows = []
+    for peer, (peer_s, peer_ppl) in (("quark ppl_eval", quark), ("lm-eval loglikelihood_rolling", lm_eval)):
+        rows.append(
+            {
+                "benchmark": f"tier1 perplexity, {tokens:,} tokens, seq_len {SEQ_LEN}",
+                "ours_s": round(ours[0], 4),
+                "peer": peer,
+                "peer_s": round(peer_s, 4),
+                "ratio": round(peer_s / ours[0], 3),
+                "ours_tokens_per_s": round(tokens / ours[0]),
+                "peer_tokens_per_s": round(tokens / peer_s),
+                "ours_perplexity": ours[1],
+                "peer_perplexity": peer_ppl,
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="less text, one repetition")
+    args = parser.parse_args(argv)
+    for row in run(args.quick):
+        print(
+            f"{row['benchmark']}: ours {row['ours_s']:.2f} s ({row['ours_tokens_per_s']:,} tok/s, "
+            f"ppl {row['ours_perplexity']:.6f}) vs {row['peer']} {row['peer_s']:.2f} s "
+            f"({row['peer_tokens_per_s']:,} tok/s, ppl {row['peer_perplexity']:.6f}): {row['ratio']:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""Tier 2: the lm-eval library on the model loaded in this process (the right loader, no server).
+
+The estimate counts the requests the chosen tasks will make (documents x choices, few-shot
+context, generation budget) and times a forward pass of that shape on the real model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import QpeError, UsageError
+from ..fsio import atomic_write_text
+from .context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
+from .loading import LoadedModel, load_model, model_size_bytes, require_finite
+
+SAMPLE_DOCS = 16  # documents per task tokenized to estimate request lengths
+DEFAULT_GEN_TOKS = 256  # lm-eval's own default generation budget
+RESULTS_DIR = "lm_eval_results"
+
+
+@dataclass
+class Workload:
+    requests: int = 0
+    context_tokens: int = 0
+    generated_tokens: int = 0
+    per_task: dict[str, int] = field(default_factory=dict)  # documents per task
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Prepared:
+    ctx: TierContext
+    quantized: LoadedModel
+    task_names: list[str]
+    workload: Workload
+    estimate: RuntimeEstimate
+    pilot_s: float
+
+
+def _import_lm_eval():
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise UsageError("Tier 2 needs the lm_eval library: pip install 'quark-ptq-eval[eval]'.") from None
+    return lm_eval, TaskManager
+
+
+def task_manager(include_path: Path | None):
+    _, TaskManager = _import_lm_eval()
+    if include_path is not None and not Path(include_path).is_dir():
+        raise UsageError(f"--include-path {include_path} is not a directory of lm-eval task YAMLs.")
+    return TaskManager(include_path=str(include_path) if include_path else None)
+
+
+def check_tasks(manager, tasks: list[str]) -> list[str]:
+    if not tasks:
+        raise UsageError(
+            "Tier 2 needs --tasks, e.g. --tasks arc_easy,hellaswag (or a local task with --include-path)."
+        )
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise UsageError(
+            f"lm-eval does not know the task(s) {', '.join(unknown)}; check the names or --include-path."
+        )
+    return tasks
+
+
+def load_task_objects(manager, tasks: list[str]) -> dict[str, Any]:
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        return _flatten(get_task_dict(tasks, manager))
+    except Exception as exc:  # noqa: BLE001 - dataset download/offline errors surface here
+        raise UsageError(
+            f"lm-eval could not load the data of {', '.join(tasks)} ({type(exc).__name__}: {str(exc)[:200]}); "
+            "offline, use local task YAMLs with --include-path."
+        ) from None
+
+
+def _flatten(task_dict: dict) -> dict[str, Any]:
+    flat = {}
+    for key, value in task_dict.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value))
+        elif value is not None:
+            flat[getattr(key, "group_name", None) or str(key)] = value
+    return flat
+
+
+def count_workload(task_objects: dict[str, Any], tokenizer, options) -> Workload:
+    workload = Workload()
+    for name, task in task_objects.items():
+        try:
+            _count_task(name, task, tokenizer, options, workload)
+        except Exception as exc:  # noqa: BLE001 - an exotic task must not block the estimate
+            workload.notes.append(f"{name}: request sizes not estimated ({type(exc).__name__}).")
+    return workload
+
+
+def _count_task(name: str, task, tokenizer, options, workload: Workload) -> None:
+    docs = list(task.eval_docs)
+    limit = options.limit
+    n = (
+        len(docs)
+        if limit is None
+        else (math.ceil(len(docs) * limit) if limit < 1 else min(len(docs), int(limit)))
+    )
+    workload.per_task[name] = n
+    sample = docs[: min(n, SAMPLE_DOCS)]
+    if not sample:
+        return
+    shots = options.num_fewshot if options.num_fewshot is not None else (task.config.num_fewshot or 0)
+    output_type = task.OUTPUT_TYPE
+    lengths, choices, gen = [], [], 0
+    for doc in sample:
+        if output_type == "loglikelihood_rolling":
+            lengths.append(_tokens(tokenizer, task.doc_to_target(doc)))
+            choices.append(1)
+            continue
+        context = _tokens(tokenizer, task.doc_to_text(doc)) * (1 + shots)
+        options_list = task.doc_to_choice(doc) if output_type == "multiple_choice" else [""]
+        choices.append(len(options_list))
+        lengths.append(context + statistics.mean(_tokens(tokenizer, c) for c in options_list))
+    per_doc_requests = statistics.mean(choices)
+    workload.requests += round(n * per_doc_requests)
+    workload.context_tokens += round(n * per_doc_requests * statistics.mean(lengths))
+    if output_type == "generate_until":
+        gen = options.max_gen_toks or (task.config.generation_kwargs or {}).get(
+            "max_gen_toks", DEFAULT_GEN_TOKS
+        )
+        workload.generated_tokens += n * int(gen)
+
+
+def _tokens(tokenizer, text: Any) -> int:
+    if isinstance(text, list):
+        text = text[0] if text else ""
+    return len(tokenizer(str(text)).input_ids) if text else 0
+
+
+def pilot(loaded: LoadedModel, workload: Workload, batch_size: int) -> tuple[float, float, float]:
+    """(seconds per context token, seconds per generated token, pilot seconds) on the real model."""
+    import torch
+
+    started = time.perf_counter()
+    length = max(8, min(2048, workload.context_tokens // max(1, workload.requests)))
+    ids = torch.randint(
+        0,
+        min(loaded.tokenizer.vocab_size, 30000),
+        (batch_size, length),
+        generator=torch.Generator().manual_seed(0),
+    )
+    ids = ids.to(loaded.device)
+    with torch.inference_mode():
+        loaded.model(ids[:, : min(length, 16)])  # warm-up
+        timed = time.perf_counter()
+        logits = loaded.model(ids).logits
+        per_context_token = (time.perf_counter() - timed) / ids.numel()
+        require_finite(logits, "The model")
+        per_generated_token = 0.0
+        if workload.generated_tokens:
+            timed = time.perf_counter()
+            loaded.model.generate(
+                ids[:1, :length],
+                max_new_tokens=8,
+                min_new_tokens=8,
+                do_sample=False,
+                pad_token_id=loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id,
+            )
+            per_generated_token = (time.perf_counter() - timed) / 8
+    return per_context_token, per_generated_token, time.perf_counter() - started
+
+
+def prepare(ctx: TierContext) -> Prepared:
+    options = ctx.options
+    manager = task_manager(options.include_path)
+    tasks = check_tasks(manager, options.tasks)
+    started = time.perf_counter()
+    task_objects = load_task_objects(manager, tasks)  # fails (offline, typos) before any model loads
+    task_setup_s = time.perf_counter() - started  # lm-eval pays it again for every model it evaluates
+    quantized = load_model(ctx.model_dir, options.device, options.trust_remote_code)
+    ctx.log(f"loaded {ctx.model_dir} with the {quantized.loader} loader ({quantized.loader_reason})")
+    workload = count_workload(task_objects, quantized.tokenizer, options)
+    batch_size = options.batch_size or 1
+    per_ctx, per_gen, pilot_s = pilot(quantized, workload, batch_size)
+    models = 2 if options.baseline else 1
+    seconds = models * (
+        task_setup_s + workload.context_tokens * per_ctx + workload.generated_tokens * per_gen
+    )
+    seconds += quantized.load_s * (models - 1)  # the baseline loads after the quantized run
+    estimate = RuntimeEstimate(
+        tier="2 (lm_eval)",
+        seconds=seconds,
+        hardware=hardware_description(quantized.device),
+        model_bytes=quantized.size_bytes + (model_size_bytes(options.baseline) if options.baseline else 0),
+        data=(
+            f"{sum(workload.per_task.values()):,} documents ({', '.join(f'{k}: {v}' for k, v in workload.per_task.items())}), "
+            f"~{workload.requests:,} requests, ~{workload.context_tokens:,} context tokens"
+            + (f", up to {workload.generated_tokens:,} generated tokens" if workload.generated_tokens else "")
+        ),
+        basis=(
+            f"pilot forward of {batch_size} x {max(8, workload.context_tokens // max(1, workload.requests))} tokens: "
+            f"{1 / per_ctx:,.0f} tokens/s"
+            + (f"; decoding {1 / per_gen:,.1f} tokens/s" if per_gen else "")
+            + (" (x2 for the baseline)" if models == 2 else "")
+        ),
+        warning=(
+            "Full lm-eval benchmarks can take hours; use --limit N for a smoke run."
+            if options.limit is None
+            else None
+        ),
+        threshold_s=options.confirm_above_s,
+    )
+    return Prepared(ctx, quantized, tasks, workload, estimate, pilot_s)
+
+
+def run_lm_eval(loaded: LoadedModel, prepared: Prepared, label: str) -> dict:
+    lm_eval, _ = _import_lm_eval()
+    from lm_eval.models.huggingface import HFLM
+
+    options = prepared.ctx.options
+    lm = HFLM(
+        pretrained=loaded.model,
+        tokenizer=loaded.tokenizer,
+        batch_size=options.batch_size or 1,
+        max_length=getattr(loaded.model.config, "max_position_embeddings", None),
+    )
+    gen_kwargs = {"max_gen_toks": options.max_gen_toks} if options.max_gen_toks else None
+    prepared.ctx.log(f"lm-eval on the {label} model: {', '.join(prepared.task_names)}")
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=prepared.task_names,
+        num_fewshot=options.num_fewshot,
+        limit=options.limit,
+        task_manager=task_manager(options.include_path),
+        log_samples=False,
+        gen_kwargs=gen_kwargs,
+        bootstrap_iters=1000,
+    )
+    if not results or not results.get("results"):
+        raise QpeError(f"lm-eval returned no results for the {label} model.")
+    path = prepared.ctx.workdir / RESULTS_DIR / f"{label}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(results, indent=2, default=str))  # lm-eval's own document, kept whole
+    return results
+
+
+def scores_from(results: dict) -> tuple[dict, dict, dict]:
+    """({task: {metric: value}}, {task: {metric: stderr}}, {task: {metric: higher_is_better}})."""
+    scores, stderrs, directions = {}, {}, {}
+    for task, metrics in results["results"].items():
+        better = (results.get("higher_is_better") or {}).get(task, {})
+        for key, value in metrics.items():
+            if "," not in key or not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            metric, filter_name = key.split(",", 1)
+            target = stderrs if metric.endswith("_stderr") else scores
+            metric = metric.removesuffix("_stderr")
+            name = metric if filter_name == "none" else f"{metric},{filter_name}"
+            target.setdefault(task, {})[name] = float(value)
+            if metric in better and better[metric] is not None:
+                directions.setdefault(task, {})[name] = bool(better[metric])
+    return scores, stderrs, directions
+
+
+def run(prepared: Prepared) -> TierOutcome:
+    ctx = prepared.ctx
+    quantized_results = run_lm_eval(prepared.quantized, prepared, "quantized")
+    quantized, q_stderr, directions = scores_from(quantized_results)
+    details: dict[str, Any] = {
+        "stderr": {"quantized": q_stderr},
+        "workload": prepared.workload.__dict__,
+        "loader": f"{prepared.quantized.loader} ({prepared.quantized.loader_reason})",
+        "lm_eval_version": quantized_results.get("lm_eval_version"),
+    }
+    artifacts = {"lm_eval quantized results": str(ctx.workdir / RESULTS_DIR / "quantized.json")}
+    baseline = None
+    if ctx.options.baseline:
+        _release(prepared)
+        base_model = load_model(ctx.options.baseline, ctx.options.device, ctx.options.trust_remote_code)
+        baseline_results = run_lm_eval(base_model, prepared, "baseline")
+        baseline, b_stderr, _ = scores_from(baseline_results)
+        details["stderr"]["baseline"] = b_stderr
+        artifacts["lm_eval baseline results"] = str(ctx.workdir / RESULTS_DIR / "baseline.json")
+    notes = list(prepared.workload.notes)
+    for task, metrics in quantized.items():
+        for metric, value in metrics.items():
+            if not math.isfinite(value):
+                notes.append(f"{task}:{metric} is not finite ({value}).")
+    return TierOutcome(
+        quantized=quantized,
+        baseline=baseline,
+        directions=directions,
+        details=details,
+        notes=notes,
+        artifacts=artifacts,
+    )
+
+
+def _release(prepared: Prepared) -> None:
+    """Free the quantized model before the baseline loads: only one model in memory at a time."""
+    import gc
+
+    prepared.quantized.model = None
+    gc.collect()

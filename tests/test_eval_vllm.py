@@ -1,0 +1,189 @@
+"""Tier 3: deferred commands off ROCm, command building for docker and host, and a faked ROCm run."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from quark_ptq_eval.checkpoints import FlagApprover
+from quark_ptq_eval.errors import CheckpointPending
+from quark_ptq_eval.evaluate import EvalOptions, evaluate
+from quark_ptq_eval.evaluate import tier_vllm as t3
+from quark_ptq_eval.evaluate.context import TierContext
+
+NO_ROCM = t3.Environment(
+    rocm=False, rocm_evidence=[], docker=False, in_container=False, vllm=False, lm_eval_api=False
+)
+ROCM_DOCKER = t3.Environment(
+    rocm=True,
+    rocm_evidence=["rocm-smi on PATH"],
+    docker=True,
+    in_container=False,
+    vllm=False,
+    lm_eval_api=False,
+)
+
+
+def fake_model(root: Path, name: str, chat_template: str | None = None, max_pos: int = 40960) -> Path:
+    model = root / name
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "max_position_embeddings": max_pos})
+    )
+    (model / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": chat_template} if chat_template else {})
+    )
+    (model / "model.safetensors").write_bytes(b"\0" * 16)
+    return model
+
+
+def test_this_host_has_no_rocm_so_commands_are_deferred(tiny_llama, tmp_path, capsys):
+    assert not t3.detect_environment().rocm  # the premise of this test: a CPU-only host
+    report = evaluate(
+        tiny_llama, EvalOptions(tier="vllm", tasks=["gsm8k"], limit=50), tmp_path, FlagApprover()
+    )
+    assert report.verdict == "unknown" and report.quantized == {}
+    purposes = [c["purpose"] for c in report.deferred_commands]
+    assert purposes[0].startswith("create the holder container") and any("serve" in p for p in purposes)
+    printed = capsys.readouterr().err
+    assert "vllm serve" in printed and "lm_eval --model local-completions" in printed
+    text = (tmp_path / "eval_report.md").read_text()
+    assert "Deferred commands" in text and "--entrypoint sleep" in text
+    results = json.loads((tmp_path / "eval_results.json").read_text())
+    assert results["deferred_commands"][0]["argv"][:3] == ["docker", "run", "-d"]
+
+
+def _plan(tmp_path, env, runtime, **options):
+    model = options.pop("model", None) or fake_model(tmp_path, "quant")
+    opts = EvalOptions(tier="vllm", **options)
+    models = [t3.ServedModel("quantized", model, "quantized")]
+    if opts.baseline:
+        models.append(t3.ServedModel("baseline", Path(opts.baseline), "baseline"))
+    return t3.plan_commands(models, opts, tmp_path / "work", runtime, env, container="c1"), model
+
+
+def test_docker_plan_holds_the_container_with_a_non_vllm_entrypoint(tmp_path):
+    plan, model = _plan(tmp_path, ROCM_DOCKER, "docker", tasks=["arc_easy"], limit=20, num_fewshot=5)
+    create, install = plan.setup
+    argv = create.argv
+    assert argv[:3] == ["docker", "run", "-d"] and argv[argv.index("--entrypoint") + 1] == "sleep"
+    assert argv[-2:] == ["vllm/vllm-openai-rocm:latest", "infinity"]
+    assert "--device=/dev/kfd" in argv and f"{model.resolve()}:{model.resolve()}:ro" in argv
+    assert install.argv[:3] == ["docker", "exec", "c1"] and "lm-eval[api]" in install.argv
+    serve, health, lm_eval = plan.per_model["quantized"]
+    assert serve.background and serve.argv[:5] == ["docker", "exec", "c1", "sh", "-c"]
+    inner = shlex.split(serve.argv[5].split("exec ", 1)[1])
+    assert inner[:3] == ["vllm", "serve", str(model.resolve())] and "--port" in inner
+    assert "/health" in health.argv[-1]
+    assert lm_eval.argv[:4] == ["docker", "exec", "c1", "lm_eval"]
+    assert lm_eval.argv[lm_eval.argv.index("--model") + 1] == "local-completions"  # loglikelihood task
+    model_args = lm_eval.argv[lm_eval.argv.index("--model_args") + 1]
+    assert "/v1/completions" in model_args and "max_length=40960" in model_args
+    assert lm_eval.argv[lm_eval.argv.index("--num_fewshot") + 1] == "5"
+    assert [c.argv for c in plan.teardown] == [["docker", "stop", "c1"], ["docker", "rm", "c1"]]
+
+
+def test_reasoning_chat_model_on_gsm8k_gets_chat_completions_and_a_big_budget(tmp_path):
+    model = fake_model(tmp_path, "thinker", chat_template="{% if enable_thinking %}<think>{% endif %}")
+    plan, _ = _plan(tmp_path, ROCM_DOCKER, "docker", model=model, tasks=["gsm8k"])
+    lm_eval = plan.per_model["quantized"][2].argv
+    assert (
+        lm_eval[lm_eval.index("--model") + 1] == "local-chat-completions"
+        and "--apply_chat_template" in lm_eval
+    )
+    assert "/v1/chat/completions" in lm_eval[lm_eval.index("--model_args") + 1]
+    gen = lm_eval[lm_eval.index("--gen_kwargs") + 1]
+    assert "max_gen_toks=32768" in gen and "temperature=0" in gen
+
+
+def test_host_plan_runs_vllm_directly_and_reuse_skips_creation(tmp_path):
+    host_env = t3.Environment(
+        rocm=True,
+        rocm_evidence=["torch.version.hip=6.2"],
+        docker=False,
+        in_container=True,
+        vllm=True,
+        lm_eval_api=True,
+    )
+    assert t3.choose_runtime(host_env, "auto") == "host"
+    assert t3.choose_runtime(ROCM_DOCKER, "auto") == "docker"
+    plan, model = _plan(tmp_path, host_env, "host", tasks=["gsm8k"])
+    assert plan.setup == [] and plan.teardown == [] and plan.container is None
+    serve, _, lm_eval = plan.per_model["quantized"]
+    assert serve.argv[:3] == ["vllm", "serve", str(model.resolve())]
+    assert lm_eval.argv[0] == "lm_eval" and "docker" not in lm_eval.argv
+    reused, _ = _plan(tmp_path / "r", ROCM_DOCKER, "docker", vllm_container="mine", tasks=["gsm8k"])
+    assert not reused.create_container and reused.teardown == []
+    assert reused.setup[0].argv[:3] == ["docker", "exec", "mine"]
+
+
+class FakeProcess:
+    def __init__(self):
+        self.returncode = None
+
+    def poll(self):
+        return self.returncode
+
+
+class FakeExecutor(t3.Executor):
+    """Records every command; `lm_eval` writes results as the real one would."""
+
+    def __init__(self, workdir: Path):
+        super().__init__(workdir)
+        self.calls: list[list[str]] = []
+        self.stopped: list[tuple] = []
+
+    def run(self, argv, timeout=None, check=True):
+        self.calls.append(argv)
+        if "lm_eval" in argv:
+            out = Path(argv[argv.index("--output_path") + 1]) / "served"
+            out.mkdir(parents=True, exist_ok=True)
+            score = 0.70 if "model=quantized" in argv[argv.index("--model_args") + 1] else 0.80
+            (out / "results_2026.json").write_text(
+                json.dumps(
+                    {
+                        "results": {
+                            "gsm8k": {
+                                "alias": "gsm8k",
+                                "exact_match,flexible-extract": score,
+                                "exact_match_stderr,flexible-extract": 0.01,
+                            }
+                        },
+                        "higher_is_better": {"gsm8k": {"exact_match": True}},
+                    }
+                )
+            )
+        return "0123abcd\n" if argv[:2] == ["docker", "run"] else ""
+
+    def start(self, argv, log_name):
+        self.calls.append(argv)
+        pid_file = self.workdir / log_name.replace(".log", ".pid")
+        pid_file.write_text("4242\n")  # what the launcher inside the container writes
+        return FakeProcess()
+
+    def healthy(self, port):
+        return True
+
+    def stop_server(self, process, pid_file, container):
+        self.stopped.append((pid_file.read_text().strip(), container))
+
+
+def test_rocm_run_asks_first_then_stops_only_what_it_started(tmp_path):
+    quant, base = fake_model(tmp_path, "q"), fake_model(tmp_path, "b")
+    work = tmp_path / "work"
+    work.mkdir()
+    ctx = TierContext(quant, EvalOptions(tier="vllm", tasks=["gsm8k"], baseline=base), work, FlagApprover())
+    prepared = t3.prepare(ctx, env=ROCM_DOCKER)
+    with pytest.raises(CheckpointPending):
+        t3.run(prepared, FakeExecutor(work))
+    ctx.approver = FlagApprover(["eval"])
+    executor = FakeExecutor(work)
+    outcome = t3.run(prepared, executor)
+    assert outcome.quantized == {"gsm8k": {"exact_match,flexible-extract": 0.70}}
+    assert outcome.baseline == {"gsm8k": {"exact_match,flexible-extract": 0.80}}
+    assert executor.calls[0][:3] == ["docker", "run", "-d"]
+    assert executor.calls[-2:] == [["docker", "stop", "0123abcd"], ["docker", "rm", "0123abcd"]]  # by id
+    assert executor.stopped == [("4242", prepared.plan.container)] * 2  # each server by its pid
