@@ -17,6 +17,8 @@ from pathlib import Path
 from .errors import QpeError
 from .fsio import write_json
 
+CATALOG_FORMAT = 2  # bump when dump_catalog() describes more
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("QUARK_PTQ_EVAL_CACHE", Path.home() / ".cache" / "quark-ptq-eval"))
@@ -32,7 +34,7 @@ def quark_version() -> str:
 def _install_key() -> str:
     dist = importlib.metadata.distribution("amd-quark")
     where = str(dist.locate_file(""))
-    return hashlib.sha256(f"{quark_version()}|{where}".encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{CATALOG_FORMAT}|{quark_version()}|{where}".encode()).hexdigest()[:12]
 
 
 def load_catalog() -> dict:
@@ -86,7 +88,9 @@ def _scheme_info(template, name: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - a scheme Quark cannot build is reported, not fatal
         return {"error": str(exc)}
     weight, act = _dtypes(g.weight), _dtypes(g.input_tensors)
+    specs = g.input_tensors if isinstance(g.input_tensors, list) else [g.input_tensors] if g.input_tensors else []
     return {"weight_dtypes": weight, "activation_dtypes": act, "weight_only": not act,
+            "static_activations": any(not getattr(s, "is_dynamic", False) for s in specs),
             "weight_bits": _bits(weight[0]) if weight else None}
 
 

@@ -176,6 +176,12 @@ class Recipe:
         self.ui.headline("Phase 1 · step 3 — manifest")
         manifest = build_manifest(plan, self.workdir, output_dir, offline=offline, engine_version=quark_version())
         previous = self._load_quietly(RunManifest)
+        if previous is not None and previous.command.get("digest") != previous.command_digest:
+            # Edited by hand after it was generated: keep the user's file; the execution gate is
+            # bound to the command on disk, so the edited command needs its own approval.
+            self.ui.info(f"warning: {RunManifest.path_in(self.workdir)} was edited after it was generated; "
+                         "its command is kept and needs a new approval at checkpoint 3.")
+            return previous
         if previous is not None and previous.command_digest == manifest.command_digest:
             manifest.runs, manifest.observed = previous.runs, previous.observed
         manifest.write(self.workdir)
@@ -232,6 +238,7 @@ class Recipe:
                 f"To continue: quark-ptq-eval resume --workdir {shlex.quote(str(self.workdir))} "
                 "--eval-tier ppl|lm_eval|vllm|skip",
             )
+        self.state.waiting_for = None
         if tier == "skip":
             self.state.record_step("eval", "skipped")
             self.ui.info("Evaluation skipped.")

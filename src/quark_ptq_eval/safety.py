@@ -39,7 +39,9 @@ def check_output_target(output: Path, model_dir: Path | None, workdir: Path) -> 
     if out.exists() and not out.is_dir():
         raise UsageError(f"The output path {out} is a file, not a directory.", "Choose a directory path.")
     anchor = _first_existing(out.parent)
-    if not os.access(anchor, os.W_OK | os.X_OK):
+    if not anchor.is_dir():
+        raise UsageError(f"Cannot create the output directory {out}: {anchor} is a file.", "Choose a directory path.")
+    if not os.access(anchor, os.W_OK | os.X_OK) or os.statvfs(anchor).f_flag & os.ST_RDONLY:
         raise UsageError(f"Cannot create the output directory {out}: {anchor} is not writable.",
                          "Choose a location you can write to.")
     return out

@@ -109,4 +109,6 @@ def _prepare_calibration(recipe: Recipe, manifest: RunManifest) -> None:
     calib = manifest.inputs.get("calibration")
     if not calib or not Path(calib).exists():
         raise CheckpointPending("The calibration file named in the manifest is missing.", "Re-run the plan step.")
-    prepare_offline_calibration(Path(calib), Path(cache))
+    argv = manifest.command["argv"]
+    dataset = argv[argv.index("--dataset") + 1] if "--dataset" in argv else "pileval"
+    prepare_offline_calibration(Path(calib), Path(cache), dataset=dataset)

@@ -79,7 +79,9 @@ def engine_env(plan: QuantPlan, engine: Engine, offline: bool, workdir: Path) ->
     if offline:
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if engine.name == "quark-cli" and plan.calibration["source"] == "local_file":
-        env.update(HF_DATASETS_CACHE=str(workdir / CALIB_CACHE_DIR), HF_DATASETS_OFFLINE="1")
+        from ..execute.calib_cache import offline_env
+
+        env.update(offline_env(workdir / CALIB_CACHE_DIR))
     return env
 
 
