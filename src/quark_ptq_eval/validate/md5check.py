@@ -62,31 +62,54 @@ def sample(candidates: list[str], max_samples: int | None, seed: int) -> list[st
 
 def digest_pair(src: TensorInfo, out: TensorInfo, chunk_bytes: int = CHUNK_BYTES) -> PairDigest:
     """MD5 both payloads in one pass; see the module docstring for why one side is hashed."""
-    shared = hashlib.md5()
-    diverged: hashlib._Hash | None = None
-    first_diff: int | None = None
     size = src.nbytes
-    src_buf, out_buf = bytearray(min(chunk_bytes, size)), bytearray(min(chunk_bytes, size))
+    chunk = max(1, min(chunk_bytes, size))
+    n_chunks = -(-size // chunk)
     with open(src.file, "rb", buffering=0) as fs, open(out.file, "rb", buffering=0) as fo:
         _advise_sequential(fs, src.start, size)
         _advise_sequential(fo, out.start, size)
-        done = 0
-        while done < size:
-            n = min(len(src_buf), size - done)
-            a = _read_exact(fs, src_buf, src.start + done, n)
-            b = _read_exact(fo, out_buf, out.start + done, n)
-            if diverged is None and a != b:
-                diverged = shared.copy()
-                first_diff = done + _first_difference(a, b)
-            shared.update(a)
-            if diverged is not None:
-                diverged.update(b)
-            done += n
+        buffers = [(bytearray(chunk), bytearray(chunk)) for _ in range(2 if n_chunks > 1 else 1)]
+
+        def load(k: int) -> tuple[bytearray | bytes, bytearray | bytes]:
+            offset, (a, b) = k * chunk, buffers[k % len(buffers)]
+            n = min(chunk, size - offset)
+            return _read_exact(fs, a, src.start + offset, n), _read_exact(fo, b, out.start + offset, n)
+
+        if n_chunks <= 1:
+            return _digest_chunks(src.name, size, [load(0)] if n_chunks else [])
+        # A reader thread fetches chunk k+1 into the other buffer pair while chunk k is hashed,
+        # so disk time and hashing overlap instead of adding up.
+        with ThreadPoolExecutor(max_workers=1) as reader:
+            return _digest_chunks(src.name, size, _prefetched(reader, load, n_chunks))
+
+
+def _prefetched(reader: ThreadPoolExecutor, load, n_chunks: int):
+    pending = reader.submit(load, 0)
+    for k in range(n_chunks):
+        pair = pending.result()
+        if k + 1 < n_chunks:
+            pending = reader.submit(load, k + 1)
+        yield pair
+
+
+def _digest_chunks(name: str, size: int, chunks) -> PairDigest:
+    shared = hashlib.md5()
+    diverged = None  # the output's own hash state, from the first differing chunk on
+    first_diff: int | None = None
+    done = 0
+    for a, b in chunks:
+        if diverged is None and a != b:
+            diverged = shared.copy()
+            first_diff = done + _first_difference(a, b)
+        shared.update(a)
+        if diverged is not None:
+            diverged.update(b)
+        done += len(a)
     source_md5 = shared.hexdigest()
-    return PairDigest(src.name, size, source_md5, diverged.hexdigest() if diverged else source_md5, first_diff)
+    return PairDigest(name, size, source_md5, diverged.hexdigest() if diverged else source_md5, first_diff)
 
 
-def _read_exact(fh, buf: bytearray, offset: int, n: int) -> memoryview | bytearray:
+def _read_exact(fh, buf: bytearray, offset: int, n: int) -> bytearray | bytes:
     view = memoryview(buf)[:n]
     got = 0
     while got < n:
