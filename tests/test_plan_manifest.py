@@ -117,9 +117,9 @@ def test_api_engine_command_for_every_plan_feature(plan_for, tmp_path, corpus):
     assert contracts.schema_errors("run_manifest", m.to_dict()) == []
 
 
-def test_template_default_exclusions_emit_no_flag_and_no_exclusions_emits_an_empty_one(plan_for, tmp_path):
+def test_exclusions_are_spelled_out_and_no_exclusions_emits_an_empty_flag(plan_for, tmp_path):
     default = manifest_for(plan_for(scheme="int8"), tmp_path).command["argv"]
-    assert "--exclude_layers" not in default
+    assert default[default.index("--exclude_layers") + 1] == "lm_head"  # the template's default, explicit
     none = manifest_for(plan_for(scheme="int8", no_exclusions=True), tmp_path).command["argv"]
     assert none[none.index("--exclude_layers") + 1:] == [] or none[none.index("--exclude_layers") + 1].startswith("--")
 

@@ -62,6 +62,7 @@ class Recipe:
         self.ui = reporter or Reporter()
         self.state: RunState
         self.timings: dict[str, float] = {}
+        self.plan_flags_given = False
 
     # -- the one gate mechanism -------------------------------------------------------------
     def _gate(self, name: str, content_digest: str, summary: str) -> None:
@@ -85,6 +86,7 @@ class Recipe:
                                  "Run `quark-ptq-eval run MODEL -o OUTPUT_DIR` first.")
             self.state.options = dataclasses.asdict(opts)
             self.state.save()
+            self.plan_flags_given = any(v is not None for v in options.plan.values())
             return self._run_locked(opts, stop_after)
 
     def _run_locked(self, opts: RunOptions, stop_after: str | None) -> dict[str, Any]:
@@ -160,14 +162,32 @@ class Recipe:
     def step_plan(self, opts: RunOptions, analysis: ModelAnalysis, ctx: preflight.Contexts, catalog: dict,
                   output_dir: Path) -> QuantPlan:
         self.ui.headline("Phase 1 · step 2 — plan")
-        fields = {f.name for f in dataclasses.fields(PlanRequest)}
-        req = PlanRequest(**{k: v for k, v in opts.plan.items() if k in fields}, offline=ctx.offline)
-        plan = make_plan(analysis, ctx.env, req, catalog, ModelAnalysis.path_in(self.workdir), output_dir)
+        plan = self._hand_edited_plan(analysis, catalog)
+        if plan is None:
+            fields = {f.name for f in dataclasses.fields(PlanRequest)}
+            req = PlanRequest(**{k: v for k, v in opts.plan.items() if k in fields}, offline=ctx.offline)
+            plan = make_plan(analysis, ctx.env, req, catalog, ModelAnalysis.path_in(self.workdir), output_dir)
         plan.requires_confirmation = not self.state.is_approved("plan", plan.digest)
         plan.write(self.workdir)
         self.ui.table("Quantization plan", [(d["decision"], _short(d["value"]), d["reason"]) for d in plan.decisions],
                       ("decision", "value", "reason"))
         self.state.record_step("plan", "done", artifact=str(QuantPlan.path_in(self.workdir)), digest=plan.digest)
+        return plan
+
+    def _hand_edited_plan(self, analysis: ModelAnalysis, catalog: dict) -> QuantPlan | None:
+        """A quant_plan.json the user corrected by hand is honoured (validated first), unless
+        plan flags given now ask for a new recommendation."""
+        path = QuantPlan.path_in(self.workdir)
+        written = self.state.steps.get("plan", {}).get("digest")
+        if self.plan_flags_given or not path.exists() or written is None:
+            return None
+        plan = QuantPlan.load(self.workdir)  # schema errors name the field
+        if plan.digest == written:
+            return None
+        from .plan.recommend import check_plan
+
+        check_plan(plan, analysis, catalog)
+        self.ui.info(f"Using your edited {path.name} (it differs from the one generated); it needs approval.")
         return plan
 
     def step_manifest(self, plan: QuantPlan, output_dir: Path, offline: bool) -> RunManifest:

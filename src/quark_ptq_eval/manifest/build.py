@@ -67,9 +67,9 @@ def engine_argv(plan: QuantPlan, engine: Engine, model_dir: Path, out: Path, wor
         argv += ["--kv_cache_dtype", plan.kv_cache_scheme]
     if plan.algorithm:
         argv += ["--quant_algo", plan.algorithm]
-    if plan.exclude_source == "user":
-        # Passing --exclude_layers replaces the template defaults; an empty list (no patterns)
-        # disables all exclusions, which the plan only allows with an explicit --no-exclusions.
+    if plan.exclude_layers or plan.exclude_source == "user":
+        # Always spelled out, so the command is exactly the plan (also a hand-corrected one).
+        # An empty list disables all exclusions: the plan only allows that with --no-exclusions.
         argv += ["--exclude_layers", *plan.exclude_layers]
     return [*argv, *engine.extra_flags]
 

@@ -220,3 +220,11 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
         trust_remote_code=req.trust_remote_code, evaluation_intent=req.evaluation_intent, decisions=decisions,
         requires_confirmation=True, output_dir=str(output_dir),
     )
+
+
+def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: dict) -> None:
+    """Re-check a (hand-edited) plan against the installed Quark, as make_plan does."""
+    _check_compatible(analysis.model_type, plan.global_scheme, plan.algorithm, plan.kv_cache_scheme,
+                      plan.layer_quant_config, analysis, catalog)
+    if plan.engine.get("name") == "quark-api" and plan.calibration.get("source") == "local_file":
+        check_text_source(plan.calibration.get("path") or "", "calibration data")
