@@ -19,7 +19,8 @@ from typing import Any
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 INTEGER_CONTAINERS = frozenset({"U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"})
 FP8_CONTAINERS = {"fp8_e4m3": {"F8_E4M3", "F8_E4M3FNUZ"}, "fp8_e5m2": {"F8_E5M2", "F8_E5M2FNUZ"}}
-E8M0_CONTAINERS = frozenset({"U8", "F8_E8M0"})
+MINIFLOAT_CONTAINERS = frozenset({"U8", "I8", "F8_E8M0", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
+MINIFLOAT_FORMAT = re.compile(r"e\d+m\d+")
 EMBEDDING_MARKERS = ("embed", "wte", "wpe")
 _BITS = re.compile(r"^(?:u?int|fp|float|bfloat)(\d+)")
 
@@ -89,8 +90,8 @@ def _scale_storage(specs: list[dict], level: int) -> tuple[int | None, frozenset
         dtype = nxt.get("dtype") or ""
         bits = dtype_bits(dtype)
         return bits, _element_containers(dtype, bits)
-    if specs[level].get("scale_format") == "e8m0":
-        return 8, E8M0_CONTAINERS
+    if MINIFLOAT_FORMAT.fullmatch(str(specs[level].get("scale_format"))):
+        return 8, MINIFLOAT_CONTAINERS  # e8m0 (MX), e5m3 (amdfp4), ...: one byte per scale
     return None, FLOAT_DTYPES
 
 
