@@ -413,3 +413,14 @@ def test_importing_the_validator_pulls_in_no_heavy_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[1] == "[]"
     assert float(out[0]) < 0.5
+
+
+def test_cmd_validate_config_only_failure_stops_without_asking_for_a_fix(tiny_llama, int8_copy, tmp_path, capsys):
+    cfg = json.loads((int8_copy / "config.json").read_text())
+    cfg["hidden_act"] = "gelu"
+    (int8_copy / "config.json").write_text(json.dumps(cfg))
+    args = parse(["--source", str(tiny_llama), "--quantized", str(int8_copy), "--workdir", str(tmp_path)])
+    with pytest.raises(ValidationFailed, match="non-benign metadata"):
+        cmd_validate(args, FlagApprover())  # no fix exists, so the fix gate is never asked
+    err = capsys.readouterr().err
+    assert err.count("hidden_act: changed from \"silu\" to \"gelu\".") == 1

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..checkpoints import Approver
 from ..errors import UsageError
 from ..fsio import read_json
-from .fixes import fix_and_revalidate
+from .fixes import fix_and_revalidate, propose_fixes
 from .report import ValidationReport
 from .runner import validate_model
 
@@ -34,9 +34,10 @@ def cmd_validate(args: argparse.Namespace, approver: Approver) -> int:
     options = {"max_samples": args.max_samples, "seed": args.seed, "workers": args.workers}
     report = validate_model(args.source, args.quantized, plan, **options)
     md_path, _ = report.write(workdir)
-    if report.status == "failed" and not report.structural_failure:
+    if report.status == "failed" and not report.structural_failure and propose_fixes(report, report.source,
+                                                                                      report.quantized):
         _print_failures(report)
-        report = fix_and_revalidate(report, approver, plan, **options)  # asks the "fix" gate
+        report = fix_and_revalidate(report, approver, plan, **options)  # asks the "fix" gate first
         md_path, _ = report.write(workdir)
     if report.status == "failed":
         _print_failures(report)

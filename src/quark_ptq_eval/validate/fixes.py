@@ -28,6 +28,8 @@ class Fix:
     def describe(self) -> str:
         return f"re-copy {self.relative_path} from the source ({self.reason})"
 
+    __str__ = describe
+
 
 def propose_fixes(report: ValidationReport, source: Path, quantized: Path) -> list[Fix]:
     """One re-copy per auxiliary file that is missing or really changed (benign drift needs none)."""
@@ -38,12 +40,17 @@ def propose_fixes(report: ValidationReport, source: Path, quantized: Path) -> li
     return fixes
 
 
-def apply_fixes(fixes: list[Fix], source: Path, quantized: Path, approver: Approver) -> list[str]:
-    """Ask the ``fix`` gate, then copy each file atomically; returns what was applied."""
+def apply_fixes(fixes: list[Fix], source: Path, quantized: Path, approver: Approver | None = None) -> list[str]:
+    """Ask ``approver`` at the ``fix`` gate, then copy each file atomically; returns what was applied.
+
+    ``approver=None`` is for a caller that has just passed the ``fix`` gate itself (the pipeline
+    binds that approval to the fixes' digest); it must never be used to skip the gate.
+    """
     if not fixes:
         return []
     summary = "\n".join(f"- {f.describe()}" for f in fixes)
-    require("fix", approver, f"Fixes for {quantized}:\n{summary}", "re-run with --approve fix (or answer yes).")
+    if approver is not None:
+        require("fix", approver, f"Fixes for {quantized}:\n{summary}", "re-run with --approve fix (or answer yes).")
     source, quantized = Path(source).resolve(), Path(quantized).resolve()
     _refuse_quark_package(quantized)
     applied = []

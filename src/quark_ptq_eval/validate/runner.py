@@ -19,7 +19,7 @@ from .report import CheckResult, Finding, ValidationReport
 DEFAULT_EXCLUDE = ["lm_head"]
 
 
-def validate_model(source: Path, quantized: Path, plan: dict | None = None, *, max_samples: int | None = None,
+def validate_model(source: Path | None, quantized: Path, plan: dict | None = None, *, max_samples: int | None = None,
                    seed: int = 0, workers: int | None = None, progress: Progress | None = None) -> ValidationReport:
     """Validate ``quantized`` against ``source`` (and ``plan`` when given); never raises on a mismatch.
 
@@ -50,7 +50,10 @@ def validate_model(source: Path, quantized: Path, plan: dict | None = None, *, m
                             exclusions_from=origin, seconds=time.perf_counter() - t0)
 
 
-def _existing_dir(path: Path | str, what: str) -> Path:
+def _existing_dir(path: Path | str | None, what: str) -> Path:
+    if path is None:
+        raise UsageError(f"Validation needs the {what} as a local directory.",
+                         "Pass --source with the directory of the model that was quantized.")
     path = Path(path).expanduser()
     if not path.is_dir():
         raise UsageError(f"The {what} directory {path} does not exist.", "Pass the directory that holds config.json.")
