@@ -11,11 +11,14 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from .errors import QpeError, UsageError
+
+MAX_JSON_BYTES = 256 * 1024 * 1024
 
 
 class DiskFullError(QpeError):
@@ -58,7 +61,16 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     """Read JSON, turning every expected failure into one clear sentence."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        # O_NONBLOCK + regular-file check: a FIFO or /dev/zero named config.json must not hang or
+        # exhaust memory; the size cap bounds what a hostile file can make us read.
+        with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(f"The {what} {path} is not a regular file; refusing to read it.")
+            if st.st_size > MAX_JSON_BYTES:
+                raise UsageError(f"The {what} {path} is {st.st_size} bytes, more than any such file should be "
+                                 f"({MAX_JSON_BYTES} at most).")
+            text = fh.read(MAX_JSON_BYTES + 1).decode("utf-8")
     except FileNotFoundError:
         raise UsageError(f"The {what} {path} does not exist.") from None
     except (OSError, UnicodeDecodeError) as exc:

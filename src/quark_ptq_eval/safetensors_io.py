@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,8 +54,12 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     """Parse and check one safetensors header; never reads tensor payloads."""
     path = Path(path)
     try:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
+        # O_NONBLOCK: opening a FIFO planted as a shard must not hang; only regular files are read.
+        with open(path, "rb", opener=_nonblocking) as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafeInputError(f"{path} is not a regular file; refusing to read it as safetensors.")
+            size = st.st_size
             if size < 8:
                 raise UnsafeInputError(f"{path} is not a safetensors file: it is only {size} bytes long.")
             n = int.from_bytes(fh.read(8), "little")
@@ -73,6 +78,10 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     tensors = {name: _tensor_info(path, name, entry, data_start) for name, entry in header.items()}
     _check_layout(path, tensors, size - data_start, data_start)
     return SafetensorsHeader(path, tensors, {str(k): str(v) for k, v in metadata.items()}, data_start)
+
+
+def _nonblocking(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NONBLOCK)
 
 
 def _parse_json_header(path: Path, raw: bytes) -> dict:
