@@ -65,7 +65,36 @@ def _load_config(model: str, path: Path | None) -> dict:
     if not isinstance(config.get("model_type"), str) or not config["model_type"]:
         raise UsageError("config.json has no model_type, so the architecture is unknown.",
                          "Add the model_type of the architecture to config.json.")
+    _check_config_types(config)
     return config
+
+
+INT_KEYS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "num_experts", "num_local_experts", "n_routed_experts",
+            "moe_intermediate_size")
+
+
+def _check_config_types(config: dict) -> None:
+    """Refuse config values of the wrong type (naming the field) instead of crashing or guessing."""
+    arch = config.get("architectures")
+    if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+        raise UsageError(f"config.json field architectures must be a list of class names, not {_brief(arch)}.",
+                         "Fix config.json.")
+    text_cfg = config.get("text_config")
+    if text_cfg is not None and not isinstance(text_cfg, dict):
+        raise UsageError(f"config.json field text_config must be an object, not {_brief(text_cfg)}.",
+                         "Fix config.json.")
+    for where, node in (("", config), ("text_config.", text_cfg or {})):
+        for key in INT_KEYS:
+            v = node.get(key)
+            if v is not None and (type(v) is not int or v < 0):
+                raise UsageError(f"config.json field {where}{key} must be a non-negative integer, not {_brief(v)}.",
+                                 "Fix config.json.")
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
 
 
 def _int(cfg: dict, *keys: str) -> int | None:
