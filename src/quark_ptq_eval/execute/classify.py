@@ -42,12 +42,15 @@ RULES: tuple[Rule, ...] = (
 
 def classify_failure(log_lines: list[str], returncode: int) -> dict:
     evidence_pool = [ln for ln in log_lines if ln.strip()]
+    if returncode in (-9, 137):
+        # SIGKILL: the log only shows how far the engine got (often "quantizing"), not why it died;
+        # matching the log would blame that step. The usual sender is the out-of-memory killer.
+        return {"cause": "memory", "evidence": [f"the engine was killed by SIGKILL (exit {returncode}), usually the "
+                                                "kernel's out-of-memory killer (see `dmesg`)", *evidence_pool[-1:]],
+                "proposal": RULES[0].proposal, "returncode": returncode}
     for rule in RULES:
         hits = [ln.strip() for ln in evidence_pool if rule.pattern.search(ln)]
         if hits:
             return {"cause": rule.cause, "evidence": hits[-5:], "proposal": rule.proposal, "returncode": returncode}
-    if returncode in (-9, 137):
-        return {"cause": "memory", "evidence": [f"the engine was killed (exit {returncode})"],
-                "proposal": RULES[0].proposal, "returncode": returncode}
     return {"cause": "unknown", "evidence": evidence_pool[-5:], "returncode": returncode,
             "proposal": "Read the full log; re-run after fixing the first error it shows."}

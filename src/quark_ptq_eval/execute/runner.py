@@ -57,10 +57,12 @@ def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd:
 
     with open(log_path, "a", encoding="utf-8", errors="replace") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {argv}\n")
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+        # The handler goes in before the child exists: a SIGTERM in between must not leave it orphaned.
         signal.signal(signal.SIGTERM, on_signal)
+        proc = None
         try:
+            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
@@ -70,12 +72,16 @@ def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd:
             proc.wait()
         except KeyboardInterrupt:
             interrupted = True
-            _stop_group(proc)
+            for s in previous:  # a second Ctrl-C must not abandon stopping the engine
+                signal.signal(s, signal.SIG_IGN)
+            if proc is not None:
+                _stop_group(proc)
             log.write("\n=== interrupted: the engine's process group was stopped\n")
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-    result = RunResult(proc.returncode if proc.returncode is not None else -9, time.monotonic() - start,
+    returncode = proc.returncode if proc is not None and proc.returncode is not None else -9
+    result = RunResult(returncode, time.monotonic() - start,
                        log_path, list(tail), interrupted)
     return result
 
