@@ -10,7 +10,7 @@ import pytest
 
 from quark_ptq_eval.checkpoints import FlagApprover
 from quark_ptq_eval.errors import UsageError
-from quark_ptq_eval.evaluate import EvalOptions, evaluate
+from quark_ptq_eval.evaluate import EvalOptions, estimate_runtime, evaluate
 
 pytestmark = pytest.mark.slow
 TASKS_DIR = Path(__file__).parent / "data" / "eval_tasks"
@@ -33,7 +33,13 @@ def test_tier2_end_to_end_without_baseline(quantized, tmp_path):
     own = json.loads((tmp_path / "lm_eval_results" / "quantized.json").read_text())
     assert own["results"]["qpe_docstring_mc"]["acc,none"] == mc["acc"]  # lm-eval's own JSON kept whole
     assert "requests" in report.estimate.data and "tokens/s" in report.estimate.basis
-    assert "hours" in report.estimate.warning or report.estimate.warning is None
+    assert report.estimate.warning is None  # --limit given: a smoke run, no "hours" warning
+
+
+def test_full_benchmark_estimate_warns_of_hours(tiny_llama):
+    estimate = estimate_runtime(tiny_llama, lm_eval_options(limit=None))
+    assert "hours" in estimate.warning and estimate.seconds > 0
+    assert "qpe_docstring_mc: 24" in estimate.data  # every document counted without --limit
 
 
 def test_tier2_with_baseline_compares_per_metric(quantized, tiny_llama, tmp_path):

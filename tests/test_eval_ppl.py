@@ -179,3 +179,28 @@ def test_non_finite_logits_are_refused(tiny_llama, copy_model, eval_text, tmp_pa
     with pytest.raises(Exception, match="non-finite logits"):
         evaluate(broken, ppl_options(eval_text, max_windows=2), tmp_path, FlagApprover())
     assert not (tmp_path / "eval_results.json").exists()
+
+
+def test_eval_command_through_the_main_cli(tiny_llama, eval_text, tmp_path):
+    from quark_ptq_eval.cli import main
+
+    argv = [
+        "eval",
+        "--model",
+        str(tiny_llama),
+        "--workdir",
+        str(tmp_path),
+        "--eval-data",
+        str(eval_text),
+        "--seq-len",
+        str(SEQ_LEN),
+        "--max-windows",
+        "4",
+        "--device",
+        "cpu",
+    ]
+    assert main(argv) == 3  # no tier chosen: stopped at the evaluation checkpoint
+    assert main([*argv, "--tier", "ppl", "--reference", "perplexity:perplexity=1.5"]) == 0
+    results = json.loads((tmp_path / "eval_results.json").read_text())
+    assert results["quantized"]["perplexity"]["perplexity"] > 1.5
+    assert results["verdict"] == "hurt"  # far worse than the (made-up) published 1.5

@@ -54,7 +54,7 @@ def _wikitext2_test() -> list[str]:
 
 def token_windows(tokenizer, texts: list[str], seq_len: int, max_windows: int | None = None):
     """``[n, seq_len]`` non-overlapping windows of the joined text (Quark's tokenization)."""
-    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0]
+    ids = tokenizer("\n\n".join(texts), return_tensors="pt", verbose=False).input_ids[0]
     count = ids.numel() // seq_len
     if max_windows:
         count = min(count, max_windows)

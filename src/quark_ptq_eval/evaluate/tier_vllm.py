@@ -242,6 +242,11 @@ def plan_commands(
                 lm_eval_argv(model, options, runtime, name, out),
             ),
         ]
+    if any(t.startswith("gsm8k") for t in options.tasks or DEFAULT_TASKS):
+        plan.notes.append(
+            "gsm8k: read the flexible-extract score; strict-match misses answers that are not "
+            "in the exact '#### N' form, which reasoning models often produce."
+        )
     if plan.create_container:
         # Run by hand later these address the name; when this run executes the plan, the id it got.
         plan.teardown += [
