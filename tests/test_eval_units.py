@@ -262,3 +262,41 @@ def test_baseline_flag_without_path_needs_the_source(tmp_path):
 
     with pytest.raises(UsageError, match="--baseline SRC"):
         evaluate(tmp_path, EvalOptions(tier="ppl", baseline=Path("<source>")), tmp_path, FlagApprover())
+
+
+def test_report_files_for_lm_eval_scores(tmp_path):
+    import json
+
+    from quark_ptq_eval.evaluate import api
+    from quark_ptq_eval.evaluate import report as report_files
+    from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_hidden_layers": 4}')
+    outcome = TierOutcome(
+        quantized={"arc_easy": {"acc": 0.50, "acc_norm": 0.55}},
+        baseline={"arc_easy": {"acc": 0.60, "acc_norm": 0.555}},
+        directions={"arc_easy": {"acc": True, "acc_norm": True}},
+        details={"stderr": {"quantized": {"arc_easy": {"acc": 0.02}}}},
+    )
+    plan = {
+        "global_scheme": "mxfp4",
+        "algorithm": None,
+        "exclude_layers": ["lm_head"],
+        "calibration": {"num_samples": 128},
+    }
+    ctx = TierContext(model, EvalOptions(tier="lm_eval"), tmp_path / "work", FlagApprover(), plan=plan)
+    report = api._build_report(ctx, outcome, None, 12.0)
+    report_files.write_all(report)
+    assert report.verdict == "hurt" and {c.verdict for c in report.comparisons} == {"hurt", "healthy"}
+    assert any("model.layers.3.*" in r for r in report.remedies) and any(
+        "mxfp6" in r for r in report.remedies
+    )
+    text = report.report_path.read_text()
+    assert "| arc_easy | acc | 0.5000 | baseline | 0.6000 | +16.67 % | hurt |" in text
+    assert "Standard errors" in text and "## Remedies" in text
+    results = json.loads(report.results_path.read_text())
+    assert results["quantized"] == outcome.quantized and results["baseline"] == outcome.baseline
+    assert results["verdict"] == "hurt" and len(results["deltas"]) == 2
+    assert report.chart_path.read_bytes()[:4] == b"\x89PNG"

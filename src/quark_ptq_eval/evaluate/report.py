@@ -179,6 +179,13 @@ def _details_section(report: EvalReport) -> list[str]:
             )
         lines.append(f"- loader: {details.get('loader')}")
         lines.append("")
+    if "stderr" in details:
+        lines += ["## Standard errors (lm-eval)", ""]
+        for label, per_task in details["stderr"].items():
+            for task, metrics in per_task.items():
+                joined = ", ".join(f"{m} ± {_num(v)}" for m, v in metrics.items())
+                lines.append(f"- {label} {task}: {joined}")
+        lines.append("")
     if report.artifacts:
         lines += ["## Files", "", *[f"- {name}: `{path}`" for name, path in report.artifacts.items()], ""]
     return lines
