@@ -79,14 +79,17 @@ def _normalize_node(node: dict) -> None:
         if old in node:
             value = node.pop(old)
             node.setdefault(new, value)
-    if "rope_parameters" not in node and ("rope_theta" in node or "rope_scaling" in node):
+    # Only the layouts transformers writes are re-laid out; anything else stays as it is and is
+    # compared literally (a hand-edited config must not crash the comparison).
+    if ("rope_parameters" not in node and ("rope_theta" in node or "rope_scaling" in node)
+            and isinstance(node.get("rope_scaling"), dict | None)):
         params = dict(node.pop("rope_scaling", None) or {})
         params["rope_type"] = params.pop("type", params.get("rope_type", "default"))
         if "rope_theta" in node:
             params["rope_theta"] = node.pop("rope_theta")
         node["rope_parameters"] = params
     layer_types = node.get("layer_types")
-    if isinstance(layer_types, list) and set(layer_types) == {"full_attention"}:
+    if isinstance(layer_types, list) and layer_types and all(t == "full_attention" for t in layer_types):
         node.pop("layer_types")  # the derived default newer versions spell out
 
 
