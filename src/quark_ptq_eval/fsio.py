@@ -27,8 +27,11 @@ class DiskFullError(QpeError):
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _write_error(path, exc, len(data)) from None
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -37,16 +40,22 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         os.replace(tmp, path)
     except OSError as exc:
         _unlink_quietly(tmp)
-        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            raise DiskFullError(
-                f"Could not write {path}: {os.strerror(exc.errno)} ({len(data)} bytes needed).",
-                "Free some space or choose another work directory, then re-run.",
-            ) from None
-        raise
+        raise _write_error(path, exc, len(data)) from None
     except BaseException:
         _unlink_quietly(tmp)
         raise
     return path
+
+
+def _write_error(path: Path, exc: OSError, size: int) -> QpeError:
+    """One sentence naming the file (and, when space ran out, the space needed)."""
+    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return DiskFullError(
+            f"Could not write {path}: {os.strerror(exc.errno)} ({size} bytes needed).",
+            "Free some space or choose another work directory, then re-run.",
+        )
+    return QpeError(f"Could not write {path}: {exc.strerror or exc}.",
+                    "Check that the directory is writable and its file system healthy, then re-run.")
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
