@@ -112,7 +112,7 @@ def test_second_run_in_the_same_workdir_is_refused(cli, tiny_llama, corpus, tmp_
         (lambda m, t: t / "work", "work directory"),
         (lambda m, t: Path("/"), "it is /"),
         (lambda m, t: Path.home(), "home directory"),
-        (lambda m, t: m / "config.json" / "out", "is a file"),
+        (lambda m, t: ((t / "a-file").write_text("x"), t / "a-file" / "out")[1], "is a file"),
     ],
 )
 def test_destructive_output_targets_are_refused(cli, copy_model, tiny_llama, corpus, tmp_path, target, message):
@@ -227,6 +227,9 @@ def test_real_quark_cli_engine_through_the_pipeline(cli, tiny_llama, corpus, tmp
     assert "torch-llm-ptq" in manifest and "HF_DATASETS_CACHE" in manifest
     assert json.loads(res.out)["validation"] in ("success", "partial")
     assert (out / "model.safetensors").exists()
+    # quark-cli's export drops the source README.md: validation finds it and --yes approved the re-copy
+    report = json.loads((wd / "validation_report.json").read_text())
+    assert any("README.md" in str(fix) for fix in report.get("applied_fixes", [])), report.get("applied_fixes")
 
 
 def test_quark_cli_on_cpu_refuses_static_schemes_before_running(cli, tiny_llama, corpus, tmp_path):

@@ -68,13 +68,14 @@ class FlagApprover:
                 f"Unknown gate(s) in --approve: {', '.join(sorted(unknown))}.",
                 f"Known gates: {', '.join(GATES)}.",
             )
-        # --yes approves the pipeline and the eval tier asked for; never destructive extras.
+        # --yes approves every gate but the two that cost data or time beyond the plan:
+        # replacing a non-empty output (--overwrite) and running the baseline (--baseline).
         self.all_gates = all_gates
 
     def __call__(self, gate: Gate, summary: str) -> bool:
         if gate.name in self.approved:
             return True
-        return self.all_gates and gate.name not in ("overwrite", "fix", "baseline")
+        return self.all_gates and gate.name not in ("overwrite", "baseline")
 
 
 class TerminalApprover(FlagApprover):

@@ -26,7 +26,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workdir", type=Path, default=Path("."), help="where artifacts, state and logs go (default: .)")
     g.add_argument("--approve", default="", metavar="GATES",
                    help="comma-separated approvals: intake,plan,execute,result,eval,overwrite,fix,baseline")
-    g.add_argument("--yes", "-y", action="store_true", help="approve every pipeline gate (not overwrite/fix)")
+    g.add_argument("--yes", "-y", action="store_true", help="approve every gate except overwrite and baseline")
     g.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     g.add_argument("--quiet", "-q", action="store_true", help="only errors and the final line")
     g.add_argument("--offline", action="store_true", default=None,

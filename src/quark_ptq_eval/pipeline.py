@@ -231,15 +231,16 @@ class Recipe:
         from .validate import apply_fixes, propose_fixes, validate_model
 
         report = validate_model(source, output_dir, plan)
-        report.write(self.workdir)
         fixes = propose_fixes(report, source, output_dir) if report.status == "failed" else []
         if fixes:
-            summary = "\n".join(f"- {f}" for f in fixes)
-            self.ui.info(f"Validation found fixable problems:\n{summary}")
-            self._gate("fix", digest([str(f) for f in fixes]), summary)
-            apply_fixes(fixes, source, output_dir)
+            report.write(self.workdir)  # the failing report stays readable while we wait for approval
+            summary = "\n".join(f"- {f.describe()}" for f in fixes)
+            self.ui.info(f"Validation found problems with a safe fix:\n{summary}")
+            self._gate("fix", digest(summary), summary)
+            applied = apply_fixes(fixes, source, output_dir)  # approval was just bound to these fixes
             report = validate_model(source, output_dir, plan)
-            report.write(self.workdir)
+            report.applied_fixes = [*report.applied_fixes, *applied]
+        report.write(self.workdir)
         self.ui.info(report.one_line())
         self.state.record_step("validate", report.status, report=str(self.workdir / "validation_report.md"))
         report.raise_for_status()

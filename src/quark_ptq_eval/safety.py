@@ -24,10 +24,6 @@ def check_output_target(output: Path, model_dir: Path | None, workdir: Path) -> 
     if real == Path("/") or real == home:
         raise UsageError(f"Refusing to use {out} as the output directory: it is {'/' if real == Path('/') else 'your home directory'}.",
                          "Choose a new, dedicated directory.")
-    wd = workdir.resolve()
-    if real == wd or wd.is_relative_to(real):
-        raise UsageError(f"Refusing to use {out} as the output directory: it is (or contains) the work directory {wd}.",
-                         "Choose an output directory outside the work directory's path.")
     if model_dir is not None:
         src = model_dir.resolve()
         if real == src or real.is_relative_to(src):
@@ -36,6 +32,10 @@ def check_output_target(output: Path, model_dir: Path | None, workdir: Path) -> 
         if src.is_relative_to(real):
             raise UsageError(f"Refusing to use {out} as the output directory: it contains the source model {src}.",
                              "Choose a new, dedicated directory.")
+    wd = workdir.resolve()
+    if real == wd or wd.is_relative_to(real):
+        raise UsageError(f"Refusing to use {out} as the output directory: it is (or contains) the work directory {wd}.",
+                         "Choose an output directory outside the work directory's path.")
     if out.exists() and not out.is_dir():
         raise UsageError(f"The output path {out} is a file, not a directory.", "Choose a directory path.")
     anchor = _first_existing(out.parent)

@@ -26,7 +26,7 @@ RULES: tuple[Rule, ...] = (
     _r("environment", r"ModuleNotFoundError|ImportError|undefined symbol|operator .* does not exist|No CUDA GPUs|"
        r"Found no NVIDIA driver|CUDA driver version|libamdhip|torchvision",
        "Install a torch/torchvision pair that matches each other and the accelerator, then re-run `quark-ptq-eval preflight`."),
-    _r("load", r"Can't load|Unable to load|OSError: .*(config|model|safetensors)|offloaded|meta tensor|"
+    _r("load", r"size mismatch|Error\(s\) in loading|Can't load|Unable to load|OSError: .*(config|model|safetensors)|offloaded|meta tensor|"
        r"LocalEntryNotFoundError|couldn't connect to 'https://huggingface.co'|Couldn't reach",
        "Check the model directory loads with transformers on this device; offline, pass --calib-data and a local model."),
     _r("compatibility", r"not supported|Unsupported|KeyError: '.*model_type|does not recognize this architecture|"
@@ -35,13 +35,14 @@ RULES: tuple[Rule, ...] = (
        "Fix the plan value named in the evidence and re-approve the plan."),
     _r("export", r"export|safetensors_rust|No space left|Disk quota|File too large|Errno 28|Errno 27",
        "Free disk space at the output location (or choose another -o) and re-run."),
-    _r("quantization", r"quantiz|calibrat|observer|nan|inf\b|Traceback",
+    _r("quantization", r"quantiz|calibrat|observer|\bnan\b|\binf\b|^\w*(Error|Exception)\b",
        "Retry without the algorithm, with more calibration samples, or exclude the failing layer."),
 )
 
 
 def classify_failure(log_lines: list[str], returncode: int) -> dict:
-    evidence_pool = [ln for ln in log_lines if ln.strip()]
+    # The traceback header says nothing; the exception lines and messages are the evidence.
+    evidence_pool = [ln for ln in log_lines if ln.strip() and not ln.startswith("Traceback (most recent")]
     if returncode in (-9, 137):
         # SIGKILL: the log only shows how far the engine got (often "quantizing"), not why it died;
         # matching the log would blame that step. The usual sender is the out-of-memory killer.
