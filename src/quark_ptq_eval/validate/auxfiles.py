@@ -65,11 +65,11 @@ def compare_files(source: Path, output: Path, max_hash_bytes: int = MAX_HASH_BYT
 def check_aux(source: Path, output: Path, max_hash_bytes: int = MAX_HASH_BYTES) -> CheckResult:
     result = CheckResult("aux")
     cmp = compare_files(source, output, max_hash_bytes)
-    tokenizer_drift = _tokenizer_drift(source, output, cmp)
+    tokenizer_drift, tokenizer_summary = _tokenizer_drift(source, output, cmp)
     for rel in cmp.missing:
         result.findings.append(_missing(rel, tokenizer_drift))
     for rel in cmp.changed:
-        result.findings.append(_changed(source, output, rel, tokenizer_drift))
+        result.findings.append(_changed(source, output, rel, tokenizer_drift, tokenizer_summary))
     result.stats.update(source_files=cmp.compared + len(cmp.missing), missing=len(cmp.missing),
                         changed=len(cmp.changed), extra=len(cmp.extra), size_only=len(cmp.size_only))
     result.stats["missing_files"], result.stats["changed_files"] = cmp.missing, cmp.changed
@@ -79,13 +79,13 @@ def check_aux(source: Path, output: Path, max_hash_bytes: int = MAX_HASH_BYTES) 
     return result
 
 
-def _tokenizer_drift(source: Path, output: Path, cmp: AuxComparison) -> list[str] | None:
-    """None when the tokenizers mean the same; else the aspects that differ."""
+def _tokenizer_drift(source: Path, output: Path, cmp: AuxComparison) -> tuple[list[str] | None, str]:
+    """(None when both tokenizers mean the same, else the aspects that differ; the output's summary)."""
     touched = [r for r in cmp.missing + cmp.changed + cmp.extra if is_tokenizer_file(r)]
     if not touched:
-        return []
+        return [], ""
     a, b = tokenizer_content(source), tokenizer_content(output)
-    return differing_aspects(a, b) or None
+    return differing_aspects(a, b) or None, describe(b)
 
 
 def _missing(rel: str, tokenizer_drift: list[str] | None) -> Finding:
@@ -98,11 +98,11 @@ def _missing(rel: str, tokenizer_drift: list[str] | None) -> Finding:
                             "the fix re-copies it")
 
 
-def _changed(source: Path, output: Path, rel: str, tokenizer_drift: list[str] | None) -> Finding:
+def _changed(source: Path, output: Path, rel: str, tokenizer_drift: list[str] | None, summary: str) -> Finding:
     if is_tokenizer_file(rel):
         if tokenizer_drift is None:
             return Finding(rel, "differs byte-wise but the tokenizer is the same.", benign=True,
-                           evidence=f"repackaged tokenizer: {describe(tokenizer_content(output))}")
+                           evidence=f"repackaged tokenizer: {summary}")
         return Finding(rel, f"changed: the tokenizer differs in {', '.join(tokenizer_drift)}.", side="environment",
                        evidence="a different tokenizer was saved into the output; the fix re-copies the source's")
     drift = _json_drift(source / rel, output / rel)

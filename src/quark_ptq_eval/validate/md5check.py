@@ -10,7 +10,6 @@ and file reads release the GIL, so a thread pool spreads pairs across cores and 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import mmap
 import os
@@ -24,9 +23,7 @@ from ..safetensors_io import TensorInfo
 from .expectations import matches
 from .report import CheckResult, Finding
 
-CHUNK_BYTES = 4 * 1024 * 1024
-ALIGN = 4096  # O_DIRECT offset, length and buffer alignment
-DIRECT_IO_MIN_BYTES = 1 << 30  # below this the page cache likely holds the data already
+CHUNK_BYTES = 16 * 1024 * 1024  # one mapped window per side
 DEFAULT_MAX_WORKERS = 4
 Progress = Callable[[str, int, int], None]
 
@@ -64,86 +61,91 @@ def sample(candidates: list[str], max_samples: int | None, seed: int) -> list[st
     return sorted(random.Random(seed).sample(candidates, max_samples))
 
 
-def digest_pair(src: TensorInfo, out: TensorInfo, chunk_bytes: int = CHUNK_BYTES,
-                direct: bool = False) -> PairDigest:
+def digest_pair(src: TensorInfo, out: TensorInfo, chunk_bytes: int = CHUNK_BYTES) -> PairDigest:
     """MD5 both payloads in one pass; see the module docstring for why one side is hashed."""
-    size = src.nbytes
-    chunk = max(1, min(chunk_bytes, size))
-    n_chunks = -(-size // chunk)
-    slots = 2 if n_chunks > 1 else 1
-    with _RangeReader(src, chunk, slots, direct) as rs, _RangeReader(out, chunk, slots, direct) as ro:
-
-        def load(k: int):
-            offset = k * chunk
-            n = min(chunk, size - offset)
-            return rs.read(k % slots, offset, n), ro.read(k % slots, offset, n)
-
-        if n_chunks <= 1:
-            return _digest_chunks(src.name, size, [load(0)] if n_chunks else [])
-        # A reader thread fetches chunk k+1 into the other buffer slot while chunk k is hashed,
-        # so disk time and hashing overlap instead of adding up.
-        with ThreadPoolExecutor(max_workers=1) as reader:
-            return _digest_chunks(src.name, size, _prefetched(reader, load, n_chunks))
+    chunk = max(1, chunk_bytes)
+    with _Payload(src, chunk) as a, _Payload(out, chunk) as b:
+        return _digest_chunks(src.name, src.nbytes, zip(a.chunks(), b.chunks(), strict=True))
 
 
-class _RangeReader:
-    """Reads one tensor's payload in chunks into reusable buffers (constant memory).
+class _Payload:
+    """One tensor's payload as a sequence of chunks read straight from the page cache.
 
-    Buffered reads return exact-size ``bytearray`` chunks. With ``direct`` the file is opened
-    ``O_DIRECT``: page-aligned blocks are read into page-aligned ``mmap`` buffers, bypassing the
-    page cache, which saves the kernel's copy and cache upkeep (much of the CPU a cold read
-    costs) and leaves the cache to the user's other work.
+    Each chunk is a private, read-only-in-practice ``mmap`` window: hashing and comparing it
+    touch the kernel's cached pages directly, with no copy into a user buffer (a copy costs
+    as much CPU as a third of the MD5 itself). The next window is announced with
+    ``POSIX_FADV_WILLNEED`` so the kernel reads it ahead while this one is hashed. Windows are
+    unmapped as soon as they are done: memory stays bounded by the window size.
     """
 
-    def __init__(self, info: TensorInfo, chunk: int, slots: int, direct: bool):
-        self.info, self.direct = info, direct and hasattr(os, "O_DIRECT")
-        self.fd = os.open(info.file, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
-        if self.direct:
-            self.buffers = [mmap.mmap(-1, chunk + 2 * ALIGN) for _ in range(slots)]
-        else:
-            self.buffers = [bytearray(chunk) for _ in range(slots)]
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self.fd, info.start, info.nbytes, os.POSIX_FADV_SEQUENTIAL)
+    def __init__(self, info: TensorInfo, window: int):
+        self.info, self.window = info, window
+        self.fd = os.open(info.file, os.O_RDONLY)
+        if os.fstat(self.fd).st_size < info.end:  # mapping past EOF would raise SIGBUS on access
+            os.close(self.fd)
+            raise EOFError(f"{info.file} ends before the end of tensor {info.name!r}")
 
-    def __enter__(self) -> _RangeReader:
+    def __enter__(self) -> _Payload:
         return self
 
     def __exit__(self, *exc) -> None:
         os.close(self.fd)
 
-    def read(self, slot: int, offset: int, n: int):
-        if self.direct:
-            return self._read_direct(self.buffers[slot], self.info.start + offset, n)
-        buf = self.buffers[slot]
-        view = memoryview(buf)[:n]
-        self._fill(view, self.info.start + offset, n, n)
-        # A full-size bytearray compares with one memcmp; a short tail is copied once.
-        return buf if n == len(buf) else bytes(view)
+    def chunks(self):
+        self._read_ahead(self.info.start, min(self.window, self.info.nbytes))
+        for offset in range(0, self.info.nbytes, self.window):
+            start = self.info.start + offset
+            n = min(self.window, self.info.nbytes - offset)
+            self._read_ahead(start + n, min(self.window, self.info.end - start - n))
+            aligned = start - start % mmap.ALLOCATIONGRANULARITY
+            mm = mmap.mmap(self.fd, start - aligned + n, access=mmap.ACCESS_COPY, offset=aligned)
+            view = memoryview(mm)
+            window = _Window(view[start - aligned:], _address(mm) + start - aligned)
+            try:
+                yield window
+            finally:  # every view of the window must be released before the unmap
+                window.view.release()
+                view.release()
+                mm.close()
 
-    def _read_direct(self, buf: mmap.mmap, position: int, n: int) -> memoryview:
-        aligned = position - position % ALIGN
-        delta = position - aligned
-        length = -(-(delta + n) // ALIGN) * ALIGN
-        view = memoryview(buf)[:length]
-        self._fill(view, aligned, delta + n, length)
-        return view[delta : delta + n]
-
-    def _fill(self, view: memoryview, position: int, need: int, request: int) -> None:
-        got = 0
-        while got < need:
-            k = os.preadv(self.fd, [view[got:request]], position + got)
-            if k == 0 or (self.direct and k % ALIGN and got + k < need):
-                raise EOFError(f"{self.info.file} ends before the end of tensor {self.info.name!r}")
-            got += k
+    def _read_ahead(self, position: int, length: int) -> None:
+        if length > 0 and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, position, length, os.POSIX_FADV_WILLNEED)
 
 
-def _prefetched(reader: ThreadPoolExecutor, load, n_chunks: int):
-    pending = reader.submit(load, 0)
-    for k in range(n_chunks):
-        pair = pending.result()
-        if k + 1 < n_chunks:
-            pending = reader.submit(load, k + 1)
-        yield pair
+class _Window:
+    """A mapped chunk: its bytes (for hashing) and its address (for a GIL-free memcmp)."""
+
+    def __init__(self, view: memoryview, address: int):
+        self.view, self.address = view, address
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+
+def _address(mm: mmap.mmap) -> int:
+    import ctypes  # only when tensors are compared: keeps CLI start-up light
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(mm))
+
+
+def _memcmp():
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    libc.memcmp.restype = ctypes.c_int
+    return libc.memcmp
+
+
+def _same(a: _Window, b: _Window) -> bool:
+    global _MEMCMP
+    if _MEMCMP is None:
+        _MEMCMP = _memcmp()
+    return len(a) == len(b) and _MEMCMP(a.address, b.address, len(a)) == 0
+
+
+_MEMCMP = None
 
 
 def _digest_chunks(name: str, size: int, chunks) -> PairDigest:
@@ -154,21 +156,13 @@ def _digest_chunks(name: str, size: int, chunks) -> PairDigest:
     for a, b in chunks:
         if diverged is None and not _same(a, b):
             diverged = shared.copy()
-            first_diff = done + _first_difference(a, b)
-        shared.update(a)
+            first_diff = done + _first_difference(a.view, b.view)
+        shared.update(a.view)
         if diverged is not None:
-            diverged.update(b)
+            diverged.update(b.view)
         done += len(a)
     source_md5 = shared.hexdigest()
     return PairDigest(name, size, source_md5, diverged.hexdigest() if diverged else source_md5, first_diff)
-
-
-def _same(a, b) -> bool:
-    # bytearray/bytes equality is one memcmp; memoryview equality compares item by item (~40x
-    # slower), so an aligned O_DIRECT view is copied once into a bytearray first.
-    if isinstance(a, memoryview):
-        a = bytearray(a)
-    return a == b
 
 
 def _first_difference(a, b) -> int:
@@ -183,23 +177,16 @@ def _first_difference(a, b) -> int:
     return lo
 
 
-def _safe_digest(src: TensorInfo, out: TensorInfo, direct: bool) -> PairDigest:
+def _safe_digest(src: TensorInfo, out: TensorInfo) -> PairDigest:
     try:
-        try:
-            return digest_pair(src, out, direct=direct)
-        except OSError as exc:
-            if not (direct and exc.errno == errno.EINVAL):
-                raise
-            return digest_pair(src, out, direct=False)  # a filesystem without O_DIRECT (tmpfs)
-    except (OSError, EOFError) as exc:
+        return digest_pair(src, out)
+    except (OSError, EOFError, ValueError) as exc:
         return PairDigest(src.name, src.nbytes, "", "", None, error=str(exc))
 
 
 def check_md5(source: dict[str, TensorInfo], output: dict[str, TensorInfo], exclude: list[str], *,
               tied_embeddings: bool = False, max_samples: int | None = None, seed: int = 0,
-              workers: int | None = None, progress: Progress | None = None,
-              direct_io: bool | None = None) -> CheckResult:
-    """Compare the excluded tensors; ``direct_io`` None reads ``O_DIRECT`` from 1 GiB of payload up."""
+              workers: int | None = None, progress: Progress | None = None) -> CheckResult:
     result = CheckResult("md5")
     candidates = excluded_candidates(source, exclude, tied_embeddings)
     if not candidates:
@@ -209,16 +196,13 @@ def check_md5(source: dict[str, TensorInfo], output: dict[str, TensorInfo], excl
     checked = sample(candidates, max_samples, seed)
     pairs, result.findings = _comparable_pairs(checked, source, output)
     t0 = time.perf_counter()
-    if direct_io is None:
-        direct_io = sum(s.nbytes for s, _ in pairs) >= DIRECT_IO_MIN_BYTES
-    digests = _digest_all(pairs, workers or default_workers(), progress, direct_io)
+    digests = _digest_all(pairs, workers or default_workers(), progress)
     result.findings += [f for d in digests if (f := _finding(d, source[d.name], output[d.name]))]
     total = sum(d.nbytes for d in digests)
     result.stats.update(candidates=len(candidates), checked=len(checked), bytes_hashed=total,
                         identical=sum(d.identical for d in digests))
     result.stats["sampled"] = len(checked) < len(candidates)
     result.stats["seed"] = seed
-    result.stats["direct_io"] = direct_io
     result.stats["digests"] = {d.name: d.source_md5 for d in digests if d.identical}
     result.seconds = time.perf_counter() - t0
     return result
@@ -241,15 +225,14 @@ def _comparable_pairs(names: list[str], source: dict[str, TensorInfo], output: d
     return pairs, findings
 
 
-def _digest_all(pairs: list[tuple[TensorInfo, TensorInfo]], workers: int, progress: Progress | None,
-                direct: bool):
+def _digest_all(pairs: list[tuple[TensorInfo, TensorInfo]], workers: int, progress: Progress | None):
     # Largest first, so one big tensor does not start last and leave the other workers idle.
     pairs = sorted(pairs, key=lambda p: -p[0].nbytes)
     total = sum(s.nbytes for s, _ in pairs)
     done = 0
     digests = []
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for digest in pool.map(lambda p: _safe_digest(*p, direct), pairs):
+        for digest in pool.map(lambda p: _safe_digest(*p), pairs):
             digests.append(digest)
             done += digest.nbytes
             if progress:
