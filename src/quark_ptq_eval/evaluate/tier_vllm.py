@@ -215,6 +215,11 @@ def plan_commands(
                 holder_container_argv(name, options.vllm_image, models, workdir),
             )
         )
+    elif runtime == "docker":
+        plan.notes.append(
+            f"Reusing container {name}: it must mount the model(s) and {workdir} at the same paths "
+            "(the server's pid file and lm-eval's results are written there)."
+        )
     if runtime == "docker":
         plan.setup.append(
             PlannedCommand(
