@@ -84,10 +84,13 @@ def _nonblocking(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NONBLOCK)
 
 
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"{}[]")
+
+
 def _parse_json_header(path: Path, raw: bytes) -> dict:
     # Depth is bounded before json.loads so a deeply nested header cannot exhaust the stack.
     depth = 0
-    for b in raw:
+    for b in raw.translate(None, _NOT_BRACKETS):  # only brackets matter: skip the rest in C
         if b in (0x7B, 0x5B):
             depth += 1
             if depth > MAX_JSON_DEPTH:
