@@ -84,3 +84,14 @@ def test_nothing_excluded_skips_the_check(tmp_path):
     src = tensor(tmp_path / "a", b"abc")
     assert check_md5({"t": src}, {"t": src}, []).status == "skipped"
     assert "no source tensor matches" in check_md5({"t": src}, {"t": src}, ["lm_head"]).skipped_reason
+
+
+def test_without_libc_memcmp_the_comparison_still_holds(tmp_path, monkeypatch):
+    from quark_ptq_eval.validate import md5check
+
+    monkeypatch.setattr(md5check, "_memcmp", lambda: None)
+    payload = random.Random(4).randbytes(5000)
+    src = tensor(tmp_path / "a", payload)
+    assert digest_pair(src, tensor(tmp_path / "b", payload), chunk_bytes=1024).identical
+    d = digest_pair(src, tensor(tmp_path / "c", payload[:4000] + b"\0" * 1000), chunk_bytes=1024)
+    assert d.first_difference == 4000 + next(i for i, x in enumerate(payload[4000:]) if x != 0)
