@@ -4,7 +4,8 @@ Builds (in a temp dir, deleted afterwards) a multi-GB sharded source model writt
 ``safetensors`` from random data, plus a "quantized" twin whose excluded tensors (``lm_head``,
 ``*o_proj``) are byte copies and whose other linears are int8 with scales, as a Quark export
 lays them out. Each timed run starts from a cold page cache for the files involved
-(``posix_fadvise(DONTNEED)``), so all contenders read from the same place. Prints, in one run:
+(``posix_fadvise(DONTNEED)``), so all contenders read from the same place; repeated contenders
+run interleaved (ours, peer, read, ours, ...) and report medians, so load changes hit all alike. Prints, in one run:
 
 - the MD5 check: ours vs Quark's ``check_non_quantized_tensors_md5_unchanged`` (target >= 2x),
 - the MD5 check vs reading the same byte ranges once, ``cat > /dev/null`` style (target within 1.5x),
@@ -147,20 +148,21 @@ def evict(*dirs: Path) -> None:
                 os.close(fd)
 
 
-LAST_CPU: dict[str, float] = {}  # CPU seconds (all threads, user + system) of the last timed() call
+def timed(fn, *dirs: Path) -> tuple[float, float, object]:
+    """(wall seconds, CPU seconds of all threads, result) of one run from a cold page cache."""
+    evict(*dirs)
+    c0, t0 = _cpu(), time.perf_counter()
+    value = fn()
+    return time.perf_counter() - t0, _cpu() - c0, value
 
 
-def timed(fn, *dirs: Path, repeat: int = 1) -> tuple[float, object]:
-    """Best wall time of ``repeat`` cold runs; its CPU time goes to ``LAST_CPU["s"]``."""
-    best, value = float("inf"), None
+def interleaved(contenders: dict, dirs: tuple[Path, ...], repeat: int) -> dict[str, tuple[float, float, object]]:
+    """Run the contenders in turn ``repeat`` times (load changes hit all alike); median per contender."""
+    runs: dict[str, list] = {name: [] for name in contenders}
     for _ in range(repeat):
-        evict(*dirs)
-        c0, t0 = _cpu(), time.perf_counter()
-        value = fn()
-        wall, cpu = time.perf_counter() - t0, _cpu() - c0
-        if wall < best:
-            best, LAST_CPU["s"] = wall, cpu
-    return best, value
+        for name, fn in contenders.items():
+            runs[name].append(timed(fn, *dirs))
+    return {name: sorted(r, key=lambda x: x[0])[len(r) // 2] for name, r in runs.items()}
 
 
 def _cpu() -> float:
@@ -209,23 +211,22 @@ def bench_md5(source: Path, twin: Path, workers: int | None, repeat: int) -> lis
     names = excluded_candidates(src_h, EXCLUDE, False)
     nbytes = sum(src_h[n].nbytes for n in names)
     ranges = [(h[n].file, h[n].start, h[n].end) for n in names for h in (src_h, out_h)]
-    ours_s, ours = timed(lambda: check_md5(src_h, out_h, EXCLUDE, workers=workers), source, twin, repeat=repeat)
-    ours_cpu = LAST_CPU["s"]
+    res = interleaved({
+        "ours": lambda: check_md5(src_h, out_h, EXCLUDE, workers=workers),
+        "quark": quiet(lambda: qv.check_non_quantized_tensors_md5_unchanged(
+            source, twin, {"exclude": EXCLUDE, "max_samples": len(names)})),
+        "read": lambda: read_ranges_once(ranges),
+    }, (source, twin), repeat)
+    (ours_s, ours_cpu, ours), (peer_s, peer_cpu, peer), (read_s, read_cpu, read) = res["ours"], res["quark"], res["read"]
     assert ours.status == "pass", ours.findings[:3]
-    peer_s, peer = timed(quiet(lambda: qv.check_non_quantized_tensors_md5_unchanged(
-        source, twin, {"exclude": EXCLUDE, "max_samples": len(names)})), source, twin, repeat=repeat)
-    assert peer["ok"] and peer["checked_count"] == len(names)
-    peer_cpu = LAST_CPU["s"]
-    read_s, read = timed(lambda: read_ranges_once(ranges), source, twin, repeat=repeat)
-    read_cpu = LAST_CPU["s"]
-    assert read == 2 * nbytes
+    assert peer["ok"] and peer["checked_count"] == len(names) and read == 2 * nbytes
     gb = 2 * nbytes / 1e9
     return [
         _row(f"md5 of excluded tensors ({len(names)} tensors, {gb:.2f} GB read)", ours_s,
              "quark check_non_quantized_tensors_md5_unchanged", peer_s, target="ratio >= 2", gb=gb,
-             cpu=(ours_cpu, peer_cpu)),
+             cpu=(ours_cpu, peer_cpu), ok=peer_s / ours_s >= 2),
         _row("md5 vs reading the same byte ranges once", ours_s, "single read (cat > /dev/null)", read_s,
-             target="ratio >= 0.667 (within 1.5x)", gb=gb, cpu=(ours_cpu, read_cpu)),
+             target="ratio >= 0.667 (within 1.5x)", gb=gb, cpu=(ours_cpu, read_cpu), ok=read_s / ours_s >= 1 / 1.5),
     ]
 
 
@@ -233,7 +234,7 @@ def bench_full(source: Path, twin: Path, workers: int | None) -> dict:
     from quark_ptq_eval.validate import validate_model
 
     qv = load_quark_helper()
-    ours_s, report = timed(lambda: validate_model(source, twin, workers=workers), source, twin)
+    ours_s, _, report = timed(lambda: validate_model(source, twin, workers=workers), source, twin)
     assert report.status == "success", report.to_markdown()
 
     def quark_four():
@@ -243,7 +244,7 @@ def bench_full(source: Path, twin: Path, workers: int | None) -> dict:
         qv.check_config_json_equal_except_quantization(source / "config.json", twin / "config.json")
         return qv.check_non_quantized_tensors_md5_unchanged(source, twin, {"exclude": EXCLUDE, "max_samples": 10**9})
 
-    peer_s, _ = timed(quiet(quark_four), source, twin)
+    peer_s, _, _ = timed(quiet(quark_four), source, twin)
     return _row("validate_model, all four checks", ours_s, "quark's four helpers in sequence", peer_s)
 
 
@@ -258,19 +259,22 @@ def bench_headers(source: Path, twin: Path) -> dict:
         src_h, out_h = read_model_headers(source), read_model_headers(twin)
         return check_layout(LayoutInputs(src_h, out_h, qconfig, EXCLUDE, {}))
 
-    ours_s, layout = timed(ours, source, twin, repeat=3)
+    res = interleaved({"ours": ours, "quark": quiet(lambda: (qv.get_fuzzy_tensor_names(source),
+                                                              qv.get_fuzzy_tensor_names(twin)))},
+                      (source, twin), repeat=3)
+    (ours_s, _, layout), (peer_s, _, _) = res["ours"], res["quark"]
     assert layout.status == "pass", layout.findings[:3]
-    peer_s, _ = timed(quiet(lambda: (qv.get_fuzzy_tensor_names(source), qv.get_fuzzy_tensor_names(twin))),
-                      source, twin, repeat=3)
     tensors = layout.stats["source_tensors"] + layout.stats["output_tensors"]
     return _row(f"header checks, 100 shards x 2 ({tensors} tensors)", ours_s, "quark get_fuzzy_tensor_names x2",
-                peer_s, target="ours < 1 s")
+                peer_s, target="ours < 1 s", ok=ours_s < 1.0)
 
 
 def _row(name: str, ours_s: float, peer: str, peer_s: float, target: str = "", gb: float | None = None,
-         cpu: tuple[float, float] | None = None) -> dict:
+         cpu: tuple[float, float] | None = None, ok: bool | None = None) -> dict:
     row = {"benchmark": name, "ours_s": round(ours_s, 3), "peer": peer, "peer_s": round(peer_s, 3),
            "ratio": round(peer_s / ours_s, 3), "target": target}
+    if ok is not None:
+        row["ok"] = ok
     if gb is not None:
         row["ours_gb_per_s"] = round(gb / ours_s, 3)
         row["peer_gb_per_s"] = round(gb / peer_s, 3)
@@ -286,7 +290,7 @@ def run(quick: bool, size_gb: float | None = None, workers: int | None = None) -
         hidden = HIDDEN // 2 if quick else HIDDEN  # a quick model still has many excluded tensors
         source, twin = _write_model_pair(root, int(size_gb * 1e9), hidden, VOCAB, SHARD_BYTES)
         os.sync()
-        rows = bench_md5(source, twin, workers, repeat=1 if quick else 2)
+        rows = bench_md5(source, twin, workers, repeat=1 if quick else 3)
         rows.append(bench_full(source, twin, workers))
         shutil.rmtree(source)
         shutil.rmtree(twin)
@@ -309,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         if "ours_cpu_s" in r:
             rate += f" [CPU s {r['ours_cpu_s']} vs {r['peer_cpu_s']}]"
         print(f"{r['benchmark']:<58} {r['ours_s']:>8.3f} {r['peer_s']:>8.3f} {r['ratio']:>6.2f}x  "
-              f"{r['peer']}{rate}{'; target ' + r['target'] if r['target'] else ''}")
+              f"{r['peer']}{rate}{'; target ' + r['target'] if r['target'] else ''}"
+              f"{'' if 'ok' not in r else (' (met)' if r['ok'] else ' (MISSED)')}")
 
 
 if __name__ == "__main__":
