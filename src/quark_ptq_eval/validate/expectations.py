@@ -111,8 +111,7 @@ def weight_expectations(weight_spec: Any, shape: tuple[int, ...]) -> list[Tensor
 
 def activation_expectations(kind: str, spec: Any, shape: tuple[int, ...] = ()) -> list[TensorExpectation]:
     """Static activation quantizers (``input``/``output``) store their scales; dynamic ones don't."""
-    specs = as_spec_list(spec)
-    return [e for e in _scale_expectations(kind, specs, shape) if e is not None]
+    return _scale_expectations(kind, as_spec_list(spec), shape)
 
 
 def _scale_expectations(kind: str, specs: list[dict], shape: tuple[int, ...]) -> list[TensorExpectation]:
