@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -341,3 +342,71 @@ def test_nothing_is_created_before_the_execution_gate(cli, tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
     assert not (tmp_path / "work" / "logs").exists()
     assert all(p.stat().st_mtime < before for p in model.iterdir())
+
+
+# --------------------------------------------------------------------------------------------
+# The engine runner: signals stop the whole process group (fast, with a stand-in engine)
+# --------------------------------------------------------------------------------------------
+
+STAND_IN_ENGINE = """
+import signal, subprocess, sys, time
+if sys.argv[1] == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stubborn engine: only SIGKILL stops it
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+print(f"ready {grandchild.pid}", flush=True)
+time.sleep(300)
+"""
+
+
+class _SignalOnReady:
+    """The runner's echo stream: on the engine's "ready" line, signal our own process."""
+
+    def __init__(self, first: int, second: int | None = None):
+        self.first, self.second, self.grandchild = first, second, None
+
+    def write(self, line: str) -> None:
+        if line.startswith("ready "):
+            self.grandchild = int(line.split()[1])
+            if self.second is not None:  # a second Ctrl-C while the group is being stopped
+                threading.Timer(0.5, os.kill, (os.getpid(), self.second)).start()
+            os.kill(os.getpid(), self.first)
+
+
+@pytest.mark.parametrize("first, second, mode", [
+    (signal.SIGTERM, None, "plain"),
+    (signal.SIGINT, None, "plain"),
+    (signal.SIGINT, signal.SIGINT, "ignore-term"),
+], ids=["SIGTERM", "SIGINT", "second-Ctrl-C-during-cleanup"])
+def test_runner_stops_the_engine_and_its_grandchildren(tmp_path, monkeypatch, first, second, mode):
+    from quark_ptq_eval.execute import runner
+
+    monkeypatch.setattr(runner._stop_group, "__defaults__", (3.0,))  # grace before SIGKILL
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    echo = _SignalOnReady(first, second)
+    log = tmp_path / "logs" / "engine.log"
+    result = runner.run_command([sys.executable, "-c", STAND_IN_ENGINE, mode], {}, log, tmp_path, echo=echo)
+    assert result.interrupted and echo.grandchild is not None
+    assert result.returncode == (-signal.SIGKILL if mode == "ignore-term" else -signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while _alive(echo.grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(echo.grandchild), "the engine's own child survived"
+    assert log.read_text().rstrip().endswith("=== interrupted: the engine's process group was stopped")
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # our handlers are restored
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_an_engine_killed_by_sigkill_is_not_blamed_on_the_step_it_was_in():
+    from quark_ptq_eval.execute.classify import classify_failure
+
+    failure = classify_failure(["[quark-ptq-eval] quantizing", "[QUARK-INFO]: Quantizing with the configuration"], -9)
+    assert failure["cause"] == "memory" and "killed by SIGKILL" in failure["evidence"][0]
+    assert classify_failure(["[quark-ptq-eval] quantizing", "Traceback (most recent call last):"], 1)["cause"] == "quantization"
