@@ -40,19 +40,19 @@ def fake_model(root: Path, name: str, chat_template: str | None = None, max_pos:
     return model
 
 
-def test_this_host_has_no_rocm_so_commands_are_deferred(tiny_llama, tmp_path, capsys):
+def test_this_host_has_no_rocm_so_commands_are_deferred(tmp_path, capsys):
     assert not t3.detect_environment().rocm  # the premise of this test: a CPU-only host
-    report = evaluate(
-        tiny_llama, EvalOptions(tier="vllm", tasks=["gsm8k"], limit=50), tmp_path, FlagApprover()
-    )
+    model = fake_model(tmp_path, "tiny")  # nothing is loaded: only its files are read
+    work = tmp_path / "work"
+    report = evaluate(model, EvalOptions(tier="vllm", tasks=["gsm8k"], limit=50), work, FlagApprover())
     assert report.verdict == "unknown" and report.quantized == {}
     purposes = [c["purpose"] for c in report.deferred_commands]
     assert purposes[0].startswith("create the holder container") and any("serve" in p for p in purposes)
     printed = capsys.readouterr().err
-    assert "vllm serve" in printed and "lm_eval --model local-completions" in printed
-    text = (tmp_path / "eval_report.md").read_text()
-    assert "Deferred commands" in text and "--entrypoint sleep" in text
-    results = json.loads((tmp_path / "eval_results.json").read_text())
+    assert "vllm serve" in printed and "lm_eval --model local-completions" in printed  # a base model
+    text = (work / "eval_report.md").read_text()
+    assert "Deferred commands" in text and "--entrypoint sleep" in text and "flexible-extract" in text
+    results = json.loads((work / "eval_results.json").read_text())
     assert results["deferred_commands"][0]["argv"][:3] == ["docker", "run", "-d"]
 
 
