@@ -237,3 +237,24 @@ def test_quark_cli_on_cpu_refuses_static_schemes_before_running(cli, tiny_llama,
                         "--engine", "quark-cli", "--multi-device", "--yes"))
     assert res.rc == 2 and "--engine quark-api" in res.err
     assert not (tmp_path / "out").exists()
+
+
+def test_interactive_mode_asks_at_every_gate_on_the_terminal(tiny_llama, corpus, tmp_path):
+    import subprocess
+    import sys
+
+    wd, out = tmp_path / "work", tmp_path / "out"
+    args = [sys.executable, "-m", "quark_ptq_eval", *map(str, run_args(tiny_llama, out, wd, corpus, "--scheme", "int8")),
+            "--execution-mode", "interactive_execute"]
+    # intake, plan, execute: yes; result: no -> stops at checkpoint 4 with the output kept.
+    proc = subprocess.run(args, input="y\ny\nyes\nn\n", capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    for n in ("Checkpoint 1", "Checkpoint 2", "Checkpoint 3", "Checkpoint 4"):
+        assert n in proc.stderr
+    assert (out / "model.safetensors").exists()
+    # resume: accept the result, then pick "skip" at the evaluation checkpoint
+    proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval", "resume", "--workdir", str(wd),
+                           "--execution-mode", "interactive_execute"], input="y\nskip\n", capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Which evaluation tier?" in proc.stderr and "Evaluation skipped" in proc.stderr

@@ -94,6 +94,16 @@ class TerminalApprover(FlagApprover):
         return answer in ("y", "yes")
 
 
+    def choose(self, question: str, choices: tuple[str, ...]) -> str | None:
+        """Ask for one of ``choices`` (used by the evaluation checkpoint); None when unanswered."""
+        print(f"\n{question} [{'/'.join(choices)}]", file=sys.stderr)
+        try:
+            answer = input("> ").strip()
+        except EOFError:
+            return None
+        return answer if answer in choices else None
+
+
 class CallbackApprover:
     """For notebooks and other tools: ``CallbackApprover(lambda gate, summary: ...)``."""
 

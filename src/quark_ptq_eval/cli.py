@@ -8,7 +8,9 @@ never a traceback. No torch or Quark import happens before a command needs it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,15 +139,25 @@ def _run_options(args: argparse.Namespace):
     plan: dict[str, Any] = {f: getattr(args, f, None) for f in PLAN_FIELDS}
     if plan["layer_quant_config"] is not None:
         plan["layer_quant_config"] = dict(plan["layer_quant_config"])
+    plan["calib_data"] = _absolute(plan["calib_data"])
     eval_opts = eval_options_from_args(args, explicit_only=True) if hasattr(args, "eval_tier") else {}
+    # Stored in run_state.json for `resume` (possibly from another directory): JSON, absolute paths.
+    eval_opts = {k: _absolute(v) if isinstance(v, Path) else dataclasses.asdict(v) if dataclasses.is_dataclass(v)
+                 else v for k, v in eval_opts.items()}
+    model = getattr(args, "model", None)
     return RunOptions(
-        model=getattr(args, "model", None), output_dir=getattr(args, "output_dir", None), plan=plan,
+        model=_absolute(model) if model and Path(model).exists() else model,
+        output_dir=_absolute(getattr(args, "output_dir", None)), plan=plan,
         overwrite=bool(getattr(args, "overwrite", None)), eval_tier=getattr(args, "eval_tier", None),
         eval=eval_opts, offline=getattr(args, "offline", None), execution_mode=getattr(args, "execution_mode", None),
         contexts={k: str(getattr(args, k)) if getattr(args, k, None) else None
                   for k in ("session_context", "env_context", "workspace_context", "pytorch_install_result",
                             "quark_install_result")},
     )
+
+
+def _absolute(path: str | Path | None) -> str | None:
+    return None if path is None else os.path.abspath(os.path.expanduser(str(path)))
 
 
 STOP_AFTER = {"intake": "intake", "plan": "plan", "manifest": "manifest", "execute": "execute",

@@ -16,7 +16,7 @@ from typing import Any
 from . import preflight
 from .artifacts import ModelAnalysis, QuantPlan, RunManifest
 from .catalog import load_catalog, quark_version
-from .checkpoints import Approver, require
+from .checkpoints import GATES, Approver, require
 from .errors import CheckpointPending, UsageError
 from .execute.step import EngineFailed
 from .fsio import write_json
@@ -247,9 +247,11 @@ class Recipe:
         return report
 
     def _evaluate(self, opts: RunOptions, source: Path | None, output_dir: Path, plan: dict):
-        from .evaluate import EvalOptions, evaluate
+        from .evaluate import EvalOptions, Thresholds, evaluate
 
         tier = opts.eval_tier
+        if tier is None and hasattr(self.approver, "choose"):
+            tier = self._ask_tier(opts)
         if tier is None:
             self.state.waiting_for = "eval"
             self.state.save()
@@ -265,10 +267,26 @@ class Recipe:
             self.ui.info("Evaluation skipped.")
             return "skipped"
         fields = {f.name for f in dataclasses.fields(EvalOptions)}
-        options = EvalOptions(**{k: v for k, v in opts.eval.items() if k in fields} | {"tier": tier})
+        given = {k: v for k, v in opts.eval.items() if k in fields} | {"tier": tier}
+        if isinstance(given.get("thresholds"), dict):
+            given["thresholds"] = Thresholds(**given["thresholds"])
+        options = EvalOptions(**given)
         report = evaluate(output_dir, options, self.workdir, self.approver, source_model=source, plan=plan)
         self.state.record_step("eval", "done", tier=tier, report=str(self.workdir / "eval_report.md"))
         return report
+
+    def _ask_tier(self, opts: RunOptions) -> str | None:
+        """Interactive evaluation checkpoint: pick a tier, then opt in to the baseline or not."""
+        from .evaluate import BASELINE_FROM_SOURCE, TIERS
+
+        for name, tier in TIERS.items():
+            self.ui.info(f"  {name:<8} {tier.method} ({tier.cost})")
+        tier = self.approver.choose("Which evaluation tier?", tuple(TIERS))
+        if tier not in (None, "skip") and "baseline" not in opts.eval:
+            gate = GATES["baseline"]
+            if self.approver(gate, gate.reason):
+                opts.eval["baseline"] = BASELINE_FROM_SOURCE
+        return tier
 
     # -- helpers ----------------------------------------------------------------------------
     def _load_quietly(self, cls):

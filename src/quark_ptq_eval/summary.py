@@ -44,13 +44,10 @@ def build_summary(recipe: Recipe, opts: RunOptions, stopped_at: str | None, part
 
 
 def _eval_summary(evaluation: Any) -> Any:
+    """``None`` (not reached), ``"skipped"``, or the tier, verdict and report of an EvalReport."""
     if evaluation is None or isinstance(evaluation, str):
         return evaluation
-    for attr in ("summary", "to_dict"):
-        fn = getattr(evaluation, attr, None)
-        if callable(fn):
-            return fn()
-    return str(evaluation)
+    return {"tier": evaluation.tier, "verdict": evaluation.verdict, "report": str(evaluation.report_path)}
 
 
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -65,5 +62,5 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _verdict_text(evaluation: Any) -> str:
     if isinstance(evaluation, dict):
-        return str(evaluation.get("verdict") or evaluation.get("overall_verdict") or evaluation)
+        return f"{evaluation['verdict']} (tier {evaluation['tier']})"
     return str(evaluation)

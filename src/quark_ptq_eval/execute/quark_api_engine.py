@@ -57,11 +57,13 @@ def copy_non_weight_files(src: Path, dst: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
+    import transformers
     from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quark_ptq_eval.textdata import load_texts
 
+    transformers.logging.set_verbosity_error()  # e.g. "sequence longer than max length": we window it
     t0 = time.time()
     print(f"[quark-ptq-eval] loading {args.model_dir} on {args.device}", flush=True)
     model = AutoModelForCausalLM.from_pretrained(

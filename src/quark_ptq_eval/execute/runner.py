@@ -4,6 +4,7 @@ streamed progress, full log under the work dir; Ctrl-C / SIGTERM stop the whole 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,8 +40,12 @@ def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
             continue
 
 
-def _is_progress_noise(line: str) -> bool:
-    return not line.strip() or line.strip() in ("\x1b[32m", "\x1b[0m")
+SHOWN = re.compile(r"^\[quark-ptq-eval\]|Error|error:|Traceback|WARN|Perplexity|exported to|Exporting|Loading")
+
+
+def _worth_showing(line: str) -> bool:
+    """The terminal gets progress milestones and problems; the log gets everything."""
+    return bool(SHOWN.search(line))
 
 
 def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd: Path,
@@ -67,7 +72,7 @@ def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd:
             for line in proc.stdout:
                 log.write(line)
                 tail.append(line.rstrip("\n"))
-                if echo is not None and not _is_progress_noise(line):
+                if echo is not None and _worth_showing(line):
                     echo.write(line)
             proc.wait()
         except KeyboardInterrupt:
