@@ -32,7 +32,7 @@ def ppl_options(eval_text: Path, **overrides) -> EvalOptions:
     )
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4_wo_128", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4_wo_128", "mxfp4", "nvfp4", "int4_fp8"])
 def test_tier1_with_baseline_gives_finite_scores_and_a_verdict(
     scheme, quantized, tiny_llama, eval_text, tmp_path
 ):
