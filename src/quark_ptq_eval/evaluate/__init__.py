@@ -2,16 +2,26 @@
 baseline, a direction-aware verdict and eval_report.md.
 
 Importing this package stays cheap (no torch, transformers, Quark or lm_eval): each tier imports
-its heavy dependencies when it runs.
+its heavy dependencies when it runs, and the API modules load on first use (the CLI parser only
+needs the argument definitions).
 """
 
 from __future__ import annotations
 
-from .api import BASELINE_FROM_SOURCE, EvalReport, estimate_runtime, evaluate
+import importlib
+from typing import Any
+
 from .cli import add_eval_arguments, cmd_eval, eval_options_from_args
-from .context import RuntimeEstimate
 from .options import EvalOptions, Thresholds
 from .tiers import TIERS, Tier
+
+_LAZY = {
+    "BASELINE_FROM_SOURCE": "api",
+    "EvalReport": "api",
+    "estimate_runtime": "api",
+    "evaluate": "api",
+    "RuntimeEstimate": "context",
+}
 
 __all__ = [
     "BASELINE_FROM_SOURCE",
@@ -27,3 +37,9 @@ __all__ = [
     "evaluate",
     "eval_options_from_args",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
