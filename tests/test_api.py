@@ -35,3 +35,44 @@ def test_callback_approver_drives_the_gates(tiny_llama, corpus, tmp_path):
     with pytest.raises(qpe.CheckpointPending):
         qpe.run(None, None, workdir=tmp_path / "w", approver=qpe.CallbackApprover(approve))
     assert seen == ["execute"]
+
+
+def test_every_artifact_validates_against_ours_and_quarks_contracts(tiny_llama, corpus, tmp_path, cli):
+    import json
+
+    import yaml
+
+    wd = tmp_path / "w"
+    res = cli("run", tiny_llama, "-o", tmp_path / "out", "--workdir", wd, "--scheme", "int8", "--calib-data", corpus,
+              "--offline", "--approve", "intake,plan")
+    assert res.rc == 3, res.err
+    kinds = ["session_context", "env_context", "workspace_context", "pytorch_install_result", "quark_install_result",
+             "model_analysis", "quant_plan"]
+    for kind in kinds:
+        data = json.loads((wd / f"{kind}.json").read_text())
+        assert contracts.quark_contract(kind) is not None, kind
+        assert contracts.schema_errors(kind, data) == [], kind
+    manifest = yaml.safe_load((wd / "run_manifest.yaml").read_text())
+    assert contracts.own_schema("run_manifest") and contracts.schema_errors("run_manifest", manifest) == []
+    session = json.loads((wd / "session_context.json").read_text())
+    assert session["constraints"] == {"offline": True, "execution_mode": "batch_execute"}
+
+
+def test_a_given_context_file_is_validated_and_names_the_field(tiny_llama, corpus, tmp_path, cli):
+    import json
+
+    bad = tmp_path / "env_context.json"
+    bad.write_text(json.dumps({"environment": {"os": "Linux", "python": "3.11", "containerized": False},
+                               "hardware": {"accelerator": "tpu"}}))
+    res = cli("run", tiny_llama, "-o", tmp_path / "out", "--workdir", tmp_path / "w", "--scheme", "int8",
+              "--calib-data", corpus, "--offline", "--env-context", bad)
+    assert res.rc == 2 and "hardware/accelerator" in res.err and "Traceback" not in res.err
+    good = tmp_path / "env_rocm.json"
+    good.write_text(json.dumps({"environment": {"os": "Linux", "python": "3.11", "containerized": True},
+                                "hardware": {"accelerator": "amd-rocm", "gpu_arch": "gfx942", "gpu_count": 8,
+                                             "memory_gb": 192}}))
+    res = cli("plan", tiny_llama, "-o", tmp_path / "out2", "--workdir", tmp_path / "w2", "--calib-data", corpus,
+              "--offline", "--env-context", good, "--approve", "intake", "--json")
+    assert res.rc == 0, res.err
+    plan = json.loads((tmp_path / "w2" / "quant_plan.json").read_text())
+    assert plan["global_scheme"] == "fp8" and plan["engine"]["name"] == "quark-cli"
