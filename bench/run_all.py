@@ -3,7 +3,8 @@
 Each module exposes ``run(quick: bool) -> list[dict]`` with rows {"benchmark", "ours_s", "peer",
 "peer_s", "ratio"} (optionally "target", "ok", "note"). A module that fails to import or run
 becomes one error row and the others still run. ``ratio`` is peer time / our time everywhere
-(above 1: we are faster). All rows are also written to ``.bench/results.json`` (gitignored).
+(above 1: we are faster). All rows are also written to ``.bench/results.json`` (gitignored); with ``--only`` the
+other modules' previous rows there are kept.
 Run: ``python bench/run_all.py [--quick] [--only NAME ...]``.
 """
 
@@ -70,6 +71,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def merged_with_previous(rows: list[dict], durations: dict[str, float]) -> tuple[list[dict], dict[str, float]]:
+    """With --only: keep the previous results of the modules not run now."""
+    try:
+        old = json.loads(RESULTS.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return rows, durations
+    kept = [r for r in old.get("rows", []) if r.get("module") not in durations]
+    old_durations = {k: v for k, v in old.get("meta", {}).get("module_seconds", {}).items() if k not in durations}
+    return kept + rows, {**old_durations, **durations}
+
+
 def write_results(rows: list[dict], durations: dict[str, float], quick: bool) -> Path:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     meta = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": quick, "cpu_count": os.cpu_count(),
@@ -96,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ncores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}; ratio = peer time / our time "
           "(above 1: we are faster)\n")
     print(table(rows))
+    if args.only:
+        rows, durations = merged_with_previous(rows, durations)
     print(f"\nwritten: {write_results(rows, durations, args.quick)}")
     return 1 if any(r.get("error") for r in rows) else 0
 
