@@ -37,7 +37,7 @@ def run_module(name: str, quick: bool) -> tuple[list[dict], float]:
     t0 = time.perf_counter()
     try:
         module = importlib.import_module(name)
-        rows = [dict(r, module=name) for r in module.run(quick=quick)]
+        rows = [dict(r, module=name, quick=quick) for r in module.run(quick=quick)]
     except Exception as exc:  # noqa: BLE001 - one broken benchmark must not hide the others
         traceback.print_exc(file=sys.stderr)
         rows = [{"module": name, "benchmark": f"{name}: ERROR", "ours_s": None, "peer": "", "peer_s": None,
