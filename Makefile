@@ -28,7 +28,6 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format --check src tests bench
 
 docs: $(STAMP)
 	$(PY) -m quark_ptq_eval.docs_gen docs/cli.md

@@ -52,9 +52,30 @@ def load_context(kind: str, path: str | Path) -> dict:
 
 
 def detect_env() -> dict:
-    """env_context from the running interpreter's torch (imported here only)."""
+    """env_context: the machine, and the GPU as torch sees it when a GPU driver is present."""
     hw: dict[str, Any] = {"accelerator": "cpu", "cuda_version": None, "rocm_version": None, "gpu_count": 0,
                           "gpu_model": None, "gpu_arch": None}
+    if not _gpu_driver_present():
+        hw["accelerator"] = "cpu" if _version("torch") else "unknown"
+    else:
+        _detect_gpu_with_torch(hw)
+    hw["host_memory_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    hw["cpu_count"] = os.cpu_count() or 1
+    return {
+        "environment": {"os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
+                        "containerized": Path("/.dockerenv").exists() or Path("/run/.containerenv").exists(),
+                        "container_runtime": None},
+        "hardware": hw,
+    }
+
+
+def _gpu_driver_present() -> bool:
+    """A ROCm or NVIDIA kernel driver is visible; without one torch cannot see a GPU, so we do not
+    pay for importing it (~5 s) on CPU hosts."""
+    return Path("/dev/kfd").exists() or Path("/proc/driver/nvidia").exists()
+
+
+def _detect_gpu_with_torch(hw: dict[str, Any]) -> None:
     try:
         import torch
 
@@ -67,14 +88,6 @@ def detect_env() -> dict:
                       gpu_arch=getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}")
     except ImportError:
         hw["accelerator"] = "unknown"
-    hw["host_memory_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    hw["cpu_count"] = os.cpu_count() or 1
-    return {
-        "environment": {"os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
-                        "containerized": Path("/.dockerenv").exists() or Path("/run/.containerenv").exists(),
-                        "container_runtime": None},
-        "hardware": hw,
-    }
 
 
 def _version(dist: str) -> str | None:
@@ -90,7 +103,7 @@ def detect_pytorch(env: dict) -> dict:
     return {"status": "ok" if torch_v else "failed", "pytorch_version": torch_v,
             "accelerator_tag": {"amd-rocm": "rocm", "nvidia-cuda": "cuda"}.get(acc, "cpu") if torch_v else None,
             "torchvision_version": _version("torchvision"), "torchaudio_version": _version("torchaudio"),
-            "verification": {"imported": torch_v is not None, "accelerator": acc},
+            "verification": {"installed": torch_v is not None, "accelerator": acc},
             "failure_reason": None if torch_v else "torch is not installed"}
 
 

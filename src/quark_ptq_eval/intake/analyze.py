@@ -141,7 +141,8 @@ def _risks(cfg: dict, text_cfg: dict, template: bool, model_type: str, has_weigh
 
     if not template:
         add("high", f"The installed Quark has no LLM template for model_type {model_type!r}.",
-            "Register one with --template-file (see `quark-cli register-template -h`) or pick a supported model.")
+            "Register a template with Quark (`quark-cli register-template -h`) and run quark-cli with --template_file, "
+            "or pick a supported model.")
     if cfg.get("auto_map"):
         add("high", "The model ships custom code (auto_map); loading it executes code from the model repository.",
             "Review the code; pass --trust-remote-code only if you trust it. Nothing runs it otherwise.")
