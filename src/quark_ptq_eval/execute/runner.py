@@ -43,9 +43,16 @@ def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
 SHOWN = re.compile(r"^\[quark-ptq-eval\]|Error|error:|Traceback|WARN|Perplexity|exported to|Exporting|Loading")
 
 
-def _worth_showing(line: str) -> bool:
-    """The terminal gets progress milestones and problems; the log gets everything."""
-    return bool(SHOWN.search(line))
+class MilestoneEcho:
+    """An echo stream for people: progress milestones and problems only (the log has everything)."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, line: str) -> None:
+        if SHOWN.search(line):
+            self.stream.write(line)
+            self.stream.flush()
 
 
 def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd: Path,
@@ -72,7 +79,7 @@ def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd:
             for line in proc.stdout:
                 log.write(line)
                 tail.append(line.rstrip("\n"))
-                if echo is not None and _worth_showing(line):
+                if echo is not None:
                     echo.write(line)
             proc.wait()
         except KeyboardInterrupt:

@@ -11,7 +11,7 @@ from ..errors import CheckpointPending, QpeError, UsageError
 from ..safety import check_free_space, is_nonempty_dir
 from .classify import classify_failure
 from .inspect_output import inspect_output
-from .runner import raise_if_interrupted, run_command
+from .runner import MilestoneEcho, raise_if_interrupted, run_command
 
 if TYPE_CHECKING:
     from ..pipeline import Recipe
@@ -65,7 +65,8 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
     on_disk.write(recipe.workdir)
     recipe.state.record_step("execute", "running", command_digest=on_disk.command_digest)
     result = run_command(on_disk.command["argv"], on_disk.command.get("env", {}),
-                         Path(on_disk.outputs["log"]), recipe.workdir, echo=None if recipe.ui.quiet else recipe.ui.stream)
+                         Path(on_disk.outputs["log"]), recipe.workdir,
+                         echo=None if recipe.ui.quiet else MilestoneEcho(recipe.ui.stream))
     facts = inspect_output(staging)
     run.update(finished_at=_now(), returncode=result.returncode, seconds=round(result.seconds, 1), log=str(result.log))
     if result.interrupted:
