@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -224,9 +225,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 HANDLERS = {"status": _cmd_status, "preflight": _cmd_preflight, "validate": _cmd_validate, "eval": _cmd_eval}
 
 
+def _terminate(signum, frame):  # noqa: ARG001
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = HANDLERS.get(args.command, _cmd_pipeline)
+    signal.signal(signal.SIGTERM, _terminate)  # SIGTERM stops as cleanly as Ctrl-C (exit 130)
     try:
         return handler(args)
     except CheckpointPending as exc:

@@ -37,7 +37,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; artifacts get the usual mode
         os.replace(tmp, path)
+        _fsync_dir(path.parent)  # the rename itself survives a power loss
     except OSError as exc:
         _unlink_quietly(tmp)
         raise _write_error(path, exc, len(data)) from None
@@ -45,6 +47,21 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         _unlink_quietly(tmp)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _write_error(path: Path, exc: OSError, size: int) -> QpeError:

@@ -3,6 +3,8 @@ streamed progress, full log under the work dir; Ctrl-C / SIGTERM stop the whole 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import re
 import signal
@@ -24,6 +26,13 @@ class RunResult:
     log: Path
     tail: list[str]
     interrupted: bool = False
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: if we are SIGKILLed, the kernel sends the engine SIGTERM
+    (Linux PR_SET_PDEATHSIG), so it cannot go on writing an output nobody will verify."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
@@ -74,7 +83,8 @@ def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd:
         proc = None
         try:
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+                                    stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
+                                    preexec_fn=_die_with_parent)
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..artifacts import ModelAnalysis, RunManifest
 from ..errors import CheckpointPending, QpeError, UsageError
 from ..safety import check_free_space, is_nonempty_dir
+from ..state import digest
 from .classify import classify_failure
 from .inspect_output import inspect_output
 from .runner import MilestoneEcho, raise_if_interrupted, run_command
@@ -31,7 +32,10 @@ def _estimated_output_bytes(analysis: ModelAnalysis) -> int:
 
 def _set_aside(recipe: Recipe, path: Path, why: str) -> Path:
     """Move ``path`` out of the way (never delete it), after the overwrite approval."""
-    recipe._gate("overwrite", str(path), f"{path} {why}")
+    # Bound to what is there now: a different leftover at the same path asks again.
+    listing = sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
+                     for p in path.rglob("*") if p.is_file())
+    recipe._gate("overwrite", digest([str(path), listing]), f"{path} {why}")
     aside = path.with_name(f"{path.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
     path.rename(aside)
     recipe.ui.info(f"Moved {path} aside to {aside} (nothing deleted).")
@@ -64,9 +68,13 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
     on_disk.runs.append(run)
     on_disk.write(recipe.workdir)
     recipe.state.record_step("execute", "running", command_digest=on_disk.command_digest)
-    result = run_command(on_disk.command["argv"], on_disk.command.get("env", {}),
-                         Path(on_disk.outputs["log"]), recipe.workdir,
-                         echo=None if recipe.ui.quiet else MilestoneEcho(recipe.ui.stream))
+    try:
+        result = _run(recipe, on_disk)
+    except OSError as exc:  # the engine could not even start (argv[0] missing, not executable, ...)
+        run.update(status="failed", finished_at=_now(), failure={"cause": "environment", "evidence": [str(exc)]})
+        _record(recipe, on_disk, run, inspect_output(staging), "failed")
+        raise EngineFailed(f"The engine could not be started: {exc.strerror or exc} ({on_disk.command['argv'][0]}).",
+                           "Check the installation with `quark-ptq-eval preflight`.") from None
     facts = inspect_output(staging)
     run.update(finished_at=_now(), returncode=result.returncode, seconds=round(result.seconds, 1), log=str(result.log))
     if result.interrupted:
@@ -92,6 +100,12 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
                                         ("size", f"{facts['size_bytes'] / 2**20:.2f} MiB"),
                                         ("engine time", f"{result.seconds:.1f} s")])
     return facts
+
+
+def _run(recipe: Recipe, manifest: RunManifest):
+    echo = None if recipe.ui.quiet else MilestoneEcho(recipe.ui.stream)
+    return run_command(manifest.command["argv"], manifest.command.get("env", {}), Path(manifest.outputs["log"]),
+                       recipe.workdir, echo=echo)
 
 
 def _record(recipe: Recipe, manifest: RunManifest, run: dict, facts: dict, status: str, **extra) -> None:
