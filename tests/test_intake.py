@@ -125,3 +125,21 @@ def test_intake_without_weights_estimates_from_config(tmp_path, catalog):
     assert analysis.quantization_targets["linear_layer_count"] == 32 * 7 + 1
     assert 14e9 < analysis.size["bytes"] < 18e9  # ~8B params in bf16
     assert Path(analysis.model["model_path"]).is_absolute()
+
+
+def test_a_hugging_face_cache_snapshot_is_read_through_its_blob_links(tiny_llama, catalog, tmp_path):
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in tiny_llama.iterdir():
+        blob = blobs / f"sha-{f.name}"
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(Path("../../blobs") / blob.name)
+    analysis = analyze_model(str(snapshot), offline=True, catalog=catalog)
+    assert analysis.quantization_targets["linear_layer_count"] == 15
+    # a link to anywhere else is still refused
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(tiny_llama / "model.safetensors")
+    with pytest.raises(UsageError, match="points outside the model directory"):
+        analyze_model(str(snapshot), offline=True, catalog=catalog)

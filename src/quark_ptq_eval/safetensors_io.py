@@ -145,9 +145,17 @@ def _contained(root: Path, candidate: Path, what: str) -> Path:
         raise UnsafeInputError(f"{what} {candidate} does not exist.") from None
     except (RuntimeError, OSError) as exc:  # symlink loops raise here
         raise UnsafeInputError(f"{what} {candidate} cannot be resolved ({exc}).") from None
-    if not resolved.is_relative_to(root):
+    if not (resolved.is_relative_to(root) or _in_hub_cache_blobs(root, resolved)):
         raise UnsafeInputError(f"{what} {candidate} points outside the model directory {root}; refusing to follow it.")
     return resolved
+
+
+def _in_hub_cache_blobs(root: Path, resolved: Path) -> bool:
+    """A Hugging Face cache snapshot (``models--org--name/snapshots/REV``) links its files to
+    the same repository's ``blobs/``: that one place outside the model dir is allowed."""
+    repo = root.parent.parent
+    return (root.parent.name == "snapshots" and repo.name.startswith("models--")
+            and resolved.parent == repo / "blobs")
 
 
 def weight_files(model_dir: str | os.PathLike) -> list[Path]:
