@@ -18,6 +18,7 @@ from typing import Any
 
 from . import __version__
 from .errors import CheckpointPending, ExitCode, QpeError
+from .preflight import CONTEXT_KINDS
 
 PLAN_FIELDS = ("goal", "scheme", "algorithm", "kv_cache_scheme", "exclude_layers", "no_exclusions",
                "layer_quant_config", "calib_data", "calib_dataset", "num_calib_samples", "calib_seq_len",
@@ -35,8 +36,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offline", action="store_true", default=None,
                    help="Hugging Face offline mode for this run and every child process")
     g.add_argument("--execution-mode", choices=("plan_only", "interactive_execute", "batch_execute"))
-    for kind in ("session_context", "env_context", "workspace_context", "pytorch_install_result",
-                 "quark_install_result"):
+    for kind in CONTEXT_KINDS:
         g.add_argument(f"--{kind.replace('_', '-')}", dest=kind, type=Path, metavar="FILE",
                        help=f"use this {kind}.json instead of producing one")
 
@@ -152,8 +152,7 @@ def _run_options(args: argparse.Namespace):
         overwrite=bool(getattr(args, "overwrite", None)), eval_tier=getattr(args, "eval_tier", None),
         eval=eval_opts, offline=getattr(args, "offline", None), execution_mode=getattr(args, "execution_mode", None),
         contexts={k: str(getattr(args, k)) if getattr(args, k, None) else None
-                  for k in ("session_context", "env_context", "workspace_context", "pytorch_install_result",
-                            "quark_install_result")},
+                  for k in CONTEXT_KINDS},
     )
 
 

@@ -24,10 +24,6 @@ from .plan import PlanRequest, make_plan
 from .state import RunState, WorkdirLock, digest
 from .ui import Reporter
 
-STEPS = ("intake", "plan", "manifest", "execute", "validate", "eval")
-CONTEXT_OPTIONS = ("session_context", "env_context", "workspace_context", "pytorch_install_result",
-                   "quark_install_result")
-
 
 @dataclass
 class RunOptions:
@@ -312,4 +308,4 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-__all__ = ["CheckpointPending", "EngineFailed", "Recipe", "RunOptions", "STEPS"]
+__all__ = ["CheckpointPending", "EngineFailed", "Recipe", "RunOptions"]

@@ -19,7 +19,8 @@ def _first_existing(path: Path) -> Path:
 def check_output_target(output: Path, model_dir: Path | None, workdir: Path) -> Path:
     """The absolute output path, or a one-sentence refusal naming what it would destroy."""
     out = Path(os.path.abspath(output.expanduser()))
-    real = _first_existing(out).resolve() / out.relative_to(_first_existing(out)) if out != Path("/") else out
+    anchor = _first_existing(out)
+    real = anchor.resolve() / out.relative_to(anchor)  # symlinks in the existing part resolved
     home = Path.home().resolve()
     if real == Path("/") or real == home:
         raise UsageError(f"Refusing to use {out} as the output directory: it is {'/' if real == Path('/') else 'your home directory'}.",

@@ -211,11 +211,6 @@ def analyze_model(model: str, *, offline: bool, catalog: dict, trust_remote_code
     )
 
 
-def output_size_estimate(size_bytes: int, bits: float) -> int:
-    """Rough output size for a weight width: source bytes scaled from 16-bit, plus 5% for scales."""
-    return int(size_bytes * bits / 16 * 1.05)
-
-
 def describe(analysis: ModelAnalysis) -> list[tuple[str, Any]]:
     a, t = analysis.architecture, analysis.quantization_targets
     return [
