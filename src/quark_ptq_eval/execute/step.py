@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..artifacts import ModelAnalysis, RunManifest
-from ..errors import CheckpointPending, QpeError, UsageError
+from ..errors import QpeError, UsageError
 from ..safety import check_free_space, is_nonempty_dir
 from ..state import digest
 from .classify import classify_failure
@@ -123,7 +123,8 @@ def _prepare_calibration(recipe: Recipe, manifest: RunManifest) -> None:
 
     calib = manifest.inputs.get("calibration")
     if not calib or not Path(calib).exists():
-        raise CheckpointPending("The calibration file named in the manifest is missing.", "Re-run the plan step.")
+        raise UsageError(f"The calibration file {calib} named in the manifest is missing.",
+                         "Restore it, or pass another --calib-data and approve the new plan.")
     argv = manifest.command["argv"]
     dataset = argv[argv.index("--dataset") + 1] if "--dataset" in argv else "pileval"
     prepare_offline_calibration(Path(calib), Path(cache), dataset=dataset)
