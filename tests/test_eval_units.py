@@ -278,7 +278,10 @@ def test_report_files_for_lm_eval_scores(tmp_path):
         quantized={"arc_easy": {"acc": 0.50, "acc_norm": 0.55}},
         baseline={"arc_easy": {"acc": 0.60, "acc_norm": 0.555}},
         directions={"arc_easy": {"acc": True, "acc_norm": True}},
-        details={"stderr": {"quantized": {"arc_easy": {"acc": 0.02}}}},
+        details={
+            "stderr": {"quantized": {"arc_easy": {"acc": 0.02}}},
+            "noise": {"arc_easy": {"acc": {"stderr": 0.02}}},
+        },
     )
     plan = {
         "global_scheme": "mxfp4",
@@ -294,7 +297,12 @@ def test_report_files_for_lm_eval_scores(tmp_path):
         "mxfp6" in r for r in report.remedies
     )
     text = report.report_path.read_text()
-    assert "| arc_easy | acc | 0.5000 | baseline | 0.6000 | +16.67 % | hurt |" in text
+    # 16.67 % worse, +-100 * 1.96 * 0.02 / 0.6 = 6.53 %: beyond noise and past the hurt threshold
+    assert (
+        "| arc_easy | acc | 0.5000 | baseline | 0.6000 | +16.67 % | +10.13 % … +23.20 % | beyond noise | hurt |"
+        in text
+    )
+    assert "| arc_easy | acc_norm | 0.5500 | baseline | 0.5550 | +0.90 % | - | - | healthy |" in text
     assert "Standard errors" in text and "## Remedies" in text
     results = json.loads(report.results_path.read_text())
     assert results["quantized"] == outcome.quantized and results["baseline"] == outcome.baseline

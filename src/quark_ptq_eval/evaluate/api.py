@@ -146,6 +146,8 @@ def _build_report(ctx: TierContext, outcome: TierOutcome, estimate, actual) -> E
         outcome.directions,
         options.thresholds,
         outcome.informational,
+        noise=outcome.details.get("noise"),
+        required=outcome.details.get("required"),
     )
     verdict = overall_verdict(comparisons)
     remedies = suggest_remedies(ctx.plan, _num_layers(ctx.model_dir)) if verdict in ("hurt", "watch") else []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -23,6 +24,10 @@ def parse_reference(items: list[str] | None) -> dict[str, dict[str, float]]:
             value = float(match["value"])
         except ValueError:
             raise UsageError(f"--reference {item!r}: {match['value']!r} is not a number.") from None
+        if not math.isfinite(value):
+            raise UsageError(
+                f"--reference {item!r} has the non-finite value {value}: give the published score as a finite number."
+            )
         out.setdefault(match["task"], {})[match["metric"]] = value
     return out
 
@@ -62,7 +67,8 @@ def _add_result(out: dict[str, dict[str, float]], result: dict) -> None:
     for metric in result.get("metrics") or []:
         value = (metric or {}).get("value")
         name = (metric or {}).get("type") or (metric or {}).get("name")
-        if name and isinstance(value, int | float):
+        # A non-finite card value is no reference (and must not turn into a verdict).
+        if name and isinstance(value, int | float) and math.isfinite(value):
             out.setdefault(str(task), {})[str(name)] = float(value)
 
 

@@ -6,16 +6,12 @@ import io
 import math
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..fsio import atomic_write_bytes, atomic_write_text, write_json
 from .context import format_duration
+from .eval_report import REPORT_NAME, RESULTS_NAME, EvalReport  # noqa: F401 (names kept importable here)
+from .verdict import invalid_reasons
 
-if TYPE_CHECKING:
-    from .api import EvalReport
-
-REPORT_NAME = "eval_report.md"
-RESULTS_NAME = "eval_results.json"
 CHART_NAME = "eval_chart.png"
 RESULTS_SCHEMA = "quark-ptq-eval/eval_results/1"
 
@@ -92,6 +88,12 @@ def markdown(report: EvalReport) -> str:
 
 def _verdict_explanation(report: EvalReport) -> str:
     t = report.thresholds
+    if report.verdict == "invalid":
+        return (
+            " — a metric is missing or not a number, so no verdict on the model can be trusted: "
+            + "; ".join(invalid_reasons(report.comparisons))
+            + "."
+        )
     if report.verdict == "unknown":
         return (
             " — scores only: no baseline and no published reference to compare with, so the delta is "
@@ -99,7 +101,8 @@ def _verdict_explanation(report: EvalReport) -> str:
         )
     return (
         f" (healthy: at most {t.healthy_pct:g} % worse; hurt: more than {t.hurt_pct:g} % worse; "
-        "direction-aware per metric)."
+        "direction-aware per metric. Where the sampling noise was measured, healthy needs the whole "
+        "95 % interval within the healthy threshold and hurt needs a worsening beyond noise)."
     )
 
 
@@ -132,19 +135,25 @@ def _scores_section(report: EvalReport) -> list[str]:
     lines = [
         "## Scores, deltas and verdicts",
         "",
-        "| task | metric | quantized | compared to | value | worse by | verdict |",
-        "|---|---|---:|---|---:|---:|---|",
+        "| task | metric | quantized | compared to | value | worse by | 95 % interval | noise | verdict |",
+        "|---|---|---:|---|---:|---:|---|---|---|",
     ]
     for c in report.comparisons:
         other = "-" if c.other is None else _num(c.other)
-        worse = "unknown" if c.degradation_pct is None else f"{c.degradation_pct:+.2f} %"
-        if c.verdict == "info":
+        worse = "unknown" if c.degradation_pct is None else _pct(c.degradation_pct)
+        if c.verdict in ("info", "invalid"):
             worse = "-"
+        interval = "-" if c.ci95_pct is None else f"{_pct(c.ci95_pct[0])} … {_pct(c.ci95_pct[1])}"
         lines.append(
             f"| {c.task} | {c.metric} | {_num(c.value)} | {c.compared_to or '-'} | {other} | "
-            f"{worse} | {c.verdict} |"
+            f"{worse} | {interval} | {c.noise or '-'} | {c.verdict} |"
         )
-    return [*lines, ""]
+    notes = [f"- {c.task}:{c.metric}: {c.note}" for c in report.comparisons if c.note]
+    return [*lines, "", *notes, *([""] if notes else [])]
+
+
+def _pct(value: float) -> str:
+    return f"{value:+.2f} %" if math.isfinite(value) else f"{'+' if value > 0 else '-'}inf %"
 
 
 def _details_section(report: EvalReport) -> list[str]:
@@ -161,21 +170,23 @@ def _details_section(report: EvalReport) -> list[str]:
             if stats:
                 lines.append(
                     f"- {label}: perplexity {_num(stats['perplexity'])} (95 % CI {_num(stats['perplexity_ci95_low'])}"
-                    f"–{_num(stats['perplexity_ci95_high'])}; NLL {stats['mean_nll']:.5f} ± {stats['nll_stderr']:.5f} "
-                    f"s.e. over windows), {stats['tokens']:,} scored tokens in {stats['windows']} windows"
+                    f"–{_num(stats['perplexity_ci95_high'])}; NLL {stats['mean_nll']:.6g} ± {stats['nll_stderr']:.3g} "
+                    f"nats s.e. over windows), {stats['tokens']:,} scored tokens in {stats['windows']} windows"
                 )
         if "kl" in details:
             kl = details["kl"]
             lines.append(
-                f"- KL(baseline ‖ quantized) per token: mean {kl['kl_divergence']:.5f}, p50 {kl['kl_p50']:.5f}, "
-                f"p90 {kl['kl_p90']:.5f}, p99 {kl['kl_p99']:.5f}, max {kl['kl_max']:.5f} nats"
+                f"- KL(baseline ‖ quantized) per token: mean {kl['kl_divergence']:.6g} ± {kl['kl_stderr']:.3g} s.e., "
+                f"p50 {kl['kl_p50']:.6g}, p90 {kl['kl_p90']:.6g}, p99 {kl['kl_p99']:.6g}, max {kl['kl_max']:.6g} nats"
             )
             lines.append(f"- top-1 agreement with the baseline: {100 * kl['top1_agreement']:.2f} %")
         if "paired" in details:
             paired = details["paired"]
             lines.append(
-                f"- paired NLL delta (quantized − baseline): {paired['delta_nll']:+.5f} ± "
-                f"{paired['delta_nll_stderr']:.5f} s.e.; perplexity ratio {paired['perplexity_ratio']:.4f}"
+                f"- paired per-window NLL delta (quantized − baseline): {paired['delta_nll']:+.6g} nats, 95 % "
+                f"interval {paired['delta_nll_ci95_low']:+.6g} … {paired['delta_nll_ci95_high']:+.6g} "
+                f"({paired['noise'] or 'one window: no interval'}); perplexity ratio "
+                f"{_num(paired['perplexity_ratio'])}"
             )
         lines.append(f"- loader: {details.get('loader')}")
         lines.append("")
@@ -206,8 +217,12 @@ def _deferred_section(report: EvalReport) -> list[str]:
 
 
 def _num(value) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+    if value is None:
         return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # nan / inf / -inf: say what it is, never hide it
+    if abs(value) >= 1e9:
+        return f"{value:.4g}"
     return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.1f}"
 
 

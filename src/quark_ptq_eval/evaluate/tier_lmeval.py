@@ -18,6 +18,8 @@ from ..errors import QpeError, UsageError
 from ..fsio import atomic_write_text
 from .context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
 from .loading import LoadedModel, load_model, model_size_bytes, require_finite
+from .tier_ppl import synchronize
+from .verdict import Z95
 
 SAMPLE_DOCS = 16  # documents per task tokenized to estimate request lengths
 DEFAULT_GEN_TOKS = 256  # lm-eval's own default generation budget
@@ -159,13 +161,13 @@ def pilot(loaded: LoadedModel, workload: Workload, batch_size: int) -> tuple[flo
     ids = ids.to(loaded.device)
     with torch.inference_mode():
         loaded.model(ids[:, : min(length, 16)])  # warm-up
-        timed = time.perf_counter()
+        timed = _clock(loaded.device)
         logits = loaded.model(ids).logits
-        per_context_token = (time.perf_counter() - timed) / ids.numel()
+        per_context_token = (_clock(loaded.device) - timed) / ids.numel()
         require_finite(logits, "The model")
         per_generated_token = 0.0
         if workload.generated_tokens:
-            timed = time.perf_counter()
+            timed = _clock(loaded.device)
             loaded.model.generate(
                 ids[:1, :length],
                 max_new_tokens=8,
@@ -173,8 +175,39 @@ def pilot(loaded: LoadedModel, workload: Workload, batch_size: int) -> tuple[flo
                 do_sample=False,
                 pad_token_id=loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id,
             )
-            per_generated_token = (time.perf_counter() - timed) / 8
-    return per_context_token, per_generated_token, time.perf_counter() - started
+            per_generated_token = (_clock(loaded.device) - timed) / 8
+    return per_context_token, per_generated_token, _clock(loaded.device) - started
+
+
+def _clock(device: str) -> float:
+    """perf_counter after the device's queued work is done: GPU kernels run asynchronously."""
+    synchronize(device)
+    return time.perf_counter()
+
+
+def resolution_warning(workload: Workload, options) -> str | None:
+    """Said at the checkpoint when --limit leaves too few documents to resolve the healthy threshold.
+
+    A 0/1 score near 50 % has a per-document standard deviation of half its mean, so its relative
+    95 % half-width over n documents is 100 * z / sqrt(n) percent (sqrt(2) more for a difference
+    with an unpaired baseline).
+    """
+    if options.limit is None or not workload.per_task:
+        return None
+    healthy = options.thresholds.healthy_pct
+    pairs = 2 if options.baseline else 1
+    needed = math.ceil(pairs * (100 * Z95 / healthy) ** 2) if healthy > 0 else math.inf
+    fewest = min(workload.per_task.values())
+    if fewest >= needed:
+        return None
+    half = 100 * Z95 * math.sqrt(pairs / max(1, fewest))
+    against = "the difference with the baseline" if options.baseline else "a score"
+    return (
+        f"--limit {options.limit:g} is too small to resolve the healthy threshold: with {fewest} documents "
+        f"the 95 % interval of {against} near 50 % is about ±{half:.0f} % (relative), wider than "
+        f"--healthy-pct {healthy:g}; about {needed:,} documents per task would resolve it, so expect "
+        "'watch' rather than 'healthy'."
+    )
 
 
 def prepare(ctx: TierContext) -> Prepared:
@@ -213,7 +246,7 @@ def prepare(ctx: TierContext) -> Prepared:
         warning=(
             "Full lm-eval benchmarks can take hours; use --limit N for a smoke run."
             if options.limit is None
-            else None
+            else resolution_warning(workload, options)
         ),
         threshold_s=options.confirm_above_s,
     )
@@ -293,6 +326,9 @@ def run(prepared: Prepared) -> TierOutcome:
         for metric, value in metrics.items():
             if not math.isfinite(value):
                 notes.append(f"{task}:{metric} is not finite ({value}).")
+    details["noise"] = noise_from_stderr(q_stderr, details["stderr"].get("baseline"))
+    # A task asked for that produced no score at all must not vanish from the verdict.
+    details["required"] = {t: ["results"] for t in prepared.task_names if t not in quantized}
     return TierOutcome(
         quantized=quantized,
         baseline=baseline,
@@ -301,6 +337,19 @@ def run(prepared: Prepared) -> TierOutcome:
         notes=notes,
         artifacts=artifacts,
     )
+
+
+def noise_from_stderr(quantized: dict, baseline: dict | None) -> dict[str, dict[str, dict]]:
+    """lm-eval's standard errors as the verdict's noise input: {task: {metric: {stderr, baseline_stderr}}}."""
+    noise: dict[str, dict[str, dict]] = {}
+    for task, metrics in quantized.items():
+        for metric, se in metrics.items():
+            entry = {"stderr": se}
+            other = (baseline or {}).get(task, {}).get(metric)
+            if other is not None:
+                entry["baseline_stderr"] = other
+            noise.setdefault(task, {})[metric] = entry
+    return noise
 
 
 def _release(prepared: Prepared) -> None:

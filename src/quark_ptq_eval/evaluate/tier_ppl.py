@@ -18,12 +18,12 @@ from typing import Any
 from ..errors import UsageError
 from .context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
 from .loading import LoadedModel, load_model, require_finite
+from .verdict import BEYOND_NOISE, WITHIN_NOISE, Z95, safe_exp, safe_expm1
 
 TASK = "perplexity"
 LOGIT_BUDGET = 64 * 2**20  # logits elements per batch when --batch-size is not given
 MAX_AUTO_BATCH = 8
-ROW_CHUNK_ELEMENTS = 16 * 2**20  # rows of the vocabulary softmax handled at once (memory bound)
-Z95 = 1.959963984540054
+ROW_CHUNK_ELEMENTS = 8 * 2**20  # float64 elements of the vocabulary softmax handled at once (memory bound)
 
 
 # ---------------------------------------------------------------- data
@@ -76,11 +76,12 @@ def auto_batch_size(seq_len: int, vocab: int, device: str) -> int:
 
 @dataclass
 class Accumulator:
-    """Per-window mean NLLs (for the standard error) and per-token KL values (for percentiles)."""
+    """Per-window mean NLLs and KLs (for standard errors) and per-token KL values (for percentiles)."""
 
     window_nll: list[float] = field(default_factory=list)
     base_window_nll: list[float] = field(default_factory=list)
-    kl_values: list[Any] = field(default_factory=list)  # float32 tensors, one per batch
+    window_kl: list[float] = field(default_factory=list)
+    kl_values: list[Any] = field(default_factory=list)  # float64 tensors, one per batch
     top1_matches: int = 0
     tokens: int = 0
     windows: int = 0
@@ -94,7 +95,7 @@ def score_batch(model, batch, acc: Accumulator, baseline=None) -> None:
         logits = model(batch).logits[:, :-1]
         require_finite(logits, "The quantized model")
         labels = batch[:, 1:].to(logits.device)
-        acc.window_nll.extend(_window_nll(logits, labels))
+        base_logits = None
         if baseline is not None:
             base_logits = baseline(batch.to(_device_of(baseline))).logits[:, :-1].to(logits.device)
             require_finite(base_logits, "The baseline model")
@@ -102,10 +103,13 @@ def score_batch(model, batch, acc: Accumulator, baseline=None) -> None:
                 raise UsageError(
                     "The baseline's vocabulary differs from the quantized model's: KL is undefined."
                 )
-            acc.base_window_nll.extend(_window_nll(base_logits, labels))
-            kl, matches = _kl_and_top1(logits, base_logits)
-            acc.kl_values.append(kl)
-            acc.top1_matches += matches
+        stats = token_stats(logits, labels, base_logits)
+    acc.window_nll.extend(stats["nll"].mean(dim=1).tolist())
+    if base_logits is not None:
+        acc.base_window_nll.extend(stats["base_nll"].mean(dim=1).tolist())
+        acc.window_kl.extend(stats["kl"].mean(dim=1).tolist())
+        acc.kl_values.append(stats["kl"].reshape(-1).cpu())
+        acc.top1_matches += int(stats["top1"].sum())
     acc.tokens += labels.numel()
     acc.windows += batch.shape[0]
 
@@ -114,51 +118,66 @@ def _device_of(model) -> Any:
     return next(model.parameters()).device
 
 
-def _window_nll(logits, labels) -> list[float]:
-    """Mean next-token NLL of each window, computed in float32 whatever the model dtype."""
-    import torch
+def token_stats(logits, labels, base_logits=None) -> dict[str, Any]:
+    """Per-token NLL (and with a baseline: its NLL, KL(baseline || quantized), top-1 match), ``[B, T]``.
 
-    nll = torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
-    )
-    return nll.view(labels.shape).double().mean(dim=1).tolist()
-
-
-def _kl_and_top1(logits, base_logits):
-    """Per-token KL(baseline || quantized) and the count of equal argmax, in row chunks."""
+    Log space in float64, in row chunks: finite logits of any size (a broken model's 1e30) give
+    finite NLLs and KLs, where exp() or a float32 difference of log-probabilities would overflow.
+    """
     import torch
 
     vocab = logits.shape[-1]
-    q_rows, b_rows = logits.reshape(-1, vocab), base_logits.reshape(-1, vocab)
+    rows, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1, 1)
+    base_rows = None if base_logits is None else base_logits.reshape(-1, vocab)
     step = max(1, ROW_CHUNK_ELEMENTS // vocab)
-    kls, matches = [], 0
-    for start in range(0, q_rows.shape[0], step):
-        log_q = torch.log_softmax(q_rows[start : start + step].float(), dim=-1)
-        log_b = torch.log_softmax(b_rows[start : start + step].float(), dim=-1)
-        kl = (log_b.exp() * (log_b - log_q)).sum(dim=-1).clamp_min(0.0)  # clamp: float rounding below 0
-        kls.append(kl.cpu())
-        matches += int((log_q.argmax(-1) == log_b.argmax(-1)).sum())
-    return torch.cat(kls), matches
+    parts: dict[str, list] = {"nll": [], "base_nll": [], "kl": [], "top1": []}
+    for start in range(0, rows.shape[0], step):
+        chunk = slice(start, start + step)
+        log_q = torch.log_softmax(rows[chunk].double(), dim=-1)
+        parts["nll"].append(-log_q.gather(1, flat_labels[chunk]).squeeze(1))
+        if base_rows is None:
+            continue
+        log_b = torch.log_softmax(base_rows[chunk].double(), dim=-1)
+        parts["base_nll"].append(-log_b.gather(1, flat_labels[chunk]).squeeze(1))
+        # xlogy-style: a token the baseline gives probability 0 adds 0, not 0 * inf = NaN.
+        terms = torch.where(log_b.isneginf(), 0.0, log_b.exp() * (log_b - log_q))
+        parts["kl"].append(terms.sum(dim=-1).clamp_min(0.0))  # clamp: rounding just below 0
+        parts["top1"].append(log_q.argmax(-1) == log_b.argmax(-1))
+    return {k: torch.cat(v).view(labels.shape) for k, v in parts.items() if v}
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued device work, so a clock read after it measures the work, not its launch."""
+    import torch
+
+    if str(device).startswith("cuda"):  # ROCm builds answer through torch.cuda too
+        torch.cuda.synchronize(device)
+    elif str(device) != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize()
 
 
 # ---------------------------------------------------------------- statistics
 
 
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """Mean and its standard error over windows (tokens inside a window are correlated)."""
+    n = len(values)
+    mean = math.fsum(values) / n
+    if n < 2:
+        return mean, math.nan
+    return mean, math.sqrt(math.fsum((x - mean) ** 2 for x in values) / (n - 1) / n)
+
+
 def perplexity_stats(window_nll: list[float], tokens_per_window: int) -> dict[str, float]:
-    """Perplexity, the standard error of the mean NLL over windows and a 95 % interval."""
+    """Perplexity (exp of the mean NLL: inf when that overflows), the NLL's standard error, a 95 % interval."""
     n = len(window_nll)
-    mean_nll = sum(window_nll) / n
-    if n > 1:
-        variance = sum((x - mean_nll) ** 2 for x in window_nll) / (n - 1)
-        stderr = math.sqrt(variance / n)  # windows, not tokens: tokens inside a window are correlated
-    else:
-        stderr = float("nan")
+    mean_nll, stderr = mean_and_stderr(window_nll)
     return {
-        "perplexity": math.exp(mean_nll),
+        "perplexity": safe_exp(mean_nll),
         "mean_nll": mean_nll,
         "nll_stderr": stderr,
-        "perplexity_ci95_low": math.exp(mean_nll - Z95 * stderr) if n > 1 else float("nan"),
-        "perplexity_ci95_high": math.exp(mean_nll + Z95 * stderr) if n > 1 else float("nan"),
+        "perplexity_ci95_low": safe_exp(mean_nll - Z95 * stderr) if n > 1 else math.nan,
+        "perplexity_ci95_high": safe_exp(mean_nll + Z95 * stderr) if n > 1 else math.nan,
         "tokens": n * tokens_per_window,
         "windows": n,
     }
@@ -167,12 +186,14 @@ def perplexity_stats(window_nll: list[float], tokens_per_window: int) -> dict[st
 def kl_stats(acc: Accumulator) -> dict[str, float]:
     import torch
 
-    kl = torch.cat(acc.kl_values).double()
+    kl = torch.cat(acc.kl_values)
     quantiles = torch.quantile(
         kl[:: max(1, kl.numel() // 2**20)], torch.tensor([0.5, 0.9, 0.99], dtype=torch.double)
     )
+    mean, stderr = mean_and_stderr(acc.window_kl)
     return {
         "kl_divergence": float(kl.mean()),
+        "kl_stderr": stderr,  # over per-window means: the windows are the independent samples
         "kl_p50": float(quantiles[0]),
         "kl_p90": float(quantiles[1]),
         "kl_p99": float(quantiles[2]),
@@ -181,13 +202,32 @@ def kl_stats(acc: Accumulator) -> dict[str, float]:
     }
 
 
-def paired_delta(acc: Accumulator) -> dict[str, float]:
-    """Mean NLL difference quantized - baseline over the same windows, with its paired standard error."""
+def paired_delta(acc: Accumulator) -> dict[str, Any]:
+    """Per-window NLL difference quantized - baseline: mean, paired standard error, 95 % interval."""
     diffs = [q - b for q, b in zip(acc.window_nll, acc.base_window_nll, strict=True)]
-    n = len(diffs)
-    mean = sum(diffs) / n
-    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else float("nan")
-    return {"delta_nll": mean, "delta_nll_stderr": se, "perplexity_ratio": math.exp(mean)}
+    mean, se = mean_and_stderr(diffs)
+    low, high = mean - Z95 * se, mean + Z95 * se
+    within = len(diffs) > 1 and low <= 0 <= high
+    return {
+        "delta_nll": mean,
+        "delta_nll_stderr": se,
+        "delta_nll_ci95_low": low,
+        "delta_nll_ci95_high": high,
+        "perplexity_ratio": safe_exp(mean),
+        "perplexity_ratio_ci95_low": safe_exp(low),
+        "perplexity_ratio_ci95_high": safe_exp(high),
+        "noise": WITHIN_NOISE if within else (BEYOND_NOISE if len(diffs) > 1 else None),
+    }
+
+
+def resolution_pct(window_values: list[float], windows: int) -> float | None:
+    """Half-width, in percent of perplexity, of the 95 % interval ``windows`` windows would give,
+    projected from the spread of ``window_values`` (per-window NLLs or paired NLL differences)."""
+    if len(window_values) < 2:
+        return None
+    _, se = mean_and_stderr(window_values)
+    sd = se * math.sqrt(len(window_values))
+    return 100.0 * safe_expm1(Z95 * sd / math.sqrt(windows))
 
 
 # ---------------------------------------------------------------- the tier
@@ -222,6 +262,7 @@ def prepare(ctx: TierContext) -> Prepared:
     # Batch 0 warms up (first-call allocations, kernel selection); batch 1, when there is one, is timed.
     pilot_batches, pilot_s, per_batch_s = min(2, math.ceil(windows.shape[0] / batch_size)), 0.0, 0.0
     for index in range(pilot_batches):
+        synchronize(quantized.device)
         started = time.perf_counter()
         score_batch(
             quantized.model,
@@ -229,9 +270,10 @@ def prepare(ctx: TierContext) -> Prepared:
             acc,
             baseline.model if baseline else None,
         )
+        synchronize(quantized.device)
         per_batch_s = time.perf_counter() - started
         pilot_s += per_batch_s
-    estimate = _estimate(ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_batches)
+    estimate = _estimate(ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_batches, acc)
     return Prepared(ctx, quantized, baseline, windows, batch_size, acc, estimate, pilot_s, pilot_batches)
 
 
@@ -247,7 +289,9 @@ def _load_baseline(ctx: TierContext, texts: list[str], tokenizer) -> LoadedModel
     return baseline
 
 
-def _estimate(ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_batches) -> RuntimeEstimate:
+def _estimate(
+    ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_batches, prepared_acc
+) -> RuntimeEstimate:
     n = windows.shape[0]
     remaining_batches = math.ceil(n / batch_size) - pilot_batches
     models = "quantized + baseline" if baseline else "quantized"
@@ -261,7 +305,30 @@ def _estimate(ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_
             f"pilot: {pilot_batches} batch(es) of up to {batch_size} window(s) on the {models} model(s), "
             f"{per_batch_s:.2f} s per batch after warm-up; {remaining_batches} batch(es) left"
         ),
+        warning=_resolution_warning(ctx, prepared_acc, n),
         threshold_s=ctx.options.confirm_above_s,
+    )
+
+
+def _resolution_warning(ctx: TierContext, acc: Accumulator, windows: int) -> str | None:
+    """Said at the checkpoint: the pilot's spread projects an interval wider than the healthy threshold."""
+    options = ctx.options
+    if acc.base_window_nll:
+        spread = [q - b for q, b in zip(acc.window_nll, acc.base_window_nll, strict=True)]
+        what = "paired NLL differences with the baseline"
+    elif options.reference:
+        spread, what = acc.window_nll, "per-window NLLs (no baseline: unpaired)"
+    else:
+        return None  # nothing to compare with: no verdict to resolve
+    half = resolution_pct(spread, windows)
+    healthy = options.thresholds.healthy_pct
+    if half is None or half <= healthy:
+        return None
+    needed = math.ceil(windows * (math.log1p(half / 100) / math.log1p(healthy / 100)) ** 2)
+    return (
+        f"{windows} windows are too few to resolve the healthy threshold: the pilot's {what} project "
+        f"a 95 % interval of about ±{half:.2g} % on the perplexity, wider than --healthy-pct {healthy:g}; "
+        f"about {needed:,} windows would resolve it (more --eval-data or a larger --max-windows)."
     )
 
 
@@ -291,14 +358,24 @@ def outcome_from(acc: Accumulator, seq_len: int, prepared: Prepared) -> TierOutc
         "loader": f"{prepared.quantized.loader} ({prepared.quantized.loader_reason})",
         "method": "non-overlapping windows, mean next-token NLL (Quark ppl_eval's averaging)",
     }
+    # Sampling noise for the verdict: log(perplexity) is the mean NLL, so its standard error is the NLL's.
+    noise: dict[str, dict] = {"perplexity": {"log_stderr": stats["nll_stderr"]}}
     baseline = None
     if prepared.baseline is not None:
         base_stats = perplexity_stats(acc.base_window_nll, seq_len - 1)
-        kl = kl_stats(acc)
+        kl, paired = kl_stats(acc), paired_delta(acc)
         quantized[TASK].update({"kl_divergence": kl["kl_divergence"], "top1_agreement": kl["top1_agreement"]})
         baseline = {TASK: {"perplexity": base_stats["perplexity"]}}
-        details.update(baseline=base_stats, kl=kl, paired=paired_delta(acc))
+        details.update(baseline=base_stats, kl=kl, paired=paired)
         details["loader"] += f"; baseline: {prepared.baseline.loader}"
+        noise["perplexity"].update(
+            baseline_log_stderr=base_stats["nll_stderr"],
+            paired_log_delta=paired["delta_nll"],
+            paired_log_stderr=paired["delta_nll_stderr"],
+        )
+        noise["kl_divergence"] = {"stderr": kl["kl_stderr"]}
+    details["noise"] = {TASK: noise}
+    details["required"] = {TASK: list(quantized[TASK])}
     return TierOutcome(
         quantized=quantized,
         baseline=baseline,

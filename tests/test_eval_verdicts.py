@@ -1,0 +1,239 @@
+"""Verdicts that survive broken numbers: invalid metrics, overflow, sampling noise, device clocks.
+
+The fast tests here need no model; the slow ones plant faults into real Quark exports of the tiny
+model and compute KL / top-1 independently with plain torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from quark_ptq_eval.checkpoints import FlagApprover
+from quark_ptq_eval.errors import UsageError
+from quark_ptq_eval.evaluate import EvalOptions, Thresholds
+from quark_ptq_eval.evaluate.reference import model_card_reference, parse_reference
+from quark_ptq_eval.evaluate.verdict import (
+    WITHIN_NOISE,
+    Z95,
+    compare_all,
+    compare_metric,
+    invalid_reasons,
+    overall_verdict,
+)
+
+NAN, INF = float("nan"), float("inf")
+
+
+# ---------------------------------------------------------------- 8: missing / non-finite
+
+
+@pytest.mark.parametrize(
+    ("quantized", "baseline", "named"),
+    [
+        ({"t": {"acc": NAN, "acc_norm": 0.6}}, {"t": {"acc": 0.6, "acc_norm": 0.6}}, "t:acc is not a number"),
+        ({"t": {"acc": 0.6}}, {"t": {"acc": 0.6, "acc_norm": 0.6}}, "t:acc_norm is missing"),
+        ({"t": {"acc": 0.6, "acc_norm": 0.6}}, {"t": {"acc": NAN, "acc_norm": 0.6}}, "baseline value is not"),
+        ({"t": {"acc": INF, "acc_norm": 0.6}}, {"t": {"acc": 0.6, "acc_norm": 0.6}}, "t:acc is not finite"),
+    ],
+)
+def test_a_missing_or_non_finite_metric_makes_the_whole_verdict_invalid(quantized, baseline, named):
+    rows = compare_all(quantized, baseline, {}, {"t": {"acc": True, "acc_norm": True}}, Thresholds())
+    healthy = [r for r in rows if r.verdict == "healthy"]
+    assert healthy, "the other metric is healthy: invalid must win over it"
+    assert overall_verdict(rows) == "invalid"
+    assert any(named in reason for reason in invalid_reasons(rows))
+
+
+def test_a_required_metric_that_never_came_back_is_invalid():
+    rows = compare_all({"a": {"acc": 0.5}}, None, {"a": {"acc": 0.5}}, {}, Thresholds(), required={"b": ["results"]})
+    assert overall_verdict(rows) == "invalid"
+    assert invalid_reasons(rows) == ["b:results is missing from the quantized results"]
+
+
+def test_a_nan_informational_metric_is_invalid_too():
+    rows = compare_all({"perplexity": {"perplexity": 10.0, "top1_agreement": NAN}},
+                       {"perplexity": {"perplexity": 10.0}}, {}, {}, Thresholds())
+    assert overall_verdict(rows) == "invalid" and "top1_agreement" in invalid_reasons(rows)[0]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN", "1e999"])
+def test_a_non_finite_reference_is_refused(value):
+    with pytest.raises(UsageError, match="non-finite value"):
+        parse_reference([f"perplexity:perplexity={value}"])
+
+
+def test_a_non_finite_reference_exits_2_with_one_sentence(tmp_path, capsys):
+    from quark_ptq_eval.cli import main
+
+    rc = main(["eval", "--model", str(tmp_path), "--workdir", str(tmp_path), "--tier", "ppl",
+               "--reference", "perplexity:perplexity=nan"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip() == (
+        "error: --reference 'perplexity:perplexity=nan' has the non-finite value nan: "
+        "give the published score as a finite number."
+    )
+    assert not (tmp_path / "eval_results.json").exists()
+
+
+def test_a_non_finite_model_card_score_is_no_reference(tmp_path):
+    (tmp_path / "README.md").write_text(
+        "---\nmodel-index:\n- name: m\n  results:\n  - dataset: {type: gsm8k}\n"
+        "    metrics:\n    - {type: exact_match, value: .nan}\n    - {type: acc, value: 0.5}\n---\n"
+    )
+    assert model_card_reference(tmp_path) == {"gsm8k": {"acc": 0.5}}
+
+
+def test_invalid_report_names_the_metric(tmp_path):
+    from quark_ptq_eval.evaluate import api
+    from quark_ptq_eval.evaluate import report as report_files
+    from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    outcome = TierOutcome(
+        quantized={"perplexity": {"perplexity": NAN, "kl_divergence": 0.001, "top1_agreement": 0.99}},
+        baseline={"perplexity": {"perplexity": 20.0}},
+        directions={"perplexity": {"perplexity": False, "kl_divergence": False, "top1_agreement": True}},
+        informational=("top1_agreement",),
+    )
+    report = api._build_report(TierContext(model, EvalOptions(), tmp_path, FlagApprover()), outcome, None, 1.0)
+    report_files.write_all(report)
+    assert report.verdict == "invalid" and report.remedies == []
+    text = report.report_path.read_text()
+    assert "**Verdict: invalid** — a metric is missing or not a number" in text
+    assert "perplexity:perplexity is not a number (NaN)" in text
+    results = json.loads(report.results_path.read_text())
+    assert results["verdict"] == "invalid" and results["quantized"]["perplexity"]["perplexity"] is None
+
+
+# ---------------------------------------------------------------- 9: overflow-safe
+
+
+def test_an_overflowing_perplexity_or_kl_is_hurt_not_a_traceback():
+    row = compare_metric("perplexity", "perplexity", INF, 20.0, None, False, Thresholds(),
+                         {"paired_log_delta": 1e30, "paired_log_stderr": 1e28})
+    assert (row.verdict, row.degradation_pct, row.ci95_pct) == ("hurt", INF, (INF, INF))
+    kl = compare_metric("perplexity", "kl_divergence", 1e30, None, None, False, Thresholds(), {"stderr": 1e29})
+    assert kl.verdict == "hurt" and kl.degradation_pct == INF
+
+
+def test_token_stats_stay_finite_where_float32_overflows():
+    """Logits of +-3e38 are finite float32, but their differences (log-probabilities) are not."""
+    import torch
+
+    from quark_ptq_eval.evaluate.tier_ppl import token_stats
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.rand(2, 5, 7, generator=gen) * 2 - 1) * 3e38
+    base = torch.randn(2, 5, 7, generator=gen)
+    labels = torch.randint(0, 7, (2, 5), generator=gen)
+    assert not torch.isfinite(torch.log_softmax(logits, -1)).all()  # the float32 way overflows
+    stats = token_stats(logits, labels, base)
+    log_q, log_b = torch.log_softmax(logits.double(), -1), torch.log_softmax(base.double(), -1)
+    expected_nll = -log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    expected_kl = (log_b.exp() * (log_b - log_q)).sum(-1)
+    assert torch.isfinite(stats["nll"]).all() and torch.isfinite(stats["kl"]).all()
+    assert torch.allclose(stats["nll"], expected_nll, rtol=1e-12)
+    assert torch.allclose(stats["kl"], expected_kl, rtol=1e-12)
+    assert torch.equal(stats["top1"], logits.argmax(-1) == base.argmax(-1))
+
+
+def test_perplexity_stats_report_inf_with_the_finite_nll():
+    from quark_ptq_eval.evaluate.tier_ppl import perplexity_stats
+
+    stats = perplexity_stats([1e30, 2e30], 127)
+    assert stats["perplexity"] == INF and stats["mean_nll"] == pytest.approx(1.5e30)
+
+
+# ---------------------------------------------------------------- 10: sampling noise
+
+
+def test_a_difference_within_the_paired_interval_is_within_noise_and_healthy_when_resolved():
+    # perplexity 1 % worse, paired log-ratio interval +-0.5 %: resolved, within the healthy 2 %
+    delta = math.log(1.01)
+    row = compare_metric("p", "perplexity", 10.1, 10.0, None, False, Thresholds(),
+                         {"paired_log_delta": delta, "paired_log_stderr": 0.005 / Z95})
+    assert row.verdict == "healthy" and row.noise == "beyond noise"
+    low, high = row.ci95_pct
+    assert low == pytest.approx(100 * math.expm1(delta - 0.005)) and high == pytest.approx(100 * math.expm1(delta + 0.005))
+    row = compare_metric("p", "perplexity", 10.01, 10.0, None, False, Thresholds(),
+                         {"paired_log_delta": math.log(1.001), "paired_log_stderr": 0.003})
+    assert row.verdict == "healthy" and row.noise == WITHIN_NOISE
+
+
+def test_a_noisy_difference_is_neither_healthy_nor_hurt():
+    # 10 % worse but the interval holds 0: within noise, so "watch", not "hurt"
+    row = compare_metric("t", "acc", 0.45, 0.5, None, True, Thresholds(), {"stderr": 0.05, "baseline_stderr": 0.05})
+    assert row.noise == WITHIN_NOISE and row.verdict == "watch" and "too little data to call it hurt" in row.note
+    # equal scores, but an interval of +-28 %: too little data to call it healthy
+    row = compare_metric("t", "acc", 0.5, 0.5, None, True, Thresholds(), {"stderr": 0.05, "baseline_stderr": 0.05})
+    assert row.verdict == "watch" and "too little data to call it healthy" in row.note
+    # the same 10 % drop with small standard errors: beyond noise, hurt
+    row = compare_metric("t", "acc", 0.45, 0.5, None, True, Thresholds(), {"stderr": 0.002, "baseline_stderr": 0.002})
+    assert row.noise == "beyond noise" and row.verdict == "hurt"
+    half = 100 * Z95 * math.hypot(0.002, 0.002) / 0.5
+    assert row.ci95_pct == pytest.approx((10 - half, 10 + half))
+
+
+def test_a_reference_comparison_uses_only_the_measured_noise():
+    row = compare_metric("t", "acc", 0.45, None, 0.5, True, Thresholds(), {"stderr": 0.002, "baseline_stderr": 0.5})
+    half = 100 * Z95 * 0.002 / 0.5
+    assert row.compared_to == "reference" and row.ci95_pct == pytest.approx((10 - half, 10 + half))
+
+
+def test_lm_eval_standard_errors_enter_the_tier2_verdict(tmp_path):
+    from quark_ptq_eval.evaluate import api
+    from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
+    from quark_ptq_eval.evaluate.tier_lmeval import noise_from_stderr, scores_from
+
+    def results(acc, se):
+        return {"results": {"arc": {"alias": "arc", "acc,none": acc, "acc_stderr,none": se}},
+                "higher_is_better": {"arc": {"acc": True}}}
+
+    q, q_se, directions = scores_from(results(0.45, 0.05))
+    b, b_se, _ = scores_from(results(0.50, 0.05))
+    assert q_se == {"arc": {"acc": 0.05}}
+    outcome = TierOutcome(quantized=q, baseline=b, directions=directions,
+                          details={"noise": noise_from_stderr(q_se, b_se)})
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    report = api._build_report(TierContext(model, EvalOptions(tier="lm_eval"), tmp_path, FlagApprover()),
+                               outcome, None, 1.0)
+    assert report.verdict == "watch"  # 10 % worse without the noise: "hurt"
+    assert report.comparisons[0].noise == WITHIN_NOISE
+
+
+def test_a_limit_too_small_to_resolve_the_threshold_is_said_before_running():
+    from quark_ptq_eval.evaluate.tier_lmeval import Workload, resolution_warning
+
+    workload = Workload(per_task={"a": 6, "b": 30000})
+    warning = resolution_warning(workload, EvalOptions(tier="lm_eval", limit=6, baseline=Path("src")))
+    assert warning.startswith("--limit 6 is too small to resolve the healthy threshold: with 6 documents")
+    assert "±113 %" in warning and "19,208 documents per task" in warning
+    assert resolution_warning(Workload(per_task={"a": 10000}), EvalOptions(limit=10000)) is None
+    assert resolution_warning(workload, EvalOptions(limit=None)) is None
+
+
+# ---------------------------------------------------------------- 11: device clock
+
+
+def test_timing_synchronises_the_device_before_reading_the_clock(monkeypatch):
+    import torch
+
+    from quark_ptq_eval.evaluate import tier_lmeval, tier_ppl
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    tier_ppl.synchronize("cpu")
+    assert calls == []
+    tier_ppl.synchronize("cuda:1")
+    assert calls == ["cuda:1"]
+    seconds = tier_lmeval._clock("cuda")
+    assert calls == ["cuda:1", "cuda"] and seconds > 0
