@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from quark_ptq_eval.checkpoints import FlagApprover
-from quark_ptq_eval.errors import CheckpointPending
+from quark_ptq_eval.errors import CheckpointPending, QpeError
 from quark_ptq_eval.evaluate import EvalOptions, evaluate
 from quark_ptq_eval.evaluate import tier_vllm as t3
 from quark_ptq_eval.evaluate.context import TierContext
@@ -187,3 +187,41 @@ def test_rocm_run_asks_first_then_stops_only_what_it_started(tmp_path):
     assert executor.calls[0][:3] == ["docker", "run", "-d"]
     assert executor.calls[-2:] == [["docker", "stop", "0123abcd"], ["docker", "rm", "0123abcd"]]  # by id
     assert executor.stopped == [("4242", prepared.plan.container)] * 2  # each server by its pid
+
+
+class SilentLmEval(FakeExecutor):
+    """lm_eval that exits 0 but writes no results (a crash it swallowed, a wrong --output_path)."""
+
+    def run(self, argv, timeout=None, check=True):
+        if "lm_eval" in argv:
+            self.calls.append(argv)
+            return ""
+        return super().run(argv, timeout, check)
+
+
+def _stale_results(work: Path, label: str, score: float) -> Path:
+    """A results file an earlier run left behind, newer-looking than anything this run writes."""
+    import os
+    import time
+
+    old = work / "lm_eval_vllm" / label / "earlier" / "results_2025.json"
+    old.parent.mkdir(parents=True)
+    old.write_text(json.dumps({"results": {"gsm8k": {"exact_match,flexible-extract": score}},
+                               "higher_is_better": {"gsm8k": {"exact_match": True}}}))
+    future = time.time() + 3600
+    os.utime(old, (future, future))
+    return old
+
+
+def test_tier3_reads_only_the_results_its_own_run_wrote(tmp_path):
+    quant = fake_model(tmp_path, "q")
+    work = tmp_path / "work"
+    work.mkdir()
+    _stale_results(work, "quantized", 0.11)
+    ctx = TierContext(quant, EvalOptions(tier="vllm", tasks=["gsm8k"]), work, FlagApprover(["eval"]))
+    prepared = t3.prepare(ctx, env=ROCM_DOCKER)
+    outcome = t3.run(prepared, FakeExecutor(work))
+    assert outcome.quantized == {"gsm8k": {"exact_match,flexible-extract": 0.70}}  # not the stale 0.11
+    # lm_eval wrote nothing this time: the stale file is not taken for this run's scores
+    with pytest.raises(QpeError, match="no new results"):
+        t3.run(t3.prepare(ctx, env=ROCM_DOCKER), SilentLmEval(work))

@@ -12,9 +12,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .errors import CheckpointPending, UsageError
+from .state import RunState, digest
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ GATES: dict[str, Gate] = {
              "An exact delta needs the baseline under the same settings: about double the time."),
     )
 }
-PIPELINE_GATES = ("intake", "plan", "execute", "result")
+# The recipe's numbered checkpoints 1-4, in order (the run manifest lists them).
+PIPELINE_GATES = tuple(g.name for g in sorted(GATES.values(), key=lambda g: g.number) if g.number.isdigit())
 
 
 class Approver(Protocol):
@@ -116,12 +118,93 @@ class CallbackApprover:
         return bool(self.callback(gate, summary))
 
 
+class Gatekeeper:
+    """Every approval of the recipe goes through here, and nowhere else.
+
+    An approval is bound to a digest of what the user saw (``content``). With a run state
+    (``run_state.json``) it is recorded there, a gate already approved for the same content is
+    not asked again, and a refused gate is recorded as pending with the exact command that
+    continues, which ``status`` shows. Without one (the `eval` and `validate` commands on their
+    own) the same questions are asked and the same stops are raised; nothing is recorded.
+    """
+
+    def __init__(self, approver: Approver, state: RunState | None = None,
+                 continue_with: Callable[[str], str] | None = None):
+        self.approver = approver
+        self.state = state
+        self._continue_with = continue_with or (lambda flags: f"re-run with {flags}")
+
+    @property
+    def can_choose(self) -> bool:
+        """Can the approver answer a choice on the spot (a person at a terminal)?"""
+        return hasattr(self.approver, "choose")
+
+    def continue_command(self, flags: str) -> str:
+        return self._continue_with(flags)
+
+    def require(self, gate_name: str, content: Any, summary: str, advice: str = "") -> None:
+        """Go on only once ``gate_name`` is approved for ``content`` (a digest string, or anything
+        JSON-able, digested here); else stop with CheckpointPending."""
+        gate, bound = GATES[gate_name], _bound(content)
+        if self.state is not None and self.state.is_approved(gate_name, bound):
+            return
+        command = self.continue_command(f"--approve {gate_name}")
+        self._pending(gate_name, bound, command)
+        if self.approver(gate, summary):
+            self._approved(gate_name, bound)
+            return
+        raise CheckpointPending(f"Stopped at checkpoint {gate.number} ({gate.name}): {gate.question}",
+                                f"To continue: {command}" + (f" {advice}" if advice else ""))
+
+    def opt_in(self, gate_name: str, content: Any, summary: str) -> bool:
+        """A yes/no that costs time when yes (the baseline): a refusal does not stop the run."""
+        gate, bound = GATES[gate_name], _bound(content)
+        if self.state is not None and self.state.is_approved(gate_name, bound):
+            return True
+        if not self.approver(gate, summary):
+            return False
+        self._approved(gate_name, bound)
+        return True
+
+    def choose(self, gate_name: str, question: str, choices: tuple[str, ...], message: str, flag: str) -> str:
+        """One of ``choices``: asked when the approver can answer on the spot, else a stop whose
+        continue command passes ``flag`` (e.g. ``--eval-tier ppl|lm_eval|vllm|skip``)."""
+        answer = self.approver.choose(question, choices) if self.can_choose else None
+        if answer is None:
+            self.stop(gate_name, message, flag)
+        self.chosen(gate_name, answer)
+        return answer
+
+    def chosen(self, gate_name: str, answer: str) -> None:
+        """Record a choice given up front (a flag) or on the spot."""
+        self._approved(gate_name, _bound({"chosen": answer}))
+
+    def stop(self, gate_name: str, message: str, flag: str) -> None:
+        """Stop at ``gate_name`` without asking: it needs an answer only a new command can give."""
+        command = self.continue_command(flag)
+        self._pending(gate_name, None, command)
+        raise CheckpointPending(message, f"To continue: {command}")
+
+    def _pending(self, gate_name: str, bound: str | None, command: str) -> None:
+        if self.state is not None:
+            self.state.wait_for(gate_name, bound, GATES[gate_name].question, command)
+
+    def _approved(self, gate_name: str, bound: str) -> None:
+        if self.state is not None:
+            self.state.approve(gate_name, bound)
+
+
+def as_gatekeeper(approver: Approver | Gatekeeper) -> Gatekeeper:
+    """Library entry points take an approver or the run's gatekeeper; both end up here."""
+    return approver if isinstance(approver, Gatekeeper) else Gatekeeper(approver)
+
+
+def _bound(content: Any) -> str:
+    return content if isinstance(content, str) else digest(content)
+
+
 def require(gate_name: str, approver: Approver, summary: str, continue_hint: str) -> None:
-    """Ask ``approver`` for ``gate_name``; stop with :class:`CheckpointPending` when refused."""
-    gate = GATES[gate_name]
-    if approver(gate, summary):
-        return
-    raise CheckpointPending(
-        f"Stopped at checkpoint {gate.number} ({gate.name}): {gate.question}",
-        f"To continue: {continue_hint}",
-    )
+    """Ask ``approver`` for ``gate_name`` outside a run (no state to record in); stop with
+    :class:`CheckpointPending` when refused. Bound to ``summary``, what the user was shown."""
+    keeper = approver if isinstance(approver, Gatekeeper) else Gatekeeper(approver, continue_with=lambda _: continue_hint)
+    keeper.require(gate_name, digest(summary), summary)

@@ -18,6 +18,7 @@ from typing import Any
 
 from . import __version__
 from .errors import CheckpointPending, ExitCode, QpeError
+from .execute.engines import ENGINE_NAMES
 from .preflight import CONTEXT_KINDS
 
 PLAN_FIELDS = ("goal", "scheme", "algorithm", "kv_cache_scheme", "exclude_layers", "no_exclusions",
@@ -60,7 +61,7 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, help="calibration batch size")
     g.add_argument("--device", help="cpu, cuda (ROCm GPUs are 'cuda' in torch)")
     g.add_argument("--multi-device", action="store_true", default=None, help="spread the model over devices")
-    g.add_argument("--engine", choices=("auto", "quark-cli", "quark-api"))
+    g.add_argument("--engine", choices=("auto", *ENGINE_NAMES))
     g.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="allow the model repository's own code to run (never implied)")
     g.add_argument("--eval-intent", dest="evaluation_intent", choices=("none", "smoke", "full"))
@@ -160,12 +161,9 @@ def _absolute(path: str | Path | None) -> str | None:
     return None if path is None else os.path.abspath(os.path.expanduser(str(path)))
 
 
-STOP_AFTER = {"intake": "intake", "plan": "plan", "manifest": "manifest", "execute": "execute",
-              "run": None, "resume": None}
-
-
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     from .pipeline import Recipe
+    from .steps import STOP_AFTER
     from .summary import summary_rows
     from .ui import Reporter
 

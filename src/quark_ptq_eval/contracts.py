@@ -42,7 +42,19 @@ def quark_contract(kind: str) -> dict | None:
 
 def own_schema(kind: str) -> dict | None:
     p = OWN_SCHEMAS / f"{kind}.schema.json"
-    return _schema(p) if p.exists() else None
+    return _with_registries(kind, _schema(p)) if p.exists() else None
+
+
+def _with_registries(kind: str, schema: dict) -> dict:
+    """Enums that a registry owns are filled in here, never typed into the schema files."""
+    if kind != "quant_plan":
+        return schema
+    from .execute.engines import ENGINE_NAMES
+
+    engine = schema["properties"]["engine"]
+    name = {**engine["properties"]["name"], "enum": list(ENGINE_NAMES)}
+    engine = {**engine, "properties": {**engine["properties"], "name": name}}
+    return {**schema, "properties": {**schema["properties"], "engine": engine}}
 
 
 def schema_errors(kind: str, data: object) -> list[str]:

@@ -15,14 +15,16 @@ from typing import Any
 
 from . import preflight
 from .artifacts import ModelAnalysis, QuantPlan, RunManifest
-from .catalog import load_catalog, quark_version
-from .checkpoints import GATES, Approver, require
+from .catalog import load_catalog
+from .checkpoints import GATES, Approver, Gatekeeper
 from .errors import CheckpointPending, UsageError
-from .execute.step import EngineFailed
 from .fsio import write_json
 from .plan import PlanRequest, make_plan
 from .state import RunState, WorkdirLock, digest
-from .ui import Reporter
+from .steps import STEP_NAMES, STEPS, SUMMARY_FILE
+from .ui import Reporter, noise_to_log
+
+RUN_LOG = "run.log"  # in-process library output of a run (the engine's own is engine.log)
 
 
 @dataclass
@@ -51,31 +53,37 @@ class RunOptions:
         return RunOptions(**{k: v for k, v in merged.items() if k in names})
 
 
+@dataclass
+class Flow:
+    """What the steps of one run share: its options, contexts and what each step produced."""
+
+    opts: RunOptions
+    ctx: preflight.Contexts
+    catalog: dict
+    model_path: Path | None
+    output_dir: Path | None
+    parts: dict[str, Any] = field(default_factory=dict)  # Step.part -> what the step produced
+
+
 class Recipe:
     def __init__(self, workdir: str | Path, approver: Approver, reporter: Reporter | None = None):
         self.workdir = Path(workdir).resolve()
         self.approver = approver
         self.ui = reporter or Reporter()
         self.state: RunState
+        self.gates: Gatekeeper  # every approval of this run goes through it
         self.timings: dict[str, float] = {}
         self.plan_flags_given = False
 
-    # -- the one gate mechanism -------------------------------------------------------------
-    def _gate(self, name: str, content_digest: str, summary: str) -> None:
-        if self.state.is_approved(name, content_digest):
-            return
-        self.state.waiting_for = name
-        self.state.save()
-        hint = f"quark-ptq-eval resume --workdir {shlex.quote(str(self.workdir))} --approve {name}"
-        require(name, self.approver, summary, hint)
-        self.state.waiting_for = None
-        self.state.approve(name, content_digest)
-
     # -- the flow ---------------------------------------------------------------------------
     def run(self, options: RunOptions, stop_after: str | None = None) -> dict[str, Any]:
+        if stop_after is not None and stop_after not in STEP_NAMES:
+            raise UsageError(f"Unknown step {stop_after!r} to stop after.", f"Choose one of: {', '.join(STEP_NAMES)}.")
         self.workdir.mkdir(parents=True, exist_ok=True)
         with WorkdirLock(self.workdir):
             self.state = RunState.load(self.workdir)
+            resume = f"quark-ptq-eval resume --workdir {shlex.quote(str(self.workdir))}"
+            self.gates = Gatekeeper(self.approver, self.state, lambda flags: f"{resume} {flags}")
             opts = options.merged_over(self.state.options)
             if not opts.model:
                 raise UsageError("No model given and no earlier run in this work dir.",
@@ -83,12 +91,13 @@ class Recipe:
             self.state.options = dataclasses.asdict(opts)
             self.state.save()
             self.plan_flags_given = any(v is not None for v in options.plan.values())
-            return self._run_locked(opts, stop_after)
+            with noise_to_log(self.workdir / "logs" / RUN_LOG):  # library chatter: the log, not the terminal
+                return self._run_locked(opts, stop_after)
 
     def _run_locked(self, opts: RunOptions, stop_after: str | None) -> dict[str, Any]:
         from .intake import resolve_model
 
-        t0 = time.monotonic()
+        clock = time.monotonic()
         offline = bool(opts.offline)
         if offline:
             os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
@@ -99,34 +108,20 @@ class Recipe:
                                output_dir=output_dir or Path(""), trust_remote_code=bool(opts.plan.get("trust_remote_code")))
         if ctx.offline and not offline:
             return self._run_locked(dataclasses.replace(opts, offline=True), stop_after)
-        catalog = load_catalog()
-
-        analysis = self.step_intake(opts, catalog, ctx)
-        if stop_after == "intake":
-            return self._summary(opts, analysis=analysis, stopped_at="intake")
-        self._gate("intake", analysis.digest, "analysis")
-        plan = self.step_plan(opts, analysis, ctx, catalog, output_dir)
-        if stop_after == "plan":
-            return self._summary(opts, analysis=analysis, plan=plan, stopped_at="plan")
-        self._gate("plan", plan.digest, "plan")
-        plan.requires_confirmation = False
-        plan.write(self.workdir)
-        manifest = self.step_manifest(plan, output_dir, ctx.offline)
-        self.timings["phase1_prepare"] = time.monotonic() - t0
-        if stop_after == "manifest" or ctx.execution_mode == "plan_only":
-            return self._summary(opts, analysis=analysis, plan=plan, stopped_at="manifest")
-        from .execute.step import execute_manifest
-
-        t1 = time.monotonic()
-        facts = execute_manifest(self, manifest, analysis, output_dir, opts.overwrite)
-        self._gate("result", digest(_stable_facts(facts)), "result")
-        self.timings["phase1_execute"] = time.monotonic() - t1
-        if stop_after == "execute":
-            return self._summary(opts, analysis=analysis, plan=plan, stopped_at="execute")
-        validation = self.step_validate(model_path, output_dir, plan)
-        evaluation = self.step_eval(opts, model_path, output_dir, plan)
-        return self._summary(opts, analysis=analysis, plan=plan, validation=validation, evaluation=evaluation,
-                             stopped_at=None)
+        flow = Flow(opts, ctx, load_catalog(), model_path, output_dir)
+        for step in STEPS:
+            self.ui.headline(step.title)
+            produced = flow.parts[step.part] = getattr(self, step.run)(flow)
+            if step.gate and step.gate_before_stop:
+                self.gates.require(step.gate, content_digest(produced), step.part)
+            if step.timing:
+                now = time.monotonic()
+                self.timings[step.timing], clock = now - clock, now
+            if stop_after == step.name or (step.stops_plan_only and ctx.execution_mode == "plan_only"):
+                return self._summary(opts, stopped_at=step.name, **flow.parts)
+            if step.gate and not step.gate_before_stop:
+                self.gates.require(step.gate, content_digest(produced), step.part)
+        return self._summary(opts, stopped_at=None, **flow.parts)
 
     def _output_dir(self, opts: RunOptions, model_path: Path | None) -> Path:
         from .safety import check_output_target
@@ -135,14 +130,13 @@ class Recipe:
             raise UsageError("No output directory given.", "Pass -o/--output-dir for the quantized model.")
         return check_output_target(Path(opts.output_dir), model_path, self.workdir)
 
-    # -- Phase 1 steps ----------------------------------------------------------------------
-    def step_intake(self, opts: RunOptions, catalog: dict, ctx: preflight.Contexts) -> ModelAnalysis:
+    # -- the steps (rows of steps.STEPS) ----------------------------------------------------
+    def step_intake(self, flow: Flow) -> ModelAnalysis:
         from .intake import analyze_model
         from .intake.analyze import describe
 
-        self.ui.headline("Phase 1 · step 1 — intake")
-        analysis = analyze_model(opts.model, offline=ctx.offline, catalog=catalog,
-                                 trust_remote_code=bool(opts.plan.get("trust_remote_code")))
+        analysis = analyze_model(flow.opts.model, offline=flow.ctx.offline, catalog=flow.catalog,
+                                 trust_remote_code=bool(flow.opts.plan.get("trust_remote_code")))
         previous = self._load_quietly(ModelAnalysis)
         if previous is not None and previous.digest == analysis.digest:
             analysis = previous  # unchanged: keep the file (and its approval) as it is
@@ -155,14 +149,14 @@ class Recipe:
                                digest=analysis.digest)
         return analysis
 
-    def step_plan(self, opts: RunOptions, analysis: ModelAnalysis, ctx: preflight.Contexts, catalog: dict,
-                  output_dir: Path) -> QuantPlan:
-        self.ui.headline("Phase 1 · step 2 — plan")
-        plan = self._hand_edited_plan(analysis, catalog)
+    def step_plan(self, flow: Flow) -> QuantPlan:
+        analysis = flow.parts["analysis"]
+        plan = self._hand_edited_plan(analysis, flow.catalog)
         if plan is None:
             fields = {f.name for f in dataclasses.fields(PlanRequest)}
-            req = PlanRequest(**{k: v for k, v in opts.plan.items() if k in fields}, offline=ctx.offline)
-            plan = make_plan(analysis, ctx.env, req, catalog, ModelAnalysis.path_in(self.workdir), output_dir)
+            req = PlanRequest(**{k: v for k, v in flow.opts.plan.items() if k in fields}, offline=flow.ctx.offline)
+            plan = make_plan(analysis, flow.ctx.env, req, flow.catalog, ModelAnalysis.path_in(self.workdir),
+                             flow.output_dir)
         plan.requires_confirmation = not self.state.is_approved("plan", plan.digest)
         plan.write(self.workdir)
         self.ui.table("Quantization plan", [(d["decision"], _short(d["value"]), d["reason"]) for d in plan.decisions],
@@ -186,11 +180,13 @@ class Recipe:
         self.ui.info(f"Using your edited {path.name} (it differs from the one generated); it needs approval.")
         return plan
 
-    def step_manifest(self, plan: QuantPlan, output_dir: Path, offline: bool) -> RunManifest:
+    def step_manifest(self, flow: Flow) -> RunManifest:
         from .manifest import build_manifest
 
-        self.ui.headline("Phase 1 · step 3 — manifest")
-        manifest = build_manifest(plan, self.workdir, output_dir, offline=offline, engine_version=quark_version())
+        plan, output_dir = flow.parts["plan"], flow.output_dir
+        plan.requires_confirmation = False  # checkpoint 2 approved it
+        plan.write(self.workdir)
+        manifest = build_manifest(plan, self.workdir, output_dir, offline=flow.ctx.offline)
         previous = self._load_quietly(RunManifest)
         if previous is not None and previous.command.get("digest") != previous.command_digest:
             # Edited by hand after it was generated: keep the user's file; the execution gate is
@@ -208,33 +204,30 @@ class Recipe:
                                command_digest=manifest.command_digest)
         return manifest
 
-    # -- Phase 2 and 3 ----------------------------------------------------------------------
-    def step_validate(self, source: Path | None, output_dir: Path, plan: QuantPlan):
-        self.ui.headline("Phase 2 — validate")
-        t = time.monotonic()
-        report = self._validate(source, output_dir, plan.to_dict())
-        self.timings["phase2_validate"] = time.monotonic() - t
-        return report
+    def step_execute(self, flow: Flow) -> dict:
+        from .execute.step import execute_manifest
 
-    def step_eval(self, opts: RunOptions, source: Path | None, output_dir: Path, plan: QuantPlan):
-        self.ui.headline("Phase 3 — evaluate")
-        t = time.monotonic()
-        report = self._evaluate(opts, source, output_dir, plan.to_dict())
-        self.timings["phase3_eval"] = time.monotonic() - t
-        return report
+        return execute_manifest(self, flow.parts["manifest"], flow.parts["analysis"], flow.output_dir,
+                                flow.opts.overwrite)
+
+    def step_validate(self, flow: Flow):
+        return self._validate(flow.model_path, flow.output_dir, flow.parts["plan"].to_dict())
+
+    def step_eval(self, flow: Flow):
+        return self._evaluate(flow.opts, flow.model_path, flow.output_dir, flow.parts["plan"].to_dict())
 
     def _validate(self, source: Path | None, output_dir: Path, plan: dict):
         from .validate import apply_fixes, propose_fixes, validate_model
 
-        report = validate_model(source, output_dir, plan)
+        report = validate_model(source, output_dir, plan, load_check=True)
         fixes = propose_fixes(report, source, output_dir) if report.status == "failed" else []
         if fixes:
             report.write(self.workdir)  # the failing report stays readable while we wait for approval
             summary = "\n".join(f"- {f.describe()}" for f in fixes)
             self.ui.info(f"Validation found problems with a safe fix:\n{summary}")
-            self._gate("fix", digest(summary), summary)
+            self.gates.require("fix", digest(summary), summary)
             applied = apply_fixes(fixes, source, output_dir)  # approval was just bound to these fixes
-            report = validate_model(source, output_dir, plan)
+            report = validate_model(source, output_dir, plan, load_check=True)
             report.applied_fixes = [*report.applied_fixes, *applied]
         report.write(self.workdir)
         self.ui.info(report.one_line())
@@ -245,19 +238,8 @@ class Recipe:
     def _evaluate(self, opts: RunOptions, source: Path | None, output_dir: Path, plan: dict):
         from .evaluate import EvalOptions, Thresholds, evaluate
 
-        tier = opts.eval_tier
-        if tier is None and hasattr(self.approver, "choose"):
-            tier = self._ask_tier(opts)
-        if tier is None:
-            self.state.waiting_for = "eval"
-            self.state.save()
-            raise CheckpointPending(
-                "Stopped at the evaluation checkpoint: choose a tier (ppl = perplexity, minutes; lm_eval = "
-                "task benchmarks, can take hours; vllm = ROCm server) or skip.",
-                f"To continue: quark-ptq-eval resume --workdir {shlex.quote(str(self.workdir))} "
-                "--eval-tier ppl|lm_eval|vllm|skip",
-            )
-        self.state.waiting_for = None
+        tier = opts.eval_tier or self._ask_tier(opts)
+        self.gates.chosen("eval", tier)
         if tier == "skip":
             self.state.record_step("eval", "skipped")
             self.ui.info("Evaluation skipped.")
@@ -267,21 +249,24 @@ class Recipe:
         if isinstance(given.get("thresholds"), dict):
             given["thresholds"] = Thresholds(**given["thresholds"])
         options = EvalOptions(**given)
-        report = evaluate(output_dir, options, self.workdir, self.approver, source_model=source, plan=plan)
+        report = evaluate(output_dir, options, self.workdir, self.gates, source_model=source, plan=plan)
         self.state.record_step("eval", "done", tier=tier, report=str(self.workdir / "eval_report.md"))
         return report
 
-    def _ask_tier(self, opts: RunOptions) -> str | None:
-        """Interactive evaluation checkpoint: pick a tier, then opt in to the baseline or not."""
+    def _ask_tier(self, opts: RunOptions) -> str:
+        """The evaluation checkpoint: pick a tier (or stop until one is given), then opt in to
+        the baseline or not."""
         from .evaluate import BASELINE_FROM_SOURCE, TIERS
+        from .evaluate.tiers import tier_checkpoint
 
-        for name, tier in TIERS.items():
-            self.ui.info(f"  {name:<8} {tier.method} ({tier.cost})")
-        tier = self.approver.choose("Which evaluation tier?", tuple(TIERS))
-        if tier not in (None, "skip") and "baseline" not in opts.eval:
-            gate = GATES["baseline"]
-            if self.approver(gate, gate.reason):
-                opts.eval["baseline"] = BASELINE_FROM_SOURCE
+        if self.gates.can_choose:
+            for name, tier in TIERS.items():
+                self.ui.info(f"  {name:<8} {tier.method} ({tier.cost})")
+        message, flag = tier_checkpoint()
+        tier = self.gates.choose("eval", "Which evaluation tier?", tuple(TIERS), message, flag)
+        wanted = tier != "skip" and "baseline" not in opts.eval
+        if wanted and self.gates.opt_in("baseline", {"tier": tier, "model": opts.model}, GATES["baseline"].reason):
+            opts.eval["baseline"] = BASELINE_FROM_SOURCE
         return tier
 
     # -- helpers ----------------------------------------------------------------------------
@@ -294,9 +279,16 @@ class Recipe:
     def _summary(self, opts: RunOptions, stopped_at: str | None, **parts: Any) -> dict[str, Any]:
         from .summary import build_summary
 
-        summary = build_summary(self, opts, stopped_at, parts)
-        write_json(self.workdir / "run_summary.json", summary)
+        summary = build_summary(self.workdir, opts.model, opts.output_dir, self.timings, stopped_at, parts)
+        write_json(self.workdir / SUMMARY_FILE, summary)
         return summary
+
+
+def content_digest(produced: Any) -> str:
+    """What a step's gate is bound to: an artifact's own digest, or the verified output's facts."""
+    if hasattr(produced, "digest"):
+        return produced.digest
+    return digest(_stable_facts(produced))
 
 
 def _stable_facts(facts: dict) -> dict:
@@ -308,4 +300,4 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-__all__ = ["CheckpointPending", "EngineFailed", "Recipe", "RunOptions"]
+__all__ = ["CheckpointPending", "Recipe", "RunOptions"]

@@ -11,7 +11,6 @@ import importlib.metadata
 import os
 import platform
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,8 +108,9 @@ def detect_pytorch(env: dict) -> dict:
 
 def detect_quark() -> dict:
     v = _version("amd-quark")
-    cli = shutil.which("quark-cli") or (str(Path(sys.executable).parent / "quark-cli")
-                                        if (Path(sys.executable).parent / "quark-cli").exists() else None)
+    from .execute.engines.quark_cli import find_quark_cli
+
+    cli = find_quark_cli()
     return {"status": "ok" if v else "failed", "quark_version": v, "install_source": "pypi",
             "extras_installed": {"cli": cli is not None},
             "verification": {"quark_cli": cli},

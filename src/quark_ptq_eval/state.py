@@ -36,6 +36,7 @@ class RunState:
     approvals: dict[str, str] = field(default_factory=dict)
     steps: dict[str, dict[str, Any]] = field(default_factory=dict)
     waiting_for: str | None = None
+    pending: dict[str, Any] | None = None  # the gate waited at: digest, question, the command that continues
 
     @classmethod
     def load(cls, workdir: str | os.PathLike) -> RunState:
@@ -52,13 +53,14 @@ class RunState:
             approvals=dict(data.get("approvals") or {}),
             steps=dict(data.get("steps") or {}),
             waiting_for=data.get("waiting_for"),
+            pending=data.get("pending") if isinstance(data.get("pending"), dict) else None,
         )
 
     def save(self) -> None:
         write_json(
             self.workdir / STATE_FILE,
             {"options": self.options, "approvals": self.approvals, "steps": self.steps,
-             "waiting_for": self.waiting_for, "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+             "waiting_for": self.waiting_for, "pending": self.pending, "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
         )
 
     def is_approved(self, gate: str, content_digest: str) -> bool:
@@ -66,6 +68,14 @@ class RunState:
 
     def approve(self, gate: str, content_digest: str) -> None:
         self.approvals[gate] = content_digest
+        if self.waiting_for == gate:
+            self.waiting_for = self.pending = None
+        self.save()
+
+    def wait_for(self, gate: str, content_digest: str | None, question: str, continue_with: str) -> None:
+        """Record the gate the run waits at, before asking: a stop or a crash leaves it readable."""
+        self.waiting_for = gate
+        self.pending = {"gate": gate, "digest": content_digest, "question": question, "continue": continue_with}
         self.save()
 
     def record_step(self, step: str, status: str, **details: Any) -> None:

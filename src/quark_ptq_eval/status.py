@@ -6,9 +6,9 @@ import shlex
 from pathlib import Path
 
 from .checkpoints import GATES, PIPELINE_GATES
+from .evaluate.tiers import tier_checkpoint
 from .state import STATE_FILE, RunState
-
-ORDER = ("intake", "plan", "manifest", "execute", "validate", "eval")
+from .steps import STEP_NAMES
 
 
 def describe_status(workdir: Path) -> dict:
@@ -19,7 +19,7 @@ def describe_status(workdir: Path) -> dict:
     state = RunState.load(workdir)
     lines = [f"Run in {workdir}", f"  model:  {state.options.get('model')}",
              f"  output: {state.options.get('output_dir')}"]
-    for step in ORDER:
+    for step in STEP_NAMES:
         info = state.steps.get(step)
         lines.append(f"  {step:<9} {info['status'] if info else '-':<12} {info.get('at', '') if info else ''}")
     approved = [g for g in (*PIPELINE_GATES, "eval") if g in state.approvals]
@@ -28,9 +28,14 @@ def describe_status(workdir: Path) -> dict:
     if state.waiting_for:
         gate = GATES[state.waiting_for]
         lines.append(f"  waiting at checkpoint {gate.number} ({gate.name}): {gate.question}")
-        flag = "--eval-tier ppl|lm_eval|vllm|skip" if gate.name == "eval" else f"--approve {gate.name}"
-        nxt = f"quark-ptq-eval resume --workdir {shlex.quote(str(workdir))} {flag}"
+        nxt = (state.pending or {}).get("continue") or _continue_command(workdir, gate.name)
         lines.append(f"  continue with: {nxt}")
     return {"workdir": str(workdir), "state": "waiting" if state.waiting_for else "idle",
             "waiting_for": state.waiting_for, "steps": state.steps, "approved": approved, "continue": nxt,
             "text": "\n".join(lines)}
+
+
+def _continue_command(workdir: Path, gate: str) -> str:
+    """For a run state written before pending gates were recorded with their command."""
+    flag = tier_checkpoint()[1] if gate == "eval" else f"--approve {gate}"
+    return f"quark-ptq-eval resume --workdir {shlex.quote(str(workdir))} {flag}"

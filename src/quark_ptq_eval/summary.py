@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .pipeline import Recipe, RunOptions
-
-ARTIFACTS = ("model_analysis.json", "quant_plan.json", "run_manifest.yaml", "validation_report.md",
-             "validation_report.json", "eval_report.md", "eval_results.json")
+from .steps import STEP_NAMES, artifact_files
 
 
 def _dir_bytes(path: Path) -> int | None:
@@ -18,29 +14,35 @@ def _dir_bytes(path: Path) -> int | None:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
-def build_summary(recipe: Recipe, opts: RunOptions, stopped_at: str | None, parts: dict[str, Any]) -> dict[str, Any]:
-    wd = recipe.workdir
+def build_summary(wd: Path, model: str | None, output_dir: str | None, timings: dict[str, float],
+                  stopped_at: str | None, parts: dict[str, Any]) -> dict[str, Any]:
+    """``parts``: what each step produced, by its ``Step.part`` name."""
     plan = parts.get("plan")
     analysis = parts.get("analysis")
-    out = Path(opts.output_dir).resolve() if opts.output_dir else None
+    out = Path(output_dir).resolve() if output_dir else None
     validation, evaluation = parts.get("validation"), parts.get("evaluation")
-    artifacts = {name: str(wd / name) for name in ARTIFACTS if (wd / name).exists()}
+    artifacts = {name: str(wd / name) for name in artifact_files() if (wd / name).exists()}
     if out is not None and out.is_dir():
         artifacts["quantized_model"] = str(out)
     return {
         "status": "stopped" if stopped_at else "done",
         "stopped_after": stopped_at,
         "workdir": str(wd),
-        "model": opts.model,
+        "model": model,
         "scheme": plan.global_scheme if plan else None,
         "algorithm": plan.algorithm if plan else None,
         "size_before_bytes": analysis.size["bytes"] if analysis else None,
-        "size_after_bytes": _dir_bytes(out) if out and stopped_at not in ("intake", "plan", "manifest") else None,
+        "size_after_bytes": _dir_bytes(out) if out and _executed(stopped_at) else None,
         "validation": getattr(validation, "status", None),
         "evaluation": _eval_summary(evaluation),
         "artifacts": artifacts,
-        "timings_s": {k: round(v, 2) for k, v in recipe.timings.items()},
+        "timings_s": {k: round(v, 2) for k, v in timings.items()},
     }
+
+
+def _executed(stopped_at: str | None) -> bool:
+    """Did the run get as far as the execute step (so the output dir is ours to measure)?"""
+    return stopped_at is None or STEP_NAMES.index(stopped_at) >= STEP_NAMES.index("execute")
 
 
 def _eval_summary(evaluation: Any) -> Any:

@@ -1,11 +1,23 @@
 """Everything the user reads goes to stderr (stdout is kept for --json); rich on a terminal,
-plain text elsewhere."""
+plain text elsewhere.
+
+Long work shows a progress bar with an ETA on a terminal and a milestone line per quarter
+elsewhere. Third-party noise written in this process during a run (Quark's INFO lines,
+progress bars of libraries, tokenizer length warnings) goes to the run's log file instead of
+the terminal (:func:`noise_to_log`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import re
 import sys
-from collections.abc import Iterable
-from typing import Any
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+MILESTONES = (25, 50, 75, 100)  # percent: the plain-text progress lines
 
 
 class Reporter:
@@ -13,13 +25,19 @@ class Reporter:
         self.stream = stream or sys.stderr
         self.quiet = quiet
         self.rich = self.stream.isatty() and not quiet
+        self._bars: dict[str, Any] = {}  # progress key -> rich task id, or (start, last milestone)
+        self._live = None
         if self.rich:
             from rich.console import Console
 
             self._console = Console(file=self.stream)
 
     def info(self, msg: str) -> None:
-        if not self.quiet:
+        if self.quiet:
+            return
+        if self.rich:  # through the console, so a live progress bar stays below the text
+            self._console.print(msg, markup=False, highlight=False, soft_wrap=True)
+        else:
             print(msg, file=self.stream, flush=True)
 
     def headline(self, msg: str) -> None:
@@ -47,3 +65,114 @@ class Reporter:
         for r in rows:
             print(f"  {r[0]:<{width}}  " + "  |  ".join(r[1:]), file=self.stream)
         self.stream.flush()
+
+    # -- progress of long work --------------------------------------------------------------
+    def progress(self, key: str, done: int, total: int) -> None:
+        """``done`` of ``total`` units of the work called ``key`` (calibration, export, batches)."""
+        if self.quiet or total <= 0:
+            return
+        if self.rich:
+            self._rich_progress(key, done, total)
+            return
+        start, shown = self._bars.get(key, (time.monotonic(), 0))
+        reached = max((m for m in MILESTONES if done * 100 >= m * total), default=0)
+        if reached > shown:
+            elapsed = time.monotonic() - start
+            eta = f", about {_duration(elapsed / done * (total - done))} left" if 0 < done < total else ""
+            print(f"  {key}: {reached}% ({done}/{total}){eta}", file=self.stream, flush=True)
+        self._bars[key] = (start, max(reached, shown))
+
+    def _rich_progress(self, key: str, done: int, total: int) -> None:
+        if self._live is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._live = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                  TimeRemainingColumn(), console=self._console)
+            self._live.start()
+        if key not in self._bars:
+            self._bars[key] = self._live.add_task(key, total=total)
+        self._live.update(self._bars[key], completed=done, total=total)
+
+    def end_progress(self) -> None:
+        """The long work is over: stop the live bars (they stay on screen as they ended)."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        self._bars.clear()
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+# Lines of libraries we run in this process that belong in the log, not on the terminal.
+NOISE = re.compile(
+    r"\d+%\|"  # tqdm bars (weight loading, datasets, Quark's calibration loops)
+    r"|\[QUARK-(INFO|DEBUG)\]"
+    r"|Token indices sequence length is longer than"
+    r"|^\s*Loading (weights|checkpoint shards)"
+)
+
+
+class NoiseFilter:
+    """A stand-in for sys.stdout / sys.stderr: noise lines go to the log file (opened only when
+    the first one comes), everything else goes on to the real stream unchanged."""
+
+    def __init__(self, real: TextIO, log_path: Path):
+        self.real, self.log_path = real, log_path
+        self._buf = ""
+        self._log: TextIO | None = None
+        self.closed_log = False
+
+    def write(self, text: str) -> int:
+        self._buf += text
+        while (cut := _line_end(self._buf)) >= 0:
+            line, self._buf = self._buf[: cut + 1], self._buf[cut + 1 :]
+            self._route(line)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._buf:  # a prompt or a bar without its newline: route it as it is now
+            line, self._buf = self._buf, ""
+            self._route(line)
+        self.real.flush()
+
+    def _route(self, line: str) -> None:
+        if line == "\r":  # a bar's carriage return: nothing for the terminal
+            return
+        if not NOISE.search(line) or self.closed_log:
+            self.real.write(line)
+            return
+        if self._log is None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
+        self._log.write(line.replace("\r", "\n") if line.strip("\r\n") else "")
+        self._log.flush()
+
+    def close_log(self) -> None:
+        self.flush()
+        self.closed_log = True
+        if self._log is not None:
+            self._log.close()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding ... of the real stream
+        return getattr(self.real, name)
+
+
+def _line_end(text: str) -> int:
+    ends = [i for i in (text.find("\n"), text.find("\r")) if i >= 0]
+    return min(ends) if ends else -1
+
+
+@contextlib.contextmanager
+def noise_to_log(log_path: Path) -> Iterator[None]:
+    """While a run works: third-party noise on stdout/stderr goes to ``log_path``."""
+    saved = sys.stdout, sys.stderr
+    filters = NoiseFilter(sys.stdout, log_path), NoiseFilter(sys.stderr, log_path)
+    sys.stdout, sys.stderr = filters
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+        for f in filters:
+            f.close_log()

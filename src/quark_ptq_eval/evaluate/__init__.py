@@ -17,7 +17,7 @@ from .tiers import TIERS, Tier
 
 _LAZY = {
     "BASELINE_FROM_SOURCE": "api",
-    "EvalReport": "api",
+    "EvalReport": "eval_report",
     "estimate_runtime": "api",
     "evaluate": "api",
     "RuntimeEstimate": "context",

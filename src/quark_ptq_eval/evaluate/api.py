@@ -4,59 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checkpoints import require
+from ..checkpoints import as_gatekeeper
 from ..errors import UsageError
 from . import report as report_files
-from .context import RuntimeEstimate, Scores, TierContext, TierOutcome, format_duration, log
-from .options import EvalOptions, Thresholds
+from .context import RuntimeEstimate, TierContext, TierOutcome, format_duration, log
+from .eval_report import EvalReport
+from .options import EvalOptions
 from .reference import align_scale, merge_references, model_card_reference
 from .remedies import suggest_remedies
 from .tiers import TIERS, get_tier, tier_module
-from .verdict import Comparison, compare_all, overall_verdict
+from .verdict import compare_all, overall_verdict
 
 BASELINE_FROM_SOURCE = "<source>"  # `--baseline` without a path: the source model of the run
-
-
-@dataclass
-class EvalReport:
-    tier: str
-    model_dir: Path
-    workdir: Path
-    source_model: Path | None
-    settings: dict[str, Any]
-    thresholds: Thresholds
-    quantized: Scores
-    baseline: Scores | None
-    reference: Scores
-    comparisons: list[Comparison]
-    verdict: str
-    remedies: list[str]
-    estimate: RuntimeEstimate | None
-    actual_s: float | None
-    details: dict[str, Any] = field(default_factory=dict)
-    deferred_commands: list[dict] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    artifacts: dict[str, str] = field(default_factory=dict)
-    chart_path: Path | None = None
-
-    @property
-    def report_path(self) -> Path:
-        return self.workdir / report_files.REPORT_NAME
-
-    @property
-    def results_path(self) -> Path:
-        return self.workdir / report_files.RESULTS_NAME
-
-    def one_line(self) -> str:
-        scores = "; ".join(f"{t}:{m}={v:.4g}" for t, ms in self.quantized.items() for m, v in ms.items())
-        return f"eval tier {self.tier}: verdict {self.verdict}" + (f" ({scores})" if scores else "")
-
-    def as_dict(self) -> dict:
-        return report_files.results_document(self)
 
 
 def evaluate(
@@ -82,7 +44,7 @@ def evaluate(
         prepared = module.prepare(ctx)
         estimate = prepared.estimate
         ctx.log(estimate.summary())
-        _confirm_if_long(estimate, tier.name, approver, workdir)
+        _confirm_if_long(estimate, tier.name, approver)
         started = time.perf_counter()
         outcome = module.run(prepared)
         actual = time.perf_counter() - started + _pilot_seconds(prepared)
@@ -115,19 +77,16 @@ def _resolve_baseline(options: EvalOptions, source_model: Path | None) -> EvalOp
     return dataclasses.replace(options, baseline=Path(source_model))
 
 
-def _confirm_if_long(estimate: RuntimeEstimate, tier: str, approver, workdir: Path) -> None:
+def _confirm_if_long(estimate: RuntimeEstimate, tier: str, approver) -> None:
     if not estimate.long:
         return
-    hours = " Tier 2 on full benchmarks can take hours." if tier == "lm_eval" else ""
+    t = get_tier(tier)
+    hours = f" Tier {t.number} {t.cost}." if "hours" in t.cost else ""  # warn where the registry says so
     summary = f"{estimate.summary()}\nThis run is long (over {format_duration(estimate.threshold_s)}).{hours}"
     log(summary)
-    require(
-        "eval",
-        approver,
-        summary,
-        f"re-run with --approve eval (or --yes) to accept about {format_duration(estimate.seconds or 0)}, "
-        "or lower --limit / use --eval-data with less text.",
-    )
+    advice = (f"(or --yes) to accept about {format_duration(estimate.seconds or 0)}, "
+              "or lower --limit / use --eval-data with less text.")
+    as_gatekeeper(approver).require("eval", estimate.as_dict(), summary, advice)
 
 
 def _pilot_seconds(prepared: Any) -> float:

@@ -10,8 +10,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointPending, ExitCode, UsageError
-from .tiers import TIERS
+from ..checkpoints import Gatekeeper
+from ..errors import ExitCode, UsageError
+from .tiers import TIERS, tier_checkpoint
 
 # argparse dest -> EvalOptions field (dests differ where `run` already uses the plain name)
 DEST_TO_FIELD = {
@@ -122,11 +123,10 @@ def cmd_eval(args: argparse.Namespace, approver) -> int:
     from .api import evaluate
 
     if not getattr(args, "eval_tier", None):
-        raise CheckpointPending(
-            "Stopped at the evaluation checkpoint: choose a tier (ppl = perplexity, minutes; lm_eval = task "
-            "benchmarks, can take hours; vllm = ROCm server) or skip.",
-            f"To continue: quark-ptq-eval eval --model {args.model} --tier ppl|lm_eval|vllm|skip",
-        )
+        message, flag = tier_checkpoint()
+        flag = flag.replace("--eval-tier", "--tier")
+        Gatekeeper(approver, continue_with=lambda f: f"quark-ptq-eval eval --model {args.model} {f}").stop(
+            "eval", message, flag)
     if not Path(args.model).is_dir():
         raise UsageError(f"The model directory {args.model} does not exist.")
     options = eval_options_from_args(args)

@@ -6,17 +6,12 @@ import io
 import math
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..fsio import atomic_write_bytes, atomic_write_text, write_json
 from .context import format_duration
+from .eval_report import REPORT_NAME, RESULTS_NAME, EvalReport  # noqa: F401 (names kept importable here)
 from .verdict import invalid_reasons
 
-if TYPE_CHECKING:
-    from .api import EvalReport
-
-REPORT_NAME = "eval_report.md"
-RESULTS_NAME = "eval_results.json"
 CHART_NAME = "eval_chart.png"
 RESULTS_SCHEMA = "quark-ptq-eval/eval_results/1"
 

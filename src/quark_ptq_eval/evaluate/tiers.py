@@ -1,15 +1,40 @@
-"""The evaluation tiers as data: what each one measures, what it costs, which module runs it.
+"""The evaluation tiers as a registry: what each one measures, what it costs, which module runs it.
 
-Adding a tier means adding a row here and a module with ``prepare(ctx)`` and ``run(prepared)``;
-no caller branches on tier names.
+Adding a tier is one row here plus one module that keeps the contract below (see
+docs/extending.md). Nothing else names tiers: ``--eval-tier`` choices, the checkpoint's message,
+its continue command and the report's title are derived from this table.
+
+The contract of a tier module (:class:`TierRunner`):
+
+- **options**: it reads what it needs from ``ctx.options`` (an :class:`EvalOptions`); a new
+  option is one field there plus one flag in evaluate/cli.py.
+- ``prepare(ctx: TierContext)`` -> a prepared object whose ``estimate`` (a
+  :class:`RuntimeEstimate`) is *measured* by a pilot on the real model and data (``seconds``
+  None when nothing runs on this host); ``pilot_s`` (optional) is the pilot's own time. It
+  must not ask anything: the flow shows the estimate and asks the ``eval`` gate when it is long.
+- ``run(prepared)`` -> :class:`TierOutcome`: scores (task -> metric -> value), the baseline's
+  when asked, each metric's direction, details, notes, deferred commands and files written.
+  Any further approval goes through ``as_gatekeeper(ctx.approver)``.
+- **report section**: report.py renders the outcome's ``details``, ``deferred_commands`` and
+  ``notes``; the tier fills those, it writes no report itself.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..errors import UsageError
+from .context import TierContext, TierOutcome
+
+
+class TierRunner(Protocol):
+    """A tier module, as :func:`tier_module` returns it."""
+
+    def prepare(self, ctx: TierContext) -> Any: ...
+
+    def run(self, prepared: Any) -> TierOutcome: ...
 
 
 @dataclass(frozen=True)
@@ -21,6 +46,7 @@ class Tier:
     cost: str
     module: str | None  # runs the tier; None: nothing to run
     loads_model: bool  # runs the model in this process (so a pilot can time it)
+    choice: str = ""  # a few words shown where the evaluation checkpoint stops for a choice
 
 
 TIERS: dict[str, Tier] = {
@@ -35,6 +61,7 @@ TIERS: dict[str, Tier] = {
             "minutes",
             "quark_ptq_eval.evaluate.tier_ppl",
             True,
+            "perplexity, minutes",
         ),
         Tier(
             "lm_eval",
@@ -44,6 +71,7 @@ TIERS: dict[str, Tier] = {
             "can take hours on full benchmarks",
             "quark_ptq_eval.evaluate.tier_lmeval",
             True,
+            "task benchmarks, can take hours",
         ),
         Tier(
             "vllm",
@@ -53,10 +81,19 @@ TIERS: dict[str, Tier] = {
             "fast on a ROCm GPU; elsewhere the commands are recorded for later",
             "quark_ptq_eval.evaluate.tier_vllm",
             False,
+            "ROCm server",
         ),
         Tier("skip", "-", "skip", "no evaluation", "none", None, False),
     )
 }
+
+
+def tier_checkpoint() -> tuple[str, str]:
+    """The evaluation checkpoint's stop: its message and the flag that continues."""
+    runs = "; ".join(f"{t.name} = {t.choice}" for t in TIERS.values() if t.module is not None)
+    skip = [t.name for t in TIERS.values() if t.module is None]
+    message = f"Stopped at the evaluation checkpoint: choose a tier ({runs}) or {' or '.join(skip)}."
+    return message, f"--eval-tier {'|'.join(TIERS)}"
 
 
 def get_tier(name: str) -> Tier:
@@ -66,7 +103,7 @@ def get_tier(name: str) -> Tier:
         raise UsageError(f"Unknown evaluation tier {name!r}; choose one of: {', '.join(TIERS)}.") from None
 
 
-def tier_module(tier: Tier):
+def tier_module(tier: Tier) -> TierRunner:
     """The module that runs ``tier`` (imported only now: its dependencies are heavy)."""
     if tier.module is None:
         raise UsageError(f"Tier {tier.name!r} runs nothing.")

@@ -11,33 +11,23 @@ import functools
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
-from importlib import metadata
 from pathlib import Path
 
+from ..catalog import quark_version
 from ..errors import QpeError
+from .engines.quark_cli import SUBCOMMAND, find_quark_cli
 
-SUBCOMMAND = "torch-llm-ptq"
 _OPTION_LINE = re.compile(r"^ {1,8}(-{1,2}[A-Za-z0-9][\w-]*.*)$")
 _FLAG = re.compile(r"(?:^|, )(-{1,2}[A-Za-z0-9][\w-]*)")
 
 
 def quark_cli_executable() -> str:
-    """``quark-cli`` next to this interpreter (the venv we run in), else the one on PATH."""
-    beside = Path(sys.executable).with_name("quark-cli")
-    found = str(beside) if beside.is_file() else shutil.which("quark-cli")
+    """``quark-cli`` as the engines locate it (execute/engines/quark_cli.py)."""
+    found = find_quark_cli()
     if not found:
         raise QpeError("quark-cli is not installed.", hint="Install it with `pip install amd-quark[cli]`.")
     return found
-
-
-def quark_version() -> str:
-    try:
-        return metadata.version("amd-quark")
-    except metadata.PackageNotFoundError:
-        raise QpeError("amd-quark is not installed.", hint="Install it with `pip install amd-quark[cli]`.") from None
 
 
 def default_cache_dir() -> Path:

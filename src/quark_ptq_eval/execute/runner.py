@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..errors import Interrupted
 
@@ -49,19 +49,31 @@ def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
             continue
 
 
-SHOWN = re.compile(r"^\[quark-ptq-eval\]|Error|error:|Traceback|WARN|Perplexity|exported to|Exporting|Loading")
+SHOWN = re.compile(r"^\[quark-ptq-eval\]|Error|error:|Traceback|Perplexity|exported to|Exporting")
+QUARK_INFO = re.compile(r"\[QUARK-(INFO|DEBUG)\]")
+# A tqdm line: "Calibrating activations:  50%|█████     | 4/8 [00:01<00:01,  3.2it/s]"
+TQDM = re.compile(r"^\s*(?P<desc>[^|]*?):?\s*\d{1,3}%\|[^|]*\|\s*(?P<done>\d+)/(?P<total>\d+)")
 
 
-class MilestoneEcho:
-    """An echo stream for people: progress milestones and problems only (the log has everything)."""
+class EngineEcho:
+    """The engine's output for people: our lines and problems as text, its progress bars
+    (calibration, freezing, export) as our progress display; the rest (Quark's INFO lines,
+    weight loading) is only in the log, which has everything."""
 
-    def __init__(self, stream: TextIO):
-        self.stream = stream
+    def __init__(self, ui: Any):  # a ui.Reporter
+        self.ui = ui
 
     def write(self, line: str) -> None:
-        if SHOWN.search(line):
-            self.stream.write(line)
-            self.stream.flush()
+        bar = TQDM.search(line)
+        if bar:
+            desc = bar["desc"].strip() or "engine"
+            if not desc.startswith("Loading"):
+                self.ui.progress(desc, int(bar["done"]), int(bar["total"]))
+        elif SHOWN.search(line) and not QUARK_INFO.search(line):
+            self.ui.info(line.rstrip("\n"))
+
+    def close(self) -> None:
+        self.ui.end_progress()
 
 
 def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd: Path,

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..artifacts import ModelAnalysis, RunManifest
+from ..checkpoints import Gatekeeper
 from ..errors import QpeError, UsageError
 from ..safety import check_free_space, is_nonempty_dir
-from ..state import digest
+from ..state import RunState, digest
+from ..ui import Reporter
 from .classify import classify_failure
+from .engines import get_engine
 from .inspect_output import inspect_output
-from .runner import MilestoneEcho, raise_if_interrupted, run_command
+from .runner import EngineEcho, raise_if_interrupted, run_command
 
-if TYPE_CHECKING:
-    from ..pipeline import Recipe
+
+class Recipe(Protocol):
+    """What this step needs of the running recipe (pipeline.Recipe), without importing it."""
+
+    workdir: Path
+    ui: Reporter
+    state: RunState
+    gates: Gatekeeper
 
 
 class EngineFailed(QpeError):
@@ -35,7 +44,7 @@ def _set_aside(recipe: Recipe, path: Path, why: str) -> Path:
     # Bound to what is there now: a different leftover at the same path asks again.
     listing = sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
                      for p in path.rglob("*") if p.is_file())
-    recipe._gate("overwrite", digest([str(path), listing]), f"{path} {why}")
+    recipe.gates.require("overwrite", digest([str(path), listing]), f"{path} {why}")
     aside = path.with_name(f"{path.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
     path.rename(aside)
     recipe.ui.info(f"Moved {path} aside to {aside} (nothing deleted).")
@@ -44,7 +53,6 @@ def _set_aside(recipe: Recipe, path: Path, why: str) -> Path:
 
 def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnalysis, output_dir: Path,
                      overwrite: bool) -> dict:
-    recipe.ui.headline("Phase 1 · step 4 — execute")
     on_disk = RunManifest.load(recipe.workdir)  # run what is on disk, and only if that was approved
     previous = recipe.state.steps.get("execute", {})
     if (previous.get("status") == "succeeded" and previous.get("command_digest") == on_disk.command_digest
@@ -58,12 +66,12 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
         raise UsageError(f"The output directory {output_dir} is not empty.",
                          "Choose another -o, or pass --overwrite (its contents are moved aside, not deleted).")
     check_free_space(output_dir, _estimated_output_bytes(analysis))
-    recipe._gate("execute", on_disk.command_digest, on_disk.command["shell"])
+    recipe.gates.require("execute", on_disk.command_digest, on_disk.command["shell"])
     if staging.exists():
         _set_aside(recipe, staging, "holds a partial output from an interrupted or failed run")
     if is_nonempty_dir(output_dir):
         _set_aside(recipe, output_dir, "is not empty and will be replaced")
-    _prepare_calibration(recipe, on_disk)
+    get_engine(on_disk.engine["name"]).prepare_calibration(on_disk)
     run = {"status": "running", "started_at": _now(), "command_digest": on_disk.command_digest}
     on_disk.runs.append(run)
     on_disk.write(recipe.workdir)
@@ -103,9 +111,13 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
 
 
 def _run(recipe: Recipe, manifest: RunManifest):
-    echo = None if recipe.ui.quiet else MilestoneEcho(recipe.ui.stream)
-    return run_command(manifest.command["argv"], manifest.command.get("env", {}), Path(manifest.outputs["log"]),
-                       recipe.workdir, echo=echo)
+    echo = None if recipe.ui.quiet else EngineEcho(recipe.ui)
+    try:
+        return run_command(manifest.command["argv"], manifest.command.get("env", {}),
+                           Path(manifest.outputs["log"]), recipe.workdir, echo=echo)
+    finally:
+        if echo is not None:
+            echo.close()
 
 
 def _record(recipe: Recipe, manifest: RunManifest, run: dict, facts: dict, status: str, **extra) -> None:
@@ -113,18 +125,3 @@ def _record(recipe: Recipe, manifest: RunManifest, run: dict, facts: dict, statu
     manifest.observed = run["observed"]
     manifest.write(recipe.workdir)
     recipe.state.record_step("execute", status, command_digest=manifest.command_digest, **extra)
-
-
-def _prepare_calibration(recipe: Recipe, manifest: RunManifest) -> None:
-    cache = manifest.command.get("env", {}).get("HF_DATASETS_CACHE")
-    if not cache or manifest.engine["name"] != "quark-cli":
-        return
-    from .calib_cache import prepare_offline_calibration
-
-    calib = manifest.inputs.get("calibration")
-    if not calib or not Path(calib).exists():
-        raise UsageError(f"The calibration file {calib} named in the manifest is missing.",
-                         "Restore it, or pass another --calib-data and approve the new plan.")
-    argv = manifest.command["argv"]
-    dataset = argv[argv.index("--dataset") + 1] if "--dataset" in argv else "pileval"
-    prepare_offline_calibration(Path(calib), Path(cache), dataset=dataset)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..artifacts import ModelAnalysis, QuantPlan
 from ..errors import UsageError
+from ..execute.engines import choose_engine, get_engine
 from ..textdata import check_text_source
 
 # Goal phrases -> scheme, most specific first. Matched on the lower-cased goal.
@@ -131,29 +132,6 @@ def _calibration(req: PlanRequest, accelerator: str) -> tuple[dict, str]:
     return {"source": "hub_dataset", "dataset": dataset, "path": None, **common}, f"Quark's standard {dataset}"
 
 
-def _engine(req: PlanRequest, accelerator: str, calibration: dict, device_is_cpu: bool) -> tuple[str, str]:
-    if req.engine != "auto":
-        return req.engine, "asked for explicitly"
-    if accelerator in ("cpu", "unknown") or device_is_cpu:
-        return "quark-api", ("quark-cli 0.13 loads with device_map='auto' and fails on a host without a GPU; "
-                             "Quark's Python API quantizes on the CPU")
-    if calibration["source"] == "local_file":
-        return "quark-cli", "quark-cli with your text served from a private offline datasets cache"
-    return "quark-cli", "the public Quark CLI serves this plan as is"
-
-
-def _check_quark_cli_on_cpu(info: dict, algorithm: str | None, device: dict) -> None:
-    """quark-cli 0.13 always loads with device_map='auto'; without a GPU accelerate offloads the
-    model to disk, which only weight-only / dynamic-activation schemes survive (measured)."""
-    if not device["multi_device"]:
-        raise UsageError("quark-cli on a CPU-only host needs --multi-device (it otherwise refuses with an "
-                         "out-of-GPU-memory error).", "Add --multi-device, or use --engine quark-api.")
-    if info.get("static_activations") or algorithm:
-        raise UsageError("quark-cli on a CPU-only host can only run weight-only or dynamic-activation schemes "
-                         "without algorithms (static calibration fails on offloaded weights).",
-                         "Use --engine quark-api (the default on CPU) for this plan.")
-
-
 def _device(req: PlanRequest, env: dict, size_bytes: int) -> dict:
     acc, _ = _gpu(env)
     device = req.device or ("cpu" if acc in ("cpu", "unknown") else "cuda")
@@ -186,9 +164,9 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
                          "Review the model repository's code, then pass --trust-remote-code.")
     calibration, calib_why = _calibration(req, accelerator)
     device = _device(req, env, analysis.size["bytes"])
-    engine, engine_why = _engine(req, accelerator, calibration, device["device"] == "cpu")
-    if engine == "quark-cli" and device["device"] == "cpu":
-        _check_quark_cli_on_cpu(info, algorithm, device)
+    # The engines registry decides (execute/engines/): its automatic choice and its constraints.
+    engine, engine_why = choose_engine(req.engine, accelerator, calibration, device["device"] == "cpu")
+    get_engine(engine).check_constraints(info, algorithm, device)
     hw = f"{accelerator}{' ' + arch if arch else ''}"
     decisions = [
         {"decision": "global_scheme", "value": scheme, "reason": f"{scheme_why} ({hw})"},

@@ -1,0 +1,50 @@
+"""What an evaluation produced (EvalReport): the type the report files are written from, kept
+apart from the flow that builds it (api.py) and the writers that render it (report.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .context import RuntimeEstimate, Scores
+from .options import Thresholds
+from .verdict import Comparison
+
+REPORT_NAME = "eval_report.md"
+RESULTS_NAME = "eval_results.json"
+
+
+@dataclass
+class EvalReport:
+    tier: str
+    model_dir: Path
+    workdir: Path
+    source_model: Path | None
+    settings: dict[str, Any]
+    thresholds: Thresholds
+    quantized: Scores
+    baseline: Scores | None
+    reference: Scores
+    comparisons: list[Comparison]
+    verdict: str
+    remedies: list[str]
+    estimate: RuntimeEstimate | None
+    actual_s: float | None
+    details: dict[str, Any] = field(default_factory=dict)
+    deferred_commands: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    artifacts: dict[str, str] = field(default_factory=dict)
+    chart_path: Path | None = None
+
+    @property
+    def report_path(self) -> Path:
+        return self.workdir / REPORT_NAME
+
+    @property
+    def results_path(self) -> Path:
+        return self.workdir / RESULTS_NAME
+
+    def one_line(self) -> str:
+        scores = "; ".join(f"{t}:{m}={v:.4g}" for t, ms in self.quantized.items() for m, v in ms.items())
+        return f"eval tier {self.tier}: verdict {self.verdict}" + (f" ({scores})" if scores else "")

@@ -1,0 +1,204 @@
+"""The architecture's promises: one step table, one gatekeeper, registries that every list of
+names is derived from, no import cycle and short functions. Cheap: nothing here runs Quark."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from quark_ptq_eval import contracts
+from quark_ptq_eval.checkpoints import FlagApprover, Gatekeeper
+from quark_ptq_eval.errors import CheckpointPending, UsageError
+from quark_ptq_eval.evaluate.tiers import TIERS, tier_checkpoint
+from quark_ptq_eval.execute.engines import ENGINE_NAMES, choose_engine, get_engine
+from quark_ptq_eval.state import RunState
+from quark_ptq_eval.status import describe_status
+from quark_ptq_eval.steps import STEP_NAMES, STEPS
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "quark_ptq_eval"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every import statement between our modules, wherever it stands (TYPE_CHECKING, functions)."""
+    files = {}
+    for f in SRC.rglob("*.py"):
+        parts = list(f.relative_to(SRC.parent).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, f in files.items():
+        pkg = mod.split(".") if f.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else node.module
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in files]
+                targets = subs if len(subs) == len(node.names) else [base, *subs]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            graph[mod] |= {t for t in targets if t in files and t != mod}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_not_even_under_type_checking():
+    graph = _module_graph()
+    assert "quark_ptq_eval.execute.engines" in graph and graph["quark_ptq_eval.manifest.build"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+OWNED = ["pipeline.py", "checkpoints.py", "state.py", "status.py", "summary.py", "steps.py", "ui.py",
+         "execute/runner.py", "execute/step.py", "execute/engines", "manifest", "evaluate/tiers.py",
+         "evaluate/tier_vllm.py", "evaluate/vllm_detect.py", "evaluate/vllm_commands.py",
+         "evaluate/vllm_executor.py", "evaluate/api.py", "evaluate/cli.py", "evaluate/context.py",
+         "evaluate/eval_report.py"]
+
+
+def test_no_function_over_60_lines_in_the_architecture_modules():
+    files = [p for o in OWNED for p in ([SRC / o] if o.endswith(".py") else sorted((SRC / o).rglob("*.py")))]
+    long = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 60:
+                long.append(f"{f.relative_to(SRC)}:{node.lineno} {node.name}")
+    assert long == []
+
+
+def test_the_step_table_drives_status_and_the_manifest_step_list(tmp_path):
+    from quark_ptq_eval.manifest.build import manifest_steps
+
+    (tmp_path / "run_state.json").write_text(json.dumps({"options": {"model": "m"}, "steps": {}}))
+    listed = [line.split()[0] for line in describe_status(tmp_path)["text"].splitlines()[3:3 + len(STEPS)]]
+    assert listed == list(STEP_NAMES)
+    names = [s["name"] for s in manifest_steps(tmp_path, [], {"name": "run"})]
+    assert names == [s.manifest_step for s in STEPS if s.manifest_step] + ["summarize"]
+
+
+class Counting:
+    """An approver that says ``answer`` and counts how often it was asked."""
+
+    interactive = False
+
+    def __init__(self, answer: bool):
+        self.answer, self.asked = answer, []
+
+    def __call__(self, gate, summary):
+        self.asked.append(gate.name)
+        return self.answer
+
+
+def test_gatekeeper_binds_each_approval_to_content_and_records_how_to_continue(tmp_path):
+    state = RunState(tmp_path)
+    keeper = Gatekeeper(Counting(False), state, lambda flags: f"quark-ptq-eval resume --workdir W {flags}")
+    with pytest.raises(CheckpointPending) as stop:
+        keeper.require("execute", {"argv": ["a"]}, "the command")
+    assert "--approve execute" in stop.value.hint
+    saved = RunState.load(tmp_path)
+    assert saved.waiting_for == "execute"
+    assert saved.pending["continue"] == "quark-ptq-eval resume --workdir W --approve execute"
+    assert "continue with: quark-ptq-eval resume --workdir W --approve execute" in describe_status(tmp_path)["text"]
+
+    yes = Counting(True)
+    keeper = Gatekeeper(yes, state, lambda flags: flags)
+    keeper.require("execute", {"argv": ["a"]}, "the command")
+    keeper.require("execute", {"argv": ["a"]}, "the command")  # same content: not asked again
+    assert yes.asked == ["execute"] and RunState.load(tmp_path).waiting_for is None
+    keeper.require("execute", {"argv": ["b"]}, "another command")  # changed content: asked again
+    assert yes.asked == ["execute", "execute"]
+    # an opt-in refused does not stop the run; accepted, it is recorded
+    assert Gatekeeper(Counting(False), state).opt_in("baseline", {"tier": "ppl"}, "why") is False
+    assert keeper.opt_in("baseline", {"tier": "ppl"}, "why") is True and "baseline" in RunState.load(tmp_path).approvals
+    with pytest.raises(CheckpointPending, match="evaluation checkpoint"):
+        Gatekeeper(FlagApprover(), state, lambda flags: flags).choose("eval", "Which?", tuple(TIERS),
+                                                                      *tier_checkpoint())
+    assert RunState.load(tmp_path).pending["continue"] == f"--eval-tier {'|'.join(TIERS)}"
+
+
+def test_engine_names_come_from_the_registry_everywhere():
+    from quark_ptq_eval.cli import build_parser
+
+    schema = contracts.own_schema("quant_plan")
+    assert schema["properties"]["engine"]["properties"]["name"]["enum"] == list(ENGINE_NAMES)
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    engine_flag = next(a for a in run._actions if "--engine" in a.option_strings)
+    assert list(engine_flag.choices) == ["auto", *ENGINE_NAMES]
+    for name in ENGINE_NAMES:
+        assert get_engine(name).name == name
+    with pytest.raises(UsageError, match="Unknown engine"):
+        get_engine("quark-onnx")
+    local = {"source": "local_file"}
+    assert choose_engine("auto", "cpu", local, True)[0] == "quark-api"
+    assert choose_engine("auto", "amd-rocm", local, False) == (
+        "quark-cli", "quark-cli with your text served from a private offline datasets cache")
+    assert choose_engine("quark-cli", "cpu", local, True) == ("quark-cli", "asked for explicitly")
+
+
+def test_tier_names_come_from_the_registry_everywhere():
+    from quark_ptq_eval.cli import build_parser
+
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    tier_flag = next(a for a in run._actions if "--eval-tier" in a.option_strings)
+    assert list(tier_flag.choices) == list(TIERS)
+    message, flag = tier_checkpoint()
+    assert all(name in message for name in TIERS) and flag == f"--eval-tier {'|'.join(TIERS)}"
+
+
+def test_library_noise_goes_to_the_log_and_progress_shows_as_milestones(tmp_path):
+    import io
+    import sys
+
+    from quark_ptq_eval.execute.runner import EngineEcho
+    from quark_ptq_eval.ui import Reporter, noise_to_log
+
+    log = tmp_path / "logs" / "run.log"
+    real = io.StringIO()
+    saved, sys.stderr = sys.stderr, real
+    try:
+        with noise_to_log(log):
+            print("[QUARK-INFO]: Quantizing with the configuration", file=sys.stderr)
+            sys.stderr.write("\rLoading weights:  50%|█████     | 1/2 [00:00<00:00]")
+            sys.stderr.flush()
+            print("Token indices sequence length is longer than the specified maximum", file=sys.stderr)
+            print("our own line", file=sys.stderr)
+    finally:
+        sys.stderr = saved
+    assert real.getvalue() == "our own line\n"
+    kept = log.read_text()
+    assert "[QUARK-INFO]" in kept and "Loading weights" in kept and "Token indices" in kept
+
+    out = io.StringIO()  # not a terminal: milestone lines instead of a live bar
+    echo = EngineEcho(Reporter(stream=out))
+    for done in range(1, 9):
+        echo.write(f"Calibrating activations: {done * 100 // 8}%|███| {done}/8 [00:01<00:01,  3.2it/s]\n")
+    echo.write("[QUARK-INFO]: Exporting hf_format\n")
+    echo.write("Loading weights: 100%|██████████| 12/12 [00:00<00:00]\n")
+    echo.write("[quark-ptq-eval] calibration: 8 samples x 64 tokens\n")
+    echo.close()
+    lines = out.getvalue().splitlines()
+    assert [ln.split(":")[1].split()[0] for ln in lines[:-1]] == ["25%", "50%", "75%", "100%"], lines
+    assert lines[-1] == "[quark-ptq-eval] calibration: 8 samples x 64 tokens"
