@@ -7,10 +7,12 @@ lays them out. Each timed run starts from a cold page cache for the files involv
 (``posix_fadvise(DONTNEED)``), so all contenders read from the same place; repeated contenders
 run interleaved (ours, peer, read, ours, ...) and report medians, so load changes hit all alike. Prints, in one run:
 
-- the MD5 check: ours vs Quark's ``check_non_quantized_tensors_md5_unchanged`` (target >= 2x),
-- the MD5 check vs reading the same byte ranges once, ``cat > /dev/null`` style (target within 1.5x),
-- the whole validation (four checks) vs Quark's four helpers,
-- header checks on a 100-shard model: ours (layout, both sides) vs Quark's fuzzy summary (target < 1 s).
+- the full byte check (every tensor that must not change: embeddings, norms, excluded layers,
+  lm_head) vs Quark's ``check_non_quantized_tensors_md5_unchanged`` on the same tensors (target >= 2x),
+- the same byte check vs reading the same byte ranges once, ``cat > /dev/null`` style (target within 1.5x),
+- the whole validation (every registry check but the load check) vs Quark's four helpers,
+- header checks on a 100-shard model: ours (layout, both sides) vs Quark's fuzzy summary (target < 1 s),
+- ``import quark_ptq_eval.validate`` in a fresh interpreter (target < 0.5 s, no heavy module).
 
 ``ratio`` is peer time / our time (above 1: we are faster). Run: ``python bench/bench_validate.py
 [--size-gb 2] [--workers N] [--quick]``.
@@ -37,6 +39,8 @@ HIDDEN = 2048
 VOCAB = 32000
 SHARD_BYTES = 256 * 1024 * 1024
 EXCLUDE = ["lm_head", "*o_proj"]
+# Everything the twin leaves unquantized, as Quark-helper exclude globs: the same tensor set ours compares.
+UNCHANGED = [*EXCLUDE, "model.embed_tokens", "*input_layernorm"]
 INT8_PER_TENSOR = {"dtype": "int8", "qscheme": "per_tensor", "is_dynamic": False, "symmetric": True,
                    "ch_axis": None, "group_size": None, "is_scale_quant": False, "scale_type": "float"}
 
@@ -204,17 +208,17 @@ def quiet(fn):
 
 def bench_md5(source: Path, twin: Path, workers: int | None, repeat: int) -> list[dict]:
     from quark_ptq_eval.safetensors_io import read_model_headers
-    from quark_ptq_eval.validate.md5check import check_md5, excluded_candidates
+    from quark_ptq_eval.validate.md5check import compare_tensors, excluded_candidates
 
     qv = load_quark_helper()
     src_h, out_h = read_model_headers(source), read_model_headers(twin)
-    names = excluded_candidates(src_h, EXCLUDE, False)
+    names = excluded_candidates(src_h, UNCHANGED, False)
     nbytes = sum(src_h[n].nbytes for n in names)
     ranges = [(h[n].file, h[n].start, h[n].end) for n in names for h in (src_h, out_h)]
     res = interleaved({
-        "ours": lambda: check_md5(src_h, out_h, EXCLUDE, workers=workers),
+        "ours": lambda: compare_tensors(src_h, out_h, names, workers=workers),
         "quark": quiet(lambda: qv.check_non_quantized_tensors_md5_unchanged(
-            source, twin, {"exclude": EXCLUDE, "max_samples": len(names)})),
+            source, twin, {"exclude": UNCHANGED, "max_samples": len(names)})),
         "read": lambda: read_ranges_once(ranges),
     }, (source, twin), repeat)
     (ours_s, ours_cpu, ours), (peer_s, peer_cpu, peer), (read_s, read_cpu, read) = res["ours"], res["quark"], res["read"]
@@ -222,10 +226,10 @@ def bench_md5(source: Path, twin: Path, workers: int | None, repeat: int) -> lis
     assert peer["ok"] and peer["checked_count"] == len(names) and read == 2 * nbytes
     gb = 2 * nbytes / 1e9
     return [
-        _row(f"md5 of excluded tensors ({len(names)} tensors, {gb:.2f} GB read)", ours_s,
+        _row(f"byte check, every unchanged tensor ({len(names)} tensors, {gb:.2f} GB read)", ours_s,
              "quark check_non_quantized_tensors_md5_unchanged", peer_s, target="ratio >= 2", gb=gb,
              cpu=(ours_cpu, peer_cpu), ok=peer_s / ours_s >= 2),
-        _row("md5 vs reading the same byte ranges once", ours_s, "single read (cat > /dev/null)", read_s,
+        _row("byte check vs reading the same byte ranges once", ours_s, "single read (cat > /dev/null)", read_s,
              target="ratio >= 0.667 (within 1.5x)", gb=gb, cpu=(ours_cpu, read_cpu), ok=read_s / ours_s >= 1 / 1.5),
     ]
 
@@ -245,7 +249,7 @@ def bench_full(source: Path, twin: Path, workers: int | None) -> dict:
         return qv.check_non_quantized_tensors_md5_unchanged(source, twin, {"exclude": EXCLUDE, "max_samples": 10**9})
 
     peer_s, _, _ = timed(quiet(quark_four), source, twin)
-    return _row("validate_model, all four checks", ours_s, "quark's four helpers in sequence", peer_s)
+    return _row("validate_model, every check but loading", ours_s, "quark's four helpers in sequence", peer_s)
 
 
 def bench_headers(source: Path, twin: Path) -> dict:
@@ -267,6 +271,31 @@ def bench_headers(source: Path, twin: Path) -> dict:
     tensors = layout.stats["source_tensors"] + layout.stats["output_tensors"]
     return _row(f"header checks, 100 shards x 2 ({tensors} tensors)", ours_s, "quark get_fuzzy_tensor_names x2",
                 peer_s, target="ours < 1 s", ok=ours_s < 1.0)
+
+
+def bench_import(repeat: int) -> dict:
+    """A fresh interpreter importing the validator: median over ``repeat`` runs (was a test assertion)."""
+    import subprocess
+
+    code = ("import sys, time; t = time.perf_counter(); import quark_ptq_eval.validate; "
+            "print(time.perf_counter() - t); "
+            "print(sorted(m for m in ('torch', 'transformers', 'quark', 'numpy', 'tokenizers') if m in sys.modules))")
+    runs, heavy = [], []
+    for _ in range(repeat):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+        runs.append(float(out[0]))
+        heavy = out[1]
+    bare = min(_wall(lambda: subprocess.run([sys.executable, "-c", "pass"], check=True)) for _ in range(3))
+    ours = sorted(runs)[len(runs) // 2]
+    return _row(f"import quark_ptq_eval.validate (median of {repeat}; heavy modules {heavy})", ours,
+                "python -c pass (interpreter start, for scale)", bare, target="ours < 0.5 s, no heavy import",
+                ok=ours < 0.5 and heavy == "[]")
+
+
+def _wall(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _row(name: str, ours_s: float, peer: str, peer_s: float, target: str = "", gb: float | None = None,
@@ -295,6 +324,7 @@ def run(quick: bool, size_gb: float | None = None, workers: int | None = None) -
         shutil.rmtree(source)
         shutil.rmtree(twin)
         rows.append(bench_headers(*_write_many_shards(root, 100, 20)))
+    rows.append(bench_import(3 if quick else 11))
     return rows
 
 

@@ -112,7 +112,7 @@ def our_verdicts(report: ValidationReport) -> dict:
         "config_paths": {f.subject for f in config.findings if f.message.startswith("changed from")},
         "md5_ok": md5.status == "pass",
         "md5_failed": {f.subject for f in md5.failures},
-        "md5_checked": md5.stats.get("checked", 1 if md5.failures else 0),
+        "md5_checked": md5.stats.get("excluded_checked", 1 if md5.failures else 0),
     }
 
 

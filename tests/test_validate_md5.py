@@ -76,7 +76,8 @@ def test_many_pairs_across_threads_agree_with_one_thread(tmp_path):
     parallel = check_md5(source, output, ["m*"], workers=4, progress=lambda *a: calls.append(a))
     serial = check_md5(source, output, ["m*"], workers=1)
     assert [f.subject for f in parallel.failures] == [f.subject for f in serial.failures] == ["m0.weight", "m10.weight", "m5.weight"]
-    assert parallel.stats["digests"] == serial.stats["digests"] and len(parallel.stats["digests"]) == 9
+    assert parallel.stats["identical"] == serial.stats["identical"] == 9
+    assert parallel.stats["differing_md5"] == serial.stats["differing_md5"] and len(parallel.stats["differing_md5"]) == 3
     assert calls[-1][1] == calls[-1][2] == sum(s.nbytes for s in source.values())
 
 

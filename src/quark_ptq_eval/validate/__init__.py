@@ -1,8 +1,10 @@
 """Phase 2: structural validation of a Quark export against its source model and plan.
 
-Four checks, cheapest first, reading safetensors headers and small files only (the MD5 check
-alone reads tensor bytes): fuzzy layout, auxiliary files, ``config.json``, MD5 of excluded
-tensors. Imports neither torch, transformers nor quark.
+The checks are a registry (``checks.CHECKS``), cheapest first: layout against the plan
+(headers and shapes), the shard index, auxiliary files and tokenizer behaviour, ``config.json``,
+byte identity of every tensor that must not change, then (on request) loading the export and
+running a probe. Importing this package pulls in neither torch, transformers nor quark; only
+the load check imports them, when it runs.
 """
 
 from .cli import add_validate_arguments, cmd_validate

@@ -22,16 +22,21 @@ def add_validate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", type=Path, default=None,
                         help="quant_plan.json (exclusions, overrides); default: the output's quantization_config")
     parser.add_argument("--max-samples", type=int, default=None,
-                        help="MD5 at most this many excluded tensors, drawn with --seed (default: all)")
+                        help="byte-compare at most this many of the tensors that must not change, drawn with --seed "
+                             "(default: all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the --max-samples draw (default 0)")
-    parser.add_argument("--workers", type=int, default=None, help="parallel MD5 readers (default: up to 4 cores)")
+    parser.add_argument("--workers", type=int, default=None, help="parallel byte readers (default: up to 4 cores)")
+    parser.add_argument("--no-load-check", action="store_true",
+                        help="skip loading the export and running a probe through it (for models too large for "
+                             "this host); the report says it was skipped")
 
 
 def cmd_validate(args: argparse.Namespace, approver: Approver) -> int:
     """Validate, write the reports into ``args.workdir``, offer fixes; exit 0 or raise per exit codes."""
     plan = _load_plan(args.plan)
     workdir = Path(getattr(args, "workdir", None) or ".")
-    options = {"max_samples": args.max_samples, "seed": args.seed, "workers": args.workers}
+    options = {"max_samples": args.max_samples, "seed": args.seed, "workers": args.workers,
+               "load_check": not getattr(args, "no_load_check", False)}
     report = validate_model(args.source, args.quantized, plan, **options)
     md_path, _ = report.write(workdir)
     if report.status == "failed" and not report.structural_failure and propose_fixes(report, report.source,

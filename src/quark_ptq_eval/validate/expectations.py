@@ -6,6 +6,14 @@ specs) says which tensors a quantized linear layer must carry and how many bytes
 A spec list is a multi-level scheme: level 1 names its tensors ``weight_scale``, level 2
 ``weight_scale_2`` and so on; a level with ``is_scale_quant`` quantizes the scales of the
 level before it (nvfp4's FP8 block scales).
+
+Shapes follow Quark 0.13's export, read off real exports of every CPU scheme (source weight
+``[out, in]``): 8-bit and wider elements keep the shape; sub-byte integers are packed into I32
+along the last axis (``ceil(n * bits / 32)``), and a per-group integer weight is stored
+transposed, ``[in, out/8]``, with scales ``[in/group, out]`` (the AWQ/GEMM layout); sub-byte
+floats (fp4, fp6) are packed into U8 along the last axis. Scales: ``[]`` per tensor,
+``[n]`` per channel on ``ch_axis``, ``[out, in/group]`` per group or MX block. Integer zero points
+take their scale's shape, packed the same way as the weight when sub-byte.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 INTEGER_CONTAINERS = frozenset({"U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"})
 FP8_CONTAINERS = {"fp8_e4m3": {"F8_E4M3", "F8_E4M3FNUZ"}, "fp8_e5m2": {"F8_E5M2", "F8_E5M2FNUZ"}}
 MINIFLOAT_CONTAINERS = frozenset({"U8", "I8", "F8_E8M0", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
+E8M0_CONTAINERS = frozenset({"U8", "F8_E8M0"})
 MINIFLOAT_FORMAT = re.compile(r"e\d+m\d+")
 EMBEDDING_MARKERS = ("embed", "wte", "wpe")
 _BITS = re.compile(r"^(?:u?int|fp|float|bfloat)(\d+)")
@@ -44,6 +53,7 @@ class TensorExpectation:
     bits: int | None  # bits per logical element; None for float scales (any float dtype)
     containers: frozenset[str]  # acceptable safetensors dtypes
     why: str  # the spec that asks for it, for messages
+    shape: tuple[int, ...] | None = None  # the stored shape; None when the spec does not fix it
 
     def nbytes(self) -> int | None:
         if self.count is None or self.bits is None:
@@ -62,10 +72,41 @@ def _element_containers(dtype: str, bits: int | None) -> frozenset[str]:
     if dtype in FP8_CONTAINERS:
         return frozenset(FP8_CONTAINERS[dtype])
     if bits == 8 and is_integer(dtype):
-        return frozenset({"I8", "U8"})
+        return frozenset({"U8"}) if dtype.startswith("uint") else frozenset({"I8"})
     if bits is not None and bits >= 16:
         return FLOAT_DTYPES | INTEGER_CONTAINERS
-    return INTEGER_CONTAINERS  # sub-byte values are packed into integer containers
+    if bits is not None and is_integer(dtype):
+        return frozenset({"I32"})  # sub-byte integers: eight int4 per int32
+    if bits is not None:
+        return frozenset({"U8"})  # sub-byte floats (fp4, fp6): packed bytes
+    return INTEGER_CONTAINERS
+
+
+def _packed(shape: tuple[int, ...], dtype: str, bits: int | None) -> tuple[int, ...]:
+    """The stored shape of sub-byte values: packed along the last axis into I32 (ints) or U8 (floats)."""
+    if not shape or bits is None or bits >= 8:
+        return shape
+    container = 32 if is_integer(dtype) else 8
+    return (*shape[:-1], math.ceil(shape[-1] * bits / container))
+
+
+def _transposed(spec: dict) -> bool:
+    """Quark stores a per-group sub-byte integer weight (and its scales) transposed."""
+    bits = dtype_bits(spec.get("dtype"))
+    return is_integer(spec.get("dtype")) and bits is not None and bits < 8 and spec.get("qscheme") == "per_group"
+
+
+def _scale_shape(spec: dict, shape: tuple[int, ...], transposed: bool) -> tuple[int, ...] | None:
+    qscheme = spec.get("qscheme")
+    if qscheme == "per_tensor":
+        return ()
+    if qscheme == "per_channel" and shape:
+        axis = 0 if spec.get("ch_axis") is None else spec["ch_axis"]
+        return (shape[axis],) if -len(shape) <= axis < len(shape) else None
+    if qscheme == "per_group" and len(shape) == 2 and spec.get("group_size"):
+        groups = math.ceil(shape[-1] / int(spec["group_size"]))
+        return (groups, shape[0]) if transposed else (shape[0], groups)
+    return None
 
 
 def _scale_count(spec: dict, shape: tuple[int, ...]) -> int | None:
@@ -90,8 +131,11 @@ def _scale_storage(specs: list[dict], level: int) -> tuple[int | None, frozenset
         dtype = nxt.get("dtype") or ""
         bits = dtype_bits(dtype)
         return bits, _element_containers(dtype, bits)
-    if MINIFLOAT_FORMAT.fullmatch(str(specs[level].get("scale_format"))):
-        return 8, MINIFLOAT_CONTAINERS  # e8m0 (MX), e5m3 (amdfp4), ...: one byte per scale
+    scale_format = str(specs[level].get("scale_format"))
+    if scale_format == "e8m0":
+        return 8, E8M0_CONTAINERS  # MX block scales: one exponent byte each
+    if MINIFLOAT_FORMAT.fullmatch(scale_format):
+        return 8, MINIFLOAT_CONTAINERS  # e5m3 (amdfp4), ...: one byte per scale
     return None, FLOAT_DTYPES
 
 
@@ -103,8 +147,9 @@ def weight_expectations(weight_spec: Any, shape: tuple[int, ...]) -> list[Tensor
     storage = next((s for s in reversed(specs) if not s.get("is_scale_quant")), specs[-1])
     dtype = storage.get("dtype") or ""
     bits = dtype_bits(dtype)
+    stored = (shape[1], shape[0]) if _transposed(storage) and len(shape) == 2 else shape
     out = [TensorExpectation("weight", math.prod(shape), bits, _element_containers(dtype, bits),
-                             f"weight dtype {dtype}")]
+                             f"weight dtype {dtype}", _packed(stored, dtype, bits))]
     out += _scale_expectations("weight", specs, shape)
     return out
 
@@ -122,13 +167,16 @@ def _scale_expectations(kind: str, specs: list[dict], shape: tuple[int, ...]) ->
         sfx = "" if level == 0 else f"_{level + 1}"
         # Activation scales are per tensor in practice; their count is only known for per_tensor.
         count = _scale_count(spec, shape) if kind == "weight" else (1 if spec.get("qscheme") == "per_tensor" else None)
+        scale_shape = _scale_shape(spec, shape, _transposed(spec)) if kind == "weight" else \
+            (() if spec.get("qscheme") == "per_tensor" else None)
         bits, containers = _scale_storage(specs, level)
         what = f"{kind} spec {level + 1} ({spec.get('dtype')}, {spec.get('qscheme')})"
-        out.append(TensorExpectation(f"{kind}_scale{sfx}", count, bits, containers, what))
+        out.append(TensorExpectation(f"{kind}_scale{sfx}", count, bits, containers, what, scale_shape))
         if is_integer(spec.get("dtype")):
             zp_bits = dtype_bits(spec.get("dtype"))
             containers = _element_containers(spec["dtype"], zp_bits)
-            out.append(TensorExpectation(f"{kind}_zero_point{sfx}", count, zp_bits, containers, what))
+            zp_shape = None if scale_shape is None else _packed(scale_shape, spec["dtype"], zp_bits)
+            out.append(TensorExpectation(f"{kind}_zero_point{sfx}", count, zp_bits, containers, what, zp_shape))
     return out
 
 

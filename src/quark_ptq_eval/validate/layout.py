@@ -1,15 +1,17 @@
-"""Check 1, fuzzy layout: safetensors headers of source and output held against the plan.
+"""Check 1, layout: safetensors headers of source and output held against the plan.
 
 Every linear layer the plan quantizes must carry the storage and the scale/zero-point tensors
-its Quark spec asks for; excluded layers, embeddings and norms keep the source dtype and shape;
-no source tensor may be missing and no output tensor unexplained.
+its plan-derived Quark spec asks for, each with the shape that spec and Quark's packing give;
+excluded layers, embeddings and norms keep the source dtype and shape; no source tensor may be
+missing and no output tensor unexplained. The report states the share of matrix parameters
+the export quantized next to the share the plan quantizes.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..safetensors_io import TensorInfo, canonical_name
 from .expectations import (
@@ -53,29 +55,85 @@ class LayoutInputs:
     qconfig: dict | None  # the output's quantization_config
     exclude: list[str]
     plan_overrides: dict[str, str]
+    export_has_qconfig: bool = True
+    quantized_modules: set[str] = field(default_factory=set)  # filled in: modules the plan quantizes
 
 
 def check_layout(inputs: LayoutInputs) -> CheckResult:
     result = CheckResult("layout")
     src_modules = _group(inputs.source)
     out_modules = _group(inputs.output)
-    if inputs.qconfig is None:
+    if inputs.qconfig is None and not inputs.export_has_qconfig:
         result.findings.append(Finding(
             "config.json", "the output has no quantization_config, so nothing says how it was quantized.",
             side="quark", evidence="quantization_config is absent from the output's config.json"))
     quantized = excluded = 0
+    share = _Share()
     for module, suffixes in src_modules.items():
         out_suffixes = out_modules.get(module, {})
+        done = share.add(module, suffixes, out_suffixes)
         if _expect_quantized(module, suffixes, inputs):
             quantized += 1
+            inputs.quantized_modules.add(module)
+            share.planned(suffixes, done)
             result.findings += _check_quantized(module, suffixes, out_suffixes, inputs.qconfig or {})
         else:
             excluded += matches(module, f"{module}.weight", inputs.exclude)
             result.findings += _check_unchanged(module, suffixes, out_suffixes, inputs.exclude)
     result.findings += _unexplained_extras(src_modules, out_modules)
     result.findings += _overrides_honoured(inputs)
+    result.findings += share.findings()
     _summarize(result, inputs, quantized, excluded)
+    share.report(result)
     return result
+
+
+class _Share:
+    """Matrix parameters (2-D and fused 3-D weights, embeddings aside): planned vs actually quantized."""
+
+    SHORTFALL = 0.05  # more than this share of the planned parameters left in float fails as a whole
+
+    def __init__(self) -> None:
+        self.total = self.plan = self.done = self.planned_done = 0
+
+    def add(self, module: str, src: dict[str, TensorInfo], out: dict[str, TensorInfo]) -> int:
+        """Count one module; returns how many of its weight parameters the export quantized."""
+        weight = src.get("weight")
+        if weight is None or len(weight.shape) < 2 or is_embedding(module):
+            return 0
+        n = _numel(weight)
+        self.total += n
+        got = out.get("weight")
+        done = n if got is not None and (got.dtype != weight.dtype or any(is_quant_param(s) for s in out)) else 0
+        self.done += done
+        return done
+
+    def planned(self, src: dict[str, TensorInfo], done: int) -> None:
+        self.plan += _numel(src["weight"])
+        self.planned_done += done
+
+    def findings(self) -> list[Finding]:
+        if not self.plan:
+            return []
+        if self.done == 0:
+            return [Finding("quantized share", f"the plan quantizes {self.plan / self.total:.1%} of the matrix "
+                                               "parameters but the export quantizes none.", side="quark",
+                            evidence=f"expected: {self.plan} parameters quantized; found: 0")]
+        left = self.plan - self.planned_done
+        if left > self.SHORTFALL * self.plan:
+            return [Finding("quantized share", f"{left / self.plan:.1%} of the matrix parameters the plan quantizes "
+                                               "are left in the source's float dtype.", side="quark",
+                            evidence=f"expected (plan): {self.plan / self.total:.1%} of {self.total} matrix parameters "
+                                     f"quantized; found: {self.done / self.total:.1%}")]
+        return []
+
+    def report(self, result: CheckResult) -> None:
+        if not self.total:
+            return
+        result.stats["quantized_share"] = round(self.done / self.total, 4)
+        result.stats["expected_share"] = round(self.plan / self.total, 4)
+        result.notes.insert(0, f"quantized share of matrix parameters: {self.done / self.total:.1%} "
+                               f"(expected: {self.plan / self.total:.1%} of {self.total})")
 
 
 def _group(tensors: dict[str, TensorInfo]) -> dict[str, dict[str, TensorInfo]]:
@@ -126,6 +184,10 @@ def _check_expectation(module: str, exp: TensorExpectation, got: TensorInfo | No
     if got.dtype not in exp.containers:
         return Finding(name, f"is stored as {got.dtype}, but {exp.why} needs one of {sorted(exp.containers)}.",
                        side="quark", evidence=f"{got.dtype} {list(got.shape)}")
+    if exp.shape is not None and tuple(got.shape) != exp.shape:
+        return Finding(name, f"has shape {list(got.shape)}, but {exp.why} with Quark's packing needs "
+                             f"{list(exp.shape)}.", side="quark",
+                       evidence=f"expected (plan): {got.dtype} {list(exp.shape)}; found: {got.dtype} {list(got.shape)}")
     want_bytes = exp.nbytes()
     if want_bytes is not None and got.nbytes != want_bytes:
         return Finding(name, f"holds {got.nbytes} bytes, but {exp.count} values at {exp.bits} bits "

@@ -1,7 +1,8 @@
 """The validation report: typed results per check, the recipe's verdict, and its renderings.
 
-``status`` follows Quark's ``validation_report`` contract: ``success`` (all four checks clean),
-``partial`` (passes, with benign metadata drift only), ``failed`` (anything else).
+``status`` follows Quark's ``validation_report`` contract: ``success`` (every check clean or
+skipped), ``partial`` (passes, with benign metadata drift only), ``failed`` (anything else).
+Titles and which checks are structural come from the check registry (``registry.py``).
 """
 
 from __future__ import annotations
@@ -18,13 +19,6 @@ Side = Literal["quark", "environment"]
 SIDE_LABEL = {
     "quark": "Quark (export/quantization)",
     "environment": "environment (versions, loading, paths)",
-}
-STRUCTURAL_CHECKS = ("layout", "md5")
-CHECK_TITLES = {
-    "layout": "Fuzzy layout (safetensors headers)",
-    "aux": "Auxiliary files",
-    "config": "config.json",
-    "md5": "MD5 of excluded tensors",
 }
 REPORT_MD = "validation_report.md"
 REPORT_JSON = "validation_report.json"
@@ -50,12 +44,13 @@ class Finding:
 
 @dataclass
 class CheckResult:
-    name: str  # layout | aux | config | md5
+    name: str  # a registry check's name
     findings: list[Finding] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # informative, never change the verdict
     skipped_reason: str | None = None
     seconds: float = 0.0
+    title: str = ""  # set from the registry by the runner
 
     @property
     def failures(self) -> list[Finding]:
@@ -68,10 +63,6 @@ class CheckResult:
         if self.failures:
             return "fail"
         return "benign" if self.findings else "pass"
-
-    @property
-    def title(self) -> str:
-        return CHECK_TITLES[self.name]
 
     def summary(self) -> str:
         counts = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.stats.items()
@@ -106,6 +97,7 @@ class ValidationReport:
     exclusions_from: str = "quantization_config"  # or "plan"
     applied_fixes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    structural: tuple[str, ...] = ("layout", "md5")  # from the registry
 
     def check(self, name: str) -> CheckResult:
         return next(c for c in self.checks if c.name == name)
@@ -119,7 +111,7 @@ class ValidationReport:
 
     @property
     def structural_failure(self) -> bool:
-        return any(self.check(n).status == "fail" for n in STRUCTURAL_CHECKS)
+        return any(c.status == "fail" for c in self.checks if c.name in self.structural)
 
     @property
     def failures(self) -> list[tuple[str, Finding]]:
@@ -189,7 +181,7 @@ class ValidationReport:
         if self.applied_fixes:
             out.append(f"- Applied fixes: {'; '.join(self.applied_fixes)}")
         for c in self.checks:
-            out += ["", f"## {c.title}: {c.status}", "", c.summary()]
+            out += ["", f"## {c.title or c.name}: {c.status}", "", c.summary()]
             for finding in c.findings[:MAX_LISTED]:
                 out.append(f"- {finding.line()}")
             out += [f"- note: {n}" for n in c.notes[:MAX_LISTED]]

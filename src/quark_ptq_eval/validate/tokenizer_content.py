@@ -1,9 +1,11 @@
-"""What a tokenizer *means*, read from its files with ``json`` alone (no transformers import).
+"""What a tokenizer *does*, read from its files with ``json`` and the ``tokenizers`` library (no model).
 
 Newer transformers re-save tokenizers in another packaging (merges as pairs instead of
 strings, special tokens moved from ``special_tokens_map.json`` into ``tokenizer_config.json``,
 the chat template into ``chat_template.jinja``). Two tokenizer file sets are the same tokenizer
-when vocabulary, merges, added tokens, special tokens and chat template agree.
+when vocabulary, merges, added tokens, normalizer, pre-tokenizer, post-processor (BOS/EOS
+template), decoder, ``add_bos_token``/``add_eos_token``, special tokens and their ids, chat
+template and ``model_max_length`` agree, and a fixed multilingual probe encodes to the same ids.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ TOKENIZER_FILES = frozenset({
 })
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
                 "additional_special_tokens", "extra_special_tokens")
+BEHAVIOUR_KEYS = ("add_bos_token", "add_eos_token", "model_max_length")
 MAX_TOKENIZER_BYTES = 512 * 1024 * 1024
+# Latin, accents, CJK, Cyrillic, Arabic, Devanagari, emoji, digits, code, odd whitespace.
+PROBE = ("The quick brown fox jumps over 13 lazy dogs. Größe, café, naïve; 东京は雨です。 "
+         "Привет, мир! مرحبا بالعالم नमस्ते 🙂👍 def f(x):\n\treturn x ** 2  # done\r\n  trailing  ")
 
 
 def is_tokenizer_file(relative: str) -> bool:
@@ -42,7 +48,12 @@ def tokenizer_content(model_dir: Path) -> dict[str, Any]:
             content["chat_template"] = data["chat_template"]
         for tid, tok in (data.get("added_tokens_decoder") or {}).items():
             content.setdefault("added_tokens", {})[str(tid)] = [_token_text(tok), bool(tok.get("special"))]
+        for key in BEHAVIOUR_KEYS:
+            if key in data:
+                content[key] = data[key]
     content["special_tokens"] = special
+    content["special_token_ids"] = _special_ids(special, content)
+    content["probe_encoding"] = _probe_ids(model_dir / "tokenizer.json")
     _chat_template_files(model_dir, content)
     for binary in ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model"):
         if (model_dir / binary).is_file():
@@ -53,9 +64,10 @@ def tokenizer_content(model_dir: Path) -> dict[str, Any]:
 def differing_aspects(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     aspects = []
     for key in sorted(set(a) | set(b)):
-        if key == "special_tokens":
+        if key in ("special_tokens", "special_token_ids"):
             sa, sb = a.get(key, {}), b.get(key, {})
-            aspects += [f"special token {k}" for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)]
+            what = "special token" if key == "special_tokens" else "special token id"
+            aspects += [f"{what} {k}" for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)]
         elif a.get(key) != b.get(key):
             aspects.append(key.replace("_", " "))
     return aspects
@@ -79,7 +91,7 @@ def _from_tokenizer_json(path: Path, content: dict[str, Any]) -> None:
     content["merges"] = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     for tok in data.get("added_tokens") or []:
         content.setdefault("added_tokens", {})[str(tok.get("id"))] = [tok.get("content"), bool(tok.get("special"))]
-    for part in ("normalizer", "pre_tokenizer", "decoder"):
+    for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
         content[part] = data.get(part)
 
 
@@ -102,6 +114,32 @@ def _chat_template_files(model_dir: Path, content: dict[str, Any]) -> None:
     as_json = _load_json(model_dir / "chat_template.json")
     if as_json.get("chat_template") is not None:
         content["chat_template"] = as_json["chat_template"]
+
+
+def _special_ids(special: dict[str, Any], content: dict[str, Any]) -> dict[str, Any]:
+    """Each special token's id, from the vocabulary or the added tokens."""
+    vocab = content.get("vocab") if isinstance(content.get("vocab"), dict) else {}
+    added = {v[0]: int(k) for k, v in (content.get("added_tokens") or {}).items() if str(k).lstrip("-").isdigit()}
+    ids: dict[str, Any] = {}
+    for key, text in special.items():
+        texts = text if isinstance(text, list) else [text]
+        found = [added.get(t, vocab.get(t)) if isinstance(t, str) else None for t in texts]
+        ids[key] = found if isinstance(text, list) else found[0]
+    return ids
+
+
+def _probe_ids(path: Path) -> list[int] | None:
+    """The fast tokenizer's ids for :data:`PROBE` (with its special-token template), or None."""
+    if not path.is_file() or path.stat().st_size > MAX_TOKENIZER_BYTES:
+        return None
+    try:
+        from tokenizers import Tokenizer  # the Rust library only: no transformers, no model
+    except ImportError:
+        return None
+    try:
+        return Tokenizer.from_file(str(path)).encode(PROBE, add_special_tokens=True).ids
+    except Exception:  # noqa: BLE001 - a file the library refuses encodes nothing, so it differs
+        return [-1]
 
 
 def _token_text(value: Any) -> Any:

@@ -1,0 +1,144 @@
+"""The check registry: what runs, in which order, under which title, and which failures are structural.
+
+Cheapest first: headers (layout against the plan, shard index), small files (auxiliary files
+and tokenizer behaviour, ``config.json``), tensor bytes, then loading the model.
+"""
+
+from __future__ import annotations
+
+from ..safetensors_io import TensorInfo
+from .auxfiles import check_aux
+from .configdiff import ConfigContext, check_config
+from .index import check_index
+from .layout import LayoutInputs, check_layout, layer_count
+from .loadcheck import check_load
+from .md5check import compare_pair, compare_tensors, excluded_candidates, sample
+from .plan_conformance import plan_expectation
+from .registry import Check, ValidationContext, unreadable_headers
+from .report import CheckResult, Finding
+from .rewrites import rewritten_by
+from .schemes import load_scheme_table
+
+FLOAT_EXPONENT = {"F16": (2, 0x7C00), "BF16": (2, 0x7F80)}  # all-ones exponent: inf or NaN
+
+
+def run_layout(ctx: ValidationContext) -> CheckResult:
+    if (bad := unreadable_headers(ctx, "layout")) is not None:
+        return bad
+    table = load_scheme_table() if (ctx.plan or {}).get("global_scheme") else None
+    expectation = plan_expectation(ctx.plan, ctx.qconfig, table)
+    overrides = {str(k): str(v) for k, v in ((ctx.plan or {}).get("layer_quant_config") or {}).items()}
+    inputs = LayoutInputs(ctx.headers["source"], ctx.headers["output"], expectation.qconfig, ctx.exclude, overrides,
+                          export_has_qconfig=ctx.qconfig is not None)
+    result = check_layout(inputs)
+    result.findings[:0] = expectation.findings
+    result.notes[:0] = expectation.notes
+    result.stats["expectations_from"] = expectation.origin
+    ctx.shared["quantized_modules"] = inputs.quantized_modules
+    return result
+
+
+def run_aux(ctx: ValidationContext) -> CheckResult:
+    return check_aux(ctx.source, ctx.quantized)
+
+
+def run_config(ctx: ValidationContext) -> CheckResult:
+    counts = (layer_count(h) if isinstance(h, dict) else 0 for h in (ctx.headers["source"], ctx.headers["output"]))
+    return check_config(ctx.source, ctx.quantized, ConfigContext(*counts))
+
+
+def run_bytes(ctx: ValidationContext) -> CheckResult:
+    """Every tensor that is neither quantized nor rewritten by a planned algorithm, byte for byte."""
+    source, output = ctx.headers["source"], ctx.headers["output"]
+    if not isinstance(source, dict) or not isinstance(output, dict):
+        return _bytes_unreadable(ctx)
+    quantized = ctx.shared.get("quantized_modules", set())
+    must = [n for n in source if not (n.endswith(".weight") and n.rpartition(".")[0] in quantized)]
+    rewritten = rewritten_by(must, ctx.qconfig, ctx.plan)
+    keep = [n for n in must if n not in rewritten]
+    result = compare_tensors(source, output, keep, max_samples=ctx.max_samples, seed=ctx.seed, workers=ctx.workers,
+                             progress=ctx.progress, result=CheckResult("md5"))
+    checked = set(result.stats["checked_names"])
+    excluded = excluded_candidates(source, ctx.exclude, tied_embeddings(ctx.src_config))
+    result.stats["excluded_checked"] = len(checked & set(excluded))
+    _check_rewritten(source, output, rewritten, result)
+    return result
+
+
+def _bytes_unreadable(ctx: ValidationContext) -> CheckResult:
+    """Refused headers: name each excluded tensor that cannot be compared (as Quark's helper does)."""
+    source = ctx.tensors("source")
+    if source is None:
+        return unreadable_headers(ctx, "md5") or CheckResult("md5")
+    result = CheckResult("md5")
+    why = "the output's safetensors headers were refused (see the layout check)"
+    names = sample(excluded_candidates(source, ctx.exclude, tied_embeddings(ctx.src_config)), ctx.max_samples,
+                   ctx.seed)
+    result.findings += [Finding(n, f"cannot be compared with the source: {why}.", side="environment") for n in names]
+    result.stats.update(checked=len(names), excluded_checked=len(names))
+    return result
+
+
+def _check_rewritten(source: dict[str, TensorInfo], output: dict[str, TensorInfo], rewritten: dict[str, str],
+                     result: CheckResult) -> None:
+    """Tensors an algorithm may change: same dtype and shape, finite values; reported by algorithm."""
+    changed: dict[str, list[str]] = {}
+    for name, algo in sorted(rewritten.items()):
+        s, o = source[name], output.get(name)
+        if o is None or (o.dtype, o.shape) != (s.dtype, s.shape):
+            found = f"{o.dtype} {list(o.shape)}" if o else "no such tensor"
+            result.findings.append(Finding(name, f"may be rewritten by {algo} but must keep the source's dtype and "
+                                                 "shape.", side="quark",
+                                           evidence=f"expected: {s.dtype} {list(s.shape)}; found: {found}"))
+            continue
+        if compare_pair(s, o).identical:
+            continue
+        bad = non_finite(o)
+        if bad:
+            result.findings.append(Finding(name, f"was rewritten by {algo} into {bad} non-finite value(s).",
+                                           side="quark", evidence="expected: finite values; found NaN/inf"))
+        changed.setdefault(algo, []).append(name)
+    for algo, names in changed.items():
+        result.notes.append(f"{len(names)} tensor(s) rewritten by {algo} (dtype, shape and finiteness checked): "
+                            + ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""))
+    result.stats["rewritten"] = sum(len(v) for v in changed.values())
+
+
+def non_finite(info: TensorInfo) -> int:
+    """How many NaN/inf values a float tensor holds (0 for integer tensors)."""
+    import numpy as np  # only for rewritten tensors: keeps the import of the validator light
+
+    if info.dtype == "F32" or info.dtype == "F64":
+        values = np.fromfile(info.file, dtype=np.float32 if info.dtype == "F32" else np.float64,
+                             count=info.nbytes // (4 if info.dtype == "F32" else 8), offset=info.start)
+        return int((~np.isfinite(values)).sum())
+    if info.dtype in FLOAT_EXPONENT:
+        width, mask = FLOAT_EXPONENT[info.dtype]
+        raw = np.fromfile(info.file, dtype=np.uint16, count=info.nbytes // width, offset=info.start)
+        return int(((raw & mask) == mask).sum())
+    return 0
+
+
+def tied_embeddings(config: dict) -> bool:
+    """``tie_word_embeddings`` from config.json, else the config class's default for its model_type."""
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    text = config.get("text_config")
+    if isinstance(text, dict) and "tie_word_embeddings" in text:
+        return bool(text["tie_word_embeddings"])
+    try:  # only when the key is absent: the configuration module alone, no model code
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        return bool(getattr(CONFIG_MAPPING[str(config.get("model_type"))](), "tie_word_embeddings", False))
+    except Exception:  # noqa: BLE001 - an unknown or broken model type: assume untied (checks more)
+        return False
+
+
+CHECKS: list[Check] = [
+    Check("layout", "Layout against the plan (safetensors headers, shapes)", run_layout, structural=True),
+    Check("index", "Shard index (model.safetensors.index.json)", check_index, structural=True),
+    Check("aux", "Auxiliary files and tokenizer behaviour", run_aux, structural=False),
+    Check("config", "config.json", run_config, structural=False),
+    Check("md5", "Byte identity of every tensor that must not change", run_bytes, structural=True),
+    Check("load", "Loads and runs (probe against the source)", check_load, structural=True),
+]

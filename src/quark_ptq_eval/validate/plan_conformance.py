@@ -1,0 +1,133 @@
+"""Conformance to the approved plan: the export's quantization_config against what the plan's scheme means.
+
+The plan names schemes (``global_scheme``, per-pattern overrides, ``kv_cache_scheme``); the
+scheme table (``schemes.py``) turns each name into the spec Quark would have written. The
+layout check then holds every tensor against that plan-derived config, not against the
+export's own ``quantization_config``: an export quantized with another scheme cannot pass by
+describing itself correctly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .report import Finding
+from .schemes import ROLES, describe, meaning
+
+DEFAULT_KV_PATTERNS = ("*k_proj", "*v_proj")
+
+
+@dataclass
+class PlanExpectation:
+    qconfig: dict | None  # what the layout check holds the tensors against
+    origin: str  # "plan" or "quantization_config"
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_expectation(plan: dict | None, out_qconfig: dict | None, table: dict | None) -> PlanExpectation:
+    """The plan-derived quantization config, plus a finding per spec the export got wrong."""
+    scheme = (plan or {}).get("global_scheme")
+    if not scheme:
+        why = "no plan was given" if plan is None else "the plan names no global_scheme"
+        return PlanExpectation(out_qconfig, "quantization_config",
+                               notes=[f"{why}: tensors are held against the export's own quantization_config"])
+    schemes = (table or {}).get("schemes") or {}
+    unknown = [s for s in [scheme, *((plan.get("layer_quant_config") or {}).values())] if s not in schemes]
+    if unknown:
+        return PlanExpectation(out_qconfig, "quantization_config", notes=[
+            f"the installed Quark's scheme table does not describe {sorted(set(map(str, unknown)))}: tensors "
+            "are held against the export's own quantization_config"])
+    expected = _expected_qconfig(plan, out_qconfig or {}, table or {})
+    result = PlanExpectation(expected, "plan")
+    result.findings += _compare(plan, expected, out_qconfig, schemes)
+    return result
+
+
+def _expected_qconfig(plan: dict, out_qconfig: dict, table: dict) -> dict:
+    schemes = table["schemes"]
+    expected: dict[str, Any] = {
+        "global_quant_config": schemes[plan["global_scheme"]],
+        "layer_quant_config": {str(p): schemes[s] for p, s in (plan.get("layer_quant_config") or {}).items()},
+        "exclude": list(plan.get("exclude_layers") or []),
+    }
+    kv_scheme = plan.get("kv_cache_scheme")
+    kv_spec = (table.get("kv_cache") or {}).get(kv_scheme) if kv_scheme else None
+    if kv_spec is not None:
+        patterns = list(out_qconfig.get("kv_cache_quant_config") or {}) or list(DEFAULT_KV_PATTERNS)
+        expected["kv_cache_quant_config"] = {p: {"output_tensors": kv_spec} for p in patterns}
+    return expected
+
+
+def _compare(plan: dict, expected: dict, out: dict | None, schemes: dict) -> list[Finding]:
+    if out is None:
+        return [Finding("quantization_config", f"is absent, but the plan quantizes with {plan['global_scheme']!r}.",
+                        side="quark", evidence=f"expected (plan): {describe(expected['global_quant_config']['weight'])}"
+                                               " weights; found: no quantization_config")]
+    findings = _compare_layer("global_quant_config", plan["global_scheme"], expected["global_quant_config"],
+                              out.get("global_quant_config"), schemes)
+    written = out.get("layer_quant_config") or {}
+    for pattern, scheme in (plan.get("layer_quant_config") or {}).items():
+        if pattern in written:
+            findings += _compare_layer(f"layer_quant_config[{pattern!r}]", scheme, expected["layer_quant_config"][pattern],
+                                       written[pattern], schemes)
+    findings += [Finding(f"quantization_config.layer_quant_config[{p!r}]",
+                         "overrides a pattern the plan does not override.", side="quark",
+                         evidence=f"expected (plan): {plan['global_scheme']!r} or an approved override; "
+                                  f"found: {describe((written[p] or {}).get('weight'))}")
+                 for p in written if p not in (plan.get("layer_quant_config") or {})]
+    findings += _compare_kv(plan, expected, out)
+    return findings
+
+
+def _compare_layer(where: str, scheme: str, want: dict, got: Any, schemes: dict) -> list[Finding]:
+    got = got if isinstance(got, dict) else {}
+    findings = []
+    for role in ROLES:
+        if meaning(want.get(role)) == meaning(got.get(role)):
+            continue
+        guess = _scheme_of(got, schemes)
+        findings.append(Finding(
+            f"quantization_config.{where}.{role}",
+            f"does not match the plan's scheme {scheme!r}: the plan needs {describe(want.get(role))}, "
+            f"the export holds {describe(got.get(role))}"
+            + (f" (as scheme {guess!r} would)." if guess and guess != scheme else "."),
+            side="quark", evidence=_difference(scheme, want.get(role), got.get(role))))
+    return findings
+
+
+def _difference(scheme: str, want: Any, got: Any) -> str:
+    """Only the fields that differ, level by level: ``expected (plan 'int8'): dtype=int8; found: dtype=fp8_e4m3``."""
+    a, b = meaning(want) or [], meaning(got) or []
+    if len(a) != len(b):
+        return f"expected (plan {scheme!r}): {len(a)} quantization level(s); found: {len(b)}"
+    diffs = [(i, k, x[k], y[k]) for i, (x, y) in enumerate(zip(a, b, strict=True)) for k in x if x[k] != y[k]]
+    tag = [f"level {i + 1} " if len(a) > 1 else "" for i in range(len(a))]
+    return (f"expected (plan {scheme!r}): " + ", ".join(f"{tag[i]}{k}={v!r}" for i, k, v, _ in diffs)
+            + "; found: " + ", ".join(f"{tag[i]}{k}={w!r}" for i, k, _, w in diffs))
+
+
+def _scheme_of(layer: dict, schemes: dict) -> str | None:
+    """The scheme whose spec the export's layer config carries, to name it in the message."""
+    for name, spec in schemes.items():
+        if all(meaning(spec.get(r)) == meaning(layer.get(r)) for r in ROLES):
+            return name
+    return None
+
+
+def _compare_kv(plan: dict, expected: dict, out: dict) -> list[Finding]:
+    written = out.get("kv_cache_quant_config") or {}
+    kv_scheme = plan.get("kv_cache_scheme")
+    if not kv_scheme:
+        return [Finding("quantization_config.kv_cache_quant_config", "quantizes the KV cache, but the plan has no "
+                        "KV-cache scheme.", side="quark", evidence=f"found patterns {sorted(written)}")] if written else []
+    want = (expected.get("kv_cache_quant_config") or {})
+    if not written:
+        return [Finding("quantization_config.kv_cache_quant_config", f"is empty, but the plan's KV-cache scheme "
+                        f"{kv_scheme!r} quantizes the KV cache.", side="quark")]
+    spec = next(iter(want.values()), {}).get("output_tensors")
+    return [Finding(f"quantization_config.kv_cache_quant_config[{p!r}]",
+                    f"does not match the plan's KV-cache scheme {kv_scheme!r}: the plan needs {describe(spec)}, "
+                    f"the export holds {describe((cfg or {}).get('output_tensors'))}.", side="quark")
+            for p, cfg in written.items() if meaning((cfg or {}).get("output_tensors")) != meaning(spec)]

@@ -1,0 +1,86 @@
+"""The validation checks as one registry: each check is an object with a name, a title and ``run``.
+
+Progress counts, report section titles and which failures are structural (exit 4, stop) all
+come from :data:`CHECKS`, so adding a check is adding one entry here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import UnsafeInputError
+from ..safetensors_io import TensorInfo, read_model_headers
+from .report import CheckResult, Finding
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class ValidationContext:
+    """Everything the checks share: the two model dirs, the plan, configs and parsed headers."""
+
+    source: Path
+    quantized: Path
+    plan: dict | None
+    max_samples: int | None = None
+    seed: int = 0
+    workers: int | None = None
+    load_check: bool = False
+    progress: Progress | None = None
+    src_config: dict[str, Any] = field(default_factory=dict)
+    out_config: dict[str, Any] = field(default_factory=dict)
+    exclude: list[str] = field(default_factory=list)
+    exclusions_from: str = "default"
+    headers: dict[str, dict[str, TensorInfo] | str] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)  # results one check hands to a later one
+
+    @property
+    def qconfig(self) -> dict | None:
+        q = self.out_config.get("quantization_config")
+        return q if isinstance(q, dict) else None
+
+    def read_headers(self) -> None:
+        for side, model_dir in (("source", self.source), ("output", self.quantized)):
+            try:
+                self.headers[side] = read_model_headers(model_dir)
+            except UnsafeInputError as exc:
+                self.headers[side] = exc.message
+
+    def tensors(self, side: str) -> dict[str, TensorInfo] | None:
+        h = self.headers.get(side)
+        return h if isinstance(h, dict) else None
+
+
+@dataclass(frozen=True)
+class Check:
+    """One validation check: ``run(context)`` never raises on a mismatch, it returns findings."""
+
+    name: str
+    title: str
+    run: Callable[[ValidationContext], CheckResult]
+    structural: bool  # a failure means the weights are wrong: stop, no fix offered
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return {}  # the config check reports why
+    return data if isinstance(data, dict) else {}
+
+
+def unreadable_headers(ctx: ValidationContext, name: str) -> CheckResult | None:
+    """The result for a check that needs headers one side refused, else None."""
+    bad = [(side, h) for side, h in ctx.headers.items() if isinstance(h, str)]
+    if not bad:
+        return None
+    result = CheckResult(name)
+    result.findings += [Finding(f"{side} safetensors", msg, side="environment",
+                                evidence="refused before reading any tensor data; an interrupted write or "
+                                         "copy, a full disk, or a tampered index")
+                        for side, msg in bad]
+    return result

@@ -1,0 +1,97 @@
+"""What a plan's scheme name means, as the spec Quark writes into an export's ``quantization_config``.
+
+The table is asked of the installed Quark once (``LLMTemplate.get_config(scheme).to_dict()``,
+the very dicts its exporter serialises), in a child process, and cached per Quark version and
+install location like the capability catalog: the validator itself never imports quark.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import subprocess
+import sys
+from typing import Any
+
+from ..catalog import cache_dir
+from ..fsio import write_json
+
+TABLE_FORMAT = 1
+# The fields of a QTensorConfig that decide what is stored; observers and rounding only shape values.
+MEANING_KEYS = ("dtype", "qscheme", "ch_axis", "group_size", "block_size", "symmetric", "is_dynamic",
+                "scale_type", "zero_point_type", "scale_format", "mx_element_dtype", "is_scale_quant")
+ROLES = ("weight", "input_tensors", "output_tensors")
+
+
+def _cache_path():
+    try:
+        dist = importlib.metadata.distribution("amd-quark")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    key = hashlib.sha256(f"{TABLE_FORMAT}|{dist.version}|{dist.locate_file('')}".encode()).hexdigest()[:12]
+    return cache_dir() / f"quark-scheme-specs-{dist.version}-{key}.json"
+
+
+def load_scheme_table() -> dict[str, Any] | None:
+    """``{"schemes": {name: layer config}, "kv_cache": {name: output spec}}``, or None without Quark."""
+    path = _cache_path()
+    if path is None:
+        return None
+    if path.exists():
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            pass  # a damaged cache is rebuilt
+    proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval.validate.schemes"], capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return None
+    table = json.loads(proc.stdout.strip().splitlines()[-1])
+    write_json(path, table)
+    return table
+
+
+def dump_scheme_table() -> dict[str, Any]:
+    """Runs inside the child: serialise each scheme's global layer config as the exporter does."""
+    from quark.torch import LLMTemplate
+
+    template = LLMTemplate.get("llama")
+    schemes: dict[str, Any] = {}
+    for name in LLMTemplate.get_supported_schemes():
+        try:
+            schemes[name] = template.get_config(scheme=name).to_dict()["global_quant_config"]
+        except Exception:  # noqa: BLE001 - a scheme Quark cannot build is absent from the table
+            continue
+    kv: dict[str, Any] = {}
+    for name in sorted(LLMTemplate._SUPPORTED_KV_CACHE_SCHEMES):
+        try:
+            entries = template.get_config(scheme="int8", kv_cache_scheme=name).to_dict()["kv_cache_quant_config"]
+        except Exception:  # noqa: BLE001
+            continue
+        kv[name] = next((e.get("output_tensors") for e in entries.values()), None)
+    return {"format": TABLE_FORMAT, "schemes": schemes, "kv_cache": kv}
+
+
+def meaning(spec: Any) -> list[dict[str, Any]] | None:
+    """The storage-deciding fields of a spec (or spec list), comparable across exports."""
+    if spec is None:
+        return None
+    specs = spec if isinstance(spec, list) else [spec]
+    return [{k: s.get(k) for k in MEANING_KEYS} for s in specs if isinstance(s, dict)]
+
+
+def describe(spec: Any) -> str:
+    """``int4 per_group g128`` style text for messages; ``none`` for an absent spec."""
+    parts = []
+    for s in meaning(spec) or []:
+        text = f"{s['dtype']} {s['qscheme']}"
+        if s.get("group_size") not in (None, 0, -1):
+            text += f" group {s['group_size']}"
+        if s.get("is_dynamic"):
+            text += " dynamic"
+        parts.append(text)
+    return " + ".join(parts) or "none"
+
+
+if __name__ == "__main__":
+    print(json.dumps(dump_scheme_table()))

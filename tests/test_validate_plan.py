@@ -1,0 +1,258 @@
+"""Issue 10, Phase 2: each class of wrong export, planted into a real Quark export, fails with exit 4
+and a finding that names the tensor or field, what the plan expected and what was found."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from test_validate import read_tensors, rewrite, shard
+
+from quark_ptq_eval.checkpoints import FlagApprover
+from quark_ptq_eval.errors import ExitCode, QpeError
+from quark_ptq_eval.safetensors_io import INDEX_NAME
+from quark_ptq_eval.validate import add_validate_arguments, cmd_validate, validate_model
+from quark_ptq_eval.validate.checks import CHECKS
+
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def plan_for(scheme: str, **extra) -> dict:
+    return {"global_scheme": scheme, "exclude_layers": ["lm_head"], "layer_quant_config": {},
+            "kv_cache_scheme": None, "algorithm": None, **extra}
+
+
+def run_cli(source: Path, out: Path, workdir: Path, plan: dict | None, *flags: str) -> tuple[int, dict]:
+    """``validate`` as the CLI runs it: exit code and the JSON report it wrote."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workdir", type=Path)
+    add_validate_arguments(parser)
+    argv = ["--source", str(source), "--quantized", str(out), "--workdir", str(workdir), *flags]
+    if plan is not None:
+        (workdir / "quant_plan.json").write_text(json.dumps(plan))
+        argv += ["--plan", str(workdir / "quant_plan.json")]
+    try:
+        rc = cmd_validate(parser.parse_args(argv), FlagApprover())
+    except QpeError as exc:  # ValidationFailed (4), or CheckpointPending (3) when a fix is offered
+        rc = int(exc.exit_code)
+    return rc, json.loads((workdir / "validation_report.json").read_text())
+
+
+def failures(report: dict, check: str) -> str:
+    return "\n".join(f"{f['subject']}: {f['message']} {f['evidence']}" for f in report["checks"][check]["findings"]
+                     if not f["benign"])
+
+
+# --- 1. conformance to the plan ---------------------------------------------------------------------
+
+def test_an_export_with_another_scheme_than_the_plan_fails_naming_both(tiny_llama, quantized, tmp_path):
+    rc, report = run_cli(tiny_llama, quantized("fp8"), tmp_path, plan_for("int8"), "--no-load-check")
+    assert rc == 4
+    text = failures(report, "layout")
+    assert ("quantization_config.global_quant_config.weight: does not match the plan's scheme 'int8': the plan "
+            "needs int8 per_tensor, the export holds fp8_e4m3 per_tensor (as scheme 'fp8' would).") in text
+    assert "input_tensors: does not match the plan's scheme 'int8'" in text
+
+
+def test_the_same_export_conforms_to_its_own_plan(tiny_llama, quantized, tmp_path):
+    rc, report = run_cli(tiny_llama, quantized("fp8"), tmp_path, plan_for("fp8"), "--no-load-check")
+    assert rc == 0 and report["status"] == "success"
+    layout = report["checks"]["layout"]["stats"]
+    assert layout["expectations_from"] == "plan"
+    assert layout["quantized_share"] == layout["expected_share"] and 0.5 < layout["expected_share"] < 1
+
+
+def test_an_export_where_nothing_is_quantized_fails(tiny_llama, copy_model, tmp_path):
+    unquantized = copy_model(tiny_llama, "not-quantized")  # the source saved again: nothing quantized
+    rc, report = run_cli(tiny_llama, unquantized, tmp_path, plan_for("int8"), "--no-load-check")
+    assert rc == 4
+    text = failures(report, "layout")
+    assert "quantization_config: is absent, but the plan quantizes with 'int8'." in text
+    assert "quantized share: the plan quantizes" in text and "but the export quantizes none" in text
+
+
+def test_a_large_share_left_in_float_fails_with_both_shares(tiny_llama, quantized, copy_model, tmp_path):
+    out = copy_model(quantized("int8"), "mlp-in-float")
+    source = read_tensors(tiny_llama)
+
+    def unquantize_mlp(t):
+        for name in [n for n in t if any(f"mlp.{p}." in n for p in MLP)]:
+            del t[name]
+        t.update({n: v for n, v in source.items() if any(f"mlp.{p}." in n for p in MLP)})
+    rewrite(out, unquantize_mlp)
+    rc, report = run_cli(tiny_llama, out, tmp_path, plan_for("int8"), "--no-load-check")
+    assert rc == 4
+    text = failures(report, "layout")
+    assert "quantized share: " in text and "of the matrix parameters the plan quantizes are left in the source's " \
+                                            "float dtype" in text
+    assert "model.layers.1.mlp.down_proj: is not quantized" in text
+    stats = report["checks"]["layout"]["stats"]
+    assert stats["quantized_share"] < stats["expected_share"]
+
+
+def test_a_plan_override_with_its_own_scheme_is_checked(tiny_llama, quantized, tmp_path):
+    plan = plan_for("int8", layer_quant_config={"*down_proj": "fp8"})
+    rc, report = run_cli(tiny_llama, quantized("int8"), tmp_path, plan, "--no-load-check")
+    assert rc == 4
+    assert "layer_quant_config['*down_proj']: the plan overrides it with 'fp8'" in failures(report, "layout")
+
+
+# --- 2. shapes ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheme", ["int4_wo_128", "mxfp4"])
+def test_a_scale_of_the_right_size_but_wrong_shape_fails_at_that_tensor(tiny_llama, quantized, copy_model, tmp_path,
+                                                                       scheme):
+    out = copy_model(quantized(scheme), f"{scheme}-shape")
+    name = "model.layers.0.mlp.up_proj.weight_scale"
+    rewrite(out, lambda t: t.update({name: (t[name][0], list(reversed(t[name][1])), t[name][2])}))
+    rc, report = run_cli(tiny_llama, out, tmp_path, plan_for(scheme), "--no-load-check")
+    assert rc == 4
+    assert f"{name}: has shape" in failures(report, "layout")
+
+
+def test_a_packed_weight_of_the_right_size_but_wrong_shape_fails(tiny_llama, quantized, copy_model, tmp_path):
+    out = copy_model(quantized("int4_wo_128"), "int4-weight-shape")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    rewrite(out, lambda t: t.update({name: (t[name][0], list(reversed(t[name][1])), t[name][2])}))
+    rc, report = run_cli(tiny_llama, out, tmp_path, plan_for("int4_wo_128"), "--no-load-check")
+    assert rc == 4 and f"{name}: has shape" in failures(report, "layout")
+
+
+# --- 3. every byte that must not change -----------------------------------------------------------------
+
+@pytest.mark.parametrize("tensor", ["model.norm.weight", "model.layers.1.input_layernorm.weight",
+                                    "model.embed_tokens.weight"])
+def test_one_byte_in_any_unquantized_tensor_fails(tiny_llama, quantized, copy_model, tmp_path, tensor):
+    out = copy_model(quantized("int8"), "byte")
+
+    def flip(t):
+        dtype, shape, data = t[tensor]
+        t[tensor] = (dtype, shape, data[:5] + bytes([data[5] ^ 0x10]) + data[6:])
+    rewrite(out, flip)
+    rc, report = run_cli(tiny_llama, out, tmp_path, plan_for("int8"), "--no-load-check")
+    assert rc == 4
+    assert f"{tensor}: must be byte-identical to the source but its payload differs from byte 5" in \
+        failures(report, "md5")
+
+
+def test_awq_rewrites_are_reported_not_failed_but_a_nan_in_them_fails(tiny_llama, quantized, copy_model, tmp_path):
+    plan = plan_for("int4_wo_128", algorithm="awq")
+    rc, report = run_cli(tiny_llama, quantized("int4_wo_128", algorithm="awq"), tmp_path, plan, "--no-load-check")
+    assert rc == 0, failures(report, "md5")
+    md5 = report["checks"]["md5"]
+    assert md5["stats"]["rewritten"] > 0 and any("rewritten by awq" in n for n in md5["notes"])
+    out = copy_model(quantized("int4_wo_128", algorithm="awq"), "awq-nan")
+    name = "model.layers.0.post_attention_layernorm.weight"
+
+    def poison(t):
+        dtype, shape, data = t[name]
+        t[name] = (dtype, shape, struct.pack("<f", float("nan")) + data[4:])
+    rewrite(out, poison)
+    rc, report = run_cli(tiny_llama, out, tmp_path, plan, "--no-load-check")
+    assert rc == 4
+    assert f"{name}: was rewritten by awq into 1 non-finite value(s)." in failures(report, "md5")
+
+
+# --- 4. tokenizer behaviour --------------------------------------------------------------------------
+
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(("field", "edit", "file"), [
+    ("normalizer", lambda d: d.update(normalizer={"type": "Lowercase"}), "tokenizer.json"),
+    ("post processor", lambda d: d.update(post_processor={"type": "TemplateProcessing", "single": [
+        {"Sequence": {"id": "A", "type_id": 0}}], "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+        "special_tokens": {}}), "tokenizer.json"),
+    ("add bos token", lambda d: d.update(add_bos_token=not d.get("add_bos_token", True)), "tokenizer_config.json"),
+    ("model max length", lambda d: d.update(model_max_length=7), "tokenizer_config.json"),
+])
+def test_a_behavioural_tokenizer_change_fails_naming_the_field(tiny_llama, quantized, copy_model, tmp_path,
+                                                              field, edit, file):
+    out = copy_model(quantized("int8"), "tok")
+    _edit_json(out / file, edit)
+    rc, report = run_cli(tiny_llama, out, tmp_path, plan_for("int8"), "--no-load-check")
+    assert rc == ExitCode.CHECKPOINT and report["status"] == "failed"  # not structural: re-copying is offered
+    assert f"changed: the tokenizer differs in {field}" in failures(report, "aux") or \
+        f", {field}" in failures(report, "aux")
+
+
+def test_a_pre_tokenizer_change_shows_in_the_probe_encoding(tiny_llama, quantized, copy_model, tmp_path):
+    out = copy_model(quantized("int8"), "tok-probe")
+    _edit_json(out / "tokenizer.json", lambda d: d.update(pre_tokenizer={"type": "Whitespace"}))
+    rc, report = run_cli(tiny_llama, out, tmp_path, plan_for("int8"), "--no-load-check")
+    assert rc == ExitCode.CHECKPOINT and report["status"] == "failed"
+    text = failures(report, "aux")
+    assert "pre tokenizer" in text and "probe encoding" in text
+
+
+# --- 5. sharded checkpoints --------------------------------------------------------------------------
+
+def test_an_index_entry_naming_the_wrong_shard_fails(tiny_llama, quantized, copy_model, tmp_path):
+    out = copy_model(quantized("int8"), "sharded")
+    shard(out)
+    index = json.loads((out / INDEX_NAME).read_text())
+    first, second = sorted(set(index["weight_map"].values()))
+    name = next(n for n, f in index["weight_map"].items() if f == first)
+    index["weight_map"][name] = second
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    rc, report = run_cli(tiny_llama, out, tmp_path, plan_for("int8"), "--no-load-check")
+    assert rc == 4
+    assert f"{INDEX_NAME}: {name}: maps to {second} but the tensor is in {first}." in failures(report, "index")
+
+
+def test_a_shard_tensor_missing_from_the_index_fails(tiny_llama, quantized, copy_model, tmp_path):
+    out = copy_model(quantized("int8"), "sharded-drop")
+    shard(out)
+    index = json.loads((out / INDEX_NAME).read_text())
+    del index["weight_map"]["model.norm.weight"]
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    rc, report = run_cli(tiny_llama, out, tmp_path, plan_for("int8"), "--no-load-check")
+    assert rc == 4
+    assert f"{INDEX_NAME}: model.norm.weight: is in shard" in failures(report, "index")
+
+
+# --- 6. it loads and runs ------------------------------------------------------------------------------
+
+def test_the_load_check_runs_by_default_and_states_its_threshold(tiny_llama, quantized, tmp_path):
+    rc, report = run_cli(tiny_llama, quantized("int8"), tmp_path, plan_for("int8"))
+    assert rc == 0, failures(report, "load")
+    load = report["checks"]["load"]
+    assert load["status"] == "pass" and load["stats"]["greedy_agreement"] >= load["stats"]["agreement_threshold"]
+    assert any("threshold" in n for n in load["notes"]) and any("loaded with transformers" in n for n in load["notes"])
+
+
+def test_no_load_check_is_said_in_the_report(tiny_llama, quantized, tmp_path):
+    rc, report = run_cli(tiny_llama, quantized("int8"), tmp_path, plan_for("int8"), "--no-load-check")
+    assert rc == 0 and report["checks"]["load"]["status"] == "skipped"
+    assert "--no-load-check" in report["checks"]["load"]["skipped_reason"]
+    assert "Loads and runs" in (tmp_path / "validation_report.md").read_text()
+
+
+def test_nan_scales_pass_the_headers_but_fail_the_load_check(tiny_llama, quantized, copy_model, tmp_path):
+    out = copy_model(quantized("int8"), "nan-scale")
+    name = "model.layers.0.self_attn.q_proj.weight_scale"
+    rewrite(out, lambda t: t.update({name: (t[name][0], t[name][1], struct.pack("<f", float("nan")) * (
+        len(t[name][2]) // 4))}))
+    rc, report = run_cli(tiny_llama, out, tmp_path, plan_for("int8"))
+    assert rc == 4
+    assert all(report["checks"][c]["status"] in ("pass", "skipped") for c in ("layout", "index", "md5"))
+    assert "logits: are not finite" in failures(report, "load")
+
+
+# --- registry ---------------------------------------------------------------------------------------------
+
+def test_report_sections_and_progress_come_from_the_registry(tiny_llama, quantized):
+    calls = []
+    report = validate_model(tiny_llama, quantized("int8"), progress=lambda c, d, t: calls.append((c, d, t)))
+    names = [c.name for c in CHECKS]
+    assert [c.name for c in report.checks] == names
+    assert [(c, d, t) for c, d, t in calls if t == len(names)] == [(n, i + 1, len(names)) for i, n in enumerate(names)]
+    md = report.to_markdown()
+    assert all(f"## {c.title}: " in md for c in CHECKS)
+    assert set(report.structural) == {c.name for c in CHECKS if c.structural}
