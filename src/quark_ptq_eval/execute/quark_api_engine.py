@@ -3,7 +3,7 @@
 `quark-cli torch-llm-ptq` loads with ``device_map="auto"`` (fails on hosts with no GPU) and
 calibrates only from fixed Hub dataset ids (fails offline). This module takes the same flags
 plus ``--calib_data PATH`` and drives the same public API the CLI uses (``LLMTemplate``,
-``ModelQuantizer``, ``export_safetensors``), on any device, with local calibration text.
+``ModelQuantizer``, ``export_safetensors``, and ``preprocess_for_quantization`` for MoE experts), on any device, with local calibration text.
 Non-weight files of the source are copied byte for byte, so the output has no tokenizer drift.
 """
 
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
     from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
+    from quark.torch.utils.llm.model_preparation import preprocess_for_quantization
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quark_ptq_eval.textdata import load_texts
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         args.model_dir, dtype="auto", trust_remote_code=args.trust_remote_code
     ).to(args.device)
     model.eval()
+    # As quark-cli does: fused 3-D expert parameters (transformers 5 MoE) become per-expert
+    # nn.Linear through Quark's module-replacement registry; without it experts stay in BF16.
+    preprocess_for_quantization(model)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, trust_remote_code=args.trust_remote_code)
     batches = calibration_batches(
         tokenizer, load_texts(args.calib_data), args.seq_len, args.num_calib_data, args.batch_size, args.device
