@@ -2,7 +2,10 @@
 
 Each difference is reported by its JSON path and triaged: version stamps and keys a newer
 transformers renames or re-lays out (``torch_dtype``->``dtype``, ``rope_theta``/``rope_scaling``
-->``rope_parameters``) are benign drift; anything left after normalizing those is real.
+->``rope_parameters``) are benign drift. What is left is compared by meaning: both configs as
+their transformers config class loads them (Qwen2Config writes ``sliding_window: null`` when
+``use_sliding_window`` is false); a difference that vanishes there is benign, the rest is real.
+The config classes are imported only then (importing transformers costs seconds).
 """
 
 from __future__ import annotations
@@ -115,6 +118,31 @@ def benign_reason(path: str) -> str:
     return "known metadata drift"
 
 
+def compare_by_meaning(source: dict, output: dict, real: list[JsonDiff]) -> tuple[list[JsonDiff], list[JsonDiff], str]:
+    """Split ``real`` into (still real, same meaning once both configs are loaded by their class)."""
+    loaded = _as_loaded(source, output)
+    if loaded is None:
+        return real, [], ""
+    src, out, name = loaded
+    still = {_root(d.path) for d in json_diff(normalize_drift(src), normalize_drift(out))}
+    return [d for d in real if _root(d.path) in still], [d for d in real if _root(d.path) not in still], name
+
+
+def _as_loaded(source: dict, output: dict) -> tuple[dict, dict, str] | None:
+    """Both configs through ``CONFIG_MAPPING[model_type].from_dict(...).to_dict()``, or None when
+    the model type differs or is unknown, or a config does not load (then raw comparison stands)."""
+    model_type = source.get("model_type")
+    if not isinstance(model_type, str) or output.get("model_type") != model_type:
+        return None
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[model_type]
+        return cls.from_dict(copy.deepcopy(source)).to_dict(), cls.from_dict(copy.deepcopy(output)).to_dict(), cls.__name__
+    except Exception:  # noqa: BLE001 - a hand-damaged or foreign config: keep the literal comparison
+        return None
+
+
 @dataclass
 class ConfigContext:
     """Header facts that tell who changed a config value: the exporter or the environment."""
@@ -134,6 +162,11 @@ def check_config(source_dir: Path, output_dir: Path, context: ConfigContext) -> 
     source_cfg, output_cfg = drop_keys(src, QUANT_KEYS), drop_keys(out, QUANT_KEYS)
     real, benign = triage_json(source_cfg, output_cfg)
     result.findings += [Finding(d.path, d.describe(), benign=True, evidence=benign_reason(d.path)) for d in benign]
+    if real:
+        real, same_meaning, config_class = compare_by_meaning(source_cfg, output_cfg, real)
+        why = f"normalised by transformers' {config_class} on load: both files mean the same config"
+        result.findings += [Finding(d.path, d.describe(), benign=True, evidence=why) for d in same_meaning]
+        benign = [*benign, *same_meaning]
     result.findings += [_real_finding(d, context) for d in real]
     result.stats.update(keys_compared=_count_leaves(source_cfg), differences=len(real) + len(benign),
                         benign=len(benign))
