@@ -237,3 +237,69 @@ def test_timing_synchronises_the_device_before_reading_the_clock(monkeypatch):
     assert calls == ["cuda:1"]
     seconds = tier_lmeval._clock("cuda")
     assert calls == ["cuda:1", "cuda"] and seconds > 0
+
+
+# ---------------------------------------------------------------- real exports (slow)
+
+
+@pytest.fixture(scope="module")
+def eval_text(corpus, tmp_path_factory) -> Path:
+    text = corpus.read_text(encoding="utf-8")
+    path = tmp_path_factory.mktemp("verdict-text") / "eval.txt"
+    path.write_text(text[len(text) // 2 : len(text) // 2 + 12_000], encoding="utf-8")
+    return path
+
+
+def scale_tensor(model_dir: Path, name: str, factor: float) -> None:
+    from safetensors.torch import load_file, save_file
+
+    (shard,) = [s for s in model_dir.glob("*.safetensors") if name in load_file(s)]
+    tensors = load_file(shard)
+    tensors[name] = tensors[name] * factor
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+@pytest.mark.slow
+def test_a_badly_broken_export_is_hurt_with_its_numbers(quantized, copy_model, tiny_llama, eval_text, capsys):
+    """lm_head x 1e30 in a real int8 export: logits near 1e30, whose exp() overflows any float."""
+    from quark_ptq_eval.cli import main
+
+    broken = copy_model(quantized("int8"), "huge-lm-head")
+    scale_tensor(broken, "lm_head.weight", 1e30)
+    work = broken.parent / "work"
+    rc = main(["eval", "--model", str(broken), "--source", str(tiny_llama), "--baseline", "--tier", "ppl",
+               "--workdir", str(work), "--eval-data", str(eval_text), "--seq-len", "128",
+               "--max-windows", "8", "--device", "cpu"])
+    assert rc == 0 and "Traceback" not in capsys.readouterr().err
+    results = json.loads((work / "eval_results.json").read_text())
+    assert results["verdict"] == "hurt"
+    stats, kl, paired = results["details"]["quantized"], results["details"]["kl"], results["details"]["paired"]
+    assert 1e25 < stats["mean_nll"] < 1e35 and results["quantized"]["perplexity"]["perplexity"] is None  # inf
+    assert 1e25 < kl["kl_divergence"] < 1e35 and 0 <= kl["top1_agreement"] <= 1
+    assert paired["delta_nll"] > 1e25 and paired["noise"] == "beyond noise"
+    rows = {row["metric"]: row for row in results["deltas"]}
+    assert rows["perplexity"]["verdict"] == rows["kl_divergence"]["verdict"] == "hurt"
+    text = (work / "eval_report.md").read_text()
+    assert "| perplexity | perplexity | inf | baseline |" in text and "+inf %" in text
+    assert f"NLL {stats['mean_nll']:.6g}" in text
+
+
+def test_resolution_is_projected_from_the_spread_of_the_windows():
+    from quark_ptq_eval.evaluate.tier_ppl import resolution_pct
+
+    values = [0.1, -0.1, 0.3, -0.3]  # sample standard deviation 0.2582
+    sd = math.sqrt(sum(v * v for v in values) / 3)
+    assert resolution_pct(values, 100) == pytest.approx(100 * math.expm1(Z95 * sd / 10))
+    assert resolution_pct([0.5], 100) is None
+
+
+@pytest.mark.slow
+def test_too_few_windows_for_the_threshold_are_said_at_the_checkpoint(tiny_llama, eval_text):
+    from quark_ptq_eval.evaluate import estimate_runtime
+
+    options = EvalOptions(tier="ppl", eval_data=eval_text, seq_len=128, max_windows=4, device="cpu",
+                          batch_size=2, reference={"perplexity": {"perplexity": 30.0}})
+    warning = estimate_runtime(tiny_llama, options).warning
+    assert warning.startswith("4 windows are too few to resolve the healthy threshold: the pilot's per-window")
+    assert "windows would resolve it" in warning
+    assert estimate_runtime(tiny_llama, EvalOptions(**{**options.__dict__, "reference": {}})).warning is None
