@@ -15,6 +15,7 @@ from ..artifacts import ModelAnalysis, QuantPlan
 from ..errors import UsageError
 from ..execute.engines import choose_engine, get_engine
 from ..textdata import check_text_source
+from .family_limits import check_family_limits
 
 # Goal phrases -> scheme, most specific first. Matched on the lower-cased goal.
 GOAL_SCHEMES: tuple[tuple[str, str], ...] = (
@@ -100,6 +101,7 @@ def _check_compatible(model_type: str, scheme: str, algorithm: str | None, kv: s
         if s not in catalog["schemes"]:
             raise UsageError(f"Quark {catalog['quark_version']} does not support the scheme {s!r}.",
                              f"Supported: {', '.join(catalog['schemes'])}.")
+    check_family_limits(model_type, scheme, algorithm)  # known Quark/transformers limits (docs/families.md)
     info = catalog["scheme_info"].get(scheme, {})
     for algo in (algorithm or "").split(","):
         if not algo:
