@@ -303,3 +303,8 @@ def test_too_few_windows_for_the_threshold_are_said_at_the_checkpoint(tiny_llama
     assert warning.startswith("4 windows are too few to resolve the healthy threshold: the pilot's per-window")
     assert "windows would resolve it" in warning
     assert estimate_runtime(tiny_llama, EvalOptions(**{**options.__dict__, "reference": {}})).warning is None
+
+
+def test_the_python_api_refuses_a_non_finite_reference_too():
+    with pytest.raises(UsageError, match="perplexity:perplexity=inf is not a finite number"):
+        EvalOptions(reference={"perplexity": {"perplexity": INF}})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,3 +60,9 @@ class EvalOptions:
             self.baseline = Path(self.baseline)
         if self.include_path is not None:
             self.include_path = Path(self.include_path)
+        for task, metrics in self.reference.items():
+            for metric, value in metrics.items():
+                if not isinstance(value, int | float) or not math.isfinite(value):
+                    raise UsageError(
+                        f"The reference {task}:{metric}={value} is not a finite number: give the published score."
+                    )
