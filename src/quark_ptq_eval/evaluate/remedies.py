@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..sensitivity import sensitivity_remedy
+
 # A wider format to fall back to, per scheme family (first match on the scheme name wins).
 WIDER_FORMAT = (
     ("int4_fp8", "fp8 (w8a8)"),
@@ -27,6 +29,7 @@ def suggest_remedies(plan: dict | None, num_layers: int | None = None) -> list[s
     remedies = []
     remedies += _algorithm_remedies(scheme, algorithms)
     remedies += _exclusion_remedies(excluded, num_layers)
+    remedies += sensitivity_remedy(plan)  # the measured answer: which layers to keep unquantized
     samples = (plan.get("calibration") or {}).get("num_samples")
     if samples is None or samples < MIN_CALIBRATION:
         have = f"{samples}" if samples is not None else "the current number of"

@@ -1,0 +1,82 @@
+"""Sensitivity scan: which layers a scheme hurts, and which to keep unquantized to buy accuracy back.
+
+``run_sensitivity(model_dir, scheme, calib_data, out_dir)`` measures every quantizable layer's
+KL alone (Quark fake-quant, cached and resumable), proposes the smallest set of layers to keep
+unquantized so that the measured KL meets ``max_kl``, and writes sensitivity_report.md/.json/.png.
+See docs/sensitivity.md.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from .cache import ScanCache
+from .proposal import Proposal, default_max_kl, propose
+from .report import write_reports
+from .scan import ScanOptions, measure_kl, open_session, scan
+
+__all__ = ["Proposal", "ScanOptions", "default_max_kl", "propose", "run_sensitivity", "scan_command",
+           "sensitivity_remedy"]
+
+
+def scan_command(model: str | Path, scheme: str, calib_data: str | Path | None, out_dir: str | Path | None = None) -> str:
+    """The command a user runs for a scan (shown by the remedies and the plan)."""
+    argv = ["quark-ptq-eval", "sensitivity", str(model), "--scheme", scheme]
+    if calib_data:
+        argv += ["--calib-data", str(calib_data)]
+    if out_dir:
+        argv += ["--out", str(out_dir)]
+    return shlex.join(argv)
+
+
+def sensitivity_remedy(plan: dict) -> list[str]:
+    """The remedy line for a hurt verdict: measure which layers the scheme hurts, with the command."""
+    model = (plan.get("model") or {}).get("model_path")
+    scheme = plan.get("global_scheme") or plan.get("scheme")
+    if not model or not scheme:
+        return []
+    calib = (plan.get("calibration") or {}).get("path")
+    return [f"Find the layers {scheme} hurts most and the exclusions that buy the accuracy back: "
+            f"{scan_command(model, scheme, calib)} (or re-plan with --sensitivity)."]
+
+
+def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = None,
+                    progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Scan (or reuse the cached scan), propose exclusions for ``max_kl``, write the reports."""
+    if not (Path(opts.model_dir) / "config.json").exists():
+        raise UsageError(f"The sensitivity scan needs a local model directory; {opts.model_dir} has no config.json.")
+    budget = default_max_kl() if max_kl is None else max_kl
+    result, session = scan(opts, progress)
+    if result["status"] != "complete":
+        progress(f"sensitivity: {result['measured']} of {result['layers']} layers measured and kept; "
+                 "run again without --estimate-only to finish")
+        return {"status": result["status"], "result": result}
+
+    def measure(excluded: set[str]) -> float:
+        nonlocal session
+        if session is None:  # cached scan, new combination: quantize once more to measure it
+            session = open_session(opts, _batches(opts))
+        return measure_kl(session, set(session.layers) - excluded)
+
+    known = result.setdefault("combinations", {})
+    before = len(known)
+    proposal = propose(result, budget, measure)
+    if opts.use_cache and len(known) != before:
+        ScanCache(result["key"], opts.cache_root).save_final({k: v for k, v in result.items() if k != "cache_hit"})
+    command = scan_command(opts.model_dir, opts.scheme, opts.calib_data, out_dir)
+    paths = write_reports(Path(out_dir), result, proposal.as_dict(), command)
+    return {"status": "complete", "result": result, "proposal": proposal, "reports": paths}
+
+
+def _batches(opts: ScanOptions) -> list:
+    from transformers import AutoTokenizer
+
+    from ..execute.quark_api_engine import calibration_batches
+    from ..textdata import load_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(opts.model_dir, trust_remote_code=opts.trust_remote_code)
+    return calibration_batches(tokenizer, load_texts(opts.calib_data), opts.seq_len, opts.num_samples, 1, opts.device)

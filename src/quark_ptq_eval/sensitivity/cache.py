@@ -1,0 +1,89 @@
+"""Where scan results live: a final JSON per key, and a journal of per-layer results while it runs.
+
+The key is the model's bytes (config + weights), the scheme, the exclusions, the calibration
+tokens and the scan method version: change any of them and the scan starts afresh. The journal
+(one JSON line per measured layer, flushed and fsynced as it comes) lets an interrupted scan
+resume where it stopped instead of measuring every layer again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..catalog import cache_dir
+from ..fsio import read_json, write_json
+
+# Bump when what a scan measures changes: old entries then stop matching.
+METHOD_VERSION = "1"
+_CHUNK = 1 << 20
+
+
+def model_digest(model_dir: Path) -> str:
+    """sha256 over config.json and every weight file (the weights decide every KL)."""
+    from ..safetensors_io import weight_files
+
+    h = hashlib.sha256()
+    for path in [Path(model_dir) / "config.json", *weight_files(Path(model_dir))]:
+        h.update(path.name.encode())
+        with open(path, "rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def tokens_digest(windows: list[list[int]]) -> str:
+    """What the scan actually measures on: the token windows, not the file they came from."""
+    return hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]
+
+
+def scan_key(model: str, scheme: str, exclude: list[str] | None, data: str, device: str) -> str:
+    spec = json.dumps({"model": model, "scheme": scheme, "exclude": exclude, "data": data,
+                       "device": device, "method": METHOD_VERSION}, sort_keys=True)
+    return hashlib.sha256(spec.encode()).hexdigest()[:20]
+
+
+class ScanCache:
+    """The final result and the in-progress journal of one scan key."""
+
+    def __init__(self, key: str, root: Path | None = None):
+        self.key = key
+        self.dir = (root or cache_dir()) / "sensitivity"
+        self.final = self.dir / f"{key}.json"
+        self.journal = self.dir / f"{key}.partial.jsonl"
+
+    def load_final(self) -> dict[str, Any] | None:
+        if not self.final.exists():
+            return None
+        try:
+            return read_json(self.final, "sensitivity cache entry")
+        except Exception:  # noqa: BLE001 - a damaged entry is re-measured, never trusted
+            return None
+
+    def load_journal(self) -> dict[str, dict[str, Any]]:
+        """Layers already measured by an earlier, interrupted scan (a torn last line is dropped)."""
+        done: dict[str, dict[str, Any]] = {}
+        if not self.journal.exists():
+            return done
+        for line in self.journal.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and "layer" in row:
+                done[row["layer"]] = row
+        return done
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.journal, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def save_final(self, result: dict[str, Any]) -> None:
+        write_json(self.final, result)
+        self.journal.unlink(missing_ok=True)

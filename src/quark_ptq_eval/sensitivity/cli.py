@@ -1,0 +1,71 @@
+"""`quark-ptq-eval sensitivity MODEL --scheme S`: arguments and handler (the package's API does the work)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import ExitCode, UsageError
+
+
+def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="local model directory")
+    p.add_argument("--scheme", required=True, help="exact Quark scheme name (int4_wo_32, mxfp4, fp8, ...)")
+    p.add_argument("--calib-data", type=Path, help="local calibration text: .txt, .jsonl or .parquet "
+                                                   "(default: the demo corpus, built on the spot)")
+    p.add_argument("--num-calib-samples", type=int, default=8, help="token windows measured (default 8)")
+    p.add_argument("--calib-seq-len", type=int, default=128, help="tokens per window (default 128)")
+    p.add_argument("--exclude", nargs="*", default=None, metavar="PATTERN",
+                   help="layers the plan keeps unquantized anyway (default: Quark's template exclusions)")
+    p.add_argument("--max-kl", type=float, default=None,
+                   help="KL budget for the proposal (default: the healthy threshold, log(1.02) ~ 0.0198)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", type=Path, default=Path("."), help="where the sensitivity_report.* files go")
+    p.add_argument("--estimate-only", action="store_true",
+                   help="time the first layers, keep them, print the estimate for the rest and stop")
+    p.add_argument("--no-cache", action="store_true", help="measure again even when a cached scan matches")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the proposal as JSON on stdout")
+    p.add_argument("--quiet", "-q", action="store_true")
+
+
+def cmd_sensitivity(args: argparse.Namespace) -> int:
+    from . import ScanOptions, run_sensitivity
+
+    if args.max_kl is not None and not args.max_kl > 0:
+        raise UsageError(f"--max-kl must be a positive number, not {args.max_kl}.")
+    calib = args.calib_data or _demo_corpus(args.out)
+    opts = ScanOptions(model_dir=Path(args.model).resolve(), scheme=args.scheme, calib_data=Path(calib).resolve(),
+                       num_samples=args.num_calib_samples, seq_len=args.calib_seq_len, exclude=args.exclude,
+                       device=args.device, trust_remote_code=args.trust_remote_code,
+                       estimate_only=args.estimate_only, use_cache=not args.no_cache)
+    say = (lambda _msg: None) if args.quiet or args.json else (lambda msg: print(msg, flush=True))
+    _check_scheme(opts)
+    done = run_sensitivity(opts, args.out.resolve(), args.max_kl, say)
+    if done["status"] != "complete":
+        return ExitCode.OK
+    proposal = done["proposal"]
+    if args.json:
+        print(json.dumps({"proposal": proposal.as_dict(), "reports": {k: str(v) for k, v in done["reports"].items()},
+                          "cache_hit": done["result"].get("cache_hit", False)}, indent=2))
+    else:
+        print(proposal.reason)
+        print(f"report: {done['reports']['md']}")
+    return ExitCode.OK
+
+
+def _demo_corpus(out: Path) -> Path:
+    from ..demo import build_corpus
+
+    path = out.resolve() / "sensitivity_corpus.txt"
+    return path if path.exists() else build_corpus(path)
+
+
+def _check_scheme(opts) -> None:
+    """Refuse a scheme the installed Quark does not know, before loading anything heavy."""
+    from ..catalog import load_catalog
+
+    schemes = load_catalog().get("schemes")
+    if isinstance(schemes, (list, dict)) and schemes and opts.scheme not in schemes:
+        raise UsageError(f"Quark has no scheme named {opts.scheme!r}; pick one of: {', '.join(sorted(schemes))}.")

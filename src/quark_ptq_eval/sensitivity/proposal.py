@@ -1,0 +1,116 @@
+"""The smallest set of layers to keep unquantized so that the model's KL meets a budget.
+
+Layers are chosen in deployment units: vLLM fuses q/k/v into one qkv_proj and gate/up into one
+gate_up_proj, which must share one scheme, so those are kept or quantized together. Greedy by
+measured KL (largest first, then the cheaper unit); the prediction for a set is the additive
+model scaled to the measured whole-model KL, and the chosen set is then re-measured as a
+combination (one model pass each), adding units until the measured KL meets the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+MAX_RECHECKS = 6  # combinations re-measured before the proposal gives up on the budget
+
+
+def default_max_kl() -> float:
+    """The KL at which the evaluation verdict stops being healthy: 100 * expm1(KL) = healthy %."""
+    from ..evaluate.options import Thresholds
+
+    return math.log1p(Thresholds().healthy_pct / 100.0)
+
+
+@dataclass
+class Proposal:
+    max_kl: float
+    exclude: list[str]  # exact module names to keep unquantized
+    units: list[str]
+    whole_model_kl: float  # measured, every scanned layer quantized
+    predicted_kl: float
+    measured_kl: float | None  # the combination re-measured; None when nothing was excluded
+    met: bool
+    params_kept: int
+    extra_bytes: int  # what keeping them at the source precision costs over the scheme
+    extra_pct: float  # of the quantized layers' size under the scheme
+    rechecks: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def reason(self) -> str:
+        if not self.exclude:
+            return (f"sensitivity scan: the whole model quantized measures KL {self.whole_model_kl:.4g}, "
+                    f"within the budget {self.max_kl:.4g}: no exclusion needed")
+        state = "meets" if self.met else "does NOT meet"
+        return (f"sensitivity scan: keeping {len(self.exclude)} layer(s) unquantized brings the measured KL from "
+                f"{self.whole_model_kl:.4g} to {self.measured_kl:.4g} ({state} the budget {self.max_kl:.4g}) "
+                f"for {self.extra_bytes / 2**20:.2f} MiB more (+{self.extra_pct:.1f} %)")
+
+
+def fusion_units(names: list[str]) -> dict[str, list[str]]:
+    units: dict[str, list[str]] = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        unit = f"{parent}.{FUSED[leaf]}" if leaf in FUSED else name
+        units.setdefault(unit, []).append(name)
+    return units
+
+
+def propose(result: dict, max_kl: float, measure: Callable[[set[str]], float] | None) -> Proposal:
+    """Greedy on the scan, then re-measured with ``measure(excluded) -> KL`` when one is given."""
+    rows = {r["layer"]: r for r in result["layers"]}
+    whole = float(result["whole_model_kl"])
+    units = fusion_units(list(rows))
+    unit_kl = {u: sum(rows[n]["kl"] for n in members) for u, members in units.items()}
+    unit_params = {u: sum(rows[n]["params"] for n in members) for u, members in units.items()}
+    order = sorted(units, key=lambda u: (-unit_kl[u], unit_params[u]))
+    total = sum(unit_kl.values()) or 1.0
+    chosen: list[str] = []
+    predicted = whole
+    for unit in order:
+        if predicted <= max_kl:
+            break
+        chosen.append(unit)
+        predicted = whole * (total - sum(unit_kl[u] for u in chosen)) / total
+    measured, rechecks = _recheck(chosen, order, units, whole, max_kl, measure, result.get("combinations", {}))
+    if rechecks:
+        chosen = rechecks[-1]["units"]
+    exclude = sorted(n for u in chosen for n in units[u])
+    return _proposal(result, max_kl, exclude, chosen, whole, predicted, measured, rechecks)
+
+
+def _recheck(chosen, order, units, whole, max_kl, measure, known: dict) -> tuple[float | None, list[dict]]:
+    if not chosen:
+        return None, []
+    rechecks: list[dict] = []
+    chosen = list(chosen)
+    while True:
+        names = sorted(n for u in chosen for n in units[u])
+        key = "|".join(names)
+        kl = known.get(key) if key in known else (measure(set(names)) if measure else None)
+        if kl is None:
+            return None, rechecks
+        known[key] = kl
+        rechecks.append({"units": list(chosen), "measured_kl": kl})
+        left = [u for u in order if u not in chosen]
+        if kl <= max_kl or not left or len(rechecks) >= MAX_RECHECKS:
+            return kl, rechecks
+        chosen.append(left[0])
+
+
+def _proposal(result, max_kl, exclude, chosen, whole, predicted, measured, rechecks) -> Proposal:
+    rows = {r["layer"]: r for r in result["layers"]}
+    kept = sum(rows[n]["params"] for n in exclude)
+    all_params = sum(r["params"] for r in rows.values()) or 1
+    src_bits, q_bits = result.get("source_bits", 16.0), result.get("scheme_bits", 4.0)
+    extra = int(kept * (src_bits - q_bits) / 8)
+    quantized_bytes = all_params * q_bits / 8
+    met = (measured if measured is not None else predicted if exclude else whole) <= max_kl
+    return Proposal(max_kl, exclude, chosen, whole, predicted, measured, met, kept, extra,
+                    100.0 * extra / quantized_bytes, rechecks)

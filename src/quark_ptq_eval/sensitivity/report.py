@@ -1,0 +1,114 @@
+"""sensitivity_report.md / .json / .png: layers ranked, a block x module-type heat map, per-type summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..fsio import atomic_write_text, write_json
+
+TOP = 20  # layers listed in the markdown ranking and the chart
+
+
+def aggregate(result: dict[str, Any]) -> dict[str, Any]:
+    """Sum and max of per-layer KL per block and per module type, and the block x type grid."""
+    by_block: dict[str, dict[str, float]] = {}
+    by_type: dict[str, dict[str, float]] = {}
+    grid: dict[str, dict[str, float]] = {}
+    for row in result["layers"]:
+        block = "head" if row["block"] is None else str(row["block"])
+        for table, key in ((by_block, block), (by_type, row["module_type"])):
+            entry = table.setdefault(key, {"sum_kl": 0.0, "max_kl": 0.0, "layers": 0})
+            entry["sum_kl"] += row["kl"]
+            entry["max_kl"] = max(entry["max_kl"], row["kl"])
+            entry["layers"] += 1
+        grid.setdefault(block, {})[row["module_type"]] = row["kl"]
+    return {"per_block": by_block, "per_module_type": by_type, "grid": grid}
+
+
+def write_reports(out_dir: Path, result: dict[str, Any], proposal: dict | None, command: str) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = aggregate(result)
+    data = {**{k: v for k, v in result.items() if k != "cache_hit"}, **summary, "proposal": proposal,
+            "command": command}
+    paths = {"json": write_json(out_dir / "sensitivity_report.json", data)}
+    chart = _chart(out_dir / "sensitivity_report.png", result, summary)
+    if chart:
+        paths["png"] = chart
+    paths["md"] = atomic_write_text(out_dir / "sensitivity_report.md", _markdown(result, summary, proposal,
+                                                                                 command, chart))
+    return paths
+
+
+def _markdown(result: dict, summary: dict, proposal: dict | None, command: str, chart: Path | None) -> str:
+    cost = result["cost"]
+    lines = [
+        "# Sensitivity scan", "",
+        f"- model: `{result['model']}`", f"- scheme: `{result['scheme']}`",
+        f"- calibration: {result['calibration']['samples']} x {result['calibration']['seq_len']} tokens of "
+        f"`{result['calibration']['source']}`",
+        "- measure: KL(unquantized || only this layer quantized), mean per token, Quark fake-quant",
+        f"- whole model quantized: KL {result['whole_model_kl']:.4g}",
+        f"- cost: 1 calibration + 1 reference pass + {cost['measurement_passes']} model-pass equivalents for "
+        f"{cost['layers']} layers ({result['method']}); {cost['scan_s']} s",
+        f"- command: `{command}`", "",
+    ]
+    if proposal:
+        lines += _proposal_md(proposal)
+    ranked = sorted(result["layers"], key=lambda r: -r["kl"])
+    lines += ["## Layers ranked (most sensitive first)", "", "| # | layer | KL | params |", "|---|---|---|---|"]
+    lines += [f"| {i} | `{r['layer']}` | {r['kl']:.4g} | {r['params']:,} |" for i, r in enumerate(ranked[:TOP], 1)]
+    if len(ranked) > TOP:
+        lines.append(f"| ... | {len(ranked) - TOP} more in sensitivity_report.json | | |")
+    lines += ["", "## Per module type", "", "| type | layers | sum KL | max KL |", "|---|---|---|---|"]
+    for name, e in sorted(summary["per_module_type"].items(), key=lambda kv: -kv[1]["sum_kl"]):
+        lines.append(f"| {name} | {e['layers']} | {e['sum_kl']:.4g} | {e['max_kl']:.4g} |")
+    lines += ["", "## Per block", "", "| block | layers | sum KL | max KL |", "|---|---|---|---|"]
+    for name, e in summary["per_block"].items():
+        lines.append(f"| {name} | {e['layers']} | {e['sum_kl']:.4g} | {e['max_kl']:.4g} |")
+    if chart:
+        lines += ["", f"![sensitivity chart]({chart.name})"]
+    return "\n".join(lines) + "\n"
+
+
+def _proposal_md(p: dict) -> list[str]:
+    lines = ["## Proposal", "", f"Budget: KL <= {p['max_kl']:.4g} (the healthy threshold unless --max-kl was given).", ""]
+    if not p["exclude"]:
+        return lines + ["The whole model quantized already meets the budget: no exclusion needed.", ""]
+    lines += [f"Keep unquantized ({len(p['exclude'])} layers, {p['params_kept']:,} params, "
+              f"+{p['extra_bytes'] / 2**20:.2f} MiB = +{p['extra_pct']:.1f} % of the quantized layers):", ""]
+    lines += [f"- `{n}`" for n in p["exclude"]]
+    measured = "not re-measured" if p["measured_kl"] is None else f"{p['measured_kl']:.4g}"
+    lines += ["", f"KL: whole model {p['whole_model_kl']:.4g} -> predicted {p['predicted_kl']:.4g}, "
+                  f"measured {measured}: {'meets' if p['met'] else 'does NOT meet'} the budget.", ""]
+    return lines
+
+
+def _chart(path: Path, result: dict, summary: dict) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the chart is optional: the markdown and JSON hold every number
+        return None
+    ranked = sorted(result["layers"], key=lambda r: -r["kl"])[:TOP]
+    types = sorted(summary["per_module_type"])
+    blocks = list(summary["grid"])
+    fig, axes = plt.subplots(1, 3, figsize=(16, max(4, 0.3 * len(ranked))))
+    axes[0].barh([r["layer"] for r in ranked][::-1], [r["kl"] for r in ranked][::-1])
+    axes[0].set_title("KL per layer (top)")
+    grid = [[summary["grid"][b].get(t, float("nan")) for t in types] for b in blocks]
+    im = axes[1].imshow(grid, aspect="auto", cmap="magma_r")
+    axes[1].set_xticks(range(len(types)), types, rotation=45, ha="right")
+    axes[1].set_yticks(range(len(blocks)), blocks)
+    axes[1].set_title("KL: block x module type")
+    fig.colorbar(im, ax=axes[1])
+    axes[2].bar(types, [summary["per_module_type"][t]["sum_kl"] for t in types])
+    axes[2].set_title("sum of KL per module type")
+    axes[2].tick_params(axis="x", rotation=45)
+    fig.suptitle(f"{Path(result['model']).name} · {result['scheme']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -1,0 +1,248 @@
+"""Measure, layer by layer, how much quantizing that layer alone moves the next-token distribution.
+
+One Quark quantization of the whole model (fake-quant, Quark's own ``ModelQuantizer`` and
+calibration), then every layer's quantizers are switched off, and each layer is switched back on
+alone for one measurement: KL(unquantized || this-layer-quantized) per token, averaged over a
+small calibration slice. A layer in block b replays only blocks b.. on inputs cached by the
+reference pass (see replay.py), so the scan costs one calibration plus about L/2 model passes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .cache import METHOD_VERSION, ScanCache, model_digest, scan_key, tokens_digest
+from .replay import Decoder, capture_inputs, find_decoder, replay, replay_matches
+
+ESTIMATE_AFTER = 2  # layers timed before the whole scan's time is estimated
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ScanOptions:
+    model_dir: Path
+    scheme: str
+    calib_data: Path
+    num_samples: int = 8
+    seq_len: int = 128
+    exclude: list[str] | None = None  # None: the Quark template's defaults (lm_head for most)
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    estimate_only: bool = False  # time the first layers, persist them, stop
+    cache_root: Path | None = None
+    use_cache: bool = True
+    replay: bool = True  # False: full forward passes for every measurement (the benchmark's comparison)
+
+
+@dataclass
+class Session:
+    """The loaded model, quantized once in fake-quant mode, and what the measurements need."""
+
+    model: Any
+    batches: list
+    reference: list  # float32 log-probs per batch, nothing quantized
+    layers: dict[str, Any]  # quantized module name -> its Quark quantizers
+    decoder: Decoder | None  # None: measure with full forward passes
+    saved: dict[int, tuple[bool, bool]] = field(default_factory=dict)  # quantizer id -> (fake_quant, observer)
+    passes: float = 0.0  # model passes spent in measurements (a replay of k of N blocks counts k/N)
+
+
+def scan(opts: ScanOptions, progress: Progress = print) -> tuple[dict[str, Any], Session | None]:
+    """The scan result (cached or measured: per-layer KL plus the whole-model KL) and, when it was
+    measured now, the live session (for re-measuring combinations without quantizing again)."""
+    from ..execute.quark_api_engine import calibration_batches
+    from ..textdata import load_texts
+
+    tokenizer = _tokenizer(opts)
+    texts = load_texts(opts.calib_data)
+    batches = calibration_batches(tokenizer, texts, opts.seq_len, opts.num_samples, 1, opts.device)
+    key = scan_key(model_digest(opts.model_dir), opts.scheme, opts.exclude,
+                   tokens_digest([b[0].tolist() for b in batches]), opts.device)
+    cache = ScanCache(key, opts.cache_root)
+    if opts.use_cache and (hit := cache.load_final()) is not None:
+        progress(f"sensitivity: cache hit ({cache.final}); no model pass needed")
+        return {**hit, "cache_hit": True}, None
+    done = cache.load_journal() if opts.use_cache else {}
+    t0 = time.time()
+    session = open_session(opts, batches)
+    setup_s = time.time() - t0
+    names = list(session.layers)
+    todo = [n for n in names if n not in done]
+    if done:
+        progress(f"sensitivity: resuming, {len(done)} of {len(names)} layers already measured")
+    rows = dict(done)
+    _measure_all(session, todo, rows, cache, progress, opts.estimate_only, len(names))
+    if opts.estimate_only and len(rows) < len(names):
+        return {"status": "estimated", "key": key, "measured": len(rows), "layers": len(names)}, session
+    whole = measure_kl(session, set(names))
+    result = {
+        "format": 1, "method_version": METHOD_VERSION, "key": key, "status": "complete",
+        "model": str(opts.model_dir), "scheme": opts.scheme, "exclude": opts.exclude,
+        "calibration": {"source": str(opts.calib_data), "samples": len(batches), "seq_len": int(batches[0].shape[1])},
+        "method": "replay from the layer's block on cached inputs" if session.decoder else "full forward passes",
+        "cost": {"calibration_passes": 1, "reference_passes": 1, "measurement_passes": round(session.passes, 2),
+                 "layers": len(names), "setup_s": round(setup_s, 1), "scan_s": round(time.time() - t0, 1)},
+        "whole_model_kl": whole,
+        "source_bits": _source_bits(session), "scheme_bits": scheme_bits(session),
+        "layers": [rows[n] for n in names],
+    }
+    if opts.use_cache:
+        cache.save_final(result)
+    return {**result, "cache_hit": False}, session
+
+
+def _tokenizer(opts: ScanOptions):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(opts.model_dir, trust_remote_code=opts.trust_remote_code)
+
+
+def _measure_all(session: Session, todo: list[str], rows: dict, cache: ScanCache, progress: Progress,
+                 estimate_only: bool, total: int) -> None:
+    t_start = time.time()
+    for i, name in enumerate(todo, 1):
+        kl = measure_kl(session, {name})
+        row = {"layer": name, "kl": kl, "params": _params(session.layers[name]["module"]),
+               "module_type": name.rsplit(".", 1)[-1], "block": _block(session, name)}
+        rows[name] = row
+        cache.append(row)
+        if i == min(ESTIMATE_AFTER, len(todo)):
+            per = (time.time() - t_start) / i
+            left = per * (len(todo) - i)
+            progress(f"sensitivity: measured {per:.2f} s per layer on the first {i}; "
+                     f"about {left:.0f} s for the other {len(todo) - i} layer(s)")
+            if estimate_only:
+                return
+        elif i % 10 == 0 or i == len(todo):
+            progress(f"sensitivity: layer {len(rows)}/{total}")
+
+
+def _source_bits(session: Session) -> float:
+    module = next(iter(session.layers.values()))["module"]
+    return float(module.weight.element_size() * 8)
+
+
+def scheme_bits(session: Session) -> float:
+    """Stored bits per weight under the scheme: element bits plus the group's scale (8-bit for MX, else 16)."""
+    q = session.layers[next(iter(session.layers))]["module"]._weight_quantizer
+    q = q[0] if isinstance(q, list) or (hasattr(q, "__getitem__") and not hasattr(q, "dtype")) else q
+    dtype = str(getattr(getattr(q, "dtype", None), "value", getattr(q, "dtype", "")))
+    digits = re.findall(r"\d+", dtype.replace("e4m3", "").replace("e5m2", "").replace("e2m1", ""))
+    bits = float(digits[0]) if digits else 16.0
+    group = getattr(q, "group_size", None) or 0
+    if group > 0:
+        bits += (8.0 if "mx" in dtype or getattr(q, "mx_element_dtype", None) else 16.0) / group
+    return bits
+
+
+def _block(session: Session, name: str) -> int | None:
+    if session.decoder is not None:
+        return session.decoder.block_of(name)
+    m = re.search(r"\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def _params(module) -> int:
+    weight = getattr(module, "weight", None)
+    return int(weight.numel()) if weight is not None else 0
+
+
+def open_session(opts: ScanOptions, batches: list) -> Session:
+    """Load, record the reference pass, quantize once with Quark (fake-quant), switch everything off."""
+    import transformers
+    from quark.torch import LLMTemplate, ModelQuantizer
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(
+        opts.model_dir, dtype="auto", trust_remote_code=opts.trust_remote_code
+    ).to(opts.device).eval()
+    decoder = find_decoder(model)
+    if decoder is not None:
+        reference = capture_inputs(decoder, model, batches)
+        decoder = decoder if opts.replay and replay_matches(decoder, reference) else None
+    else:
+        reference = _full_pass(model, batches)
+    config = LLMTemplate.get(model.config.model_type).get_config(scheme=opts.scheme, exclude_layers=opts.exclude)
+    import torch
+
+    with torch.no_grad():
+        model = ModelQuantizer(config).quantize_model(model, batches)
+    session = Session(model, batches, reference, _quantized_layers(model), decoder)
+    for entry in session.layers.values():
+        for q in entry["quantizers"]:
+            session.saved[id(q)] = (q.fake_quant_enabled, q.observer_enabled)
+    _switch(session, set(session.layers), on=False)
+    return session
+
+
+def _full_pass(model, batches: list) -> list:
+    import torch
+
+    from .replay import log_probs
+
+    with torch.no_grad():
+        return [log_probs(model(b, use_cache=False).logits) for b in batches]
+
+
+def _quantized_layers(model) -> dict[str, dict[str, Any]]:
+    """Every module Quark attached a quantizer to, with its quantizers flattened (lists unrolled)."""
+    from quark.torch.quantization.nn.modules.mixin import QuantMixin
+
+    layers = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantMixin):
+            continue
+        found = []
+        for attr in ("_weight_quantizer", "_input_quantizer", "_output_quantizer", "_bias_quantizer"):
+            q = getattr(module, attr, None)
+            if q is not None:
+                found.extend(q if hasattr(q, "__iter__") and not hasattr(q, "fake_quant_enabled") else [q])
+        found = [q for q in found if hasattr(q, "fake_quant_enabled")]
+        if found:
+            layers[name] = {"module": module, "quantizers": found}
+    return layers
+
+
+def _switch(session: Session, names: set[str], on: bool) -> None:
+    """On: back to the state Quark left after calibration. Off: no fake-quant, no observer."""
+    for name in names:
+        for q in session.layers[name]["quantizers"]:
+            fake, observe = session.saved[id(q)] if on else (False, False)
+            q.fake_quant_enabled, q.observer_enabled = fake, observe
+
+
+def measure_kl(session: Session, quantized: set[str]) -> float:
+    """Mean per-token KL(reference || model with exactly ``quantized`` layers quantized)."""
+    import torch
+
+    _switch(session, quantized, on=True)
+    try:
+        start = _start_block(session, quantized)
+        total, tokens = 0.0, 0
+        with torch.no_grad():
+            for i, (batch, ref) in enumerate(zip(session.batches, session.reference, strict=True)):
+                got = replay(session.decoder, start, i) if start is not None else \
+                    _full_pass(session.model, [batch])[0]
+                total += float((ref.exp() * (ref - got)).sum(-1).double().sum())
+                tokens += ref.shape[0] * ref.shape[1]
+        n_blocks = len(session.decoder.blocks) if session.decoder else 1
+        session.passes += 1.0 if start is None else (n_blocks - min(start, n_blocks) + 0.5) / (n_blocks + 0.5)
+    finally:
+        _switch(session, quantized, on=False)
+    kl = total / max(tokens, 1)
+    # float32 rounding makes a harmless layer's KL a tiny negative number: KL is never below 0.
+    return max(kl, 0.0) if math.isfinite(kl) else kl
+
+
+def _start_block(session: Session, names: set[str]) -> int | None:
+    if session.decoder is None:
+        return None
+    blocks = [session.decoder.block_of(n) for n in names]
+    return min(len(session.decoder.blocks) if b is None else b for b in blocks)

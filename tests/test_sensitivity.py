@@ -1,0 +1,146 @@
+"""Sensitivity scan on the tiny demo model: real Quark fake-quant, real KL, checked independently.
+
+One scan (int4 weight-only, group 32) is shared by the module. The independent check quantizes
+a fresh copy of the model with Quark's public API, excluding every layer but the one measured,
+and compares full forward passes: it shares nothing with the scan's toggling and replay.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+SCHEME = "int4_wo_32"
+SAMPLES, SEQ = 4, 64
+
+
+@pytest.fixture(scope="module")
+def scan_setup(tmp_path_factory, tiny_llama, corpus):
+    from quark_ptq_eval.sensitivity import ScanOptions
+
+    root = tmp_path_factory.mktemp("sens")
+
+    def options(cache: str = "cache", **kw) -> ScanOptions:
+        return ScanOptions(model_dir=tiny_llama, scheme=SCHEME, calib_data=corpus, num_samples=SAMPLES,
+                           seq_len=SEQ, cache_root=root / cache, **kw)
+
+    return root, options
+
+
+@pytest.fixture(scope="module")
+def scanned(scan_setup):
+    """The scan plus a proposal for a budget half the whole-model KL (so something must be kept)."""
+    from quark_ptq_eval.sensitivity import run_sensitivity, scan
+
+    root, options = scan_setup
+    result, _ = scan(options())
+    budget = result["whole_model_kl"] / 2
+    messages: list[str] = []
+    done = run_sensitivity(options(), root / "out", max_kl=budget, progress=messages.append)
+    return result, done, budget, messages
+
+
+def independent_kl(model_dir: Path, corpus: Path, quantized: set[str]) -> float:
+    """KL(unquantized || model with only ``quantized`` layers quantized), all by Quark's public API."""
+    import torch
+    from quark.torch import LLMTemplate, ModelQuantizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quark_ptq_eval.execute.quark_api_engine import calibration_batches
+    from quark_ptq_eval.textdata import load_texts
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    batches = calibration_batches(tok, load_texts(corpus), SEQ, SAMPLES, 1, "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    with torch.no_grad():
+        ref = [model(b).logits.float().log_softmax(-1) for b in batches]
+        config = LLMTemplate.get("llama").get_config(scheme=SCHEME, exclude_layers=sorted(linears - quantized))
+        model = ModelQuantizer(config).quantize_model(model, batches)
+        total = sum(float((r.exp() * (r - model(b).logits.float().log_softmax(-1))).sum()) for b, r in
+                    zip(batches, ref, strict=True))
+    return total / sum(r.shape[0] * r.shape[1] for r in ref)
+
+
+def test_every_layer_gets_a_finite_non_negative_kl(scanned):
+    result, _, _, _ = scanned
+    layers = result["layers"]
+    assert len(layers) == 14  # 7 linears x 2 blocks; lm_head is excluded by Quark's llama template
+    assert all(math.isfinite(r["kl"]) and r["kl"] >= 0 for r in layers)
+    assert max(r["kl"] for r in layers) > 0
+    assert result["method"].startswith("replay")  # the cheap path was validated against the reference pass
+    assert result["cost"]["measurement_passes"] < len(layers)  # fewer than one full pass per layer
+
+
+def test_ranking_agrees_with_an_independent_quark_quantization(scanned, tiny_llama, corpus):
+    result, _, _, _ = scanned
+    ranked = sorted(result["layers"], key=lambda r: -r["kl"])
+    top, bottom = ranked[0], ranked[-1]
+    top_kl = independent_kl(tiny_llama, corpus, {top["layer"]})
+    bottom_kl = independent_kl(tiny_llama, corpus, {bottom["layer"]})
+    assert top_kl > bottom_kl
+    assert top_kl == pytest.approx(top["kl"], rel=0.05, abs=1e-6)
+
+
+def test_proposal_meets_the_budget_on_a_remeasure(scanned, tiny_llama, corpus):
+    result, done, budget, _ = scanned
+    proposal = done["proposal"]
+    assert proposal.exclude and proposal.met
+    assert proposal.measured_kl <= budget < result["whole_model_kl"]
+    assert proposal.extra_bytes > 0
+    names = {r["layer"] for r in result["layers"]}
+    kl = independent_kl(tiny_llama, corpus, names - set(proposal.exclude))
+    assert kl <= budget * 1.05
+    report = json.loads(done["reports"]["json"].read_text())
+    assert report["proposal"]["exclude"] == proposal.exclude
+    assert done["reports"]["png"].stat().st_size > 0
+    assert "Layers ranked" in done["reports"]["md"].read_text()
+
+
+def test_second_run_is_a_cache_hit(scan_setup, scanned):
+    from quark_ptq_eval.sensitivity import scan
+
+    result, _, _, _ = scanned
+    _, options = scan_setup
+    again, session = scan(options())
+    assert again["cache_hit"] and session is None
+    assert [r["kl"] for r in again["layers"]] == [r["kl"] for r in result["layers"]]
+
+
+def test_an_interrupted_scan_resumes(scan_setup, scanned):
+    from quark_ptq_eval.sensitivity import scan
+
+    result, _, _, _ = scanned
+    _, options = scan_setup
+
+    def interrupt(msg: str) -> None:
+        if "per layer" in msg:  # the estimate comes after the first layers were measured and journalled
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        scan(options("resume"), interrupt)
+    messages: list[str] = []
+    resumed, _ = scan(options("resume"), messages.append)
+    assert any("resuming, 2 of 14" in m for m in messages)
+    assert [r["kl"] for r in resumed["layers"]] == pytest.approx([r["kl"] for r in result["layers"]], abs=1e-9)
+
+
+def test_cli_prints_the_proposal_from_the_cache(scan_setup, scanned, tiny_llama, corpus, cli, tmp_path):
+    from quark_ptq_eval.catalog import cache_dir, catalog_path
+
+    root, _ = scan_setup
+    shutil.copytree(root / "cache", tmp_path / "cache")
+    if catalog_path().exists():  # spare the child a Quark import just to list the schemes
+        dst = tmp_path / "cache" / catalog_path().relative_to(cache_dir())
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(catalog_path(), dst)
+    res = cli("sensitivity", tiny_llama, "--scheme", SCHEME, "--calib-data", corpus, "--num-calib-samples",
+              SAMPLES, "--calib-seq-len", SEQ, "--out", tmp_path / "out", "--json",
+              env={"QUARK_PTQ_EVAL_CACHE": str(tmp_path / "cache")})
+    assert res.rc == 0, res.err
+    out = json.loads(res.out)
+    assert out["cache_hit"] and (tmp_path / "out" / "sensitivity_report.md").exists()
