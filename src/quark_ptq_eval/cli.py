@@ -23,7 +23,8 @@ from .preflight import CONTEXT_KINDS
 
 PLAN_FIELDS = ("goal", "scheme", "algorithm", "kv_cache_scheme", "exclude_layers", "no_exclusions",
                "layer_quant_config", "calib_data", "calib_dataset", "num_calib_samples", "calib_seq_len",
-               "batch_size", "device", "multi_device", "engine", "trust_remote_code", "evaluation_intent")
+               "batch_size", "device", "multi_device", "engine", "trust_remote_code", "evaluation_intent",
+               "sensitivity", "max_kl")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -65,6 +66,9 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="allow the model repository's own code to run (never implied)")
     g.add_argument("--eval-intent", dest="evaluation_intent", choices=("none", "smoke", "full"))
+    g.add_argument("--sensitivity", action="store_true", default=None,
+                   help="run the sensitivity scan at plan time and propose layers to keep unquantized")
+    g.add_argument("--max-kl", type=float, help="KL budget of the --sensitivity proposal (default: healthy threshold)")
 
 
 def _run_args(p: argparse.ArgumentParser, model_required: bool) -> None:
@@ -116,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
         _plan_args(p)
         add_eval_arguments(p, standalone=False)
         _common(p)
+    p = add("sensitivity", "Measure how much quantizing each layer alone hurts; propose layers to keep unquantized.")
+    from .sensitivity.cli import add_sensitivity_arguments
+
+    add_sensitivity_arguments(p)
     p = add("status", "Show where the run in --workdir stands.")
     p.add_argument("--workdir", type=Path, default=Path("."))
     p.add_argument("--json", action="store_true")
@@ -219,7 +227,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return cmd_eval(args, _approver(args))
 
 
-HANDLERS = {"status": _cmd_status, "preflight": _cmd_preflight, "validate": _cmd_validate, "eval": _cmd_eval}
+def _cmd_sensitivity(args: argparse.Namespace) -> int:
+    from .sensitivity.cli import cmd_sensitivity
+
+    return cmd_sensitivity(args)
+
+
+HANDLERS = {"sensitivity": _cmd_sensitivity, "status": _cmd_status, "preflight": _cmd_preflight, "validate": _cmd_validate, "eval": _cmd_eval}
 
 
 def _terminate(signum, frame):  # noqa: ARG001

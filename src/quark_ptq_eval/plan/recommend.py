@@ -14,6 +14,7 @@ from pathlib import Path
 from ..artifacts import ModelAnalysis, QuantPlan
 from ..errors import UsageError
 from ..execute.engines import choose_engine, get_engine
+from ..sensitivity.plan_hook import apply_sensitivity
 from ..textdata import check_text_source
 from .family_limits import check_family_limits
 
@@ -62,6 +63,8 @@ class PlanRequest:
     trust_remote_code: bool = False
     evaluation_intent: str = "smoke"
     offline: bool = False
+    sensitivity: bool = False  # run the sensitivity scan now and propose exclusions (sensitivity/plan_hook.py)
+    max_kl: float | None = None  # the proposal's KL budget (None: the healthy threshold)
 
 
 def _gpu(env: dict) -> tuple[str, str]:
@@ -192,7 +195,7 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
         {"decision": "evaluation_intent", "value": req.evaluation_intent, "reason": "Phase 3 asks before running"},
         {"decision": "output format", "value": "Hugging Face safetensors (Quark format)", "reason": "what vLLM/transformers load"},
     ]
-    return QuantPlan(
+    plan = QuantPlan(
         model={"model_type": model_type, "analysis_ref": str(analysis_ref), "model_path": analysis.model["model_path"]},
         global_scheme=scheme, exclude_layers=excludes, exclude_source=ex_source,
         layer_quant_config=dict(req.layer_quant_config), algorithm=algorithm, kv_cache_scheme=req.kv_cache_scheme,
@@ -200,6 +203,7 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
         trust_remote_code=req.trust_remote_code, evaluation_intent=req.evaluation_intent, decisions=decisions,
         requires_confirmation=True, output_dir=str(output_dir),
     )
+    return apply_sensitivity(plan, req, Path(analysis_ref).parent)
 
 
 def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: dict) -> None:
