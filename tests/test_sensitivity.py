@@ -144,3 +144,26 @@ def test_cli_prints_the_proposal_from_the_cache(scan_setup, scanned, tiny_llama,
     assert res.rc == 0, res.err
     out = json.loads(res.out)
     assert out["cache_hit"] and (tmp_path / "out" / "sensitivity_report.md").exists()
+
+
+def test_plan_with_sensitivity_adds_the_proposal_as_a_decision(tiny_llama, corpus, tmp_path):
+    from quark_ptq_eval.api import analyze_model, plan_quantization
+
+    analysis = analyze_model(tiny_llama, offline=True)
+    plan = plan_quantization(analysis, tmp_path / "out", workdir=tmp_path / "wd", scheme=SCHEME,
+                             calib_data=str(corpus), num_calib_samples=SAMPLES, calib_seq_len=SEQ, device="cpu",
+                             engine="quark-api", sensitivity=True, max_kl=1e-4)
+    row = next(d for d in plan.decisions if d["decision"] == "sensitivity")
+    assert row["value"] and set(row["value"]) <= set(plan.exclude_layers) and "lm_head" in plan.exclude_layers
+    assert "sensitivity scan" in row["reason"] and row["measured_kl"] < row["whole_model_kl"]
+    written = json.loads((tmp_path / "wd" / "quant_plan.json").read_text())
+    assert written["exclude_layers"] == plan.exclude_layers
+    assert (tmp_path / "wd" / "sensitivity_report.md").exists()
+
+
+def test_hurt_remedies_name_the_scan_command():
+    from quark_ptq_eval.evaluate.remedies import suggest_remedies
+
+    remedies = suggest_remedies({"global_scheme": "mxfp4", "model": {"model_path": "/models/m"},
+                                 "calibration": {"path": "/data/c.txt", "num_samples": 8}})
+    assert any("quark-ptq-eval sensitivity /models/m --scheme mxfp4 --calib-data /data/c.txt" in r for r in remedies)
