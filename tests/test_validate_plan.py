@@ -256,3 +256,14 @@ def test_report_sections_and_progress_come_from_the_registry(tiny_llama, quantiz
     md = report.to_markdown()
     assert all(f"## {c.title}: " in md for c in CHECKS)
     assert set(report.structural) == {c.name for c in CHECKS if c.structural}
+
+
+# --- 7. no false failures: algorithms that rewrite on purpose -------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("scheme", "algorithm", "by"), [("int8", "smoothquant", "smooth"), ("int4_wo_128", "gptq", None)])
+def test_each_algorithm_validates_clean_against_its_plan(tiny_llama, quantized, scheme, algorithm, by):
+    report = validate_model(tiny_llama, quantized(scheme, algorithm=algorithm), plan_for(scheme, algorithm=algorithm))
+    assert report.status == "success", report.to_markdown()
+    notes = " ".join(report.check("md5").notes)
+    assert (f"rewritten by {by}" in notes) if by else report.check("md5").stats["rewritten"] == 0

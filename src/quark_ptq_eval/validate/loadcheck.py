@@ -50,13 +50,14 @@ def _probe(ctx: ValidationContext, result: CheckResult) -> None:
 
     from ..evaluate.loading import TRANSFORMERS, load_model
 
-    out = load_model(ctx.quantized, device="auto")
+    trust = bool((ctx.plan or {}).get("trust_remote_code"))  # the user approved it in the plan, or not at all
+    out = load_model(ctx.quantized, device="auto", trust_remote_code=trust)
     ids = out.tokenizer(PROBE, return_tensors="pt").input_ids[:, :MAX_PROBE_TOKENS]
     with torch.no_grad():
         got = out.model(ids.to(out.device)).logits.float().cpu()
     loader, reason, load_s = out.loader, out.loader_reason, out.load_s
     del out
-    src = load_model(ctx.source, device="auto", loader=TRANSFORMERS)
+    src = load_model(ctx.source, device="auto", trust_remote_code=trust, loader=TRANSFORMERS)
     with torch.no_grad():
         want = src.model(ids.to(src.device)).logits.float().cpu()
     del src
