@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "analyze_model": "api", "plan_quantization": "api", "build_manifest": "api", "execute_plan": "api",
-    "validate_model": "api", "evaluate_model": "api", "run": "api",
+    "validate_model": "api", "evaluate_model": "api", "run": "api", "compare": "api",
     "ModelAnalysis": "artifacts", "QuantPlan": "artifacts", "RunManifest": "artifacts",
     "Approver": "checkpoints", "FlagApprover": "checkpoints", "TerminalApprover": "checkpoints",
     "CallbackApprover": "checkpoints", "Gate": "checkpoints",

@@ -92,3 +92,12 @@ def evaluate_model(model_dir: str | Path, workdir: str | Path = ".", *, approver
     return _evaluate(Path(model_dir), EvalOptions(**{k: v for k, v in options.items() if k in fields}),
                      Path(workdir), approver or FlagApprover(),
                      source_model=Path(source_model) if source_model else None)
+
+
+def compare(model: str | Path | None, schemes: list[str] | str | None, out_root: str | Path, **kwargs: Any):
+    """Compare schemes in one run (see ``quark_ptq_eval.compare.compare``): one intake, the plans
+    approved together, each scheme quantized, validated and evaluated against a baseline evaluated
+    once; returns comparison.json's content."""
+    from .compare import compare as _compare
+
+    return _compare(model, schemes, out_root, **kwargs)

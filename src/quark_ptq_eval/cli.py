@@ -79,6 +79,7 @@ def _run_args(p: argparse.ArgumentParser, model_required: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .compare.cli import add_compare_arguments
     from .evaluate import add_eval_arguments
     from .validate import add_validate_arguments
 
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         _plan_args(p)
         add_eval_arguments(p, standalone=False)
         _common(p)
+    p = add("compare", "Compare schemes in one run: one intake, the plans approved together, one report.")
+    add_compare_arguments(p)
     p = add("sensitivity", "Measure how much quantizing each layer alone hurts; propose layers to keep unquantized.")
     from .sensitivity.cli import add_sensitivity_arguments
 
@@ -227,13 +230,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return cmd_eval(args, _approver(args))
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .compare.cli import cmd_compare
+
+    return cmd_compare(args, _approver(args))
+
+
 def _cmd_sensitivity(args: argparse.Namespace) -> int:
     from .sensitivity.cli import cmd_sensitivity
 
     return cmd_sensitivity(args)
 
 
-HANDLERS = {"sensitivity": _cmd_sensitivity, "status": _cmd_status, "preflight": _cmd_preflight, "validate": _cmd_validate, "eval": _cmd_eval}
+HANDLERS = {"sensitivity": _cmd_sensitivity, "status": _cmd_status, "preflight": _cmd_preflight, "validate": _cmd_validate, "eval": _cmd_eval,
+            "compare": _cmd_compare}
 
 
 def _terminate(signum, frame):  # noqa: ARG001

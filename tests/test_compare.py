@@ -1,0 +1,150 @@
+"""`compare`: one intake, one plan checkpoint, one execution gate, per-scheme state with resume,
+a baseline evaluated once and cached, the report and the recommendation, on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from quark_ptq_eval import compare
+from quark_ptq_eval.checkpoints import FlagApprover
+from quark_ptq_eval.compare.recommend import pareto_front, recommend
+from quark_ptq_eval.errors import CheckpointPending
+from quark_ptq_eval.state import RunState
+
+pytestmark = pytest.mark.slow
+SCHEMES = ["int8", "int4_wo_128", "no_such_scheme"]
+SEQ_LEN, WINDOWS = 128, 8
+
+
+@pytest.fixture(scope="module")
+def eval_text(corpus, tmp_path_factory) -> Path:
+    text = corpus.read_text(encoding="utf-8")
+    path = tmp_path_factory.mktemp("compare-eval") / "eval.txt"
+    path.write_text(text[len(text) // 2 : len(text) // 2 + 8_000], encoding="utf-8")
+    return path
+
+
+class Interrupt:
+    """Progress hook: Ctrl-C right after the first scheme is done (what an interrupted sweep leaves)."""
+
+    def __init__(self, after: int | None):
+        self.after, self.events = after, []
+
+    def __call__(self, event: str, scheme: str) -> None:
+        self.events.append((event, scheme))
+        if self.after is not None and sum(e == "done" for e, _ in self.events) >= self.after:
+            raise KeyboardInterrupt
+
+
+@pytest.fixture(scope="module")
+def compared(tiny_llama, corpus, eval_text, tmp_path_factory):
+    """The comparison driven gate by gate, interrupted after one scheme, then resumed."""
+    root = tmp_path_factory.mktemp("compare") / "out"
+    kwargs = dict(calib_data=str(corpus), num_calib_samples=8, calib_seq_len=64, eval_data=eval_text,
+                  seq_len=SEQ_LEN, max_windows=WINDOWS, eval_device="cpu", top_k=16, offline=True)
+    stops = []
+    for approve in (["intake"], ["plan"]):
+        with pytest.raises(CheckpointPending) as exc:
+            compare(tiny_llama, SCHEMES, root, approver=FlagApprover(approve), **kwargs)
+        stops.append((RunState.load(root).waiting_for, exc.value.hint, (root / "models").exists()))
+    first = Interrupt(after=1)
+    with pytest.raises(KeyboardInterrupt):
+        compare(None, None, root, approver=FlagApprover(["execute", "result"]), progress=first)
+    cache_files = sorted((root / "baseline_cache").rglob("baseline.safetensors"))
+    cache_mtime = [p.stat().st_mtime_ns for p in cache_files]
+    second = Interrupt(after=None)
+    doc = compare(None, None, root, approver=FlagApprover(["result"]), progress=second)
+    return {"root": root, "stops": stops, "first": first.events, "second": second.events, "doc": doc,
+            "cache_files": cache_files, "cache_mtime": cache_mtime}
+
+
+def rows(doc: dict) -> dict[str, dict]:
+    return {r["scheme"]: r for r in doc["schemes"]}
+
+
+def test_plans_and_commands_are_approved_once_for_every_scheme(compared):
+    (intake_wait, intake_hint, _), (plan_wait, plan_hint, models_after_plan) = compared["stops"]
+    assert intake_wait == "plan" and "compare -o" in intake_hint and "--approve plan" in intake_hint
+    assert plan_wait == "execute" and "--approve execute" in plan_hint
+    assert not models_after_plan  # nothing ran before the execution gate
+    for scheme in ("int8", "int4_wo_128"):  # each scheme's own state holds the approvals given once
+        approvals = RunState.load(compared["root"] / "work" / scheme).approvals
+        assert {"intake", "plan", "execute", "result"} <= set(approvals)
+
+
+def test_resume_runs_only_the_schemes_left_and_a_failed_scheme_is_reported(compared):
+    assert ("done", "int8") in compared["first"] and ("done", "int4_wo_128") not in compared["first"]
+    assert ("skipped", "int8") in compared["second"] and ("done", "int4_wo_128") in compared["second"]
+    assert RunState.load(compared["root"] / "work" / "int8").steps["execute"]["status"] == "succeeded"
+    manifest = (compared["root"] / "work" / "int8" / "run_manifest.yaml").read_text()
+    assert manifest.count("status: succeeded") == 1  # int8 was quantized once, not again on resume
+    bad = rows(compared["doc"])["no_such_scheme"]
+    assert bad["status"] == "failed" and bad["failed_step"] == "plan" and bad["error"]
+    assert ("failed", "no_such_scheme") in compared["second"]
+
+
+def test_baseline_is_evaluated_once_and_read_by_every_scheme(compared):
+    assert len(compared["cache_files"]) == 1
+    assert [p.stat().st_mtime_ns for p in compared["cache_files"]] == compared["cache_mtime"]
+    cache = compared["doc"]["baseline_cache"]
+    assert cache["writes_this_run"] == 0 and cache["hits_this_run"] == 1  # the resumed run: one scheme left
+    assert cache["bytes"] < cache["full_logits_bytes"]
+    for scheme in ("int8", "int4_wo_128"):
+        results = json.loads((compared["root"] / "work" / scheme / "eval_results.json").read_text())
+        assert results["details"]["baseline_cache"]["key"] == cache["key"]
+
+
+def test_report_has_every_column_and_matches_a_separate_evaluation(compared, tiny_llama, eval_text, tmp_path):
+    from quark_ptq_eval.evaluate import EvalOptions, evaluate
+
+    root, doc = compared["root"], compared["doc"]
+    for scheme in ("int8", "int4_wo_128"):
+        r = rows(doc)[scheme]
+        assert r["status"] == "evaluated" and r["validation"] in ("success", "partial")
+        assert r["compression_ratio"] > 1 and 0 < r["bits_per_weight"] < 32 and r["quantize_s"] > 0
+        low, high = r["perplexity_ci95"]
+        assert low < r["perplexity"] < high and r["delta_nll_stderr"] > 0 and isinstance(r["significant"], bool)
+        assert 0 <= r["kl_p50"] <= r["kl_p99"] <= r["kl_max"] and 0 < r["top1_agreement"] <= 1
+    assert rows(doc)["int4_wo_128"]["size_bytes"] < rows(doc)["int8"]["size_bytes"]
+    report = (root / "comparison_report.md").read_text()
+    assert "Recommendation" in report and all(s in report for s in SCHEMES)
+    assert (root / "comparison_pareto.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((root / "comparison.json").read_text())["recommendation"] == doc["recommendation"]
+
+    # The same scheme evaluated on its own, with the full baseline: same perplexity, full KL >= cached KL.
+    alone = evaluate(root / "models" / "int8", EvalOptions(tier="ppl", eval_data=eval_text, seq_len=SEQ_LEN,
+                                                           max_windows=WINDOWS, device="cpu", baseline=tiny_llama),
+                     tmp_path, FlagApprover(all_gates=True))
+    ours = rows(doc)["int8"]
+    assert math.isclose(alone.details["quantized"]["perplexity"], ours["perplexity"], rel_tol=1e-4)
+    assert math.isclose(alone.details["baseline"]["perplexity"], ours["baseline_perplexity"], rel_tol=1e-4)
+    full_kl = alone.details["kl"]["kl_divergence"]
+    assert ours["kl_mean"] <= full_kl + 1e-9 <= ours["kl_mean"] + ours["kl_cache_gap_bound_mean"] + 1e-6
+
+
+def test_recommendation_on_the_measured_numbers(compared):
+    measured = compared["doc"]["schemes"]
+    by = rows(compared["doc"])
+    small, large = by["int4_wo_128"], by["int8"]
+    assert large["kl_mean"] < small["kl_mean"]  # 8-bit weights disturb the tiny model less than 4-bit
+    loose = recommend(measured, {"max_kl": small["kl_mean"] * 1.01})
+    assert loose["scheme"] == "int4_wo_128" and loose["fits"]
+    middle = recommend(measured, {"max_kl": (small["kl_mean"] + large["kl_mean"]) / 2})
+    assert middle["scheme"] == "int8" and "int4_wo_128" in middle["reason"]  # named as smaller but over budget
+    tight = recommend(measured, {"max_kl": large["kl_mean"] / 2})
+    assert tight["scheme"] is None and tight["closest"] == "int8" and "None fits" in tight["reason"]
+    assert pareto_front(measured, "kl_mean") == ["int4_wo_128", "int8"]
+    assert compared["doc"]["recommendation"] == recommend(measured, compared["doc"]["budget"])
+
+
+def test_cli_compare_stops_at_the_shared_intake_checkpoint(cli, tiny_llama, corpus, tmp_path):
+    res = cli("compare", tiny_llama, "--schemes", "int8,fp8", "-o", tmp_path / "out", "--calib-data", corpus,
+              "--offline")
+    assert res.rc == 3, res.err
+    assert "checkpoint 1 (intake)" in res.err and "quark-ptq-eval compare -o" in res.err
+    assert "Traceback" not in res.err and not (tmp_path / "out" / "work").exists()
+    assert json.loads((tmp_path / "out" / "run_state.json").read_text())["options"]["schemes"] == ["int8", "fp8"]
