@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,19 @@ def _has_two_level_scales(qconfig: dict) -> bool:
     return False
 
 
+_EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.")
+
+
+def _has_per_expert_tensors(model_dir: Path) -> bool:
+    """Quark's MoE preprocessing exports experts as ``...experts.<n>.<proj>`` linears (headers only)."""
+    from ..safetensors_io import read_model_headers
+
+    try:
+        return any(_EXPERT_TENSOR.search(name) for name in read_model_headers(model_dir))
+    except Exception:  # noqa: BLE001 - unreadable headers: the load itself reports them
+        return False
+
+
 def resolve_device(device: str) -> str:
     if device != "auto":
         return device
@@ -90,6 +104,9 @@ def load_model(
     """Load ``model_dir`` with the right loader; ``loader`` forces one (tests, fallbacks)."""
     model_dir = Path(model_dir)
     chosen, reason = choose_loader(read_config(model_dir))
+    if chosen == TRANSFORMERS and reason.startswith("Quark export") and _has_per_expert_tensors(model_dir):
+        chosen, reason = QUARK, ("Quark export of per-expert MoE linears: transformers 5 fuses them back into "
+                                 "3-D parameters its quantized forward cannot run")
     if loader is not None:
         chosen, reason = loader, f"forced {loader} loader"
     device = resolve_device(device)
