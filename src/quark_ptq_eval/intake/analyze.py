@@ -109,12 +109,22 @@ def _module_of(tensor_name: str) -> str:
     return tensor_name.rsplit(".", 1)[0]
 
 
-def _count_linears_from_headers(tensors: dict) -> tuple[list[str], int]:
-    linears = sorted(
-        _module_of(n) for n, t in tensors.items()
-        if n.endswith(".weight") and len(t.shape) == 2 and not any(h in n for h in NON_LINEAR_HINTS)
-    )
-    return linears, sum(t.nbytes for t in tensors.values())
+def _count_linears_from_headers(tensors: dict) -> tuple[list[str], int, int]:
+    """(linear module names, bytes, fused expert tensors). transformers 5 holds MoE experts as
+    fused 3-D tensors (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); Quark's
+    preprocessing turns each into per-expert linears, counted here as ``experts.<e>.<proj>``."""
+    linears, fused = [], 0
+    for n, t in tensors.items():
+        if any(h in n for h in NON_LINEAR_HINTS):
+            continue
+        if n.endswith(".weight") and len(t.shape) == 2:
+            linears.append(_module_of(n))
+        elif len(t.shape) == 3 and ".experts." in n:
+            fused += 1
+            module, proj = n.rsplit(".", 1)
+            projs = ("gate_proj", "up_proj") if "gate_up" in proj else (proj.removesuffix("_weight"),)
+            linears += [f"{module}.{e}.{p}" for e in range(t.shape[0]) for p in projs]
+    return sorted(linears), sum(t.nbytes for t in tensors.values()), fused
 
 
 def _count_linears_from_config(text_cfg: dict, tied: bool) -> int:
@@ -174,14 +184,18 @@ def analyze_model(model: str, *, offline: bool, catalog: dict, trust_remote_code
     has_weights = bool(path and weight_files(path))
     if has_weights:
         tensors = read_model_headers(path)
-        linears, nbytes = _count_linears_from_headers(tensors)
+        linears, nbytes, fused = _count_linears_from_headers(tensors)
         excluded = [m for m in linears if any(fnmatch.fnmatchcase(m, p) for p in excludes)]
         count, method = len(linears), "safetensors_header"
         size = {"bytes": nbytes, "method": "safetensors_header", "params": sum(math.prod(t.shape) for t in tensors.values())}
     else:
-        count, method, excluded = _count_linears_from_config(text_cfg, tied), "config_formula", []
+        count, method, excluded, fused = _count_linears_from_config(text_cfg, tied), "config_formula", [], 0
         size = {"bytes": _config_size_bytes(text_cfg) or 0, "method": "config_formula_bf16"}
     risks = _risks(cfg, text_cfg, tmpl is not None, model_type, has_weights)
+    if fused:
+        risks.append({"severity": "low", "message": f"{fused} fused 3-D expert tensors (transformers 5 MoE layout).",
+                      "recovery_hint": "Nothing to do: both engines split them into per-expert linears "
+                                       "(Quark's preprocess_for_quantization) so the experts are quantized."})
     complete = has_weights and tmpl is not None
     return ModelAnalysis(
         analysis_status="complete" if complete else "partial",
@@ -204,7 +218,7 @@ def analyze_model(model: str, *, offline: bool, catalog: dict, trust_remote_code
         quantization_targets={"linear_layer_count": count, "linear_count_method": method,
                               "exclude_defaults": excludes, "excluded_by_default": excluded,
                               "quantized_by_default": count - len(excluded),
-                              "has_non_linear_experts": False},
+                              "has_non_linear_experts": fused > 0, "fused_expert_tensors": fused},
         size=size,
         risks=risks,
         analyzed_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),

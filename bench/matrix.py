@@ -1,0 +1,399 @@
+"""The family x scheme matrix: every model type the installed Quark has a template for and the
+installed transformers can build offline, run through the recipe for each scheme column.
+
+Per cell: analyze -> plan (the plan refuses known limits up front) -> manifest -> the Quark-API
+engine -> validate -> reload with the evaluator's loader and Tier 1 perplexity with baseline on a
+few windows -> the share of matrix parameters actually quantized against the plan's promise.
+The steps are the project's own functions, driven in one process so ``import quark.torch``
+(~20 s) is paid once, not per cell (the pipeline would start one engine process per cell).
+
+    python bench/matrix.py [--families llama,mixtral] [--columns fp8,awq] [--out docs/families.md]
+
+Results are merged into ``<work>/results.json`` (reruns of a subset update their rows) and
+``docs/families.md`` is regenerated from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fnmatch
+import io
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from families import build_family  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# column -> (scheme, algorithm)
+COLUMNS: dict[str, tuple[str, str | None]] = {
+    "fp8": ("fp8", None), "int8": ("int8", None), "int4_wo_32": ("int4_wo_32", None),
+    "mxfp4": ("mxfp4", None), "awq": ("int4_wo_32", "awq"),
+}
+NON_MATRIX = ("embed", "norm", "wte", "wpe", "rotary", "conv")
+FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
+SHARE_TOLERANCE = 0.005  # measured within half a point of the promise
+
+
+@dataclass
+class Cell:
+    family: str
+    column: str
+    outcome: str = "failed"  # green | refused | failed
+    stage: str = ""  # plan | engine | validate | evaluate | share
+    cause: str = ""  # quark | transformers | ours | (for refusals) the limit's owner
+    message: str = ""
+    share_measured: float | None = None
+    share_promised: float | None = None
+    verdict: str = ""
+    loader: str = ""
+    ppl: float | None = None
+    ppl_base: float | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def log(msg: str) -> None:
+    print(f"[matrix {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- shares of matrix parameters --------------------------------------------------------------
+def _is_matrix(name: str, shape: tuple) -> bool:
+    if any(h in name for h in NON_MATRIX):
+        return False
+    # fused 3-D expert tensors carry no ".weight" suffix (experts.gate_up_proj / experts.down_proj)
+    return (len(shape) == 2 and name.endswith("weight")) or (len(shape) == 3 and "expert" in name)
+
+
+def matrix_params(headers: dict) -> dict[str, int]:
+    """Parameters of every linear / expert weight tensor by name (embeddings and norms left out)."""
+    return {n: math.prod(t.shape) for n, t in headers.items() if _is_matrix(n, tuple(t.shape))}
+
+
+def measured_share(src_headers: dict, out_headers: dict) -> float:
+    """1 - (float matrix weights left in the export) / (matrix parameters of the source)."""
+    total = sum(matrix_params(src_headers).values())
+    scaled = {n.rsplit(".", 1)[0] for n in out_headers if n.endswith(("weight_scale", "weight_scale_inv"))}
+    left = sum(p for n, p in matrix_params(out_headers).items()
+               if out_headers[n].dtype in FLOAT_DTYPES and n.rsplit(".", 1)[0] not in scaled)
+    return 1 - left / total if total else 0.0
+
+
+def promised_share(src_headers: dict, excludes: list[str]) -> float:
+    """The share the plan promises: every matrix weight except the modules its exclusions match."""
+    params = matrix_params(src_headers)
+    total = sum(params.values())
+    kept = sum(p for n, p in params.items() if _excluded(n.rsplit(".", 1)[0], excludes))
+    return 1 - kept / total if total else 0.0
+
+
+def _excluded(module: str, patterns: list[str]) -> bool:
+    """Quark's rule: an exact module name, or an fnmatch pattern."""
+    return any(module == p or fnmatch.fnmatch(module, p) for p in patterns)
+
+
+# -- classification of an exception by where it was raised -----------------------------------
+def classify(exc: BaseException) -> str:
+    """quark / transformers / ours: the innermost frame in one of those packages."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = frame.filename.replace("\\", "/")
+        if "/quark_ptq_eval/" in path or "/bench/" in path:
+            return "ours"
+        if "/site-packages/quark/" in path:
+            return "quark"
+        if "/site-packages/transformers/" in path:
+            return "transformers"
+    return "ours"
+
+
+def _brief(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:240]}"
+
+
+# -- one cell ---------------------------------------------------------------------------------
+@dataclass
+class Setup:
+    work: Path
+    corpus: Path
+    tokenizer: Path
+    catalog: dict
+    env: dict
+    calib_samples: int
+    windows: int
+
+
+def run_cell(setup: Setup, family: str, model_dir: Path, column: str) -> Cell:
+    from quark_ptq_eval.errors import UsageError
+    from quark_ptq_eval.plan.family_limits import limit_for
+
+    scheme, algorithm = COLUMNS[column]
+    cell = Cell(family, column)
+    wd = setup.work / "cells" / family / column
+    shutil.rmtree(wd, ignore_errors=True)
+    wd.mkdir(parents=True)
+    t0 = time.monotonic()
+    try:
+        plan = _plan(setup, model_dir, wd, scheme, algorithm)
+    except UsageError as exc:
+        lim = limit_for(family, scheme, algorithm)
+        cell.outcome = "refused" if lim else "failed"
+        cell.stage, cell.cause = "plan", (lim.owner if lim else "ours")
+        cell.message = exc.message + (f" {exc.hint}" if getattr(exc, "hint", None) else "")
+        return cell
+    cell.seconds["plan"] = time.monotonic() - t0
+    stages = (("engine", _engine), ("validate", _validate), ("evaluate", _evaluate), ("share", _share))
+    state: dict = {"plan": plan, "model_dir": model_dir, "wd": wd}
+    for stage, step in stages:
+        t = time.monotonic()
+        try:
+            problem = step(setup, cell, state)
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded and classified
+            cell.stage, cell.cause, cell.message = stage, classify(exc), _brief(exc)
+            return cell
+        finally:
+            cell.seconds[stage] = time.monotonic() - t
+        if problem:
+            cell.stage, (cell.cause, cell.message) = stage, problem
+            return cell
+    cell.outcome = "green"
+    return cell
+
+
+def _plan(setup: Setup, model_dir: Path, wd: Path, scheme: str, algorithm: str | None):
+    from quark_ptq_eval import api
+    from quark_ptq_eval.intake import analyze_model
+
+    analysis = analyze_model(str(model_dir), offline=True, catalog=setup.catalog)
+    analysis.write(wd)
+    return api.plan_quantization(
+        analysis, wd / "out", env_context=setup.env, workdir=wd, scheme=scheme, algorithm=algorithm or "",
+        calib_data=str(setup.corpus), num_calib_samples=setup.calib_samples, calib_seq_len=64, offline=True,
+        device="cpu", engine="quark-api")
+
+
+def _engine(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
+    from quark_ptq_eval import api
+    from quark_ptq_eval.execute import quark_api_engine
+
+    plan = state["plan"]
+    plan.requires_confirmation = False  # the matrix approves every checkpoint
+    argv = api.build_manifest(plan, state["wd"], offline=True).command["argv"]
+    args = argv[argv.index("--model_dir"):]
+    out = Path(args[args.index("--output_dir") + 1])
+    shutil.rmtree(out, ignore_errors=True)
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = quark_api_engine.main(args)
+    state["out"] = out
+    return None if rc == 0 else ("ours", f"engine exit {rc}")
+
+
+def _validate(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
+    from quark_ptq_eval.validate import validate_model
+
+    report = validate_model(state["model_dir"], state["out"], state["plan"].to_dict())
+    state["validation"] = report
+    if report.status == "failed":
+        bad = [f for c in report.checks for f in c.findings if not getattr(f, "benign", False)]
+        sides = {getattr(f, "side", "") for f in bad}
+        cause = "quark" if sides == {"quark"} else "ours"  # anything else: a false failure until shown otherwise
+        return cause, "; ".join(f"{f.subject}: {f.message}"[:200] for f in bad[:3])
+    return None
+
+
+def _evaluate(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
+    from quark_ptq_eval.checkpoints import CallbackApprover
+    from quark_ptq_eval.evaluate import EvalOptions, evaluate
+
+    opts = EvalOptions(tier="ppl", eval_data=setup.corpus, max_windows=setup.windows, seq_len=64, device="cpu",
+                       baseline=state["model_dir"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        report = evaluate(state["out"], opts, state["wd"] / "eval", CallbackApprover(lambda gate, summary: True),
+                          source_model=state["model_dir"], plan=state["plan"].to_dict())
+    cell.verdict = report.verdict
+    cell.loader = str(report.details.get("loader", "")).split(" ", 1)[0]
+    cell.ppl = _score(report.quantized)
+    cell.ppl_base = _score(report.baseline)
+    if cell.ppl is None or not math.isfinite(cell.ppl):
+        return "ours", f"no finite perplexity (verdict {report.verdict})"
+    return None
+
+
+def _score(scores) -> float | None:
+    if not scores:
+        return None
+    for metrics in (scores.values() if isinstance(scores, dict) else []):
+        for value in (metrics.values() if isinstance(metrics, dict) else [metrics]):
+            if isinstance(value, int | float):
+                return float(value)
+    return None
+
+
+def _share(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
+    from quark_ptq_eval.safetensors_io import read_model_headers
+
+    src, out = read_model_headers(state["model_dir"]), read_model_headers(state["out"])
+    cell.share_measured = measured_share(src, out)
+    cell.share_promised = promised_share(src, state["plan"].exclude_layers)
+    if cell.share_measured + SHARE_TOLERANCE < cell.share_promised:
+        return "ours", (f"{cell.share_measured:.1%} of matrix parameters quantized, the plan promised "
+                        f"{cell.share_promised:.1%}")
+    return None
+
+
+# -- the matrix -------------------------------------------------------------------------------
+def families_available() -> tuple[list[str], dict[str, str]]:
+    """(model types to run, model type -> why it is not buildable) for Quark's templates."""
+    from quark.torch import LLMTemplate
+    from transformers import AutoConfig
+
+    runnable, skipped = [], {}
+    for model_type in sorted(LLMTemplate.list_available()):
+        try:
+            AutoConfig.for_model(model_type)
+            runnable.append(model_type)
+        except Exception as exc:  # noqa: BLE001
+            skipped[model_type] = f"transformers {_tf_version()} has no config class for it ({type(exc).__name__})"
+    return runnable, skipped
+
+
+def _tf_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
+def prepare(work: Path, calib_samples: int, windows: int) -> Setup:
+    from quark_ptq_eval.catalog import load_catalog
+    from quark_ptq_eval.demo import build_corpus, build_tiny_model
+    from quark_ptq_eval.preflight import detect_env
+
+    corpus = work / "corpus.txt"
+    if not corpus.exists():
+        build_corpus(corpus)
+    tok = work / "tokenizer"
+    if not (tok / "tokenizer.json").exists():
+        build_tiny_model(tok, corpus, train_steps=1)  # only its tokenizer is used
+    env = detect_env()
+    env["hardware"] = {**env["hardware"], "accelerator": "cpu", "gpu_arch": None}
+    return Setup(work, corpus, tok, load_catalog(), env, calib_samples, windows)
+
+
+def build(setup: Setup, family: str) -> tuple[Path | None, str]:
+    model_dir = setup.work / "models" / family
+    if (model_dir / "config.json").exists():
+        return model_dir, ""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            build_family(family, model_dir, setup.tokenizer)
+        return model_dir, ""
+    except Exception as exc:  # noqa: BLE001
+        shutil.rmtree(model_dir, ignore_errors=True)
+        return None, f"{classify(exc)}: {_brief(exc)}"
+
+
+def run_matrix(setup: Setup, families: list[str], columns: list[str], on_cell=None) -> list[Cell]:
+    from quark_ptq_eval.plan.family_limits import limit_for
+
+    cells = []
+    built = {}
+    for column in columns:
+        for family in families:
+            if family not in built:
+                built[family] = (None, "") if limit_for(family, "*", None) else build(setup, family)
+            model_dir, why = built[family]
+            t = time.monotonic()
+            if model_dir is None and not limit_for(family, "*", None):
+                cell = Cell(family, column, stage="build", cause=why.split(":", 1)[0], message=why)
+            elif model_dir is None:
+                cell = run_cell_refused(family, column)
+            else:
+                cell = run_cell(setup, family, model_dir, column)
+            cell.seconds["cell"] = time.monotonic() - t
+            cells.append(cell)
+            stages = " ".join(f"{k}={v:.0f}" for k, v in cell.seconds.items() if k != "cell")
+            log(f"{family:<18} {column:<11} {cell.outcome:<8} {cell.seconds['cell']:6.1f}s [{stages}] "
+                f"{cell.stage} {cell.cause} {cell.message[:200]}")
+            if on_cell:
+                on_cell(cell)  # results survive an interrupted matrix
+    return cells
+
+
+def run_cell_refused(family: str, column: str) -> Cell:
+    """A family the limits table refuses for every scheme: the plan's refusal, without building it."""
+    from quark_ptq_eval.plan.family_limits import limit_for
+
+    scheme, algorithm = COLUMNS[column]
+    lim = limit_for(family, scheme, algorithm)
+    return Cell(family, column, outcome="refused", stage="plan", cause=lim.owner,
+                message=f"{lim.reason}. Instead: {lim.alternative}.")
+
+
+def merge_results(path: Path, cells: list[Cell], meta: dict | None) -> dict:
+    data = json.loads(path.read_text()) if path.exists() else {"cells": {}, "runs": []}
+    for c in cells:
+        data["cells"][f"{c.family}/{c.column}"] = asdict(c)
+    if meta:
+        data["runs"].append(meta)
+    path.write_text(json.dumps(data, indent=1))
+    return data
+
+
+def all_results(work: Path) -> dict:
+    """Every runner's results merged, cells by (family, column), runs in order."""
+    data: dict = {"cells": {}, "runs": []}
+    for path in sorted(work.glob("results-*.json")):
+        part = json.loads(path.read_text())
+        data["cells"].update(part["cells"])
+        data["runs"] += part["runs"]
+    data["runs"].sort(key=lambda r: r["when"])
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--families", help="comma-separated model types (default: every buildable one)")
+    p.add_argument("--columns", default=",".join(COLUMNS), help=f"of {', '.join(COLUMNS)}")
+    p.add_argument("--work", default=str(ROOT / ".matrix"))
+    p.add_argument("--out", default=str(ROOT / "docs" / "families.md"))
+    p.add_argument("--calib-samples", type=int, default=4)
+    p.add_argument("--windows", type=int, default=2)
+    p.add_argument("--tag", default="main", help="results file results-TAG.json (parallel runners use distinct tags)")
+    args = p.parse_args(argv)
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                      TOKENIZERS_PARALLELISM="false")
+    t0 = time.monotonic()
+    import quark.torch  # noqa: F401 - paid once for the whole matrix
+    import_s = time.monotonic() - t0
+    log(f"import quark.torch: {import_s:.1f}s")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    setup = prepare(work, args.calib_samples, args.windows)
+    runnable, skipped = families_available()
+    families = args.families.split(",") if args.families else runnable
+    columns = args.columns.split(",")
+    t1 = time.monotonic()
+    results = work / f"results-{args.tag}.json"
+    cells = run_matrix(setup, families, columns, lambda c: merge_results(results, [c], None))
+    wall = time.monotonic() - t0
+    per_cell = (time.monotonic() - t1) / max(len(cells), 1)
+    log(f"{len(cells)} cells in {wall:.0f}s wall ({per_cell:.1f}s per cell, quark import {import_s:.0f}s once)")
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "families": len(families),
+            "columns": columns, "cells": len(cells), "wall_s": round(wall, 1), "per_cell_s": round(per_cell, 1),
+            "import_s": round(import_s, 1)}
+    merge_results(results, cells, meta)
+    from families_doc import write_doc
+
+    write_doc(Path(args.out), all_results(work), skipped, setup)
+    return 0 if all(c.outcome != "failed" for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

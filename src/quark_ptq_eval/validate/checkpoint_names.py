@@ -1,0 +1,42 @@
+"""Source checkpoints in a legacy tensor layout, matched to the names a Quark export uses.
+
+transformers 5 renames some families' checkpoint tensors on load (Mixtral's
+``block_sparse_moe.experts.<e>.w1`` becomes ``mlp.experts`` fused, then Quark's MoE preprocessing
+splits it into ``mlp.experts.<e>.gate_proj``) and writes the legacy names back on save; Quark's
+export keeps the module names. The same weight under two names is not a missing plus an extra
+tensor: source names are aliased to the export's before the checks compare them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+# (legacy pattern, export name) pairs, applied in order to a source tensor name.
+LEGACY_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),  # Mixtral-style MoE block
+    (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
+    (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
+    (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
+)
+
+
+def export_name(name: str) -> str:
+    for pattern, repl in LEGACY_RENAMES:
+        name = pattern.sub(repl, name)
+    return name
+
+
+def align_source_names(source: dict, output: dict) -> dict:
+    """``source`` keyed by the export's names where only the legacy name differs; else unchanged."""
+    renamed = {}
+    for name, info in source.items():
+        alias = export_name(name)
+        use_alias = alias != name and name not in output and alias not in source and _in_output(alias, output)
+        renamed[alias if use_alias else name] = dataclasses.replace(info, name=alias) if use_alias else info
+    return renamed
+
+
+def _in_output(alias: str, output: dict) -> bool:
+    module = alias.rsplit(".", 1)[0]
+    return alias in output or f"{module}.weight" in output
