@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test demo bench lint docs clean-demo
+.PHONY: test demo bench lint docs clean-demo matrix
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py
+
+# Every Quark-templated family x scheme, run for real on tiny offline models; writes docs/families.md.
+matrix: $(STAMP)
+	$(PY) bench/matrix.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
