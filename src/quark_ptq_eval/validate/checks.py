@@ -27,9 +27,11 @@ def run_layout(ctx: ValidationContext) -> CheckResult:
         return bad
     table = load_scheme_table() if (ctx.plan or {}).get("global_scheme") else None
     expectation = plan_expectation(ctx.plan, ctx.qconfig, table)
-    overrides = {str(k): str(v) for k, v in ((ctx.plan or {}).get("layer_quant_config") or {}).items()}
+    # Overrides missing from the export are the conformance findings' job once the plan has a scheme.
+    overrides = {} if expectation.origin == "plan" else \
+        {str(k): str(v) for k, v in ((ctx.plan or {}).get("layer_quant_config") or {}).items()}
     inputs = LayoutInputs(ctx.headers["source"], ctx.headers["output"], expectation.qconfig, ctx.exclude, overrides,
-                          export_has_qconfig=ctx.qconfig is not None)
+                          export_has_qconfig=ctx.qconfig is not None, export_qconfig=ctx.qconfig)
     result = check_layout(inputs)
     result.findings[:0] = expectation.findings
     result.notes[:0] = expectation.notes

@@ -56,6 +56,7 @@ class LayoutInputs:
     exclude: list[str]
     plan_overrides: dict[str, str]
     export_has_qconfig: bool = True
+    export_qconfig: dict | None = None  # the export's own quantization_config, when qconfig is the plan's
     quantized_modules: set[str] = field(default_factory=set)  # filled in: modules the plan quantizes
 
 
@@ -239,7 +240,7 @@ def _unexplained_extras(src: dict[str, dict], out: dict[str, dict[str, TensorInf
 
 
 def _overrides_honoured(inputs: LayoutInputs) -> list[Finding]:
-    written = (inputs.qconfig or {}).get("layer_quant_config") or {}
+    written = (inputs.export_qconfig or inputs.qconfig or {}).get("layer_quant_config") or {}
     return [Finding(f"layer_quant_config[{pattern!r}]",
                     f"the plan overrides it with {scheme!r} but the output's quantization_config has no such entry.",
                     side="quark", evidence=f"written patterns: {sorted(written) or 'none'}")

@@ -69,7 +69,12 @@ def _compare(plan: dict, expected: dict, out: dict | None, schemes: dict) -> lis
                               out.get("global_quant_config"), schemes)
     written = out.get("layer_quant_config") or {}
     for pattern, scheme in (plan.get("layer_quant_config") or {}).items():
-        if pattern in written:
+        if pattern not in written:
+            findings.append(Finding(f"layer_quant_config[{pattern!r}]", f"the plan overrides it with {scheme!r} but "
+                                    "the output's quantization_config has no such entry.", side="quark",
+                                    evidence=f"expected (plan): {describe(expected['layer_quant_config'][pattern]['weight'])}"
+                                             f" for {pattern}; found patterns: {sorted(written) or 'none'}"))
+        else:
             findings += _compare_layer(f"layer_quant_config[{pattern!r}]", scheme, expected["layer_quant_config"][pattern],
                                        written[pattern], schemes)
     findings += [Finding(f"quantization_config.layer_quant_config[{p!r}]",
