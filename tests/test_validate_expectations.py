@@ -86,4 +86,23 @@ def test_tokenizer_content_ignores_packaging(tmp_path):
     (b / "tokenizer_config.json").write_text(json.dumps({"eos_token": "x"}))
     assert differing_aspects(tokenizer_content(a), tokenizer_content(b)) == []
     (b / "tokenizer_config.json").write_text(json.dumps({"eos_token": "y"}))
-    assert differing_aspects(tokenizer_content(a), tokenizer_content(b)) == ["special token eos_token"]
+    assert differing_aspects(tokenizer_content(a), tokenizer_content(b)) == [
+        "special token id eos_token", "special token eos_token"]  # "y" is another token, with another id
+
+
+def test_stored_shapes_follow_quarks_packing():
+    """Shapes read off real Quark 0.13 exports of a [128, 256] weight (see expectations.py)."""
+    def shapes(weight):
+        return {e.suffix: e.shape for e in weight_expectations(weight, (128, 256))}
+
+    assert shapes(spec("int8", "per_tensor")) == {"weight": (128, 256), "weight_scale": (), "weight_zero_point": ()}
+    assert shapes(spec("uint4", "per_group", group_size=128, ch_axis=-1)) == {
+        "weight": (256, 16), "weight_scale": (2, 128), "weight_zero_point": (2, 16)}  # transposed, 8 per int32
+    assert shapes(spec("int4", "per_channel", ch_axis=0)) == {
+        "weight": (128, 32), "weight_scale": (128,), "weight_zero_point": (16,)}
+    assert shapes(spec("fp4", "per_group", group_size=32, ch_axis=-1, scale_format="e8m0")) == {
+        "weight": (128, 128), "weight_scale": (128, 8)}
+    e = by_suffix(weight_expectations(spec("fp4", "per_group", group_size=32, ch_axis=-1, scale_format="e8m0"),
+                                      (128, 256)))
+    assert e["weight"].containers == {"U8"} and e["weight_scale"].containers == {"U8", "F8_E8M0"}
+    assert by_suffix(weight_expectations(spec("int8", "per_tensor"), (4, 4)))["weight"].containers == {"I8"}
