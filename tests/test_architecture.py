@@ -170,6 +170,7 @@ def test_tier_names_come_from_the_registry_everywhere():
 
 def test_library_noise_goes_to_the_log_and_progress_shows_as_milestones(tmp_path):
     import io
+    import logging
     import sys
 
     from quark_ptq_eval.execute.runner import EngineEcho
@@ -178,18 +179,22 @@ def test_library_noise_goes_to_the_log_and_progress_shows_as_milestones(tmp_path
     log = tmp_path / "logs" / "run.log"
     real = io.StringIO()
     saved, sys.stderr = sys.stderr, real
+    early = logging.StreamHandler()  # a library imported before the run holds the real stream
+    logging.getLogger("qpe_test_library").addHandler(early)
     try:
         with noise_to_log(log):
-            print("[QUARK-INFO]: Quantizing with the configuration", file=sys.stderr)
+            # a Quark record: colour code, then a multi-line message, then the reset
+            early.stream.write("\x1b[32m\n[QUARK-INFO]: Quantizing with the configuration\n\nmore\x1b[0m\n")
             sys.stderr.write("\rLoading weights:  50%|█████     | 1/2 [00:00<00:00]")
             sys.stderr.flush()
             print("Token indices sequence length is longer than the specified maximum", file=sys.stderr)
             print("our own line", file=sys.stderr)
     finally:
         sys.stderr = saved
-    assert real.getvalue() == "our own line\n"
+        logging.getLogger("qpe_test_library").removeHandler(early)
+    assert real.getvalue() == "our own line\n" and early.stream is real  # handed back after the run
     kept = log.read_text()
-    assert "[QUARK-INFO]" in kept and "Loading weights" in kept and "Token indices" in kept
+    assert "[QUARK-INFO]" in kept and "more" in kept and "Loading weights" in kept and "Token indices" in kept
 
     out = io.StringIO()  # not a terminal: milestone lines instead of a live bar
     echo = EngineEcho(Reporter(stream=out))

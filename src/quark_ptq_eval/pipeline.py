@@ -217,9 +217,9 @@ class Recipe:
         return self._evaluate(flow.opts, flow.model_path, flow.output_dir, flow.parts["plan"].to_dict())
 
     def _validate(self, source: Path | None, output_dir: Path, plan: dict):
-        from .validate import apply_fixes, propose_fixes, validate_model
+        from .validate import apply_fixes, propose_fixes
 
-        report = validate_model(source, output_dir, plan, load_check=True)
+        report = self._checked(source, output_dir, plan)
         fixes = propose_fixes(report, source, output_dir) if report.status == "failed" else []
         if fixes:
             report.write(self.workdir)  # the failing report stays readable while we wait for approval
@@ -227,13 +227,26 @@ class Recipe:
             self.ui.info(f"Validation found problems with a safe fix:\n{summary}")
             self.gates.require("fix", digest(summary), summary)
             applied = apply_fixes(fixes, source, output_dir)  # approval was just bound to these fixes
-            report = validate_model(source, output_dir, plan, load_check=True)
+            report = self._checked(source, output_dir, plan)
             report.applied_fixes = [*report.applied_fixes, *applied]
         report.write(self.workdir)
         self.ui.info(report.one_line())
         self.state.record_step("validate", report.status, report=str(self.workdir / "validation_report.md"))
         report.raise_for_status()
         return report
+
+    def _checked(self, source: Path | None, output_dir: Path, plan: dict):
+        """One validation pass, its checks shown as progress."""
+        from .validate import validate_model
+        from .validate.checks import CHECKS
+
+        def progress(check: str, done: int, total: int) -> None:  # checks done, or one check's bytes compared
+            self.ui.progress("validation checks" if total == len(CHECKS) else f"{check}: bytes compared", done, total)
+
+        try:
+            return validate_model(source, output_dir, plan, load_check=True, progress=progress)
+        finally:
+            self.ui.end_progress()
 
     def _evaluate(self, opts: RunOptions, source: Path | None, output_dir: Path, plan: dict):
         from .evaluate import EvalOptions, Thresholds, evaluate

@@ -10,6 +10,7 @@ the terminal (:func:`noise_to_log`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import sys
 import time
@@ -108,10 +109,15 @@ def _duration(seconds: float) -> str:
 # Lines of libraries we run in this process that belong in the log, not on the terminal.
 NOISE = re.compile(
     r"\d+%\|"  # tqdm bars (weight loading, datasets, Quark's calibration loops)
-    r"|\[QUARK-(INFO|DEBUG)\]"
+    r"|\[QUARK-(INFO|DEBUG|WARNING)\]"
     r"|Token indices sequence length is longer than"
     r"|^\s*Loading (weights|checkpoint shards)"
+    r"|^[IW]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ "  # torch's glog-style info and warning lines
 )
+# Quark's log records open with a colour code on a line of its own and end with a reset: INFO
+# (green), WARNING (yellow) and DEBUG (blue) records go to the log whole; ERROR ones stay visible.
+QUARK_RECORD_START = re.compile(r"^\x1b\[3[234]m\r?\n?$")
+RECORD_END = "\x1b[0m"
 
 
 class NoiseFilter:
@@ -122,6 +128,7 @@ class NoiseFilter:
         self.real, self.log_path = real, log_path
         self._buf = ""
         self._log: TextIO | None = None
+        self._in_record = False  # inside a multi-line Quark log record
         self.closed_log = False
 
     def write(self, text: str) -> int:
@@ -140,13 +147,18 @@ class NoiseFilter:
     def _route(self, line: str) -> None:
         if line == "\r":  # a bar's carriage return: nothing for the terminal
             return
-        if not NOISE.search(line) or self.closed_log:
+        if QUARK_RECORD_START.match(line):
+            self._in_record = True
+        noise = self._in_record or NOISE.search(line)
+        if RECORD_END in line:
+            self._in_record = False
+        if not noise or self.closed_log:
             self.real.write(line)
             return
         if self._log is None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
-        self._log.write(line.replace("\r", "\n") if line.strip("\r\n") else "")
+        self._log.write(line.replace("\r", "\n"))
         self._log.flush()
 
     def close_log(self) -> None:
@@ -170,9 +182,24 @@ def noise_to_log(log_path: Path) -> Iterator[None]:
     saved = sys.stdout, sys.stderr
     filters = NoiseFilter(sys.stdout, log_path), NoiseFilter(sys.stderr, log_path)
     sys.stdout, sys.stderr = filters
+    # Libraries imported before the run hold the real streams in their logging handlers.
+    swapped = _swap_handler_streams({id(f.real): f for f in filters})
     try:
         yield
     finally:
         sys.stdout, sys.stderr = saved
+        for handler, stream in swapped:
+            handler.setStream(stream)
         for f in filters:
             f.close_log()
+
+
+def _swap_handler_streams(streams: dict[int, NoiseFilter]) -> list[tuple[logging.StreamHandler, Any]]:
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    swapped = []
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        target = streams.get(id(getattr(handler, "stream", None)))
+        if target is not None and isinstance(handler, logging.StreamHandler):
+            swapped.append((handler, handler.setStream(target)))
+    return swapped
