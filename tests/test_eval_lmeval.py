@@ -56,7 +56,18 @@ def test_tier2_with_baseline_compares_per_metric(quantized, tiny_llama, tmp_path
     assert rows[("qpe_docstring_ppl", "bits_per_byte")].higher_is_better is False
     assert rows[("qpe_docstring_mc", "acc")].higher_is_better is True
     assert all(c.compared_to == "baseline" for c in rows.values())
-    assert report.verdict in ("healthy", "watch", "hurt")
+    # lm-eval's standard errors enter the verdict: 6 documents cannot resolve the 2 % threshold
+    for metric in ("acc", "acc_norm"):
+        row = rows[("qpe_docstring_mc", metric)]
+        stderr = report.details["stderr"]
+        half = 100 * 1.959963984540054 * math.hypot(
+            stderr["quantized"]["qpe_docstring_mc"][metric], stderr["baseline"]["qpe_docstring_mc"][metric]
+        ) / row.other
+        assert row.ci95_pct == pytest.approx((row.degradation_pct - half, row.degradation_pct + half))
+        assert row.verdict == "watch" and "too little data" in row.note
+    assert rows[("qpe_docstring_ppl", "bits_per_byte")].ci95_pct is None  # lm-eval gives no stderr for it
+    assert report.verdict == "watch"
+    assert report.estimate.warning.startswith("--limit 6 is too small to resolve the healthy threshold")
     results = json.loads((tmp_path / "eval_results.json").read_text())
     assert set(results["baseline"]) == set(TASKS) and results["deltas"]
     assert (tmp_path / "lm_eval_results" / "baseline.json").is_file()

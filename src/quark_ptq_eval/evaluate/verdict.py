@@ -99,7 +99,8 @@ def judge(
             f"(healthy: at most {thresholds.healthy_pct:g} % worse)"
         )
     elif low <= 0:
-        note = "the difference is within noise: too little data to call it hurt"
+        hurt = degradation > thresholds.hurt_pct
+        note = f"the difference is within noise: too little data to call it {'hurt' if hurt else 'healthy or hurt'}"
     else:
         note = None
     return "watch", noise, note
