@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ExitCode, UsageError
@@ -42,7 +46,8 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
                        estimate_only=args.estimate_only, use_cache=not args.no_cache)
     say = (lambda _msg: None) if args.quiet or args.json else (lambda msg: print(msg, flush=True))
     _check_scheme(opts)
-    done = run_sensitivity(opts, args.out.resolve(), args.max_kl, say)
+    with _stdout_to_stderr(args.json):  # Quark and transformers print to stdout: keep --json parseable
+        done = run_sensitivity(opts, args.out.resolve(), args.max_kl, say)
     if done["status"] != "complete":
         return ExitCode.OK
     proposal = done["proposal"]
@@ -53,6 +58,23 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
         print(proposal.reason)
         print(f"report: {done['reports']['md']}")
     return ExitCode.OK
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _demo_corpus(out: Path) -> Path:

@@ -72,7 +72,12 @@ def _markdown(result: dict, summary: dict, proposal: dict | None, command: str, 
 
 
 def _proposal_md(p: dict) -> list[str]:
-    lines = ["## Proposal", "", f"Budget: KL <= {p['max_kl']:.4g} (the healthy threshold unless --max-kl was given).", ""]
+    from ..evaluate.options import Thresholds
+    from .proposal import default_max_kl
+
+    healthy = f"the healthy threshold, {Thresholds().healthy_pct:g} % perplexity factor"
+    source = healthy if abs(p["max_kl"] - default_max_kl()) < 1e-12 else "--max-kl"
+    lines = ["## Proposal", "", f"Budget: KL <= {p['max_kl']:.4g} ({source}).", ""]
     if not p["exclude"]:
         return lines + ["The whole model quantized already meets the budget: no exclusion needed.", ""]
     lines += [f"Keep unquantized ({len(p['exclude'])} layers, {p['params_kept']:,} params, "

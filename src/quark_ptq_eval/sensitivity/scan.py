@@ -81,12 +81,13 @@ def scan(opts: ScanOptions, progress: Progress = print) -> tuple[dict[str, Any],
     if opts.estimate_only and len(rows) < len(names):
         return {"status": "estimated", "key": key, "measured": len(rows), "layers": len(names)}, session
     whole = measure_kl(session, set(names))
+    passes = round(sum(r.get("passes", 0.0) for r in rows.values()) + 1, 2)  # + the whole-model pass
     result = {
         "format": 1, "method_version": METHOD_VERSION, "key": key, "status": "complete",
         "model": str(opts.model_dir), "scheme": opts.scheme, "exclude": opts.exclude,
         "calibration": {"source": str(opts.calib_data), "samples": len(batches), "seq_len": int(batches[0].shape[1])},
         "method": "replay from the layer's block on cached inputs" if session.decoder else "full forward passes",
-        "cost": {"calibration_passes": 1, "reference_passes": 1, "measurement_passes": round(session.passes, 2),
+        "cost": {"calibration_passes": 1, "reference_passes": 1, "measurement_passes": passes,
                  "layers": len(names), "setup_s": round(setup_s, 1), "scan_s": round(time.time() - t0, 1)},
         "whole_model_kl": whole,
         "source_bits": _source_bits(session), "scheme_bits": scheme_bits(session),
@@ -107,9 +108,11 @@ def _measure_all(session: Session, todo: list[str], rows: dict, cache: ScanCache
                  estimate_only: bool, total: int) -> None:
     t_start = time.time()
     for i, name in enumerate(todo, 1):
+        before = session.passes
         kl = measure_kl(session, {name})
         row = {"layer": name, "kl": kl, "params": _params(session.layers[name]["module"]),
-               "module_type": name.rsplit(".", 1)[-1], "block": _block(session, name)}
+               "module_type": name.rsplit(".", 1)[-1], "block": _block(session, name),
+               "passes": round(session.passes - before, 4)}
         rows[name] = row
         cache.append(row)
         if i == min(ESTIMATE_AFTER, len(todo)):
@@ -129,7 +132,8 @@ def _source_bits(session: Session) -> float:
 
 
 def scheme_bits(session: Session) -> float:
-    """Stored bits per weight under the scheme: element bits plus the group's scale (8-bit for MX, else 16)."""
+    """Stored bits per weight under the scheme: element bits plus the group's scale (8-bit power-of-two
+    scales for MX formats, else the scale's float width)."""
     q = session.layers[next(iter(session.layers))]["module"]._weight_quantizer
     q = q[0] if isinstance(q, list) or (hasattr(q, "__getitem__") and not hasattr(q, "dtype")) else q
     dtype = str(getattr(getattr(q, "dtype", None), "value", getattr(q, "dtype", "")))
@@ -137,7 +141,9 @@ def scheme_bits(session: Session) -> float:
     bits = float(digits[0]) if digits else 16.0
     group = getattr(q, "group_size", None) or 0
     if group > 0:
-        bits += (8.0 if "mx" in dtype or getattr(q, "mx_element_dtype", None) else 16.0) / group
+        scale = str(getattr(getattr(q, "scale_type", None), "value", ""))
+        bits += (8.0 if scale in ("pof2", "float8_e5m3", "float8_e8m0fnu") else 32.0 if scale == "float32" else
+                 16.0) / group
     return bits
 
 
@@ -174,6 +180,8 @@ def open_session(opts: ScanOptions, batches: list) -> Session:
 
     with torch.no_grad():
         model = ModelQuantizer(config).quantize_model(model, batches)
+    if decoder is not None:  # Quark swaps quantized modules in place: take the head as it is now
+        decoder.head = model.get_output_embeddings()
     session = Session(model, batches, reference, _quantized_layers(model), decoder)
     for entry in session.layers.values():
         for q in entry["quantizers"]:
