@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -28,6 +29,8 @@ def test_every_subcommand_and_option_is_documented():
     for name, sub in subs.items():
         assert f"## `quark-ptq-eval {name}`" in text
         for action in sub._actions:
+            if action.help == argparse.SUPPRESS:
+                continue  # hidden aliases (quark-cli spellings) stay out of the docs
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
                     assert f"`{flag}`" in text, f"{name} {flag} missing"

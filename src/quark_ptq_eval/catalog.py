@@ -37,13 +37,20 @@ def _install_key() -> str:
     return hashlib.sha256(f"{CATALOG_FORMAT}|{quark_version()}|{where}".encode()).hexdigest()[:12]
 
 
+def catalog_path() -> Path:
+    return cache_dir() / f"quark-catalog-{quark_version()}-{_install_key()}.json"
+
+
 def load_catalog() -> dict:
-    path = cache_dir() / f"quark-catalog-{quark_version()}-{_install_key()}.json"
+    path = catalog_path()
     if path.exists():
         try:
             return json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError:
             pass  # a damaged cache is rebuilt below
+    from .first_use import announce_catalog_build
+
+    announce_catalog_build()  # once per Quark install: say why this first run pauses
     proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval.catalog"], capture_output=True, text=True)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]

@@ -105,6 +105,15 @@ class TerminalApprover(FlagApprover):
             return None
         return answer if answer in choices else None
 
+    def ask_text(self, question: str, default: str | None = None) -> str | None:
+        """A free answer (a path); Enter takes ``default``. None when unanswered."""
+        print(f"\n{question}", file=sys.stderr)
+        try:
+            answer = input(f"[{default}] > " if default else "> ").strip()
+        except EOFError:
+            return None
+        return answer or default
+
 
 class CallbackApprover:
     """For notebooks and other tools: ``CallbackApprover(lambda gate, summary: ...)``."""

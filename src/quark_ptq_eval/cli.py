@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -81,6 +82,7 @@ def _run_args(p: argparse.ArgumentParser, model_required: bool) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .compare.cli import add_compare_arguments
     from .evaluate import add_eval_arguments
+    from .import_command import add_hidden_aliases
     from .validate import add_validate_arguments
 
     parser = argparse.ArgumentParser(prog="quark-ptq-eval", description=__doc__.split("\n")[0],
@@ -95,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("preflight", "Detect the environment and write the context files.")
+    p.add_argument("--deep", action="store_true",
+                   help="also start quark-cli and build the capability catalog (pays the one-time costs now)")
     _common(p)
     p.add_argument("model", nargs="?")
     p.add_argument("-o", "--output-dir")
@@ -107,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = add(name, text)
         _run_args(p, model_required=False)
         _plan_args(p)
+        add_hidden_aliases(p, with_eval=False)  # quark-cli spellings (--num_calib_data, ...), not in --help
         _common(p)
     p = add("validate", "Phase 2: structural validation of a quantized model against its source.")
     add_validate_arguments(p)
@@ -120,7 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
         _run_args(p, model_required=name == "run")
         _plan_args(p)
         add_eval_arguments(p, standalone=False)
+        add_hidden_aliases(p, with_eval=True)
         _common(p)
+    p = add("import-command", "Translate a pasted `quark-cli torch-llm-ptq ...` line into our plan and show "
+                              "it for approval (a plan_only run).")
+    p.add_argument("quark_command", nargs="+", metavar="QUARK_CLI_COMMAND",
+                   help='the quark-cli line, in quotes: "quark-cli torch-llm-ptq --model_dir ... --quant_scheme ..."')
+    p.add_argument("-o", "--output-dir", help="output directory (default: the command's --output_dir)")
+    p.add_argument("--calib-data", help="local calibration text instead of quark-cli's Hub dataset")
+    _common(p)
     p = add("compare", "Compare schemes in one run: one intake, the plans approved together, one report.")
     add_compare_arguments(p)
     p = add("sensitivity", "Measure how much quantizing each layer alone hurts; propose layers to keep unquantized.")
@@ -206,16 +219,31 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
                            goal="", offline=args.offline, execution_mode=args.execution_mode,
                            model=args.model or "", model_path=Path(args.model).resolve() if args.model else None,
                            output_dir=Path(args.output_dir or "").resolve(), trust_remote_code=False)
-    data = {"env_context": ctx.env, "pytorch_install_result": ctx.pytorch, "quark_install_result": ctx.quark}
+    checks = preflight.host_checks(ctx, args.workdir.resolve(), deep=args.deep)
+    data = {"env_context": ctx.env, "pytorch_install_result": ctx.pytorch, "quark_install_result": ctx.quark,
+            "checks": [dataclasses.asdict(c) for c in checks]}
     if args.json:
         print(json.dumps(data, indent=2))
     else:
-        hw = ctx.env["hardware"]
-        print(f"accelerator: {hw['accelerator']} {hw.get('gpu_model') or ''} {hw.get('gpu_arch') or ''}".rstrip())
-        print(f"torch {ctx.pytorch['pytorch_version']}, amd-quark {ctx.quark['quark_version']}, "
-              f"quark-cli: {'yes' if ctx.quark['extras_installed']['cli'] else 'no'}")
-        print(f"context files written to {args.workdir.resolve()}")
+        print(preflight.render_checks(checks, args.workdir.resolve()))
     return ExitCode.OK
+
+
+def _cmd_import_command(args: argparse.Namespace) -> int:
+    """A pasted quark-cli line -> the equivalent `run --execution-mode plan_only`, through the plan gates."""
+    from .import_command import translate, with_common_options
+    from .ui import Reporter
+
+    ours, rows = translate(args.quark_command)
+    argv = ["run", *ours, *with_common_options(args, CONTEXT_KINDS)]
+    ui = Reporter(quiet=args.quiet or args.json)
+    ui.table("quark-cli flags -> quark-ptq-eval", rows, ("quark-cli", "quark-ptq-eval", "value"))
+    ui.info("Equivalent: quark-ptq-eval " + " ".join(shlex.quote(a) for a in argv))
+    code = _cmd_pipeline(build_parser().parse_args(argv))
+    if not args.execution_mode:
+        ui.info(f"To quantize with this plan: quark-ptq-eval resume --workdir {shlex.quote(str(args.workdir))} "
+                "--execution-mode interactive_execute (it asks before running anything)")
+    return code
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -244,6 +272,7 @@ def _cmd_sensitivity(args: argparse.Namespace) -> int:
 
 HANDLERS = {"sensitivity": _cmd_sensitivity, "status": _cmd_status, "preflight": _cmd_preflight, "validate": _cmd_validate, "eval": _cmd_eval,
             "compare": _cmd_compare}
+HANDLERS["import-command"] = _cmd_import_command
 
 
 def _terminate(signum, frame):  # noqa: ARG001
@@ -251,7 +280,10 @@ def _terminate(signum, frame):  # noqa: ARG001
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from .import_command import rewrite_model_dir
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(rewrite_model_dir(argv) if argv[:1] != ["import-command"] else argv)
     handler = HANDLERS.get(args.command, _cmd_pipeline)
     signal.signal(signal.SIGTERM, _terminate)  # SIGTERM stops as cleanly as Ctrl-C (exit 130)
     try:

@@ -18,6 +18,7 @@ from .artifacts import ModelAnalysis, QuantPlan, RunManifest
 from .catalog import load_catalog
 from .checkpoints import GATES, Approver, Gatekeeper
 from .errors import CheckpointPending, UsageError
+from .first_use import TIER1_NO_TEXT, ask_tier1_text, tier1_lacks_text
 from .fsio import write_json
 from .plan import PlanRequest, make_plan
 from .state import RunState, WorkdirLock, digest
@@ -108,6 +109,8 @@ class Recipe:
                                output_dir=output_dir or Path(""), trust_remote_code=bool(opts.plan.get("trust_remote_code")))
         if ctx.offline and not offline:
             return self._run_locked(dataclasses.replace(opts, offline=True), stop_after)
+        if opts.eval_tier == "ppl" and tier1_lacks_text(opts.eval, ctx.offline):
+            raise UsageError(TIER1_NO_TEXT)  # refused before any gate asks: no approval is wasted
         flow = Flow(opts, ctx, load_catalog(), model_path, output_dir)
         for step in STEPS:
             self.ui.headline(step.title)
@@ -277,10 +280,19 @@ class Recipe:
                 self.ui.info(f"  {name:<8} {tier.method} ({tier.cost})")
         message, flag = tier_checkpoint()
         tier = self.gates.choose("eval", "Which evaluation tier?", tuple(TIERS), message, flag)
+        if tier == "ppl" and tier1_lacks_text(opts.eval, opts.offline):
+            opts.eval["eval_data"] = self._tier1_text(opts)  # ask now, before the baseline question
         wanted = tier != "skip" and "baseline" not in opts.eval
         if wanted and self.gates.opt_in("baseline", {"tier": tier, "model": opts.model}, GATES["baseline"].reason):
             opts.eval["baseline"] = BASELINE_FROM_SOURCE
         return tier
+
+    def _tier1_text(self, opts: RunOptions) -> str:
+        answer = ask_tier1_text(self.approver, opts.plan.get("calib_data"))
+        if answer is None:
+            self.gates.stop("eval", f"Stopped at the evaluation checkpoint: {TIER1_NO_TEXT}",
+                            "--eval-tier ppl --eval-data FILE")
+        return answer
 
     # -- helpers ----------------------------------------------------------------------------
     def _load_quietly(self, cls):

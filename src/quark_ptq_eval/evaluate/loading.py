@@ -103,13 +103,18 @@ def load_model(
 ) -> LoadedModel:
     """Load ``model_dir`` with the right loader; ``loader`` forces one (tests, fallbacks)."""
     model_dir = Path(model_dir)
-    chosen, reason = choose_loader(read_config(model_dir))
+    config = read_config(model_dir)
+    chosen, reason = choose_loader(config)
     if chosen == TRANSFORMERS and reason.startswith("Quark export") and _has_per_expert_tensors(model_dir):
         chosen, reason = QUARK, ("Quark export of per-expert MoE linears: transformers 5 fuses them back into "
                                  "3-D parameters its quantized forward cannot run")
     if loader is not None:
         chosen, reason = loader, f"forced {loader} loader"
     device = resolve_device(device)
+    if (config.get("quantization_config") or {}).get("quant_method") == "quark":
+        from ..first_use import announce_quark_import
+
+        announce_quark_import(f"loading the Quark export {model_dir.name}")  # both loaders import quark.torch
     started = time.perf_counter()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer

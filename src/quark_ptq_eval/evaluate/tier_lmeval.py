@@ -6,10 +6,14 @@ context, generation budget) and times a forward pass of that shape on the real m
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import statistics
+import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ from .verdict import Z95
 SAMPLE_DOCS = 16  # documents per task tokenized to estimate request lengths
 DEFAULT_GEN_TOKS = 256  # lm-eval's own default generation budget
 RESULTS_DIR = "lm_eval_results"
+LOG_NAME = "lm_eval.log"  # under the work dir's logs/: lm-eval's own messages
 
 
 @dataclass
@@ -258,30 +263,62 @@ def run_lm_eval(loaded: LoadedModel, prepared: Prepared, label: str) -> dict:
     from lm_eval.models.huggingface import HFLM
 
     options = prepared.ctx.options
-    lm = HFLM(
-        pretrained=loaded.model,
-        tokenizer=loaded.tokenizer,
-        batch_size=options.batch_size or 1,
-        max_length=getattr(loaded.model.config, "max_position_embeddings", None),
-    )
-    gen_kwargs = {"max_gen_toks": options.max_gen_toks} if options.max_gen_toks else None
     prepared.ctx.log(f"lm-eval on the {label} model: {', '.join(prepared.task_names)}")
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=prepared.task_names,
-        num_fewshot=options.num_fewshot,
-        limit=options.limit,
-        task_manager=task_manager(options.include_path),
-        log_samples=False,
-        gen_kwargs=gen_kwargs,
-        bootstrap_iters=1000,
-    )
+    with lm_eval_chatter_to(prepared.ctx.workdir / "logs" / LOG_NAME):
+        lm = HFLM(
+            pretrained=loaded.model,
+            tokenizer=loaded.tokenizer,
+            batch_size=options.batch_size or 1,
+            max_length=getattr(loaded.model.config, "max_position_embeddings", None),
+        )
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=prepared.task_names,
+            num_fewshot=options.num_fewshot,
+            limit=options.limit,
+            task_manager=task_manager(options.include_path),
+            log_samples=False,
+            gen_kwargs={"max_gen_toks": options.max_gen_toks} if options.max_gen_toks else None,
+            bootstrap_iters=1000,
+        )
     if not results or not results.get("results"):
         raise QpeError(f"lm-eval returned no results for the {label} model.")
     path = prepared.ctx.workdir / RESULTS_DIR / f"{label}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(results, indent=2, default=str))  # lm-eval's own document, kept whole
     return results
+
+
+@contextlib.contextmanager
+def lm_eval_chatter_to(log_path: Path) -> Iterator[None]:
+    """lm-eval's own messages go to ``log_path``, not the terminal: its logger (e.g. "`pretrained`
+    model kwarg is not of type `str`", expected: we hand it the loaded model) and the `git describe`
+    it runs for its results' git_hash (git's "fatal: not a git repository" outside a repository)."""
+    import lm_eval.evaluator as evaluator
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("lm_eval")
+    saved = logger.handlers[:], logger.propagate, evaluator.get_git_commit_hash
+    handler = logging.FileHandler(log_path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(name)s] %(message)s"))
+    logger.handlers, logger.propagate = [handler], False
+    evaluator.get_git_commit_hash = lambda: _git_hash(log_path)
+    try:
+        yield
+    finally:
+        logger.handlers, logger.propagate, evaluator.get_git_commit_hash = saved
+        handler.close()
+
+
+def _git_hash(log_path: Path) -> str | None:
+    """lm-eval's git_hash field (the current directory's commit), with git's stderr in the log."""
+    with open(log_path, "a", encoding="utf-8") as log:
+        try:
+            proc = subprocess.run(["git", "describe", "--always"], stdout=subprocess.PIPE, stderr=log,
+                                  text=True, timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    return (proc.stdout.strip() or None) if proc.returncode == 0 else None
 
 
 def scores_from(results: dict) -> tuple[dict, dict, dict]:
