@@ -17,7 +17,7 @@ from pathlib import Path
 from .errors import QpeError
 from .fsio import write_json
 
-CATALOG_FORMAT = 2  # bump when dump_catalog() describes more
+CATALOG_FORMAT = 3  # bump when dump_catalog() describes more
 
 
 def cache_dir() -> Path:
@@ -71,7 +71,8 @@ def dump_catalog() -> dict:
         templates[model_type] = {
             "exclude_layers": list(t.exclude_layers_name or []),
             "kv_layers": list(t.kv_layers_name or []),
-            "algorithms": sorted((t.algo_config or {}).keys()),
+            # only algorithms with a built-in config for this model type: get_config raises for the rest
+            "algorithms": sorted(k for k, v in (t.algo_config or {}).items() if v is not None),
         }
     return {
         "quark_version": quark_version(),
