@@ -56,6 +56,9 @@ def copy_non_weight_files(src: Path, dst: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from quark_ptq_eval.first_use import announce_quark_import
+
+    announce_quark_import("the Quark API engine")  # on a fresh machine this import compiles Quark's kernels
     import torch
     import transformers
     from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
