@@ -2,7 +2,8 @@
 
 transformers 5 renames some families' checkpoint tensors on load (Mixtral's
 ``block_sparse_moe.experts.<e>.w1`` becomes ``mlp.experts`` fused, then Quark's MoE preprocessing
-splits it into ``mlp.experts.<e>.gate_proj``) and writes the legacy names back on save; Quark's
+splits it into ``mlp.experts.<e>.gate_proj``; Gemma 3's ``language_model.model.`` becomes
+``model.language_model.``) and writes the legacy names back on save; Quark's
 export keeps the module names. The same weight under two names is not a missing plus an extra
 tensor: source names are aliased to the export's before the checks compare them.
 """
@@ -18,6 +19,10 @@ LEGACY_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
     (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
     (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
+    # Gemma-3-style image-text checkpoints: top-level towers move under ``model.``
+    (re.compile(r"^language_model\.model\."), "model.language_model."),
+    (re.compile(r"^language_model\.lm_head\."), "lm_head."),
+    (re.compile(r"^(vision_tower|multi_modal_projector)\."), r"model.\1."),
 )
 
 
