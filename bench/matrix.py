@@ -144,8 +144,9 @@ def run_cell(setup: Setup, family: str, model_dir: Path, column: str) -> Cell:
         plan = _plan(setup, model_dir, wd, scheme, algorithm)
     except UsageError as exc:
         lim = limit_for(family, scheme, algorithm)
-        cell.outcome = "refused" if lim else "failed"
-        cell.stage, cell.cause = "plan", (lim.owner if lim else "ours")
+        no_algo = "is not available for model_type" in exc.message  # Quark's template has no config for it
+        cell.outcome = "refused" if lim or no_algo else "failed"
+        cell.stage, cell.cause = "plan", (lim.owner if lim else "quark" if no_algo else "ours")
         cell.message = exc.message + (f" {exc.hint}" if getattr(exc, "hint", None) else "")
         return cell
     cell.seconds["plan"] = time.monotonic() - t0

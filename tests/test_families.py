@@ -1,0 +1,117 @@
+"""A CI slice of the family x scheme matrix (``make matrix`` runs all of it, bench/matrix.py).
+
+Tiny random instances of real transformers architectures, built offline from their config
+classes, go through the recipe's steps: one dense family, one MoE with fused 3-D experts, one
+with tied embeddings, one with fused QKV projections. Plus the config check by meaning and the
+plan's up-front refusal of a known family limit.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from families import build_family  # noqa: E402
+from matrix import Setup, matrix_params, run_cell  # noqa: E402
+
+from quark_ptq_eval.errors import UsageError  # noqa: E402
+from quark_ptq_eval.safetensors_io import read_model_headers  # noqa: E402
+from quark_ptq_eval.validate.configdiff import ConfigContext, check_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, corpus, tiny_model, catalog) -> Setup:
+    from quark_ptq_eval.preflight import detect_env
+
+    env = detect_env()
+    env["hardware"] = {**env["hardware"], "accelerator": "cpu", "gpu_arch": None}
+    return Setup(tmp_path_factory.mktemp("matrix"), corpus, tiny_model("llama"), catalog, env, 4, 2)
+
+
+def _family(setup: Setup, model_type: str) -> Path:
+    model_dir = setup.work / "models" / model_type
+    if not (model_dir / "config.json").exists():
+        build_family(model_type, model_dir, setup.tokenizer)
+    return model_dir
+
+
+# dense / MoE with fused experts / tied embeddings / fused QKV and gate-up projections
+SLICE = [("mistral", "int4_wo_32"), ("qwen3_moe", "fp8"), ("gemma2", "fp8"), ("phi3", "int8")]
+
+
+@pytest.mark.parametrize(("family", "column"), SLICE)
+def test_family_goes_through_the_recipe_with_the_promised_share_quantized(setup, family, column):
+    model_dir = _family(setup, family)
+    cell = run_cell(setup, family, model_dir, column)
+    assert cell.outcome == "green", f"{cell.stage} ({cell.cause}): {cell.message}"
+    assert cell.share_measured is not None and cell.share_measured >= cell.share_promised - 0.005
+    assert cell.ppl is not None and cell.ppl_base is not None
+
+
+def test_the_slice_has_the_structures_it_claims(setup):
+    """Guards the slice itself: the families still have fused experts, tied embeddings, fused QKV."""
+    moe = read_model_headers(_family(setup, "qwen3_moe"))
+    assert any(len(t.shape) == 3 and "experts" in n for n, t in moe.items()), "fused 3-D experts expected"
+    assert json.loads((_family(setup, "gemma2") / "config.json").read_text())["tie_word_embeddings"] is True
+    assert not any(n.startswith("lm_head") for n in read_model_headers(_family(setup, "gemma2")))
+    assert any("qkv_proj" in n for n in read_model_headers(_family(setup, "phi3")))
+
+
+def test_moe_experts_are_quantized_in_the_export(setup):
+    """Fused experts come out per expert and quantized, not as BF16 3-D tensors (issue 11)."""
+    out = setup.work / "cells" / "qwen3_moe" / "fp8" / "out.partial"
+    if not out.exists():
+        run_cell(setup, "qwen3_moe", _family(setup, "qwen3_moe"), "fp8")
+    headers = read_model_headers(out)
+    experts = {n: t for n, t in headers.items() if ".experts." in n and n.endswith("proj.weight")}
+    assert experts and all(t.dtype == "F8_E4M3" for t in experts.values())
+    assert not any(len(t.shape) == 3 for n, t in matrix_params(headers).items() if n in headers)
+
+
+def _qwen2_pair(setup: Setup, tmp_path: Path) -> tuple[Path, Path]:
+    src = _family(setup, "qwen2")
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    return src, out
+
+
+def _edit(model_dir: Path, **changes) -> None:
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_config_normalised_by_its_class_is_benign_drift(setup, tmp_path):
+    src, out = _qwen2_pair(setup, tmp_path)
+    _edit(src, sliding_window=4096, use_sliding_window=False)  # as Qwen2 checkpoints ship
+    _edit(out, sliding_window=None)  # as Qwen2Config writes it back
+    result = check_config(src, out, ConfigContext(2, 2))
+    assert result.status != "fail"
+    assert [f.subject for f in result.findings if f.benign] == ["sliding_window"]
+
+
+def test_a_real_config_change_still_fails_next_to_normalisation(setup, tmp_path):
+    src, out = _qwen2_pair(setup, tmp_path)
+    _edit(src, sliding_window=4096, use_sliding_window=False)
+    _edit(out, sliding_window=None, rms_norm_eps=1e-3)
+    result = check_config(src, out, ConfigContext(2, 2))
+    assert result.status == "fail"
+    assert [f.subject for f in result.failures] == ["rms_norm_eps"]
+
+
+def test_plan_refuses_a_known_family_limit_up_front(tiny_llama, copy_model, catalog, corpus):
+    from quark_ptq_eval import api
+
+    model = copy_model(tiny_llama)
+    _edit(model, model_type="mllama")
+    analysis = api.analyze_model(model, offline=True)
+    with pytest.raises(UsageError) as info:
+        api.plan_quantization(analysis, model.parent / "q", scheme="fp8", calib_data=str(corpus), offline=True,
+                              device="cpu", engine="quark-api")
+    assert "known recipe limit" in info.value.message and "quark-cli" in info.value.hint
