@@ -100,7 +100,8 @@ class QuantPlan(Artifact):
     FILENAME: ClassVar[str] = "quant_plan.json"
     KIND: ClassVar[str] = "quant_plan"
     PRODUCED_BY: ClassVar[str] = "plan"
-    VOLATILE: ClassVar[tuple[str, ...]] = ("requires_confirmation",)
+    # resources holds live host readings (free RAM and disk): a re-plan must not void an approval.
+    VOLATILE: ClassVar[tuple[str, ...]] = ("requires_confirmation", "resources")
 
     model: dict[str, Any]
     global_scheme: str
@@ -117,6 +118,8 @@ class QuantPlan(Artifact):
     decisions: list[dict[str, Any]]
     requires_confirmation: bool = True
     output_dir: str = ""
+    target: dict[str, Any] = field(default_factory=dict)  # where it will be served (plan/targets.py)
+    resources: dict[str, Any] = field(default_factory=dict)  # what this host must hold (plan/resources.py)
 
 
 @dataclass

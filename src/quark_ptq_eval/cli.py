@@ -22,7 +22,7 @@ from .errors import CheckpointPending, ExitCode, QpeError
 from .execute.engines import ENGINE_NAMES
 from .preflight import CONTEXT_KINDS
 
-PLAN_FIELDS = ("goal", "scheme", "algorithm", "kv_cache_scheme", "exclude_layers", "no_exclusions",
+PLAN_FIELDS = ("goal", "target", "scheme", "algorithm", "kv_cache_scheme", "exclude_layers", "no_exclusions",
                "layer_quant_config", "calib_data", "calib_dataset", "num_calib_samples", "calib_seq_len",
                "batch_size", "device", "multi_device", "engine", "trust_remote_code", "evaluation_intent",
                "sensitivity", "max_kl")
@@ -47,6 +47,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _plan_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("quantization plan")
     g.add_argument("--goal", help='what you want, e.g. "fp8 for MI300X, accuracy first"')
+    g.add_argument("--target", help="where the model will be served, e.g. mi300x, mi355x, h100, b200, cpu "
+                                    "(default: named in --goal, else this host)")
     g.add_argument("--scheme", help="exact Quark scheme name (int8, fp8, int4_wo_128, mxfp4, ...)")
     g.add_argument("--algorithm", help="awq, gptq, smoothquant, rotation, ... (comma-separated; '' disables)")
     g.add_argument("--kv-cache-scheme", help="KV-cache scheme the model template accepts (e.g. fp8)")

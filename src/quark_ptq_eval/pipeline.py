@@ -165,6 +165,12 @@ class Recipe:
         self.ui.table("Quantization plan", [(d["decision"], _short(d["value"]), d["reason"]) for d in plan.decisions],
                       ("decision", "value", "reason"))
         self.state.record_step("plan", "done", artifact=str(QuantPlan.path_in(self.workdir)), digest=plan.digest)
+        # A plan this host cannot hold stops here, before anything runs.
+        from .plan.resources import hold_message
+
+        hold = hold_message(plan, flow.ctx.execution_mode, self.approver, self.state.is_approved("plan", plan.digest))
+        if hold:
+            self.gates.stop("plan", hold, "--approve plan")
         return plan
 
     def _hand_edited_plan(self, analysis: ModelAnalysis, catalog: dict) -> QuantPlan | None:

@@ -16,13 +16,22 @@ from ..errors import UsageError
 from ..execute.engines import choose_engine, get_engine
 from ..sensitivity.plan_hook import apply_sensitivity
 from ..textdata import check_text_source
+from . import resources
 from .family_limits import check_family_limits
+from .targets import (
+    TargetContext,
+    format_family,
+    recommend_kv,
+    recommend_scheme,
+    scheme_warnings,
+    target_context,
+)
 
 # Goal phrases -> scheme, most specific first. Matched on the lower-cased goal.
 GOAL_SCHEMES: tuple[tuple[str, str], ...] = (
-    (r"\bnvfp4\b", "nvfp4"), (r"\bmxfp4\b|\bfp4\b|\bmi355|\bgfx950", "mxfp4"), (r"\bptpc", "ptpc_fp8"),
+    (r"\bnvfp4\b", "nvfp4"), (r"\bmxfp4\b|\bfp4\b", "mxfp4"), (r"\bptpc", "ptpc_fp8"),
     (r"\bfp8\b|\bw8a8[- ]?fp8", "fp8"), (r"\bint8\b|\bw8a8\b", "int8"),
-    (r"\bint4\b|\bw4a16\b|4[- ]?bit|\bsmallest\b|\bmemory\b|\bsize\b", "int4_wo_128"),
+    (r"\bint4\b|\bw4a16\b|4[- ]?bit", "int4_wo_128"),
 )
 # Hardware preference when the goal names no format: (accelerator, arch prefix) -> scheme, reason.
 HARDWARE_DEFAULTS: tuple[tuple[str, str, str, str], ...] = (
@@ -46,6 +55,7 @@ class PlanRequest:
     """What the user asked for; None means "recommend"."""
 
     goal: str = ""
+    target: str | None = None  # where the model will be served (targets.TARGETS), not this host
     scheme: str | None = None
     algorithm: str | None = None
     kv_cache_scheme: str | None = None
@@ -72,13 +82,19 @@ def _gpu(env: dict) -> tuple[str, str]:
     return hw["accelerator"], (hw.get("gpu_arch") or "").lower()
 
 
-def _choose_scheme(req: PlanRequest, env: dict, catalog: dict) -> tuple[str, str]:
+def _choose_scheme(req: PlanRequest, env: dict, catalog: dict, tc: TargetContext,
+                   fits=None) -> tuple[str, str]:
     if req.scheme:
         return req.scheme, "asked for explicitly"
     goal = req.goal.lower()
     for pattern, scheme in GOAL_SCHEMES:
         if re.search(pattern, goal):
             return scheme, f"the goal {req.goal!r} asks for it"
+    picked = recommend_scheme(tc, catalog, fits)  # target x priority (targets.py)
+    if picked:
+        return picked
+    if tc.priority == "size" and "int4_wo_128" in catalog["schemes"]:
+        return "int4_wo_128", "smallest model: weight-only INT4 stores weights in 4 bits, on any accelerator"
     acc, arch = _gpu(env)
     for accelerator, prefix, scheme, why in HARDWARE_DEFAULTS:
         if acc == accelerator and arch.startswith(prefix) and scheme in catalog["schemes"]:
@@ -86,12 +102,19 @@ def _choose_scheme(req: PlanRequest, env: dict, catalog: dict) -> tuple[str, str
     return "int8", "portable default"
 
 
-def _choose_algorithm(req: PlanRequest, scheme_info: dict) -> tuple[str | None, str]:
+def _choose_algorithm(req: PlanRequest, scheme_info: dict, template_algorithms: list[str] | None = None
+                      ) -> tuple[str | None, str]:
     if req.algorithm is not None:
         return (req.algorithm or None), "asked for explicitly" if req.algorithm else "disabled explicitly"
     low_bit_weight_only = scheme_info.get("weight_only") and (scheme_info.get("weight_bits") or 16) <= 4
     if low_bit_weight_only and ACCURACY_FIRST.search(req.goal.lower()):
         return "awq", "accuracy first on a 4-bit weight-only scheme: AWQ protects salient channels"
+    int8_activations = "int8" in (scheme_info.get("activation_dtypes") or [])
+    if int8_activations and ACCURACY_FIRST.search(req.goal.lower()) and "smoothquant" in (template_algorithms or []):
+        return "smoothquant", "accuracy first with INT8 activations: SmoothQuant moves activation outliers into weights"
+    if any(d.startswith("fp8") for d in scheme_info.get("activation_dtypes") or []):
+        return None, ("plain PTQ: FP8's exponent range absorbs activation outliers; add --algorithm smoothquant "
+                      "if accuracy drops")
     return None, "plain PTQ; add --algorithm awq/gptq (weight-only) or smoothquant (W8A8) if accuracy drops"
 
 
@@ -146,14 +169,85 @@ def _device(req: PlanRequest, env: dict, size_bytes: int) -> dict:
             "gpu_count": env["hardware"].get("gpu_count", 0)}
 
 
+LITTLE_CALIBRATION = 32  # samples when calibration only sees weight ranges
+
+
+def _choose_kv(req: PlanRequest, tc: TargetContext, catalog: dict, analysis: ModelAnalysis) -> tuple[str | None, str]:
+    if req.kv_cache_scheme is not None:
+        return (req.kv_cache_scheme or None), "asked for explicitly" if req.kv_cache_scheme else "disabled explicitly"
+    return recommend_kv(tc, catalog, analysis.template.get("kv_layers") or [])
+
+
+def _budget_check(tc: TargetContext, analysis: ModelAnalysis, catalog: dict, req: PlanRequest):
+    """``fits(scheme) -> (ok, why)`` against a serving budget stated in the goal, or None."""
+    if not (tc.budget and tc.target):
+        return None
+    kv = req.kv_cache_scheme or recommend_kv(tc, catalog, analysis.template.get("kv_layers") or [])[0]
+
+    def fits(scheme: str) -> tuple[bool, str]:
+        out = resources.output_bytes(analysis, scheme, catalog["scheme_info"].get(scheme, {}))
+        fit = resources.serving_fit(analysis, out, kv, tc.target.memory_gb, tc.budget)
+        return fit["fits_budget"], resources.serving_text(fit, tc.target.label, kv)
+
+    return fits
+
+
+def _scheme_reason(why: str, tc: TargetContext, scheme: str) -> str:
+    """A scheme the user named: say whether the target runs it natively (a warning row says when not)."""
+    if tc.family is None or not why.startswith(("asked", "the goal")):
+        return why
+    kind = format_family(scheme)
+    if kind == "weight-only":
+        return f"{why}; {tc.label} runs it as weight-only (dequantized on the fly)"
+    native = kind in tc.family.native
+    return f"{why}; {tc.label} " + ("runs it natively" if native else "has no native support for it (see the warning)")
+
+
+def _calibration_size(req: PlanRequest, calibration: dict, info: dict, algorithm: str | None, kv: str | None,
+                      accelerator: str) -> str:
+    if req.num_calib_samples:
+        return "explicit"
+    if not info.get("static_activations") and not algorithm and not kv:
+        calibration["num_samples"] = min(calibration["num_samples"], LITTLE_CALIBRATION)
+        return (f"{calibration['num_samples']} samples: no static activation or KV scales and no algorithm, "
+                "so calibration only sees weight ranges")
+    if accelerator in ("cpu", "unknown"):
+        return "CPU-sized default: enough for min-max observers, minutes not hours"
+    return "quark-cli's default sample count"
+
+
+def _target_and_fit(analysis: ModelAnalysis, tc: TargetContext, scheme: str, info: dict, algorithm: str | None,
+                    kv: str | None, calibration: dict, device: dict, env: dict, output_dir: Path) -> tuple[dict, dict]:
+    """The plan's ``target`` (with its serving fit) and ``resources`` (this host's fit, with table rows)."""
+    target = {**tc.to_dict(), "warnings": scheme_warnings(tc, scheme, kv)}
+    rows = []
+    if tc.target is not None:
+        serving = resources.serving_fit(analysis, resources.output_bytes(analysis, scheme, info), kv,
+                                        tc.target.memory_gb, tc.budget)
+        target["serving_fit"] = serving
+        stated = "from your goal" if tc.budget else "assumed: state one in the goal, e.g. 'fit one MI300X with 32k context'"
+        need = resources.gb(serving["weights_bytes"] + serving["kv_cache_bytes"])
+        value = f"{serving['devices_needed']} x {tc.target.label}" if serving["devices_needed"] else f"{need} of RAM"
+        rows.append({"decision": "serving fit", "value": value,
+                     "reason": f"{resources.serving_text(serving, tc.target.label, kv)} (context and batch {stated})"})
+    host = resources.host_capacity(env, output_dir)
+    rerun = resources.rerun_command(analysis.model["model_path"], output_dir, scheme, algorithm, kv, calibration,
+                                    tc.target.name if tc.target else None)
+    fit = resources.assess(analysis, scheme, info, algorithm, calibration, device, host, rerun)
+    fit["rows"] = rows + resources.decision_rows(fit)
+    return target, fit
+
+
 def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dict, analysis_ref: Path,
               output_dir: Path) -> QuantPlan:
     model_type = analysis.model_type
     accelerator, arch = _gpu(env)
-    scheme, scheme_why = _choose_scheme(req, env, catalog)
+    tc = target_context(req.target, req.goal, env)
+    scheme, scheme_why = _choose_scheme(req, env, catalog, tc, _budget_check(tc, analysis, catalog, req))
     info = catalog["scheme_info"].get(scheme, {})
-    algorithm, algo_why = _choose_algorithm(req, info)
-    _check_compatible(model_type, scheme, algorithm, req.kv_cache_scheme, req.layer_quant_config, analysis, catalog)
+    algorithm, algo_why = _choose_algorithm(req, info, analysis.template.get("algorithms"))
+    kv, kv_why = _choose_kv(req, tc, catalog, analysis)
+    _check_compatible(model_type, scheme, algorithm, kv, req.layer_quant_config, analysis, catalog)
     if req.exclude_layers is not None and not req.exclude_layers and not req.no_exclusions:
         raise UsageError("An empty exclusion list would quantize every layer, lm_head included.",
                          "Pass --no-exclusions to mean that, or omit --exclude to keep the template defaults.")
@@ -168,24 +262,23 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
         raise UsageError("This model needs its own code to load and --trust-remote-code was not given.",
                          "Review the model repository's code, then pass --trust-remote-code.")
     calibration, calib_why = _calibration(req, accelerator)
+    calib_size_why = _calibration_size(req, calibration, info, algorithm, kv, accelerator)
     device = _device(req, env, analysis.size["bytes"])
     # The engines registry decides (execute/engines/): its automatic choice and its constraints.
     engine, engine_why = choose_engine(req.engine, accelerator, calibration, device["device"] == "cpu")
     get_engine(engine).check_constraints(info, algorithm, device)
     hw = f"{accelerator}{' ' + arch if arch else ''}"
     decisions = [
-        {"decision": "global_scheme", "value": scheme, "reason": f"{scheme_why} ({hw})"},
+        {"decision": "target", "value": tc.name, "reason": f"{tc.label}; {tc.source}; priority: {tc.priority}"},
+        {"decision": "global_scheme", "value": scheme, "reason": _scheme_reason(scheme_why, tc, scheme)},
         {"decision": "algorithm", "value": algorithm, "reason": algo_why},
-        {"decision": "kv_cache_scheme", "value": req.kv_cache_scheme,
-         "reason": "asked for explicitly" if req.kv_cache_scheme else "KV cache left in model dtype (no KV scheme asked)"},
+        {"decision": "kv_cache_scheme", "value": kv, "reason": kv_why},
         {"decision": "exclude_layers", "value": excludes, "reason": ex_why},
         {"decision": "layer_quant_config", "value": req.layer_quant_config,
          "reason": "your per-pattern overrides" if req.layer_quant_config else "no overrides"},
         {"decision": "calibration", "value": calibration.get("path") or calibration["dataset"], "reason": calib_why},
         {"decision": "calibration size", "value": f"{calibration['num_samples']} x {calibration['seq_len']} tokens",
-         "reason": "explicit" if req.num_calib_samples else
-         ("CPU-sized default: enough for min-max observers, minutes not hours" if accelerator in ("cpu", "unknown")
-          else "quark-cli's default sample count")},
+         "reason": calib_size_why},
         {"decision": "device", "value": device["device"] + (" (multi-device)" if device["multi_device"] else ""),
          "reason": "explicit" if req.device else f"detected {hw}"},
         {"decision": "engine", "value": engine, "reason": engine_why},
@@ -195,13 +288,16 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
         {"decision": "evaluation_intent", "value": req.evaluation_intent, "reason": "Phase 3 asks before running"},
         {"decision": "output format", "value": "Hugging Face safetensors (Quark format)", "reason": "what vLLM/transformers load"},
     ]
+    target, fit = _target_and_fit(analysis, tc, scheme, info, algorithm, kv, calibration, device, env, output_dir)
+    decisions += [{"decision": "warning", "value": scheme, "reason": w} for w in target["warnings"]]
+    decisions += fit.pop("rows")
     plan = QuantPlan(
         model={"model_type": model_type, "analysis_ref": str(analysis_ref), "model_path": analysis.model["model_path"]},
         global_scheme=scheme, exclude_layers=excludes, exclude_source=ex_source,
-        layer_quant_config=dict(req.layer_quant_config), algorithm=algorithm, kv_cache_scheme=req.kv_cache_scheme,
+        layer_quant_config=dict(req.layer_quant_config), algorithm=algorithm, kv_cache_scheme=kv,
         calibration=calibration, device_strategy=device, engine={"name": engine, "reason": engine_why},
         trust_remote_code=req.trust_remote_code, evaluation_intent=req.evaluation_intent, decisions=decisions,
-        requires_confirmation=True, output_dir=str(output_dir),
+        requires_confirmation=True, output_dir=str(output_dir), target=target, resources=fit,
     )
     return apply_sensitivity(plan, req, Path(analysis_ref).parent)
 

@@ -1,0 +1,331 @@
+"""What a plan needs from the host (RAM, GPU memory, disk) and from the target (weights + KV cache).
+
+The engine's peak memory comes from a fit to MEASURED peak RSS of our Quark-API engine child
+(``bench/measure_memory.py``; figures and fit in docs/planning.md): a fixed start-up cost plus
+multiples of the model's bytes, of one calibration forward's activations and, for AWQ / GPTQ /
+SmoothQuant, of the cached layer inputs. Nothing here loads a model: the inputs are the analysis
+(config and safetensors headers), the plan's choices and the env_context.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+GIB = 2**30
+
+# ---- measured scaling (bench/measure_memory.py on the CPU engine; see docs/planning.md) ----------
+BASE_BYTES = 1.40 * GIB  # python + torch + transformers + quark.torch imported, tokenizer loaded
+WEIGHT_FACTOR = 2.0  # peak / model bytes for plain PTQ: model, its quantized copy at freeze, export
+ACT_FACTOR = 1.0  # x one calibration forward's live activations (fp32); modelled, not fitted
+# Algorithms: extra multiples of the model bytes and of the cached calibration inputs (modelled).
+ALGO_WEIGHT_FACTOR = {"awq": 1.0, "gptq": 0.5, "smoothquant": 0.3, "autosmoothquant": 0.3, "rotation": 1.0}
+ALGO_CACHE_FACTOR = {"awq": 2.0, "gptq": 2.0, "smoothquant": 0.0}
+OTHER_ALGO_WEIGHT_FACTOR = 1.0  # algorithms not measured here: assume like AWQ
+MODELLED_GPU_FACTOR = 1.3  # GPU engine: weights + quantized copy in flight (modelled, not measured)
+HEADROOM = 0.9  # plan for at most 90 % of a memory, never all of it
+EVAL_LOGIT_COPIES = 3  # logits, log-softmax and the baseline's logits live together in Tier 1
+EVAL_LOGIT_BUDGET = 64 * 2**20  # elements per batch (evaluate.tier_ppl.LOGIT_BUDGET on CPU)
+
+
+# ---- what the model is made of -------------------------------------------------------------------
+def _arch(analysis) -> dict:
+    return analysis.architecture
+
+
+def param_count(analysis) -> int:
+    """Parameters from the safetensors headers, else from config.json (dense Llama-style formula)."""
+    if analysis.size.get("params"):
+        return int(analysis.size["params"])
+    a = _arch(analysis)
+    h, vocab = a.get("hidden_size") or 0, a.get("vocab_size") or 0
+    embeds = vocab * h * (1 if a.get("tie_word_embeddings") else 2)
+    return quantizable_params(analysis) + embeds
+
+
+def quantizable_params(analysis) -> int:
+    """Parameters of the decoder's linear layers (what a scheme quantizes; lm_head is a template exclusion)."""
+    a = _arch(analysis)
+    h, layers = a.get("hidden_size") or 0, a.get("num_hidden_layers") or 0
+    heads = a.get("num_attention_heads") or 1
+    kv = a.get("num_key_value_heads") or heads
+    inter = a.get("intermediate_size") or 4 * h
+    per_layer = 2 * h * h + 2 * h * (h // heads) * kv + 3 * h * inter
+    linear = layers * per_layer
+    total = int(analysis.size.get("params") or 0)
+    if total:
+        vocab = a.get("vocab_size") or 0
+        linear = min(linear, max(total - vocab * h, 0))
+    return linear
+
+
+def bytes_per_param(analysis) -> float:
+    params = param_count(analysis)
+    return analysis.size["bytes"] / params if params and analysis.size.get("bytes") else 2.0
+
+
+def weight_bits(scheme: str, info: dict) -> float:
+    """Stored bits per quantized weight, scales included (MX: one E8M0 per 32; NVFP4: one FP8 per 16)."""
+    bits = float(info.get("weight_bits") or 16)
+    if scheme.startswith(("mxfp", "mx", "amdfp4")):
+        return bits + 8 / 32
+    if scheme.startswith(("nvfp4", "fp4_block16")):
+        return bits + 8 / 16
+    group = re.search(r"_(\d+)$", scheme)
+    if group:
+        return bits + 16 / int(group.group(1))  # one BF16 scale per group
+    return bits
+
+
+def output_bytes(analysis, scheme: str, info: dict) -> int:
+    """The quantized checkpoint's size on disk: quantized linears + everything else in its source dtype."""
+    q = quantizable_params(analysis)
+    rest = max(param_count(analysis) - q, 0)
+    return int(q * weight_bits(scheme, info) / 8 + rest * bytes_per_param(analysis))
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+def calibration_activation_bytes(analysis, calibration: dict) -> int:
+    """Live tensors of one calibration forward (fp32): hidden states, MLP intermediates and logits."""
+    a = _arch(analysis)
+    tokens = calibration["batch_size"] * calibration["seq_len"]
+    width = 4 * (a.get("hidden_size") or 0) + 2 * (a.get("intermediate_size") or 0) + (a.get("vocab_size") or 0)
+    return tokens * width * 4
+
+
+def calibration_cache_bytes(analysis, calibration: dict) -> int:
+    """Every calibration sample's input to one decoder layer, as AWQ/GPTQ keep them (model dtype)."""
+    h = _arch(analysis).get("hidden_size") or 0
+    return int(calibration["num_samples"] * calibration["seq_len"] * h * bytes_per_param(analysis))
+
+
+def estimate_quantize(analysis, info: dict, algorithm: str | None, calibration: dict, device: str) -> dict:
+    """Peak host RAM (and GPU memory on a GPU device) of the engine for this plan, with its terms."""
+    w = analysis.size["bytes"] or int(param_count(analysis) * 2)
+    act = calibration_activation_bytes(analysis, calibration)
+    algos = [a for a in (algorithm or "").split(",") if a]
+    algo_w = sum(ALGO_WEIGHT_FACTOR.get(a, OTHER_ALGO_WEIGHT_FACTOR) for a in algos)
+    cache = calibration_cache_bytes(analysis, calibration) * sum(ALGO_CACHE_FACTOR.get(a, 0.0) for a in algos)
+    work = (WEIGHT_FACTOR + algo_w) * w + ACT_FACTOR * act + cache
+    if device == "cpu":
+        return {"host_peak_bytes": int(BASE_BYTES + work), "gpu_peak_bytes": 0, "model_bytes": w,
+                "terms": {"start-up": BASE_BYTES, "weights": (WEIGHT_FACTOR + algo_w) * w,
+                          "calibration activations": ACT_FACTOR * act, "algorithm cache": cache},
+                "basis": "measured"}
+    # On a GPU the model is read into host RAM once, then moved: the work happens on the device.
+    gpu = (MODELLED_GPU_FACTOR + algo_w) * w + ACT_FACTOR * act + cache
+    return {"host_peak_bytes": int(BASE_BYTES + w), "gpu_peak_bytes": int(gpu), "model_bytes": w,
+            "terms": {"start-up": BASE_BYTES, "weights": (MODELLED_GPU_FACTOR + algo_w) * w,
+                      "calibration activations": ACT_FACTOR * act, "algorithm cache": cache},
+            "basis": "modelled (GPU not measured here)"}
+
+
+def estimate_eval(analysis, out_bytes: int, baseline: bool = False, seq_len: int = 2048) -> dict:
+    """Tier 1 on the CPU: the quantized model held dequantized (its source size), the baseline when
+    asked, and the logits of one batch (evaluate.tier_ppl caps a batch at EVAL_LOGIT_BUDGET elements)."""
+    w = analysis.size["bytes"] or int(param_count(analysis) * 2)
+    vocab = _arch(analysis).get("vocab_size") or 0
+    logits = min(EVAL_LOGIT_BUDGET, max(seq_len * vocab, 1)) * 4 * EVAL_LOGIT_COPIES
+    peak = BASE_BYTES + w + (w if baseline else 0) + logits
+    return {"host_peak_bytes": int(peak), "model_bytes": w, "baseline": baseline, "logits_bytes": logits}
+
+
+# ---- the host ------------------------------------------------------------------------------------
+def mem_available_bytes(meminfo: str | None = None) -> int | None:
+    """MemAvailable from /proc/meminfo (or the text given): what can be allocated now."""
+    if meminfo is None:
+        try:
+            meminfo = Path("/proc/meminfo").read_text(encoding="ascii")
+        except OSError:
+            return None
+    m = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.M)
+    return int(m.group(1)) * 1024 if m else None
+
+
+def host_capacity(env: dict, output_dir: Path | None, meminfo: str | None = None) -> dict:
+    """RAM (the env_context's host_memory_gb), GPU memory (memory_gb x gpu_count) and free disk."""
+    from ..preflight import free_gb
+
+    hw = env["hardware"]
+    ram = hw.get("host_memory_gb")
+    disk = free_gb(output_dir) if output_dir is not None else None
+    return {"ram_bytes": int(ram * GIB) if ram else None, "ram_available_bytes": mem_available_bytes(meminfo),
+            "gpu_bytes_per_device": int((hw.get("memory_gb") or 0) * GIB), "gpu_count": hw.get("gpu_count") or 0,
+            "disk_free_bytes": int(disk * GIB) if disk is not None else None}
+
+
+# ---- the target ----------------------------------------------------------------------------------
+def kv_bytes_per_token(analysis, kv_scheme: str | None) -> int:
+    a = _arch(analysis)
+    heads = a.get("num_attention_heads") or 1
+    kv = a.get("num_key_value_heads") or heads
+    head_dim = (a.get("hidden_size") or 0) // heads
+    return 2 * (a.get("num_hidden_layers") or 0) * kv * head_dim * (1 if kv_scheme else 2)
+
+
+def serving_fit(analysis, out_bytes: int, kv_scheme: str | None, memory_gb: float, budget: dict | None) -> dict:
+    """Weights + KV cache at the budget's context and batch on one device of ``memory_gb`` (vendor GB)."""
+    budget = budget or {"devices": 1, "context": 4096, "batch": 1}
+    kv = kv_bytes_per_token(analysis, kv_scheme) * budget["context"] * budget["batch"]
+    need = out_bytes + kv
+    per_device = memory_gb * 1e9 * HEADROOM
+    devices = max(1, math.ceil(need / per_device)) if per_device else None
+    tp = 1 << (devices - 1).bit_length() if devices else None  # tensor parallelism goes in powers of two
+    return {"weights_bytes": out_bytes, "kv_cache_bytes": kv, "context": budget["context"], "batch": budget["batch"],
+            "device_memory_gb": memory_gb, "devices_needed": tp,
+            "fits_budget": bool(per_device) and need <= per_device * budget["devices"]}
+
+
+def gb(n: float | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.0f} MiB"
+
+
+# ---- the plan checkpoint's verdict ---------------------------------------------------------------
+def assess(analysis, scheme: str, info: dict, algorithm: str | None, calibration: dict, device: dict,
+           host: dict, rerun: list[str]) -> dict:
+    """Does this host hold the engine, the output and a Tier 1 evaluation? If not, what would."""
+    est = estimate_quantize(analysis, info, algorithm, calibration, device["device"])
+    out = output_bytes(analysis, scheme, info)
+    ev = estimate_eval(analysis, out)
+    ev["with_baseline_bytes"] = estimate_eval(analysis, out, baseline=True)["host_peak_bytes"]
+    problems = _problems(est, out, ev, host, device)
+    proposals = _proposals(analysis, info, algorithm, calibration, device, host, est, rerun) if problems else []
+    return {"quantize": est, "evaluate": ev, "output_bytes": out, "host": host,
+            "fits": not any(p["blocking"] for p in problems), "problems": problems, "proposals": proposals}
+
+
+def _problems(est: dict, out: int, ev: dict, host: dict, device: dict) -> list[dict]:
+    problems = []
+    ram, gpu = host["ram_bytes"], host["gpu_bytes_per_device"] * (host["gpu_count"] if device["multi_device"] else 1)
+    if ram and est["host_peak_bytes"] > ram * HEADROOM:
+        problems.append({"blocking": True, "what": "host RAM",
+                         "message": f"the engine needs about {gb(est['host_peak_bytes'])} of RAM at its peak; "
+                                    f"this host has {gb(ram)} (planning for at most {HEADROOM:.0%})"})
+    if est["gpu_peak_bytes"] and gpu and est["gpu_peak_bytes"] > gpu * HEADROOM:
+        problems.append({"blocking": True, "what": "GPU memory",
+                         "message": f"the engine needs about {gb(est['gpu_peak_bytes'])} of GPU memory; "
+                                    f"{'all GPUs' if device['multi_device'] else 'one GPU'} here hold {gb(gpu)}"})
+    if host["disk_free_bytes"] is not None and out > host["disk_free_bytes"]:
+        problems.append({"blocking": True, "what": "disk",
+                         "message": f"the output needs about {gb(out)} on disk; {gb(host['disk_free_bytes'])} is free"})
+    if ram and ev["host_peak_bytes"] > ram * HEADROOM:
+        problems.append({"blocking": False, "what": "evaluation RAM",
+                         "message": f"a Tier 1 evaluation here needs about {gb(ev['host_peak_bytes'])} of RAM "
+                                    f"(more with the baseline); this host has {gb(ram)}"})
+    avail = host.get("ram_available_bytes")
+    if ram and avail and avail < est["host_peak_bytes"] <= ram * HEADROOM:
+        problems.append({"blocking": False, "what": "RAM in use", "live": True,
+                         "message": f"only {gb(avail)} of RAM is free right now (other processes); "
+                                    f"the engine needs about {gb(est['host_peak_bytes'])}"})
+    return problems
+
+
+def _proposals(analysis, info, algorithm, calibration, device, host, est, rerun) -> list[dict]:
+    """Concrete changes with their estimates: smaller calibration, no algorithm, GPUs, another host."""
+    ram = host["ram_bytes"] or 0
+    out: list[dict] = []
+
+    def variant(change: str, algo: str | None, **calib) -> None:
+        e = estimate_quantize(analysis, info, algo, {**calibration, **calib}, device["device"])
+        if e["host_peak_bytes"] < 0.95 * est["host_peak_bytes"]:
+            fits = "fits" if not ram or e["host_peak_bytes"] <= ram * HEADROOM else "still too much"
+            out.append({"change": change, "detail": f"{change}: about {gb(e['host_peak_bytes'])} ({fits})"})
+
+    if calibration["num_samples"] > 16:
+        variant(f"--num-calib-samples {max(16, calibration['num_samples'] // 4)}", algorithm,
+                num_samples=max(16, calibration["num_samples"] // 4))
+    if calibration["seq_len"] > 256:
+        variant("--calib-seq-len 256", algorithm, seq_len=256)
+    if algorithm:
+        variant("--algorithm '' (plain PTQ)", None)
+    if device["device"] == "cuda" and host["gpu_count"] > 1 and not device["multi_device"]:
+        out.append({"change": "--multi-device", "detail": f"--multi-device: spread the model over the "
+                                                          f"{host['gpu_count']} GPUs here"})
+    gpu_est = estimate_quantize(analysis, info, algorithm, calibration, "cuda")
+    need_ram = est["host_peak_bytes"] / HEADROOM
+    out.append({"change": "another host", "command": " ".join(rerun),
+                "detail": f"a host with at least {gb(need_ram)} of RAM, or a GPU host (about "
+                          f"{gb(gpu_est['gpu_peak_bytes'])} of GPU memory and {gb(gpu_est['host_peak_bytes'])} of "
+                          f"RAM); run there: {' '.join(rerun)}"})
+    return out
+
+
+def rerun_command(model: str, output_dir: Path | None, scheme: str, algorithm: str | None, kv: str | None,
+                  calibration: dict, target: str | None) -> list[str]:
+    """The `quark-ptq-eval run` command that reproduces this plan on a GPU host."""
+    import shlex
+
+    argv = ["quark-ptq-eval", "run", model, "-o", str(output_dir or "OUTPUT_DIR"), "--scheme", scheme,
+            "--device", "cuda", "--num-calib-samples", str(calibration["num_samples"]),
+            "--calib-seq-len", str(calibration["seq_len"])]
+    if algorithm:
+        argv += ["--algorithm", algorithm]
+    if kv:
+        argv += ["--kv-cache-scheme", kv]
+    if calibration.get("path"):
+        argv += ["--calib-data", calibration["path"]]
+    if target:
+        argv += ["--target", target]
+    return [shlex.quote(a) for a in argv]
+
+
+def decision_rows(res: dict) -> list[dict]:
+    """The plan table's rows for memory and disk, each with the basis of its number."""
+    q, host = res["quantize"], res["host"]
+    ram = f"of {gb(host['ram_bytes'])}" if host["ram_bytes"] else "(host RAM unknown)"
+    rows = [{"decision": "host memory (quantize)", "value": f"~{gb(q['host_peak_bytes'])} {ram}",
+             "reason": f"peak RSS {q['basis']}: {', '.join(f'{k} {gb(v)}' for k, v in q['terms'].items() if v)} "
+                       "(docs/planning.md)"}]
+    if q["gpu_peak_bytes"]:
+        rows.append({"decision": "GPU memory (quantize)", "value": f"~{gb(q['gpu_peak_bytes'])}",
+                     "reason": f"{q['basis']}: weights, activations and algorithm caches on the device"})
+    rows.append({"decision": "output size on disk", "value": f"~{gb(res['output_bytes'])}",
+                 "reason": "quantized linears at the scheme's bits (scales included), the rest in the source dtype"})
+    ev = res["evaluate"]
+    rows.append({"decision": "host memory (evaluate)", "value": f"~{gb(ev['host_peak_bytes'])}",
+                 "reason": f"Tier 1 (modelled): start-up, the model as loaded, {gb(ev['logits_bytes'])} of logits per "
+                           f"batch; ~{gb(ev['with_baseline_bytes'])} with the baseline"})
+    for p in res["problems"]:
+        if p.get("live"):
+            continue  # a reading of this moment (free RAM) is kept in resources, out of the approved table
+        rows.append({"decision": f"does not fit: {p['what']}" if p["blocking"] else f"warning: {p['what']}",
+                     "value": "STOP" if p["blocking"] else "note", "reason": p["message"]})
+    for p in res["proposals"]:
+        rows.append({"decision": "proposal", "value": p["change"], "reason": p["detail"]})
+    return rows
+
+
+def unfit_message(plan) -> str | None:
+    """One sentence for the plan checkpoint when this host cannot hold the plan (None when it can)."""
+    res = getattr(plan, "resources", None) or {}
+    blocking = [p["message"] for p in res.get("problems", []) if p.get("blocking")]
+    if not blocking:
+        return None
+    return "This host cannot hold this plan: " + "; ".join(blocking) + "."
+
+
+def hold_message(plan, execution_mode: str, approver, already_approved: bool) -> str | None:
+    """Why a run must stop at the plan checkpoint before anything runs, or None.
+
+    A plan this host cannot hold is not approved by --yes: only by name (``--approve plan``), by a
+    person at the terminal who saw the table, or in plan_only mode (nothing runs there)."""
+    unfit = unfit_message(plan)
+    if unfit is None or execution_mode == "plan_only" or already_approved:
+        return None
+    named = "plan" in getattr(approver, "approved", ())
+    asks_someone = getattr(approver, "interactive", False) or hasattr(approver, "callback")  # they see the table
+    if named or asks_someone:
+        return None
+    return (f"{unfit} Change the plan as its table proposes, or approve it by name (--approve plan) "
+            "to run it anyway")
+
+
+def serving_text(fit: dict, label: str, kv: str | None) -> str:
+    what = (f"weights {gb(fit['weights_bytes'])} + {(kv or 'BF16').upper()} KV cache {gb(fit['kv_cache_bytes'])} "
+            f"at {fit['context']} tokens x batch {fit['batch']} on {label}")
+    if not fit["devices_needed"]:
+        return f"{what}: that much memory on the serving host"
+    return f"{what} ({fit['device_memory_gb']:g} GB, {HEADROOM:.0%} usable): {fit['devices_needed']} device(s)"

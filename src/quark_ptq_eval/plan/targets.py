@@ -1,0 +1,277 @@
+"""Deployment targets: the machine that will *serve* the quantized model, apart from the host that
+quantizes it. A data table (architecture, native formats, memory, serving stack), the source of
+each fact in a comment, and the recommendation of scheme / KV cache / algorithm per target and
+priority. Every reason names the target fact it rests on.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class ArchFamily:
+    """What an instruction-set architecture runs natively and what its serving stack offers."""
+
+    arch: str  # gfx942, sm_90, ...
+    accelerator: str  # env_context accelerator kind: amd-rocm / nvidia-cuda / cpu
+    native: tuple[str, ...]  # format families with native matrix-core support
+    fp8_kv: bool  # the assumed serving stack keeps the KV cache in FP8
+    serving: str  # the serving stack we assume
+    # priority -> scheme, best first (the first one the installed Quark knows wins)
+    prefer: dict[str, tuple[str, ...]]
+
+
+FAMILIES: dict[str, ArchFamily] = {f.arch: f for f in (
+    # CDNA3. FP8 (E4M3FNUZ/E5M2FNUZ) and INT8 matrix cores, no FP4/FP6: ROCm "Data types and
+    # precision support" (rocm.docs.amd.com/en/latest/reference/precision-support.html).
+    # vLLM ROCm: --kv-cache-dtype fp8 is supported on MI300 (docs.vllm.ai, "Quantized KV Cache");
+    # PTPC-FP8 (per-token activation / per-channel weight) is AMD's accuracy-first FP8 recipe
+    # for vLLM on MI300X (blog.vllm.ai/2025/02/24/ptpc-fp8-rocm.html).
+    ArchFamily("gfx942", "amd-rocm", ("fp8", "int8"), True, "vLLM (ROCm)",
+               {"accuracy": ("ptpc_fp8", "fp8"), "speed": ("fp8",), "size": ("int4_wo_128",),
+                "balanced": ("fp8",)}),
+    # CDNA4 adds OCP MXFP4 / MXFP6 matrix cores next to OCP FP8: AMD Instinct MI350 series data
+    # sheet and ROCm precision-support table (gfx950). vLLM's Quark loader serves OCP MX
+    # (vllm/model_executor/layers/quantization/quark/schemes/quark_ocp_mx.py).
+    ArchFamily("gfx950", "amd-rocm", ("fp8", "int8", "mxfp4", "mxfp6"), True, "vLLM (ROCm)",
+               {"accuracy": ("fp8",), "speed": ("mxfp4",), "size": ("mxfp4",), "balanced": ("mxfp4",)}),
+    # Hopper: 4th-gen tensor cores with FP8 E4M3/E5M2 (NVIDIA H100 / H200 data sheets); vLLM CUDA
+    # serves FP8 KV cache (docs.vllm.ai, "Quantized KV Cache").
+    ArchFamily("sm_90", "nvidia-cuda", ("fp8", "int8"), True, "vLLM (CUDA)",
+               {"accuracy": ("fp8",), "speed": ("fp8",), "size": ("int4_wo_128",), "balanced": ("fp8",)}),
+    # Blackwell: 5th-gen tensor cores add NVFP4 and MX formats (NVIDIA Blackwell architecture
+    # technical brief; HGX/DGX B200 data sheet).
+    ArchFamily("sm_100", "nvidia-cuda", ("fp8", "int8", "nvfp4", "mxfp4", "mxfp6"), True, "vLLM (CUDA)",
+               {"accuracy": ("fp8",), "speed": ("nvfp4",), "size": ("nvfp4",), "balanced": ("nvfp4",)}),
+    # Ada: FP8 tensor cores (NVIDIA L40S data sheet).
+    ArchFamily("sm_89", "nvidia-cuda", ("fp8", "int8"), True, "vLLM (CUDA)",
+               {"accuracy": ("fp8",), "speed": ("fp8",), "size": ("int4_wo_128",), "balanced": ("fp8",)}),
+    # Ampere: INT8 tensor cores, no FP8 (NVIDIA A100 data sheet); vLLM serves an FP8 KV cache on
+    # CUDA by storing and up-converting (docs.vllm.ai, "Quantized KV Cache").
+    ArchFamily("sm_80", "nvidia-cuda", ("int8",), True, "vLLM (CUDA)",
+               {"accuracy": ("int8",), "speed": ("int8",), "size": ("int4_wo_128",), "balanced": ("int8",)}),
+    # x86 CPUs: INT8 dot products (AVX512-VNNI / AMX-INT8), no FP8 arithmetic (Intel and AMD ISA
+    # manuals); served by transformers or vLLM's CPU backend with a BF16/FP16 KV cache here.
+    ArchFamily("x86_64", "cpu", ("int8",), False, "transformers / vLLM (CPU)",
+               {"accuracy": ("int8",), "speed": ("int8",), "size": ("int4_wo_128",), "balanced": ("int8",)}),
+)}
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    label: str
+    arch: str  # key of FAMILIES
+    memory_gb: float  # per device, as the vendor states it (GB = 10^9 bytes)
+
+    @property
+    def family(self) -> ArchFamily:
+        return FAMILIES[self.arch]
+
+    def fact(self) -> str:
+        f = self.family
+        return f"{self.label} ({self.arch}: native {'/'.join(x.upper() for x in f.native)}, {f.serving})"
+
+
+TARGETS: dict[str, Target] = {t.name: t for t in (
+    Target("mi300x", "MI300X", "gfx942", 192),  # AMD Instinct MI300X data sheet: 192 GB HBM3
+    Target("mi325x", "MI325X", "gfx942", 256),  # AMD Instinct MI325X data sheet: 256 GB HBM3E
+    Target("mi350x", "MI350X", "gfx950", 288),  # AMD Instinct MI350X data sheet: 288 GB HBM3E
+    Target("mi355x", "MI355X", "gfx950", 288),  # AMD Instinct MI355X data sheet: 288 GB HBM3E
+    Target("h100", "H100", "sm_90", 80),  # NVIDIA H100 SXM data sheet: 80 GB HBM3
+    Target("h200", "H200", "sm_90", 141),  # NVIDIA H200 data sheet: 141 GB HBM3e
+    Target("b200", "B200", "sm_100", 180),  # NVIDIA DGX B200 data sheet: 1,440 GB over 8 GPUs
+    Target("l40s", "L40S", "sm_89", 48),  # NVIDIA L40S data sheet: 48 GB GDDR6
+    Target("a100", "A100", "sm_80", 80),  # NVIDIA A100 80GB data sheet
+    Target("cpu", "CPU", "x86_64", 0),  # memory: the serving host's RAM (not known here)
+)}
+
+# Goal phrases -> target, most specific first (matched on the lower-cased goal).
+GOAL_TARGETS: tuple[tuple[str, str], ...] = (
+    (r"\bmi325", "mi325x"), (r"\bmi355", "mi355x"), (r"\bmi350", "mi350x"), (r"\bgfx950\b", "mi355x"),
+    (r"\bmi300", "mi300x"), (r"\bgfx942\b", "mi300x"), (r"\bh200\b", "h200"), (r"\bh100\b|\bhopper\b", "h100"),
+    (r"\bg?b200\b|\bblackwell\b", "b200"), (r"\bl40s?\b", "l40s"), (r"\ba100\b", "a100"),
+    (r"\b(?:on|for) (?:the |a )?cpus?\b", "cpu"),
+)
+PRIORITIES: tuple[tuple[str, str], ...] = (
+    ("accuracy", r"accura|quality|\bbest\b|lossless"),
+    ("size", r"smallest|\bsize\b|compress|\bmemory\b|\bfits?\b"),
+    ("speed", r"\bfast|speed|throughput|latency"),
+)
+# "must fit one MI300X with 32k context", "fit on 2 x H100 at 8k context, batch 4"
+BUDGET = re.compile(r"\bfits?\b(?: on| in(?:to)?)?\s+(?P<n>one|a single|a|single|\d+)\s*(?:x\s*)?(?:[\w-]+)?")
+CONTEXT = re.compile(r"(?P<n>\d+(?:\.\d+)?)\s*(?P<k>k)?\s*(?:-?token)?s?\s*(?:context|ctx)")
+BATCH = re.compile(r"\bbatch(?: size)?(?: of)?\s*(?P<n>\d+)|(?P<m>\d+)\s*(?:concurrent|parallel) (?:requests|users)")
+WORDS = {"one": 1, "a single": 1, "a": 1, "single": 1}
+
+
+def resolve_target(name: str | None, goal: str) -> tuple[Target | None, str]:
+    """(target, how it was found) from ``--target`` or the goal text; (None, why) when neither names one."""
+    if name:
+        key = name.lower().strip()
+        target = TARGETS.get(key) or next((TARGETS[t] for p, t in GOAL_TARGETS if re.search(p, key)), None)
+        if target is None:
+            raise UsageError(f"Unknown deployment target {name!r}.", f"Known targets: {', '.join(TARGETS)}.")
+        return target, "--target"
+    text = goal.lower()
+    for pattern, key in GOAL_TARGETS:
+        if re.search(pattern, text):
+            return TARGETS[key], f"the goal {goal!r} names it"
+    return None, "no target named: planning for this host"
+
+
+def host_family(env: dict) -> ArchFamily | None:
+    """The architecture family of the host's accelerator (when no target is named)."""
+    hw = env["hardware"]
+    arch, acc = (hw.get("gpu_arch") or "").lower(), hw["accelerator"]
+    if acc == "cpu":
+        return FAMILIES["x86_64"]
+    for fam in FAMILIES.values():
+        if fam.accelerator == acc and arch.startswith(fam.arch.rstrip("0") if fam.arch.startswith("sm_1") else fam.arch):
+            return fam
+    return None
+
+
+def priority(goal: str) -> str:
+    text = goal.lower()
+    return next((p for p, pattern in PRIORITIES if re.search(pattern, text)), "balanced")
+
+
+def memory_budget(goal: str) -> dict | None:
+    """{"devices", "context", "batch"} when the goal states a serving budget ("fit one MI300X with 32k context")."""
+    text = goal.lower()
+    fit, ctx = BUDGET.search(text), CONTEXT.search(text)
+    if not fit and not ctx:
+        return None
+    n = fit.group("n") if fit else "1"
+    devices = WORDS.get(n) or int(n)
+    context = int(float(ctx.group("n")) * (1024 if ctx.group("k") else 1)) if ctx else 4096
+    batch = BATCH.search(text)
+    return {"devices": max(devices, 1), "context": context,
+            "batch": int(batch.group("n") or batch.group("m")) if batch else 1}
+
+
+FORMAT_OF = ((r"^nvfp4", "nvfp4"), (r"^mxfp4|^mx4|fp4", "mxfp4"), (r"^mxfp6|fp6", "mxfp6"), (r"fp8", "fp8"),
+             (r"^u?int8", "int8"), (r"_wo_|_wo$|w4a16", "weight-only"), (r"^u?int4", "int4"))
+
+
+def format_family(scheme: str) -> str:
+    return next((fam for pattern, fam in FORMAT_OF if re.search(pattern, scheme)), scheme)
+
+
+def native_warning(scheme: str, target: Target | ArchFamily, label: str) -> str | None:
+    """A warning when ``scheme`` has no native support on the target (allowed, but emulated or slower)."""
+    fam = target.family if isinstance(target, Target) else target
+    kind = format_family(scheme)
+    if kind == "weight-only" or kind in fam.native:
+        return None
+    return (f"{scheme} ({kind.upper()}) has no native support on {label} ({fam.arch} runs "
+            f"{'/'.join(x.upper() for x in fam.native)} natively): it will be emulated or upcast there, "
+            "slower than a native format")
+
+
+def serving_note(scheme: str, fam: ArchFamily) -> str | None:
+    """What the assumed serving stack does with this scheme, when it is not the plain case."""
+    kind = format_family(scheme)
+    if fam.serving.startswith("vLLM") and kind in ("weight-only", "int4"):
+        # vLLM's Quark loader knows W8A8 FP8/INT8 and OCP MX schemes only
+        # (vllm/model_executor/layers/quantization/quark/schemes/__init__.py).
+        return "vLLM's Quark loader has no INT4 weight-only scheme: serve it with transformers or re-export for vLLM"
+    return None
+
+
+# ---- recommendation from target x priority --------------------------------------------------------
+WHY_SCHEME = {
+    "ptpc_fp8": "per-token / per-channel FP8 stays closest to BF16 among the FP8 schemes, on the FP8 matrix cores",
+    "fp8": "FP8 runs on the native FP8 matrix cores and is close to lossless for most LLMs",
+    "int8": "INT8 weights and activations are the format it accelerates natively",
+    "mxfp4": "OCP MXFP4 runs on the native FP4 matrix cores at a quarter of BF16's weight memory",
+    "nvfp4": "NVFP4 runs on the native FP4 tensor cores at about a quarter of BF16's weight memory",
+    "int4_wo_128": "weight-only INT4 stores weights in 4 bits (dequantized on the fly: no native INT4 matmul)",
+}
+PRIORITY_WORDS = {"accuracy": "accuracy first", "size": "smallest model", "speed": "speed first",
+                  "balanced": "no priority stated: the target's best-served format"}
+
+
+@dataclass(frozen=True)
+class TargetContext:
+    """Where the model will run (a named target, else this host's accelerator) and what matters most."""
+
+    target: Target | None
+    source: str
+    family: ArchFamily | None
+    priority: str
+    budget: dict | None
+
+    @property
+    def label(self) -> str:
+        if self.target is not None:
+            return self.target.fact()
+        if self.family is not None:
+            f = self.family
+            return f"this host ({f.arch}: native {'/'.join(x.upper() for x in f.native)}, {f.serving})"
+        return "this host (no known accelerator)"
+
+    @property
+    def name(self) -> str:
+        return self.target.label if self.target else "this host"
+
+    def to_dict(self) -> dict:
+        t, f = self.target, self.family
+        return {"name": t.name if t else None, "label": self.name, "source": self.source,
+                "arch": f.arch if f else None, "native_formats": list(f.native) if f else [],
+                "memory_gb": t.memory_gb if t else None, "serving_stack": f.serving if f else None,
+                "fp8_kv_cache": bool(f and f.fp8_kv), "priority": self.priority, "budget": self.budget}
+
+
+def target_context(name: str | None, goal: str, env: dict) -> TargetContext:
+    target, source = resolve_target(name, goal)
+    family = target.family if target else host_family(env)
+    return TargetContext(target, source, family, priority(goal), memory_budget(goal))
+
+
+def recommend_scheme(tc: TargetContext, catalog: dict, fits=None) -> tuple[str, str] | None:
+    """(scheme, reason) for the target and priority; ``fits(scheme) -> (ok, why)`` checks a memory budget."""
+    fam = tc.family
+    if fam is None:
+        return None
+    if tc.budget and fits is not None:
+        order = dict.fromkeys([*fam.prefer["accuracy"], *fam.prefer["balanced"], *fam.prefer["size"]])
+        known = [s for s in order if s in catalog["schemes"]]
+        for scheme in known:
+            ok, why = fits(scheme)
+            if ok:
+                return scheme, f"the most accurate scheme that meets your budget on {tc.label}: {why}"
+        if known:
+            ok, why = fits(known[-1])
+            return known[-1], f"no scheme meets your budget on {tc.label}; the smallest it serves: {why}"
+    for scheme in fam.prefer[tc.priority]:
+        if scheme in catalog["schemes"]:
+            return scheme, f"{PRIORITY_WORDS[tc.priority]} on {tc.label}: {WHY_SCHEME.get(scheme, scheme)}"
+    return None
+
+
+def recommend_kv(tc: TargetContext, catalog: dict, kv_layers: list[str]) -> tuple[str | None, str]:
+    fam = tc.family
+    if fam is None:
+        return None, "KV cache left in the model dtype: no target named and no known accelerator here"
+    if not fam.fp8_kv:
+        return None, f"KV cache left in the model dtype: {tc.label} keeps it in BF16/FP16"
+    if "fp8" not in catalog["kv_cache_schemes"] or not kv_layers:
+        return None, "KV cache left in the model dtype: Quark's template for this model has no KV-cache layers"
+    return "fp8", f"{tc.label} serves an FP8 KV cache: half the KV-cache memory of BF16 per token"
+
+
+def scheme_warnings(tc: TargetContext, scheme: str, kv: str | None) -> list[str]:
+    """Formats the target cannot run natively, and serving caveats: allowed, but said."""
+    fam = tc.family
+    if fam is None:
+        return []
+    out = [w for w in (native_warning(scheme, fam, tc.name), serving_note(scheme, fam)) if w]
+    if kv and not fam.fp8_kv:
+        out.append(f"an {kv.upper()} KV cache is not served on {tc.label}: it will be upcast there")
+    return out
