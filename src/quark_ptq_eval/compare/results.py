@@ -191,6 +191,8 @@ def markdown(doc: dict) -> str:
               "probability, q_T, q_min: the scheme's tail mass and smallest tail probability); its mean is "
               "`kl_cache_gap_bound_mean` in comparison.json. It is a worst case over every possible baseline "
               "tail: small when the tail mass (`baseline_tail_mass_mean`) is small; raise --top-k otherwise.",
+              f"- Baseline probability mass outside the top-{doc['settings']['top_k']}, mean over tokens: "
+              f"{_fmt(next((r['baseline_tail_mass_mean'] for r in doc['schemes'] if r.get('baseline_tail_mass_mean') is not None), None))}.",
               f"- Baseline cache: {_fmt(c.get('bytes'), 'mib')} against {_fmt(c.get('full_logits_bytes'), 'mib')} "
               f"of full float32 logits; this run built it {c['writes_this_run']}× and read it "
               f"{c['hits_this_run']}×.", ""]
