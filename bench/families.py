@@ -127,7 +127,23 @@ def build_family(model_type: str, out_dir: Path, tokenizer_dir: Path, seed: int 
     dtype = torch.float32 if model_type in FLOAT32_FAMILIES else torch.bfloat16
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
     model.eval()
+    _keep_fp32(model)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def _keep_fp32(model) -> None:
+    """Tensors the family keeps in float32 (DeepSeek-V3's e_score_correction_bias) are stored so,
+    as in the family's real checkpoints."""
+    import torch
+
+    keep = [*(getattr(model, "_keep_in_fp32_modules", None) or []),
+            *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])]
+    if not keep:
+        return
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if any(k in name for k in keep) and tensor.is_floating_point():
+                tensor.data = tensor.data.float()

@@ -250,13 +250,12 @@ def _share(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
 
 
 # -- the matrix -------------------------------------------------------------------------------
-def families_available() -> tuple[list[str], dict[str, str]]:
+def families_available(catalog: dict) -> tuple[list[str], dict[str, str]]:
     """(model types to run, model type -> why it is not buildable) for Quark's templates."""
-    from quark.torch import LLMTemplate
     from transformers import AutoConfig
 
     runnable, skipped = [], {}
-    for model_type in sorted(LLMTemplate.list_available()):
+    for model_type in sorted(catalog["templates"]):
         try:
             AutoConfig.for_model(model_type)
             runnable.append(model_type)
@@ -367,18 +366,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib-samples", type=int, default=4)
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--tag", default="main", help="results file results-TAG.json (parallel runners use distinct tags)")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the families' tiny models first")
+    p.add_argument("--doc-only", action="store_true", help="only regenerate the doc from the results in --work")
     args = p.parse_args(argv)
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                       TOKENIZERS_PARALLELISM="false")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.doc_only:
+        from families_doc import write_doc
+
+        setup = prepare(work, args.calib_samples, args.windows)
+        write_doc(Path(args.out), all_results(work), families_available(setup.catalog)[1], setup)
+        return 0
     t0 = time.monotonic()
     import quark.torch  # noqa: F401 - paid once for the whole matrix
     import_s = time.monotonic() - t0
     log(f"import quark.torch: {import_s:.1f}s")
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
     setup = prepare(work, args.calib_samples, args.windows)
-    runnable, skipped = families_available()
+    runnable, skipped = families_available(setup.catalog)
     families = args.families.split(",") if args.families else runnable
+    if args.rebuild:
+        for family in families:
+            shutil.rmtree(work / "models" / family, ignore_errors=True)
     columns = args.columns.split(",")
     t1 = time.monotonic()
     results = work / f"results-{args.tag}.json"

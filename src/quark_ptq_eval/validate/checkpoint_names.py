@@ -47,30 +47,29 @@ def align_source_names(source: dict, output: dict) -> dict:
     return renamed
 
 
-_FUSED = re.compile(r"^(?P<experts>.*\.experts)\.(?P<proj>[a-z_]+?)(?P<bias>_bias)?$")
+_FUSED = re.compile(r"^(?P<experts>.*\.experts(?:\.mlp)?)\.(?P<proj>[a-z0-9_]+?)(?P<bias>_bias)?$")
 
 
 def _split_fused_expert(name: str, info, output: dict) -> dict | None:
-    """``experts.gate_up_proj`` [E, ...] (gpt-oss style, on disk) -> ``experts.<e>.gate_up_proj.weight``,
-    one slice of the leading (expert) dimension each: exact byte ranges of the same tensor."""
+    """A fused expert tensor on disk (gpt-oss ``experts.gate_up_proj`` [E, in, out], DBRX
+    ``experts.mlp.w1`` [E*I, H]) -> ``experts.<e>.<proj>.weight`` per expert, as Quark exports it:
+    equal slices of the leading dimension, exact byte ranges of the same tensor."""
     m = _FUSED.match(name)
     if not m or len(info.shape) < 2 or name in output:
         return None
     role = "bias" if m["bias"] else "weight"
-    first = f"{m['experts']}.0.{m['proj']}.{role}"
-    if first not in output:
+    names = []
+    while f"{m['experts']}.{len(names)}.{m['proj']}.{role}" in output:
+        names.append(f"{m['experts']}.{len(names)}.{m['proj']}.{role}")
+    if not names or info.shape[0] % len(names):
         return None
-    per = (info.end - info.start) // info.shape[0]
-    shape = tuple(info.shape[1:])
-    out_shape = tuple(output[first].shape)
-    if role == "weight" and len(shape) == 2 and out_shape[:1] == shape[1:] and shape[0] != shape[1]:
-        shape = shape[::-1]  # stored [in, out] per expert; a linear's weight is [out, in]
-    split = {}
-    for e in range(info.shape[0]):
-        alias = f"{m['experts']}.{e}.{m['proj']}.{role}"
-        split[alias] = dataclasses.replace(info, name=alias, shape=shape, start=info.start + e * per,
-                                           end=info.start + (e + 1) * per)
-    return split
+    rows = info.shape[0] // len(names)
+    shape = tuple(info.shape[1:]) if rows == 1 else (rows, *info.shape[1:])
+    if role == "weight" and len(shape) == 2 and (rows == 1 or m["proj"] == "w2"):
+        shape = shape[::-1]  # gpt-oss [E, in, out] and DBRX's w2 [E*I, H] store [in, out]; a linear is [out, in]
+    per = (info.end - info.start) // len(names)
+    return {alias: dataclasses.replace(info, name=alias, shape=shape, start=info.start + e * per,
+                                       end=info.start + (e + 1) * per) for e, alias in enumerate(names)}
 
 
 def _in_output(alias: str, output: dict) -> bool:
