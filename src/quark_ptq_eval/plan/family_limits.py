@@ -36,6 +36,10 @@ _IMAGE_TEXT_ALT = "run quark-cli torch-llm-ptq on it directly (it loads image-te
 LIMITS: tuple[FamilyLimit, ...] = (
     *(FamilyLimit(t, (ALL,), "recipe", _IMAGE_TEXT, _IMAGE_TEXT_ALT)
       for t in ("glm5_next", "kimi_k25", "minimax_m3_vl", "mllama", "muse_glimmer", "qwen3_vl_moe")),
+    FamilyLimit("llama4", (ALL,), "recipe",
+                "AutoModelForCausalLM builds Llama 4's text-only Llama4ForCausalLM (model_type llama4_text), "
+                "for which Quark 0.13 has no template",
+                "run quark-cli torch-llm-ptq on the full Llama 4 checkpoint (it loads the image-text model)"),
 )
 
 

@@ -19,6 +19,7 @@ LEGACY_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
     (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
     (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
+    (re.compile(r"\.block_sparse_moe\.router\.layer\."), ".block_sparse_moe.router."),  # Granite MoE router
     # Gemma-3-style image-text checkpoints: top-level towers move under ``model.``
     (re.compile(r"^language_model\.model\."), "model.language_model."),
     (re.compile(r"^language_model\.lm_head\."), "lm_head."),
@@ -26,10 +27,18 @@ LEGACY_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 
 
-def export_name(name: str) -> str:
-    for pattern, repl in LEGACY_RENAMES:
-        name = pattern.sub(repl, name)
-    return name
+def export_name(name: str, output: dict | None = None) -> str:
+    """The legacy name rewritten; with ``output``, the first of (all rules, all but the MoE block
+    rename) that the export holds (Granite keeps ``block_sparse_moe``, Mixtral's becomes ``mlp``)."""
+    candidates = []
+    for rules in (LEGACY_RENAMES, LEGACY_RENAMES[1:]):
+        alias = name
+        for pattern, repl in rules:
+            alias = pattern.sub(repl, alias)
+        candidates.append(alias)
+    if output is not None:
+        return next((c for c in candidates if _in_output(c, output)), candidates[0])
+    return candidates[0]
 
 
 def align_source_names(source: dict, output: dict) -> dict:
@@ -37,11 +46,11 @@ def align_source_names(source: dict, output: dict) -> dict:
     expert tensors split per expert where the export holds them per expert; else unchanged."""
     renamed = {}
     for name, info in source.items():
-        split = _split_fused_expert(name, info, output)
+        split = _split_fused_expert(name, info, output) or _split_granite_moe(name, info, output)
         if split:
             renamed.update(split)
             continue
-        alias = export_name(name)
+        alias = export_name(name, output)
         use_alias = alias != name and name not in output and alias not in source and _in_output(alias, output)
         renamed[alias if use_alias else name] = dataclasses.replace(info, name=alias) if use_alias else info
     return renamed
@@ -70,6 +79,31 @@ def _split_fused_expert(name: str, info, output: dict) -> dict | None:
     per = (info.end - info.start) // len(names)
     return {alias: dataclasses.replace(info, name=alias, shape=shape, start=info.start + e * per,
                                        end=info.start + (e + 1) * per) for e, alias in enumerate(names)}
+
+
+_GRANITE = re.compile(r"^(?P<moe>.*\.block_sparse_moe)\.(?P<which>input|output)_linear\.weight$")
+
+
+def _split_granite_moe(name: str, info, output: dict) -> dict | None:
+    """Granite MoE: ``input_linear`` [E, 2I, H] holds gate then up rows, ``output_linear`` [E, H, I]
+    the down projection; Quark exports ``experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``."""
+    m = _GRANITE.match(name)
+    if not m or len(info.shape) != 3:
+        return None
+    projs = ("gate_proj", "up_proj") if m["which"] == "input" else ("down_proj",)
+    if f"{m['moe']}.experts.0.{projs[0]}.weight_scale" not in output and \
+            f"{m['moe']}.experts.0.{projs[0]}.weight" not in output:
+        return None
+    experts, rows, cols = info.shape
+    part_rows = rows // len(projs)
+    part = (info.end - info.start) // (experts * len(projs))
+    split = {}
+    for e in range(experts):
+        for k, proj in enumerate(projs):
+            alias = f"{m['moe']}.experts.{e}.{proj}.weight"
+            start = info.start + (e * len(projs) + k) * part
+            split[alias] = dataclasses.replace(info, name=alias, shape=(part_rows, cols), start=start, end=start + part)
+    return split
 
 
 def _in_output(alias: str, output: dict) -> bool:
