@@ -99,7 +99,10 @@ def scan(opts: ScanOptions, progress: Progress = print) -> tuple[dict[str, Any],
 
 
 def _tokenizer(opts: ScanOptions):
+    import transformers
     from transformers import AutoTokenizer
+
+    transformers.logging.set_verbosity_error()  # "sequence longer than max length": we window it
 
     return AutoTokenizer.from_pretrained(opts.model_dir, trust_remote_code=opts.trust_remote_code)
 
@@ -141,8 +144,9 @@ def scheme_bits(session: Session) -> float:
     bits = float(digits[0]) if digits else 16.0
     group = getattr(q, "group_size", None) or 0
     if group > 0:
-        scale = str(getattr(getattr(q, "scale_type", None), "value", ""))
-        bits += (8.0 if scale in ("pof2", "float8_e5m3", "float8_e8m0fnu") else 32.0 if scale == "float32" else
+        spec = getattr(q, "quant_spec", q)
+        scale = f'{getattr(getattr(spec, "scale_type", None), "value", "")} {getattr(spec, "scale_format", "")}'
+        bits += (8.0 if any(k in scale for k in ("pof2", "e8m0", "e5m3")) else 32.0 if "float32" in scale else
                  16.0) / group
     return bits
 
