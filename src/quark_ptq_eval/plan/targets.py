@@ -272,6 +272,8 @@ def scheme_warnings(tc: TargetContext, scheme: str, kv: str | None) -> list[str]
     if fam is None:
         return []
     out = [w for w in (native_warning(scheme, fam, tc.name), serving_note(scheme, fam)) if w]
+    if out and tc.target is None:
+        out = [f"{w} (if it will be served elsewhere, name that machine with --target)" for w in out]
     if kv and not fam.fp8_kv:
         out.append(f"an {kv.upper()} KV cache is not served on {tc.label}: it will be upcast there")
     return out
