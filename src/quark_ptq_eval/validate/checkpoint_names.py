@@ -41,9 +41,31 @@ def export_name(name: str, output: dict | None = None) -> str:
     return candidates[0]
 
 
-def align_source_names(source: dict, output: dict) -> dict:
+def align_source_names(source: dict, output: dict, model_type: str | None = None) -> dict:
     """``source`` keyed by the export's names where only the legacy name differs, and fused 3-D
-    expert tensors split per expert where the export holds them per expert; else unchanged."""
+    expert tensors split per expert where the export holds them per expert; else unchanged.
+    Names still unmatched then go through transformers' own checkpoint renamings for
+    ``model_type`` (DeepSeek-V4's ``ffn.*``/``attn.*``/``head``), imported only in that case."""
+    renamed = _align(source, output, lambda n: n)
+    if model_type and any(n not in output and not _in_output(n, output) for n in renamed):
+        rename = _transformers_renamer(model_type)
+        if rename is not None:
+            renamed = _align(source, output, rename)
+    return renamed
+
+
+def _transformers_renamer(model_type: str):
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        rules = [t for t in get_checkpoint_conversion_mapping(model_type) or [] if isinstance(t, WeightRenaming)]
+    except Exception:  # noqa: BLE001 - another transformers: keep the names as they are
+        return None
+    return (lambda n: rename_source_key(n, rules, [])[0]) if rules else None
+
+
+def _align(source: dict, output: dict, pre) -> dict:
     renamed = {}
     for name, info in source.items():
         split = _split_fused_expert(name, info, output) or _split_granite_moe(name, info, output)
@@ -51,6 +73,8 @@ def align_source_names(source: dict, output: dict) -> dict:
             renamed.update(split)
             continue
         alias = export_name(name, output)
+        if not _in_output(alias, output) and name not in output:
+            alias = export_name(pre(name), output)
         use_alias = alias != name and name not in output and alias not in source and _in_output(alias, output)
         renamed[alias if use_alias else name] = dataclasses.replace(info, name=alias) if use_alias else info
     return renamed
