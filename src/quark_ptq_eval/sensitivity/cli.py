@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ExitCode, UsageError
+from ..textdata import check_text_source
 
 
 def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +40,9 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
 
     if args.max_kl is not None and not args.max_kl > 0:
         raise UsageError(f"--max-kl must be a positive number, not {args.max_kl}.")
-    calib = args.calib_data or _demo_corpus(args.out)
+    if not (Path(args.model) / "config.json").exists():
+        raise UsageError(f"The sensitivity scan needs a local model directory; {args.model} has no config.json.")
+    calib = check_text_source(args.calib_data, "calibration data") if args.calib_data else _demo_corpus(args.out)
     opts = ScanOptions(model_dir=Path(args.model).resolve(), scheme=args.scheme, calib_data=Path(calib).resolve(),
                        num_samples=args.num_calib_samples, seq_len=args.calib_seq_len, exclude=args.exclude,
                        device=args.device, trust_remote_code=args.trust_remote_code,
