@@ -167,3 +167,8 @@ def test_hurt_remedies_name_the_scan_command():
     remedies = suggest_remedies({"global_scheme": "mxfp4", "model": {"model_path": "/models/m"},
                                  "calibration": {"path": "/data/c.txt", "num_samples": 8}})
     assert any("quark-ptq-eval sensitivity /models/m --scheme mxfp4 --calib-data /data/c.txt" in r for r in remedies)
+
+
+def test_cli_refuses_a_directory_that_is_not_a_model(cli, tmp_path):
+    res = cli("sensitivity", tmp_path, "--scheme", SCHEME, "--out", tmp_path / "out")
+    assert res.rc == 2 and "no config.json" in res.err and "Traceback" not in res.err
