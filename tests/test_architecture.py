@@ -187,6 +187,9 @@ def test_library_noise_goes_to_the_log_and_progress_shows_as_milestones(tmp_path
             early.stream.write("\x1b[32m\n[QUARK-INFO]: Quantizing with the configuration\n\nmore\x1b[0m\n")
             sys.stderr.write("\rLoading weights:  50%|█████     | 1/2 [00:00<00:00]")
             sys.stderr.flush()
+            sys.stderr.write("\rLoading weights: 100%|██████████| 2/2 [00:00<00:00]")
+            sys.stderr.flush()
+            sys.stderr.write("\n")  # tqdm's close: the bar's own newline
             print("Token indices sequence length is longer than the specified maximum", file=sys.stderr)
             print("our own line", file=sys.stderr)
     finally:

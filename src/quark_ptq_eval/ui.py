@@ -87,8 +87,10 @@ class Reporter:
         if self._live is None:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+            # No redirection of sys.stdout/sys.stderr: the run's noise filter stays in place.
             self._live = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TimeRemainingColumn(), console=self._console)
+                                  TimeRemainingColumn(), console=self._console, redirect_stdout=False,
+                                  redirect_stderr=False)
             self._live.start()
         if key not in self._bars:
             self._bars[key] = self._live.add_task(key, total=total)
@@ -129,6 +131,7 @@ class NoiseFilter:
         self._buf = ""
         self._log: TextIO | None = None
         self._in_record = False  # inside a multi-line Quark log record
+        self._bar_open = False  # the last line routed was a progress bar without its newline
         self.closed_log = False
 
     def write(self, text: str) -> int:
@@ -149,7 +152,9 @@ class NoiseFilter:
             return
         if QUARK_RECORD_START.match(line):
             self._in_record = True
-        noise = self._in_record or NOISE.search(line)
+        # A bar is flushed mid-line; its closing newline comes alone afterwards and is the bar's too.
+        noise = self._in_record or NOISE.search(line) or (self._bar_open and line == "\n")
+        self._bar_open = bool(noise) and not line.endswith(("\n", "\r"))
         if RECORD_END in line:
             self._in_record = False
         if not noise or self.closed_log:
@@ -158,7 +163,8 @@ class NoiseFilter:
         if self._log is None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
-        self._log.write(line.replace("\r", "\n"))
+        text = line.replace("\r", "\n")
+        self._log.write(text if text.endswith("\n") else text + "\n")  # a bar flushed mid-line: one line each
         self._log.flush()
 
     def close_log(self) -> None:
