@@ -79,7 +79,8 @@ class Reporter:
         reached = max((m for m in MILESTONES if done * 100 >= m * total), default=0)
         if reached > shown:
             elapsed = time.monotonic() - start
-            eta = f", about {_duration(elapsed / done * (total - done))} left" if 0 < done < total else ""
+            left = elapsed / done * (total - done) if 0 < done < total else 0.0
+            eta = f", about {_duration(left)} left" if left >= 1 else ""  # under a second: nothing to wait for
             print(f"  {key}: {reached}% ({done}/{total}){eta}", file=self.stream, flush=True)
         self._bars[key] = (start, max(reached, shown))
 
