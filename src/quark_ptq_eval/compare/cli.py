@@ -18,7 +18,7 @@ INT_FLAGS = ("--num-calib-samples", "--calib-seq-len")
 
 
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="local model directory or Hub repo id (kept from the first call)")
+    p.add_argument("model", nargs="?", help="local model directory (kept from the first call)")
     p.add_argument("--schemes", help="comma-separated Quark schemes, e.g. fp8,int8,int4_wo_128,mxfp4")
     p.add_argument("-o", "--output-root", dest="out_root", type=Path, required=True,
                    help="the comparison's directory: models, work dirs, baseline cache and the report")
