@@ -242,7 +242,10 @@ def test_nan_scales_pass_the_headers_but_fail_the_load_check(tiny_llama, quantiz
     rc, report = run_cli(tiny_llama, out, tmp_path, plan_for("int8"))
     assert rc == 4
     assert all(report["checks"][c]["status"] in ("pass", "skipped") for c in ("layout", "index", "md5"))
-    assert "logits: are not finite" in failures(report, "load")
+    # transformers' int8 path turns the NaN scale into garbage, not NaN, logits on CPU (measured: 4.9 %
+    # greedy agreement); a loader that propagates NaN fails on finiteness instead. Either way: exit 4.
+    text = failures(report, "load")
+    assert "logits: are not finite" in text or "below the 60% threshold" in text, text
 
 
 # --- registry ---------------------------------------------------------------------------------------------
