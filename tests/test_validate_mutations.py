@@ -2,7 +2,7 @@
 unmutated exports never are. Seeded (hypothesis, derandomized), so every run draws the same
 mutations. CI runs ``QPE_MUTATIONS`` of them (default 48); a larger campaign is the same test
 with a larger number (``QPE_MUTATIONS=400 pytest tests/test_validate_mutations.py``). Size,
-catch rate and the split by kind are printed at the end of the module.
+catch rate and the split by kind are printed by the test that follows the campaign.
 """
 
 from __future__ import annotations
@@ -52,21 +52,13 @@ def _plan(scheme: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def campaign(tiny_llama, quantized, tmp_path_factory, request):
+def campaign(tiny_llama, quantized, tmp_path_factory):
     root = tmp_path_factory.mktemp("campaign")
     exports = {s: Path(shutil.copytree(quantized(s), root / s)) for s in EXPORTS}
     exports["int8-sharded"] = Path(shutil.copytree(quantized("int8"), root / "int8-sharded"))
     shard(exports["int8-sharded"])
     plans = {name: _plan(name.split("-")[0]) for name in exports}
-    c = Campaign(root, tiny_llama, exports, plans, Counter())
-    yield c
-    total, caught = c.outcomes["total"], c.outcomes["caught"]
-    if total:
-        by_kind = ", ".join(f"{k} {c.outcomes['caught:' + k]}/{c.outcomes['total:' + k]}" for k in KINDS)
-        line = (f"mutation campaign: {total} mutations over {len(exports)} real exports, caught {caught} "
-                f"({caught / total:.1%}); {by_kind}")
-        reporter = request.config.pluginmanager.getplugin("terminalreporter")
-        reporter.write_line(line) if reporter else print(line)
+    return Campaign(root, tiny_llama, exports, plans, Counter())
 
 
 def test_unmutated_exports_are_never_flagged(campaign):
@@ -227,3 +219,13 @@ def mutate_index(out: Path, a: int, b: int) -> str:
 
 MUTATORS = {"byte": mutate_byte, "shape": mutate_shape, "dtype": mutate_dtype, "config": mutate_config,
             "tokenizer": mutate_tokenizer, "index": mutate_index}
+
+
+def test_campaign_size_and_catch_rate_are_printed(campaign, capsys):
+    """Runs after the campaign (same module, file order): prints its figures, even under -q."""
+    total, caught = campaign.outcomes["total"], campaign.outcomes["caught"]
+    by_kind = ", ".join(f"{k} {campaign.outcomes['caught:' + k]}/{campaign.outcomes['total:' + k]}" for k in KINDS)
+    with capsys.disabled():
+        print(f"\nmutation campaign: {total} mutations over {len(campaign.exports)} real exports, caught {caught} "
+              f"({caught / max(total, 1):.1%}); by kind: {by_kind}")
+    assert total > 0 and caught == total
