@@ -145,6 +145,9 @@ def _group(tensors: dict[str, TensorInfo]) -> dict[str, dict[str, TensorInfo]]:
     return grouped
 
 
+ROUTER_SUFFIXES = (".mlp.gate", ".block_sparse_moe.gate", ".router", ".ffn.gate")  # MoE routers
+
+
 def _expect_quantized(module: str, suffixes: dict[str, TensorInfo], inputs: LayoutInputs) -> bool:
     weight = suffixes.get("weight")
     if weight is None or len(weight.shape) != 2 or is_embedding(module):
@@ -161,6 +164,10 @@ def _check_quantized(module: str, src: dict[str, TensorInfo], out: dict[str, Ten
     weight = src["weight"]
     out_weight = out.get("weight")
     if out_weight is not None and out_weight.dtype == weight.dtype and not any(is_quant_param(s) for s in out):
+        if module.endswith(ROUTER_SUFFIXES):
+            return [Finding(module, f"MoE router left in {weight.dtype}.", benign=True,
+                            evidence="transformers 5 routers (TopKRouter) hold a raw parameter, not an nn.Linear, "
+                                     "and Quark quantizes nn.Linear only")]
         return [Finding(module, f"is not quantized: its weight is still {weight.dtype} {list(weight.shape)} "
                                 f"with no scale, but {cfg.source} quantizes it.", side="quark",
                         evidence=f"{_spec_summary(cfg.weight)} expected; no exclusion pattern matches it")]
