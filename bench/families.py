@@ -139,8 +139,8 @@ def _keep_fp32(model) -> None:
     as in the family's real checkpoints."""
     import torch
 
-    keep = [*(getattr(model, "_keep_in_fp32_modules", None) or []),
-            *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])]
+    # only the strict list: the plain one applies to float16 loads, not to bf16 checkpoints
+    keep = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
     if not keep:
         return
     with torch.no_grad():
