@@ -192,9 +192,10 @@ def assess(analysis, scheme: str, info: dict, algorithm: str | None, calibration
     ev = estimate_eval(analysis, out)
     ev["with_baseline_bytes"] = estimate_eval(analysis, out, baseline=True)["host_peak_bytes"]
     problems = _problems(est, out, ev, host, device)
-    proposals = _proposals(analysis, info, algorithm, calibration, device, host, est, rerun) if problems else []
+    fits = not any(p["blocking"] for p in problems)
+    proposals = [] if fits else _proposals(analysis, info, algorithm, calibration, device, host, est, rerun)
     return {"quantize": est, "evaluate": ev, "output_bytes": out, "host": host,
-            "fits": not any(p["blocking"] for p in problems), "problems": problems, "proposals": proposals}
+            "fits": fits, "problems": problems, "proposals": proposals}
 
 
 def _problems(est: dict, out: int, ev: dict, host: dict, device: dict) -> list[dict]:
