@@ -176,7 +176,8 @@ def test_first_use_costs_are_announced_once(tmp_path):
 
 def test_catalog_build_is_announced(tmp_path):
     env = {**os.environ, "QUARK_PTQ_EVAL_CACHE": str(tmp_path / "fresh-cache")}
-    code = "from quark_ptq_eval.first_use import catalog_built as c, announce_catalog_build as a; print(c()); a()"
+    code = ("from quark_ptq_eval.catalog import catalog_built as c; "
+            "from quark_ptq_eval.first_use import announce_catalog_build as a; print(c()); a()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.stdout.strip() == "False" and "asking it which schemes" in proc.stderr
 

@@ -41,6 +41,14 @@ def catalog_path() -> Path:
     return cache_dir() / f"quark-catalog-{quark_version()}-{_install_key()}.json"
 
 
+def catalog_built() -> bool:
+    """Is the catalog cached for this Quark install (so no first-use build is due)?"""
+    try:
+        return catalog_path().is_file()
+    except Exception:  # noqa: BLE001 - Quark absent: the catalog step reports that itself
+        return True
+
+
 def load_catalog() -> dict:
     path = catalog_path()
     if path.exists():

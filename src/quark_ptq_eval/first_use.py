@@ -79,15 +79,6 @@ def hw_emulation_state() -> tuple[str, Path | None]:
     return "missing", root / HW_EMULATION_LIB
 
 
-def catalog_built() -> bool:
-    from .catalog import catalog_path
-
-    try:
-        return catalog_path().is_file()
-    except Exception:  # noqa: BLE001 - Quark absent: the catalog step reports that itself
-        return True
-
-
 def _log(message: str) -> None:
     print(f"[quark-ptq-eval] {message}", file=sys.stderr, flush=True)
 

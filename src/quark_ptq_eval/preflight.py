@@ -268,13 +268,12 @@ def _quark_cli_check(ctx: Contexts, deep: bool) -> Check:
 
 def _one_time_check(deep: bool) -> Check:
     from . import first_use
+    from .catalog import catalog_built, load_catalog
 
     if deep:
-        from .catalog import load_catalog
-
         load_catalog()  # announces itself; compiles Quark's kernels on the way when due
     state, where = first_use.hw_emulation_state()
-    pending = ([] if first_use.catalog_built() else [f"the capability catalog ({first_use.CATALOG_ESTIMATE})"]) + (
+    pending = ([] if catalog_built() else [f"the capability catalog ({first_use.CATALOG_ESTIMATE})"]) + (
         [] if state == "built" else [f"Quark's kernel compile ({first_use.COMPILE_ESTIMATE})"])
     if not pending:
         return Check("first use", True, f"paid: catalog cached, Quark kernels built ({where})")
