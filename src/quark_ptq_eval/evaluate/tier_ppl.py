@@ -322,8 +322,8 @@ def _resolution_warning(ctx: TierContext, acc: Accumulator, windows: int) -> str
         return None  # nothing to compare with: no verdict to resolve
     half = resolution_pct(spread, windows)
     healthy = options.thresholds.healthy_pct
-    if half is None or half <= healthy:
-        return None
+    if half is None or half <= healthy or not math.isfinite(half):
+        return None  # inf: a spread that overflows is a broken model, not noise that hides a verdict
     needed = math.ceil(windows * (math.log1p(half / 100) / math.log1p(healthy / 100)) ** 2)
     return (
         f"{windows} windows are too few to resolve the healthy threshold: the pilot's {what} project "
