@@ -27,12 +27,15 @@ from quark_ptq_eval.validate.configdiff import ConfigContext, check_config  # no
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, corpus, tiny_model, catalog) -> Setup:
+def setup(tmp_path_factory, corpus, catalog) -> Setup:
+    from quark_ptq_eval.demo import build_tiny_model
     from quark_ptq_eval.preflight import detect_env
 
+    work = tmp_path_factory.mktemp("matrix")
+    tokenizer = build_tiny_model(work / "tokenizer", corpus, train_steps=1)  # only its tokenizer is used
     env = detect_env()
     env["hardware"] = {**env["hardware"], "accelerator": "cpu", "gpu_arch": None}
-    return Setup(tmp_path_factory.mktemp("matrix"), corpus, tiny_model("llama"), catalog, env, 4, 2)
+    return Setup(work, corpus, tokenizer, catalog, env, 4, 2)
 
 
 def _family(setup: Setup, model_type: str) -> Path:
