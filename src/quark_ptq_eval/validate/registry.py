@@ -49,6 +49,11 @@ class ValidationContext:
                 self.headers[side] = read_model_headers(model_dir)
             except UnsafeInputError as exc:
                 self.headers[side] = exc.message
+        src, out = self.tensors("source"), self.tensors("output")
+        if src is not None and out is not None:  # legacy checkpoint names (Mixtral's w1/w2/w3) -> the export's
+            from .checkpoint_names import align_source_names
+
+            self.headers["source"] = align_source_names(src, out, self.src_config.get("model_type"))
 
     def tensors(self, side: str) -> dict[str, TensorInfo] | None:
         h = self.headers.get(side)
