@@ -193,7 +193,8 @@ def test_a_wrong_scale_size_fails_layout(tiny_llama, quantized, copy_model):
     name = "model.layers.0.mlp.up_proj.weight_scale"
     rewrite(out, lambda t: t.update({name: ("F32", [2, 256], t[name][2] * 2)}))
     report = validate_model(tiny_llama, out)
-    assert f"{name}: has 512 values, but weight spec 1 (int4, per_group) needs 256" in messages(report, "layout")
+    assert (f"{name}: has shape [2, 256], but weight spec 1 (int4, per_group) with Quark's packing needs [1, 256]"
+            in messages(report, "layout"))  # transposed [in/group, out], the shape of a real export
 
 
 def test_a_missing_tokenizer_file_fails_aux_and_the_fix_recopies_it(tiny_llama, int8_copy):
