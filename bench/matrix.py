@@ -352,9 +352,17 @@ def all_results(work: Path) -> dict:
     for path in sorted(work.glob("results-*.json")):
         part = json.loads(path.read_text())
         data["cells"].update(part["cells"])
-        data["runs"] += part["runs"]
+        data["runs"] += part["runs"] or [_interrupted_run(path, part["cells"])]
     data["runs"].sort(key=lambda r: r["when"])
     return data
+
+
+def _interrupted_run(path: Path, cells: dict) -> dict:
+    """A runner stopped before its summary: its cells and their summed time, dated by its file."""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
+    cell_s = sum(c["seconds"].get("cell", 0.0) for c in cells.values())
+    return {"when": when, "cells": len(cells), "cell_s": round(cell_s, 1), "interrupted": True,
+            "tag": path.stem.removeprefix("results-")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -150,8 +150,15 @@ def _load_with_transformers(model_dir: Path, device: str, trust_remote_code: boo
 def _load_with_quark(model_dir: Path, device: str, trust_remote_code: bool):
     from quark.torch import import_model_from_safetensors
 
+    try:
+        return import_model_from_safetensors(
+            None, str(model_dir), trust_remote_code=trust_remote_code, attn_implementation="sdpa", device=device
+        )
+    except ValueError as exc:  # gpt-oss, DeepSeek-V4: no SDPA path in transformers, eager is their only one
+        if "does not support an attention implementation" not in str(exc):
+            raise
     return import_model_from_safetensors(
-        None, str(model_dir), trust_remote_code=trust_remote_code, attn_implementation="sdpa", device=device
+        None, str(model_dir), trust_remote_code=trust_remote_code, attn_implementation="eager", device=device
     )
 
 

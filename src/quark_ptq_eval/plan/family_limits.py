@@ -40,6 +40,11 @@ LIMITS: tuple[FamilyLimit, ...] = (
                 "AutoModelForCausalLM builds Llama 4's text-only Llama4ForCausalLM (model_type llama4_text), "
                 "for which Quark 0.13 has no template",
                 "run quark-cli torch-llm-ptq on the full Llama 4 checkpoint (it loads the image-text model)"),
+    *(FamilyLimit(t, (ALL,), "recipe",
+                  f"AutoModelForCausalLM builds the text-only model (model_type {t}_text), for which Quark 0.13 "
+                  "has no template",
+                  "run quark-cli torch-llm-ptq on the full checkpoint (it loads the image-text model)")
+      for t in ("qwen3_5", "qwen3_5_moe")),
 )
 
 
