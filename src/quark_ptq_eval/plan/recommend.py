@@ -133,8 +133,11 @@ def _check_compatible(model_type: str, scheme: str, algorithm: str | None, kv: s
         if not algo:
             continue
         if algo not in catalog["algorithms"] or algo not in analysis.template.get("algorithms", catalog["algorithms"]):
+            own = analysis.template.get("algorithms", catalog["algorithms"])  # [] : the template has none
+            hint = (f"Available: {', '.join(own)}." if own else f"Quark's {model_type} template has no built-in "
+                    "algorithm config: run without --algorithm (plain PTQ).")
             raise UsageError(f"The algorithm {algo!r} is not available for model_type {model_type!r} in this Quark.",
-                             f"Available: {', '.join(analysis.template.get('algorithms') or catalog['algorithms'])}.")
+                             hint)
         if algo in WEIGHT_ONLY_ALGORITHMS and not info.get("weight_only"):
             raise UsageError(f"{algo} is a weight-only algorithm and cannot be combined with {scheme}, "
                              "which also quantizes activations.", "Use smoothquant for W8A8 schemes, or a *_wo_* scheme.")
