@@ -165,8 +165,14 @@ class Recipe:
         self.ui.table("Quantization plan", [(d["decision"], _short(d["value"]), d["reason"]) for d in plan.decisions],
                       ("decision", "value", "reason"))
         self.state.record_step("plan", "done", artifact=str(QuantPlan.path_in(self.workdir)), digest=plan.digest)
-        # A plan this host cannot hold stops here, before anything runs.
+        # A plan this host cannot hold stops here, before anything runs. Too little disk for the
+        # output is bad input, not a decision: no approval makes it fit (exit 2, as at execution).
+        from .execute.step import estimated_output_bytes
         from .plan.resources import hold_message
+        from .safety import check_free_space
+
+        if flow.ctx.execution_mode != "plan_only" and flow.output_dir is not None:
+            check_free_space(Path(flow.output_dir), estimated_output_bytes(analysis))
 
         hold = hold_message(plan, flow.ctx.execution_mode, self.approver, self.state.is_approved("plan", plan.digest))
         if hold:

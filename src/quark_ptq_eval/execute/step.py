@@ -35,7 +35,7 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def _estimated_output_bytes(analysis: ModelAnalysis) -> int:
+def estimated_output_bytes(analysis: ModelAnalysis) -> int:
     return int(analysis.size["bytes"] * 0.6) + (1 << 20)
 
 
@@ -65,7 +65,7 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
     if is_nonempty_dir(output_dir) and not overwrite:
         raise UsageError(f"The output directory {output_dir} is not empty.",
                          "Choose another -o, or pass --overwrite (its contents are moved aside, not deleted).")
-    check_free_space(output_dir, _estimated_output_bytes(analysis))
+    check_free_space(output_dir, estimated_output_bytes(analysis))
     recipe.gates.require("execute", on_disk.command_digest, on_disk.command["shell"])
     if staging.exists():
         _set_aside(recipe, staging, "holds a partial output from an interrupted or failed run")
