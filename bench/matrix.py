@@ -66,10 +66,12 @@ def log(msg: str) -> None:
 
 # -- shares of matrix parameters --------------------------------------------------------------
 def _is_matrix(name: str, shape: tuple) -> bool:
-    if any(h in name for h in NON_MATRIX):
+    parts = name.split(".")
+    leaf = parts[-2] if parts[-1] == "weight" and len(parts) > 1 else parts[-1]
+    if parts[-1].endswith("bias") or any(h in leaf.lower() for h in NON_MATRIX):  # the module itself, not a parent (DBRX's norm_attn_norm.attn)
         return False
-    # fused 3-D expert tensors carry no ".weight" suffix (experts.gate_up_proj / experts.down_proj)
-    return (len(shape) == 2 and name.endswith("weight")) or (len(shape) == 3 and "expert" in name)
+    # fused expert tensors carry no ".weight" suffix (experts.gate_up_proj, DBRX's 2-D experts.mlp.w1)
+    return (len(shape) == 2 and name.endswith("weight")) or (len(shape) in (2, 3) and "expert" in name)
 
 
 def matrix_params(headers: dict) -> dict[str, int]:
