@@ -62,9 +62,9 @@ def independent_kl_top1(
 # Measured: the upper end of the paired perplexity interval is +0.33 % (int8), +0.14 % (fp8),
 # +0.79 % (int4_wo_128), +1.65 % (mxfp4), +1.16 % (nvfp4), +0.95 % (int4_fp8); exp(KL) - 1 at most
 # +0.71 % (mxfp4): all within the 2 % healthy threshold.
-# mxfp4 sits next to the threshold: the tiny model trains a little differently per session (thread
-# scheduling), and in a full-suite run the interval's upper end crossed 2 %. Its one verdict is the one
-# the paired interval measured in this run allows: healthy below the threshold, watch above it.
+# mxfp4 sits next to the threshold (+1.65 % upper end measured alone); its verdict failed in a
+# full-suite run and passed alone (the tiny model trains a little differently per session). Its one
+# verdict is the one the paired interval measured in this run allows: healthy below 2 %, watch above.
 EXPECTED_VERDICT = dict.fromkeys(["int8", "fp8", "int4_wo_128", "mxfp4", "nvfp4", "int4_fp8"], "healthy")
 NEAR_THRESHOLD = {"mxfp4"}
 
