@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..evaluate.report import json_safe
 from ..evaluate.verdict import BEYOND_NOISE
 from ..fsio import atomic_write_text, read_json, write_json
 from ..state import RunState
@@ -105,23 +106,13 @@ def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, An
     chart = write_pareto_chart(rows, doc["pareto_front"], root / CHART_NAME)
     doc["artifacts"] = {"report": str(root / REPORT_NAME), "json": str(root / JSON_NAME),
                         "chart": str(chart) if chart else None}
-    write_json(root / JSON_NAME, _json_safe(doc))
+    write_json(root / JSON_NAME, json_safe(doc))
     atomic_write_text(root / REPORT_NAME, markdown(doc))
     comparison.ui.table("Comparison", [(r["scheme"], _cell_status(r), _fmt(r.get("size_bytes"), "mib"),
                                         _fmt(r.get("perplexity")), _fmt(r.get("kl_mean"))) for r in rows],
                         ("scheme", "status", "size", "perplexity", "KL mean"))
     comparison.ui.info(f"Recommendation: {rec['reason']}\nReport: {root / REPORT_NAME}")
     return doc
-
-
-def _json_safe(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def _fmt(value, kind: str = "num") -> str:

@@ -49,17 +49,17 @@ def results_document(report: EvalReport) -> dict:
             "artifacts": report.artifacts | ({"chart": str(report.chart_path)} if report.chart_path else {}),
         }
     )
-    return _json_safe(doc)
+    return json_safe(doc)
 
 
-def _json_safe(value):
+def json_safe(value):
     """NaN is not JSON: write null instead."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     if isinstance(value, Path):
         return str(value)
     return value
