@@ -25,6 +25,18 @@ class DiskFullError(QpeError):
     pass
 
 
+def write_png(fig: Any, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """Render a matplotlib figure to PNG and write it atomically; the figure is closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    plt.close(fig)
+    return atomic_write_bytes(path, buffer.getvalue())
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
     try:

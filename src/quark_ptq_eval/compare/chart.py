@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
-from ..fsio import atomic_write_bytes
+from ..fsio import write_png
 from .recommend import usable
 
 PANELS = (("kl_mean", "mean KL(baseline ‖ scheme)"), ("perplexity", "perplexity"))
@@ -26,10 +25,7 @@ def write_pareto_chart(rows: list[dict[str, Any]], fronts: dict[str, list[str]],
         _panel(ax, points, fronts.get(metric, []), metric, label)
     fig.suptitle("Size against accuracy (lower left is better; frontier in red)", fontsize=10)
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
+    write_png(fig, path)
     return path
 
 

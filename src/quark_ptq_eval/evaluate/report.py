@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import io
 import math
 import shlex
 from pathlib import Path
 
-from ..fsio import atomic_write_bytes, atomic_write_text, write_json
+from ..fsio import atomic_write_text, write_json, write_png
 from .context import format_duration
 from .eval_report import REPORT_NAME, RESULTS_NAME, EvalReport  # noqa: F401 (names kept importable here)
 from .verdict import invalid_reasons
@@ -258,8 +257,5 @@ def write_chart(report: EvalReport, path: Path) -> Path | None:
             ax.annotate(_num(v), (x, v), ha="center", va="bottom", fontsize=8)
     fig.suptitle(f"Tier {report.tier}: verdict {report.verdict}", fontsize=10)
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
+    write_png(fig, path)
     return path

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..fsio import atomic_write_text, write_json
+from ..fsio import atomic_write_text, write_json, write_png
 
 TOP = 20  # layers listed in the markdown ranking and the chart
 
@@ -114,6 +114,5 @@ def _chart(path: Path, result: dict, summary: dict) -> Path | None:
     axes[2].tick_params(axis="x", rotation=45)
     fig.suptitle(f"{Path(result['model']).name} · {result['scheme']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    write_png(fig, path, dpi=90)
     return path
