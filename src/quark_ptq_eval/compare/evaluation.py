@@ -79,7 +79,7 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     """Score the scheme's quantized model against the cached baseline; write its eval report."""
     from ..evaluate import EvalOptions
     from ..evaluate import report as report_files
-    from ..evaluate.api import _build_report  # the evaluation's own report builder: same verdicts
+    from ..evaluate.api import build_report  # the evaluation's own report builder: same verdicts
     from ..evaluate.context import TierContext
     from ..evaluate.loading import load_model
     from ..evaluate.tier_ppl import auto_batch_size, outcome_from, token_windows
@@ -109,7 +109,7 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
                                                    "the gap to the full-logit KL is at most the stated bound)"}
     plan = read_json(workdir / "quant_plan.json", "quantization plan")
     ctx = TierContext(model_dir, options, workdir, None, baseline.source, plan)
-    report = _build_report(ctx, outcome, None, time.perf_counter() - started)
+    report = build_report(ctx, outcome, None, time.perf_counter() - started)
     report_files.write_all(report)
     _record_eval(workdir, report)
     return report

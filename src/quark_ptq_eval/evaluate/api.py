@@ -48,7 +48,7 @@ def evaluate(
         started = time.perf_counter()
         outcome = module.run(prepared)
         actual = time.perf_counter() - started + _pilot_seconds(prepared)
-    report = _build_report(ctx, outcome, estimate, actual)
+    report = build_report(ctx, outcome, estimate, actual)
     report_files.write_all(report)
     ctx.log(f"{report.one_line()}; report: {report.report_path}")
     return report
@@ -93,7 +93,10 @@ def _pilot_seconds(prepared: Any) -> float:
     return float(getattr(prepared, "pilot_s", 0.0))
 
 
-def _build_report(ctx: TierContext, outcome: TierOutcome, estimate, actual) -> EvalReport:
+def build_report(ctx: TierContext, outcome: TierOutcome, estimate, actual) -> EvalReport:
+    """A tier's outcome as the evaluation's report: reference merged, verdicts, remedies. Public for
+    callers that score a model themselves (compare scores against a cached baseline) and want the
+    same verdicts and files as `evaluate`."""
     options = ctx.options
     card_dir = ctx.source_model or options.baseline or ctx.model_dir
     reference = merge_references(model_card_reference(card_dir), options.reference)
@@ -132,6 +135,9 @@ def _build_report(ctx: TierContext, outcome: TierOutcome, estimate, actual) -> E
     )
 
 
+_build_report = build_report  # the old private name, kept for existing callers
+
+
 def _settings(options: EvalOptions) -> dict[str, Any]:
     keep = (
         "tier",
@@ -163,4 +169,4 @@ def _num_layers(model_dir: Path) -> int | None:
         return None
 
 
-__all__ = ["EvalOptions", "EvalReport", "TIERS", "evaluate", "estimate_runtime"]
+__all__ = ["EvalOptions", "EvalReport", "TIERS", "build_report", "evaluate", "estimate_runtime"]
