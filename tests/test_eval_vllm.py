@@ -52,6 +52,9 @@ def test_this_host_has_no_rocm_so_commands_are_deferred(tmp_path, capsys):
     assert "vllm serve" in printed and "lm_eval --model local-completions" in printed  # a base model
     text = (work / "eval_report.md").read_text()
     assert "Deferred commands" in text and "--entrypoint sleep" in text and "flexible-extract" in text
+    script = work / "tier3_deferred.sh"  # the same commands, runnable top to bottom (tests/test_tier3_script.py)
+    assert f"`bash {script.resolve()}`" in text and script.stat().st_mode & 0o111
+    assert "docker exec -d" in text and "wait until port 8080 is free" in text  # detached, stopped in between
     results = json.loads((work / "eval_results.json").read_text())
     assert results["deferred_commands"][0]["argv"][:3] == ["docker", "run", "-d"]
 
@@ -225,3 +228,35 @@ def test_tier3_reads_only_the_results_its_own_run_wrote(tmp_path):
     # lm_eval wrote nothing this time: the stale file is not taken for this run's scores
     with pytest.raises(QpeError, match="no new results"):
         t3.run(t3.prepare(ctx, env=ROCM_DOCKER), SilentLmEval(work))
+
+
+def test_tier3_serves_with_the_plans_tensor_parallelism_and_kv_cache_dtype(tmp_path, catalog, corpus):
+    """The plan's serving fit (issue 15) sizes each server: an 8 B Llama in FP8 with an FP8 KV cache at
+    128 k tokens x batch 8 needs two H100s; its BF16 baseline (weights and KV cache twice as big) four."""
+    from test_plan_targets import LLAMA_8B, cpu_env, header_only_llama
+
+    from quark_ptq_eval.intake import analyze_model
+    from quark_ptq_eval.plan import PlanRequest, make_plan
+
+    model = header_only_llama(tmp_path / "llama-8b", **LLAMA_8B)  # headers only: nothing is loaded
+    analysis = analyze_model(str(model), offline=True, catalog=catalog)
+    request = PlanRequest(goal="fp8 for H100 with 128k context, batch 8", calib_data=str(corpus))
+    plan = make_plan(analysis, cpu_env(), request, catalog, tmp_path / "a.json", tmp_path / "out").to_dict()
+    assert plan["kv_cache_scheme"] == "fp8" and plan["target"]["serving_fit"]["devices_needed"] == 2
+    work = tmp_path / "work"
+    ctx = TierContext(model, EvalOptions(tier="vllm", tasks=["gsm8k"], baseline=model), work, FlagApprover(),
+                      plan=plan)
+    outcome = t3.run(t3.prepare(ctx, env=NO_ROCM))
+    serve = {c["purpose"].split()[2]: shlex.split(c["argv"][-1].split("exec ", 1)[1])
+             for c in outcome.deferred_commands if c["purpose"].startswith("serve")}
+    q, b = serve["quantized"], serve["baseline"]
+    assert q[q.index("--tensor-parallel-size") + 1] == "2" and q[q.index("--kv-cache-dtype") + 1] == "fp8"
+    assert b[b.index("--tensor-parallel-size") + 1] == "4" and "--kv-cache-dtype" not in b
+    script = Path(outcome.artifacts["Tier 3 script"]).read_text()
+    assert "--tensor-parallel-size 2 --kv-cache-dtype fp8" in script and "--tensor-parallel-size 4" in script
+    assert any("needs 2 x H100" in n and "131072 tokens x batch 8" in n for n in outcome.notes)
+
+    unplanned = t3.prepare(TierContext(model, EvalOptions(tier="vllm"), tmp_path / "w2", FlagApprover()), env=NO_ROCM)
+    argv = unplanned.plan.per_model["quantized"][0].argv
+    assert "--tensor-parallel-size" not in argv[-1] and "--kv-cache-dtype" not in argv[-1]
+    assert any("No quantization plan" in n for n in unplanned.plan.notes)

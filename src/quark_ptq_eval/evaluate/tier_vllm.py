@@ -12,12 +12,12 @@ One job per module: vllm_detect (the host), vllm_commands (the command plan), vl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..checkpoints import as_gatekeeper
 from ..errors import UsageError
 from .context import RuntimeEstimate, TierContext, TierOutcome
-from .vllm_commands import DEFAULT_TASKS, CommandPlan, ServedModel, plan_commands, shell_line
+from .tier3_script import write_script
+from .vllm_commands import DEFAULT_TASKS, CommandPlan, ServedModel, plan_commands, served_models, shell_line
 from .vllm_detect import Environment, choose_runtime, detect_environment
 from .vllm_executor import Executor, execute_plan
 
@@ -38,11 +38,10 @@ class VllmPrepared:
 
 def prepare(ctx: TierContext, env: Environment | None = None) -> VllmPrepared:
     env = env or detect_environment()
-    models = [ServedModel("quantized", ctx.model_dir.resolve(), "quantized")]
-    if ctx.options.baseline:
-        models.append(ServedModel("baseline", Path(ctx.options.baseline).resolve(), "baseline"))
+    models, fit_notes = served_models(ctx.model_dir, ctx.options.baseline, ctx.plan)
     runtime = choose_runtime(env, ctx.options.vllm_runtime)
     plan = plan_commands(models, ctx.options, ctx.workdir, runtime, env)
+    plan.notes += fit_notes
     from .loading import model_size_bytes
 
     size = sum(model_size_bytes(m.path) for m in models)
@@ -64,9 +63,9 @@ def prepare(ctx: TierContext, env: Environment | None = None) -> VllmPrepared:
 def run(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutcome:
     ctx, plan = prepared.ctx, prepared.plan
     details = {"environment": prepared.env.as_dict(), "runtime": plan.runtime, "container": plan.container}
-    commands = [c.as_dict() for c in plan.all_commands()]
     if not prepared.env.rocm:
-        return _deferred(ctx, plan, details, commands)
+        return _deferred(prepared, details)
+    commands = [c.as_dict() for c in plan.all_commands()]
     _check_runtime(plan, prepared.env)
     summary = "\n".join(f"{c.purpose}: {shell_line(c.argv)}" for c in plan.all_commands())
     # Bound to the exact commands, container creation included: other commands ask again.
@@ -75,18 +74,26 @@ def run(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutcome
     return execute_plan(ctx, plan, executor or Executor(ctx.workdir), details, commands)
 
 
-def _deferred(ctx: TierContext, plan: CommandPlan, details: dict, commands: list[dict]) -> TierOutcome:
-    ctx.log("Tier 3 needs ROCm; this host has none. Run these later on a ROCm host:")
-    for command in plan.all_commands():
+def _deferred(prepared: VllmPrepared, details: dict) -> TierOutcome:
+    """Off ROCm: write the commands as a script to run later, top to bottom, and show them."""
+    ctx, plan = prepared.ctx, prepared.plan
+    script, steps = write_script(plan, prepared.models, ctx.options, ctx.workdir)
+    ctx.log(f"Tier 3 needs ROCm; this host has none. On a ROCm host run: bash {script}")
+    ctx.log("It runs these, each server detached and stopped before the next:")
+    for command in steps:
         ctx.log(f"  # {command.purpose}\n  {shell_line(command.argv)}")
     return TierOutcome(
         quantized={},
-        details=details,
-        deferred_commands=commands,
+        details=details | {"script": str(script)},
+        deferred_commands=[c.as_dict() for c in steps],
         notes=[
-            "Tier 3 was not run: no ROCm on this host. The exact commands are recorded below.",
+            "Tier 3 was not run: no ROCm on this host. On a ROCm host run "
+            f"`bash {script}`: it starts each vLLM server detached, waits for its health (with a timeout), "
+            "evaluates it, stops it and waits for its port before the next model, and stops what it "
+            "started on any exit. The same commands are listed below.",
             *plan.notes,
         ],
+        artifacts={"Tier 3 script": str(script)},
     )
 
 

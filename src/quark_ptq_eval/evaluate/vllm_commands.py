@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import math
 import re
 import shlex
 import time
@@ -31,6 +32,7 @@ GENERATE_TASK_PREFIXES = (
     "coqa",
 )
 REASONING_GEN_TOKS = 32768
+VLLM_KV_DTYPES = {"fp8": "fp8"}  # Quark's KV-cache scheme -> vLLM's --kv-cache-dtype
 
 
 @dataclass
@@ -48,6 +50,8 @@ class ServedModel:
     label: str  # "quantized" or "baseline"
     path: Path
     served_name: str
+    tensor_parallel: int | None = None  # devices from the plan's serving fit; None: vLLM's default
+    kv_cache_dtype: str | None = None  # "fp8" where the plan quantized the KV cache
 
 
 @dataclass
@@ -107,6 +111,42 @@ def generation_budget(traits: dict, requested: int | None) -> int | None:
 
 
 # ---------------------------------------------------------------- planning
+
+
+def served_models(model_dir: Path, baseline: Path | None, plan: dict | None) -> tuple[list[ServedModel], list[str]]:
+    """The models Tier 3 serves, sized by the plan's serving fit (tensor parallelism, KV-cache dtype),
+    and a note on where the sizes come from."""
+    plan = plan or {}
+    target = plan.get("target") or {}
+    fit = target.get("serving_fit") or {}
+    kv = VLLM_KV_DTYPES.get(plan.get("kv_cache_scheme") or "")
+    tp = fit.get("devices_needed") or None
+    models = [ServedModel("quantized", Path(model_dir).resolve(), "quantized", tp, kv)]
+    if baseline is not None:  # the unquantized source, KV cache in the model dtype
+        models.append(ServedModel("baseline", Path(baseline).resolve(), "baseline",
+                                  _baseline_devices(Path(baseline), fit, kv) if tp else None))
+    notes = []
+    if tp:
+        gib = (fit["weights_bytes"] + fit["kv_cache_bytes"]) / 2**30
+        notes.append(f"Serving fit from the plan: the quantized model needs {tp} x {target.get('label')} "
+                     f"({gib:.1f} GiB of weights and KV cache at {fit['context']} tokens x batch {fit['batch']}): "
+                     + ", ".join(f"{m.label} --tensor-parallel-size {m.tensor_parallel}" for m in models) + ".")
+    elif not plan:
+        notes.append("No quantization plan with this evaluation: vLLM's defaults (one device, KV cache in the "
+                     "model dtype); evaluate through `run` to size the servers from the plan's serving fit.")
+    if plan.get("kv_cache_scheme") and not kv:
+        notes.append(f"The plan's KV-cache scheme {plan['kv_cache_scheme']} has no vLLM --kv-cache-dtype: "
+                     "the server keeps the KV cache in the model dtype.")
+    return models, notes
+
+
+def _baseline_devices(path: Path, fit: dict, kv: str | None) -> int:
+    """Devices for the unquantized baseline: its weights on disk plus a model-dtype KV cache."""
+    from ..plan.resources import HEADROOM
+
+    need = sum(f.stat().st_size for f in path.glob("*.safetensors")) + fit["kv_cache_bytes"] * (2 if kv else 1)
+    devices = max(1, math.ceil(need / (fit["device_memory_gb"] * 1e9 * HEADROOM)))
+    return 1 << (devices - 1).bit_length()  # tensor parallelism goes in powers of two, as in the plan
 
 
 def container_name(model_dir: Path) -> str:
@@ -217,18 +257,21 @@ def holder_container_argv(name: str, image: str, models: list[ServedModel], work
     return argv
 
 
-def serve_argv(model: ServedModel, options, runtime: str, container: str, workdir: Path) -> list[str]:
-    serve = [
-        "vllm",
-        "serve",
-        str(model.path.resolve()),
-        "--port",
-        str(options.vllm_port),
-        "--served-model-name",
-        model.served_name,
-    ]
+def server_argv(model: ServedModel, options) -> list[str]:
+    """The bare ``vllm serve`` line, with the plan's tensor parallelism and KV-cache dtype."""
+    serve = ["vllm", "serve", str(model.path.resolve()), "--port", str(options.vllm_port),
+             "--served-model-name", model.served_name]
+    if model.tensor_parallel:
+        serve += ["--tensor-parallel-size", str(model.tensor_parallel)]
+    if model.kv_cache_dtype:
+        serve += ["--kv-cache-dtype", model.kv_cache_dtype]  # vLLM reads the export's KV scales only then
     if options.trust_remote_code:
         serve.append("--trust-remote-code")
+    return serve
+
+
+def serve_argv(model: ServedModel, options, runtime: str, container: str, workdir: Path) -> list[str]:
+    serve = server_argv(model, options)
     if runtime == "host":
         return serve
     # The pid file (in the shared workdir) lets this run stop exactly this server later.
