@@ -61,9 +61,14 @@ def run(model: str | Path | None, output_dir: str | Path | None, *, workdir: str
         quiet: bool = True, **plan_request: Any) -> dict[str, Any]:
     """The whole recipe (or up to ``stop_after``: intake, plan, manifest, execute). Raises
     ``CheckpointPending`` at a gate the approver refuses; call again to resume."""
+    from .evaluate.options import EvalOptions
+    from .options import check_names
     from .pipeline import Recipe, RunOptions
+    from .plan.request import PlanRequest
     from .ui import Reporter
 
+    check_names(PlanRequest, plan_request, "plan")
+    check_names(EvalOptions, eval_options or {}, "evaluation")
     options = RunOptions(model=str(model) if model else None, output_dir=str(output_dir) if output_dir else None,
                          plan=plan_request, overwrite=overwrite, eval_tier=eval_tier, eval=eval_options or {},
                          offline=offline)

@@ -15,17 +15,10 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 from . import __version__
 from .errors import CheckpointPending, ExitCode, QpeError
-from .execute.engines import ENGINE_NAMES
 from .preflight import CONTEXT_KINDS
-
-PLAN_FIELDS = ("goal", "target", "scheme", "algorithm", "kv_cache_scheme", "exclude_layers", "no_exclusions",
-               "layer_quant_config", "calib_data", "calib_dataset", "num_calib_samples", "calib_seq_len",
-               "batch_size", "device", "multi_device", "engine", "trust_remote_code", "evaluation_intent",
-               "sensitivity", "max_kl")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -45,33 +38,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("quantization plan")
-    g.add_argument("--goal", help='what you want, e.g. "fp8 for MI300X, accuracy first"')
-    g.add_argument("--target", help="where the model will be served, e.g. mi300x, mi355x, h100, b200, cpu "
-                                    "(default: named in --goal, else this host)")
-    g.add_argument("--scheme", help="exact Quark scheme name (int8, fp8, int4_wo_128, mxfp4, ...)")
-    g.add_argument("--algorithm", help="awq, gptq, smoothquant, rotation, ... (comma-separated; '' disables)")
-    g.add_argument("--kv-cache-scheme", help="KV-cache scheme the model template accepts (e.g. fp8)")
-    g.add_argument("--exclude", dest="exclude_layers", nargs="+", metavar="PATTERN",
-                   help="layers to keep unquantized; replaces the template defaults")
-    g.add_argument("--no-exclusions", action="store_true", default=None,
-                   help="quantize every layer, lm_head included (explicit only)")
-    g.add_argument("--layer-quant-scheme", dest="layer_quant_config", nargs=2, action="append",
-                   metavar=("PATTERN", "SCHEME"), help="per-pattern scheme override (repeatable)")
-    g.add_argument("--calib-data", help="local calibration text: .txt, .jsonl or .parquet")
-    g.add_argument("--calib-dataset", help="quark-cli calibration dataset id (default pileval)")
-    g.add_argument("--num-calib-samples", type=int)
-    g.add_argument("--calib-seq-len", type=int)
-    g.add_argument("--batch-size", type=int, help="calibration batch size")
-    g.add_argument("--device", help="cpu, cuda (ROCm GPUs are 'cuda' in torch)")
-    g.add_argument("--multi-device", action="store_true", default=None, help="spread the model over devices")
-    g.add_argument("--engine", choices=("auto", *ENGINE_NAMES))
-    g.add_argument("--trust-remote-code", action="store_true", default=None,
-                   help="allow the model repository's own code to run (never implied)")
-    g.add_argument("--eval-intent", dest="evaluation_intent", choices=("none", "smoke", "full"))
-    g.add_argument("--sensitivity", action="store_true", default=None,
-                   help="run the sensitivity scan at plan time and propose layers to keep unquantized")
-    g.add_argument("--max-kl", type=float, help="KL budget of the --sensitivity proposal (default: healthy threshold)")
+    from .options import add_flags
+    from .plan.request import PlanRequest
+
+    add_flags(p.add_argument_group("quantization plan"), PlanRequest)
 
 
 def _run_args(p: argparse.ArgumentParser, model_required: bool) -> None:
@@ -82,11 +52,6 @@ def _run_args(p: argparse.ArgumentParser, model_required: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .compare.cli import add_compare_arguments
-    from .evaluate import add_eval_arguments
-    from .import_command import add_hidden_aliases
-    from .validate import add_validate_arguments
-
     parser = argparse.ArgumentParser(prog="quark-ptq-eval", description=__doc__.split("\n")[0],
                                      epilog="Exit codes: 0 done, 1 failed, 2 usage, 3 checkpoint, "
                                             "4 validation failed, 5 locked, 130 interrupted.")
@@ -97,6 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(command=name)
         return p
+
+    _add_recipe_commands(add)
+    _add_tool_commands(add)
+    return parser
+
+
+def _add_recipe_commands(add) -> None:
+    """The recipe's steps, one command each, then `run` / `resume` over all of them."""
+    from .evaluate import add_eval_arguments
+    from .import_command import add_hidden_aliases
+    from .validate import add_validate_arguments
 
     p = add("preflight", "Detect the environment and write the context files.")
     p.add_argument("--deep", action="store_true",
@@ -129,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_eval_arguments(p, standalone=False)
         add_hidden_aliases(p, with_eval=True)
         _common(p)
+
+
+def _add_tool_commands(add) -> None:
+    """Commands around the recipe: import a quark-cli line, compare schemes, scan sensitivity, status."""
+    from .compare.cli import add_compare_arguments
+    from .sensitivity.cli import add_sensitivity_arguments
+
     p = add("import-command", "Translate a pasted `quark-cli torch-llm-ptq ...` line into our plan and show "
                               "it for approval (a plan_only run).")
     p.add_argument("quark_command", nargs="+", metavar="QUARK_CLI_COMMAND",
@@ -139,13 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("compare", "Compare schemes in one run: one intake, the plans approved together, one report.")
     add_compare_arguments(p)
     p = add("sensitivity", "Measure how much quantizing each layer alone hurts; propose layers to keep unquantized.")
-    from .sensitivity.cli import add_sensitivity_arguments
-
     add_sensitivity_arguments(p)
     p = add("status", "Show where the run in --workdir stands.")
     p.add_argument("--workdir", type=Path, default=Path("."))
     p.add_argument("--json", action="store_true")
-    return parser
 
 
 def _approver(args: argparse.Namespace):
@@ -162,12 +142,13 @@ def _approver(args: argparse.Namespace):
 
 def _run_options(args: argparse.Namespace):
     from .evaluate import eval_options_from_args
+    from .options import given
     from .pipeline import RunOptions
+    from .plan.request import PlanRequest
 
-    plan: dict[str, Any] = {f: getattr(args, f, None) for f in PLAN_FIELDS}
-    if plan["layer_quant_config"] is not None:
-        plan["layer_quant_config"] = dict(plan["layer_quant_config"])
-    plan["calib_data"] = _absolute(plan["calib_data"])
+    plan = given(PlanRequest, args)
+    if "calib_data" in plan:
+        plan["calib_data"] = _absolute(plan["calib_data"])
     eval_opts = eval_options_from_args(args, explicit_only=True) if hasattr(args, "eval_tier") else {}
     # Stored in run_state.json for `resume` (possibly from another directory): JSON, absolute paths.
     eval_opts = {k: _absolute(v) if isinstance(v, Path) else dataclasses.asdict(v) if dataclasses.is_dataclass(v)

@@ -10,12 +10,12 @@ from typing import Any
 from ..checkpoints import as_gatekeeper
 from ..errors import UsageError
 from . import report as report_files
-from .context import RuntimeEstimate, TierContext, TierOutcome, format_duration, log
+from .context import RuntimeEstimate, TierContext, TierOutcome, format_duration, log, tier_module
 from .eval_report import EvalReport
 from .options import EvalOptions
 from .reference import align_scale, merge_references, model_card_reference
 from .remedies import suggest_remedies
-from .tiers import TIERS, get_tier, tier_module
+from .tiers import TIERS, get_tier
 from .verdict import compare_all, overall_verdict
 
 BASELINE_FROM_SOURCE = "<source>"  # `--baseline` without a path: the source model of the run
@@ -31,25 +31,27 @@ def evaluate(
     plan: dict | None = None,
 ) -> EvalReport:
     """Run ``options.tier`` on ``model_dir``; write eval_report.md, eval_results.json and a chart to ``workdir``."""
+    started = time.perf_counter()  # the tier's approval: the span the estimate and the actual time cover
     model_dir, workdir = Path(model_dir), Path(workdir)
     options = _resolve_baseline(options, source_model)
     tier = get_tier(options.tier)
     if tier.module is not None and not (model_dir / "config.json").is_file():
         raise UsageError(f"{model_dir} has no config.json: give the quantized model's output directory.")
     workdir.mkdir(parents=True, exist_ok=True)
-    ctx = TierContext(model_dir, options, workdir, approver, source_model, plan)
-    estimate, outcome, actual = None, TierOutcome(quantized={}, notes=["Evaluation skipped."]), None
+    ctx = TierContext(model_dir, options, workdir, approver, source_model, plan, started=started)
+    estimate, outcome, timed_from = None, TierOutcome(quantized={}, notes=["Evaluation skipped."]), None
     if tier.module is not None:
         module = tier_module(tier)
         prepared = module.prepare(ctx)
         estimate = prepared.estimate
+        estimate.elapsed_s = time.perf_counter() - started  # loading and the pilot are part of the span
         ctx.log(estimate.summary())
+        asked = time.perf_counter()
         _confirm_if_long(estimate, tier.name, approver)
-        started = time.perf_counter()
+        timed_from = started + (time.perf_counter() - asked)  # a person's answer is not the evaluation's time
         outcome = module.run(prepared)
-        actual = time.perf_counter() - started + _pilot_seconds(prepared)
-    report = build_report(ctx, outcome, estimate, actual)
-    report_files.write_all(report)
+    report = build_report(ctx, outcome, estimate, None)
+    report_files.write_all(report, timed_from=timed_from)
     ctx.log(f"{report.one_line()}; report: {report.report_path}")
     return report
 
@@ -87,10 +89,6 @@ def _confirm_if_long(estimate: RuntimeEstimate, tier: str, approver) -> None:
     advice = (f"(or --yes) to accept about {format_duration(estimate.seconds or 0)}, "
               "or lower --limit / use --eval-data with less text.")
     as_gatekeeper(approver).require("eval", estimate.as_dict(), summary, advice)
-
-
-def _pilot_seconds(prepared: Any) -> float:
-    return float(getattr(prepared, "pilot_s", 0.0))
 
 
 def build_report(ctx: TierContext, outcome: TierOutcome, estimate, actual) -> EvalReport:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from ..errors import UsageError
 from .options import EvalOptions
+from .tiers import Tier
 
 Scores = dict[str, dict[str, float]]  # task -> metric -> value
 
@@ -26,29 +30,53 @@ class TierContext:
     source_model: Path | None = None
     plan: dict | None = None
     log: Callable[[str], None] = log
+    started: float = field(default_factory=time.perf_counter)  # the approval: where the timed span begins
+
+
+SPAN = "from the tier's approval to the report written"
 
 
 @dataclass
 class RuntimeEstimate:
-    """A run-time prediction measured by a pilot on the real model (not guessed from constants)."""
+    """A run-time prediction measured by a pilot on the real model (not guessed from constants).
+
+    It covers the same span the report's actual time measures (:data:`SPAN`): ``elapsed_s`` is
+    what was already spent when it is announced (data, model loading, the pilot: measured, broken
+    down in ``parts``), ``seconds`` the pilot's prediction of the rest of the run and ``finish_s``
+    of writing the report. ``total_s`` is their sum: the figure announced and reported.
+    """
 
     tier: str
-    seconds: float | None  # None: nothing runs here (Tier 3 off ROCm, skip)
+    seconds: float | None  # what is left after the pilot; None: nothing runs here (Tier 3 off ROCm, skip)
     hardware: str
     model_bytes: int
     data: str  # how much evaluation data, in words
     basis: str  # what the pilot measured
     warning: str | None = None
     threshold_s: float = 15 * 60
+    elapsed_s: float = 0.0  # measured, from the approval to this estimate
+    finish_s: float = 0.0  # predicted: statistics, chart and report files
+    parts: dict[str, float] = field(default_factory=dict)  # measured pieces of elapsed_s
 
     @property
     def long(self) -> bool:
-        return self.seconds is not None and self.seconds > self.threshold_s
+        return self.seconds is not None and self.seconds > self.threshold_s  # what approving would cost
+
+    @property
+    def total_s(self) -> float | None:
+        return None if self.seconds is None else self.elapsed_s + self.seconds + self.finish_s
 
     def summary(self) -> str:
-        when = (
-            "nothing runs on this host" if self.seconds is None else f"about {format_duration(self.seconds)}"
-        )
+        total = self.total_s
+        if total is None:
+            when = "nothing runs on this host"
+        else:
+            spent = ", ".join(f"{k} {v:.1f} s" for k, v in self.parts.items() if v >= 0.05)
+            when = (
+                f"about {format_duration(total)} {SPAN}: {self.elapsed_s:.1f} s spent"
+                + (f" ({spent})" if spent else "")
+                + f", about {format_duration(self.seconds + self.finish_s)} left"
+            )
         lines = [
             f"Tier {self.tier}: {when}",
             f"  model: {self.model_bytes / 2**20:.1f} MiB of weights; data: {self.data}",
@@ -62,6 +90,11 @@ class RuntimeEstimate:
     def as_dict(self) -> dict:
         return {
             "seconds": self.seconds,
+            "total_s": self.total_s,
+            "elapsed_s": self.elapsed_s,
+            "finish_s": self.finish_s,
+            "parts": dict(self.parts),
+            "span": SPAN,
             "hardware": self.hardware,
             "model_bytes": self.model_bytes,
             "data": self.data,
@@ -102,3 +135,18 @@ def hardware_description(device: str) -> str:
         return f"{kind} GPU {torch.cuda.get_device_name(0)} (torch {torch.__version__})"
     cpu = platform.processor() or platform.machine()
     return f"CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads (torch {torch.__version__})"
+
+
+class TierRunner(Protocol):
+    """A tier module (the contract in tiers.py), as :func:`tier_module` returns it."""
+
+    def prepare(self, ctx: TierContext) -> Any: ...
+
+    def run(self, prepared: Any) -> TierOutcome: ...
+
+
+def tier_module(tier: Tier) -> TierRunner:
+    """The module that runs ``tier`` (imported only now: its dependencies are heavy)."""
+    if tier.module is None:
+        raise UsageError(f"Tier {tier.name!r} runs nothing.")
+    return importlib.import_module(tier.module)

@@ -7,16 +7,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
+from ..options import flag, nested
 
 LONG_RUN_S = 15 * 60  # above this the user is asked again before the tier starts
+
+
+def _tier_choices() -> list[str]:
+    from .tiers import TIERS
+
+    return list(TIERS)
+
+
+def _tier_help() -> str:
+    from .tiers import TIERS
+
+    return "; ".join(f"{t.name}: tier {t.number}, {t.method} ({t.cost})" for t in TIERS.values())
+
+
+def _task_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _references(items: list[str]) -> dict[str, dict[str, float]]:
+    from .reference import parse_reference
+
+    return parse_reference(items)
 
 
 @dataclass
 class Thresholds:
     """Relative degradation (percent, direction-aware) that separates the verdicts."""
 
-    healthy_pct: float = 2.0  # at most this much worse: healthy
-    hurt_pct: float = 5.0  # more than this much worse: quantization hurt the model
+    healthy_pct: float = field(default=2.0, metadata=flag(  # at most this much worse: healthy
+        "--healthy-pct", type=float, help="at most this much worse is healthy (default 2)"))
+    hurt_pct: float = field(default=5.0, metadata=flag(  # more than this much worse: quantization hurt the model
+        "--hurt-pct", type=float, help="more than this much worse is hurt (default 5)"))
 
     def __post_init__(self) -> None:
         if not 0 <= self.healthy_pct <= self.hurt_pct:
@@ -27,27 +52,53 @@ class Thresholds:
 
 @dataclass
 class EvalOptions:
-    tier: str = "ppl"
-    eval_data: Path | None = None  # None: wikitext-2 test split through `datasets`
-    eval_text_limit: int | None = None  # keep at most this many documents of eval_data
-    max_windows: int | None = None  # Tier 1: score at most this many windows
-    seq_len: int = 2048
-    batch_size: int | None = None  # None: chosen from the model's vocabulary and seq_len
-    device: str = "auto"  # "auto": cuda/rocm when present, else cpu
-    baseline: Path | None = None  # the unquantized source: evaluated only when set (explicit opt-in)
-    reference: dict[str, dict[str, float]] = field(default_factory=dict)  # task -> metric -> value
-    tasks: list[str] = field(default_factory=list)  # Tier 2/3 lm-eval task names
-    num_fewshot: int | None = None
-    limit: float | None = None  # lm-eval --limit: docs per task (or a fraction below 1)
-    include_path: Path | None = None  # directory of local lm-eval task YAMLs
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    max_gen_toks: int | None = None  # None: task default, or a large budget for reasoning models
-    trust_remote_code: bool = False
+    """Field order is the order of the flags in ``--help``. `run` already owns --batch-size, --device
+    and --trust-remote-code (calibration): the eval versions are --eval-batch-size / --eval-device,
+    and the standalone `eval` command also accepts the short names."""
+
+    tier: str = field(default="ppl", metadata=flag(
+        "--eval-tier", "--tier", dest="eval_tier", choices=_tier_choices, help=_tier_help))
+    trust_remote_code: bool = field(default=False, metadata=flag(
+        "--trust-remote-code", action="store_true", standalone_only=True))
+    eval_data: Path | None = field(default=None, metadata=flag(  # None: wikitext-2 test split through `datasets`
+        "--eval-data", type=Path, metavar="PATH",
+        help="local text (.txt/.jsonl/.parquet or a saved datasets dir); default wikitext-2 test"))
+    seq_len: int = field(default=2048, metadata=flag(
+        "--seq-len", type=int, help="Tier 1 window length in tokens (default 2048, like Quark)"))
+    max_windows: int | None = field(default=None, metadata=flag(
+        "--max-windows", type=int, help="Tier 1: score at most this many windows"))
+    eval_text_limit: int | None = field(default=None, metadata=flag(
+        "--eval-text-limit", type=int, metavar="DOCS", help="use only the first DOCS documents"))
+    batch_size: int | None = field(default=None, metadata=flag(  # None: chosen from the vocabulary and seq_len
+        "--eval-batch-size", dest="eval_batch_size", standalone_names=("--batch-size",), type=int,
+        help="windows / requests per forward (default: auto)"))
+    device: str = field(default="auto", metadata=flag(  # "auto": cuda/rocm when present, else cpu
+        "--eval-device", dest="eval_device", standalone_names=("--device",), help="auto (default), cpu, cuda"))
+    baseline: Path | None = field(default=None, metadata=flag(  # evaluated only when set (explicit opt-in)
+        "--baseline", nargs="?", const="<source>", metavar="SRC",
+        help="also evaluate the unquantized model (about double the time); no value: the source"))
+    reference: dict[str, dict[str, float]] = field(default_factory=dict, metadata=flag(  # task -> metric -> value
+        "--reference", action="append", metavar="TASK:METRIC=VALUE", convert=_references,
+        help="a published score to compare with (repeatable), e.g. gsm8k:exact_match=0.62"))
+    tasks: list[str] = field(default_factory=list, metadata=flag(
+        "--tasks", convert=_task_list, help="Tier 2/3 lm-eval tasks, comma-separated (e.g. gsm8k,arc_easy)"))
+    num_fewshot: int | None = field(default=None, metadata=flag("--num-fewshot", type=int))
+    limit: float | None = field(default=None, metadata=flag(
+        "--limit", type=float, help="lm-eval: documents per task (a fraction when below 1)"))
+    include_path: Path | None = field(default=None, metadata=flag(
+        "--include-path", type=Path, help="directory of local lm-eval task YAMLs"))
+    max_gen_toks: int | None = field(default=None, metadata=flag(  # None: task default, large for reasoning models
+        "--max-gen-toks", type=int, help="generation budget (default: task's; large for reasoning models)"))
+    thresholds: Thresholds = field(default_factory=Thresholds, metadata=nested(Thresholds))
     confirm_above_s: float = LONG_RUN_S  # ask the "eval" gate again when the estimate exceeds this
-    vllm_runtime: str = "auto"  # Tier 3: "docker", "host" or "auto"
-    vllm_image: str = "vllm/vllm-openai-rocm:latest"
-    vllm_container: str | None = None  # Tier 3: reuse this running container instead of creating one
-    vllm_port: int = 8080
+    vllm_runtime: str = field(default="auto", metadata=flag(
+        "--vllm-runtime", choices=("auto", "docker", "host"), help="Tier 3 runtime (default auto)"))
+    vllm_image: str = field(default="vllm/vllm-openai-rocm:latest", metadata=flag(
+        "--vllm-image", help="Tier 3 docker image (default vllm/vllm-openai-rocm:latest)"))
+    vllm_container: str | None = field(default=None, metadata=flag(
+        "--vllm-container", help="Tier 3: reuse this running container"))
+    vllm_port: int = field(default=8080, metadata=flag(
+        "--vllm-port", type=int, help="Tier 3 server port (default 8080)"))
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:

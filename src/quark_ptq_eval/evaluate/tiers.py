@@ -4,10 +4,10 @@ Adding a tier is one row here plus one module that keeps the contract below (see
 docs/extending.md). Nothing else names tiers: ``--eval-tier`` choices, the checkpoint's message,
 its continue command and the report's title are derived from this table.
 
-The contract of a tier module (:class:`TierRunner`):
+The contract of a tier module (:class:`context.TierRunner`, loaded by ``context.tier_module``):
 
 - **options**: it reads what it needs from ``ctx.options`` (an :class:`EvalOptions`); a new
-  option is one field there plus one flag in evaluate/cli.py.
+  option is one field there, its flag declared on the field (options.flag).
 - ``prepare(ctx: TierContext)`` -> a prepared object whose ``estimate`` (a
   :class:`RuntimeEstimate`) is *measured* by a pilot on the real model and data (``seconds``
   None when nothing runs on this host); ``pilot_s`` (optional) is the pilot's own time. It
@@ -21,20 +21,9 @@ The contract of a tier module (:class:`TierRunner`):
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from ..errors import UsageError
-from .context import TierContext, TierOutcome
-
-
-class TierRunner(Protocol):
-    """A tier module, as :func:`tier_module` returns it."""
-
-    def prepare(self, ctx: TierContext) -> Any: ...
-
-    def run(self, prepared: Any) -> TierOutcome: ...
 
 
 @dataclass(frozen=True)
@@ -101,10 +90,3 @@ def get_tier(name: str) -> Tier:
         return TIERS[name]
     except KeyError:
         raise UsageError(f"Unknown evaluation tier {name!r}; choose one of: {', '.join(TIERS)}.") from None
-
-
-def tier_module(tier: Tier) -> TierRunner:
-    """The module that runs ``tier`` (imported only now: its dependencies are heavy)."""
-    if tier.module is None:
-        raise UsageError(f"Tier {tier.name!r} runs nothing.")
-    return importlib.import_module(tier.module)

@@ -8,7 +8,6 @@ combination is refused with its reason before anything runs.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..artifacts import ModelAnalysis, QuantPlan
@@ -18,6 +17,7 @@ from ..sensitivity.plan_hook import apply_sensitivity
 from ..textdata import check_text_source
 from . import resources
 from .family_limits import check_family_limits
+from .request import PlanRequest
 from .targets import (
     TargetContext,
     format_family,
@@ -48,33 +48,6 @@ HARDWARE_DEFAULTS: tuple[tuple[str, str, str, str], ...] = (
 WEIGHT_ONLY_ALGORITHMS = {"awq", "gptq", "gptaq", "qronos", "autoround"}
 ACTIVATION_ALGORITHMS = {"smoothquant", "autosmoothquant"}
 ACCURACY_FIRST = re.compile(r"accura|quality|best")
-
-
-@dataclass
-class PlanRequest:
-    """What the user asked for; None means "recommend"."""
-
-    goal: str = ""
-    target: str | None = None  # where the model will be served (targets.TARGETS), not this host
-    scheme: str | None = None
-    algorithm: str | None = None
-    kv_cache_scheme: str | None = None
-    exclude_layers: list[str] | None = None  # None: template defaults; []: only with no_exclusions
-    no_exclusions: bool = False
-    layer_quant_config: dict[str, str] = field(default_factory=dict)
-    calib_data: str | None = None
-    calib_dataset: str | None = None
-    num_calib_samples: int | None = None
-    calib_seq_len: int | None = None
-    batch_size: int = 1
-    device: str | None = None
-    multi_device: bool = False
-    engine: str = "auto"
-    trust_remote_code: bool = False
-    evaluation_intent: str = "smoke"
-    offline: bool = False
-    sensitivity: bool = False  # run the sensitivity scan now and propose exclusions (sensitivity/plan_hook.py)
-    max_kl: float | None = None  # the proposal's KL budget (None: the healthy threshold)
 
 
 def _gpu(env: dict) -> tuple[str, str]:
@@ -241,6 +214,19 @@ def _target_and_fit(analysis: ModelAnalysis, tc: TargetContext, scheme: str, inf
     return target, fit
 
 
+def _exclusions(req: PlanRequest, analysis: ModelAnalysis) -> tuple[list[str], str, str]:
+    """Layers kept unquantized, who chose them, and why."""
+    if req.exclude_layers is not None and not req.exclude_layers and not req.no_exclusions:
+        raise UsageError("An empty exclusion list would quantize every layer, lm_head included.",
+                         "Pass --no-exclusions to mean that, or omit --exclude to keep the template defaults.")
+    if req.no_exclusions:
+        return [], "user", "you disabled all exclusions explicitly (--no-exclusions)"
+    if req.exclude_layers:
+        return list(req.exclude_layers), "user", "your patterns replace the template defaults"
+    return list(analysis.template["exclude_layers"]), "template_default", \
+        f"Quark's {analysis.model_type} template defaults"
+
+
 def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dict, analysis_ref: Path,
               output_dir: Path) -> QuantPlan:
     model_type = analysis.model_type
@@ -251,16 +237,7 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
     algorithm, algo_why = _choose_algorithm(req, info, analysis.template.get("algorithms"))
     kv, kv_why = _choose_kv(req, tc, catalog, analysis)
     _check_compatible(model_type, scheme, algorithm, kv, req.layer_quant_config, analysis, catalog)
-    if req.exclude_layers is not None and not req.exclude_layers and not req.no_exclusions:
-        raise UsageError("An empty exclusion list would quantize every layer, lm_head included.",
-                         "Pass --no-exclusions to mean that, or omit --exclude to keep the template defaults.")
-    if req.no_exclusions:
-        excludes, ex_source, ex_why = [], "user", "you disabled all exclusions explicitly (--no-exclusions)"
-    elif req.exclude_layers:
-        excludes, ex_source, ex_why = list(req.exclude_layers), "user", "your patterns replace the template defaults"
-    else:
-        excludes, ex_source = list(analysis.template["exclude_layers"]), "template_default"
-        ex_why = f"Quark's {model_type} template defaults"
+    excludes, ex_source, ex_why = _exclusions(req, analysis)
     if analysis.model.get("has_custom_code") and not req.trust_remote_code and not analysis.template["available"]:
         raise UsageError("This model needs its own code to load and --trust-remote-code was not given.",
                          "Review the model repository's code, then pass --trust-remote-code.")

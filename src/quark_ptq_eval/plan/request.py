@@ -1,0 +1,56 @@
+"""What the user asks of the plan: one dataclass whose fields also declare their command-line flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..execute.engines import ENGINE_NAMES
+from ..options import flag
+
+
+def _pairs_to_dict(pairs: list[list[str]]) -> dict[str, str]:
+    return dict(pairs)
+
+
+@dataclass
+class PlanRequest:
+    """What the user asked for; None means "recommend"."""
+
+    goal: str = field(default="", metadata=flag("--goal", help='what you want, e.g. "fp8 for MI300X, accuracy first"'))
+    target: str | None = field(default=None, metadata=flag(  # where the model is served (targets.TARGETS)
+        "--target", help="where the model will be served, e.g. mi300x, mi355x, h100, b200, cpu "
+                         "(default: named in --goal, else this host)"))
+    scheme: str | None = field(default=None, metadata=flag(
+        "--scheme", help="exact Quark scheme name (int8, fp8, int4_wo_128, mxfp4, ...)"))
+    algorithm: str | None = field(default=None, metadata=flag(
+        "--algorithm", help="awq, gptq, smoothquant, rotation, ... (comma-separated; '' disables)"))
+    kv_cache_scheme: str | None = field(default=None, metadata=flag(
+        "--kv-cache-scheme", help="KV-cache scheme the model template accepts (e.g. fp8)"))
+    exclude_layers: list[str] | None = field(default=None, metadata=flag(  # None: template defaults
+        "--exclude", nargs="+", metavar="PATTERN", help="layers to keep unquantized; replaces the template defaults"))
+    no_exclusions: bool = field(default=False, metadata=flag(
+        "--no-exclusions", action="store_true", help="quantize every layer, lm_head included (explicit only)"))
+    layer_quant_config: dict[str, str] = field(default_factory=dict, metadata=flag(
+        "--layer-quant-scheme", nargs=2, action="append", metavar=("PATTERN", "SCHEME"), convert=_pairs_to_dict,
+        help="per-pattern scheme override (repeatable)"))
+    calib_data: str | None = field(default=None, metadata=flag(
+        "--calib-data", help="local calibration text: .txt, .jsonl or .parquet"))
+    calib_dataset: str | None = field(default=None, metadata=flag(
+        "--calib-dataset", help="quark-cli calibration dataset id (default pileval)"))
+    num_calib_samples: int | None = field(default=None, metadata=flag("--num-calib-samples", type=int))
+    calib_seq_len: int | None = field(default=None, metadata=flag("--calib-seq-len", type=int))
+    batch_size: int = field(default=1, metadata=flag("--batch-size", type=int, help="calibration batch size"))
+    device: str | None = field(default=None, metadata=flag(
+        "--device", help="cpu, cuda (ROCm GPUs are 'cuda' in torch)"))
+    multi_device: bool = field(default=False, metadata=flag(
+        "--multi-device", action="store_true", help="spread the model over devices"))
+    engine: str = field(default="auto", metadata=flag("--engine", choices=lambda: ("auto", *ENGINE_NAMES)))
+    trust_remote_code: bool = field(default=False, metadata=flag(
+        "--trust-remote-code", action="store_true", help="allow the model repository's own code to run (never implied)"))
+    evaluation_intent: str = field(default="smoke", metadata=flag("--eval-intent", choices=("none", "smoke", "full")))
+    offline: bool = False  # its flag is a run-control option (cli._common): it applies to every step
+    sensitivity: bool = field(default=False, metadata=flag(  # the scan at plan time (sensitivity/plan_hook.py)
+        "--sensitivity", action="store_true",
+        help="run the sensitivity scan at plan time and propose layers to keep unquantized"))
+    max_kl: float | None = field(default=None, metadata=flag(
+        "--max-kl", type=float, help="KL budget of the --sensitivity proposal (default: healthy threshold)"))
