@@ -6,6 +6,8 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -251,3 +253,105 @@ def test_readme_install_is_the_path_test_install_walks():
     assert "pip install ." in install and "pip wheel --no-deps -w dist ." in install
     assert f"pip install dist/quark_ptq_eval-{version}-py3-none-any.whl" in install
     assert "tests/test_install.py" in install
+
+
+def _section(readme: str, start: str, end: str) -> str:
+    return readme[readme.index(start):readme.index(end)]
+
+
+def _shell_lines(text: str) -> list[str]:
+    """The commands of every ```bash block, continuation lines joined, comments dropped."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                lines.append(shlex.join(words))
+    return lines
+
+
+def test_readme_install_commands_name_real_targets_files_and_scripts():
+    """Every command README's Install and first-run sections give: a real Makefile target, console
+    script and subcommand (parsed by our own parser), pip target, extra or pinned pair. Nothing is installed."""
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    install = readme[:readme.index("## A real session")] + _section(readme, "## Install", "## The recipe")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M))
+    pins = dict(line.split("==") for line in (ROOT / "requirements-dev.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    commands = _shell_lines(install) + [f"make {t}" for t in re.findall(r"`make (\w+)`", install)]
+    commands += [c for c in re.findall(r"`(quark-ptq-eval [^`]*)`", install) if "..." not in c]
+    checked = set()
+    for command in commands:
+        argv = shlex.split(command.split(" && ")[-1])
+        if argv[0] == "make":
+            assert argv[1] in targets, f"README: `{command}` but the Makefile has no {argv[1]} target"
+        elif argv[0] in project["scripts"]:
+            try:  # our own parser: a misspelt subcommand or flag exits 2
+                build_parser().parse_args(rewrite_model_dir(argv[1:]) if argv[1] != "import-command" else argv[1:])
+            except SystemExit as stop:
+                assert stop.code == 0, f"README: `{command}` does not parse"
+        elif argv[:2] == ["pip", "install"] and argv[2].startswith("torch=="):
+            assert "torchvision==" in command  # the pair; ours is pinned for make
+            torch, vision = (int(pins[n].split(".")[1]) for n in ("torch", "torchvision"))
+            assert vision == torch + 15 and f"e.g. 2.{torch} with 0.{vision}" in install
+        elif argv[:2] == ["pip", "install"] and argv[2].startswith("."):
+            extra = re.fullmatch(r"\.(?:\[(\w+)\])?", argv[2]).group(1)
+            assert extra is None or extra in project["optional-dependencies"], command
+        elif argv[:2] in (["pip", "install"], ["pip", "wheel"]):
+            assert argv[-1] in (".", f"dist/quark_ptq_eval-{project['version']}-py3-none-any.whl"), command
+        elif argv[:2] not in (["git", "clone"], ["python3", "-m"]):
+            raise AssertionError(f"README's install path has a command this test does not know: {command}")
+        checked.add(argv[0] if argv[0] != "pip" else " ".join(argv[:2]))
+    assert {"make", "quark-ptq-eval", "pip install", "pip wheel", "git"} <= checked
+    pulled = re.search(r"pip install \.\s+# pulls (.*), \.\.\.", install).group(1).split(", ")
+    assert all(any(dep.startswith(p) for dep in project["dependencies"]) for p in pulled), pulled
+    assert all(any(e.replace("-", "_").startswith(p.replace("-", "_")) for e in project["optional-dependencies"]["eval"])
+               for p in ("lm-eval", "matplotlib"))
+
+
+def test_readme_first_run_preflight_is_what_a_fresh_machine_prints(tmp_path):
+    """The preflight screen in README, line for line, against a run on a fresh home (nothing cached, offline):
+    host facts (numbers, paths) may differ, every topic, status and sentence may not."""
+    if Path("/dev/kfd").exists() or Path("/proc/driver/nvidia").exists():
+        pytest.skip("README shows a CPU-only machine")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```text\n(\$ [^\n]*preflight[^\n]*)\n(.*?)```", readme, re.S)
+    command, shown = block.group(1), block.group(2).splitlines()
+    assert command == "$ HF_HUB_OFFLINE=1 quark-ptq-eval preflight --workdir /tmp/qpe-work"
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "XDG_", "QUARK_PTQ_EVAL", "TORCH_EXT", "TRANSFORMERS_OFFLINE"))}
+    env |= {"HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval", "preflight", "--workdir", str(tmp_path / "qpe-work")],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+    def host_neutral(line: str) -> str:
+        return re.sub(r"\d+(?:\.\d+)*", "#", re.sub(r"/[^\s:;,)]+", "<path>", line)).rstrip()
+
+    assert [host_neutral(x) for x in proc.stdout.splitlines()] == [host_neutral(x) for x in shown]
+
+
+def test_readme_session_is_the_command_make_demo_runs(tmp_path, monkeypatch, capsys):
+    """`make demo`'s first lines as README describes them, and the command its transcript shows."""
+    from quark_ptq_eval import demo_run
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    session = _section(readme, "## A real session", "## Install")
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert "$(PY) -m quark_ptq_eval.demo_run demo-work" in makefile
+    building = re.search(r"`(Building the embedded tiny model and corpus in) <checkout>/demo-work \.\.\.`", session)
+    assert building and building.group(1) in Path(demo_run.__file__).read_text(encoding="utf-8")
+    root = tmp_path / "demo-work"
+    (root / "tiny-llama").mkdir(parents=True)
+    (root / "tiny-llama" / "config.json").write_text("{}")  # already built: nothing is trained here
+    ran: list[list[str]] = []
+    monkeypatch.setattr(demo_run, "cli_main", lambda args: ran.append(args) or 0)
+    monkeypatch.chdir(tmp_path)
+    assert demo_run.main(["demo-work"]) == 0
+    printed = capsys.readouterr().err.strip().replace(f"{root}", "demo-work")
+    shown = re.search(r"```text\n(\$ quark-ptq-eval run [^\n]*)", session).group(1)
+    assert printed == shown == "$ quark-ptq-eval " + " ".join(ran[0]).replace(f"{root}", "demo-work")
