@@ -99,7 +99,9 @@ trap 'exit 143' TERM
 """
 
 RUNTIME_FUNCTIONS = {
-    "docker": 'run_in() { docker exec "$CONTAINER" "$@"; }\nlaunch() { docker exec -d "$CONTAINER" sh -c "$1"; }\n',
+    # sh's own kill: a slim image may have no /bin/kill
+    "docker": 'run_in() { docker exec "$CONTAINER" sh -c \'"$@"\' sh "$@"; }\n'
+              'launch() { docker exec -d "$CONTAINER" sh -c "$1"; }\n',
     "host": 'run_in() { "$@"; }\nlaunch() { nohup sh -c "$1" >/dev/null 2>&1 & }\n',
 }
 

@@ -46,7 +46,8 @@ class Executor:
         if container and pid_file and pid_file.is_file():
             pid = pid_file.read_text().strip()
             if pid.isdigit():  # the server's own pid inside the container, written by its launcher
-                subprocess.run(["docker", "exec", container, "kill", "-TERM", pid], capture_output=True)
+                # sh's own kill: a slim image may have no /bin/kill
+                subprocess.run(["docker", "exec", container, "sh", "-c", f"kill -TERM {pid}"], capture_output=True)
         if process.poll() is None:
             process.terminate()
             try:
