@@ -252,11 +252,14 @@ def test_tier3_serves_with_the_plans_tensor_parallelism_and_kv_cache_dtype(tmp_p
     q, b = serve["quantized"], serve["baseline"]
     assert q[q.index("--tensor-parallel-size") + 1] == "2" and q[q.index("--kv-cache-dtype") + 1] == "fp8"
     assert b[b.index("--tensor-parallel-size") + 1] == "4" and "--kv-cache-dtype" not in b
+    assert q[q.index("--max-model-len") + 1] == b[b.index("--max-model-len") + 1] == "131072"  # the goal's context
+    lm_eval = next(c["argv"] for c in outcome.deferred_commands if c["purpose"].startswith("evaluate the quantized"))
+    assert "max_length=131072" in lm_eval[lm_eval.index("--model_args") + 1]
     script = Path(outcome.artifacts["Tier 3 script"]).read_text()
     assert "--tensor-parallel-size 2 --kv-cache-dtype fp8" in script and "--tensor-parallel-size 4" in script
     assert any("needs 2 x H100" in n and "131072 tokens x batch 8" in n for n in outcome.notes)
 
     unplanned = t3.prepare(TierContext(model, EvalOptions(tier="vllm"), tmp_path / "w2", FlagApprover()), env=NO_ROCM)
     argv = unplanned.plan.per_model["quantized"][0].argv
-    assert "--tensor-parallel-size" not in argv[-1] and "--kv-cache-dtype" not in argv[-1]
+    assert not {"--tensor-parallel-size", "--kv-cache-dtype", "--max-model-len"} & set(shlex.split(argv[-1]))
     assert any("No quantization plan" in n for n in unplanned.plan.notes)

@@ -52,6 +52,7 @@ class ServedModel:
     served_name: str
     tensor_parallel: int | None = None  # devices from the plan's serving fit; None: vLLM's default
     kv_cache_dtype: str | None = None  # "fp8" where the plan quantized the KV cache
+    max_model_len: int | None = None  # the context the user's serving budget states
 
 
 @dataclass
@@ -121,16 +122,18 @@ def served_models(model_dir: Path, baseline: Path | None, plan: dict | None) -> 
     fit = target.get("serving_fit") or {}
     kv = VLLM_KV_DTYPES.get(plan.get("kv_cache_scheme") or "")
     tp = fit.get("devices_needed") or None
-    models = [ServedModel("quantized", Path(model_dir).resolve(), "quantized", tp, kv)]
+    context = fit.get("context") if target.get("budget") else None  # served at the context the goal states
+    models = [ServedModel("quantized", Path(model_dir).resolve(), "quantized", tp, kv, context)]
     if baseline is not None:  # the unquantized source, KV cache in the model dtype
         models.append(ServedModel("baseline", Path(baseline).resolve(), "baseline",
-                                  _baseline_devices(Path(baseline), fit, kv) if tp else None))
+                                  _baseline_devices(Path(baseline), fit, kv) if tp else None, None, context))
     notes = []
     if tp:
         gib = (fit["weights_bytes"] + fit["kv_cache_bytes"]) / 2**30
         notes.append(f"Serving fit from the plan: the quantized model needs {tp} x {target.get('label')} "
                      f"({gib:.1f} GiB of weights and KV cache at {fit['context']} tokens x batch {fit['batch']}): "
-                     + ", ".join(f"{m.label} --tensor-parallel-size {m.tensor_parallel}" for m in models) + ".")
+                     + ", ".join(f"{m.label} --tensor-parallel-size {m.tensor_parallel}" for m in models)
+                     + (f"; --max-model-len {context}, the context your goal states." if context else "."))
     elif not plan:
         notes.append("No quantization plan with this evaluation: vLLM's defaults (one device, KV cache in the "
                      "model dtype); evaluate through `run` to size the servers from the plan's serving fit.")
@@ -265,6 +268,8 @@ def server_argv(model: ServedModel, options) -> list[str]:
         serve += ["--tensor-parallel-size", str(model.tensor_parallel)]
     if model.kv_cache_dtype:
         serve += ["--kv-cache-dtype", model.kv_cache_dtype]  # vLLM reads the export's KV scales only then
+    if model.max_model_len:
+        serve += ["--max-model-len", str(model.max_model_len)]
     if options.trust_remote_code:
         serve.append("--trust-remote-code")
     return serve
@@ -307,8 +312,9 @@ def lm_eval_argv(model: ServedModel, options, runtime: str, container: str, outp
         "tokenized_requests=False",
         f"tokenizer={model.path.resolve()}",
     ]
-    if traits.get("max_model_len") and not chat:
-        model_args.append(f"max_length={traits['max_model_len']}")  # lm-eval's 2048 default truncates prompts
+    lengths = [n for n in (traits.get("max_model_len"), model.max_model_len) if n]  # the model's, the server's
+    if lengths and not chat:
+        model_args.append(f"max_length={min(lengths)}")  # lm-eval's 2048 default truncates prompts
     argv = [
         "lm_eval",
         "--model",
