@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from .errors import CheckpointPending, UsageError
@@ -183,6 +184,21 @@ class Gatekeeper:
             self.stop(gate_name, message, flag)
         self.chosen(gate_name, answer)
         return answer
+
+    def ask_path(self, gate_name: str, question: str, default: str | None = None, tries: int = 3) -> str | None:
+        """A local path that must exist, asked on the spot (a person at a terminal; Enter takes
+        ``default``) and recorded as the gate's answer; None when no one can answer."""
+        ask = getattr(self.approver, "ask_text", None)
+        for _ in range(tries if ask is not None else 0):
+            answer = ask(question, default)
+            if answer is None:
+                return None
+            path = Path(answer).expanduser()
+            if path.exists():
+                self.chosen(gate_name, str(path.resolve()))
+                return str(path.resolve())
+            print(f"  {answer} does not exist.", file=sys.stderr)
+        return None
 
     def chosen(self, gate_name: str, answer: str) -> None:
         """Record a choice given up front (a flag) or on the spot."""

@@ -139,22 +139,13 @@ def tier1_lacks_text(eval_options: dict, offline: bool | None) -> bool:
     return not eval_options.get("eval_data") and offline_now(offline) and not wikitext_cached()
 
 
-def ask_tier1_text(approver, default: str | None, tries: int = 3) -> str | None:
-    """At the evaluation checkpoint: a local text path for Tier 1 (Enter takes ``default``);
-    None when there is no one to ask or no usable answer came."""
-    ask = getattr(approver, "ask_text", None)
-    if ask is None:
-        return None
+def ask_tier1_text(approver, default: str | None) -> str | None:
+    """At the evaluation checkpoint: a local text path for Tier 1 (Enter takes ``default``),
+    asked through the gatekeeper; None when there is no one to ask or no usable answer came."""
+    from .checkpoints import as_gatekeeper
+
     default = default if default and Path(default).is_file() else None
     question = ("Tier 1 scores a text and wikitext-2 is not cached (offline). Local text to score "
                 "(.txt/.jsonl/.parquet)" + (" [Enter: your calibration text; it flatters the scores, "
                                              "held-out text is better]" if default else ""))
-    for _ in range(tries):
-        answer = ask(question, default)
-        if answer is None:
-            return None
-        path = Path(answer).expanduser()
-        if path.exists():
-            return str(path.resolve())
-        print(f"  {answer} does not exist.", file=sys.stderr)
-    return None
+    return as_gatekeeper(approver).ask_path("eval", question, default)

@@ -300,7 +300,7 @@ class Recipe:
         return tier
 
     def _tier1_text(self, opts: RunOptions) -> str:
-        answer = ask_tier1_text(self.approver, opts.plan.get("calib_data"))
+        answer = ask_tier1_text(self.gates, opts.plan.get("calib_data"))
         if answer is None:
             self.gates.stop("eval", f"Stopped at the evaluation checkpoint: {TIER1_NO_TEXT}",
                             "--eval-tier ppl --eval-data FILE")
