@@ -146,19 +146,52 @@ def test_cli_prints_the_proposal_from_the_cache(scan_setup, scanned, tiny_llama,
     assert out["cache_hit"] and (tmp_path / "out" / "sensitivity_report.md").exists()
 
 
-def test_plan_with_sensitivity_adds_the_proposal_as_a_decision(tiny_llama, corpus, tmp_path):
+@pytest.fixture(scope="module")
+def sens_plan(tiny_llama, corpus, tmp_path_factory):
+    """A real plan with --sensitivity (tight budget, so the proposal keeps layers unquantized)."""
     from quark_ptq_eval.api import analyze_model, plan_quantization
 
+    root = tmp_path_factory.mktemp("sens-plan")
     analysis = analyze_model(tiny_llama, offline=True)
-    plan = plan_quantization(analysis, tmp_path / "out", workdir=tmp_path / "wd", scheme=SCHEME,
+    plan = plan_quantization(analysis, root / "out", workdir=root / "wd", scheme=SCHEME,
                              calib_data=str(corpus), num_calib_samples=SAMPLES, calib_seq_len=SEQ, device="cpu",
                              engine="quark-api", sensitivity=True, max_kl=1e-4)
+    return root, plan
+
+
+def test_plan_with_sensitivity_adds_the_proposal_as_a_decision(sens_plan):
+    root, plan = sens_plan
     row = next(d for d in plan.decisions if d["decision"] == "sensitivity")
     assert row["value"] and set(row["value"]) <= set(plan.exclude_layers) and "lm_head" in plan.exclude_layers
     assert "sensitivity scan" in row["reason"] and row["measured_kl"] < row["whole_model_kl"]
-    written = json.loads((tmp_path / "wd" / "quant_plan.json").read_text())
+    written = json.loads((root / "wd" / "quant_plan.json").read_text())
     assert written["exclude_layers"] == plan.exclude_layers
-    assert (tmp_path / "wd" / "sensitivity_report.md").exists()
+    assert (root / "wd" / "sensitivity_report.md").exists()
+
+
+def test_eval_report_shows_predicted_against_measured_kl(sens_plan, tiny_llama, corpus):
+    """A real export with the plan's exclusions, Tier 1 with baseline: the report pairs the scan's
+    prediction with the KL Tier 1 measured; a plan made for another output is not used."""
+    from quark_ptq_eval.checkpoints import FlagApprover
+    from quark_ptq_eval.evaluate import EvalOptions, evaluate
+    from quark_ptq_eval.execute import quark_api_engine
+    from quark_ptq_eval.sensitivity.followup import sensitivity_followup
+
+    root, plan = sens_plan
+    assert quark_api_engine.main(["--model_dir", str(tiny_llama), "--output_dir", str(root / "out"), "--quant_scheme",
+                                  SCHEME, "--calib_data", str(corpus), "--num_calib_data", str(SAMPLES), "--seq_len",
+                                  str(SEQ), "--exclude_layers", *plan.exclude_layers]) == 0
+    options = EvalOptions(tier="ppl", eval_data=corpus, seq_len=SEQ, max_windows=8, device="cpu", baseline=tiny_llama)
+    report = evaluate(root / "out", options, root / "wd", FlagApprover())
+    row = next(d for d in plan.decisions if d["decision"] == "sensitivity")
+    follow = json.loads(report.results_path.read_text())["sensitivity"]
+    assert follow["kept_unquantized"] == row["value"]
+    assert follow["scan_remeasured_kl"] == pytest.approx(row["measured_kl"])
+    assert follow["tier1_kl"] == pytest.approx(report.details["kl"]["kl_divergence"]) and follow["tier1_kl"] > 0
+    assert follow["ratio_measured_to_predicted"] == pytest.approx(follow["tier1_kl"] / row["measured_kl"])
+    text = report.report_path.read_text()
+    assert "predicted vs measured KL" in text and f"{follow['tier1_kl']:.4g}" in text
+    assert sensitivity_followup(root / "wd", tiny_llama, report.details) is None
 
 
 def test_hurt_remedies_name_the_scan_command():

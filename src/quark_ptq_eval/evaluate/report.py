@@ -48,7 +48,15 @@ def results_document(report: EvalReport) -> dict:
             "artifacts": report.artifacts | ({"chart": str(report.chart_path)} if report.chart_path else {}),
         }
     )
+    if (follow := _sensitivity(report)) is not None:  # the plan's scan proposal: predicted vs measured KL
+        doc["sensitivity"] = follow
     return json_safe(doc)
+
+
+def _sensitivity(report: EvalReport) -> dict | None:
+    from ..sensitivity.followup import sensitivity_followup
+
+    return sensitivity_followup(report.workdir, report.model_dir, report.details)
 
 
 def json_safe(value):
@@ -74,6 +82,9 @@ def markdown(report: EvalReport) -> str:
     lines += _settings_section(report)
     lines += _scores_section(report)
     lines += _details_section(report)
+    from ..sensitivity.followup import followup_markdown
+
+    lines += followup_markdown(_sensitivity(report))
     if report.remedies:
         lines += ["## Remedies", "", *[f"- {r}" for r in report.remedies], ""]
     if report.deferred_commands:
