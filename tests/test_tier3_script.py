@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +114,8 @@ except urllib.error.URLError as exc:
     rc = 7 if isinstance(exc.reason, ConnectionRefusedError) else 28
 except (TimeoutError, socket.timeout):
     rc = 28
+except ConnectionError:  # the server went away mid-request
+    rc = 56
 record(rc=rc)
 sys.exit(rc)
 '''
@@ -266,11 +270,30 @@ def test_host_runtime_starts_vllm_in_the_background_and_stops_it(tmp_path, stand
     assert_nothing_left(tmp_path, port)
 
 
+def test_an_interrupt_stops_what_the_script_started(tmp_path, standins):
+    script, port = write_script(tmp_path)
+    proc = subprocess.Popen(["bash", str(script)], env={**standins, "STANDIN_VLLM_DELAY": "120"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = Path(standins["STANDIN_LOG"])
+    for _ in range(300):  # until the server holds its port (it will not be healthy for minutes)
+        if log.is_file() and '"event": "bound"' in log.read_text():
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "failed (exit 143); what it started is stopped." in err
+    assert milestones(calls(standins))[-5:] == ["stop", "term quantized", "port free", "docker stop", "docker rm"]
+    assert_nothing_left(tmp_path, port)
+
+
 def test_a_port_already_in_use_is_refused_before_any_server_starts(tmp_path, standins):
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from threading import Thread
+
     script, port = write_script(tmp_path, runtime="host")
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", port))
-        held.listen(1)
+    with HTTPServer(("127.0.0.1", port), BaseHTTPRequestHandler) as held:  # someone else's server
+        Thread(target=held.serve_forever, daemon=True).start()
         proc = run_script(script, standins)
+        held.shutdown()
     assert proc.returncode == 1 and f"port {port} is already in use" in proc.stderr
     assert not any(c["tool"] in ("vllm", "lm_eval") for c in calls(standins))  # nothing started

@@ -53,7 +53,7 @@ wait_healthy() {
   local deadline=$((SECONDS + HEALTH_TIMEOUT_S)) pid
   until curl -sf -o /dev/null --max-time 3 "http://127.0.0.1:$PORT/health"; do
     pid=$(server_pid)
-    if [ -n "$pid" ] && ! run_in kill -0 "$pid" 2>/dev/null; then
+    if [ -n "$pid" ] && ! run_in kill -0 "$pid"; then
       say "the $SERVER_LABEL model's vLLM server exited before it was healthy; see $SERVER_LOG."
       return 1
     fi
@@ -71,10 +71,10 @@ stop_server() {
   local pid
   pid=$(server_pid)
   say "stopping the $SERVER_LABEL model's server${pid:+ (pid $pid)}"
-  [ -z "$pid" ] || run_in kill -TERM "$pid" 2>/dev/null || true
+  [ -z "$pid" ] || run_in kill -TERM "$pid" || true
   if ! wait_port_free "$STOP_TIMEOUT_S"; then
     say "the $SERVER_LABEL model's server still holds port $PORT after $STOP_TIMEOUT_S s: killing it"
-    [ -z "$pid" ] || run_in kill -KILL "$pid" 2>/dev/null || true
+    [ -z "$pid" ] || run_in kill -KILL "$pid" || true
     wait_port_free 30 || { say "port $PORT is still in use after the kill; free it by hand."; return 1; }
   fi
   SERVER_PID_FILE=""
@@ -98,11 +98,12 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 """
 
+# `run_in kill ...` uses sh's own kill (a slim image may have no /bin/kill) and silences it inside sh:
+# a redirection on a shell function would also swallow the output of a trap that fires during it.
 RUNTIME_FUNCTIONS = {
-    # sh's own kill: a slim image may have no /bin/kill
-    "docker": 'run_in() { docker exec "$CONTAINER" sh -c \'"$@"\' sh "$@"; }\n'
+    "docker": 'run_in() { docker exec "$CONTAINER" sh -c \'"$@" 2>/dev/null\' sh "$@"; }\n'
               'launch() { docker exec -d "$CONTAINER" sh -c "$1"; }\n',
-    "host": 'run_in() { "$@"; }\nlaunch() { nohup sh -c "$1" >/dev/null 2>&1 & }\n',
+    "host": 'run_in() { sh -c \'"$@" 2>/dev/null\' sh "$@"; }\nlaunch() { nohup sh -c "$1" >/dev/null 2>&1 & }\n',
 }
 
 
