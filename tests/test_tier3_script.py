@@ -147,7 +147,7 @@ def standins(tmp_path) -> dict:
     bin_dir.mkdir()
     for name, source in {"docker": DOCKER, "vllm": VLLM, "curl": CURL, "lm_eval": LM_EVAL}.items():
         path = bin_dir / name
-        path.write_text(f"#!{sys.executable}\n{source}")
+        path.write_text(f"#!{sys.executable} -S\n{source}")  # -S: no site import, a faster start
         path.chmod(0o755)
     (tmp_path / "calls").mkdir()
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
