@@ -170,7 +170,12 @@ class FakeExecutor(t3.Executor):
     def healthy(self, port):
         return True
 
+    def port_free(self, port):
+        self.calls.append(["port free?", str(port)])
+        return True
+
     def stop_server(self, process, pid_file, container):
+        self.calls.append(["stop", pid_file.name])
         self.stopped.append((pid_file.read_text().strip(), container))
 
 
@@ -190,6 +195,40 @@ def test_rocm_run_asks_first_then_stops_only_what_it_started(tmp_path):
     assert executor.calls[0][:3] == ["docker", "run", "-d"]
     assert executor.calls[-2:] == [["docker", "stop", "0123abcd"], ["docker", "rm", "0123abcd"]]  # by id
     assert executor.stopped == [("4242", prepared.plan.container)] * 2  # each server by its pid
+    order = [c[0] if c[0] in ("port free?", "stop") else c[2] if c[:2] == ["docker", "exec"] else c[1]
+             for c in executor.calls]
+    serves = [i for i, c in enumerate(executor.calls) if c[:5] == ["docker", "exec", prepared.plan.container, "sh", "-c"]]
+    assert [order[i - 1] for i in serves] == ["port free?", "port free?"]  # each server after its port check
+    assert order.index("stop") < serves[1]  # the quantized model's server stopped before the baseline's starts
+
+
+class HeldPort(FakeExecutor):
+    """The port is held: by someone else's server from the start, or by ours for a while after its stop."""
+
+    def __init__(self, workdir: Path, answers: list[bool]):
+        super().__init__(workdir)
+        self.answers = answers
+
+    def port_free(self, port):
+        self.calls.append(["port free?", str(port)])
+        return self.answers.pop(0) if self.answers else True
+
+
+def test_rocm_run_waits_for_the_port_and_never_checks_someone_elses_server(tmp_path):
+    quant, base = fake_model(tmp_path, "q"), fake_model(tmp_path, "b")
+    work = tmp_path / "work"
+    work.mkdir()
+    ctx = TierContext(quant, EvalOptions(tier="vllm", tasks=["gsm8k"], baseline=base), work, FlagApprover(["eval"]))
+    taken = HeldPort(work, [False])
+    with pytest.raises(QpeError, match="Port 8080 is still in use, so the quantized model's vLLM server cannot start"):
+        t3.run(t3.prepare(ctx, env=ROCM_DOCKER), taken)
+    assert not any("vllm serve" in " ".join(c) for c in taken.calls)  # no server started
+    assert taken.calls[-2:] == [["docker", "stop", "0123abcd"], ["docker", "rm", "0123abcd"]]  # its container removed
+    slow = HeldPort(work, [True, False, True])  # the quantized server's port is released a second after its stop
+    outcome = t3.run(t3.prepare(ctx, env=ROCM_DOCKER), slow)
+    assert outcome.baseline == {"gsm8k": {"exact_match,flexible-extract": 0.80}}
+    checks = [i for i, c in enumerate(slow.calls) if c[0] == "port free?"]
+    assert len(checks) == 3 and checks[1] + 1 == checks[2]  # asked again before the baseline's server started
 
 
 class SilentLmEval(FakeExecutor):

@@ -4,6 +4,7 @@ servers by pid, its container by id). Scores come only from results this run wro
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
 import urllib.request
@@ -14,6 +15,7 @@ from .context import TierContext, TierOutcome
 from .vllm_commands import CommandPlan, shell_line
 
 HEALTH_TIMEOUT_S = 1800  # large models take a long time to load and compile
+PORT_FREE_TIMEOUT_S = 120  # a stopped server releases its port once its workers have exited
 
 
 class Executor:
@@ -34,6 +36,12 @@ class Executor:
     def start(self, argv: list[str], log_name: str) -> subprocess.Popen:
         log = (self.workdir / log_name).open("ab")
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+    def port_free(self, port: int) -> bool:
+        """Nothing listens on the port (a connection is refused)."""
+        with socket.socket() as sock:
+            sock.settimeout(2)
+            return sock.connect_ex(("127.0.0.1", port)) != 0
 
     def healthy(self, port: int) -> bool:
         try:
@@ -70,7 +78,9 @@ def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, detail
             output = executor.run(command.argv, timeout=3600)
             if command is plan.setup[0] and plan.create_container:
                 container_id = output.strip().splitlines()[-1]  # `docker run -d` prints the new id
-        for label, (serve, _health, evaluate_cmd) in plan.per_model.items():
+        for i, (label, (serve, _health, evaluate_cmd)) in enumerate(plan.per_model.items()):
+            # Never health-check someone else's server: the previous one must have let go of the port.
+            _wait_port_free(executor, options.vllm_port, label, PORT_FREE_TIMEOUT_S if i else 0)
             process = executor.start(serve.argv, f"vllm_{label}.log")
             try:
                 _wait_healthy(executor, process, options.vllm_port, ctx.workdir / f"vllm_{label}.log")
@@ -91,6 +101,15 @@ def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, detail
         details=details | {"commands": commands},
         artifacts={f"lm_eval {k} results": str(v) for k, v in plan.output_dirs.items()},
     )
+
+
+def _wait_port_free(executor: Executor, port: int, label: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not executor.port_free(port):
+        if time.monotonic() >= deadline:
+            raise QpeError(f"Port {port} is still in use, so the {label} model's vLLM server cannot start: "
+                           "stop what holds it, or choose another --vllm-port, and rerun.")
+        time.sleep(1)
 
 
 def _wait_healthy(executor: Executor, process, port: int, log_path: Path) -> None:
