@@ -26,7 +26,8 @@ def status(cli, wd):
 
 def test_each_approval_advances_exactly_one_gate(cli, tiny_llama, corpus, tmp_path):
     wd, out = tmp_path / "work", tmp_path / "out"
-    res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8"))
+    # --no-load-check: the gates are this test's subject (run_yes below loads and runs the exports)
+    res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8", "--no-load-check"))
     assert res.rc == 3, res.err
     assert "checkpoint 1 (intake)" in res.err and "--approve intake" in res.err
     assert "Traceback" not in res.err
@@ -51,6 +52,7 @@ def test_each_approval_advances_exactly_one_gate(cli, tiny_llama, corpus, tmp_pa
     assert res.rc == 3, res.err
     assert status(cli, wd)["waiting_for"] == "eval" and "--eval-tier" in res.err
     assert (wd / "validation_report.md").exists()
+    assert "not requested (--no-load-check" in (wd / "validation_report.md").read_text()  # kept across resumes
 
     res = cli("resume", "--workdir", wd, "--eval-tier", "skip", "--json")
     assert res.rc == 0, res.err
@@ -131,7 +133,8 @@ def test_non_empty_output_needs_overwrite_and_is_set_aside_not_deleted(cli, tiny
     res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8", "--yes"))
     assert res.rc == 2 and "is not empty" in res.err and "--overwrite" in res.err
     assert (out / "precious.txt").read_text() == "mine"
-    res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8", "--yes", "--overwrite", "--eval-tier", "skip"))
+    res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8", "--yes", "--overwrite", "--eval-tier", "skip",
+                        "--no-load-check"))
     assert res.rc == 0, res.err
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("out.set-aside-")]
     assert len(aside) == 1 and (aside[0] / "precious.txt").read_text() == "mine"
@@ -157,8 +160,10 @@ def test_missing_model_and_too_little_disk(cli, corpus, tmp_path):
     assert "Not enough disk space" in res.err and not (tmp_path / "out").exists()
 
 
-SCHEMES = [("llama", "int8", None), ("llama", "fp8", None), ("llama", "int4_wo_128", None),
-           ("llama", "int4_wo_128", "awq"), ("llama", "mxfp4", None), ("qwen3", "int8", None)]
+# Through the CLI: one scheme per architecture and the algorithm path; the pipeline is the same for
+# every scheme, so the other schemes' exports are loaded and validated in-process below (each CLI
+# run pays two `import quark.torch`, ~25 s each).
+SCHEMES = [("llama", "int8", None), ("llama", "int4_wo_128", "awq"), ("qwen3", "int8", None)]
 
 
 @pytest.mark.parametrize("arch, scheme, algorithm", SCHEMES, ids=["-".join(filter(None, s)) for s in SCHEMES])
@@ -180,6 +185,22 @@ def test_run_yes_produces_a_model_transformers_reloads(cli, tiny_model, corpus, 
     manifest = (wd / "run_manifest.yaml").read_text()
     assert "status: succeeded" in manifest
     assert not Path(str(out) + ".partial").exists()
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int4_wo_128", "mxfp4"])
+def test_every_scheme_exports_a_model_that_validates_with_the_load_check_and_reloads(tiny_llama, quantized, scheme):
+    from transformers import AutoModelForCausalLM
+
+    from quark_ptq_eval.validate import validate_model
+
+    out = quantized(scheme)
+    report = validate_model(tiny_llama, out, load_check=True)
+    assert report.status in ("success", "partial"), report.one_line()
+    assert report.check("load").status == "pass", report.check("load").findings
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4, 5, 6]])).logits
+    assert torch.isfinite(logits).all()
 
 
 def test_engine_failure_is_classified_and_nothing_is_reported_as_success(cli, copy_model, tiny_llama, corpus, tmp_path):

@@ -101,6 +101,9 @@ def _add_recipe_commands(add) -> None:
                        ("resume", "Continue the run in --workdir from where it stopped.")):
         p = add(name, text)
         _run_args(p, model_required=name == "run")
+        p.add_argument("--no-load-check", action="store_true", default=None,
+                       help="validation skips loading the export and running a probe through it (models too large "
+                            "for this host); the report says it was skipped")
         _plan_args(p)
         add_eval_arguments(p, standalone=False)
         add_hidden_aliases(p, with_eval=True)
@@ -158,6 +161,7 @@ def _run_options(args: argparse.Namespace):
         model=_absolute(model) if model and Path(model).exists() else model,
         output_dir=_absolute(getattr(args, "output_dir", None)), plan=plan,
         overwrite=bool(getattr(args, "overwrite", None)), eval_tier=getattr(args, "eval_tier", None),
+        no_load_check=bool(getattr(args, "no_load_check", None)),
         eval=eval_opts, offline=getattr(args, "offline", None), execution_mode=getattr(args, "execution_mode", None),
         contexts={k: str(getattr(args, k)) if getattr(args, k, None) else None
                   for k in CONTEXT_KINDS},

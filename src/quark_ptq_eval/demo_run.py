@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from .cli import main as cli_main
+from .ui import noise_to_log
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,9 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (model / "config.json").exists():
         t = time.monotonic()
         print(f"Building the embedded tiny model and corpus in {root} ...", file=sys.stderr, flush=True)
-        build_corpus(corpus)
-        build_tiny_model(model, corpus)
-        print(f"  built in {time.monotonic() - t:.0f} s", file=sys.stderr)
+        with noise_to_log(root / "logs" / "build.log"):  # transformers' warnings and shard bars
+            build_corpus(corpus)
+            build_tiny_model(model, corpus)
+        print(f"  built in {time.monotonic() - t:.0f} s (library output: {root / 'logs' / 'build.log'})",
+              file=sys.stderr)
     args = ["run", str(model), "-o", str(root / "tiny-llama-int8"), "--workdir", str(root / "run"),
             "--scheme", "int8", "--calib-data", str(corpus), "--num-calib-samples", "32", "--calib-seq-len", "256",
             "--offline", "--yes", "--eval-tier", "ppl", "--eval-data", str(corpus), "--seq-len", "256",

@@ -41,6 +41,7 @@ class RunOptions:
     offline: bool | None = None
     execution_mode: str | None = None
     contexts: dict[str, str | None] = field(default_factory=dict)
+    no_load_check: bool = False  # skip validation's load-and-run probe (False: "not given", like the others)
 
     def merged_over(self, stored: dict[str, Any]) -> RunOptions:
         """These options, with anything not given now taken from a stored earlier run."""
@@ -226,15 +227,16 @@ class Recipe:
                                 flow.opts.overwrite)
 
     def step_validate(self, flow: Flow):
-        return self._validate(flow.model_path, flow.output_dir, flow.parts["plan"].to_dict())
+        return self._validate(flow.model_path, flow.output_dir, flow.parts["plan"].to_dict(),
+                              load_check=not flow.opts.no_load_check)
 
     def step_eval(self, flow: Flow):
         return self._evaluate(flow.opts, flow.model_path, flow.output_dir, flow.parts["plan"].to_dict())
 
-    def _validate(self, source: Path | None, output_dir: Path, plan: dict):
+    def _validate(self, source: Path | None, output_dir: Path, plan: dict, load_check: bool = True):
         from .validate import apply_fixes, propose_fixes
 
-        report = self._checked(source, output_dir, plan)
+        report = self._checked(source, output_dir, plan, load_check)
         fixes = propose_fixes(report, source, output_dir) if report.status == "failed" else []
         if fixes:
             report.write(self.workdir)  # the failing report stays readable while we wait for approval
@@ -242,7 +244,7 @@ class Recipe:
             self.ui.info(f"Validation found problems with a safe fix:\n{summary}")
             self.gates.require("fix", digest(summary), summary)
             applied = apply_fixes(fixes, source, output_dir)  # approval was just bound to these fixes
-            report = self._checked(source, output_dir, plan)
+            report = self._checked(source, output_dir, plan, load_check)
             report.applied_fixes = [*report.applied_fixes, *applied]
         report.write(self.workdir)
         self.ui.info(report.one_line())
@@ -250,7 +252,7 @@ class Recipe:
         report.raise_for_status()
         return report
 
-    def _checked(self, source: Path | None, output_dir: Path, plan: dict):
+    def _checked(self, source: Path | None, output_dir: Path, plan: dict, load_check: bool):
         """One validation pass, its checks shown as progress."""
         from .validate import validate_model
         from .validate.checks import CHECKS
@@ -259,7 +261,7 @@ class Recipe:
             self.ui.progress("validation checks" if total == len(CHECKS) else f"{check}: bytes compared", done, total)
 
         try:
-            return validate_model(source, output_dir, plan, load_check=True, progress=progress)
+            return validate_model(source, output_dir, plan, load_check=load_check, progress=progress)
         finally:
             self.ui.end_progress()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..checkpoints import Gatekeeper
 from ..errors import ExitCode, UsageError
 from ..options import add_flags, given
+from ..ui import noise_to_log
 from .tiers import tier_checkpoint
 
 
@@ -51,9 +52,10 @@ def cmd_eval(args: argparse.Namespace, approver) -> int:
         raise UsageError(f"The model directory {args.model} does not exist.")
     options = eval_options_from_args(args)
     workdir = Path(getattr(args, "workdir", None) or ".")
-    report = evaluate(
-        Path(args.model), options, workdir, approver, source_model=getattr(args, "source", None)
-    )
+    with noise_to_log(workdir / "logs" / "eval.log"):  # library chatter: the log, not the terminal
+        report = evaluate(
+            Path(args.model), options, workdir, approver, source_model=getattr(args, "source", None)
+        )
     print(report.one_line())
     print(f"report: {report.report_path}")
     return ExitCode.OK
