@@ -217,6 +217,18 @@ def test_library_noise_goes_to_the_log_and_progress_shows_as_milestones(tmp_path
         sys.stderr = saved
         logging.getLogger("qpe_test_library").removeHandler(early)
     assert real.getvalue() == "our own line\n" and early.stream is real  # handed back after the run
+    # A handler a library creates during one block (transformers' own, on first use) is caught by the next.
+    sys.stderr = real
+    lib = logging.getLogger("qpe_test_library_late")
+    try:
+        with noise_to_log(tmp_path / "first.log"):
+            lib.addHandler(logging.StreamHandler())
+        with noise_to_log(tmp_path / "second.log"):
+            lib.warning("Token indices sequence length is longer than the specified maximum")
+    finally:
+        sys.stderr = saved
+        lib.handlers.clear()
+    assert real.getvalue() == "our own line\n" and "Token indices" in (tmp_path / "second.log").read_text()
     kept = log.read_text()
     assert "[QUARK-INFO]" in kept and "more" in kept and "Loading weights" in kept and "Token indices" in kept
 

@@ -197,11 +197,14 @@ def noise_to_log(log_path: Path) -> Iterator[None]:
         sys.stdout, sys.stderr = saved
         for handler, stream in swapped:
             handler.setStream(stream)
+        # Handlers created inside (transformers makes its own on first use) hold our filters: give
+        # them the real streams, or a later run's filter would not recognise them.
+        _swap_handler_streams({id(f): f.real for f in filters})
         for f in filters:
             f.close_log()
 
 
-def _swap_handler_streams(streams: dict[int, NoiseFilter]) -> list[tuple[logging.StreamHandler, Any]]:
+def _swap_handler_streams(streams: dict[int, Any]) -> list[tuple[logging.StreamHandler, Any]]:
     loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
                                       if isinstance(lg, logging.Logger))]
     swapped = []
