@@ -279,7 +279,11 @@ class Recipe:
         if isinstance(given.get("thresholds"), dict):
             given["thresholds"] = Thresholds(**given["thresholds"])
         options = EvalOptions(**given)
-        report = evaluate(output_dir, options, self.workdir, self.gates, source_model=source, plan=plan)
+        try:
+            report = evaluate(output_dir, options, self.workdir, self.gates, source_model=source, plan=plan,
+                              progress=self.ui.progress)
+        finally:
+            self.ui.end_progress()
         self.state.record_step("eval", "done", tier=tier, report=str(self.workdir / "eval_report.md"))
         return report
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ def evaluate(
     *,
     source_model: Path | None = None,
     plan: dict | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> EvalReport:
     """Run ``options.tier`` on ``model_dir``; write eval_report.md, eval_results.json and a chart to ``workdir``."""
     started = time.perf_counter()  # the tier's approval: the span the estimate and the actual time cover
@@ -38,7 +40,7 @@ def evaluate(
     if tier.module is not None and not (model_dir / "config.json").is_file():
         raise UsageError(f"{model_dir} has no config.json: give the quantized model's output directory.")
     workdir.mkdir(parents=True, exist_ok=True)
-    ctx = TierContext(model_dir, options, workdir, approver, source_model, plan, started=started)
+    ctx = TierContext(model_dir, options, workdir, approver, source_model, plan, progress=progress, started=started)
     estimate, outcome, timed_from = None, TierOutcome(quantized={}, notes=["Evaluation skipped."]), None
     if tier.module is not None:
         module = tier_module(tier)

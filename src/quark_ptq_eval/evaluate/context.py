@@ -30,6 +30,8 @@ class TierContext:
     source_model: Path | None = None
     plan: dict | None = None
     log: Callable[[str], None] = log
+    # (work, done, total) -> a bar with an ETA on a terminal, milestone lines elsewhere (ui.Reporter.progress)
+    progress: Callable[[str, int, int], None] | None = None
     started: float = field(default_factory=time.perf_counter)  # the approval: where the timed span begins
 
 
