@@ -44,7 +44,7 @@ def scanned(scan_setup):
     return result, done, budget, messages
 
 
-def independent_kl(model_dir: Path, corpus: Path, quantized: set[str]) -> float:
+def independent_kl(model_dir: Path, corpus: Path, quantized: set[str], layer_config: dict | None = None) -> float:
     """KL(unquantized || model with only ``quantized`` layers quantized), all by Quark's public API."""
     import torch
     from quark.torch import LLMTemplate, ModelQuantizer
@@ -59,7 +59,8 @@ def independent_kl(model_dir: Path, corpus: Path, quantized: set[str]) -> float:
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     with torch.no_grad():
         ref = [model(b).logits.float().log_softmax(-1) for b in batches]
-        config = LLMTemplate.get("llama").get_config(scheme=SCHEME, exclude_layers=sorted(linears - quantized))
+        config = LLMTemplate.get("llama").get_config(scheme=SCHEME, exclude_layers=sorted(linears - quantized),
+                                                     layer_config=layer_config)
         model = ModelQuantizer(config).quantize_model(model, batches)
         total = sum(float((r.exp() * (r - model(b).logits.float().log_softmax(-1))).sum()) for b, r in
                     zip(batches, ref, strict=True))
@@ -99,6 +100,24 @@ def test_proposal_meets_the_budget_on_a_remeasure(scanned, tiny_llama, corpus):
     assert report["proposal"]["exclude"] == proposal.exclude
     assert done["reports"]["png"].stat().st_size > 0
     assert "Layers ranked" in done["reports"]["md"].read_text()
+
+
+def test_wider_scheme_alternative_is_measured_and_checked_independently(scanned, tiny_llama, corpus):
+    """The proposed layers at int8 instead of unquantized: one more Quark quantization; its KL agrees with a
+    fresh model quantized by Quark's public API with the same layer_config, and it costs fewer bytes."""
+    from quark_ptq_eval.sensitivity.wider import wider_scheme
+
+    result, done, _, messages = scanned
+    proposal = done["proposal"]
+    wider = proposal.wider
+    assert wider_scheme(SCHEME) == "int8" and wider["scheme"] == "int8" and wider["bits"] == 8
+    assert any("at int8 instead of unquantized" in m for m in messages)
+    assert 0 < wider["extra_bytes"] < proposal.extra_bytes
+    names = {r["layer"] for r in result["layers"]}
+    kl = independent_kl(tiny_llama, corpus, names, layer_config={n: "int8" for n in proposal.exclude})
+    assert kl == pytest.approx(wider["measured_kl"], rel=0.05, abs=1e-6)
+    assert wider["chosen"] == (wider["measured_kl"] <= proposal.max_kl)
+    assert proposal.layer_quant_config == ({n: "int8" for n in proposal.exclude} if wider["chosen"] else {})
 
 
 def test_second_run_is_a_cache_hit(scan_setup, scanned):
@@ -162,10 +181,13 @@ def sens_plan(tiny_llama, corpus, tmp_path_factory):
 def test_plan_with_sensitivity_adds_the_proposal_as_a_decision(sens_plan):
     root, plan = sens_plan
     row = next(d for d in plan.decisions if d["decision"] == "sensitivity")
-    assert row["value"] and set(row["value"]) <= set(plan.exclude_layers) and "lm_head" in plan.exclude_layers
+    # kept unquantized (exclude_layers) or, when the measured wider scheme met the budget, in layer_quant_config
+    kept = set(plan.layer_quant_config) if row["layer_quant_config"] else set(plan.exclude_layers)
+    assert row["value"] and set(row["value"]) <= kept and "lm_head" in plan.exclude_layers
     assert "sensitivity scan" in row["reason"] and row["measured_kl"] < row["whole_model_kl"]
     written = json.loads((root / "wd" / "quant_plan.json").read_text())
     assert written["exclude_layers"] == plan.exclude_layers
+    assert written["layer_quant_config"] == plan.layer_quant_config
     assert (root / "wd" / "sensitivity_report.md").exists()
 
 
@@ -180,7 +202,8 @@ def test_eval_report_shows_predicted_against_measured_kl(sens_plan, tiny_llama, 
     root, plan = sens_plan
     assert quark_api_engine.main(["--model_dir", str(tiny_llama), "--output_dir", str(root / "out"), "--quant_scheme",
                                   SCHEME, "--calib_data", str(corpus), "--num_calib_data", str(SAMPLES), "--seq_len",
-                                  str(SEQ), "--exclude_layers", *plan.exclude_layers]) == 0
+                                  str(SEQ), "--exclude_layers", *plan.exclude_layers,
+                                  *[a for kv in plan.layer_quant_config.items() for a in ("--layer_quant_scheme", *kv)]]) == 0
     options = EvalOptions(tier="ppl", eval_data=corpus, seq_len=SEQ, max_windows=8, device="cpu", baseline=tiny_llama)
     report = evaluate(root / "out", options, root / "wd", FlagApprover())
     row = next(d for d in plan.decisions if d["decision"] == "sensitivity")

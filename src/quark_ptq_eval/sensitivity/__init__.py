@@ -18,6 +18,7 @@ from .cache import ScanCache
 from .proposal import Proposal, default_max_kl, propose
 from .report import write_reports
 from .scan import ScanOptions, measure_kl, open_session, scan
+from .wider import try_wider, wider_scheme
 
 __all__ = ["Proposal", "ScanOptions", "default_max_kl", "propose", "run_sensitivity", "scan_command",
            "sensitivity_remedy"]
@@ -45,8 +46,9 @@ def sensitivity_remedy(plan: dict) -> list[str]:
 
 
 def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = None,
-                    progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Scan (or reuse the cached scan), propose exclusions for ``max_kl``, write the reports."""
+                    progress: Callable[[str], None] = print, wider: str | None = "auto") -> dict[str, Any]:
+    """Scan (or reuse the cached scan), propose exclusions for ``max_kl``, measure the same layers at
+    ``wider`` ("auto": fp8 for fp4/fp6 formats, int8 for int4; None: exclusions only), write the reports."""
     if not (Path(opts.model_dir) / "config.json").exists():
         raise UsageError(f"The sensitivity scan needs a local model directory; {opts.model_dir} has no config.json.")
     budget = default_max_kl() if max_kl is None else max_kl
@@ -65,6 +67,8 @@ def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = Non
     known = result.setdefault("combinations", {})
     before = len(known)
     proposal = propose(result, budget, measure)
+    try_wider(opts, proposal, result, lambda: _batches(opts), wider_scheme(opts.scheme) if wider == "auto" else wider,
+              progress)
     if opts.use_cache and len(known) != before:
         ScanCache(result["key"], opts.cache_root).save_final({k: v for k, v in result.items() if k != "cache_hit"})
     command = scan_command(opts.model_dir, opts.scheme, opts.calib_data, out_dir)

@@ -25,6 +25,9 @@ def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
                    help="layers the plan keeps unquantized anyway (default: Quark's template exclusions)")
     p.add_argument("--max-kl", type=float, default=None,
                    help="KL budget for the proposal (default: the healthy threshold, log(1.02) ~ 0.0198)")
+    p.add_argument("--wider", default="auto", metavar="SCHEME",
+                   help="also measure the proposed layers at this scheme instead of unquantized, and propose it when "
+                        "it meets the budget (default auto: fp8 for fp4/fp6 formats, int8 for int4; 'none': off)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=Path("."), help="where the sensitivity_report.* files go")
     p.add_argument("--estimate-only", action="store_true",
@@ -48,9 +51,11 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
                        device=args.device, trust_remote_code=args.trust_remote_code,
                        estimate_only=args.estimate_only, use_cache=not args.no_cache)
     say = (lambda _msg: None) if args.quiet or args.json else (lambda msg: print(msg, flush=True))
-    _check_scheme(opts)
+    _check_scheme(opts.scheme)
+    if args.wider not in ("auto", "none"):
+        _check_scheme(args.wider)
     with _stdout_to_stderr(args.json):  # Quark and transformers print to stdout: keep --json parseable
-        done = run_sensitivity(opts, args.out.resolve(), args.max_kl, say)
+        done = run_sensitivity(opts, args.out.resolve(), args.max_kl, say, None if args.wider == "none" else args.wider)
     if done["status"] != "complete":
         return ExitCode.OK
     proposal = done["proposal"]
@@ -87,10 +92,10 @@ def _demo_corpus(out: Path) -> Path:
     return path if path.exists() else build_corpus(path)
 
 
-def _check_scheme(opts) -> None:
+def _check_scheme(scheme: str) -> None:
     """Refuse a scheme the installed Quark does not know, before loading anything heavy."""
     from ..catalog import load_catalog
 
     schemes = load_catalog().get("schemes")
-    if isinstance(schemes, (list, dict)) and schemes and opts.scheme not in schemes:
-        raise UsageError(f"Quark has no scheme named {opts.scheme!r}; pick one of: {', '.join(sorted(schemes))}.")
+    if isinstance(schemes, (list, dict)) and schemes and scheme not in schemes:
+        raise UsageError(f"Quark has no scheme named {scheme!r}; pick one of: {', '.join(sorted(schemes))}.")

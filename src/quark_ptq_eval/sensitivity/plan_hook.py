@@ -30,18 +30,29 @@ def apply_sensitivity(plan: Any, req: Any, workdir: Path) -> Any:
                        trust_remote_code=plan.trust_remote_code)
     done = run_sensitivity(opts, workdir, getattr(req, "max_kl", None))
     proposal = done["proposal"]
-    added = [n for n in proposal.exclude if n not in plan.exclude_layers]
+    added = [n for n in proposal.kept_unquantized if n not in plan.exclude_layers]
+    wider = {n: s for n, s in proposal.layer_quant_config.items() if n not in plan.layer_quant_config}
     plan.exclude_layers = [*plan.exclude_layers, *added]
+    plan.layer_quant_config = {**plan.layer_quant_config, **wider}
     for row in plan.decisions:
         if row["decision"] == "exclude_layers":
             row["value"] = plan.exclude_layers
             if added:
                 row["reason"] += f"; + {len(added)} layer(s) from the sensitivity scan"
-    plan.decisions.append({"decision": "sensitivity", "value": added, "reason": proposal.reason,
-                           "report": str(done["reports"]["md"]), "predicted_kl": proposal.predicted_kl,
-                           "measured_kl": proposal.measured_kl, "whole_model_kl": proposal.whole_model_kl,
-                           "max_kl": proposal.max_kl, "extra_bytes": proposal.extra_bytes})
+        if row["decision"] == "layer_quant_config" and wider:
+            row["value"] = plan.layer_quant_config
+            row["reason"] = f"{len(wider)} layer(s) at a wider scheme, from the sensitivity scan"
+    plan.decisions.append({"decision": "sensitivity", "value": added or list(wider), "reason": proposal.reason,
+                           "layer_quant_config": wider, "report": str(done["reports"]["md"]),
+                           "predicted_kl": proposal.predicted_kl, "measured_kl": _measured(proposal),
+                           "whole_model_kl": proposal.whole_model_kl, "max_kl": proposal.max_kl,
+                           "extra_bytes": proposal.wider["extra_bytes"] if wider else proposal.extra_bytes})
     return plan
+
+
+def _measured(proposal: Any) -> float | None:
+    """The re-measured KL of what the plan now holds (the wider-scheme combination when it was chosen)."""
+    return proposal.wider["measured_kl"] if proposal.layer_quant_config else proposal.measured_kl
 
 
 def _demo_corpus(workdir: Path) -> Path:

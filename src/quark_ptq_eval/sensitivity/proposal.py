@@ -38,9 +38,19 @@ class Proposal:
     extra_bytes: int  # what keeping them at the source precision costs over the scheme
     extra_pct: float  # of the quantized layers' size under the scheme
     rechecks: list[dict] = field(default_factory=list)
+    wider: dict | None = None  # the same layers at a wider scheme, measured (wider.py); "chosen" when used
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"layer_quant_config": self.layer_quant_config, "kept_unquantized": self.kept_unquantized}
+
+    @property
+    def layer_quant_config(self) -> dict[str, str]:
+        """Layers the proposal keeps at the wider scheme (exact module names), when that was chosen."""
+        return {n: self.wider["scheme"] for n in self.exclude} if self.wider and self.wider["chosen"] else {}
+
+    @property
+    def kept_unquantized(self) -> list[str]:
+        return [] if self.layer_quant_config else list(self.exclude)
 
     @property
     def reason(self) -> str:
@@ -48,9 +58,21 @@ class Proposal:
             return (f"sensitivity scan: the whole model quantized measures KL {self.whole_model_kl:.4g}, "
                     f"within the budget {self.max_kl:.4g}: no exclusion needed")
         state = "meets" if self.met else "does NOT meet"
+        if self.layer_quant_config:
+            w = self.wider
+            return (f"sensitivity scan: keeping {len(self.exclude)} layer(s) at {w['scheme']} brings the measured KL "
+                    f"from {self.whole_model_kl:.4g} to {w['measured_kl']:.4g} (budget {self.max_kl:.4g}) for "
+                    f"{w['extra_bytes'] / 2**20:.2f} MiB more (+{w['extra_pct']:.1f} %); unquantized they would "
+                    f"measure {self.measured_kl:.4g} for {self.extra_bytes / 2**20:.2f} MiB")
         return (f"sensitivity scan: keeping {len(self.exclude)} layer(s) unquantized brings the measured KL from "
                 f"{self.whole_model_kl:.4g} to {self.measured_kl:.4g} ({state} the budget {self.max_kl:.4g}) "
-                f"for {self.extra_bytes / 2**20:.2f} MiB more (+{self.extra_pct:.1f} %)")
+                f"for {self.extra_bytes / 2**20:.2f} MiB more (+{self.extra_pct:.1f} %)" + self._wider_note())
+
+    def _wider_note(self) -> str:
+        if not self.wider:
+            return ""
+        return (f"; at {self.wider['scheme']} they would measure {self.wider['measured_kl']:.4g} "
+                f"(+{self.wider['extra_bytes'] / 2**20:.2f} MiB): not enough")
 
 
 def fusion_units(names: list[str]) -> dict[str, list[str]]:

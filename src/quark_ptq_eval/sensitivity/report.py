@@ -80,12 +80,18 @@ def _proposal_md(p: dict) -> list[str]:
     lines = ["## Proposal", "", f"Budget: KL <= {p['max_kl']:.4g} ({source}).", ""]
     if not p["exclude"]:
         return lines + ["The whole model quantized already meets the budget: no exclusion needed.", ""]
-    lines += [f"Keep unquantized ({len(p['exclude'])} layers, {p['params_kept']:,} params, "
+    lines += [f"Keep out of the scheme ({len(p['exclude'])} layers, {p['params_kept']:,} params; unquantized: "
               f"+{p['extra_bytes'] / 2**20:.2f} MiB = +{p['extra_pct']:.1f} % of the quantized layers):", ""]
     lines += [f"- `{n}`" for n in p["exclude"]]
     measured = "not re-measured" if p["measured_kl"] is None else f"{p['measured_kl']:.4g}"
     lines += ["", f"KL: whole model {p['whole_model_kl']:.4g} -> predicted {p['predicted_kl']:.4g}, "
                   f"measured {measured}: {'meets' if p['met'] else 'does NOT meet'} the budget.", ""]
+    if w := p.get("wider"):
+        verdict = ("**chosen**: the plan keeps them in `layer_quant_config` at this scheme" if w["chosen"] else
+                   "not chosen: it misses what keeping them unquantized reaches")
+        lines += [f"The same layers at `{w['scheme']}` ({w['bits']:g} bits per weight) instead: measured KL "
+                  f"{w['measured_kl']:.4g} for +{w['extra_bytes'] / 2**20:.2f} MiB (+{w['extra_pct']:.1f} %); "
+                  f"{verdict}.", ""]
     return lines
 
 

@@ -38,6 +38,7 @@ class ScanOptions:
     cache_root: Path | None = None
     use_cache: bool = True
     replay: bool = True  # False: full forward passes for every measurement (the benchmark's comparison)
+    layer_config: dict[str, str] | None = None  # per-layer scheme overrides (Quark's layer_quant_config)
 
 
 @dataclass
@@ -134,10 +135,10 @@ def _source_bits(session: Session) -> float:
     return float(module.weight.element_size() * 8)
 
 
-def scheme_bits(session: Session) -> float:
-    """Stored bits per weight under the scheme: element bits plus the group's scale (8-bit power-of-two
-    scales for MX formats, else the scale's float width)."""
-    q = session.layers[next(iter(session.layers))]["module"]._weight_quantizer
+def scheme_bits(session: Session, layer: str | None = None) -> float:
+    """Stored bits per weight of ``layer`` (default: the first) under its scheme: element bits plus the
+    group's scale (8-bit power-of-two scales for MX formats, else the scale's float width)."""
+    q = session.layers[layer or next(iter(session.layers))]["module"]._weight_quantizer
     q = q[0] if isinstance(q, list) or (hasattr(q, "__getitem__") and not hasattr(q, "dtype")) else q
     dtype = str(getattr(getattr(q, "dtype", None), "value", getattr(q, "dtype", "")))
     digits = re.findall(r"\d+", dtype.replace("e4m3", "").replace("e5m2", "").replace("e2m1", ""))
@@ -179,7 +180,8 @@ def open_session(opts: ScanOptions, batches: list) -> Session:
         decoder = decoder if opts.replay and replay_matches(decoder, reference) else None
     else:
         reference = _full_pass(model, batches)
-    config = LLMTemplate.get(model.config.model_type).get_config(scheme=opts.scheme, exclude_layers=opts.exclude)
+    config = LLMTemplate.get(model.config.model_type).get_config(scheme=opts.scheme, exclude_layers=opts.exclude,
+                                                                 layer_config=opts.layer_config)
     import torch
 
     with torch.no_grad():
