@@ -258,3 +258,60 @@ def test_eval_command_through_the_main_cli(tiny_llama, eval_text, tmp_path):
     results = json.loads((tmp_path / "eval_results.json").read_text())
     assert results["quantized"]["perplexity"]["perplexity"] > 1.5
     assert results["verdict"] == "hurt"  # far worse than the (made-up) published 1.5
+
+
+def test_fast_nll_equals_a_plain_torch_float64_reference(tiny_llama, eval_text):
+    """The float32 logsumexp path (no baseline) against log_softmax in float64 on the real tiny model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.textdata import load_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    windows = tier_ppl.token_windows(tokenizer, load_texts(eval_text), SEQ_LEN, 6)
+    acc = tier_ppl.Accumulator()
+    for batch in windows.split(4):  # 4 + 2: batched and a short last batch
+        tier_ppl.score_batch(model, batch, acc)
+    with torch.inference_mode():
+        logits = model(windows).logits[:, :-1].double()
+    reference = -torch.log_softmax(logits, -1).gather(-1, windows[:, 1:].unsqueeze(-1)).squeeze(-1)
+    fast = tier_ppl.token_stats(logits.float(), windows[:, 1:])["nll"]
+    assert fast.dtype == torch.float64 and fast.shape == reference.shape
+    assert (fast - reference).abs().max() < 1e-5  # float32 rounding of the logsumexp, per token
+    ours = tier_ppl.perplexity_stats(acc.window_nll, SEQ_LEN - 1)["perplexity"]
+    assert abs(ours / math.exp(reference.mean().item()) - 1) < 1e-6
+    assert acc.window_nll == pytest.approx(reference.mean(dim=1).tolist(), abs=1e-6)
+
+
+def test_kl_quantiles_distribution_chart_and_estimate_span_in_the_report(tiny_llama, copy_model, eval_text, tmp_path):
+    """A perturbed copy against the tiny model: the report shows the KL quantiles and top-1, the
+    chart's data is the per-window NLL deltas and a per-token KL histogram, and the estimate and
+    the actual time cover one span."""
+    perturbed = copy_model(tiny_llama, "perturbed")
+    assert scale_tensors(perturbed, "layers.0.mlp.down_proj.weight", 1.3) == 1
+    report = evaluate(perturbed, ppl_options(eval_text, baseline=tiny_llama, max_windows=8, batch_size=4),
+                      tmp_path, FlagApprover(), source_model=tiny_llama)
+    results = json.loads((tmp_path / "eval_results.json").read_text())
+    kl, details = results["details"]["kl"], results["details"]
+    assert 0 < kl["kl_p50"] <= kl["kl_p90"] <= kl["kl_p99"] <= kl["kl_max"] and 0 < kl["top1_agreement"] <= 1
+    text = (tmp_path / "eval_report.md").read_text()
+    assert "| KL mean | KL p50 | KL p99 | KL max | top-1 agreement |" in text
+    assert f"| {kl['kl_divergence']:.4g} | {kl['kl_p50']:.4g} | {kl['kl_p99']:.4g} | {kl['kl_max']:.4g} |" in text
+    deltas = details["distribution"]["window_nll_delta"]
+    assert len(deltas) == 8 and len(set(deltas)) > 1  # one value per window, as they came
+    assert sum(deltas) / 8 == pytest.approx(details["paired"]["delta_nll"], rel=1e-9)
+    hist = details["distribution"]["token_kl_histogram"]
+    assert sum(hist["counts"]) + hist["zero"] == details["quantized"]["tokens"] == 8 * (SEQ_LEN - 1)
+    assert hist["edges"][0] <= kl["kl_p50"] and hist["edges"][-1] >= kl["kl_max"] * (1 - 1e-9)
+    assert "per-window NLL delta and per-token KL" in text
+    assert (tmp_path / "eval_chart.png").read_bytes()[:4] == b"\x89PNG"
+    runtime, estimate = results["runtime"], results["runtime"]["estimate"]
+    assert runtime["span"] == estimate["span"] == "from the tier's approval to the report written"
+    assert runtime["estimated_s"] == pytest.approx(estimate["elapsed_s"] + estimate["seconds"] + estimate["finish_s"])
+    assert set(estimate["parts"]) == {"data", "load", "tokenize", "baseline load", "pilot"}
+    assert sum(estimate["parts"].values()) <= estimate["elapsed_s"]  # the parts are pieces of the span
+    assert runtime["actual_s"] == report.actual_s and runtime["actual_s"] > estimate["elapsed_s"]
+    assert runtime["estimated_over_actual"] == pytest.approx(runtime["estimated_s"] / runtime["actual_s"])
+    assert "from the tier's approval to the report written" in text and "measured before the announcement" in text

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import shlex
+import time
 from pathlib import Path
 
 from ..fsio import atomic_write_text, write_json, write_png
-from .context import format_duration
+from .context import SPAN, format_duration
 from .eval_report import REPORT_NAME, RESULTS_NAME, EvalReport  # noqa: F401 (names kept importable here)
 from .verdict import invalid_reasons
 
@@ -15,8 +16,13 @@ CHART_NAME = "eval_chart.png"
 RESULTS_SCHEMA = "quark-ptq-eval/eval_results/1"
 
 
-def write_all(report: EvalReport) -> None:
+def write_all(report: EvalReport, timed_from: float | None = None) -> None:
+    """Write the chart, eval_results.json and eval_report.md. With ``timed_from`` (a perf_counter
+    reading: the tier's approval), the actual time is measured here, after the chart, so that it
+    spans what the estimate announced (the two text files take milliseconds)."""
     report.chart_path = write_chart(report, report.workdir / CHART_NAME)
+    if timed_from is not None:
+        report.actual_s = time.perf_counter() - timed_from
     write_json(report.results_path, results_document(report))
     atomic_write_text(report.report_path, markdown(report))
 
@@ -38,10 +44,7 @@ def results_document(report: EvalReport) -> dict:
             "deltas": [c.as_dict() for c in report.comparisons],
             "verdict": report.verdict,
             "remedies": report.remedies,
-            "runtime": {
-                "estimate": report.estimate.as_dict() if report.estimate else None,
-                "actual_s": report.actual_s,
-            },
+            "runtime": runtime_document(report),
             "details": report.details,
             "deferred_commands": report.deferred_commands,
             "notes": report.notes,
@@ -57,6 +60,19 @@ def _sensitivity(report: EvalReport) -> dict | None:
     from ..sensitivity.followup import sensitivity_followup
 
     return sensitivity_followup(report.workdir, report.model_dir, report.details)
+
+
+def runtime_document(report: EvalReport) -> dict:
+    """Estimated and actual time over the same span, and their ratio."""
+    estimated = report.estimate.total_s if report.estimate else None
+    ratio = estimated / report.actual_s if estimated is not None and report.actual_s else None
+    return {
+        "span": SPAN,
+        "estimated_s": estimated,
+        "actual_s": report.actual_s,
+        "estimated_over_actual": ratio,
+        "estimate": report.estimate.as_dict() if report.estimate else None,
+    }
 
 
 def json_safe(value):
@@ -92,7 +108,8 @@ def markdown(report: EvalReport) -> str:
     if report.notes:
         lines += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
     if report.chart_path:
-        lines += ["## Chart", "", f"![quantized vs baseline]({report.chart_path.name})", ""]
+        caption = "per-window NLL delta and per-token KL" if "distribution" in report.details else "quantized vs baseline"
+        lines += ["## Chart", "", f"![{caption}]({report.chart_path.name})", ""]
     return "\n".join(lines)
 
 
@@ -125,10 +142,10 @@ def _settings_section(report: EvalReport) -> list[str]:
             ("hardware", estimate.hardware),
             ("data", estimate.data),
             ("pilot", estimate.basis),
-            ("estimated time", format_duration(estimate.seconds) if estimate.seconds is not None else "-"),
+            ("estimated time", _estimated(estimate)),
         ]
     if report.actual_s is not None:
-        rows.append(("actual time", format_duration(report.actual_s)))
+        rows.append(("actual time", f"{format_duration(report.actual_s)} ({report.actual_s:.1f} s, {SPAN})"))
     return [
         "## Settings and environment",
         "",
@@ -137,6 +154,16 @@ def _settings_section(report: EvalReport) -> list[str]:
         *[f"| {k} | {_cell(v)} |" for k, v in rows],
         "",
     ]
+
+
+def _estimated(estimate) -> str:
+    total = estimate.total_s
+    if total is None:
+        return "-"
+    return (
+        f"{format_duration(total)} ({total:.1f} s: {estimate.elapsed_s:.1f} s measured before the "
+        f"announcement + {estimate.seconds + estimate.finish_s:.1f} s predicted)"
+    )
 
 
 def _scores_section(report: EvalReport) -> list[str]:
@@ -185,6 +212,7 @@ def _details_section(report: EvalReport) -> list[str]:
                 )
         if "kl" in details:
             kl = details["kl"]
+            lines[2:2] = _agreement_table(kl, details.get("paired"))
             lines.append(
                 f"- KL(baseline ‖ quantized) per token: mean {kl['kl_divergence']:.6g} ± {kl['kl_stderr']:.3g} s.e., "
                 f"p50 {kl['kl_p50']:.6g}, p90 {kl['kl_p90']:.6g}, p99 {kl['kl_p99']:.6g}, max {kl['kl_max']:.6g} nats"
@@ -210,6 +238,18 @@ def _details_section(report: EvalReport) -> list[str]:
     if report.artifacts:
         lines += ["## Files", "", *[f"- {name}: `{path}`" for name, path in report.artifacts.items()], ""]
     return lines
+
+
+def _agreement_table(kl: dict, paired: dict | None) -> list[str]:
+    """KL quantiles and top-1 agreement at a glance (the bullets below say the same in words)."""
+    delta = "-" if not paired else f"{paired['delta_nll']:+.4g} ± {paired['delta_nll_stderr']:.2g}"
+    return [
+        "| KL mean | KL p50 | KL p99 | KL max | top-1 agreement | paired ΔNLL (nats, ± s.e.) |",
+        "|---:|---:|---:|---:|---:|---:|",
+        f"| {kl['kl_divergence']:.4g} | {kl['kl_p50']:.4g} | {kl['kl_p99']:.4g} | {kl['kl_max']:.4g} | "
+        f"{100 * kl['top1_agreement']:.2f} % | {delta} |",
+        "",
+    ]
 
 
 def _deferred_section(report: EvalReport) -> list[str]:
@@ -241,7 +281,10 @@ def _cell(text: str) -> str:
 
 
 def write_chart(report: EvalReport, path: Path) -> Path | None:
-    """One small panel per metric: quantized next to baseline (or reference) when there is one."""
+    """Tier 1 with a baseline: the per-window NLL deltas and the per-token KL as distributions.
+    Otherwise one small panel per metric: quantized next to baseline (or reference)."""
+    if (report.details.get("distribution") or {}).get("window_nll_delta"):
+        return _distribution_chart(report, path)
     rows = [c for c in report.comparisons if c.verdict != "info" and math.isfinite(c.value)]
     if not rows:
         return None
@@ -270,3 +313,55 @@ def write_chart(report: EvalReport, path: Path) -> Path | None:
     fig.tight_layout()
     write_png(fig, path)
     return path
+
+
+def _distribution_chart(report: EvalReport, path: Path) -> Path:
+    """Left: how the quantized model's per-window NLL differs from the baseline's (0 = no change),
+    with the paired mean and its 95 % interval. Right: the per-token KL on a log axis, p50 and p99."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    details = report.details
+    deltas, paired = details["distribution"]["window_nll_delta"], details["paired"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.6))
+    finite = [d for d in deltas if math.isfinite(d)]
+    left.hist(finite, bins=min(40, max(5, len(finite) // 4)), color="#5b9bd5")
+    left.axvline(0.0, color="#7f7f7f", linewidth=1, label="no change")
+    if math.isfinite(paired["delta_nll"]):
+        left.axvline(paired["delta_nll"], color="#d9534f", linewidth=1.5, label=f"mean {paired['delta_nll']:+.4g}")
+        left.axvspan(paired["delta_nll_ci95_low"], paired["delta_nll_ci95_high"], color="#d9534f", alpha=0.15,
+                     label="95 % interval")
+    left.set_title(f"per-window NLL delta, quantized − baseline ({len(deltas)} windows)", fontsize=9)
+    left.set_xlabel("nats per token", fontsize=8)
+    left.set_ylabel("windows", fontsize=8)
+    left.legend(fontsize=7)
+    _kl_panel(right, details["distribution"]["token_kl_histogram"], details["kl"])
+    for ax in (left, right):
+        ax.tick_params(labelsize=8)
+    kl = details["kl"]
+    fig.suptitle(
+        f"Tier {report.tier}: verdict {report.verdict} — perplexity {_num(details['quantized']['perplexity'])} vs "
+        f"{_num(details['baseline']['perplexity'])}, top-1 agreement {100 * kl['top1_agreement']:.2f} %",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    write_png(fig, path)
+    return path
+
+
+def _kl_panel(ax, hist: dict, kl: dict) -> None:
+    if hist["counts"]:
+        ax.stairs(hist["counts"], hist["edges"], fill=True, color="#5b9bd5")
+        ax.set_xscale("log")
+        for name, color in (("kl_p50", "#2f6f3f"), ("kl_p99", "#d9534f")):
+            if kl[name] > 0:
+                ax.axvline(kl[name], color=color, linewidth=1.5, label=f"{name[3:]} {kl[name]:.3g}")
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "KL is 0 at every token", ha="center", va="center", transform=ax.transAxes)
+    zero = f"; {hist['zero']:,} tokens at 0" if hist["zero"] else ""
+    ax.set_title(f"per-token KL(baseline ‖ quantized), mean {kl['kl_divergence']:.3g}{zero}", fontsize=9)
+    ax.set_xlabel("nats", fontsize=8)
+    ax.set_ylabel("tokens", fontsize=8)

@@ -5,6 +5,11 @@ joined with blank lines, tokenized once, cut into ``len // seq_len`` full window
 dropped), each window scores its ``seq_len - 1`` next-token predictions, and the perplexity is
 exp of the mean negative log-likelihood. Windows are batched, and with a baseline each window
 pair is scored in one pass (KL, top-1, both NLLs) so no logits outlive their batch.
+
+Where the time goes (bench/README.md): the model's forward pass. Without a baseline a token's NLL
+is ``logsumexp(logits) - logits[label]`` in float32 (no log-softmax tensor is written, no float64
+copy); only a row that is not finite that way (logits near the float32 limit) is redone in
+float64. With a baseline the KL needs both full distributions and stays in float64.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from .verdict import BEYOND_NOISE, WITHIN_NOISE, Z95, safe_exp, safe_expm1
 TASK = "perplexity"
 LOGIT_BUDGET = 64 * 2**20  # logits elements per batch when --batch-size is not given
 MAX_AUTO_BATCH = 8
+FINISH_S = 1.0  # statistics, chart and report files after the last batch (bench/bench_estimates.py)
+CPU_TOKENS_PER_BATCH = 2048  # on a CPU larger batches only add cache misses (bench/README.md)
 ROW_CHUNK_ELEMENTS = 8 * 2**20  # float64 elements of the vocabulary softmax handled at once (memory bound)
 
 
@@ -67,8 +74,14 @@ def token_windows(tokenizer, texts: list[str], seq_len: int, max_windows: int | 
 
 
 def auto_batch_size(seq_len: int, vocab: int, device: str) -> int:
-    budget = LOGIT_BUDGET * (4 if device.startswith("cuda") else 1)
-    return max(1, min(MAX_AUTO_BATCH, budget // max(1, seq_len * vocab)))
+    """Windows per forward pass: bounded by the logits' memory; on a CPU also by ~2k tokens, where a
+    batch of 2048-token windows ran ~15-20 % slower per window than one window at a time."""
+    gpu = device.startswith("cuda")
+    budget = LOGIT_BUDGET * (4 if gpu else 1)
+    size = min(MAX_AUTO_BATCH, budget // max(1, seq_len * vocab))
+    if not gpu:
+        size = min(size, CPU_TOKENS_PER_BATCH // max(1, seq_len))
+    return max(1, size)
 
 
 # ---------------------------------------------------------------- scoring
@@ -126,6 +139,10 @@ def token_stats(logits, labels, base_logits=None) -> dict[str, Any]:
     """
     import torch
 
+    if base_logits is None:
+        nll = fast_nll(logits, labels)
+        if nll is not None:
+            return {"nll": nll}
     vocab = logits.shape[-1]
     rows, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1, 1)
     base_rows = None if base_logits is None else base_logits.reshape(-1, vocab)
@@ -144,6 +161,27 @@ def token_stats(logits, labels, base_logits=None) -> dict[str, Any]:
         parts["kl"].append(terms.sum(dim=-1).clamp_min(0.0))  # clamp: rounding just below 0
         parts["top1"].append(log_q.argmax(-1) == log_b.argmax(-1))
     return {k: torch.cat(v).view(labels.shape) for k, v in parts.items() if v}
+
+
+def fast_nll(logits, labels):
+    """Per-token NLL ``[B, T]`` (float64 values) as ``logsumexp - logits[label]`` in float32, in row
+    chunks; None when a value is not finite that way (the caller redoes it in float64).
+
+    Equal to the float64 log-softmax to ~1e-6 nats per token (float32 rounding of the logsumexp),
+    and ~1e-7 relative on a perplexity (tests/test_eval_ppl.py)."""
+    import torch
+
+    step = max(1, ROW_CHUNK_ELEMENTS // logits.shape[-1])
+    parts = []
+    for window, window_labels in zip(logits, labels.unsqueeze(-1), strict=True):  # views: no copy of the logits
+        for start in range(0, window.shape[0], step):
+            rows = window[start : start + step].float()
+            picked = rows.gather(1, window_labels[start : start + step]).squeeze(1)
+            parts.append(torch.logsumexp(rows, dim=-1) - picked)
+    nll = torch.cat(parts)
+    if not bool(torch.isfinite(nll).all()):
+        return None
+    return nll.double().view(labels.shape)
 
 
 def synchronize(device: str) -> None:
@@ -202,6 +240,26 @@ def kl_stats(acc: Accumulator) -> dict[str, float]:
     }
 
 
+def distribution(acc: Accumulator, bins: int = 40) -> dict[str, Any]:
+    """What the report's chart draws: every window's paired NLL delta (quantized - baseline) and a
+    histogram of the per-token KL over log-spaced bins (at most 8 decades below the largest)."""
+    import torch
+
+    kl = torch.cat(acc.kl_values)
+    positive = kl[kl > 0]
+    deltas = [q - b for q, b in zip(acc.window_nll, acc.base_window_nll, strict=True)]
+    hist: dict[str, Any] = {"edges": [], "counts": [], "zero": int(kl.numel())}
+    if positive.numel():
+        high = float(positive.max())
+        low = max(float(positive.min()), high * 1e-8)
+        high = max(high, low * 10)  # one value: still a bin with a width
+        edges = torch.logspace(math.log10(low), math.log10(high), bins + 1, dtype=torch.double)
+        edges[0], edges[-1] = low, high  # 10 ** log10(x) can miss x by a rounding: the extremes stay in
+        counts = torch.histogram(positive.clamp(low, high), bins=edges).hist
+        hist = {"edges": edges.tolist(), "counts": [int(c) for c in counts], "zero": int(kl.numel() - positive.numel())}
+    return {"window_nll_delta": deltas, "token_kl_histogram": hist}
+
+
 def paired_delta(acc: Accumulator) -> dict[str, Any]:
     """Per-window NLL difference quantized - baseline: mean, paired standard error, 95 % interval."""
     diffs = [q - b for q, b in zip(acc.window_nll, acc.base_window_nll, strict=True)]
@@ -246,20 +304,46 @@ class Prepared:
     next_batch: int = 1  # batch 0 was the pilot
 
 
+class Clock:
+    """Seconds per piece of the preparation, for the estimate's breakdown."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, piece: str) -> None:
+        now = time.perf_counter()
+        self.parts[piece] = self.parts.get(piece, 0.0) + now - self._last
+        self._last = now
+
+
 def prepare(ctx: TierContext) -> Prepared:
     """Load the data and the model(s), score the first batch as a pilot, and estimate the rest."""
-    options = ctx.options
+    options, clock = ctx.options, Clock()
     texts = eval_texts(options.eval_data, options.eval_text_limit)  # fails before any model loads
+    clock.lap("data")
     quantized = load_model(ctx.model_dir, options.device, options.trust_remote_code)
     ctx.log(
         f"loaded {ctx.model_dir} with the {quantized.loader} loader in {quantized.load_s:.1f} s ({quantized.loader_reason})"
     )
+    clock.lap("load")
     windows = token_windows(quantized.tokenizer, texts, options.seq_len, options.max_windows)
+    clock.lap("tokenize")
     baseline = _load_baseline(ctx, texts, quantized.tokenizer) if options.baseline else None
+    clock.lap("baseline load")
     vocab = quantized.model.get_output_embeddings().weight.shape[0]
     batch_size = options.batch_size or auto_batch_size(options.seq_len, vocab, quantized.device)
     acc = Accumulator()
-    # Batch 0 warms up (first-call allocations, kernel selection); batch 1, when there is one, is timed.
+    pilot_batches, pilot_s, per_batch_s = _pilot(quantized, baseline, windows, batch_size, acc)
+    clock.lap("pilot")
+    estimate = _estimate(ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_batches, acc)
+    estimate.parts = clock.parts
+    return Prepared(ctx, quantized, baseline, windows, batch_size, acc, estimate, pilot_s, pilot_batches)
+
+
+def _pilot(quantized, baseline, windows, batch_size: int, acc: Accumulator) -> tuple[int, float, float]:
+    """Score up to two batches: batch 0 warms up (first-call allocations, kernel selection), batch 1,
+    when there is one, is timed. Returns (batches, their seconds, seconds of the last)."""
     pilot_batches, pilot_s, per_batch_s = min(2, math.ceil(windows.shape[0] / batch_size)), 0.0, 0.0
     for index in range(pilot_batches):
         synchronize(quantized.device)
@@ -273,8 +357,7 @@ def prepare(ctx: TierContext) -> Prepared:
         synchronize(quantized.device)
         per_batch_s = time.perf_counter() - started
         pilot_s += per_batch_s
-    estimate = _estimate(ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_batches, acc)
-    return Prepared(ctx, quantized, baseline, windows, batch_size, acc, estimate, pilot_s, pilot_batches)
+    return pilot_batches, pilot_s, per_batch_s
 
 
 def _load_baseline(ctx: TierContext, texts: list[str], tokenizer) -> LoadedModel:
@@ -307,6 +390,7 @@ def _estimate(
         ),
         warning=_resolution_warning(ctx, prepared_acc, n),
         threshold_s=ctx.options.confirm_above_s,
+        finish_s=FINISH_S,
     )
 
 
@@ -366,7 +450,7 @@ def outcome_from(acc: Accumulator, seq_len: int, prepared: Prepared) -> TierOutc
         kl, paired = kl_stats(acc), paired_delta(acc)
         quantized[TASK].update({"kl_divergence": kl["kl_divergence"], "top1_agreement": kl["top1_agreement"]})
         baseline = {TASK: {"perplexity": base_stats["perplexity"]}}
-        details.update(baseline=base_stats, kl=kl, paired=paired)
+        details.update(baseline=base_stats, kl=kl, paired=paired, distribution=distribution(acc))
         details["loader"] += f"; baseline: {prepared.baseline.loader}"
         noise["perplexity"].update(
             baseline_log_stderr=base_stats["nll_stderr"],
