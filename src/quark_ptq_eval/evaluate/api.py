@@ -70,7 +70,9 @@ def estimate_runtime(
         return RuntimeEstimate(tier.name, 0.0, "-", 0, "none", "skipped: nothing runs")
     with tempfile.TemporaryDirectory(prefix="qpe-estimate-") as scratch:
         ctx = TierContext(Path(model_dir), options, Path(scratch), None, source_model, None)
-        return tier_module(tier).prepare(ctx).estimate
+        estimate = tier_module(tier).prepare(ctx).estimate
+        estimate.elapsed_s = time.perf_counter() - ctx.started  # the same span evaluate() announces
+        return estimate
 
 
 def _resolve_baseline(options: EvalOptions, source_model: Path | None) -> EvalOptions:
