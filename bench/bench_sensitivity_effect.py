@@ -76,6 +76,45 @@ def summarize(name: str, out: Path, work: Path, seconds: float, argv: list[str])
     return row
 
 
+def measure(root: Path, scheme: str, max_kl: float | None, wanted: list[str], extra: list[str] = ()) -> dict:
+    """Do the ``wanted`` runs under ``root`` (keeping the other rows of ROOT/effect.json) and save the result."""
+    root.mkdir(parents=True, exist_ok=True)
+    model, corpus = demo_model(root)
+    saved = root / "effect.json"
+    rows = {r["run"]: r for r in json.loads(saved.read_text())["runs"]} if saved.exists() else {}
+    budget = ["--max-kl", str(max_kl)] if max_kl else []
+    if "plain" in wanted:
+        rows["plain"] = run_recipe(root, "plain", model, corpus, scheme, [*extra])
+    if "proposal" in wanted:
+        rows["proposal"] = run_recipe(root, "proposal", model, corpus, scheme, ["--sensitivity", *budget, *extra])
+    wider = rows["proposal"].get("layer_quant_config") if "proposal" in rows else None
+    if "unquantized" in wanted and wider:  # the same layers kept at source precision, for comparison
+        rows["unquantized"] = run_recipe(root, "unquantized", model, corpus, scheme,
+                                         ["--exclude", *rows["plain"]["exclude_layers"], *wider, *extra])
+    effect = {"scheme": scheme, "max_kl": max_kl, "runs": list(rows.values()),
+              "versus_plain": {name: _versus(rows["plain"], row) for name, row in rows.items() if name != "plain"}}
+    saved.write_text(json.dumps(effect, indent=2), encoding="utf-8")
+    return effect
+
+
+def run(quick: bool = False) -> list[dict]:
+    """The ``make bench`` row: plain vs proposal (--quick: Tier 1 on 64 windows, no unquantized run)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-sens-effect-") as tmp:
+        effect = measure(Path(tmp), "mxfp4", 0.004, ["plain", "proposal"] if quick else
+                         ["plain", "proposal", "unquantized"], ["--max-windows", "64"] if quick else [])
+    rows = {r["run"]: r for r in effect["runs"]}
+    vs = effect["versus_plain"]["proposal"]
+    note = (f"Tier 1 KL {rows['plain']['kl_mean']:.4g} -> {rows['proposal']['kl_mean']:.4g} "
+            f"({-vs['kl_reduction_pct']:+.1f} %) for {vs['extra_bytes']:+,} B ({vs['extra_pct']:+.1f} %)")
+    return [{"benchmark": "sensitivity proposal effect (mxfp4, demo model)", "ours_s": rows["proposal"]["seconds"],
+             "peer": "plain plan", "peer_s": rows["plain"]["seconds"],
+             "ratio": rows["plain"]["seconds"] / rows["proposal"]["seconds"],
+             "target": "Tier 1 KL at least 25 % lower than the plain plan", "ok": vs["kl_reduction_pct"] >= 25,
+             "note": note}]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("root", type=Path, help="work folder (the demo model is built here once and reused)")
@@ -83,25 +122,7 @@ def main() -> None:
     p.add_argument("--max-kl", type=float, help="the proposal's KL budget (default: the healthy threshold)")
     p.add_argument("--runs", default="plain,proposal,unquantized", help="which runs to (re)do, comma-separated")
     args = p.parse_args()
-    root = args.root.resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    model, corpus = demo_model(root)
-    saved = root / "effect.json"
-    rows = {r["run"]: r for r in json.loads(saved.read_text())["runs"]} if saved.exists() else {}
-    wanted = args.runs.split(",")
-    budget = ["--max-kl", str(args.max_kl)] if args.max_kl else []
-    if "plain" in wanted:
-        rows["plain"] = run_recipe(root, "plain", model, corpus, args.scheme, [])
-    if "proposal" in wanted:
-        rows["proposal"] = run_recipe(root, "proposal", model, corpus, args.scheme, ["--sensitivity", *budget])
-    wider = rows["proposal"].get("layer_quant_config") if "proposal" in rows else None
-    if "unquantized" in wanted and wider:  # the same layers kept at source precision, for comparison
-        rows["unquantized"] = run_recipe(root, "unquantized", model, corpus, args.scheme,
-                                         ["--exclude", *rows["plain"]["exclude_layers"], *wider])
-    effect = {"scheme": args.scheme, "max_kl": args.max_kl, "runs": list(rows.values()),
-              "versus_plain": {name: _versus(rows["plain"], row) for name, row in rows.items() if name != "plain"}}
-    saved.write_text(json.dumps(effect, indent=2), encoding="utf-8")
-    print(json.dumps(effect, indent=2))
+    print(json.dumps(measure(args.root.resolve(), args.scheme, args.max_kl, args.runs.split(",")), indent=2))
 
 
 def _versus(plain: dict, row: dict) -> dict:

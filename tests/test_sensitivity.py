@@ -208,7 +208,7 @@ def test_eval_report_shows_predicted_against_measured_kl(sens_plan, tiny_llama, 
     report = evaluate(root / "out", options, root / "wd", FlagApprover())
     row = next(d for d in plan.decisions if d["decision"] == "sensitivity")
     follow = json.loads(report.results_path.read_text())["sensitivity"]
-    assert follow["kept_unquantized"] == row["value"]
+    assert sorted([*follow["kept_unquantized"], *follow["layer_quant_config"]]) == sorted(row["value"])
     assert follow["scan_remeasured_kl"] == pytest.approx(row["measured_kl"])
     assert follow["tier1_kl"] == pytest.approx(report.details["kl"]["kl_divergence"]) and follow["tier1_kl"] > 0
     assert follow["ratio_measured_to_predicted"] == pytest.approx(follow["tier1_kl"] / row["measured_kl"])

@@ -28,9 +28,10 @@ def sensitivity_followup(workdir: Path, model_dir: Path, details: dict[str, Any]
     predicted = row.get("measured_kl") if row.get("measured_kl") is not None else row.get("predicted_kl")
     if not row.get("value"):
         predicted = row.get("whole_model_kl")  # nothing excluded: the scan's whole-model figure is the prediction
+    wider = row.get("layer_quant_config") or {}
     out = {
-        "kept_unquantized": list(row.get("value") or []),
-        "layer_quant_config": row.get("layer_quant_config") or {},
+        "kept_unquantized": [n for n in row.get("value") or [] if n not in wider],
+        "layer_quant_config": wider,
         "max_kl": row.get("max_kl"),
         "scan_whole_model_kl": row.get("whole_model_kl"),
         "scan_predicted_kl": row.get("predicted_kl"),
@@ -55,7 +56,7 @@ def followup_markdown(follow: dict[str, Any] | None) -> list[str]:
     rows += [(f"`{p}` at", f"`{s}`") for p, s in follow["layer_quant_config"].items()]
     rows += [("KL budget (--max-kl)", _fmt(follow["max_kl"])),
              ("scan: whole model quantized", _fmt(follow["scan_whole_model_kl"])),
-             ("scan: predicted with this proposal", _fmt(follow["scan_predicted_kl"])),
+             ("scan: predicted (additive, layers unquantized)", _fmt(follow["scan_predicted_kl"])),
              ("scan: re-measured with this proposal", _fmt(follow["scan_remeasured_kl"])),
              ("Tier 1: measured on the export (mean / p99)",
               f"{_fmt(follow['tier1_kl'])} / {_fmt(follow['tier1_kl_p99'])}"),
