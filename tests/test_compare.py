@@ -18,6 +18,8 @@ from quark_ptq_eval.state import RunState
 pytestmark = pytest.mark.slow
 SCHEMES = ["int8", "int4_wo_128", "no_such_scheme"]
 SEQ_LEN, WINDOWS = 128, 8
+TASKS_DIR = Path(__file__).parent / "data" / "eval_tasks"
+TASK, TASK_DOCS = "qpe_docstring_mc", 6
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,8 @@ def compared(tiny_llama, corpus, eval_text, tmp_path_factory):
     """The comparison driven gate by gate, interrupted after one scheme, then resumed."""
     root = tmp_path_factory.mktemp("compare") / "out"
     kwargs = dict(calib_data=str(corpus), num_calib_samples=8, calib_seq_len=64, eval_data=eval_text,
-                  seq_len=SEQ_LEN, max_windows=WINDOWS, eval_device="cpu", top_k=16, offline=True)
+                  seq_len=SEQ_LEN, max_windows=WINDOWS, eval_device="cpu", top_k=16, offline=True,
+                  tasks=[TASK], include_path=TASKS_DIR, limit=TASK_DOCS)
     stops = []
     for approve in (["intake"], ["plan"]):
         with pytest.raises(CheckpointPending) as exc:
@@ -115,15 +118,56 @@ def test_report_has_every_column_and_matches_a_separate_evaluation(compared, tin
     assert (root / "comparison_pareto.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((root / "comparison.json").read_text())["recommendation"] == doc["recommendation"]
 
-    # The same scheme evaluated on its own, with the full baseline: same perplexity, full KL >= cached KL.
-    alone = evaluate(root / "models" / "int8", EvalOptions(tier="ppl", eval_data=eval_text, seq_len=SEQ_LEN,
-                                                           max_windows=WINDOWS, device="cpu", baseline=tiny_llama),
-                     tmp_path, FlagApprover(all_gates=True))
-    ours = rows(doc)["int8"]
-    assert math.isclose(alone.details["quantized"]["perplexity"], ours["perplexity"], rel_tol=1e-4)
-    assert math.isclose(alone.details["baseline"]["perplexity"], ours["baseline_perplexity"], rel_tol=1e-4)
-    full_kl = alone.details["kl"]["kl_divergence"]
-    assert ours["kl_mean"] - 1e-6 <= full_kl <= ours["kl_mean"] + ours["kl_cache_gap_bound_mean"] + 1e-6
+    # Each scheme evaluated on its own by Tier 1, with the full baseline, on the same export and text:
+    # the same perplexities to 1e-4, and full KL >= cached KL within the stated bound.
+    for scheme in ("int8", "int4_wo_128"):
+        alone = evaluate(root / "models" / scheme, EvalOptions(tier="ppl", eval_data=eval_text, seq_len=SEQ_LEN,
+                                                               max_windows=WINDOWS, device="cpu", baseline=tiny_llama),
+                         tmp_path / scheme, FlagApprover(all_gates=True))
+        ours = rows(doc)[scheme]
+        assert math.isclose(alone.details["quantized"]["perplexity"], ours["perplexity"], rel_tol=1e-4)
+        assert math.isclose(alone.details["baseline"]["perplexity"], ours["baseline_perplexity"], rel_tol=1e-4)
+        full_kl = alone.details["kl"]["kl_divergence"]
+        assert ours["kl_mean"] - 1e-6 <= full_kl <= ours["kl_mean"] + ours["kl_cache_gap_bound_mean"] + 1e-6
+
+
+def test_task_scores_carry_a_paired_test_against_the_baseline_evaluated_once(compared):
+    from quark_ptq_eval.evaluate.tier_lmeval import mcnemar
+
+    root, doc = compared["root"], compared["doc"]
+    base_dirs = sorted((root / "baseline_cache").glob("lm_eval-*"))
+    assert len(base_dirs) == 1  # the baseline's tasks ran once for both schemes, across the resume
+    base = json.loads((base_dirs[0] / "lm_eval_results" / "baseline.samples.json").read_text())[TASK]
+    for scheme in ("int8", "int4_wo_128"):
+        ours = json.loads((root / "work" / scheme / "lm_eval_results" / "quantized.samples.json").read_text())[TASK]
+        by_metric = {t["metric"]: t for t in rows(doc)[scheme]["tasks"]}
+        for metric in ("acc", "acc_norm"):
+            t, b, q = by_metric[metric], base[metric], ours[metric]
+            assert len(q) == TASK_DOCS and set(q) == set(b)
+            lost, gained = sum(b[d] > q[d] for d in b), sum(b[d] < q[d] for d in b)
+            assert (t["baseline_only"], t["scheme_only"]) == (lost, gained)
+            assert t["p_value"] == mcnemar(lost, gained)["mid_p_value"] and t["significant"] == (t["p_value"] < 0.05)
+            assert t["score"] == pytest.approx(sum(q.values()) / TASK_DOCS)
+            assert t["baseline"] == pytest.approx(sum(b.values()) / TASK_DOCS)
+        assert rows(doc)[scheme]["task_drop_pct"] == max(t["drop_pct"] for t in by_metric.values())
+    report = (root / "comparison_report.md").read_text()
+    assert "## Task scores (Tier 2, lm-eval)" in report and "significant at 5 %" in report and "McNemar" in report
+
+
+def test_plan_time_estimate_comes_from_measurements_on_this_host(compared):
+    from quark_ptq_eval.artifacts import ModelAnalysis, QuantPlan
+    from quark_ptq_eval.compare.options import CompareOptions
+    from quark_ptq_eval.compare.plans import engine_history, estimate_totals
+
+    root = compared["root"]
+    recorded = [r for r in engine_history() if r["scheme"] in ("int8", "int4_wo_128") and r["params"] > 0]
+    assert {"int8", "int4_wo_128"} <= {r["scheme"] for r in recorded}  # this comparison's engine runs
+    plans = {s: QuantPlan.load(root / "work" / s) for s in ("int8", "int4_wo_128")}
+    opts = CompareOptions(**{k: v for k, v in RunState.load(root).options.items()})
+    totals = estimate_totals(ModelAnalysis.load(root), plans, opts)
+    assert all(e["basis"] == "measured" for e in totals["schemes"].values())
+    assert "GFLOP/s (a matmul timed here now)" in totals["text"] and totals["rate_flops"] > 0
+    assert "scaled from their own runs" in totals["text"] and "assumed" not in totals["text"]
 
 
 def test_recommendation_on_the_measured_numbers(compared):
@@ -137,6 +181,9 @@ def test_recommendation_on_the_measured_numbers(compared):
     assert middle["scheme"] == "int8" and "int4_wo_128" in middle["reason"]  # named as smaller but over budget
     tight = recommend(measured, {"max_kl": large["kl_mean"] / 2})
     assert tight["scheme"] is None and tight["closest"] == "int8" and "None fits" in tight["reason"]
+    drops = sorted(r["task_drop_pct"] for r in (small, large))
+    by_task = recommend(measured, {"max_task_drop_pct": max(drops[1], 0.0) + 1.0})
+    assert by_task["scheme"] == "int4_wo_128" and "task-score drop" in by_task["reason"]
     assert pareto_front(measured, "kl_mean") == ["int4_wo_128", "int8"]
     assert compared["doc"]["recommendation"] == recommend(measured, compared["doc"]["budget"])
 

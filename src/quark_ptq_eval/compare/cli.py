@@ -34,10 +34,17 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-batch-size", type=int)
     g.add_argument("--eval-device", help="cpu, cuda or auto (default)")
     g.add_argument("--top-k", type=int, help="baseline log-probabilities kept per token in the cache (default 64)")
+    g = p.add_argument_group("task scores (Tier 2: lm-eval per scheme, paired tests against the baseline)")
+    g.add_argument("--tasks", help="lm-eval tasks, comma-separated (e.g. arc_easy,hellaswag); none: Tier 1 only")
+    g.add_argument("--include-path", type=Path, help="directory of local lm-eval task YAMLs")
+    g.add_argument("--limit", type=float, help="lm-eval: documents per task (a fraction when below 1)")
+    g.add_argument("--num-fewshot", type=int)
     g = p.add_argument_group("recommendation (accuracy budget)")
     g.add_argument("--max-kl", type=float, help="largest acceptable mean KL(baseline || scheme)")
     g.add_argument("--max-ppl-increase-pct", type=float,
                    help="largest acceptable perplexity increase in percent (default 2 when no budget is given)")
+    g.add_argument("--max-task-drop-pct", type=float,
+                   help="largest acceptable drop of any task metric, in percent of the baseline's (needs --tasks)")
     g = p.add_argument_group("run control")
     g.add_argument("--approve", default="", metavar="GATES", help="comma-separated approvals: intake,plan,execute,result,...")
     g.add_argument("--yes", "-y", action="store_true", help="approve every gate except overwrite and baseline")
@@ -56,7 +63,9 @@ def cmd_compare(args: argparse.Namespace, approver: Approver) -> int:
     result = compare(args.model, args.schemes, args.out_root, approver=approver, quiet=args.quiet or args.json,
                      eval_data=args.eval_data, seq_len=args.seq_len, max_windows=args.max_windows,
                      eval_batch_size=args.eval_batch_size, eval_device=args.eval_device, top_k=args.top_k,
-                     max_kl=args.max_kl, max_ppl_increase_pct=args.max_ppl_increase_pct, offline=args.offline,
+                     max_kl=args.max_kl, max_ppl_increase_pct=args.max_ppl_increase_pct, tasks=args.tasks,
+                     include_path=args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
+                     max_task_drop_pct=args.max_task_drop_pct, offline=args.offline,
                      overwrite=bool(args.overwrite), **{k: v for k, v in plan.items() if v is not None})
     if args.json:
         print(json.dumps(result, indent=2))

@@ -41,6 +41,22 @@ class BaselineSource:
         self.windows = token_windows(tokenizer, self.texts, opts.seq_len, opts.max_windows)
         self.cache = comparison.cache = BaselineCache(comparison.root / CACHE_DIR)
         self.key: CacheKey = self.cache.key_for(self.source, tokenizer, self.texts, self.windows, opts.top_k)
+        self._tasks: dict | None = None
+
+    @property
+    def tasks_key(self) -> str | None:
+        """What the task scores depend on (None: no Tier 2 in this comparison)."""
+        from .tasks import cache_key
+
+        return cache_key(self.opts, self.key.model_digest) if self.opts.tasks else None
+
+    def tasks(self) -> dict:
+        """The baseline's lm-eval results with per-document scores: run at most once, then cached."""
+        from .tasks import baseline_tasks
+
+        if self._tasks is None:
+            self._tasks = baseline_tasks(self.cache.root, self.opts, self.source, self.key.model_digest, self.log)
+        return self._tasks
 
     def entry(self) -> BaselineEntry:
         if not self.cache.has(self.key):
@@ -86,6 +102,7 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     from ..fsio import read_json
 
     entry = baseline.entry()
+    base_tasks = baseline.tasks() if opts.tasks else None  # before the scheme's model loads: one model at a time
     model_dir, workdir = comparison.output_dir(scheme), comparison.workdir(scheme)
     options = EvalOptions(tier="ppl", eval_data=Path(opts.eval_data) if opts.eval_data else None,
                           eval_text_limit=opts.eval_text_limit, max_windows=opts.max_windows, seq_len=opts.seq_len,
@@ -112,6 +129,10 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     report = build_report(ctx, outcome, None, time.perf_counter() - started)
     report_files.write_all(report)
     _record_eval(workdir, report)
+    if base_tasks is not None:
+        from .tasks import score_scheme
+
+        score_scheme(quantized, workdir, model_dir, opts, base_tasks, comparison.ui.info)
     return report
 
 

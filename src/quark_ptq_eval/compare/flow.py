@@ -16,6 +16,7 @@ exact digests shown; every other gate (result, overwrite, fix) goes to the user'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shlex
 from collections.abc import Callable
@@ -74,6 +75,8 @@ class Comparison:
         from .plans import combined_plan_table, estimate_totals
 
         analysis = self._intake(opts)
+        if opts.tasks:
+            self._check_tasks(opts)
         plans = self._each(opts, "plan", {"intake"})
         plans = {s: QuantPlan.load(self.workdir(s)) for s in plans}
         totals = estimate_totals(analysis, plans, opts)
@@ -110,6 +113,15 @@ class Comparison:
         self.gates.require("intake", analysis.digest, "analysis")
         return analysis
 
+    def _check_tasks(self, opts: CompareOptions) -> None:
+        """An unknown task fails before any scheme runs (once per task list: lm-eval's index is slow)."""
+        from .tasks import check
+
+        asked = {"tasks": list(opts.tasks), "include_path": opts.include_path}
+        if self.state.steps.get("tasks", {}).get("checked") != asked:
+            check(opts)
+            self.state.record_step("tasks", "done", checked=asked)
+
     def _each(self, opts: CompareOptions, stop_after: str, granted: set[str],
               only: list[str] | None = None) -> list[str]:
         """Take every scheme's recipe up to ``stop_after``; a scheme that fails there is recorded
@@ -134,11 +146,13 @@ class Comparison:
 
         record = self.state.steps.get(f"scheme:{scheme}", {})
         if record.get("status") == "evaluated" and record.get("cache_key") == baseline.key.id \
+                and record.get("tasks_key") == baseline.tasks_key \
                 and (self.workdir(scheme) / "eval_results.json").is_file():
             self.ui.info(f"{scheme}: already quantized, validated and evaluated; skipped.")
             self.progress("skipped", scheme)
             return
         self.ui.headline(f"Compare · {scheme}: quantize → validate → evaluate")
+        runs_before = len(self._engine_runs(scheme))
         try:
             self._recipe(opts, scheme, {"intake", "plan", "execute"}, quiet=self.ui.quiet).run(
                 self._run_options(opts, scheme), "validate")
@@ -147,17 +161,37 @@ class Comparison:
         except QpeError as exc:
             self._failed(scheme, self._failed_step(scheme), exc)
             return
+        finally:
+            self._record_timing(scheme, runs_before)
         try:
             report = evaluate_scheme(self, opts, scheme, baseline)
         except QpeError as exc:
             self._failed(scheme, "eval", exc)
             return
         self.state.record_step(f"scheme:{scheme}", "evaluated", cache_key=baseline.key.id,
-                               verdict=report.verdict, report=str(report.report_path))
+                               tasks_key=baseline.tasks_key, verdict=report.verdict, report=str(report.report_path))
         self.ui.info(f"{scheme}: {report.one_line()}")
         self.progress("done", scheme)
 
     # -- helpers ----------------------------------------------------------------------------
+    def _engine_runs(self, scheme: str) -> list[dict]:
+        if not RunManifest.path_in(self.workdir(scheme)).exists():
+            return []
+        try:
+            return RunManifest.load(self.workdir(scheme)).runs
+        except QpeError:
+            return []
+
+    def _record_timing(self, scheme: str, runs_before: int) -> None:
+        """A successful engine run of this call feeds the next comparison's time estimate."""
+        from .plans import record_engine_run
+
+        runs = self._engine_runs(scheme)
+        if len(runs) > runs_before and runs[-1].get("status") == "succeeded" and runs[-1].get("seconds"):
+            wd = self.workdir(scheme)
+            with contextlib.suppress(QpeError):  # a record helps the next estimate, never stops this one
+                record_engine_run(ModelAnalysis.load(wd), QuantPlan.load(wd), runs[-1]["seconds"])
+
     def workdir(self, scheme: str) -> Path:
         return self.root / "work" / scheme_label(scheme)
 

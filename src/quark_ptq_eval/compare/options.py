@@ -29,6 +29,11 @@ class CompareOptions:
     top_k: int = DEFAULT_TOP_K
     max_kl: float | None = None
     max_ppl_increase_pct: float | None = None
+    tasks: list[str] = field(default_factory=list)  # Tier 2: lm-eval tasks scored per scheme (none: Tier 1 only)
+    include_path: str | None = None  # directory of local lm-eval task YAMLs
+    limit: float | None = None  # lm-eval documents per task (a fraction below 1)
+    num_fewshot: int | None = None
+    max_task_drop_pct: float | None = None  # budget: largest drop of any task metric, percent of the baseline's
     offline: bool | None = None
     overwrite: bool = False
 
@@ -58,17 +63,23 @@ class CompareOptions:
             raise UsageError(f"A scheme is listed twice in --schemes {','.join(self.schemes)}.")
         if self.top_k < 1:
             raise UsageError(f"--top-k must be a positive integer, not {self.top_k}.")
-        for name, value in (("--max-kl", self.max_kl), ("--max-ppl-increase-pct", self.max_ppl_increase_pct)):
+        for name, value in (("--max-kl", self.max_kl), ("--max-ppl-increase-pct", self.max_ppl_increase_pct),
+                            ("--max-task-drop-pct", self.max_task_drop_pct), ("--limit", self.limit)):
             if value is not None and value < 0:
                 raise UsageError(f"{name} must not be negative, not {value}.")
+        if self.max_task_drop_pct is not None and not self.tasks:
+            raise UsageError("--max-task-drop-pct needs task scores.", "Pass --tasks (lm-eval task names) too.")
+        if self.include_path and not Path(self.include_path).is_dir():
+            raise UsageError(f"--include-path {self.include_path} is not a directory of lm-eval task YAMLs.")
 
     @property
     def budget(self) -> dict[str, float]:
         """The accuracy budget a recommendation must fit: the given limits, else the healthy threshold."""
-        if self.max_kl is None and self.max_ppl_increase_pct is None:
+        given = (("max_kl", self.max_kl), ("max_ppl_increase_pct", self.max_ppl_increase_pct),
+                 ("max_task_drop_pct", self.max_task_drop_pct))
+        if all(v is None for _, v in given):
             return {"max_ppl_increase_pct": DEFAULT_MAX_PPL_INCREASE_PCT}
-        return {k: v for k, v in (("max_kl", self.max_kl), ("max_ppl_increase_pct", self.max_ppl_increase_pct))
-                if v is not None}
+        return {k: v for k, v in given if v is not None}
 
 
 def scheme_label(scheme: str) -> str:

@@ -6,7 +6,8 @@ import math
 from typing import Any
 
 # budget name -> (row field it limits, how the report names it)
-BUDGET_FIELDS = {"max_kl": ("kl_mean", "mean KL"), "max_ppl_increase_pct": ("ppl_increase_pct", "perplexity increase %")}
+BUDGET_FIELDS = {"max_kl": ("kl_mean", "mean KL"), "max_ppl_increase_pct": ("ppl_increase_pct", "perplexity increase %"),
+                 "max_task_drop_pct": ("task_drop_pct", "largest task-score drop %")}
 
 
 def usable(row: dict[str, Any]) -> bool:

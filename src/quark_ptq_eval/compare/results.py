@@ -47,6 +47,11 @@ def scheme_row(comparison, scheme: str, source_bytes: int, params: int) -> dict[
     results = wd / "eval_results.json"
     if record.get("status") == "evaluated" and results.is_file():
         row.update(_eval_fields(read_json(results, "evaluation results")))
+        if record.get("tasks_key"):
+            from .tasks import read_rows, worst_drop
+
+            row["tasks"] = read_rows(wd)
+            row["task_drop_pct"] = worst_drop(row["tasks"])
     return row
 
 
@@ -93,7 +98,8 @@ def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, An
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": {"eval_data": opts.eval_data or "wikitext-2-raw-v1 test", "seq_len": opts.seq_len,
                      "windows": baseline.key.windows, "top_k": opts.top_k, "device": opts.device,
-                     "algorithm": opts.plan.get("algorithm")},
+                     "algorithm": opts.plan.get("algorithm"), "tasks": list(opts.tasks), "limit": opts.limit,
+                     "num_fewshot": opts.num_fewshot},
         "budget": budget, "schemes": rows, "recommendation": rec,
         "pareto_front": {"kl_mean": pareto_front(rows, "kl_mean"), "perplexity": pareto_front(rows, "perplexity")},
         "baseline_cache": {"key": baseline.key.id, "path": str(cache.path_for(baseline.key)),
@@ -165,6 +171,7 @@ def markdown(doc: dict) -> str:
     lines += ["", f"Pareto front (size vs mean KL): {', '.join(doc['pareto_front']['kl_mean']) or '-'}; "
                   f"(size vs perplexity): {', '.join(doc['pareto_front']['perplexity']) or '-'}.",
               f"Chart: {doc['artifacts']['chart'] or 'not drawn (no evaluated scheme)'}", ""]
+    lines += _task_lines(doc)
     failed = [r for r in doc["schemes"] if r["status"] == "failed"]
     if failed:
         lines += ["## Failed schemes", ""]
@@ -188,3 +195,25 @@ def markdown(doc: dict) -> str:
               f"of full float32 logits; this run built it {c['writes_this_run']}× and read it "
               f"{c['hits_this_run']}×.", ""]
     return "\n".join(lines)
+
+
+def _task_lines(doc: dict) -> list[str]:
+    """Tier 2: per scheme, task and metric, the scores and the paired test against the baseline."""
+    rows = [(r["scheme"], t) for r in doc["schemes"] for t in r.get("tasks") or []]
+    if not rows:
+        return []
+    s = doc["settings"]
+    lines = ["## Task scores (Tier 2, lm-eval)", "",
+             f"Tasks {', '.join(s['tasks'])}" + (f", {s['limit']:g} documents per task" if s.get("limit") else "")
+             + ". Paired on the same documents: McNemar's exact mid-p for 0/1 scores (documents only the "
+               "baseline / only the scheme got right), a paired bootstrap otherwise; significant at 5 % when "
+               "p < 0.05.", "",
+             "| scheme | task | metric | baseline | scheme | drop % | test | only base / only scheme | p | "
+             "significant at 5 % |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for scheme, t in rows:
+        pair = "-" if t.get("baseline_only") is None else f"{t['baseline_only']} / {t['scheme_only']}"
+        sig = "-" if t.get("significant") is None else ("yes" if t["significant"] else "no")
+        lines.append(f"| {scheme} | {t['task']} | {t['metric']} | {_fmt(t.get('baseline'))} | {_fmt(t.get('score'))} | "
+                     f"{_fmt(t.get('drop_pct'))} | {t.get('test') or 'none (aggregate-only metric)'} | {pair} | "
+                     f"{_fmt(t.get('p_value'))} | {sig} |")
+    return [*lines, ""]

@@ -259,12 +259,18 @@ def prepare(ctx: TierContext) -> Prepared:
 
 
 def run_lm_eval(loaded: LoadedModel, prepared: Prepared, label: str) -> dict:
+    return evaluate_tasks(loaded, prepared.ctx, prepared.task_names, label)
+
+
+def evaluate_tasks(loaded: LoadedModel, ctx: TierContext, task_names: list[str], label: str) -> dict:
+    """lm-eval on ``loaded``; its results document (less the logged samples) is written to
+    RESULTS_DIR/<label>.json and the per-sample scores to RESULTS_DIR/<label>.samples.json."""
     lm_eval, _ = _import_lm_eval()
     from lm_eval.models.huggingface import HFLM
 
-    options = prepared.ctx.options
-    prepared.ctx.log(f"lm-eval on the {label} model: {', '.join(prepared.task_names)}")
-    with lm_eval_chatter_to(prepared.ctx.workdir / "logs" / LOG_NAME):
+    options = ctx.options
+    ctx.log(f"lm-eval on the {label} model: {', '.join(task_names)}")
+    with lm_eval_chatter_to(ctx.workdir / "logs" / LOG_NAME):
         lm = HFLM(
             pretrained=loaded.model,
             tokenizer=loaded.tokenizer,
@@ -273,20 +279,110 @@ def run_lm_eval(loaded: LoadedModel, prepared: Prepared, label: str) -> dict:
         )
         results = lm_eval.simple_evaluate(
             model=lm,
-            tasks=prepared.task_names,
+            tasks=task_names,
             num_fewshot=options.num_fewshot,
             limit=options.limit,
             task_manager=task_manager(options.include_path),
-            log_samples=False,
+            log_samples=True,  # the per-document scores the paired tests need
             gen_kwargs={"max_gen_toks": options.max_gen_toks} if options.max_gen_toks else None,
             bootstrap_iters=1000,
         )
     if not results or not results.get("results"):
         raise QpeError(f"lm-eval returned no results for the {label} model.")
-    path = prepared.ctx.workdir / RESULTS_DIR / f"{label}.json"
+    samples = per_sample_scores(results.pop("samples", None) or {})
+    path = ctx.workdir / RESULTS_DIR / f"{label}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(results, indent=2, default=str))  # lm-eval's own document, kept whole
+    atomic_write_text(samples_path(ctx.workdir, label), json.dumps(samples, indent=1))
+    results["per_sample"] = samples
     return results
+
+
+def samples_path(workdir: Path, label: str) -> Path:
+    return Path(workdir) / RESULTS_DIR / f"{label}.samples.json"
+
+
+def per_sample_scores(samples: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, float]]]:
+    """lm-eval's logged samples as ``{task: {metric: {doc_id: score}}}``, scalar scores only (a rolling
+    perplexity's per-document (loglikelihood, length) pairs are aggregated, not averaged: no paired
+    test applies). A filter other than "none" is kept in the metric's name as in scores_from."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for task, rows in samples.items():
+        for row in rows:
+            flt = row.get("filter", "none")
+            for metric in row.get("metrics", []):
+                value = row.get(metric)
+                if not isinstance(value, int | float):  # bool is an int: a right/wrong score counts as 0/1
+                    continue
+                name = metric if flt == "none" else f"{metric},{flt}"
+                out.setdefault(task, {}).setdefault(name, {})[str(row["doc_id"])] = float(value)
+    return out
+
+
+# ---------------------------------------------------------------- paired significance
+
+BOOTSTRAP_ITERS = 10_000
+ALPHA = 0.05
+
+
+def mcnemar(b: int, c: int) -> dict[str, float]:
+    """McNemar's exact test on the discordant pairs: ``b`` documents right for the baseline only,
+    ``c`` right for the scheme only. Under H0 each discordant pair is a fair coin, so with n = b + c
+    the two-sided exact p is 2·P(X <= min(b, c)) (capped at 1) and the mid-p subtracts P(X = min)."""
+    n, k = b + c, min(b, c)
+    if n == 0:
+        return {"p_value": 1.0, "mid_p_value": 1.0}
+    pmf = [math.comb(n, i) / 2**n for i in range(k + 1)]
+    tail = sum(pmf)
+    return {"p_value": min(1.0, 2 * tail), "mid_p_value": min(1.0, 2 * tail - pmf[k])}
+
+
+def paired_bootstrap(base: list[float], ours: list[float], iters: int = BOOTSTRAP_ITERS, seed: int = 0) -> float:
+    """Two-sided p of the paired mean difference: resample documents, count resampled differences at
+    least as far from the observed one as the observed one is from 0 (the shifted-null bootstrap)."""
+    import numpy as np
+
+    diffs = np.asarray(ours, dtype=np.float64) - np.asarray(base, dtype=np.float64)
+    n = diffs.size
+    if n == 0:
+        return 1.0
+    observed = float(diffs.mean())
+    if observed == 0 and np.all(diffs == 0):
+        return 1.0
+    rng, far, done = np.random.default_rng(seed), 0, 0
+    chunk = max(1, 2**22 // n)  # resamples drawn at once (memory bound)
+    while done < iters:
+        m = min(chunk, iters - done)
+        means = diffs[rng.integers(0, n, size=(m, n))].mean(axis=1)
+        far += int(np.count_nonzero(np.abs(means - observed) >= abs(observed)))
+        done += m
+    return (far + 1) / (iters + 1)
+
+
+def paired_tests(baseline: dict, quantized: dict, directions: dict | None = None) -> dict[str, dict[str, dict]]:
+    """Per task and metric, the paired test between two per-sample score sets (per_sample_scores):
+    McNemar (exact mid-p) where every score is 0/1, else a paired bootstrap of the mean difference."""
+    out: dict[str, dict[str, dict]] = {}
+    for task, metrics in quantized.items():
+        for metric, ours in metrics.items():
+            theirs = (baseline.get(task) or {}).get(metric)
+            docs = sorted(set(ours) & set(theirs or {}), key=lambda d: (len(d), d))
+            if not docs:
+                continue
+            q, b = [ours[d] for d in docs], [theirs[d] for d in docs]
+            entry: dict[str, Any] = {"documents": len(docs), "baseline_mean": sum(b) / len(b),
+                                     "mean": sum(q) / len(q), "higher_is_better": (directions or {}).get(task, {}).get(metric)}
+            if all(v in (0.0, 1.0) for v in q + b):
+                lost = sum(1 for x, y in zip(b, q, strict=True) if x == 1 and y == 0)
+                gained = sum(1 for x, y in zip(b, q, strict=True) if x == 0 and y == 1)
+                exact = mcnemar(lost, gained)
+                entry.update(test="McNemar exact (mid-p)", baseline_only=lost, scheme_only=gained,
+                             p_value=exact["mid_p_value"], exact_p_value=exact["p_value"])
+            else:
+                entry.update(test=f"paired bootstrap ({BOOTSTRAP_ITERS} resamples)", p_value=paired_bootstrap(b, q))
+            entry["significant"] = entry["p_value"] < ALPHA
+            out.setdefault(task, {})[metric] = entry
+    return out
 
 
 @contextlib.contextmanager
@@ -357,6 +453,8 @@ def run(prepared: Prepared) -> TierOutcome:
         baseline_results = run_lm_eval(base_model, prepared, "baseline")
         baseline, b_stderr, _ = scores_from(baseline_results)
         details["stderr"]["baseline"] = b_stderr
+        details["paired_tests"] = paired_tests(baseline_results["per_sample"], quantized_results["per_sample"],
+                                               directions)
         artifacts["lm_eval baseline results"] = str(ctx.workdir / RESULTS_DIR / "baseline.json")
     notes = list(prepared.workload.notes)
     for task, metrics in quantized.items():
