@@ -75,9 +75,9 @@ class RuntimeEstimate:
         else:
             spent = ", ".join(f"{k} {v:.1f} s" for k, v in self.parts.items() if v >= 0.05)
             when = (
-                f"about {format_duration(total)} {SPAN}: {self.elapsed_s:.1f} s spent"
-                + (f" ({spent})" if spent else "")
-                + f", about {format_duration(self.seconds + self.finish_s)} left"
+                f"about {format_duration(total)} from approval to report ({self.elapsed_s:.1f} s spent"
+                + (f": {spent}" if spent else "")
+                + f"; about {format_duration(self.seconds + self.finish_s)} left)"
             )
         lines = [
             f"Tier {self.tier}: {when}",
