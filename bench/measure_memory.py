@@ -24,14 +24,15 @@ import sys
 import time
 from pathlib import Path
 
-# name -> (hidden, layers, intermediate, heads, kv_heads, vocab): Llama shapes from ~15 M to 1.24 B.
+# name -> (hidden, layers, intermediate, heads, kv_heads, vocab, tied): Llama shapes from ~15 M to 1.24 B.
 SHAPES = {
-    "10m": (384, 6, 1024, 6, 2, 8192),
-    "50m": (640, 10, 1792, 10, 2, 16000),
-    "150m": (1024, 12, 2816, 16, 4, 32000),
-    "500m": (1536, 16, 4096, 12, 4, 32000),
-    "1b": (2048, 16, 8192, 32, 8, 128256),  # Llama-3.2-1B's shape (untied here)
+    "10m": (384, 6, 1024, 6, 2, 8192, False),
+    "50m": (640, 10, 1792, 10, 2, 16000, False),
+    "150m": (1024, 12, 2816, 16, 4, 32000, False),
+    "500m": (1536, 16, 4096, 12, 4, 32000, False),
+    "1b": (2048, 16, 8192, 32, 8, 128256, True),  # Llama-3.2-1B's shape: 1.24 B, tied embeddings
 }
+SHARD = "500MB"  # saved in Hub-style shards, so the file-to-file engine has shards to stream
 DEFAULT_RUNS = ("10m:fp8", "50m:fp8", "150m:fp8", "150m:fp8::64x512", "50m:int4_wo_128:awq",
                 "150m:int4_wo_128:awq", "150m:int4_wo_128:gptq", "150m:int8:smoothquant", "150m:int8",
                 "500m:fp8")
@@ -43,17 +44,17 @@ def build_random_llama(out: Path, shape: tuple[int, ...], tokenizer_dir: Path) -
     """A random-weight BF16 Llama of ``shape`` with the demo tokenizer (built in a child: its RAM is not ours)."""
     if (out / "config.json").exists():
         return out
-    hidden, layers, inter, heads, kv, vocab = shape
+    hidden, layers, inter, heads, kv, vocab, tied = shape
     code = f"""
 import torch, transformers
 torch.manual_seed(0)
 torch.set_default_dtype(torch.bfloat16)
 cfg = transformers.LlamaConfig(vocab_size={vocab}, hidden_size={hidden}, intermediate_size={inter},
     num_hidden_layers={layers}, num_attention_heads={heads}, num_key_value_heads={kv},
-    max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    max_position_embeddings=4096, tie_word_embeddings={tied}, bos_token_id=0, eos_token_id=0, pad_token_id=1)
 model = transformers.LlamaForCausalLM(cfg)
 model.config.dtype = torch.bfloat16
-model.save_pretrained({str(out)!r})
+model.save_pretrained({str(out)!r}, max_shard_size={SHARD!r})
 """
     subprocess.run([sys.executable, "-c", code], check=True, env=ENV)
     for name in TOKENIZER_FILES:

@@ -193,7 +193,8 @@ def _calibration_size(req: PlanRequest, calibration: dict, info: dict, algorithm
 
 
 def _target_and_fit(analysis: ModelAnalysis, tc: TargetContext, scheme: str, info: dict, algorithm: str | None,
-                    kv: str | None, calibration: dict, device: dict, env: dict, output_dir: Path) -> tuple[dict, dict]:
+                    kv: str | None, calibration: dict, device: dict, env: dict, output_dir: Path,
+                    engine: str | None = None) -> tuple[dict, dict]:
     """The plan's ``target`` (with its serving fit) and ``resources`` (this host's fit, with table rows)."""
     target = {**tc.to_dict(), "warnings": scheme_warnings(tc, scheme, kv)}
     rows = []
@@ -209,7 +210,7 @@ def _target_and_fit(analysis: ModelAnalysis, tc: TargetContext, scheme: str, inf
     host = resources.host_capacity(env, output_dir)
     rerun = resources.rerun_command(analysis.model["model_path"], output_dir, scheme, algorithm, kv, calibration,
                                     tc.target.name if tc.target else None)
-    fit = resources.assess(analysis, scheme, info, algorithm, calibration, device, host, rerun)
+    fit = resources.assess(analysis, scheme, info, algorithm, calibration, device, host, rerun, engine=engine, kv=kv)
     fit["rows"] = rows + resources.decision_rows(fit)
     return target, fit
 
@@ -246,6 +247,8 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
     device = _device(req, env, analysis.size["bytes"])
     # The engines registry decides (execute/engines/): its automatic choice and its constraints.
     engine, engine_why = choose_engine(req.engine, accelerator, calibration, device["device"] == "cpu")
+    engine, engine_why = resources.engine_for_host(analysis, engine, engine_why, req.engine, info, algorithm, kv,
+                                                   calibration, device, env)  # file2file when the model does not fit
     get_engine(engine).check_constraints(info, algorithm, device)
     hw = f"{accelerator}{' ' + arch if arch else ''}"
     decisions = [
@@ -268,7 +271,8 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
         {"decision": "evaluation_intent", "value": req.evaluation_intent, "reason": "Phase 3 asks before running"},
         {"decision": "output format", "value": "Hugging Face safetensors (Quark format)", "reason": "what vLLM/transformers load"},
     ]
-    target, fit = _target_and_fit(analysis, tc, scheme, info, algorithm, kv, calibration, device, env, output_dir)
+    target, fit = _target_and_fit(analysis, tc, scheme, info, algorithm, kv, calibration, device, env, output_dir,
+                                  engine)
     decisions += [{"decision": "warning", "value": scheme, "reason": w} for w in target["warnings"]]
     decisions += fit.pop("rows")
     plan = QuantPlan(

@@ -27,6 +27,10 @@ MODELLED_GPU_FACTOR = 1.3  # GPU engine: weights + quantized copy in flight (mod
 HEADROOM = 0.9  # plan for at most 90 % of a memory, never all of it
 EVAL_LOGIT_COPIES = 3  # logits, log-softmax and the baseline's logits live together in Tier 1
 EVAL_LOGIT_BUDGET = 64 * 2**20  # elements per batch (evaluate.tier_ppl.LOGIT_BUDGET on CPU)
+# The file-to-file engine (bench/bench_file2file.py): python + torch + quark.torch, no model, then the
+# largest shard as read, its quantized copy and the bytes being written, one shard at a time.
+F2F_BASE_BYTES = 1.05 * GIB
+F2F_SHARD_FACTOR = 2.0
 
 
 # ---- what the model is made of -------------------------------------------------------------------
@@ -121,6 +125,75 @@ def estimate_quantize(analysis, info: dict, algorithm: str | None, calibration: 
             "basis": "modelled (GPU not measured here)"}
 
 
+def largest_shard_bytes(analysis) -> int:
+    """The biggest safetensors file of a local model (the file-to-file engine holds one at a time);
+    the whole model when its files are not here to measure."""
+    from ..safetensors_io import weight_files
+
+    path = analysis.model.get("model_path")
+    try:
+        sizes = [f.stat().st_size for f in weight_files(path)] if path else []
+    except OSError:
+        sizes = []
+    return max(sizes) if sizes else (analysis.size["bytes"] or int(param_count(analysis) * 2))
+
+
+def estimate_file2file(analysis, device: str) -> dict:
+    """Peak memory of Quark's file-to-file engine: start-up plus a multiple of the largest shard."""
+    shard = largest_shard_bytes(analysis)
+    work = F2F_SHARD_FACTOR * shard
+    terms = {"start-up": F2F_BASE_BYTES, "largest shard": work}
+    if device == "cpu":
+        return {"host_peak_bytes": int(F2F_BASE_BYTES + work), "gpu_peak_bytes": 0, "model_bytes": shard,
+                "terms": terms, "basis": "measured (file-to-file: one shard at a time)"}
+    return {"host_peak_bytes": int(F2F_BASE_BYTES + shard), "gpu_peak_bytes": int(work), "model_bytes": shard,
+            "terms": terms, "basis": "modelled (file-to-file on a GPU: not measured here)"}
+
+
+def engine_estimate(engine: str | None, analysis, info: dict, algorithm: str | None, calibration: dict,
+                    device: str) -> dict:
+    if engine == "file2file":
+        return estimate_file2file(analysis, device)
+    return estimate_quantize(analysis, info, algorithm, calibration, device)
+
+
+def _fits(est: dict, host: dict, device: dict) -> bool:
+    ram = host["ram_bytes"]
+    gpu = host["gpu_bytes_per_device"] * (host["gpu_count"] if device["multi_device"] else 1)
+    return ((not ram or est["host_peak_bytes"] <= ram * HEADROOM)
+            and (not est["gpu_peak_bytes"] or not gpu or est["gpu_peak_bytes"] <= gpu * HEADROOM))
+
+
+def engine_for_host(analysis, engine: str, why: str, requested: str, info: dict, algorithm: str | None,
+                    kv: str | None, calibration: dict, device: dict, env: dict) -> tuple[str, str]:
+    """The plan's engine once this host's memory is known: file-to-file when the automatic choice's
+    whole-model engine does not fit and file-to-file does and can serve the plan (docs/planning.md)."""
+    from ..errors import UsageError
+    from ..execute.engines import file2file
+
+    if requested == "file2file":
+        why_not = file2file.unsupported_reason(info, algorithm, kv)
+        if why_not:
+            raise UsageError(f"The file2file engine cannot run this plan: {why_not}.",
+                             "Choose a weight-only or dynamic-activation FP8/MX scheme (ptpc_fp8, mxfp4, "
+                             "mxfp6_e2m3) with no algorithm and no KV-cache scheme, or another --engine.")
+        return engine, why
+    host = host_capacity(env, None)
+    whole = estimate_quantize(analysis, info, algorithm, calibration, device["device"])
+    if requested != "auto" or _fits(whole, host, device) or not file2file.supports(info, algorithm, kv):
+        return engine, why
+    f2f = estimate_file2file(analysis, device["device"])
+    if not _fits(f2f, host, device):
+        return engine, why  # neither fits: the plan stops at its checkpoint with proposals
+    key, have = (("gpu_peak_bytes", host["gpu_bytes_per_device"]) if whole["gpu_peak_bytes"]
+                 and not _fits({**whole, "host_peak_bytes": 0}, host, device) else ("host_peak_bytes", host["ram_bytes"]))
+    where = "GPU memory" if key == "gpu_peak_bytes" else "RAM"
+    return "file2file", (f"the whole-model engine ({engine}) needs about {gb(whole[key])} of {where} at its peak and "
+                         f"this host has {gb(have)} (planning for at most {HEADROOM:.0%}); Quark's file-to-file "
+                         f"quantization holds one shard at a time: about {gb(f2f[key])} (largest shard "
+                         f"{gb(f2f['model_bytes'])}), and this scheme needs no calibration")
+
+
 def estimate_eval(analysis, out_bytes: int, baseline: bool = False, seq_len: int = 2048) -> dict:
     """Tier 1 on the CPU: the quantized model held dequantized (its source size), the baseline when
     asked, and the logits of one batch (evaluate.tier_ppl caps a batch at EVAL_LOGIT_BUDGET elements)."""
@@ -185,15 +258,17 @@ def gb(n: float | None) -> str:
 
 # ---- the plan checkpoint's verdict ---------------------------------------------------------------
 def assess(analysis, scheme: str, info: dict, algorithm: str | None, calibration: dict, device: dict,
-           host: dict, rerun: list[str]) -> dict:
+           host: dict, rerun: list[str], engine: str | None = None, kv: str | None = None) -> dict:
     """Does this host hold the engine, the output and a Tier 1 evaluation? If not, what would."""
-    est = estimate_quantize(analysis, info, algorithm, calibration, device["device"])
+    est = engine_estimate(engine, analysis, info, algorithm, calibration, device["device"])
     out = output_bytes(analysis, scheme, info)
     ev = estimate_eval(analysis, out)
     ev["with_baseline_bytes"] = estimate_eval(analysis, out, baseline=True)["host_peak_bytes"]
     problems = _problems(est, out, ev, host, device)
     fits = not any(p["blocking"] for p in problems)
     proposals = [] if fits else _proposals(analysis, info, algorithm, calibration, device, host, est, rerun)
+    if not fits and engine != "file2file":
+        proposals[-1:-1] = _file2file_proposal(analysis, info, algorithm, kv, device, host)
     return {"quantize": est, "evaluate": ev, "output_bytes": out, "host": host,
             "fits": fits, "problems": problems, "proposals": proposals}
 
@@ -252,6 +327,18 @@ def _proposals(analysis, info, algorithm, calibration, device, host, est, rerun)
                           f"{gb(gpu_est['gpu_peak_bytes'])} of GPU memory and {gb(gpu_est['host_peak_bytes'])} of "
                           f"RAM); run there: {' '.join(rerun)}"})
     return out
+
+
+def _file2file_proposal(analysis, info, algorithm, kv, device, host) -> list[dict]:
+    """Quark's file-to-file engine with its estimate, when it can serve this plan (a proposal must work)."""
+    from ..execute.engines import file2file
+
+    if not file2file.supports(info, algorithm, kv):
+        return []
+    e = estimate_file2file(analysis, device["device"])
+    fits = "fits" if _fits(e, host, device) else "still too much"
+    return [{"change": "--engine file2file", "detail": f"--engine file2file: one shard at a time, about "
+                                                       f"{gb(e['host_peak_bytes'])} ({fits})"}]
 
 
 def rerun_command(model: str, output_dir: Path | None, scheme: str, algorithm: str | None, kv: str | None,

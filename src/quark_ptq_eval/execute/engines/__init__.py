@@ -52,6 +52,9 @@ ENGINES: dict[str, EngineEntry] = {
                     "`quark-cli torch-llm-ptq`, Quark's public CLI"),
         EngineEntry("quark-api", "quark_ptq_eval.execute.engines.quark_api",
                     "Quark's public Python API driven by our engine module (any device, local calibration text)"),
+        EngineEntry("file2file", "quark_ptq_eval.execute.engines.file2file",
+                    "Quark's file-to-file quantization: shard by shard, never the whole model (calibration-free "
+                    "schemes; the plan picks it when the model does not fit the host)"),
     )
 }
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)

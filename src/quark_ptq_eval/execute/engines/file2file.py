@@ -1,0 +1,185 @@
+"""Engine ``file2file``: Quark's file-to-file quantization (``ModelQuantizer.direct_quantize_checkpoint``).
+
+It reads the checkpoint one safetensors shard at a time, quantizes that shard's linear weights
+and writes it out, so the host never holds the model: its peak memory follows the largest shard,
+not the model (measured in docs/planning.md). The price is calibration: nothing runs the model,
+so only schemes with no static activation scales, no KV-cache scales and no algorithm qualify.
+The plan picks it when the whole-model engine does not fit the host (plan/resources.py).
+
+The module is also the child entry point (``python -m quark_ptq_eval.execute.engines.file2file``);
+importing it costs nothing (Quark is imported in ``main`` only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ...errors import UsageError
+from .flags import tail_flags
+
+CHILD_MODULE = "quark_ptq_eval.execute.engines.file2file"
+
+
+def unsupported_reason(scheme_info: dict, algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
+    """Why file-to-file cannot serve this plan (it never runs the model), or None when it can."""
+    if scheme_info.get("error") or not scheme_info.get("weight_dtypes"):
+        return "the installed Quark cannot build this scheme's weight quantizer"
+    if any(d.startswith(("int", "uint")) for d in scheme_info["weight_dtypes"]):
+        # Measured on 0.13 (docs/planning.md): its integer export keeps scales as [out, in/group], drops
+        # the zero points and skips the nibble reorder its config announces; Quark's own importer refuses it.
+        return ("Quark 0.13's file-to-file export of integer weights does not load with Quark's importer "
+                "(scales transposed, zero points missing)")
+    if scheme_info.get("static_activations"):
+        return "the scheme has static activation scales, which only a calibration pass over the model can measure"
+    if algorithm:
+        return f"the algorithm {algorithm} needs the model and calibration data; file-to-file runs neither"
+    if kv_cache_scheme:
+        return "KV-cache scales are calibrated on the model's attention outputs; file-to-file never runs the model"
+    return None
+
+
+def supports(scheme_info: dict, algorithm: str | None = None, kv_cache_scheme: str | None = None) -> bool:
+    return unsupported_reason(scheme_info, algorithm, kv_cache_scheme) is None
+
+
+class File2FileEngine:
+    name = "file2file"
+
+    def auto_reason(self, accelerator: str, calibration: dict, device_is_cpu: bool) -> str | None:
+        return None  # chosen by the host's memory (plan/resources.engine_for_host), never by the accelerator
+
+    def check_constraints(self, scheme_info: dict, algorithm: str | None, device: dict) -> None:
+        why = unsupported_reason(scheme_info, algorithm, None)
+        if why:
+            raise UsageError(f"The file2file engine cannot run this plan: {why}.",
+                             "Choose a weight-only or dynamic-activation scheme (e.g. int4_wo_128, ptpc_fp8, "
+                             "mxfp4) with no algorithm, or use --engine quark-api.")
+
+    def argv(self, plan: Any, model_dir: Path, out: Path) -> list[str]:
+        # No calibration flags: this engine reads weights only.
+        argv = [sys.executable, "-m", CHILD_MODULE, "--model_dir", str(model_dir), "--output_dir", str(out),
+                "--quant_scheme", plan.global_scheme, "--device", plan.device_strategy["device"]]
+        if plan.device_strategy["multi_device"]:
+            argv.append("--multi_device")
+        return [*argv, *tail_flags(plan)]
+
+    def env(self, plan: Any, workdir: Path) -> dict[str, str]:
+        return {}
+
+    def prepare_calibration(self, manifest: Any) -> None:
+        return None  # calibration-free
+
+    def version(self) -> str:
+        from ...catalog import quark_version
+
+        return quark_version()
+
+
+ENGINE = File2FileEngine()
+
+
+# ---- the child process ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {CHILD_MODULE}")
+    p.add_argument("--model_dir", required=True)
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--quant_scheme", required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--multi_device", action="store_true", help="one worker per GPU, shards spread over them")
+    p.add_argument("--layer_quant_scheme", nargs=2, action="append", metavar=("PATTERN", "QUANT_SCHEME"))
+    p.add_argument("--kv_cache_dtype", default=None)
+    p.add_argument("--quant_algo", default=None)
+    p.add_argument("--exclude_layers", nargs="*", default=None)
+    return p
+
+
+def peak_memory() -> str:
+    """This process's (and its multi-device workers') largest resident set, and its address space."""
+    import re
+    import resource
+
+    rss = 1024 * max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                     resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)  # Linux reports KiB
+    vm = re.search(r"^VmPeak:\s+(\d+) kB", Path("/proc/self/status").read_text(encoding="ascii"), re.M)
+    return f"peak RSS {rss / 2**30:.2f} GiB" + (f", address space {int(vm[1]) / 2**20:.2f} GiB" if vm else "")
+
+
+def copy_skipped_files(src: Path, dst: Path) -> None:
+    """Quark copies the source's non-weight files but skips README files; carry every one, as quark-api does."""
+    import shutil
+
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.startswith(".") and not (dst / f.name).exists():
+            shutil.copy2(f, dst / f.name)
+
+
+def keep_exclusions(out: Path, patterns: list[str]) -> list[str]:
+    """Put back the plan's exclusions Quark dropped from the export's config; returns them.
+
+    Quark 0.13 resolves exclusions against the tensors in the checkpoint, so a module with no tensor
+    of its own (a tied lm_head) leaves ``exclude``; loaders then quantize it with no scale and the
+    logits are NaN (found by our load check on a tied Llama-3.2-1B shape, docs/planning.md)."""
+    path = out / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    qc = config.get("quantization_config") or {}
+    have = list(qc.get("exclude") or [])
+    missing = [p for p in patterns if p not in have]
+    if missing:
+        qc["exclude"] = have + missing
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp.replace(path)
+    return missing
+
+
+def _devices(device: str, multi: bool) -> str | list[str]:
+    if not multi or device == "cpu":
+        return device
+    import torch
+
+    count = torch.cuda.device_count()
+    return [f"{device}:{i}" for i in range(count)] if count > 1 else device
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.kv_cache_dtype or args.quant_algo:  # the plan refuses these; a hand-edited manifest might not
+        print("error: file2file cannot calibrate KV-cache scales or run an algorithm", file=sys.stderr)
+        return 2
+    model_dir = Path(args.model_dir)
+    shards = sorted(model_dir.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    largest = shards[-1].stat().st_size if shards else 0
+    print(f"[quark-ptq-eval] file-to-file: {len(shards)} shard(s), the largest {largest / 2**20:.0f} MiB", flush=True)
+    from quark_ptq_eval.first_use import announce_quark_import
+
+    announce_quark_import("the file-to-file engine")
+    import time
+
+    from quark.torch import LLMTemplate, ModelQuantizer
+
+    t0 = time.time()
+    model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["model_type"]
+    config = LLMTemplate.get(model_type).get_config(
+        scheme=args.quant_scheme, layer_config=dict(args.layer_quant_scheme or []), exclude_layers=args.exclude_layers)
+    print(f"[quark-ptq-eval] quantizing shard by shard on {args.device}", flush=True)
+    # Quark writes the shards, the index, config.json with its quantization_config, and copies the
+    # source's other files (tokenizer, generation config) byte for byte.
+    ModelQuantizer(config).direct_quantize_checkpoint(
+        pretrained_model_path=str(model_dir), save_path=args.output_dir, device=_devices(args.device, args.multi_device))
+    out = Path(args.output_dir)
+    if (out / "config.json").is_file():  # Quark returns without output for inputs it skips (it logs why)
+        copy_skipped_files(model_dir, out)
+        kept = keep_exclusions(out, list(config.exclude or []))
+        if kept:
+            print(f"[quark-ptq-eval] kept excluded (no tensor of their own, e.g. a tied lm_head): {', '.join(kept)}",
+                  flush=True)
+    print(f"[quark-ptq-eval] done in {time.time() - t0:.1f}s; {peak_memory()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
