@@ -225,6 +225,19 @@ def test_hurt_remedies_name_the_scan_command():
     assert any("quark-ptq-eval sensitivity /models/m --scheme mxfp4 --calib-data /data/c.txt" in r for r in remedies)
 
 
+def test_cli_refuses_an_unknown_wider_scheme(tiny_llama, cli, tmp_path):
+    from quark_ptq_eval.catalog import cache_dir, catalog_path
+
+    env = {}
+    if catalog_path().exists():  # spare the child a Quark import just to list the schemes
+        dst = tmp_path / "cache" / catalog_path().relative_to(cache_dir())
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(catalog_path(), dst)
+        env = {"QUARK_PTQ_EVAL_CACHE": str(tmp_path / "cache")}
+    res = cli("sensitivity", tiny_llama, "--scheme", SCHEME, "--wider", "int9", "--out", tmp_path / "out", env=env)
+    assert res.rc == 2 and "no scheme named 'int9'" in res.err and "Traceback" not in res.err
+
+
 def test_cli_refuses_a_directory_that_is_not_a_model(cli, tmp_path):
     res = cli("sensitivity", tmp_path, "--scheme", SCHEME, "--out", tmp_path / "out")
     assert res.rc == 2 and "no config.json" in res.err and "Traceback" not in res.err

@@ -2,7 +2,8 @@
 
 ``run_sensitivity(model_dir, scheme, calib_data, out_dir)`` measures every quantizable layer's
 KL alone (Quark fake-quant, cached and resumable), proposes the smallest set of layers to keep
-unquantized so that the measured KL meets ``max_kl``, and writes sensitivity_report.md/.json/.png.
+unquantized so that the measured KL meets ``max_kl`` (or at a wider scheme, when that measures
+within the budget for fewer bytes), and writes sensitivity_report.md/.json/.png.
 See docs/sensitivity.md.
 """
 

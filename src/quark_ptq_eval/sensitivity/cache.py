@@ -40,10 +40,13 @@ def tokens_digest(windows: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]
 
 
-def scan_key(model: str, scheme: str, exclude: list[str] | None, data: str, device: str) -> str:
-    spec = json.dumps({"model": model, "scheme": scheme, "exclude": exclude, "data": data,
-                       "device": device, "method": METHOD_VERSION}, sort_keys=True)
-    return hashlib.sha256(spec.encode()).hexdigest()[:20]
+def scan_key(model: str, scheme: str, exclude: list[str] | None, data: str, device: str,
+             layer_config: dict[str, str] | None = None) -> str:
+    spec = {"model": model, "scheme": scheme, "exclude": exclude, "data": data, "device": device,
+            "method": METHOD_VERSION}
+    if layer_config:  # only when set, so that the keys of scans without overrides stay as they were
+        spec["layer_config"] = layer_config
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
 
 
 class ScanCache:

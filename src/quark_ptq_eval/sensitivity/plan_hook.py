@@ -2,8 +2,9 @@
 
 Giving ``--sensitivity`` is the user's explicit yes to read the model and run the scan now (it
 writes only its cache and the sensitivity_report.* files in the work dir). The proposed layers
-are added to ``exclude_layers`` (the user can edit them in quant_plan.json like any decision)
-and a ``sensitivity`` decision row carries the reason: measured KL before/after and the size.
+are added to ``exclude_layers``, or to ``layer_quant_config`` when the scan chose a wider scheme
+for them (the user can edit both in quant_plan.json like any decision), and a ``sensitivity``
+decision row carries the reason: measured KL before/after and the size.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def scan(opts: ScanOptions, progress: Progress = print) -> tuple[dict[str, Any],
     texts = load_texts(opts.calib_data)
     batches = calibration_batches(tokenizer, texts, opts.seq_len, opts.num_samples, 1, opts.device)
     key = scan_key(model_digest(opts.model_dir), opts.scheme, opts.exclude,
-                   tokens_digest([b[0].tolist() for b in batches]), opts.device)
+                   tokens_digest([b[0].tolist() for b in batches]), opts.device, opts.layer_config)
     cache = ScanCache(key, opts.cache_root)
     if opts.use_cache and (hit := cache.load_final()) is not None:
         progress(f"sensitivity: cache hit ({cache.final}); no model pass needed")
