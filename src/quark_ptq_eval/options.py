@@ -66,6 +66,8 @@ def add_flags(group: argparse._ActionsContainer, cls: type, *, standalone: bool 
             continue
         kwargs = {k: v() if callable(v) and k == "choices" else v for k, v in spec.argparse.items()}
         kwargs.setdefault("default", None)
+        if kwargs.get("action") in (None, "store", "append") and not {"metavar", "choices"} & kwargs.keys():
+            kwargs["metavar"] = spec.names[0].lstrip("-").replace("-", "_").upper()  # the flag's, not the field's
         help_text = spec.help() if callable(spec.help) else spec.help
         names = spec.names + (spec.standalone_names if standalone else ())
         group.add_argument(*names, dest=flag_dest(field, spec), help=help_text, **kwargs)

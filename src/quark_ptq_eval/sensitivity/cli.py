@@ -11,29 +11,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ExitCode, UsageError
+from ..options import add_flags, given
 from ..textdata import check_text_source
 
 
 def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
+    from .scan import ScanOptions
+
     p.add_argument("model", help="local model directory")
-    p.add_argument("--scheme", required=True, help="exact Quark scheme name (int4_wo_32, mxfp4, fp8, ...)")
-    p.add_argument("--calib-data", type=Path, help="local calibration text: .txt, .jsonl or .parquet "
-                                                   "(default: the demo corpus, built on the spot)")
-    p.add_argument("--num-calib-samples", type=int, default=8, help="token windows measured (default 8)")
-    p.add_argument("--calib-seq-len", type=int, default=128, help="tokens per window (default 128)")
-    p.add_argument("--exclude", nargs="*", default=None, metavar="PATTERN",
-                   help="layers the plan keeps unquantized anyway (default: Quark's template exclusions)")
+    add_flags(p, ScanOptions, only=["scheme", "calib_data", "num_samples", "seq_len", "exclude"])
     p.add_argument("--max-kl", type=float, default=None,
                    help="KL budget for the proposal (default: the healthy threshold, log(1.02) ~ 0.0198)")
     p.add_argument("--wider", default="auto", metavar="SCHEME",
                    help="also measure the proposed layers at this scheme instead of unquantized, and propose it when "
                         "it meets the budget (default auto: fp8 for fp4/fp6 formats, int8 for int4; 'none': off)")
-    p.add_argument("--device", default="cpu")
+    add_flags(p, ScanOptions, only=["device"])
     p.add_argument("--out", type=Path, default=Path("."), help="where the sensitivity_report.* files go")
-    p.add_argument("--estimate-only", action="store_true",
-                   help="time the first layers, keep them, print the estimate for the rest and stop")
-    p.add_argument("--no-cache", action="store_true", help="measure again even when a cached scan matches")
-    p.add_argument("--trust-remote-code", action="store_true")
+    add_flags(p, ScanOptions, only=["estimate_only", "use_cache", "trust_remote_code"])
     p.add_argument("--json", action="store_true", help="print the proposal as JSON on stdout")
     p.add_argument("--quiet", "-q", action="store_true")
 
@@ -46,10 +40,8 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "config.json").exists():
         raise UsageError(f"The sensitivity scan needs a local model directory; {args.model} has no config.json.")
     calib = check_text_source(args.calib_data, "calibration data") if args.calib_data else _demo_corpus(args.out)
-    opts = ScanOptions(model_dir=Path(args.model).resolve(), scheme=args.scheme, calib_data=Path(calib).resolve(),
-                       num_samples=args.num_calib_samples, seq_len=args.calib_seq_len, exclude=args.exclude,
-                       device=args.device, trust_remote_code=args.trust_remote_code,
-                       estimate_only=args.estimate_only, use_cache=not args.no_cache)
+    opts = ScanOptions(**{**given(ScanOptions, args), "model_dir": Path(args.model).resolve(),
+                          "calib_data": Path(calib).resolve()})
     say = (lambda _msg: None) if args.quiet or args.json else (lambda msg: print(msg, flush=True))
     _check_scheme(opts.scheme)
     if args.wider not in ("auto", "none"):

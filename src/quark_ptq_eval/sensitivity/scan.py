@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..options import flag
 from .cache import METHOD_VERSION, ScanCache, model_digest, scan_key, tokens_digest
 from .replay import Decoder, capture_inputs, find_decoder, replay, replay_matches
 
@@ -26,17 +27,28 @@ Progress = Callable[[str], None]
 
 @dataclass
 class ScanOptions:
-    model_dir: Path
-    scheme: str
-    calib_data: Path
-    num_samples: int = 8
-    seq_len: int = 128
-    exclude: list[str] | None = None  # None: the Quark template's defaults (lm_head for most)
-    device: str = "cpu"
-    trust_remote_code: bool = False
-    estimate_only: bool = False  # time the first layers, persist them, stop
+    """What a scan measures; the fields with a flag are the `sensitivity` command's options."""
+
+    model_dir: Path  # the command's positional MODEL
+    scheme: str = field(metadata=flag("--scheme", required=True,
+                                      help="exact Quark scheme name (int4_wo_32, mxfp4, fp8, ...)"))
+    calib_data: Path = field(metadata=flag(  # the command defaults it to the demo corpus
+        "--calib-data", type=Path,
+        help="local calibration text: .txt, .jsonl or .parquet (default: the demo corpus, built on the spot)"))
+    num_samples: int = field(default=8, metadata=flag(
+        "--num-calib-samples", type=int, help="token windows measured (default 8)"))
+    seq_len: int = field(default=128, metadata=flag("--calib-seq-len", type=int, help="tokens per window (default 128)"))
+    exclude: list[str] | None = field(default=None, metadata=flag(  # None: the Quark template's defaults
+        "--exclude", nargs="*", metavar="PATTERN",
+        help="layers the plan keeps unquantized anyway (default: Quark's template exclusions)"))
+    device: str = field(default="cpu", metadata=flag("--device", help="cpu (default) or cuda"))
+    trust_remote_code: bool = field(default=False, metadata=flag("--trust-remote-code", action="store_true"))
+    estimate_only: bool = field(default=False, metadata=flag(  # time the first layers, persist them, stop
+        "--estimate-only", action="store_true",
+        help="time the first layers, keep them, print the estimate for the rest and stop"))
     cache_root: Path | None = None
-    use_cache: bool = True
+    use_cache: bool = field(default=True, metadata=flag(
+        "--no-cache", action="store_false", help="measure again even when a cached scan matches"))
     replay: bool = True  # False: full forward passes for every measurement (the benchmark's comparison)
     layer_config: dict[str, str] | None = None  # per-layer scheme overrides (Quark's layer_quant_config)
 
