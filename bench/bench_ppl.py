@@ -54,6 +54,25 @@ def time_ours(model, windows) -> tuple[float, float]:
     return elapsed, tier_ppl.perplexity_stats(acc.window_nll, SEQ_LEN - 1)["perplexity"]
 
 
+def time_ours_before(model, windows) -> tuple[float, float]:
+    """Tier 1's scoring before issue 12, for the before/after row: batches of up to 8 windows on a
+    CPU and the float64 log-softmax of every row (what ``token_stats`` still does with a baseline)."""
+    import torch
+
+    from quark_ptq_eval.evaluate import tier_ppl
+
+    window_nll = []
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for batch in windows.split(8):
+            logits = model(batch).logits[:, :-1]
+            tier_ppl.require_finite(logits, "model")
+            log_q = torch.log_softmax(logits.double(), dim=-1)
+            window_nll += (-log_q.gather(-1, batch[:, 1:].unsqueeze(-1))).squeeze(-1).mean(dim=1).tolist()
+    elapsed = time.perf_counter() - started
+    return elapsed, tier_ppl.perplexity_stats(window_nll, SEQ_LEN - 1)["perplexity"]
+
+
 def time_quark(model, encoding) -> tuple[float, float]:
     from quark.contrib.llm_eval.evaluation import ppl_eval
 
@@ -96,6 +115,7 @@ def run(quick: bool) -> list[dict]:
         model(windows[:1])  # warm-up shared by all contenders
     contenders = {
         "ours": lambda: time_ours(model, windows),
+        "ours_before": lambda: time_ours_before(model, windows),
         "quark": lambda: time_quark(model, encoding),
         "lm_eval": lambda: time_lm_eval(model, tokenizer, scored_text),
     }
@@ -105,7 +125,9 @@ def run(quick: bool) -> list[dict]:
             runs[name].append(measure())
     ours_s, ours_ppl = statistics.median(s for s, _ in runs["ours"]), runs["ours"][0][1]
     rows = []
-    for name, peer in (("quark", "quark ppl_eval"), ("lm_eval", "lm-eval loglikelihood_rolling")):
+    peers = (("ours_before", "ours before issue 12 (batches of 8, float64 log-softmax)"),
+             ("quark", "quark ppl_eval"), ("lm_eval", "lm-eval loglikelihood_rolling"))
+    for name, peer in peers:
         peer_s, peer_ppl = statistics.median(s for s, _ in runs[name]), runs[name][0][1]
         rows.append(
             {
