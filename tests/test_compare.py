@@ -160,14 +160,16 @@ def test_plan_time_estimate_comes_from_measurements_on_this_host(compared):
     from quark_ptq_eval.compare.plans import engine_history, estimate_totals
 
     root = compared["root"]
-    recorded = [r for r in engine_history() if r["scheme"] in ("int8", "int4_wo_128") and r["params"] > 0]
+    recorded = [r for r in engine_history() if r["scheme"] in ("int8", "int4_wo_128") and r["calib_tokens"] == 8 * 64]
     assert {"int8", "int4_wo_128"} <= {r["scheme"] for r in recorded}  # this comparison's engine runs
     plans = {s: QuantPlan.load(root / "work" / s) for s in ("int8", "int4_wo_128")}
     opts = CompareOptions(**{k: v for k, v in RunState.load(root).options.items()})
     totals = estimate_totals(ModelAnalysis.load(root), plans, opts)
     assert all(e["basis"] == "measured" for e in totals["schemes"].values())
     assert "GFLOP/s (a matmul timed here now)" in totals["text"] and totals["rate_flops"] > 0
-    assert "scaled from their own runs" in totals["text"] and "assumed" not in totals["text"]
+    assert [e["quantize_s"] for e in totals["schemes"].values()] == [
+        next(r["seconds"] for r in reversed(recorded) if r["scheme"] == s) for s in plans]
+    assert "as their last run of this model" in totals["text"] and "assumed" not in totals["text"]
 
 
 def test_recommendation_on_the_measured_numbers(compared):

@@ -7,10 +7,11 @@ built from what was measured on this host, and the text says which figure came f
   float32 matmul of the model's hidden size, timed here (a fraction of a second);
 - an engine run (``import quark.torch``, load, quantize, export): every finished engine run of a
   comparison is recorded in ``TIMINGS_FILE`` (in the user cache, with the scheme, algorithm,
-  device, parameters and calibration tokens); the fixed cost is the cheapest recorded run on the
-  device, and a scheme run before here is scaled from its own latest record by parameters x
-  calibration tokens. With no record yet, the fixed cost is ``ENGINE_STARTUP_S`` (measured on the
-  development CPU) and the text says it is assumed.
+  device, parameters and calibration tokens). A scheme recorded before with the same model size
+  and calibration takes its last recorded time; any other takes the cheapest recorded run on the
+  device (mostly Quark's import, load and export) plus its calibration's forward FLOPs. With no
+  record yet that fixed cost is ``ENGINE_STARTUP_S`` (measured on the development CPU) and the
+  text says it is assumed.
 """
 
 from __future__ import annotations
@@ -95,18 +96,19 @@ def _eval_tokens(opts: CompareOptions) -> int:
 
 
 def _engine_seconds(analysis, plan, history: list[dict], rate: float) -> tuple[float, str]:
-    """(seconds, basis) of one engine run for ``plan``, from this host's records where there are any."""
+    """(seconds, basis) of one engine run for ``plan``, from this host's records where there are any.
+    A record is reused as is only for the same scheme, algorithm, device, parameters and calibration
+    tokens: scaling the small difference between two short runs by size would scale their noise."""
     params = resources.param_count(analysis)
     calib = plan.calibration.get("num_samples", 0) * plan.calibration.get("seq_len", 0)
     kind = _device_kind(plan)
     on_device = [r for r in history if r.get("device") == kind]
-    fixed = min((r["seconds"] for r in on_device), default=None)
     same = [r for r in on_device if r.get("scheme") == plan.global_scheme
-            and (r.get("algorithm") or None) == (plan.algorithm or None)]
-    if fixed is not None and same:
-        last = same[-1]
-        scale = params * calib / max(1, last.get("params", 0) * last.get("calib_tokens", 0))
-        return fixed + max(0.0, last["seconds"] - fixed) * scale, "measured"
+            and (r.get("algorithm") or None) == (plan.algorithm or None)
+            and r.get("params") == params and r.get("calib_tokens") == calib]
+    if same:
+        return same[-1]["seconds"], "measured"
+    fixed = min((r["seconds"] for r in on_device), default=None)
     passes = 1.0 + sum(ALGORITHM_PASSES.get(a, 1.0) for a in (plan.algorithm or "").split(",") if a)
     work = 2 * params * calib * passes / rate
     return (fixed if fixed is not None else ENGINE_STARTUP_S) + work, "fixed" if fixed is not None else "assumed"
@@ -133,19 +135,25 @@ def estimate_totals(analysis, plans: dict, opts: CompareOptions) -> dict[str, An
     per = {s: scheme_estimate(analysis, p, opts, rate, history) for s, p in plans.items()}
     baseline_s = 2 * resources.param_count(analysis) * _eval_tokens(opts) / rate
     cache = _eval_tokens(opts) * (opts.top_k * CACHE_BYTES_PER_TOKEN_PER_K + CACHE_BYTES_PER_TOKEN)
-    seconds = sum(e["quantize_s"] + e["eval_s"] for e in per.values()) + baseline_s
+    # This process imports quark.torch once to load the exports (validation's load check, Tier 1):
+    # about one engine start-up, the cheapest recorded engine run on the device.
+    kind = _device_kind(first)
+    import_s = min((r["seconds"] for r in history if r.get("device") == kind), default=ENGINE_STARTUP_S)
+    seconds = sum(e["quantize_s"] + e["eval_s"] for e in per.values()) + baseline_s + import_s
     disk = sum(e["output_bytes"] for e in per.values()) + cache
     text = (f"{len(plans)} schemes: about {_duration(seconds)} in all and about {resources.gb(disk)} of disk "
             f"({resources.gb(cache)} of it the baseline cache, evaluated once). {_basis_text(per, rate, history)}")
-    return {"schemes": per, "baseline_s": baseline_s, "seconds": seconds, "disk_bytes": disk,
+    return {"schemes": per, "baseline_s": baseline_s, "import_s": import_s, "seconds": seconds, "disk_bytes": disk,
             "cache_bytes": cache, "rate_flops": rate, "text": text}
 
 
 def _basis_text(per: dict, rate: float, history: list[dict]) -> str:
     measured = [s for s, e in per.items() if e["basis"] == "measured"]
-    parts = [f"Forward passes: 2 x parameters FLOPs per token at {rate / 1e9:.1f} GFLOP/s (a matmul timed here now)."]
+    parts = [f"Forward passes: 2 x parameters FLOPs per token at {rate / 1e9:.1f} GFLOP/s (a matmul timed here now); "
+             "one Quark import here to load the exports, counted as one engine start-up."]
     if measured:
-        parts.append(f"Engine runs of {', '.join(measured)}: scaled from their own runs on this host.")
+        parts.append(f"Engine runs of {', '.join(measured)}: as their last run of this model and calibration "
+                     "on this host.")
     others = [s for s in per if s not in measured]
     if others:
         fixed = per[others[0]]["basis"] == "fixed"
