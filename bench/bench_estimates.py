@@ -36,7 +36,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 BENCH = Path(__file__).resolve().parent
 DEFAULT_DEMO = Path("/tmp/qpe-bench-estimates/demo")
-DEFAULT_BIG = Path("/tmp/h12a/llama-1b-f32")
+DEFAULT_BIG = Path("/tmp/qpe-bench-estimates/llama-1b-f32")
 
 
 def build_demo(root: Path) -> Path:
