@@ -6,6 +6,7 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -308,3 +309,30 @@ def test_report_files_for_lm_eval_scores(tmp_path):
     assert results["quantized"] == outcome.quantized and results["baseline"] == outcome.baseline
     assert results["verdict"] == "hurt" and len(results["deltas"]) == 2
     assert report.chart_path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_estimate_spans_the_whole_wait_and_the_kl_histogram_keeps_every_token(tmp_path):
+    """The announced total = measured part + predicted rest; the report's ratio uses that total;
+    every per-token KL lands in a histogram bin (the extremes too) or in the zero count."""
+    import torch
+
+    from quark_ptq_eval.evaluate import report as report_files
+    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.evaluate.context import SPAN, RuntimeEstimate
+
+    estimate = RuntimeEstimate("1 (ppl)", 30.0, "CPU", 2**20, "1 window", "pilot", elapsed_s=12.0, finish_s=1.0,
+                               parts={"load": 9.0, "pilot": 2.5})
+    assert estimate.total_s == 43.0 and not estimate.long  # long is judged on what approving costs: 30 s
+    assert "about 43 s from approval to report (12.0 s spent: load 9.0 s, pilot 2.5 s; about 31 s left)" in (
+        estimate.summary())
+    report = SimpleNamespace(estimate=estimate, actual_s=40.0)
+    runtime = report_files.runtime_document(report)
+    assert runtime["span"] == SPAN and runtime["estimated_s"] == 43.0
+    assert runtime["estimated_over_actual"] == pytest.approx(43.0 / 40.0)
+    acc = tier_ppl.Accumulator(window_nll=[2.0, 2.5], base_window_nll=[1.9, 2.6])
+    acc.kl_values = [torch.tensor([0.0, 1e-12, 3e-5, 0.2, 0.7], dtype=torch.double)]
+    dist = tier_ppl.distribution(acc)
+    assert dist["window_nll_delta"] == pytest.approx([0.1, -0.1])
+    hist = dist["token_kl_histogram"]
+    assert hist["zero"] == 1 and sum(hist["counts"]) == 4 and hist["edges"][-1] == 0.7
+    assert hist["edges"][0] == pytest.approx(0.7e-8)  # at most 8 decades: 1e-12 is counted in the first bin
