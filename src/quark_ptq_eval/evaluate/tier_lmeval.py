@@ -41,7 +41,7 @@ class Workload:
 
 
 @dataclass
-class Prepared:
+class LmEvalPrepared:
     ctx: TierContext
     quantized: LoadedModel
     task_names: list[str]
@@ -215,7 +215,7 @@ def resolution_warning(workload: Workload, options) -> str | None:
     )
 
 
-def prepare(ctx: TierContext) -> Prepared:
+def prepare(ctx: TierContext) -> LmEvalPrepared:
     options = ctx.options
     manager = task_manager(options.include_path)
     tasks = check_tasks(manager, options.tasks)
@@ -255,10 +255,10 @@ def prepare(ctx: TierContext) -> Prepared:
         ),
         threshold_s=options.confirm_above_s,
     )
-    return Prepared(ctx, quantized, tasks, workload, estimate, pilot_s)
+    return LmEvalPrepared(ctx, quantized, tasks, workload, estimate, pilot_s)
 
 
-def run_lm_eval(loaded: LoadedModel, prepared: Prepared, label: str) -> dict:
+def run_lm_eval(loaded: LoadedModel, prepared: LmEvalPrepared, label: str) -> dict:
     return evaluate_tasks(loaded, prepared.ctx, prepared.task_names, label)
 
 
@@ -435,7 +435,7 @@ def scores_from(results: dict) -> tuple[dict, dict, dict]:
     return scores, stderrs, directions
 
 
-def run(prepared: Prepared) -> TierOutcome:
+def run(prepared: LmEvalPrepared) -> TierOutcome:
     ctx = prepared.ctx
     quantized_results = run_lm_eval(prepared.quantized, prepared, "quantized")
     quantized, q_stderr, directions = scores_from(quantized_results)
@@ -487,7 +487,7 @@ def noise_from_stderr(quantized: dict, baseline: dict | None) -> dict[str, dict[
     return noise
 
 
-def _release(prepared: Prepared) -> None:
+def _release(prepared: LmEvalPrepared) -> None:
     """Free the quantized model before the baseline loads: only one model in memory at a time."""
     import gc
 

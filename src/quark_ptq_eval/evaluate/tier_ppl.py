@@ -294,7 +294,7 @@ def resolution_pct(window_values: list[float], windows: int) -> float | None:
 
 
 @dataclass
-class Prepared:
+class PplPrepared:
     ctx: TierContext
     quantized: LoadedModel
     baseline: LoadedModel | None
@@ -319,7 +319,7 @@ class Clock:
         self._last = now
 
 
-def prepare(ctx: TierContext) -> Prepared:
+def prepare(ctx: TierContext) -> PplPrepared:
     """Load the data and the model(s), score the first batch as a pilot, and estimate the rest."""
     options, clock = ctx.options, Clock()
     texts = eval_texts(options.eval_data, options.eval_text_limit)  # fails before any model loads
@@ -340,7 +340,7 @@ def prepare(ctx: TierContext) -> Prepared:
     clock.lap("pilot")
     estimate = _estimate(ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_batches, acc)
     estimate.parts = clock.parts
-    return Prepared(ctx, quantized, baseline, windows, batch_size, acc, estimate, pilot_s, pilot_batches)
+    return PplPrepared(ctx, quantized, baseline, windows, batch_size, acc, estimate, pilot_s, pilot_batches)
 
 
 def _pilot(quantized, baseline, windows, batch_size: int, acc: Accumulator) -> tuple[int, float, float]:
@@ -418,7 +418,7 @@ def _resolution_warning(ctx: TierContext, acc: Accumulator, windows: int) -> str
     )
 
 
-def run(prepared: Prepared) -> TierOutcome:
+def run(prepared: PplPrepared) -> TierOutcome:
     ctx, acc, windows, size = prepared.ctx, prepared.acc, prepared.windows, prepared.batch_size
     baseline_model = prepared.baseline.model if prepared.baseline else None
     total = math.ceil(windows.shape[0] / size)
@@ -429,12 +429,14 @@ def run(prepared: Prepared) -> TierOutcome:
             acc,
             baseline_model,
         )
-        if index % 10 == 0 or index == total - 1:
+        if ctx.progress is not None:  # a run: the terminal's bar with an ETA, milestone lines elsewhere
+            ctx.progress("perplexity batches", index + 1, total)
+        elif index % 10 == 0 or index == total - 1:
             ctx.log(f"perplexity: batch {index + 1}/{total}")
     return outcome_from(acc, ctx.options.seq_len, prepared)
 
 
-def outcome_from(acc: Accumulator, seq_len: int, prepared: Prepared) -> TierOutcome:
+def outcome_from(acc: Accumulator, seq_len: int, prepared: PplPrepared) -> TierOutcome:
     stats = perplexity_stats(acc.window_nll, seq_len - 1)
     quantized = {TASK: {"perplexity": stats["perplexity"]}}
     details: dict[str, Any] = {
