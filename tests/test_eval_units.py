@@ -291,7 +291,7 @@ def test_report_files_for_lm_eval_scores(tmp_path):
         "calibration": {"num_samples": 128},
     }
     ctx = TierContext(model, EvalOptions(tier="lm_eval"), tmp_path / "work", FlagApprover(), plan=plan)
-    report = api._build_report(ctx, outcome, None, 12.0)
+    report = api.build_report(ctx, outcome, None, 12.0)
     report_files.write_all(report)
     assert report.verdict == "hurt" and {c.verdict for c in report.comparisons} == {"hurt", "healthy"}
     assert any("model.layers.3.*" in r for r in report.remedies) and any(

@@ -102,7 +102,7 @@ def test_invalid_report_names_the_metric(tmp_path):
         directions={"perplexity": {"perplexity": False, "kl_divergence": False, "top1_agreement": True}},
         informational=("top1_agreement",),
     )
-    report = api._build_report(TierContext(model, EvalOptions(), tmp_path, FlagApprover()), outcome, None, 1.0)
+    report = api.build_report(TierContext(model, EvalOptions(), tmp_path, FlagApprover()), outcome, None, 1.0)
     report_files.write_all(report)
     assert report.verdict == "invalid" and report.remedies == []
     text = report.report_path.read_text()
@@ -204,7 +204,7 @@ def test_lm_eval_standard_errors_enter_the_tier2_verdict(tmp_path):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    report = api._build_report(TierContext(model, EvalOptions(tier="lm_eval"), tmp_path, FlagApprover()),
+    report = api.build_report(TierContext(model, EvalOptions(tier="lm_eval"), tmp_path, FlagApprover()),
                                outcome, None, 1.0)
     assert report.verdict == "watch"  # 10 % worse without the noise: "hurt"
     assert report.comparisons[0].noise == WITHIN_NOISE

@@ -137,7 +137,6 @@ def build_report(ctx: TierContext, outcome: TierOutcome, estimate, actual) -> Ev
     )
 
 
-_build_report = build_report  # the old private name, kept for existing callers
 
 
 def _settings(options: EvalOptions) -> dict[str, Any]:
