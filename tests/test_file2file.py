@@ -69,13 +69,16 @@ def test_explicit_file2file_refuses_what_it_cannot_quantize(tiny_analysis, catal
         plan_for(tiny_analysis, catalog, corpus, tmp_path, 64, engine="file2file", **request_)
 
 
-def test_run_engine_file2file_writes_a_validated_export(cli, tiny_llama, corpus, tmp_path):
+def test_run_engine_file2file_writes_a_validated_export(tiny_llama, corpus, tmp_path):
+    # In process (the API behind `run --engine file2file`): the load check shares the session's Quark
+    # import; the engine is still a child process, as for users.
+    from quark_ptq_eval import api
+
     wd, out = tmp_path / "work", tmp_path / "out"
-    res = cli("run", tiny_llama, "-o", out, "--workdir", wd, "--scheme", "mxfp4", "--engine", "file2file",
-              "--calib-data", corpus, "--offline", "--yes", "--eval-tier", "skip", "--json")
-    assert res.rc == 0, res.err
-    summary = json.loads(res.out)
+    summary = api.run(tiny_llama, out, workdir=wd, approver=FlagApprover(all_gates=True), eval_tier="skip",
+                      offline=True, scheme="mxfp4", engine="file2file", calib_data=str(corpus))
     assert summary["validation"] == "success", summary
+    assert "## Loads and runs (probe against the source): pass" in (wd / "validation_report.md").read_text()
     manifest = (wd / "run_manifest.yaml").read_text()
     assert "quark_ptq_eval.execute.engines.file2file" in manifest and "--num_calib_data" not in manifest
     assert "peak RSS" in (wd / "logs" / "engine.log").read_text()
