@@ -9,19 +9,14 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from .errors import QpeError
-from .fsio import write_json
+from .fsio import cache_dir, write_json
 
 CATALOG_FORMAT = 3  # bump when dump_catalog() describes more
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("QUARK_PTQ_EVAL_CACHE", Path.home() / ".cache" / "quark-ptq-eval"))
 
 
 def quark_version() -> str:
@@ -70,6 +65,9 @@ def load_catalog() -> dict:
 
 def dump_catalog() -> dict:
     """Runs inside the child: import Quark and describe it."""
+    from .quark_import import import_quark_torch
+
+    import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
     from quark.torch import LLMTemplate
     from quark.torch.quantization.config.algo_configs import get_supported_algorithm_types
 

@@ -18,7 +18,7 @@ from pathlib import Path
 HW_EMULATION_LIB = "quark_hw_emulation_stable_abi"  # Quark 0.13's JIT module name (torch >= 2.10)
 LEGACY_HW_EMULATION_LIB = "kernel_ext"  # its pybind11 build on older torch
 COMPILE_ESTIMATE = "about 1-2 min on 2 cores, longer on a busy host; GPU builds take a few minutes"
-IMPORT_ESTIMATE = "about 20-40 s"
+IMPORT_ESTIMATE = "about 15-40 s"
 CATALOG_ESTIMATE = "about 30-60 s"
 _announced: set[str] = set()
 

@@ -122,3 +122,10 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
 def _unlink_quietly(path: str | os.PathLike) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+def cache_dir() -> Path:
+    """Our one cache directory: $QUARK_PTQ_EVAL_CACHE, else $XDG_CACHE_HOME/quark-ptq-eval, else ~/.cache/..."""
+    if os.environ.get("QUARK_PTQ_EVAL_CACHE"):
+        return Path(os.environ["QUARK_PTQ_EVAL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quark-ptq-eval"

@@ -113,8 +113,10 @@ def load_model(
     device = resolve_device(device)
     if (config.get("quantization_config") or {}).get("quant_method") == "quark":
         from ..first_use import announce_quark_import
+        from ..quark_import import import_quark_torch
 
         announce_quark_import(f"loading the Quark export {model_dir.name}")  # both loaders import quark.torch
+        import_quark_torch()  # now, through our cache of Quark's transformers scan (quark_import.py)
     started = time.perf_counter()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer

@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     announce_quark_import("the Quark API engine")  # on a fresh machine this import compiles Quark's kernels
     import torch
     import transformers
+
+    from quark_ptq_eval.quark_import import import_quark_torch
+
+    import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
     from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
     from quark.torch.utils.llm.model_preparation import preprocess_for_quantization
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -14,7 +14,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from ..catalog import quark_version
+from ..catalog import cache_dir, quark_version
 from ..errors import QpeError
 from .engines.quark_cli import SUBCOMMAND, find_quark_cli
 
@@ -31,8 +31,7 @@ def quark_cli_executable() -> str:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "quark-ptq-eval"
+    return cache_dir()  # shared with the catalog (catalog.cache_dir)
 
 
 def quark_cli_flags(cache_dir: Path | None = None) -> set[str]:

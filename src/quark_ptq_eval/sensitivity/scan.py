@@ -179,6 +179,10 @@ def _params(module) -> int:
 def open_session(opts: ScanOptions, batches: list) -> Session:
     """Load, record the reference pass, quantize once with Quark (fake-quant), switch everything off."""
     import transformers
+
+    from ..quark_import import import_quark_torch
+
+    import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
     from quark.torch import LLMTemplate, ModelQuantizer
     from transformers import AutoModelForCausalLM
 

@@ -53,6 +53,9 @@ def load_scheme_table() -> dict[str, Any] | None:
 
 def dump_scheme_table() -> dict[str, Any]:
     """Runs inside the child: serialise each scheme's global layer config as the exporter does."""
+    from ..quark_import import import_quark_torch
+
+    import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
     from quark.torch import LLMTemplate
 
     template = LLMTemplate.get("llama")

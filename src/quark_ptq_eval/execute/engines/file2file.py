@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     announce_quark_import("the file-to-file engine")
     import time
 
+    from ...quark_import import import_quark_torch
+
+    import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
     from quark.torch import LLMTemplate, ModelQuantizer
 
     t0 = time.time()
