@@ -10,6 +10,7 @@ from typing import Any
 
 from ..checkpoints import as_gatekeeper
 from ..errors import UsageError
+from ..sensitivity.followup import sensitivity_followup
 from . import report as report_files
 from .context import RuntimeEstimate, TierContext, TierOutcome, format_duration, log, tier_module
 from .eval_report import EvalReport
@@ -134,6 +135,7 @@ def build_report(ctx: TierContext, outcome: TierOutcome, estimate, actual) -> Ev
         deferred_commands=outcome.deferred_commands,
         notes=notes,
         artifacts=outcome.artifacts,
+        sensitivity=sensitivity_followup(ctx.workdir, ctx.model_dir, outcome.details, ctx.plan),
     )
 
 

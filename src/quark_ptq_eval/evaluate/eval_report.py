@@ -36,6 +36,7 @@ class EvalReport:
     notes: list[str] = field(default_factory=list)
     artifacts: dict[str, str] = field(default_factory=dict)
     chart_path: Path | None = None
+    sensitivity: dict[str, Any] | None = None  # the plan's scan proposal: predicted vs measured KL
 
     @property
     def report_path(self) -> Path:

@@ -51,15 +51,9 @@ def results_document(report: EvalReport) -> dict:
             "artifacts": report.artifacts | ({"chart": str(report.chart_path)} if report.chart_path else {}),
         }
     )
-    if (follow := _sensitivity(report)) is not None:  # the plan's scan proposal: predicted vs measured KL
-        doc["sensitivity"] = follow
+    if report.sensitivity is not None:  # the plan's scan proposal: predicted vs measured KL
+        doc["sensitivity"] = report.sensitivity
     return json_safe(doc)
-
-
-def _sensitivity(report: EvalReport) -> dict | None:
-    from ..sensitivity.followup import sensitivity_followup
-
-    return sensitivity_followup(report.workdir, report.model_dir, report.details)
 
 
 def runtime_document(report: EvalReport) -> dict:
@@ -100,7 +94,7 @@ def markdown(report: EvalReport) -> str:
     lines += _details_section(report)
     from ..sensitivity.followup import followup_markdown
 
-    lines += followup_markdown(_sensitivity(report))
+    lines += followup_markdown(report.sensitivity)
     if report.remedies:
         lines += ["## Remedies", "", *[f"- {r}" for r in report.remedies], ""]
     if report.deferred_commands:

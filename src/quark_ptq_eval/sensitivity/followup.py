@@ -17,9 +17,11 @@ from typing import Any
 PLAN_NAME = "quant_plan.json"
 
 
-def sensitivity_followup(workdir: Path, model_dir: Path, details: dict[str, Any]) -> dict[str, Any] | None:
-    """The predicted-vs-measured record, or None when the plan made no sensitivity decision."""
-    plan = _plan_for(Path(workdir), Path(model_dir))
+def sensitivity_followup(workdir: Path, model_dir: Path, details: dict[str, Any],
+                         plan: dict | None = None) -> dict[str, Any] | None:
+    """The predicted-vs-measured record, or None when the plan made no sensitivity decision.
+    ``plan``: the run's plan when the caller has it; else the work dir's quant_plan.json."""
+    plan = _for_model(plan if plan is not None else _read_plan(Path(workdir)), Path(model_dir))
     row = next((d for d in (plan or {}).get("decisions", []) if d.get("decision") == "sensitivity"), None)
     if row is None:
         return None
@@ -73,13 +75,15 @@ def followup_markdown(follow: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _plan_for(workdir: Path, model_dir: Path) -> dict | None:
-    """The work dir's plan when it was made for this export (a plan for another output is not ours)."""
-    path = workdir / PLAN_NAME
+def _read_plan(workdir: Path) -> dict | None:
     try:
-        plan = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads((workdir / PLAN_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def _for_model(plan: dict | None, model_dir: Path) -> dict | None:
+    """The plan when it was made for this export (a plan for another output is not ours)."""
     out = plan.get("output_dir") if isinstance(plan, dict) else None
     if not out or Path(out).resolve() != model_dir.resolve():
         return None
