@@ -18,20 +18,26 @@ from pathlib import Path
 NON_WEIGHT_SKIP = ("config.json", "model.safetensors.index.json")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m quark_ptq_eval.execute.quark_api_engine")
+def child_parser(prog: str) -> argparse.ArgumentParser:
+    """The quark-cli spellings every engine child takes (this one and engines/file2file.py)."""
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--model_dir", required=True)
     p.add_argument("--output_dir", required=True)
     p.add_argument("--quant_scheme", required=True)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--calib_data", required=True, help=".txt, .jsonl or .parquet")
-    p.add_argument("--seq_len", type=int, default=512)
-    p.add_argument("--batch_size", type=int, default=1)
-    p.add_argument("--num_calib_data", type=int, default=128)
     p.add_argument("--layer_quant_scheme", nargs=2, action="append", metavar=("PATTERN", "QUANT_SCHEME"))
     p.add_argument("--kv_cache_dtype", default=None)
     p.add_argument("--quant_algo", default=None)
     p.add_argument("--exclude_layers", nargs="*", default=None)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = child_parser("python -m quark_ptq_eval.execute.quark_api_engine")
+    p.add_argument("--calib_data", required=True, help=".txt, .jsonl or .parquet")
+    p.add_argument("--seq_len", type=int, default=512)
+    p.add_argument("--batch_size", type=int, default=1)
+    p.add_argument("--num_calib_data", type=int, default=128)
     p.add_argument("--trust_remote_code", action="store_true")
     return p
 

@@ -84,16 +84,10 @@ ENGINE = File2FileEngine()
 
 # ---- the child process ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m {CHILD_MODULE}")
-    p.add_argument("--model_dir", required=True)
-    p.add_argument("--output_dir", required=True)
-    p.add_argument("--quant_scheme", required=True)
-    p.add_argument("--device", default="cpu")
+    from ..quark_api_engine import child_parser
+
+    p = child_parser(f"python -m {CHILD_MODULE}")
     p.add_argument("--multi_device", action="store_true", help="one worker per GPU, shards spread over them")
-    p.add_argument("--layer_quant_scheme", nargs=2, action="append", metavar=("PATTERN", "QUANT_SCHEME"))
-    p.add_argument("--kv_cache_dtype", default=None)
-    p.add_argument("--quant_algo", default=None)
-    p.add_argument("--exclude_layers", nargs="*", default=None)
     return p
 
 
@@ -108,31 +102,22 @@ def peak_memory() -> str:
     return f"peak RSS {rss / 2**30:.2f} GiB" + (f", address space {int(vm[1]) / 2**20:.2f} GiB" if vm else "")
 
 
-def copy_skipped_files(src: Path, dst: Path) -> None:
-    """Quark copies the source's non-weight files but skips README files; carry every one, as quark-api does."""
-    import shutil
-
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and not f.name.startswith(".") and not (dst / f.name).exists():
-            shutil.copy2(f, dst / f.name)
-
-
 def keep_exclusions(out: Path, patterns: list[str]) -> list[str]:
     """Put back the plan's exclusions Quark dropped from the export's config; returns them.
 
     Quark 0.13 resolves exclusions against the tensors in the checkpoint, so a module with no tensor
     of its own (a tied lm_head) leaves ``exclude``; loaders then quantize it with no scale and the
     logits are NaN (found by our load check on a tied Llama-3.2-1B shape, docs/planning.md)."""
+    from ...fsio import read_json, write_json
+
     path = out / "config.json"
-    config = json.loads(path.read_text(encoding="utf-8"))
+    config = read_json(path, "the export's config.json")
     qc = config.get("quantization_config") or {}
     have = list(qc.get("exclude") or [])
     missing = [p for p in patterns if p not in have]
     if missing:
         qc["exclude"] = have + missing
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_json(path, config)
     return missing
 
 
@@ -164,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
     from quark.torch import LLMTemplate, ModelQuantizer
 
+    from ..quark_api_engine import copy_non_weight_files
+
     t0 = time.time()
     model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["model_type"]
     config = LLMTemplate.get(model_type).get_config(
@@ -175,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         pretrained_model_path=str(model_dir), save_path=args.output_dir, device=_devices(args.device, args.multi_device))
     out = Path(args.output_dir)
     if (out / "config.json").is_file():  # Quark returns without output for inputs it skips (it logs why)
-        copy_skipped_files(model_dir, out)
+        copy_non_weight_files(model_dir, out)  # Quark skips README files; carry every one, as quark-api does
         kept = keep_exclusions(out, list(config.exclude or []))
         if kept:
             print(f"[quark-ptq-eval] kept excluded (no tensor of their own, e.g. a tied lm_head): {', '.join(kept)}",
