@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +46,18 @@ def _include_hash(include_path: str | None) -> str | None:
 
 
 def cache_key(opts: CompareOptions, model_digest: str) -> str:
-    import lm_eval
-
     return digest({"model": model_digest, "tasks": list(opts.tasks), "include": _include_hash(opts.include_path),
-                   "limit": opts.limit, "num_fewshot": opts.num_fewshot,
-                   "lm_eval": getattr(lm_eval, "__version__", None)})
+                   "limit": opts.limit, "num_fewshot": opts.num_fewshot, "lm_eval": _lm_eval_version()})
+
+
+def _lm_eval_version() -> str | None:
+    """From the installed metadata: importing lm_eval for its version costs seconds."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("lm_eval")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def check(opts: CompareOptions) -> None:
@@ -110,12 +118,12 @@ def score_scheme(loaded, workdir: Path, model_dir: Path, opts: CompareOptions, b
 
 def drop_pct(value: float | None, baseline: float | None, higher_is_better: bool | None) -> float | None:
     """How much worse than the baseline, in percent of it (negative: better); None without a direction."""
+    from ..evaluate.verdict import degradation_pct
+
     if value is None or baseline is None or higher_is_better is None:
         return None
-    worse = baseline - value if higher_is_better else value - baseline
-    if baseline == 0:
-        return 0.0 if worse == 0 else None  # no scale to measure a change from zero against
-    return 100 * worse / abs(baseline)
+    pct = degradation_pct(value, baseline, higher_is_better)
+    return pct if pct is not None and math.isfinite(pct) else None  # from zero there is no scale to measure by
 
 
 def read_rows(workdir: Path) -> list[dict] | None:
