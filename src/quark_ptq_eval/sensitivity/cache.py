@@ -19,22 +19,6 @@ from ..fsio import read_json, write_json
 
 # Bump when what a scan measures changes: old entries then stop matching.
 METHOD_VERSION = "1"
-_CHUNK = 1 << 20
-
-
-def model_digest(model_dir: Path) -> str:
-    """sha256 over config.json and every weight file (the weights decide every KL)."""
-    from ..safetensors_io import weight_files
-
-    h = hashlib.sha256()
-    for path in [Path(model_dir) / "config.json", *weight_files(Path(model_dir))]:
-        h.update(path.name.encode())
-        with open(path, "rb") as fh:
-            while chunk := fh.read(_CHUNK):
-                h.update(chunk)
-    return h.hexdigest()[:16]
-
-
 def tokens_digest(windows: list[list[int]]) -> str:
     """What the scan actually measures on: the token windows, not the file they came from."""
     return hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..evaluate.baseline_cache import model_digest  # one digest of a model's weights (config + shards)
 from ..options import flag
-from .cache import METHOD_VERSION, ScanCache, model_digest, scan_key, tokens_digest
+from .cache import METHOD_VERSION, ScanCache, scan_key, tokens_digest
 from .replay import Decoder, capture_inputs, find_decoder, replay, replay_matches
 
 ESTIMATE_AFTER = 2  # layers timed before the whole scan's time is estimated
