@@ -168,15 +168,12 @@ def engine_for_host(analysis, engine: str, why: str, requested: str, info: dict,
                     kv: str | None, calibration: dict, device: dict, env: dict) -> tuple[str, str]:
     """The plan's engine once this host's memory is known: file-to-file when the automatic choice's
     whole-model engine does not fit and file-to-file does and can serve the plan (docs/planning.md)."""
-    from ..errors import UsageError
     from ..execute.engines import file2file
 
     if requested == "file2file":
         why_not = file2file.unsupported_reason(info, algorithm, kv)
         if why_not:
-            raise UsageError(f"The file2file engine cannot run this plan: {why_not}.",
-                             "Choose a weight-only or dynamic-activation FP8/MX scheme (ptpc_fp8, mxfp4, "
-                             "mxfp6_e2m3) with no algorithm and no KV-cache scheme, or another --engine.")
+            raise file2file.refusal(why_not)
         return engine, why
     host = host_capacity(env, None)
     whole = estimate_quantize(analysis, info, algorithm, calibration, device["device"])

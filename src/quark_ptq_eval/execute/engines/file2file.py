@@ -42,6 +42,12 @@ def unsupported_reason(scheme_info: dict, algorithm: str | None, kv_cache_scheme
     return None
 
 
+def refusal(why: str) -> UsageError:
+    return UsageError(f"The file2file engine cannot run this plan: {why}.",
+                      "Choose a weight-only or dynamic-activation FP8/MX scheme (ptpc_fp8, mxfp4, mxfp6_e2m3) "
+                      "with no algorithm and no KV-cache scheme, or another --engine.")
+
+
 def supports(scheme_info: dict, algorithm: str | None = None, kv_cache_scheme: str | None = None) -> bool:
     return unsupported_reason(scheme_info, algorithm, kv_cache_scheme) is None
 
@@ -55,9 +61,7 @@ class File2FileEngine:
     def check_constraints(self, scheme_info: dict, algorithm: str | None, device: dict) -> None:
         why = unsupported_reason(scheme_info, algorithm, None)
         if why:
-            raise UsageError(f"The file2file engine cannot run this plan: {why}.",
-                             "Choose a weight-only or dynamic-activation scheme (e.g. int4_wo_128, ptpc_fp8, "
-                             "mxfp4) with no algorithm, or use --engine quark-api.")
+            raise refusal(why)
 
     def argv(self, plan: Any, model_dir: Path, out: Path) -> list[str]:
         # No calibration flags: this engine reads weights only.
