@@ -72,6 +72,8 @@ def _add_recipe_commands(add) -> None:
     """The recipe's steps, one command each, then `run` / `resume` over all of them."""
     from .evaluate import add_eval_arguments
     from .import_command import add_hidden_aliases
+    from .options import add_flags
+    from .pipeline import RunOptions
     from .validate import add_validate_arguments
 
     p = add("preflight", "Detect the environment and write the context files.")
@@ -101,9 +103,7 @@ def _add_recipe_commands(add) -> None:
                        ("resume", "Continue the run in --workdir from where it stopped.")):
         p = add(name, text)
         _run_args(p, model_required=name == "run")
-        p.add_argument("--no-load-check", action="store_true", default=None,
-                       help="validation skips loading the export and running a probe through it (models too large "
-                            "for this host); the report says it was skipped")
+        add_flags(p, RunOptions, only=["no_load_check"])
         _plan_args(p)
         add_eval_arguments(p, standalone=False)
         add_hidden_aliases(p, with_eval=True)
@@ -161,7 +161,7 @@ def _run_options(args: argparse.Namespace):
         model=_absolute(model) if model and Path(model).exists() else model,
         output_dir=_absolute(getattr(args, "output_dir", None)), plan=plan,
         overwrite=bool(getattr(args, "overwrite", None)), eval_tier=getattr(args, "eval_tier", None),
-        no_load_check=bool(getattr(args, "no_load_check", None)),
+        **given(RunOptions, args),
         eval=eval_opts, offline=getattr(args, "offline", None), execution_mode=getattr(args, "execution_mode", None),
         contexts={k: str(getattr(args, k)) if getattr(args, k, None) else None
                   for k in CONTEXT_KINDS},

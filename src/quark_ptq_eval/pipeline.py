@@ -20,6 +20,7 @@ from .checkpoints import GATES, Approver, Gatekeeper
 from .errors import CheckpointPending, UsageError
 from .first_use import TIER1_NO_TEXT, ask_tier1_text, tier1_lacks_text
 from .fsio import write_json
+from .options import flag
 from .plan import PlanRequest, make_plan
 from .state import RunState, WorkdirLock, digest
 from .steps import STEP_NAMES, STEPS, SUMMARY_FILE
@@ -41,7 +42,10 @@ class RunOptions:
     offline: bool | None = None
     execution_mode: str | None = None
     contexts: dict[str, str | None] = field(default_factory=dict)
-    no_load_check: bool = False  # skip validation's load-and-run probe (False: "not given", like the others)
+    no_load_check: bool = field(default=False, metadata=flag(  # False: "not given", like the others
+        "--no-load-check", action="store_true",
+        help="validation skips loading the export and running a probe through it (models too large for this "
+             "host); the report says it was skipped"))
 
     def merged_over(self, stored: dict[str, Any]) -> RunOptions:
         """These options, with anything not given now taken from a stored earlier run."""
