@@ -201,7 +201,8 @@ def _engine(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
 def _validate(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
     from quark_ptq_eval.validate import validate_model
 
-    report = validate_model(state["model_dir"], state["out"], state["plan"].to_dict())
+    # with the load check: green must mean the evaluator's loader reads the export as exported
+    report = validate_model(state["model_dir"], state["out"], state["plan"].to_dict(), load_check=True)
     state["validation"] = report
     if report.status == "failed":
         bad = [f for c in report.checks for f in c.findings if not getattr(f, "benign", False)]

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from families import build_family  # noqa: E402
 from matrix import Setup, matrix_params, run_cell  # noqa: E402
 
-from quark_ptq_eval.errors import UsageError  # noqa: E402
+from quark_ptq_eval.errors import QpeError, UsageError  # noqa: E402
 from quark_ptq_eval.safetensors_io import read_model_headers  # noqa: E402
 from quark_ptq_eval.validate.configdiff import ConfigContext, check_config  # noqa: E402
 
@@ -80,6 +80,27 @@ def test_moe_experts_are_quantized_in_the_export(setup):
     experts = {n: t for n, t in headers.items() if ".experts." in n and n.endswith("proj.weight")}
     assert experts and all(t.dtype == "F8_E4M3" for t in experts.values())
     assert not any(len(headers[n].shape) == 3 for n in matrix_params(headers))  # no fused 3-D expert left
+
+
+def test_per_expert_dbrx_export_is_loaded_by_quarks_importer_with_its_experts(setup, monkeypatch):
+    """DBRX's export names its experts ``experts.mlp.<n>.w1``: transformers' fused class finds none of
+    them and initialises them at random. That export once went green (docs/families.md): Tier 1
+    scored random experts and the old load check's greedy agreement could not tell."""
+    from quark_ptq_eval.evaluate import loading
+    from quark_ptq_eval.validate import validate_model
+
+    model_dir = _family(setup, "dbrx")
+    cell = run_cell(setup, "dbrx", model_dir, "fp8")  # validation with the load check, then Tier 1
+    assert cell.outcome == "green", f"{cell.stage} ({cell.cause}): {cell.message}"
+    assert cell.loader == "quark"
+    out = setup.work / "cells" / "dbrx" / "fp8" / "out.partial"
+    with pytest.raises(QpeError, match="initialised them at random"):  # Tier 1 refuses such a load
+        loading.load_model(out, device="cpu", loader=loading.TRANSFORMERS)
+    monkeypatch.setattr(loading, "_has_per_expert_tensors", lambda model_dir: False)  # the old loader choice
+    load = next(c for c in validate_model(model_dir, out, load_check=True).checks if c.name == "load")
+    assert load.status == "fail" and load.stats["loader"] == "transformers"
+    subjects = [f.subject for f in load.findings]
+    assert subjects[0] == "weights" and "transformer.blocks.0.ffn.experts" in subjects[1:], subjects
 
 
 def _qwen2_pair(setup: Setup, tmp_path: Path) -> tuple[Path, Path]:

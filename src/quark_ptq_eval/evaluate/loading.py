@@ -31,6 +31,9 @@ class LoadedModel:
     device: str
     load_s: float
     size_bytes: int
+    # Weights the model class expects but the loader did not find in the files: it initialised them
+    # at random (transformers says so only when asked). A model with any is not the export.
+    missing_weights: tuple[str, ...] = ()
 
 
 def model_size_bytes(model_dir: Path) -> int:
@@ -77,7 +80,8 @@ def _has_two_level_scales(qconfig: dict) -> bool:
     return False
 
 
-_EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.")
+# ``experts.<n>.`` (Mixtral, Qwen-MoE, DeepSeek) and ``experts.mlp.<n>.`` (DBRX)
+_EXPERT_TENSOR = re.compile(r"\.experts\.(?:mlp\.)?\d+\.")
 
 
 def _has_per_expert_tensors(model_dir: Path) -> bool:
@@ -99,9 +103,13 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(
-    model_dir: Path, device: str = "auto", trust_remote_code: bool = False, loader: str | None = None
+    model_dir: Path, device: str = "auto", trust_remote_code: bool = False, loader: str | None = None,
+    allow_missing: bool = False,
 ) -> LoadedModel:
-    """Load ``model_dir`` with the right loader; ``loader`` forces one (tests, fallbacks)."""
+    """Load ``model_dir`` with the right loader; ``loader`` forces one (tests, fallbacks).
+
+    Refuses a model whose loader left weights newly initialised (scoring it would score random
+    weights) unless ``allow_missing`` (the load check, which reports them as a finding)."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     chosen, reason = choose_loader(config)
@@ -124,12 +132,16 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     load = _load_with_quark if chosen == QUARK else _load_with_transformers
     try:
-        model = load(model_dir, device, trust_remote_code)
+        model, missing = load(model_dir, device, trust_remote_code)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise QpeError(
             f"Could not load {model_dir} with the {chosen} loader: {exc}".rstrip(".") + "."
         ) from exc
     model.eval()
+    if missing and not allow_missing:
+        raise QpeError(missing_weights_message(model_dir, chosen, missing),
+                       "Validate the export (its load check names the loader and the weights); a Quark export "
+                       "of per-expert MoE linears loads with Quark's importer.")
     return LoadedModel(
         model_dir,
         model,
@@ -139,17 +151,31 @@ def load_model(
         device,
         time.perf_counter() - started,
         model_size_bytes(model_dir),
+        missing,
     )
+
+
+def missing_weights_message(model_dir: Path, loader: str, missing: tuple[str, ...]) -> str:
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    return (f"The {loader} loader found {len(missing)} weight(s) of {Path(model_dir).name} missing from its files "
+            f"and initialised them at random ({shown}): the loaded model is not the export.")
 
 
 def _load_with_transformers(model_dir: Path, device: str, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", trust_remote_code=trust_remote_code)
-    return model.to(device)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype="auto", trust_remote_code=trust_remote_code, output_loading_info=True
+    )
+    return model.to(device), tuple(sorted(info.get("missing_keys") or ()))
 
 
 def _load_with_quark(model_dir: Path, device: str, trust_remote_code: bool):
+    # Quark's importer reports nothing about missing weights; the load check's replay would see them.
+    return _import_with_quark(model_dir, device, trust_remote_code), ()
+
+
+def _import_with_quark(model_dir: Path, device: str, trust_remote_code: bool):
     from quark.torch import import_model_from_safetensors
 
     try:
