@@ -7,6 +7,7 @@ cached per (arch, scheme, algorithm).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -68,7 +69,9 @@ def quantized(assets, corpus, tiny_model):
     def get(scheme: str, arch: str = "llama", algorithm: str | None = None, exclude: list[str] | None = None) -> Path:
         key = (scheme, arch, algorithm, tuple(exclude) if exclude is not None else None)
         if key not in done:
-            out = assets / "quantized" / "-".join(str(k).replace("/", "_") for k in key if k is not None)
+            # the folder named by the key's digest: an exclude list of any length makes no over-long file name
+            digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+            out = assets / "quantized" / f"{scheme}-{arch}-{digest}"
             argv = ["--model_dir", str(tiny_model(arch)), "--output_dir", str(out), "--quant_scheme", scheme,
                     "--calib_data", str(corpus), "--num_calib_data", "16", "--seq_len", "128"]
             if algorithm:

@@ -103,6 +103,27 @@ def test_per_expert_dbrx_export_is_loaded_by_quarks_importer_with_its_experts(se
     assert subjects[0] == "weights" and "transformer.blocks.0.ffn.experts" in subjects[1:], subjects
 
 
+def test_an_awq_export_whose_norms_were_rewritten_passes_the_load_check_layer_by_layer(setup):
+    """AWQ folds its scales into the norm before each scaled linear: alone, OPT's fc1 was 155 % away from
+    the source's fc1 on the source's input (bench_load_check.py); its decoder layer as a whole is within
+    rounding."""
+    import torch
+    from safetensors.torch import load_file
+
+    from quark_ptq_eval.validate import validate_model
+
+    model_dir = _family(setup, "opt")
+    cell = run_cell(setup, "opt", model_dir, "awq")
+    assert cell.outcome == "green", f"{cell.stage} ({cell.cause}): {cell.message}"
+    out = setup.work / "cells" / "opt" / "awq" / "out.partial"
+    src, exp = load_file(model_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    norms = [n for n in src if "layer_norm" in n]
+    assert any(not torch.equal(src[n], exp[n]) for n in norms)  # the premise: AWQ rewrote norms before linears
+    load = next(c for c in validate_model(model_dir, out, load_check=True).checks if c.name == "load")
+    assert load.status == "pass" and any("decoder layers are replayed whole" in n for n in load.notes)
+    assert load.stats["worst_module"].startswith("model.decoder.layers.")
+
+
 def _qwen2_pair(setup: Setup, tmp_path: Path) -> tuple[Path, Path]:
     src = _family(setup, "qwen2")
     out = tmp_path / "out"

@@ -158,7 +158,7 @@ def load_model(
 def missing_weights_message(model_dir: Path, loader: str, missing: tuple[str, ...]) -> str:
     shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
     return (f"The {loader} loader found {len(missing)} weight(s) of {Path(model_dir).name} missing from its files "
-            f"and initialised them at random ({shown}): the loaded model is not the export.")
+            f"and initialised them at random ({shown}): the loaded model is not what its files hold.")
 
 
 def _load_with_transformers(model_dir: Path, device: str, trust_remote_code: bool):

@@ -91,10 +91,12 @@ def replay_targets(owners: list[str], captures: dict[str, Capture], exported: di
     return targets
 
 
-def module_errors(targets: list[str], captures: dict[str, Capture], exported: dict[str, Any]) -> dict[str, float]:
+def module_errors(targets: list[str], captures: dict[str, Capture], exported: dict[str, Any],
+                  residual: frozenset[str] = frozenset()) -> dict[str, float]:
     """Relative error ||export - source|| / ||source|| of each target's output on the source's input
     (inf where the export's output is not finite, or the source gives zeros and the export does not);
-    a call that raises is left out."""
+    a call that raises is left out. For a ``residual`` target (a decoder layer, whose output carries
+    its input along) the error is relative to what the layer adds: ||export - source|| / ||source - input||."""
     import torch
 
     errors: dict[str, float] = {}
@@ -110,11 +112,34 @@ def module_errors(targets: list[str], captures: dict[str, Capture], exported: di
                 errors[name] = float("inf")
                 continue
             got, want = got.float().cpu(), cap.output
-            scale = float(want.norm())
+            scale = float((want - _layer_input(cap)).norm() if name in residual else want.norm())
             diff = float((got - want).norm())  # NaN where the export's output is: an error, never a pass
             errors[name] = float("inf") if math.isnan(diff) else diff / scale if scale > 0 else (
                 0.0 if diff == 0 else float("inf"))
     return errors
+
+
+def by_decoder_layer(targets: list[str], captures: dict[str, Capture], exported: dict[str, Any]) -> list[str]:
+    """Targets inside a decoder layer replaced by that layer: where an algorithm moved scales between
+    modules of a layer (AWQ, SmoothQuant fold them into the norm before), only the layer is equivalent."""
+    from .rewrites import LAYER
+
+    layered: list[str] = []
+    for name in targets:
+        match = LAYER.match(name)
+        layer = match.group(1) if match else name
+        if layer != name and not _replayable(captures.get(layer), exported.get(layer)):
+            layer = name
+        if layer not in layered:
+            layered.append(layer)
+    return layered
+
+
+def _layer_input(cap: Capture):
+    hidden = first_tensor(cap.args)
+    if hidden is None:
+        hidden = cap.kwargs.get("hidden_states")
+    return hidden.float() if hidden is not None and hidden.shape == cap.output.shape else 0.0
 
 
 def first_tensor(value):
