@@ -59,12 +59,15 @@ def write_doc(path: Path, data: dict[str, Any], skipped: dict[str, str], setup: 
         "Each family is a tiny random instance built offline from its transformers config class "
         "(`AutoConfig.for_model`, 2 layers, hidden 128, head dim 32, 4 experts where the family has them, "
         "the demo tokenizer, seed 0; `bench/families.py`). Each cell runs the recipe's own step functions "
-        "in one process (analyze → plan → manifest → Quark-API engine → validate → Tier 1 perplexity with "
+        "in one process (analyze → plan → manifest → Quark-API engine → validate, with the load check → "
+        "Tier 1 perplexity with "
         f"baseline on {setup.windows} windows of 64 tokens, loaded with the evaluator's loader), "
         f"calibrating on {setup.calib_samples} × 64 tokens. The pipeline would start one engine process per "
         "cell and pay `import quark.torch` each time; the matrix drives the same steps in-process instead.",
         "",
-        "A cell is **ok** when the engine ran, validation passed, the perplexity is finite and the share of "
+        "A cell is **ok** when the engine ran, validation passed (the load check included: every module of "
+        "the export, replayed on the source's inputs, within its limit; no weight left at random by the "
+        "loader), the perplexity is finite and the share of "
         "matrix parameters (linear and expert weights; embeddings and norms left out) stored quantized in "
         "the export matches the share the plan promised (all but its exclusions). The percentage is that "
         "measured share, read from the safetensors headers. Columns: "

@@ -27,10 +27,11 @@ PROBE = ("Return the number of items in the container. If the argument is a stri
          "length of the string. def length(obj):\n    return len(obj)\n")
 MAX_PROBE_TOKENS = 64
 AGREEMENT_THRESHOLD = 0.6  # share of probe positions whose greedy next token matches the source's
-# Relative output error of one module on the source's input. Over the family matrix's 159 real
-# exports (34 families; fp8, int8, int4, mxfp4, awq): healthy at most 0.29, a scale planted 4x in the
-# file at least 0.52 (an expert, seen through its MoE block), most near 3. bench/bench_load_check.py.
-MODULE_ERROR_LIMIT = 0.4
+# Relative output error of one module on the source's input (of a decoder layer under AWQ/SmoothQuant).
+# Over the family matrix's 159 real exports (34 families; fp8, int8, int4, mxfp4, awq): healthy at
+# most 0.36 (Gemma 4 AWQ, by layer), 0.29 module by module; a scale planted 4x in the file, where
+# caught, at least 0.52 (an expert seen through its MoE block), most near 3. bench/bench_load_check.py.
+MODULE_ERROR_LIMIT = 0.45
 MAX_LISTED = 5
 
 
@@ -48,7 +49,7 @@ def check_load(ctx: ValidationContext) -> CheckResult:
     except QpeError as exc:
         result.findings.append(Finding("load", exc.message, side="environment",
                                        evidence=exc.hint or "the loader raised while reading the export"))
-    except (ImportError, RuntimeError, ValueError, OSError) as exc:
+    except (ImportError, RuntimeError, ValueError, OSError, TypeError, AttributeError, KeyError) as exc:
         result.findings.append(Finding("load", f"the export could not be run: {exc}".rstrip(".") + ".",
                                        side="environment"))
     finally:
@@ -57,8 +58,6 @@ def check_load(ctx: ValidationContext) -> CheckResult:
 
 
 def _probe(ctx: ValidationContext, result: CheckResult) -> None:
-    import torch
-
     from ..evaluate.loading import TRANSFORMERS, load_model, missing_weights_message
     from . import replay
 
@@ -66,9 +65,7 @@ def _probe(ctx: ValidationContext, result: CheckResult) -> None:
     # The source first, its module inputs kept, then freed: one model in memory at a time.
     src = load_model(ctx.source, device="auto", trust_remote_code=trust, loader=TRANSFORMERS)
     ids = src.tokenizer(PROBE, return_tensors="pt").input_ids[:, :MAX_PROBE_TOKENS]
-    captures, owners = replay.capture(src.model, ids)
-    with torch.no_grad():
-        want = src.model(ids.to(src.device), use_cache=False).logits.float().cpu()
+    captures, owners, want = replay.capture(src.model, ids)
     del src
     gc.collect()
     out = load_model(ctx.quantized, device="auto", trust_remote_code=trust, allow_missing=True)
@@ -79,8 +76,7 @@ def _probe(ctx: ValidationContext, result: CheckResult) -> None:
         result.findings.append(Finding("weights", missing_weights_message(ctx.quantized, loader, out.missing_weights),
                                        side="quark", evidence=f"expected: every weight found; missing: "
                                                               f"{', '.join(out.missing_weights[:MAX_LISTED])}"))
-    with torch.no_grad():
-        got = out.model(ids.to(out.device), use_cache=False).logits.float().cpu()
+    got = replay.run_probe(out.model, ids)
     exported = dict(out.model.named_modules())
     targets, residual = _targets(ctx, owners, captures, exported, result)
     errors = replay.module_errors(targets, captures, exported, residual)

@@ -39,9 +39,9 @@ def weight_owners(model) -> list[str]:
             if name and any(p.ndim >= 2 for p in module.parameters(recurse=False))]
 
 
-def capture(model, ids) -> tuple[dict[str, Capture], list[str]]:
+def capture(model, ids) -> tuple[dict[str, Capture], list[str], Any]:
     """Run ``model`` once on ``ids`` recording the inputs and output of its weight owners and all their
-    ancestors; returns the captures and the owners' names."""
+    ancestors; returns the captures, the owners' names and the logits."""
     import torch
 
     owners = weight_owners(model)
@@ -64,12 +64,23 @@ def capture(model, ids) -> tuple[dict[str, Capture], list[str]]:
     handles = [modules[name].register_forward_hook(hook(name), with_kwargs=True)
                for name in sorted(wanted) if name in modules and _callable(modules[name])]
     try:
-        with torch.no_grad():
-            model(ids.to(_device(model)), use_cache=False)
+        logits = run_probe(model, ids)
     finally:
         for handle in handles:
             handle.remove()
-    return captures, owners
+    return captures, owners, logits
+
+
+def run_probe(model, ids):
+    """The model's logits on ``ids`` without a KV cache (a cache object would be mutated by replays)."""
+    import torch
+
+    with torch.no_grad():
+        try:
+            out = model(ids.to(_device(model)), use_cache=False)
+        except TypeError:  # a remote-code forward without use_cache
+            out = model(ids.to(_device(model)))
+    return out.logits.float().cpu()
 
 
 def replay_targets(owners: list[str], captures: dict[str, Capture], exported: dict[str, Any]) -> list[str]:
