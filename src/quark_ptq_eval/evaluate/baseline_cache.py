@@ -37,13 +37,13 @@ from typing import Any
 from ..errors import UsageError
 from ..fsio import write_json
 from ..state import digest
+from .tier_ppl import ROW_CHUNK_ELEMENTS  # one bound on the float64 rows held at once
 
 CACHE_FORMAT = "quark-ptq-eval/baseline_cache/1"
 DEFAULT_TOP_K = 64
 META_FILE = "meta.json"
 TENSORS_FILE = "baseline.safetensors"
 _HASH_CHUNK = 16 * 2**20
-ROW_CHUNK_ELEMENTS = 8 * 2**20  # float64 vocabulary rows handled at once (memory bound)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..fsio import atomic_write_text
-from .vllm_commands import CommandPlan, PlannedCommand, ServedModel, health_argv, server_argv
+from .vllm_commands import (
+    CommandPlan,
+    PlannedCommand,
+    ServedModel,
+    health_argv,
+    launch_line,
+    pid_file_for,
+    server_argv,
+)
 
 SCRIPT_NAME = "tier3_deferred.sh"
 
@@ -122,9 +130,8 @@ def server_runs(plan: CommandPlan, models: list[ServedModel], options, workdir: 
     workdir = workdir.resolve()
     runs = []
     for model in models:
-        pid, log = workdir / f"vllm_{model.label}.pid", workdir / f"vllm_{model.label}.log"
-        serve = shlex.join(server_argv(model, options))
-        launch = f"echo $$ > {shlex.quote(str(pid))}; exec {serve} >> {shlex.quote(str(log))} 2>&1"
+        pid, log = pid_file_for(workdir, model), workdir / f"vllm_{model.label}.log"
+        launch = launch_line(server_argv(model, options), pid, log)
         runs.append(ServerRun(model, pid, log, launch, plan.per_model[model.label][2]))
     return runs
 

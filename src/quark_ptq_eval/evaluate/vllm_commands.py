@@ -279,10 +279,18 @@ def serve_argv(model: ServedModel, options, runtime: str, container: str, workdi
     serve = server_argv(model, options)
     if runtime == "host":
         return serve
-    # The pid file (in the shared workdir) lets this run stop exactly this server later.
-    pid_file = workdir / f"vllm_{model.label}.pid"
-    script = f"echo $$ > {pid_file}; exec " + " ".join(_quote(a) for a in serve)
-    return ["docker", "exec", container, "sh", "-c", script]
+    return ["docker", "exec", container, "sh", "-c", launch_line(serve, pid_file_for(workdir, model))]
+
+
+def pid_file_for(workdir: Path, model: ServedModel) -> Path:
+    """Where a server's pid is kept (the shared workdir): what lets a run stop exactly that server."""
+    return workdir / f"vllm_{model.label}.pid"
+
+
+def launch_line(serve: list[str], pid_file: Path, log: Path | None = None) -> str:
+    """An sh line that records its own pid, then becomes the server (``exec`` keeps the pid)."""
+    line = f"echo $$ > {shlex.quote(str(pid_file))}; exec {shlex.join(serve)}"
+    return line + (f" >> {shlex.quote(str(log))} 2>&1" if log is not None else "")
 
 
 def health_argv(port: int) -> list[str]:
@@ -341,10 +349,6 @@ def lm_eval_argv(model: ServedModel, options, runtime: str, container: str, outp
     if options.include_path:
         argv += ["--include_path", str(Path(options.include_path).resolve())]
     return ["docker", "exec", container, *argv] if runtime == "docker" else argv
-
-
-def _quote(arg: str) -> str:
-    return shlex.quote(arg)
 
 
 def shell_line(argv: list[str]) -> str:
