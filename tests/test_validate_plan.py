@@ -272,6 +272,49 @@ def test_a_scale_read_four_times_too_large_fails_the_load_check_naming_the_modul
     assert "model.layers.1.mlp.down_proj: gives outputs" in failures(report, "load")
 
 
+
+def test_in_an_awq_export_a_linear_is_judged_after_its_exports_norm(tiny_llama, quantized, copy_model, tmp_path):
+    """AWQ folded scales into input_layernorm and multiplied k_proj's input channels back: k_proj alone
+    is not the source's k_proj, the export's norm followed by it is. A scale read 4x still fails there."""
+    from safetensors.torch import load_file, save_file
+
+    healthy = quantized("int4_wo_128", algorithm="awq")
+    plan = plan_for("int4_wo_128", algorithm="awq")
+    rc, report = run_cli(tiny_llama, healthy, tmp_path, plan)
+    assert rc == 0, failures(report, "load")
+    assert any("replayed after their export's norm" in n for n in report["checks"]["load"]["notes"])
+    out = copy_model(healthy, "awq-k-scale-x4")
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight_scale"] *= 4
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "again").mkdir()
+    rc, report = run_cli(tiny_llama, out, tmp_path / "again", plan)
+    assert rc == 4
+    assert report["checks"]["load"]["stats"]["worst_module"] == "model.layers.0.self_attn.k_proj"
+
+
+def test_fold_units_follow_the_exports_scaling_layers():
+    """Llama's AWQ groups as Quark 0.13 records them: what each module is replayed as."""
+    from quark_ptq_eval.validate.folds import Unit, fold_units
+
+    groups = [("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+              ("self_attn.v_proj", ["self_attn.o_proj"]),
+              ("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"]), ("mlp.up_proj", ["mlp.down_proj"])]
+    layer = "model.layers.3"
+    linears = [f"{layer}.{r}" for prev, layers in groups for r in layers]
+    units = fold_units(["model.embed_tokens", *linears, "lm_head"], groups, {*linears, "model.embed_tokens", "lm_head"},
+                       lambda name: True)
+    attn, mlp = f"{layer}.self_attn", f"{layer}.mlp"
+    assert units == [Unit("model.embed_tokens"),
+                     Unit(f"{attn}.q_proj", f"{layer}.input_layernorm"), Unit(f"{attn}.k_proj", f"{layer}.input_layernorm"),
+                     Unit(attn, f"{layer}.input_layernorm"),  # v_proj and o_proj exchange a scale: their attention
+                     Unit(f"{mlp}.gate_proj", f"{layer}.post_attention_layernorm"),
+                     Unit(mlp, f"{layer}.post_attention_layernorm"),  # up_proj and down_proj: their MLP
+                     Unit("lm_head")]
+    # no scaling_layers recorded, or a unit that cannot run alone: the whole decoder layer
+    assert fold_units([f"{attn}.q_proj"], [], set(linears), lambda name: True) == [Unit(layer, residual=True)]
+    assert fold_units([f"{attn}.q_proj"], groups, set(linears), lambda name: name == layer) == [Unit(layer, residual=True)]
+
 # --- registry ---------------------------------------------------------------------------------------------
 
 def test_report_sections_and_progress_come_from_the_registry(tiny_llama, quantized):

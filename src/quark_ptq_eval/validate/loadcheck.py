@@ -78,33 +78,36 @@ def _probe(ctx: ValidationContext, result: CheckResult) -> None:
                                                               f"{', '.join(out.missing_weights[:MAX_LISTED])}"))
     got = replay.run_probe(out.model, ids)
     exported = dict(out.model.named_modules())
-    targets, residual = _targets(ctx, owners, captures, exported, result)
-    errors = replay.module_errors(targets, captures, exported, residual)
+    errors = replay.module_errors(_units(ctx, owners, captures, exported, result), captures, exported)
     del out, exported
     if _logits_finite(got, loader, result):
         _judge_modules(errors, len(owners), loader, result)
         _judge_agreement(got, want, ids.shape[1], loader, result, decisive=not errors)
 
 
-def _targets(ctx: ValidationContext, owners, captures, exported, result: CheckResult):
-    """What to replay: each module, or each decoder layer where the plan's algorithm moved scales
-    between a layer's modules; nothing where it rotated the residual stream (only the whole model is
+def _units(ctx: ValidationContext, owners, captures, exported, result: CheckResult):
+    """What to replay: each module; under AWQ/SmoothQuant the smallest unit holding its folded scales
+    (folds.py); nothing where the algorithm rotated the residual stream (only the whole model is
     equivalent: greedy agreement judges)."""
     from . import replay
+    from .folds import Unit, fold_groups, fold_units
     from .rewrites import ROTATING, SCALING, algorithms
 
     algos = set(algorithms(ctx.qconfig, ctx.plan))
     if algos & ROTATING:
         result.notes.append(f"{', '.join(sorted(algos & ROTATING))} rotates the residual stream: no module is "
                             "equivalent to the source's alone")
-        return [], frozenset()
+        return []
     targets = replay.replay_targets(owners, captures, exported)
     if not algos & SCALING:
-        return targets, frozenset()
-    layered = replay.by_decoder_layer(targets, captures, exported)
-    result.notes.append(f"{', '.join(sorted(algos & SCALING))} moves scales between a layer's modules: decoder "
-                        "layers are replayed whole, their error relative to what each layer adds")
-    return layered, frozenset(t for t in layered if t not in targets)
+        return [Unit(t) for t in targets]
+    units = fold_units(targets, fold_groups(ctx.qconfig), set(owners),
+                       lambda name: replay.replayable(captures.get(name), exported.get(name)))
+    chained = sum(1 for u in units if u.norm)
+    layers = sum(1 for u in units if u.residual)
+    result.notes.append(f"{', '.join(sorted(algos & SCALING))} folds scales between modules: {chained} unit(s) "
+                        f"replayed after their export's norm, {layers} decoder layer(s) replayed whole")
+    return units
 
 
 def _logits_finite(got, loader: str, result: CheckResult) -> bool:

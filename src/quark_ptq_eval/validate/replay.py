@@ -19,6 +19,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from . import folds
+from .folds import Unit
+
 MAX_CLIMB = 3  # the owner, its parent (an MoE block for fused experts), grandparent (DBRX: experts.mlp -> ffn)
 
 
@@ -40,13 +43,15 @@ def weight_owners(model) -> list[str]:
 
 
 def capture(model, ids) -> tuple[dict[str, Capture], list[str], Any]:
-    """Run ``model`` once on ``ids`` recording the inputs and output of its weight owners and all their
-    ancestors; returns the captures, the owners' names and the logits."""
+    """Run ``model`` once on ``ids`` recording the inputs and output of every module holding parameters
+    and of the weight owners' ancestors; returns the captures, the owners' names and the logits."""
     import torch
 
     owners = weight_owners(model)
     wanted = {".".join(owner.split(".")[:depth]) for owner in owners for depth in range(1, owner.count(".") + 2)}
     modules = dict(model.named_modules())
+    # norms too: where an algorithm folded scales into one, it is replayed ahead of its consumer (folds.py)
+    wanted |= {name for name, module in modules.items() if name and any(True for _ in module.parameters(recurse=False))}
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     captures: dict[str, Capture] = {}
 
@@ -92,7 +97,7 @@ def replay_targets(owners: list[str], captures: dict[str, Capture], exported: di
             continue  # not run by a text probe (a vision tower): nothing to compare
         name = owner
         for _ in range(MAX_CLIMB):
-            if _replayable(captures.get(name), exported.get(name)):
+            if replayable(captures.get(name), exported.get(name)):
                 if name not in targets:
                     targets.append(name)
                 break
@@ -102,48 +107,47 @@ def replay_targets(owners: list[str], captures: dict[str, Capture], exported: di
     return targets
 
 
-def module_errors(targets: list[str], captures: dict[str, Capture], exported: dict[str, Any],
-                  residual: frozenset[str] = frozenset()) -> dict[str, float]:
-    """Relative error ||export - source|| / ||source|| of each target's output on the source's input
+def module_errors(units: list[Unit], captures: dict[str, Capture], exported: dict[str, Any]) -> dict[str, float]:
+    """Relative error ||export - source|| / ||source|| of each unit's output on the source's input
     (inf where the export's output is not finite, or the source gives zeros and the export does not);
-    a call that raises is left out. For a ``residual`` target (a decoder layer, whose output carries
-    its input along) the error is relative to what the layer adds: ||export - source|| / ||source - input||."""
+    a call that raises is left out. A unit with a ``norm`` runs the export's norm first, on the norm's
+    own input; a ``residual`` unit (a decoder layer, whose output carries its input along) is measured
+    against what the layer adds: ||export - source|| / ||source - input||."""
     import torch
 
     errors: dict[str, float] = {}
     with torch.no_grad():
-        for name in targets:
-            cap, module = captures[name], exported[name]
-            device = _device(module)
+        for unit in units:
             try:
-                got = first_tensor(module(*_to(cap.args, device), **_to(cap.kwargs, device)))
+                got = _run_unit(unit, captures, exported)
             except Exception:  # noqa: BLE001 - a call the export's module cannot take is not a verdict on it
                 continue
-            if got is None or got.shape != cap.output.shape:
-                errors[name] = float("inf")
+            if got is None:
+                continue
+            cap = captures[unit.module]
+            if got.shape != cap.output.shape:
+                errors[unit.module] = float("inf")
                 continue
             got, want = got.float().cpu(), cap.output
-            scale = float((want - _layer_input(cap)).norm() if name in residual else want.norm())
+            scale = float((want - _layer_input(cap)).norm() if unit.residual else want.norm())
             diff = float((got - want).norm())  # NaN where the export's output is: an error, never a pass
-            errors[name] = float("inf") if math.isnan(diff) else diff / scale if scale > 0 else (
+            errors[unit.module] = float("inf") if math.isnan(diff) else diff / scale if scale > 0 else (
                 0.0 if diff == 0 else float("inf"))
     return errors
 
 
-def by_decoder_layer(targets: list[str], captures: dict[str, Capture], exported: dict[str, Any]) -> list[str]:
-    """Targets inside a decoder layer replaced by that layer: where an algorithm moved scales between
-    modules of a layer (AWQ, SmoothQuant fold them into the norm before), only the layer is equivalent."""
-    from .rewrites import LAYER
-
-    layered: list[str] = []
-    for name in targets:
-        match = LAYER.match(name)
-        layer = match.group(1) if match else name
-        if layer != name and not _replayable(captures.get(layer), exported.get(layer)):
-            layer = name
-        if layer not in layered:
-            layered.append(layer)
-    return layered
+def _run_unit(unit: Unit, captures: dict[str, Capture], exported: dict[str, Any]):
+    cap, module = captures[unit.module], exported[unit.module]
+    device = _device(module)
+    args, kwargs = _to(cap.args, device), _to(cap.kwargs, device)
+    if unit.norm:
+        norm_cap = captures[unit.norm]
+        hidden = first_tensor(exported[unit.norm](*_to(norm_cap.args, device), **_to(norm_cap.kwargs, device)))
+        swapped = None if hidden is None else folds.swap_hidden(args, kwargs, hidden)
+        if swapped is None:
+            return None
+        args, kwargs = swapped
+    return first_tensor(module(*args, **kwargs))
 
 
 def _layer_input(cap: Capture):
@@ -165,7 +169,7 @@ def first_tensor(value):
     return None
 
 
-def _replayable(cap: Capture | None, module) -> bool:
+def replayable(cap: Capture | None, module) -> bool:
     import torch
 
     if cap is None or module is None or cap.takes_weights:

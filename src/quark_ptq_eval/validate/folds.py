@@ -1,0 +1,111 @@
+"""Replay units for exports whose algorithm folded scales between modules (AWQ, SmoothQuant).
+
+Such an algorithm divides the output channels of one op (a norm, or a linear such as ``v_proj``)
+by s and multiplies the input channels of the linears it feeds by s: together they compute what
+the source did, each alone does not. So a module is replayed as the smallest unit that holds every
+fold it takes part in, read from the export's ``algo_config.scaling_layers``:
+
+- a linear whose input a norm scaled (``q_proj`` after ``input_layernorm``): the export's norm,
+  then the linear, on the norm's input from the source;
+- a linear whose output was scaled for the next (``up_proj`` for ``down_proj``): their smallest
+  common ancestor (``mlp``), after the export's norm if that ancestor's inputs were scaled by one;
+- anything the folds do not explain that way (two norms, a common ancestor that is the decoder
+  layer itself, a module the probe did not run): the whole decoder layer, its error relative to
+  what the layer adds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .rewrites import LAYER, SCALING
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What one replay compares: ``module``'s output, computed after the export's ``norm`` if any."""
+
+    module: str
+    norm: str | None = None
+    residual: bool = False  # a decoder layer: its output carries its input along
+
+
+def fold_groups(qconfig: dict | None) -> list[tuple[str, list[str]]]:
+    """(prev_op, layers) pairs, names relative to a decoder layer, of every scaling algorithm."""
+    groups = []
+    for algo in (qconfig or {}).get("algo_config") or []:
+        if not isinstance(algo, dict) or str(algo.get("name", "")).lower() not in SCALING:
+            continue
+        for entry in algo.get("scaling_layers") or []:
+            if isinstance(entry, dict) and entry.get("prev_op") and entry.get("layers"):
+                groups.append((str(entry["prev_op"]), [str(x) for x in entry["layers"]]))
+    return groups
+
+
+def fold_units(targets: list[str], groups: list[tuple[str, list[str]]], owners: set[str],
+               replayable) -> list[Unit]:
+    """One unit per target (deduplicated); ``replayable(name)`` says a module can be run alone."""
+    units: list[Unit] = []
+    for target in targets:
+        unit = _unit(target, groups, owners, replayable)
+        if unit not in units:
+            units.append(unit)
+    return units
+
+
+def _unit(target: str, groups: list[tuple[str, list[str]]], owners: set[str], replayable) -> Unit:
+    match = LAYER.match(target)
+    if not match:
+        return Unit(target)  # embeddings, lm_head: outside the decoder layers no scale is folded
+    layer, rel = match.group(1), match.group(2)
+    scope = _scope(rel, groups, lambda r: f"{layer}.{r}" in owners)
+    whole_layer = Unit(layer, residual=True)
+    if not scope or not groups:  # no scaling_layers recorded: any module of the layer may be folded
+        return whole_layer if replayable(layer) else Unit(target)
+    feeding = {prev for prev, layers in groups for r in layers if _within(r, scope) and not _within(prev, scope)}
+    norm = f"{layer}.{feeding.pop()}" if len(feeding) == 1 else None
+    if feeding or not replayable(f"{layer}.{scope}") or (norm and not replayable(norm)):
+        return whole_layer if replayable(layer) else Unit(target)
+    return Unit(f"{layer}.{scope}", norm)
+
+
+def _scope(rel: str, groups: list[tuple[str, list[str]]], is_linear) -> str:
+    """The smallest module holding ``rel`` and every linear it exchanges a folded scale with."""
+    scope = rel
+    while True:
+        widened = scope
+        for prev, layers in groups:
+            members = [prev, *layers] if is_linear(prev) else []
+            if any(_within(m, widened) for m in members):
+                for member in members:
+                    widened = _common(widened, member)
+        if widened == scope:
+            return scope
+        scope = widened
+
+
+def _within(name: str, scope: str) -> bool:
+    return name == scope or name.startswith(scope + ".")
+
+
+def _common(a: str, b: str) -> str:
+    parts = []
+    for x, y in zip(a.split("."), b.split("."), strict=False):
+        if x != y:
+            break
+        parts.append(x)
+    return ".".join(parts)
+
+
+def swap_hidden(args: tuple, kwargs: dict, hidden: Any) -> tuple[tuple, dict] | None:
+    """The call's arguments with its hidden state replaced (the first positional tensor, else
+    ``hidden_states=``); None when there is none of the same shape."""
+    import torch
+
+    if args and isinstance(args[0], torch.Tensor) and args[0].shape == hidden.shape:
+        return (hidden, *args[1:]), kwargs
+    current = kwargs.get("hidden_states")
+    if isinstance(current, torch.Tensor) and current.shape == hidden.shape:
+        return args, {**kwargs, "hidden_states": hidden}
+    return None
