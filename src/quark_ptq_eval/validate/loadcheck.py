@@ -27,10 +27,10 @@ PROBE = ("Return the number of items in the container. If the argument is a stri
          "length of the string. def length(obj):\n    return len(obj)\n")
 MAX_PROBE_TOKENS = 64
 AGREEMENT_THRESHOLD = 0.6  # share of probe positions whose greedy next token matches the source's
-# Relative output error of one module on the source's input (of a decoder layer under AWQ/SmoothQuant).
-# Over the family matrix's 159 real exports (34 families; fp8, int8, int4, mxfp4, awq): healthy at
-# most 0.36 (Gemma 4 AWQ, by layer), 0.29 module by module; a scale planted 4x in the file, where
-# caught, at least 0.52 (an expert seen through its MoE block), most near 3. bench/bench_load_check.py.
+# Relative output error of one replay unit (a module; under AWQ/SmoothQuant the unit holding its
+# folded scales) on the source's input. Over the family matrix's 159 real exports (34 families; fp8,
+# int8, int4, mxfp4, awq): healthy at most 0.29; a scale planted 4x in the file at least 0.52 (an
+# expert seen through its MoE block), most near 3. bench/bench_load_check.py.
 MODULE_ERROR_LIMIT = 0.45
 MAX_LISTED = 5
 
