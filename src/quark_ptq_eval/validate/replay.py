@@ -3,9 +3,9 @@
 Comparing whole-model logits cannot tell a loader fault from quantization noise on a model whose
 logits are flat (a random-weight tiny model amplifies a 4 % weight error into a different greedy
 token at half the positions). One module given the source's exact input can: its output differs
-from the source module's by the scheme's rounding (measured 1-20 % relative, fp8 to mxfp4, over
-159 real exports of 32 families), where a weight the loader read wrongly, a scale it ignored or
-weights it left at random give 100 % and more. Errors do not compound from module to module.
+from the source module's by the scheme's rounding (at most 29 % relative, fp8 to mxfp4, over 159
+real exports of 34 families), where a scale read 4x measured 52 % to 300 % and weights left at
+random ~150 % (bench/bench_load_check.py). Errors do not compound from module to module.
 
 A module is replayed where the call means the same in both models: the same class (the model's
 own code calls it the same way), or a source ``nn.Linear``/``nn.Embedding`` the export replaced
