@@ -171,23 +171,20 @@ def _load_with_transformers(model_dir: Path, device: str, trust_remote_code: boo
 
 
 def _load_with_quark(model_dir: Path, device: str, trust_remote_code: bool):
-    # Quark's importer reports nothing about missing weights; the load check's replay would see them.
-    return _import_with_quark(model_dir, device, trust_remote_code), ()
-
-
-def _import_with_quark(model_dir: Path, device: str, trust_remote_code: bool):
+    """Quark's importer; it reports nothing about missing weights (the load check's replay sees them)."""
     from quark.torch import import_model_from_safetensors
 
-    try:
+    def load(attention: str):
         return import_model_from_safetensors(
-            None, str(model_dir), trust_remote_code=trust_remote_code, attn_implementation="sdpa", device=device
+            None, str(model_dir), trust_remote_code=trust_remote_code, attn_implementation=attention, device=device
         )
+
+    try:
+        return load("sdpa"), ()
     except ValueError as exc:  # gpt-oss, DeepSeek-V4: no SDPA path in transformers, eager is their only one
         if "does not support an attention implementation" not in str(exc):
             raise
-    return import_model_from_safetensors(
-        None, str(model_dir), trust_remote_code=trust_remote_code, attn_implementation="eager", device=device
-    )
+    return load("eager"), ()
 
 
 def require_finite(logits, what: str) -> None:

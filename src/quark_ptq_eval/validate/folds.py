@@ -17,7 +17,6 @@ fold it takes part in, read from the export's ``algo_config.scaling_layers``:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .rewrites import LAYER, SCALING
 
@@ -96,16 +95,3 @@ def _common(a: str, b: str) -> str:
             break
         parts.append(x)
     return ".".join(parts)
-
-
-def swap_hidden(args: tuple, kwargs: dict, hidden: Any) -> tuple[tuple, dict] | None:
-    """The call's arguments with its hidden state replaced (the first positional tensor, else
-    ``hidden_states=``); None when there is none of the same shape."""
-    import torch
-
-    if args and isinstance(args[0], torch.Tensor) and args[0].shape == hidden.shape:
-        return (hidden, *args[1:]), kwargs
-    current = kwargs.get("hidden_states")
-    if isinstance(current, torch.Tensor) and current.shape == hidden.shape:
-        return args, {**kwargs, "hidden_states": hidden}
-    return None

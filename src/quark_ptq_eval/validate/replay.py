@@ -7,6 +7,8 @@ from the source module's by the scheme's rounding (at most 29 % relative, fp8 to
 real exports of 34 families), where a scale read 4x measured 52 % to 300 % and weights left at
 random ~150 % (bench/bench_load_check.py). Errors do not compound from module to module.
 
+(Not ``sensitivity/replay.py``: that one re-runs one model's decoder from a block onwards.)
+
 A module is replayed where the call means the same in both models: the same class (the model's
 own code calls it the same way), or a source ``nn.Linear``/``nn.Embedding`` the export replaced
 with its quantized counterpart. Otherwise (a fused-experts module Quark re-implements, a module
@@ -19,7 +21,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from . import folds
 from .folds import Unit
 
 MAX_CLIMB = 3  # the owner, its parent (an MoE block for fused experts), grandparent (DBRX: experts.mlp -> ffn)
@@ -130,10 +131,16 @@ def module_errors(units: list[Unit], captures: dict[str, Capture], exported: dic
                 continue
             got, want = got.float().cpu(), cap.output
             scale = float((want - _layer_input(cap)).norm() if unit.residual else want.norm())
-            diff = float((got - want).norm())  # NaN where the export's output is: an error, never a pass
-            errors[unit.module] = float("inf") if math.isnan(diff) else diff / scale if scale > 0 else (
-                0.0 if diff == 0 else float("inf"))
+            errors[unit.module] = _relative(float((got - want).norm()), scale)
     return errors
+
+
+def _relative(diff: float, scale: float) -> float:
+    if math.isnan(diff):  # NaN where the export's output is: an error, never a pass
+        return float("inf")
+    if scale > 0:
+        return diff / scale
+    return 0.0 if diff == 0 else float("inf")
 
 
 def _run_unit(unit: Unit, captures: dict[str, Capture], exported: dict[str, Any]):
@@ -143,17 +150,35 @@ def _run_unit(unit: Unit, captures: dict[str, Capture], exported: dict[str, Any]
     if unit.norm:
         norm_cap = captures[unit.norm]
         hidden = first_tensor(exported[unit.norm](*_to(norm_cap.args, device), **_to(norm_cap.kwargs, device)))
-        swapped = None if hidden is None else folds.swap_hidden(args, kwargs, hidden)
+        swapped = None if hidden is None else _with_hidden(args, kwargs, hidden)
         if swapped is None:
             return None
         args, kwargs = swapped
     return first_tensor(module(*args, **kwargs))
 
 
+def _hidden_state(args: tuple, kwargs: dict):
+    """A module call's hidden state: its first positional tensor, else ``hidden_states=``."""
+    import torch
+
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    current = kwargs.get("hidden_states")
+    return current if isinstance(current, torch.Tensor) else None
+
+
+def _with_hidden(args: tuple, kwargs: dict, hidden) -> tuple[tuple, dict] | None:
+    """The call's arguments with its hidden state replaced; None when it has none of that shape."""
+    current = _hidden_state(args, kwargs)
+    if current is None or current.shape != hidden.shape:
+        return None
+    if args and args[0] is current:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
 def _layer_input(cap: Capture):
-    hidden = first_tensor(cap.args)
-    if hidden is None:
-        hidden = cap.kwargs.get("hidden_states")
+    hidden = _hidden_state(cap.args, cap.kwargs)
     return hidden.float() if hidden is not None and hidden.shape == cap.output.shape else 0.0
 
 
