@@ -258,11 +258,7 @@ def test_a_scale_read_four_times_too_large_fails_the_load_check_naming_the_modul
     """Finite and plausible: headers, layout and the unquantized bytes are all as exported, and the
     greedy tokens may still mostly agree; the module's own output is 300 % off."""
     out = copy_model(quantized(scheme), f"scale-x4-{scheme}")
-    name = "model.layers.1.mlp.down_proj.weight_scale"
-    tensors = read_tensors(out)
-    (value,) = struct.unpack("<f", tensors[name][2][:4]) if tensors[name][0] == "F32" else (None,)
-    assert value is not None, tensors[name][0]
-    rewrite(out, lambda t: t.update({name: (t[name][0], t[name][1], struct.pack("<f", 4 * value))}))
+    scale_in_file(out, "model.layers.1.mlp.down_proj.weight_scale", 4)
     rc, report = run_cli(tiny_llama, out, tmp_path, plan_for(scheme))
     assert rc == 4
     assert all(report["checks"][c]["status"] in ("pass", "skipped") for c in ("layout", "index", "md5"))
@@ -272,21 +268,25 @@ def test_a_scale_read_four_times_too_large_fails_the_load_check_naming_the_modul
     assert "model.layers.1.mlp.down_proj: gives outputs" in failures(report, "load")
 
 
+def scale_in_file(model_dir: Path, name: str, factor: float) -> None:
+    """Multiply one tensor of a single-file export by ``factor`` in place (dtype, shape, header kept)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors[name] *= factor
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+
 
 def test_in_an_awq_export_a_linear_is_judged_after_its_exports_norm(tiny_llama, quantized, copy_model, tmp_path):
     """AWQ folded scales into input_layernorm and multiplied k_proj's input channels back: k_proj alone
     is not the source's k_proj, the export's norm followed by it is. A scale read 4x still fails there."""
-    from safetensors.torch import load_file, save_file
-
     healthy = quantized("int4_wo_128", algorithm="awq")
     plan = plan_for("int4_wo_128", algorithm="awq")
     rc, report = run_cli(tiny_llama, healthy, tmp_path, plan)
     assert rc == 0, failures(report, "load")
     assert any("replayed after their export's norm" in n for n in report["checks"]["load"]["notes"])
     out = copy_model(healthy, "awq-k-scale-x4")
-    tensors = load_file(out / "model.safetensors")
-    tensors["model.layers.0.self_attn.k_proj.weight_scale"] *= 4
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    scale_in_file(out, "model.layers.0.self_attn.k_proj.weight_scale", 4)
     (tmp_path / "again").mkdir()
     rc, report = run_cli(tiny_llama, out, tmp_path / "again", plan)
     assert rc == 4
