@@ -87,6 +87,7 @@ def test_docker_plan_holds_the_container_with_a_non_vllm_entrypoint(tmp_path):
     assert "/v1/completions" in model_args and "max_length=40960" in model_args
     assert lm_eval.argv[lm_eval.argv.index("--num_fewshot") + 1] == "5"
     assert [c.argv for c in plan.teardown] == [["docker", "stop", "c1"], ["docker", "rm", "c1"]]
+    assert argv[argv.index("--cidfile") + 1] == str(plan.container_id_file) and plan.container_id_file.name == "c1.cid"
 
 
 def test_reasoning_chat_model_on_gsm8k_gets_chat_completions_and_a_big_budget(tmp_path):
@@ -200,6 +201,30 @@ def test_rocm_run_asks_first_then_stops_only_what_it_started(tmp_path):
     serves = [i for i, c in enumerate(executor.calls) if c[:5] == ["docker", "exec", prepared.plan.container, "sh", "-c"]]
     assert [order[i - 1] for i in serves] == ["port free?", "port free?"]  # each server after its port check
     assert order.index("stop") < serves[1]  # the quantized model's server stopped before the baseline's starts
+
+
+class InterruptedCreate(FakeExecutor):
+    """Ctrl-C while `docker run` starts the container: docker has recorded its id, the run never printed it."""
+
+    def run(self, argv, timeout=None, check=True):
+        if argv[:2] == ["docker", "run"]:
+            self.calls.append(argv)
+            Path(argv[argv.index("--cidfile") + 1]).write_text("feed5678")
+            raise KeyboardInterrupt
+        return super().run(argv, timeout, check)
+
+
+def test_an_interrupt_inside_docker_run_still_removes_the_container_it_created(tmp_path):
+    quant = fake_model(tmp_path, "q")
+    work = tmp_path / "work"
+    work.mkdir()
+    ctx = TierContext(quant, EvalOptions(tier="vllm", tasks=["gsm8k"]), work, FlagApprover(["eval"]))
+    prepared = t3.prepare(ctx, env=ROCM_DOCKER)
+    executor = InterruptedCreate(work)
+    with pytest.raises(KeyboardInterrupt):
+        t3.run(prepared, executor)
+    assert executor.calls[-2:] == [["docker", "stop", "feed5678"], ["docker", "rm", "feed5678"]]
+    assert not prepared.plan.container_id_file.exists()  # a rerun can record its own container
 
 
 class HeldPort(FakeExecutor):

@@ -41,6 +41,15 @@ args = sys.argv[1:]
 procs = os.path.join(os.path.dirname(os.environ["STANDIN_LOG"]), "container_procs")
 if args[0] == "run":
     record()
+    if "--cidfile" in args:  # docker refuses a file that exists, and writes it once the container exists
+        cid = args[args.index("--cidfile") + 1]
+        if os.path.exists(cid):
+            sys.exit(f"docker: Container ID file found, make sure the other container isn't running or delete {cid}.")
+        with open(cid, "w") as f:
+            f.write("c0ffee0123")
+        if os.environ.get("STANDIN_DOCKER_START_S"):  # a slow start (devices, a big image) after creation
+            import time
+            time.sleep(float(os.environ["STANDIN_DOCKER_START_S"]))
     print("c0ffee0123")
 elif args[0] == "exec":
     detached = args[1] == "-d"
@@ -284,6 +293,27 @@ def test_an_interrupt_stops_what_the_script_started(tmp_path, standins):
     assert proc.returncode == 143 and "failed (exit 143); what it started is stopped." in err
     assert milestones(calls(standins))[-5:] == ["stop", "term quantized", "port free", "docker stop", "docker rm"]
     assert_nothing_left(tmp_path, port)
+
+
+def test_an_interrupt_inside_docker_run_still_removes_the_container(tmp_path, standins):
+    """Ctrl-C (to the whole foreground group, as a terminal sends it) while the container starts: the id
+    was never printed into CONTAINER_ID, docker's --cidfile has it; the rerun is not refused by a stale file."""
+    script, _ = write_script(tmp_path)
+    proc = subprocess.Popen(["bash", str(script)], env={**standins, "STANDIN_DOCKER_START_S": "30"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cid = next((tmp_path / "work").glob("*.cid"), None)
+    for _ in range(300):
+        cid = next((tmp_path / "work").glob("*.cid"), None)
+        if cid and cid.read_text():
+            break
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "stopping and removing the container this script created (c0ffee0123)" in err
+    assert [c["argv"][:2] for c in calls(standins) if c["tool"] == "docker"][-2:] == [["stop", "c0ffee0123"],
+                                                                                     ["rm", "c0ffee0123"]]
+    assert not cid.exists()
+    assert run_script(script, standins).returncode == 0
 
 
 def test_a_port_already_in_use_is_refused_before_any_server_starts(tmp_path, standins):

@@ -93,10 +93,13 @@ cleanup() {
   trap - EXIT
   set +e
   stop_server
+  # interrupted inside `docker run`: the id is not in CONTAINER_ID yet, but docker wrote it to CIDFILE
+  [ -n "$CONTAINER_ID" ] || [ -z "$CIDFILE" ] || [ ! -s "$CIDFILE" ] || CONTAINER_ID=$(cat "$CIDFILE")
   if [ -n "$CONTAINER_ID" ]; then
     say "stopping and removing the container this script created ($CONTAINER_ID)"
     docker stop "$CONTAINER_ID" >/dev/null
     docker rm "$CONTAINER_ID" >/dev/null
+    rm -f "$CIDFILE"
   fi
   [ "$status" -eq 0 ] || say "failed (exit $status); what it started is stopped."
   exit "$status"
@@ -174,6 +177,7 @@ def render_script(plan: CommandPlan, runs: list[ServerRun], port: int, workdir: 
         'STOP_TIMEOUT_S="${STOP_TIMEOUT_S:-120}"',
         f"CONTAINER={q(plan.container or '')}",
         'CONTAINER_ID=""  # set once this script has created the container: cleanup removes it by id',
+        f"CIDFILE={q(str(plan.container_id_file or ''))}  # where docker records that id as it creates it",
         'SERVER_PID_FILE="" SERVER_LABEL="" SERVER_LOG=""',
         "",
         RUNTIME_FUNCTIONS[plan.runtime] + FUNCTIONS,

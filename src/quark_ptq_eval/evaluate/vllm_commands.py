@@ -67,6 +67,9 @@ class CommandPlan:
     teardown: list[PlannedCommand] = field(default_factory=list)
     output_dirs: dict[str, Path] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # `docker run --cidfile` writes the id the moment the container exists: an interrupt before `run`
+    # printed it still leaves cleanup something to address
+    container_id_file: Path | None = None
 
     def all_commands(self) -> list[PlannedCommand]:
         return [*self.setup, *(c for cmds in self.per_model.values() for c in cmds), *self.teardown]
@@ -174,6 +177,9 @@ def plan_commands(
         container=name if runtime == "docker" else None,
         create_container=runtime == "docker" and not reuse,
     )
+    if plan.create_container:
+        plan.container_id_file = workdir / f"{name}.cid"
+
     _plan_setup(plan, name, options, models, workdir, env)
     for model in models:
         out = workdir / "lm_eval_vllm" / model.label
@@ -211,7 +217,7 @@ def _plan_setup(plan: CommandPlan, name: str, options, models: list[ServedModel]
         plan.setup.append(
             PlannedCommand(
                 "create the holder container (entrypoint sleep, not vllm)",
-                holder_container_argv(name, options.vllm_image, models, workdir),
+                holder_container_argv(name, options.vllm_image, models, workdir, plan.container_id_file),
             )
         )
     elif plan.runtime == "docker":
@@ -233,13 +239,15 @@ def _plan_setup(plan: CommandPlan, name: str, options, models: list[ServedModel]
         )
 
 
-def holder_container_argv(name: str, image: str, models: list[ServedModel], workdir: Path) -> list[str]:
+def holder_container_argv(name: str, image: str, models: list[ServedModel], workdir: Path,
+                          id_file: Path | None = None) -> list[str]:
     argv = [
         "docker",
         "run",
         "-d",
         "--name",
         name,
+        *(["--cidfile", str(id_file)] if id_file else []),
         "--entrypoint",
         "sleep",
         "--network=host",

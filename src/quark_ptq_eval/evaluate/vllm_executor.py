@@ -91,9 +91,11 @@ def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, detail
                 executor.stop_server(process, ctx.workdir.resolve() / f"vllm_{label}.pid", plan.container)
             scores[label], _, directions = scores_from(results_of_this_run(plan.output_dirs[label], before))
     finally:
+        container_id = container_id or created_container_id(plan)
         if container_id:  # only a container this run created, addressed by its id
             for verb in ("stop", "rm"):
                 executor.run(["docker", verb, container_id], timeout=120, check=False)
+            plan.container_id_file.unlink(missing_ok=True)  # our own record of it; the next run needs the name
     return TierOutcome(
         quantized=scores.get("quantized", {}),
         baseline=scores.get("baseline"),
@@ -101,6 +103,14 @@ def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, detail
         details=details | {"commands": commands},
         artifacts={f"lm_eval {k} results": str(v) for k, v in plan.output_dirs.items()},
     )
+
+
+def created_container_id(plan: CommandPlan) -> str | None:
+    """The id docker recorded for the container this run created, if it got as far as creating one."""
+    path = plan.container_id_file
+    if not (plan.create_container and path and path.is_file()):
+        return None
+    return path.read_text().strip() or None
 
 
 def _wait_port_free(executor: Executor, port: int, label: str, timeout_s: float) -> None:
