@@ -99,6 +99,20 @@ def copy_model(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def scale_in_file():
+    """Multiply one tensor of a single-file export by ``factor`` in place (dtype, shape, header kept):
+    a scale read wrong, which headers, layout and the other tensors' bytes cannot show."""
+    def scale(model_dir: Path, name: str, factor: float) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(model_dir / "model.safetensors")
+        tensors[name] *= factor
+        save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+
+    return scale
+
+
+@pytest.fixture(scope="session")
 def catalog() -> dict:
     from quark_ptq_eval.catalog import load_catalog
 

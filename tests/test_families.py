@@ -124,6 +124,70 @@ def test_an_awq_export_whose_norms_were_rewritten_passes_the_load_check_layer_by
     assert load.stats["worst_module"].startswith("model.decoder.layers.")
 
 
+def _wide_moe(setup: Setup) -> Path:
+    """qwen3_moe with 32 experts, one per token: the probe leaves several experts without a token, as
+    DeepSeek-V3's 256 (top-8) do at full size."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    base, wide = _family(setup, "qwen3_moe"), setup.work / "models" / "qwen3_moe_wide"
+    if not (wide / "config.json").exists():
+        config = AutoConfig.from_pretrained(base)
+        config.num_experts, config.num_experts_per_tok = 32, 1
+        torch.manual_seed(1)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(wide)
+        AutoTokenizer.from_pretrained(base).save_pretrained(wide)
+    return wide
+
+
+def _experts_the_probe_routes(model_dir: Path, module: str) -> set[int]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quark_ptq_eval.validate.loadcheck import MAX_PROBE_TOKENS, PROBE
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = AutoTokenizer.from_pretrained(model_dir)(PROBE, return_tensors="pt").input_ids[:, :MAX_PROBE_TOKENS]
+    routed: set[int] = set()
+    model.get_submodule(module).register_forward_pre_hook(lambda _, args: routed.update(args[1].flatten().tolist()))
+    model(ids)
+    return routed
+
+
+def test_a_fault_in_an_expert_no_probe_token_reaches_still_fails(setup, copy_model, scale_in_file):
+    """Replaying the MoE block follows the router: an expert no probe token is sent to is never run, and a
+    scale read 4x there passed. The experts module is replayed again with every expert routed a token.
+    (Weight-only int4: no activation scale for calibration to miss, see the next test.)"""
+    from quark_ptq_eval.validate import validate_model
+
+    model_dir = _wide_moe(setup)
+    cell = run_cell(setup, "qwen3_moe_wide", model_dir, "int4_wo_32")
+    assert cell.outcome == "green", f"{cell.stage} ({cell.cause}): {cell.message}"
+    experts = "model.layers.0.mlp.experts"
+    unrouted = sorted(set(range(32)) - _experts_the_probe_routes(model_dir, experts))
+    assert unrouted  # the premise: the probe leaves experts without a token
+    out = copy_model(setup.work / "cells" / "qwen3_moe_wide" / "int4_wo_32" / "out.partial", "unrouted-expert-x4")
+    scale_in_file(out, f"{experts}.{unrouted[0]}.down_proj.weight_scale", 4)
+    load = next(c for c in validate_model(model_dir, out, load_check=True).checks if c.name == "load")
+    assert load.status == "fail", load.notes
+    assert load.stats["experts_routed_by_probe"] < load.stats["experts"] == 64  # two layers of 32
+    assert [f.subject for f in load.findings if not f.benign] == [f"{experts} (every expert)"]  # the block passed
+
+
+def test_experts_calibration_never_reached_fail_validation(setup):
+    """Static fp8 activations: an expert no calibration token was routed to keeps Quark's unobserved scale,
+    1.0. The wide MoE's calibration misses some experts; the export must not go green."""
+    from quark_ptq_eval.validate import validate_model
+
+    model_dir = _wide_moe(setup)
+    cell = run_cell(setup, "qwen3_moe_wide", model_dir, "fp8")
+    assert (cell.outcome, cell.stage) == ("failed", "validate") and "calibration data" in cell.message, cell
+    out = setup.work / "cells" / "qwen3_moe_wide" / "fp8" / "out.partial"
+    check = validate_model(model_dir, out).check("calibration")
+    unset = [f.subject for f in check.failures]
+    assert unset and all(".mlp.experts." in n and n.endswith(".input_scale") for n in unset)
+    assert check.stats["uncalibrated"] < check.stats["activation_scales"]  # attention and the other experts were
+
+
 def _qwen2_pair(setup: Setup, tmp_path: Path) -> tuple[Path, Path]:
     src = _family(setup, "qwen2")
     out = tmp_path / "out"

@@ -254,7 +254,7 @@ def test_nan_scales_pass_the_headers_but_fail_the_load_check(tiny_llama, quantiz
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
 def test_a_scale_read_four_times_too_large_fails_the_load_check_naming_the_module(
-        tiny_llama, quantized, copy_model, tmp_path, scheme):
+        tiny_llama, quantized, copy_model, scale_in_file, tmp_path, scheme):
     """Finite and plausible: headers, layout and the unquantized bytes are all as exported, and the
     greedy tokens may still mostly agree; the module's own output is 300 % off."""
     out = copy_model(quantized(scheme), f"scale-x4-{scheme}")
@@ -268,16 +268,8 @@ def test_a_scale_read_four_times_too_large_fails_the_load_check_naming_the_modul
     assert "model.layers.1.mlp.down_proj: gives outputs" in failures(report, "load")
 
 
-def scale_in_file(model_dir: Path, name: str, factor: float) -> None:
-    """Multiply one tensor of a single-file export by ``factor`` in place (dtype, shape, header kept)."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(model_dir / "model.safetensors")
-    tensors[name] *= factor
-    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
-
-
-def test_in_an_awq_export_a_linear_is_judged_after_its_exports_norm(tiny_llama, quantized, copy_model, tmp_path):
+def test_in_an_awq_export_a_linear_is_judged_after_its_exports_norm(tiny_llama, quantized, copy_model, scale_in_file,
+                                                                    tmp_path):
     """AWQ folded scales into input_layernorm and multiplied k_proj's input channels back: k_proj alone
     is not the source's k_proj, the export's norm followed by it is. A scale read 4x still fails there."""
     healthy = quantized("int4_wo_128", algorithm="awq")

@@ -1,13 +1,15 @@
 """The check registry: what runs, in which order, under which title, and which failures are structural.
 
 Cheapest first: headers (layout against the plan, shard index), small files (auxiliary files
-and tokenizer behaviour, ``config.json``), tensor bytes, then loading the model.
+and tokenizer behaviour, ``config.json``), tensor bytes, the activation scales' values, then loading
+the model.
 """
 
 from __future__ import annotations
 
 from ..safetensors_io import TensorInfo
 from .auxfiles import check_aux
+from .calibration import check_calibration
 from .configdiff import ConfigContext, check_config
 from .index import check_index
 from .layout import LayoutInputs, check_layout, layer_count
@@ -142,5 +144,6 @@ CHECKS: list[Check] = [
     Check("aux", "Auxiliary files and tokenizer behaviour", run_aux, structural=False),
     Check("config", "config.json", run_config, structural=False),
     Check("md5", "Byte identity of every tensor that must not change", run_bytes, structural=True),
+    Check("calibration", "Activation scales set by calibration", check_calibration, structural=True),
     Check("load", "Loads and runs (probe against the source)", check_load, structural=True),
 ]

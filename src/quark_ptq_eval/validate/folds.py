@@ -28,6 +28,11 @@ class Unit:
     module: str
     norm: str | None = None
     residual: bool = False  # a decoder layer: its output carries its input along
+    capture: str | None = None  # the source call replayed, where it is not the probe's own (experts.py)
+
+    @property
+    def key(self) -> str:
+        return self.capture or self.module
 
 
 def fold_groups(qconfig: dict | None) -> list[tuple[str, list[str]]]:

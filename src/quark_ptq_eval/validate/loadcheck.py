@@ -5,7 +5,8 @@ scales uninitialised, reads a packing differently, or does not find weights unde
 expects and initialises them at random. So the export is loaded (through ``evaluate/loading.py``:
 transformers' Quark integration, or Quark's importer for two-level scales and per-expert MoE
 linears), and a short probe runs through the source. The verdict comes from replaying each module
-on the source's own inputs (``replay.py``): every module's output must stay within
+on the source's own inputs (``replay.py``; MoE experts also with every expert routed a token,
+``experts.py``): every module's output must stay within
 ``MODULE_ERROR_LIMIT`` of the source's; the loader must not report weights it initialised; the
 logits must be finite. Greedy next-token agreement with the source is reported, and judges only
 when no module could be replayed: on a model with flat logits (random weights) it reads 16-100 %
@@ -59,13 +60,14 @@ def check_load(ctx: ValidationContext) -> CheckResult:
 
 def _probe(ctx: ValidationContext, result: CheckResult) -> None:
     from ..evaluate.loading import TRANSFORMERS, load_model, missing_weights_message
-    from . import replay
+    from . import experts, replay
 
     trust = bool((ctx.plan or {}).get("trust_remote_code"))  # the user approved it in the plan, or not at all
     # The source first, its module inputs kept, then freed: one model in memory at a time.
     src = load_model(ctx.source, device="auto", trust_remote_code=trust, loader=TRANSFORMERS)
     ids = src.tokenizer(PROBE, return_tensors="pt").input_ids[:, :MAX_PROBE_TOKENS]
     captures, owners, want = replay.capture(src.model, ids)
+    experts.route_every_expert(src.model, captures)  # the source computes them: it is freed next
     del src
     gc.collect()
     out = load_model(ctx.quantized, device="auto", trust_remote_code=trust, allow_missing=True)
@@ -90,6 +92,7 @@ def _units(ctx: ValidationContext, owners, captures, exported, result: CheckResu
     (folds.py); nothing where the algorithm rotated the residual stream (only the whole model is
     equivalent: greedy agreement judges)."""
     from . import replay
+    from .experts import coverage, every_expert_units
     from .folds import Unit, fold_groups, fold_units
     from .rewrites import ROTATING, SCALING, algorithms
 
@@ -100,7 +103,13 @@ def _units(ctx: ValidationContext, owners, captures, exported, result: CheckResu
         return []
     targets = replay.replay_targets(owners, captures, exported)
     if not algos & SCALING:
-        return [Unit(t) for t in targets]
+        forced = every_expert_units(captures, exported, MODULE_ERROR_LIMIT)
+        if forced:
+            routed, total = coverage(captures)
+            result.stats.update(experts=total, experts_routed_by_probe=routed)
+            result.notes.append(f"{len(forced)} experts module(s) replayed with every expert routed a token "
+                                f"(the probe's own routing reached {routed} of {total} experts)")
+        return [Unit(t) for t in targets] + forced
     units = fold_units(targets, fold_groups(ctx.qconfig), set(owners),
                        lambda name: replay.replayable(captures.get(name), exported.get(name)))
     chained = sum(1 for u in units if u.norm)

@@ -35,6 +35,7 @@ class Capture:
     output: Any  # the first tensor of what it returned
     cls: type
     takes_weights: bool  # an argument is (a view of) a model parameter: the parent owns the weights
+    routed: tuple[int, int] | None = None  # an every-expert call: (experts the probe routed, experts)
 
 
 def weight_owners(model) -> list[str]:
@@ -125,13 +126,13 @@ def module_errors(units: list[Unit], captures: dict[str, Capture], exported: dic
                 continue
             if got is None:
                 continue
-            cap = captures[unit.module]
+            cap = captures[unit.key]
             if got.shape != cap.output.shape:
-                errors[unit.module] = float("inf")
+                errors[unit.key] = float("inf")
                 continue
             got, want = got.float().cpu(), cap.output
             scale = float((want - _layer_input(cap)).norm() if unit.residual else want.norm())
-            errors[unit.module] = _relative(float((got - want).norm()), scale)
+            errors[unit.key] = _relative(float((got - want).norm()), scale)
     return errors
 
 
@@ -144,7 +145,7 @@ def _relative(diff: float, scale: float) -> float:
 
 
 def _run_unit(unit: Unit, captures: dict[str, Capture], exported: dict[str, Any]):
-    cap, module = captures[unit.module], exported[unit.module]
+    cap, module = captures[unit.key], exported[unit.module]
     device = _device(module)
     args, kwargs = _to(cap.args, device), _to(cap.kwargs, device)
     if unit.norm:
