@@ -44,9 +44,11 @@ def plant_scale_fault(export: Path, work: Path) -> tuple[Path, str] | None:
 
 
 def load_stats(report) -> dict:
-    check = next(c for c in report.checks if c.name == "load")
-    return {"status": check.status, **check.stats,
-            "findings": [f"{f.subject}: {f.message}" for f in check.findings if not f.benign][:2]}
+    check, calibration = report.check("load"), report.check("calibration")
+    findings = [f for c in (calibration, check) for f in c.findings if not f.benign]
+    return {"status": check.status, **check.stats, "uncalibrated": calibration.stats.get("uncalibrated", 0),
+            "verdict": "fail" if any(c.status == "fail" for c in report.checks) else "pass",
+            "findings": [f"{f.subject}: {f.message}" for f in findings][:2]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,13 +92,16 @@ def main(argv: list[str] | None = None) -> None:
 def summarize(rows: list[dict]) -> None:
     healthy = [r["healthy"] for r in rows]
     faulty = [r["faulty"] for r in rows if "faulty" in r]
-    errs = [h["max_module_error"] for h in healthy if "max_module_error" in h]
-    ferrs = [f["max_module_error"] for f in faulty if "max_module_error" in f]
+    inf = float("inf")  # a non-finite output is None in the stats (JSON has no infinity)
+    errs = [inf if h["max_module_error"] is None else h["max_module_error"] for h in healthy if "max_module_error" in h]
+    ferrs = [inf if f["max_module_error"] is None else f["max_module_error"] for f in faulty if "max_module_error" in f]
+    uncalibrated = sum(h["uncalibrated"] > 0 for h in healthy)
     print(f"healthy exports: {sum(h['status'] == 'pass' for h in healthy)}/{len(healthy)} pass; largest module "
           f"error {max(errs, default=float('nan')):.4f}; greedy agreement below 60 % on "
-          f"{sum(h.get('greedy_agreement', 1) < 0.6 for h in healthy)}")
+          f"{sum(h.get('greedy_agreement', 1) < 0.6 for h in healthy)}; {uncalibrated} fail before the load check "
+          "on activation scales calibration never set")
     if faulty:
-        print(f"planted scale x4: {sum(f['status'] == 'fail' for f in faulty)}/{len(faulty)} fail; smallest module "
+        print(f"planted scale x4: {sum(f['verdict'] == 'fail' for f in faulty)}/{len(faulty)} fail; smallest module "
               f"error {min(ferrs, default=float('nan')):.4f}")
 
 
