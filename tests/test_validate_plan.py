@@ -268,6 +268,30 @@ def test_a_scale_read_four_times_too_large_fails_the_load_check_naming_the_modul
     assert "model.layers.1.mlp.down_proj: gives outputs" in failures(report, "load")
 
 
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_an_activation_scale_calibration_never_set_fails_naming_it(tiny_llama, quantized, copy_model, tmp_path,
+                                                                    scheme):
+    """1.0 is what Quark's observer returns when it saw no data (an MoE expert no calibration token reached):
+    the export is otherwise intact, and under fp8 the load check alone may pass it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = copy_model(quantized(scheme), f"unobserved-{scheme}")
+    name = "model.layers.1.mlp.up_proj.input_scale"
+    tensors = load_file(out / "model.safetensors")
+    assert float(tensors[name].float()) != 1.0  # calibrated on the demo text
+    tensors[name] = torch.ones_like(tensors[name])
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    rc, report = run_cli(tiny_llama, out, tmp_path, plan_for(scheme), "--no-load-check")
+    assert rc == 4
+    assert all(report["checks"][c]["status"] in ("pass", "skipped") for c in ("layout", "index", "md5"))
+    assert failures(report, "calibration").startswith(f"{name}: is exactly 1.0, the scale Quark keeps for an observer")
+    assert report["checks"]["calibration"]["stats"] == {"activation_scales": 14, "uncalibrated": 1}
+    (tmp_path / "healthy").mkdir()
+    rc, report = run_cli(tiny_llama, quantized(scheme), tmp_path / "healthy", plan_for(scheme), "--no-load-check")
+    assert rc == 0 and report["checks"]["calibration"]["status"] == "pass"
+
+
 def test_in_an_awq_export_a_linear_is_judged_after_its_exports_norm(tiny_llama, quantized, copy_model, scale_in_file,
                                                                     tmp_path):
     """AWQ folded scales into input_layernorm and multiplied k_proj's input channels back: k_proj alone
