@@ -11,11 +11,15 @@ coincidence. Only scalar-sized scale tensors are read, from the headers' offsets
 
 from __future__ import annotations
 
-import numpy as np
+import math
+from typing import TYPE_CHECKING
 
 from ..safetensors_io import TensorInfo
 from .registry import ValidationContext, unreadable_headers
 from .report import MAX_LISTED, CheckResult, Finding
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ACTIVATION_SCALES = (".input_scale", ".output_scale")  # a linear's input; its output where the KV cache is
 UNOBSERVED = 1.0  # Quark's observer: no valid min/max -> scale 1.0 (quark/torch/quantization/observer)
@@ -48,21 +52,16 @@ def check_calibration(ctx: ValidationContext) -> CheckResult:
 
 
 def _all_unobserved(info: TensorInfo) -> bool:
-    count = _elements(info)
+    count = math.prod(info.shape)
     if count == 0 or count > MAX_ELEMENTS:
         return False
     values = _read_floats(info, count)
     return values is not None and bool((values == UNOBSERVED).all())
 
 
-def _elements(info: TensorInfo) -> int:
-    count = 1
-    for dim in info.shape:
-        count *= dim
-    return count
-
-
 def _read_floats(info: TensorInfo, count: int) -> np.ndarray | None:
+    import numpy as np  # only where an export has static scales: keeps the validator's import light
+
     if info.dtype in ("F32", "F16"):
         return np.fromfile(info.file, dtype=np.float32 if info.dtype == "F32" else np.float16, count=count,
                            offset=info.start).astype(np.float32)

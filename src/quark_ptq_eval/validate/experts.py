@@ -3,9 +3,9 @@
 A router sends each token to k of E experts: a 64-token probe reaches every expert of a tiny model,
 but on DeepSeek-V3's 256 experts (top-8) about one in eight per layer gets no token, and a fault
 confined to those experts would pass replay through the MoE block. The experts module is called
-by its block as ``experts(hidden_states, top_k_index, top_k_weights)`` in both models (Quark's
-per-expert replacement keeps that call), so the source's call is repeated with the routing
-replaced: token t's slots go to experts t*k .. t*k+k-1 (mod E), tokens repeated until every expert
+by its block as ``experts(hidden_states, top_k_index, top_k_weights)``, and Quark's per-expert
+replacement takes the same call (where it does not, GPT-OSS's, the block judges as before), so the
+source's call is repeated with the routing replaced: token t's slots go to experts t*k .. t*k+k-1 (mod E), tokens repeated until every expert
 has some. The source computes its output while it is loaded; the export's module is replayed on
 the same call like any other unit.
 
