@@ -287,6 +287,7 @@ def test_an_activation_scale_calibration_never_set_fails_naming_it(tiny_llama, q
     assert all(report["checks"][c]["status"] in ("pass", "skipped") for c in ("layout", "index", "md5"))
     assert failures(report, "calibration").startswith(f"{name}: is exactly 1.0, the scale Quark keeps for an observer")
     assert report["checks"]["calibration"]["stats"] == {"activation_scales": 14, "uncalibrated": 1}
+    assert any("--num-calib-samples" in a for a in report["next_actions"])
     (tmp_path / "healthy").mkdir()
     rc, report = run_cli(tiny_llama, quantized(scheme), tmp_path / "healthy", plan_for(scheme), "--no-load-check")
     assert rc == 0 and report["checks"]["calibration"]["status"] == "pass"

@@ -142,6 +142,9 @@ class ValidationReport:
             actions.append("Check the environment evidence above (paths, copies, transformers version).")
         if any(c.name == "aux" and c.status == "fail" for c in self.checks):
             actions.append("Re-copy the missing or changed files from the source: `validate ... --approve fix`.")
+        if any(c.name == "calibration" and c.status == "fail" for c in self.checks):
+            actions.append("Quantize again with more or more varied calibration text (--num-calib-samples, "
+                           "--calib-data) so that every module, every MoE expert included, sees some.")
         return actions or ["Inspect the failures above, fix their cause and validate again."]
 
     def evidence(self) -> list[str]:
