@@ -5,7 +5,7 @@ scales uninitialised, reads a packing differently, or does not find weights unde
 expects and initialises them at random. So the export is loaded (through ``evaluate/loading.py``:
 transformers' Quark integration, or Quark's importer for two-level scales and per-expert MoE
 linears), and a short probe runs through the source. The verdict comes from replaying each module
-on the source's own inputs (``replay.py``; MoE experts also with every expert routed a token,
+on the source's own inputs (``replay.py``; MoE experts also one by one, each routed its own tokens,
 ``experts.py``): every module's output must stay within
 ``MODULE_ERROR_LIMIT`` of the source's; the loader must not report weights it initialised; the
 logits must be finite. Greedy next-token agreement with the source is reported, and judges only
@@ -107,7 +107,7 @@ def _units(ctx: ValidationContext, owners, captures, exported, result: CheckResu
         if forced:
             routed, total = coverage(captures)
             result.stats.update(experts=total, experts_routed_by_probe=routed)
-            result.notes.append(f"{len(forced)} experts module(s) replayed with every expert routed a token "
+            result.notes.append(f"{len({u.module for u in forced})} experts module(s) replayed expert by expert "
                                 f"(the probe's own routing reached {routed} of {total} experts)")
         return [Unit(t) for t in targets] + forced
     units = fold_units(targets, fold_groups(ctx.qconfig), set(owners),
