@@ -1,8 +1,8 @@
 """The check registry: what runs, in which order, under which title, and which failures are structural.
 
 Cheapest first: headers (layout against the plan, shard index), small files (auxiliary files
-and tokenizer behaviour, ``config.json``), tensor bytes, the activation scales' values, then loading
-the model.
+and tokenizer behaviour, ``config.json``), tensor bytes, the quantized weights decoded against the
+source, the activation scales' values, then loading the model.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from ..safetensors_io import TensorInfo
 from .auxfiles import check_aux
 from .calibration import check_calibration
 from .configdiff import ConfigContext, check_config
+from .decode import check_decode
 from .index import check_index
 from .layout import LayoutInputs, check_layout, layer_count
 from .loadcheck import check_load
@@ -20,6 +21,7 @@ from .registry import Check, ValidationContext, unreadable_headers
 from .report import CheckResult, Finding
 from .rewrites import rewritten_by
 from .schemes import load_scheme_table
+from .servecheck import check_serving
 
 FLOAT_EXPONENT = {"F16": (2, 0x7C00), "BF16": (2, 0x7F80)}  # all-ones exponent: inf or NaN
 
@@ -39,6 +41,7 @@ def run_layout(ctx: ValidationContext) -> CheckResult:
     result.notes[:0] = expectation.notes
     result.stats["expectations_from"] = expectation.origin
     ctx.shared["quantized_modules"] = inputs.quantized_modules
+    ctx.shared["expected_qconfig"] = expectation.qconfig  # the KV-scale check's patterns (kvcache.py)
     return result
 
 
@@ -144,6 +147,9 @@ CHECKS: list[Check] = [
     Check("aux", "Auxiliary files and tokenizer behaviour", run_aux, structural=False),
     Check("config", "config.json", run_config, structural=False),
     Check("md5", "Byte identity of every tensor that must not change", run_bytes, structural=True),
+    Check("decode", "Quantized weights decode to the source within the scheme's rounding", check_decode,
+          structural=True),
     Check("calibration", "Activation scales set by calibration", check_calibration, structural=True),
     Check("load", "Loads and runs (probe against the source)", check_load, structural=True),
+    Check("serve", "vLLM serves it (advisory)", check_serving, structural=False, advisory=True),
 ]

@@ -30,6 +30,7 @@ class ValidationContext:
     seed: int = 0
     workers: int | None = None
     load_check: bool = False
+    vllm_python: Path | None = None  # the serving check's vLLM (None: $QUARK_PTQ_EVAL_VLLM_PYTHON, if set)
     progress: Progress | None = None
     src_config: dict[str, Any] = field(default_factory=dict)
     out_config: dict[str, Any] = field(default_factory=dict)
@@ -37,6 +38,7 @@ class ValidationContext:
     exclusions_from: str = "default"
     headers: dict[str, dict[str, TensorInfo] | str] = field(default_factory=dict)
     shared: dict[str, Any] = field(default_factory=dict)  # results one check hands to a later one
+    weights_source: Path | None = None  # where the decode check reads source weights (an FP8 release's BF16 copy)
 
     @property
     def qconfig(self) -> dict | None:
@@ -68,6 +70,7 @@ class Check:
     title: str
     run: Callable[[ValidationContext], CheckResult]
     structural: bool  # a failure means the weights are wrong: stop, no fix offered
+    advisory: bool = False  # its failures are reported ("warn") and never stop the run
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:

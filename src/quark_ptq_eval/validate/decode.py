@@ -1,0 +1,350 @@
+"""The decode check: every quantized weight, decoded as the format defines it, gives back its source.
+
+An export holds everything needed to judge each weight exactly: its codes, scales and zero points
+decoded with Quark's packing (``decode_formats.py``) must land within the scheme's rounding of the
+source weight (``decode_weights.py``), element by element. A flipped row, dead rows, a scale read
+25 % off, a zero point one step off, two swapped nibbles or an MX exponent one too high all break
+that while headers, shapes and bytes elsewhere are right, and the module replay may read them as
+noise. Tensor by tensor, a row chunk at a time: no model is loaded, so it runs with
+``--no-load-check`` on models too large for the host.
+
+Bounds, by algorithm (``bench/bench_decode.py`` measures the statistical ones on healthy exports):
+
+- round-to-nearest: half a step of the grid around each source value (beyond the grid's ends,
+  where the quantizer clamps, the end itself), plus ``RTN_SLACK`` steps of float rounding. Exact.
+- GPTQ moves codes to compensate earlier errors: each code within ``GPTQ_STEPS`` steps of where the
+  source falls; each row's gain (least squares of the decoded row on the source's) within
+  ``GPTQ_GAIN`` of 1; each row's error within ``GPTQ_ERROR_RATIO`` times round-to-nearest's with the
+  same scales; each group's mean code offset within ``GPTQ_BIAS`` steps.
+- AWQ / SmoothQuant fold a per-channel scale: undone before comparing (``scaling_layers`` in the
+  export: a norm's ratio source / export, exact; a linear's, from that linear's own rows, with the
+  estimate's standard error added to the bound).
+- rotation: not checked (each weight is the source's times a rotation the export does not store).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import UnsafeInputError
+from ..safetensors_io import TensorInfo, read_model_headers
+from . import decode_formats as fmt
+from .decode_weights import Comparison, Fold, Target, compare
+from .expectations import as_spec_list, module_config
+from .folds import fold_groups
+from .registry import ValidationContext, unreadable_headers
+from .report import CheckResult, Finding
+from .rewrites import LAYER, ROTATING, SCALING, algorithms
+
+if TYPE_CHECKING:
+    import numpy as np
+
+RTN_SLACK = 1e-3  # steps: float32 rounding of w / scale (+ zero point); measured worst 0.5000005
+# GPTQ, measured on healthy exports (bench/bench_decode.py): codes <= 2.9 steps off, |gain - 1| <= 0.031,
+# row error <= 2.0x round-to-nearest's, group offset <= 0.12 step. Each limit holds a margin of >= 1.4x.
+GPTQ_STEPS = 4.0
+GPTQ_GAIN = 0.1
+GPTQ_ERROR_RATIO = 3.0
+FOLD_SIGMAS = 8.0  # a scale estimated from a linear's rows: this many standard errors (healthy AWQ: 4 fail, 5 pass)
+MAX_ROWS_LISTED = 8
+
+
+@dataclass(frozen=True)
+class Bound:
+    kind: str  # "round-to-nearest" or "gptq"
+    steps: float
+    gain: float | None = None
+    error_ratio: float | None = None
+
+    def describe(self) -> str:
+        text = f"{self.steps:g} step per element ({self.kind})"
+        if self.gain is not None:
+            text += f", row gain 1 +- {self.gain:g}, row error <= {self.error_ratio:g}x round-to-nearest's"
+        return text
+
+
+def check_decode(ctx: ValidationContext) -> CheckResult:
+    if (bad := unreadable_headers(ctx, "decode")) is not None:
+        return bad
+    result = CheckResult("decode")
+    source = _source_tensors(ctx, result)
+    if source is None:
+        return result
+    algos = set(algorithms(ctx.qconfig, ctx.plan))
+    targets, unchecked = find_targets(ctx.headers["output"], source, ctx.qconfig or {})
+    result.stats.update(quantized_weights=len(targets) + len(unchecked))
+    if algos & ROTATING:
+        result.notes.append(f"not checked: rotation ({', '.join(sorted(algos & ROTATING))}): each weight is the "
+                            "source's rotated, and the export does not store the rotation")
+        result.stats["checked"] = 0
+        return result
+    for name, why in unchecked[:MAX_ROWS_LISTED]:
+        result.notes.append(f"not checked: {name} ({why})")
+    decode_targets(targets, ctx, result, algos)
+    return result
+
+
+def _source_tensors(ctx: ValidationContext, result: CheckResult) -> dict[str, TensorInfo] | None:
+    """The source weights: the source's own, or ``ctx.weights_source``'s (an FP8 release's dequantized copy)."""
+    alternative = getattr(ctx, "weights_source", None)
+    if alternative is None:
+        return ctx.headers["source"]
+    try:
+        headers = read_model_headers(Path(alternative))
+    except UnsafeInputError as exc:
+        result.findings.append(Finding("weights source", exc.message, side="environment"))
+        return None
+    result.notes.append(f"source weights read from {alternative}")
+    return headers
+
+
+def find_targets(output: dict[str, TensorInfo], source: dict[str, TensorInfo],
+                 qconfig: dict) -> tuple[list[Target], list[tuple[str, str]]]:
+    """Every weight with a ``weight_scale`` in the export, with what decodes it; and those that cannot be."""
+    reorder = ((qconfig.get("export") or {}).get("pack_method") or "reorder") == "reorder"
+    targets, unchecked = [], []
+    for name in sorted(output):
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module is None or f"{module}.weight_scale" not in output:
+            continue
+        config = module_config(qconfig, module)
+        specs = as_spec_list(config.weight if config else None)
+        why = _cannot_decode(name, specs, output, source)
+        if why:
+            unchecked.append((name, why))
+            continue
+        targets.append(Target(module, output[name], output[f"{module}.weight_scale"],
+                              output.get(f"{module}.weight_zero_point"), source[name], specs[0], reorder))
+    return targets, unchecked
+
+
+def _cannot_decode(name: str, specs: list[dict], output: dict[str, TensorInfo],
+                   source: dict[str, TensorInfo]) -> str | None:
+    if len(specs) != 1:
+        return "two-level scales" if len(specs) > 1 else "no weight spec in quantization_config"
+    if name not in source:
+        return "no source tensor of that name"
+    if len(source[name].shape) != 2:
+        return f"a {len(source[name].shape)}-D weight"
+    if specs[0].get("qscheme") not in ("per_tensor", "per_channel", "per_group"):
+        return f"qscheme {specs[0].get('qscheme')}"
+    if f"{name[: -len('.weight')]}.weight_scale_2" in output:
+        return "two-level scales"
+    return None
+
+
+def bound_for(algos: set[str]) -> Bound:
+    if "gptq" in algos:
+        return Bound("gptq", GPTQ_STEPS, GPTQ_GAIN, GPTQ_ERROR_RATIO)
+    return Bound("round-to-nearest", 0.5 + RTN_SLACK)
+
+
+def decode_targets(targets: list[Target], ctx: ValidationContext, result: CheckResult, algos: set[str]) -> None:
+    bound = bound_for(algos)
+    folds = FoldFinder(ctx, targets) if algos & SCALING else None
+    t0, done, total = time.perf_counter(), 0, sum(t.source.nbytes for t in targets)
+    worst: tuple[float, str] = (0.0, "")
+    for target in folds.ordered() if folds else targets:
+        try:
+            fold = folds.fold_for(target, result) if folds else None
+            outcome = compare(target, bound.steps, fold, rtn_reference=bound.gain is not None, clipped="awq" in algos)
+        except (fmt.UnsupportedFormat, OSError, ValueError) as exc:
+            result.notes.append(f"not checked: {target.weight.name} ({exc})")
+            continue
+        result.findings += judge(target, outcome, bound, fold)
+        worst = max(worst, (float(outcome.worst_steps.max()) if outcome.rows else 0.0, target.weight.name))
+        done += target.source.nbytes
+        if ctx.progress:
+            ctx.progress("decode", done, total)
+    result.stats.update(checked=len(targets), bound=bound.describe(), worst_steps=round(worst[0], 4),
+                        worst_tensor=worst[1], decode_seconds=round(time.perf_counter() - t0, 3))
+    if targets:
+        result.notes.append(f"{len(targets)} quantized weights decoded against the source: worst {worst[0]:.4g} step "
+                            f"({worst[1]}); bound {bound.describe()}")
+
+
+def judge(target: Target, c: Comparison, bound: Bound, fold: Fold | None) -> list[Finding]:
+    """Findings for one tensor: rows with elements over the bound, and (GPTQ) rows off in gain or error."""
+    import numpy as np
+
+    findings = []
+    name = target.weight.name
+    folded = " after undoing the folded scale" if fold is not None else ""
+    if c.over:
+        rows = sorted(c.over)
+        row = max(rows, key=lambda r: c.worst_steps[r])
+        where = _groups(target, c.over) if target.grouped else ""
+        findings.append(Finding(
+            name, f"decodes{folded} to more than {bound.steps:g} step from the source weight in {len(rows)} of "
+                  f"{c.rows} output rows ({_ranges(rows)}){where}.", side="quark",
+            evidence=f"bound: {bound.describe()}; worst: {float(c.worst_steps[row]):.3g} steps at row {row}, column "
+                     f"{int(c.worst_col[row])}; decoded with {_format(target)}"))
+    if bound.gain is not None and c.gain is not None:
+        with np.errstate(invalid="ignore"):
+            off = np.nonzero(~(np.abs(c.gain - 1) <= bound.gain) & (c.rtn_error > 0) | ~np.isfinite(c.gain))[0]
+            ratio = np.where(c.rtn_error > 0, c.rel_error / c.rtn_error, 0.0)
+        off = sorted(set(off.tolist()) | set(np.nonzero(~(ratio <= bound.error_ratio))[0].tolist()))
+        if off:
+            row = off[0]
+            findings.append(Finding(
+                name, f"decodes{folded} to rows off the source's beyond GPTQ's error compensation in {len(off)} of "
+                      f"{c.rows} output rows ({_ranges(off)}).", side="quark",
+                evidence=f"bound: {bound.describe()}; row {row}: gain {float(c.gain[row]):.3g}, error "
+                         f"{float(ratio[row]):.3g}x round-to-nearest's; decoded with {_format(target)}"))
+    return findings
+
+
+def _groups(target: Target, over: dict[int, list[int]]) -> str:
+    groups = sorted({g for gs in over.values() for g in gs})
+    size = target.group_size
+    return f", groups {_ranges(groups)} of {size} columns" if size else ""
+
+
+def _format(t: Target) -> str:
+    text = f"{t.dtype} {t.spec.get('qscheme')}"
+    if t.group_size:
+        text += f" group {t.group_size}"
+    if t.spec.get("scale_format"):
+        text += f" ({t.spec['scale_format']} scales)"
+    return text + (" and zero points" if t.zero_point is not None else "")
+
+
+def _ranges(values: list[int]) -> str:
+    """``3, 7-9, 12 ...``: at most ``MAX_ROWS_LISTED`` runs."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:MAX_ROWS_LISTED])
+    return text + (" ..." if len(runs) > MAX_ROWS_LISTED else "")
+
+
+class FoldFinder:
+    """The scale an AWQ/SmoothQuant fold moved into each weight, from the export's ``scaling_layers``."""
+
+    def __init__(self, ctx: ValidationContext, targets: list[Target]):
+        self.ctx, self.targets = ctx, {t.module: t for t in targets}
+        self.groups = fold_groups(ctx.qconfig)
+        self.row_scales: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # prev linear -> (s, relative standard error)
+
+    def ordered(self) -> list[Target]:
+        """Linears another linear's fold comes from go first: their rows give that scale."""
+        prevs = {self._absolute(t.module, prev) for t in self.targets.values() for prev, _ in self._folds_into(t)}
+        return sorted(self.targets.values(), key=lambda t: (t.module not in prevs, t.module))
+
+    def fold_for(self, target: Target, result: CheckResult) -> Fold | None:
+        import numpy as np
+
+        cols, col_tol = None, None
+        for prev, _ in self._folds_into(target):
+            name = self._absolute(target.module, prev)
+            if name in self.targets:
+                s, se = (_to_columns(a, target.source.shape[1], self.ctx.src_config) for a in self._row_scale(name))
+                cols = s if cols is None else cols * s
+                col_tol = se if col_tol is None else col_tol + se
+            else:
+                ratio = self._norm_ratio(name)
+                if ratio is None:
+                    result.notes.append(f"{target.weight.name}: the fold from {name} could not be read; compared as is")
+                    continue
+                cols = ratio if cols is None else cols * ratio
+        rows, row_tol = None, None
+        if self._feeds_a_fold(target, self.targets):
+            rows, row_tol = self._row_scale(target.module, cols)
+            result.findings += _unfoldable_rows(target, rows)
+        if cols is None and rows is None:
+            return None
+        tol = np.zeros((target.source.shape[0], 1), np.float32) if row_tol is None else row_tol[:, None]
+        if col_tol is not None:
+            tol = tol + col_tol[None, :]
+        return Fold(cols, rows, FOLD_SIGMAS * tol + _float_slack(self.ctx, target))
+
+    def _folds_into(self, target: Target) -> list[tuple[str, list[str]]]:
+        match = LAYER.match(target.module)
+        if not match:
+            return []
+        return [(prev, layers) for prev, layers in self.groups if match.group(2) in layers]
+
+    def _feeds_a_fold(self, target: Target, targets: dict[str, Target]) -> bool:
+        """The linear's rows were divided by a scale its consumer took: one whose inputs are these rows."""
+        match = LAYER.match(target.module)
+        consumers = [f"{match.group(1)}.{layer}" for prev, layers in self.groups if match and prev == match.group(2)
+                     for layer in layers]
+        return any(c in targets for c in consumers)
+
+    @staticmethod
+    def _absolute(module: str, relative: str) -> str:
+        match = LAYER.match(module)
+        return f"{match.group(1)}.{relative}" if match else relative
+
+    def _norm_ratio(self, norm: str) -> np.ndarray | None:
+        """source / export of a norm's weight: the scale each input channel of its linears was multiplied by."""
+        import numpy as np
+
+        name = f"{norm}.weight"
+        src, out = self.ctx.tensors("source") or {}, self.ctx.tensors("output") or {}
+        if name not in src or name not in out or src[name].shape != out[name].shape:
+            return None
+        a = fmt.as_float(src[name], fmt.read_array(src[name]))
+        b = fmt.as_float(out[name], fmt.read_array(out[name]))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(b != 0, a / b, 1.0).astype(np.float32)
+
+    def _row_scale(self, module: str, cols: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """s per output row of a linear whose rows were divided by s: 1 / its rows' gain on the source's."""
+        import numpy as np
+
+        if module not in self.row_scales:
+            target = self.targets[module]
+            c = compare(target, math.inf, Fold(cols) if cols is not None else None)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                s = (1.0 / c.gain).astype(np.float32)
+                # decoded = gain * source + residual: the gain's relative standard error over the row
+                residual = np.sqrt(np.maximum(c.rel_error ** 2 - (1 - c.gain) ** 2, 0))
+                se = (residual / (np.sqrt(max(c.cols - 1, 1)) * np.abs(c.gain))).astype(np.float32)
+            self.row_scales[module] = (s, se)
+        return self.row_scales[module]
+
+
+def _to_columns(per_row: np.ndarray, columns: int, config: dict) -> np.ndarray:
+    """A prev linear's per-row scale on its consumer's columns: under grouped-query attention each of
+    v_proj's heads feeds ``heads / kv_heads`` of o_proj's, which took the same scale."""
+    import numpy as np
+
+    if len(per_row) == columns:
+        return per_row
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    heads = int(cfg.get("num_attention_heads") or 0)
+    head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads if heads else 0))
+    if not head_dim or columns % len(per_row) or columns != heads * head_dim:
+        raise fmt.UnsupportedFormat(f"a fold of {len(per_row)} channels into {columns} columns")
+    c = np.arange(columns)
+    return per_row[(c // head_dim) // (columns // len(per_row)) * head_dim + c % head_dim]
+
+
+def _unfoldable_rows(target: Target, scale: np.ndarray) -> list[Finding]:
+    """A folded scale is positive and finite: a row decoding to a negative, zero or no multiple of the source's is broken."""
+    import numpy as np
+
+    bad = np.nonzero(~(scale > 0) | ~np.isfinite(scale))[0].tolist()
+    if not bad:
+        return []
+    row = bad[0]
+    return [Finding(target.weight.name, f"decodes to rows that are no positive multiple of the source's in {len(bad)} of "
+                                        f"{len(scale)} output rows ({_ranges(bad)}): a folded scale cannot explain "
+                                        "them.", side="quark",
+                    evidence=f"expected: a positive gain per row (the scale the algorithm divided the row by); "
+                             f"found {1 / float(scale[row]) if scale[row] else 0.0:.3g} at row {row}; decoded with "
+                             f"{_format(target)}")]
+
+
+def _float_slack(ctx: ValidationContext, target: Target) -> float:
+    """Per unit |x|: a norm stored in BF16 rounds its folded scale to 2^-8 (F16 2^-11, F32 2^-24)."""
+    dtypes = {t.dtype for n, t in (ctx.tensors("output") or {}).items() if n.endswith("norm.weight")}
+    return 2.0 ** -8 if "BF16" in dtypes else 2.0 ** -11 if "F16" in dtypes else 2.0 ** -22

@@ -1,0 +1,147 @@
+"""How Quark 0.13 stores a quantized weight, read back with numpy: codes, grids, scales, zero points.
+
+What the exporter writes (``quark/torch/utils/pack.py``, ``export/nn/modules/realquantizer.py``):
+
+- int8 / uint8: one code per byte, ``[out, in]``; fp8 (e4m3fn, e5m2): one float8 per byte.
+- int4 / uint4 per group: the weight transposed to ``[in, out]``, eight codes per int32 along
+  ``out``; nibble ``i`` (shift ``4 i``) holds element ``order[i]`` of its eight, ``order`` =
+  0 2 4 6 1 3 5 7 when ``export.pack_method`` is ``reorder``, 0..7 otherwise. The scale is
+  transposed to ``[in / group, out]``, the zero point packed the same way, ``[in / group, out / 8]``.
+- fp4 (MX): two codes per byte along ``in``, the low nibble first; e2m1 bit layout. fp6: four codes
+  in three bytes (``Pack_fp6``). An MX scale (``scale_format`` e8m0) is one exponent byte, 2^(b-127).
+
+Everything is returned in the weight's logical ``[out, in]`` orientation.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..safetensors_io import TensorInfo
+
+if TYPE_CHECKING:
+    import numpy as np
+
+REORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # Pack_4_bits: nibble i of a word holds element REORDER[i]
+MINIFLOATS = {"fp8_e4m3": (4, 3, "fn"), "fp8_e5m2": (5, 2, "ieee"), "fp4": (2, 1, "finite"),
+              "fp6_e2m3": (2, 3, "finite"), "fp6_e3m2": (3, 2, "finite")}
+NUMPY_FLOATS = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}
+
+
+class UnsupportedFormat(ValueError):
+    """A storage the decoder does not know: the check says 'not checked' instead of guessing."""
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The values a code can take, in the units of one scale step (ints: the codes themselves)."""
+
+    values: np.ndarray  # sorted, unique, finite
+    integer: bool
+
+    @property
+    def lowest(self) -> float:
+        return float(self.values[0])
+
+    @property
+    def highest(self) -> float:
+        return float(self.values[-1])
+
+
+def read_array(info: TensorInfo) -> np.ndarray:
+    """The tensor's raw elements, memory-mapped (pages are read as they are touched)."""
+    import numpy as np
+
+    dtype = {"I8": np.int8, "U8": np.uint8, "I32": np.int32, "U32": np.uint32, "I16": np.int16, "U16": np.uint16,
+             "BF16": np.uint16, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8, "F8_E8M0": np.uint8, "I64": np.int64,
+             **{k: np.dtype(v) for k, v in NUMPY_FLOATS.items()}}.get(info.dtype)
+    if dtype is None:
+        raise UnsupportedFormat(f"{info.dtype} tensors")
+    count = math.prod(info.shape)
+    if count == 0:
+        return np.zeros(info.shape, dtype=dtype)
+    return np.memmap(info.file, dtype=dtype, mode="r", offset=info.start, shape=tuple(info.shape) or (1,)) \
+        .reshape(info.shape)
+
+
+def as_float(info: TensorInfo, raw: np.ndarray) -> np.ndarray:
+    """A float tensor's values as float32 (BF16 is the upper half of a float32)."""
+    import numpy as np
+
+    if info.dtype == "BF16":
+        return (np.asarray(raw).astype(np.uint32) << 16).view(np.float32)
+    if info.dtype in NUMPY_FLOATS:
+        return np.asarray(raw, dtype=np.float32)
+    raise UnsupportedFormat(f"a {info.dtype} source weight (dequantize it to BF16/F32 first)")
+
+
+@functools.cache
+def minifloat_table(dtype: str) -> np.ndarray:
+    """Every code's value (NaN for NaN/inf codes) of a 4-, 6- or 8-bit float, indexed by its bits."""
+    import numpy as np
+
+    ebits, mbits, kind = MINIFLOATS[dtype]
+    bias = (1 << (ebits - 1)) - 1
+    values = []
+    for code in range(1 << (1 + ebits + mbits)):
+        sign = -1.0 if code >> (ebits + mbits) else 1.0
+        exp, man = (code >> mbits) & ((1 << ebits) - 1), code & ((1 << mbits) - 1)
+        top = exp == (1 << ebits) - 1
+        if kind == "fn" and top and man == (1 << mbits) - 1 or kind == "ieee" and top:
+            values.append(float("nan"))
+        elif exp == 0:
+            values.append(sign * man / (1 << mbits) * 2.0 ** (1 - bias))
+        else:
+            values.append(sign * (1 + man / (1 << mbits)) * 2.0 ** (exp - bias))
+    return np.array(values, dtype=np.float32)
+
+
+def grid(dtype: str) -> Grid:
+    import numpy as np
+
+    if dtype in MINIFLOATS:
+        table = minifloat_table(dtype)
+        return Grid(np.unique(table[np.isfinite(table)]), integer=False)
+    bits = int(dtype.lstrip("uint"))
+    low, high = (0, (1 << bits) - 1) if dtype.startswith("uint") else (-(1 << (bits - 1)), (1 << (bits - 1)) - 1)
+    return Grid(np.arange(low, high + 1, dtype=np.float32), integer=True)
+
+
+def unpack_int4(raw: np.ndarray, signed: bool, reorder: bool) -> np.ndarray:
+    """Quark's ``[in, out / 8]`` int32 words -> int8 codes ``[out, in]`` (``Pack_4_bits.unpack``)."""
+    import numpy as np
+
+    words = np.asarray(raw).view(np.uint32)
+    nibbles = (words[..., None] >> np.arange(0, 32, 4, dtype=np.uint32)) & 0xF  # [in, out/8, 8], by shift
+    order = REORDER if reorder else tuple(range(8))
+    codes = nibbles[..., np.argsort(order)].reshape(words.shape[0], -1).astype(np.int8)
+    if signed:
+        codes = np.where(codes >= 8, codes - 16, codes).astype(np.int8)
+    return codes.T
+
+
+def unpack_fp4(raw: np.ndarray) -> np.ndarray:
+    """Two e2m1 codes per byte, the low nibble first (``Pack_fp4``) -> code bits ``[out, in]``."""
+    import numpy as np
+
+    data = np.asarray(raw)
+    return np.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:-1], -1)
+
+
+def unpack_fp6(raw: np.ndarray) -> np.ndarray:
+    """Four 6-bit codes in three bytes (``Pack_fp6``: v0 in the low 6 bits of byte 0, ...)."""
+    import numpy as np
+
+    data = np.asarray(raw).reshape(*raw.shape[:-1], -1, 3).astype(np.uint32)
+    word = data[..., 0] | data[..., 1] << 8 | data[..., 2] << 16
+    codes = np.stack([(word >> (6 * i)) & 0x3F for i in range(4)], axis=-1)
+    return codes.reshape(*raw.shape[:-1], -1).astype(np.uint8)
+
+
+def e8m0(raw: np.ndarray) -> np.ndarray:
+    import numpy as np
+
+    return np.exp2(np.asarray(raw).astype(np.float32) - 127.0)
