@@ -15,6 +15,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ..safetensors_io import TensorInfo
+from .kvcache import check_kv_scales
 from .registry import ValidationContext, unreadable_headers
 from .report import MAX_LISTED, CheckResult, Finding
 
@@ -32,6 +33,7 @@ def check_calibration(ctx: ValidationContext) -> CheckResult:
     result = CheckResult("calibration")
     scales = {n: t for n, t in ctx.headers["output"].items() if n.endswith(ACTIVATION_SCALES)}
     result.stats["activation_scales"] = len(scales)
+    check_kv_scales(ctx, result, _read_floats)  # the KV cache's scales: present, finite, positive (kvcache.py)
     if not scales:
         result.notes.append("no static activation scales in the export (weight-only or dynamic activations)")
         return result

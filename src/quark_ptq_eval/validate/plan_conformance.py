@@ -5,17 +5,27 @@ scheme table (``schemes.py``) turns each name into the spec Quark would have wri
 layout check then holds every tensor against that plan-derived config, not against the
 export's own ``quantization_config``: an export quantized with another scheme cannot pass by
 describing itself correctly.
+
+A KV-cache scheme is encoded as Quark 0.13's ``LLMTemplate._set_kv_cache_config`` writes it:
+for each of the template's KV patterns (``*k_proj``/``*v_proj``, MLA's ``*kv_b_proj``, ...) a
+``layer_quant_config`` entry (the pattern's base spec, resolved as Quark resolves it, plus the
+KV output spec) and the same entry in ``kv_cache_quant_config``; only the latter when an
+exclusion matches the pattern. The exporter adds ``export.kv_cache_group`` (the same patterns)
+and merges each attention layer's k/v output scales. Those entries are the plan's KV scheme,
+not overrides.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from typing import Any
 
 from .report import Finding
 from .schemes import ROLES, describe, meaning
 
 DEFAULT_KV_PATTERNS = ("*k_proj", "*v_proj")
+ATTENTION_TOKENS = ("self_attn", "self_attention", "attn", "attention")  # Quark's _ATTN_TOKENS
 
 
 @dataclass
@@ -55,9 +65,37 @@ def _expected_qconfig(plan: dict, out_qconfig: dict, table: dict) -> dict:
     kv_scheme = plan.get("kv_cache_scheme")
     kv_spec = (table.get("kv_cache") or {}).get(kv_scheme) if kv_scheme else None
     if kv_spec is not None:
-        patterns = list(out_qconfig.get("kv_cache_quant_config") or {}) or list(DEFAULT_KV_PATTERNS)
-        expected["kv_cache_quant_config"] = {p: {"output_tensors": kv_spec} for p in patterns}
+        patterns = kv_patterns(plan, out_qconfig, table)
+        expected["kv_cache_quant_config"] = {}
+        for pattern in patterns:
+            entry = _kv_entry(expected, pattern, kv_spec)
+            expected["kv_cache_quant_config"][pattern] = entry
+            if entry["weight"] is not None:
+                expected["layer_quant_config"][pattern] = entry
     return expected
+
+
+def kv_patterns(plan: dict, out_qconfig: dict, table: dict) -> list[str]:
+    """The patterns a KV scheme quantizes: the export's own, else the model type's Quark template."""
+    written = list(out_qconfig.get("kv_cache_quant_config") or {})
+    group = list((out_qconfig.get("export") or {}).get("kv_cache_group") or [])
+    model_type = str((plan.get("model") or {}).get("model_type") or "")
+    template = list((table.get("kv_layers") or {}).get(model_type) or [])
+    return written or group or template or list(DEFAULT_KV_PATTERNS)
+
+
+def _kv_entry(expected: dict, pattern: str, kv_spec: dict) -> dict:
+    """Quark's entry for one KV pattern: its base spec (None when excluded) with the KV output spec."""
+    if any(fnmatch(pattern, ex) for ex in expected["exclude"]):
+        return {"weight": None, "input_tensors": None, "output_tensors": kv_spec}
+    overrides = expected["layer_quant_config"]
+    base = next((cfg for p, cfg in overrides.items() if fnmatch(pattern, p)), None)
+    if base is None:  # _resolve_projection_base_spec: same leaf, or any attention-wide override
+        leaf = pattern.rsplit(".", 1)[-1].strip("*")
+        base = next((cfg for p, cfg in overrides.items()
+                     if (leaf and p.endswith(leaf)) or any(t in p for t in ATTENTION_TOKENS)),
+                    expected["global_quant_config"])
+    return {"weight": base.get("weight"), "input_tensors": base.get("input_tensors"), "output_tensors": kv_spec}
 
 
 def _compare(plan: dict, expected: dict, out: dict | None, schemes: dict) -> list[Finding]:
@@ -77,11 +115,18 @@ def _compare(plan: dict, expected: dict, out: dict | None, schemes: dict) -> lis
         else:
             findings += _compare_layer(f"layer_quant_config[{pattern!r}]", scheme, expected["layer_quant_config"][pattern],
                                        written[pattern], schemes)
-    findings += [Finding(f"quantization_config.layer_quant_config[{p!r}]",
-                         "overrides a pattern the plan does not override.", side="quark",
-                         evidence=f"expected (plan): {plan['global_scheme']!r} or an approved override; "
-                                  f"found: {describe((written[p] or {}).get('weight'))}")
-                 for p in written if p not in (plan.get("layer_quant_config") or {})]
+    kv_entries = expected.get("kv_cache_quant_config") or {}
+    for p in written:
+        if p in (plan.get("layer_quant_config") or {}):
+            continue
+        if p in kv_entries and p in expected["layer_quant_config"]:  # the KV scheme's own entry (module docstring)
+            findings += _compare_layer(f"layer_quant_config[{p!r}]", f"{plan['global_scheme']} + KV {plan['kv_cache_scheme']}",
+                                       expected["layer_quant_config"][p], written[p], schemes)
+            continue
+        findings.append(Finding(f"quantization_config.layer_quant_config[{p!r}]",
+                                "overrides a pattern the plan does not override.", side="quark",
+                                evidence=f"expected (plan): {plan['global_scheme']!r} or an approved override; "
+                                         f"found: {describe((written[p] or {}).get('weight'))}"))
     findings += _compare_kv(plan, expected, out)
     return findings
 
@@ -130,9 +175,17 @@ def _compare_kv(plan: dict, expected: dict, out: dict) -> list[Finding]:
     want = (expected.get("kv_cache_quant_config") or {})
     if not written:
         return [Finding("quantization_config.kv_cache_quant_config", f"is empty, but the plan's KV-cache scheme "
-                        f"{kv_scheme!r} quantizes the KV cache.", side="quark")]
+                        f"{kv_scheme!r} quantizes the KV cache.", side="quark",
+                        evidence=f"expected (plan): output quantizers on {sorted(want)}; found: none")]
     spec = next(iter(want.values()), {}).get("output_tensors")
-    return [Finding(f"quantization_config.kv_cache_quant_config[{p!r}]",
-                    f"does not match the plan's KV-cache scheme {kv_scheme!r}: the plan needs {describe(spec)}, "
-                    f"the export holds {describe((cfg or {}).get('output_tensors'))}.", side="quark")
-            for p, cfg in written.items() if meaning((cfg or {}).get("output_tensors")) != meaning(spec)]
+    findings = [Finding(f"quantization_config.kv_cache_quant_config[{p!r}]",
+                        f"does not match the plan's KV-cache scheme {kv_scheme!r}: the plan needs {describe(spec)}, "
+                        f"the export holds {describe((cfg or {}).get('output_tensors'))}.", side="quark")
+                for p, cfg in written.items() if meaning((cfg or {}).get("output_tensors")) != meaning(spec)]
+    group = (out.get("export") or {}).get("kv_cache_group")
+    if isinstance(group, list) and set(group) != set(written):  # Quark's QuantConfigParser holds them equal
+        findings.append(Finding("quantization_config.export.kv_cache_group",
+                                "does not name the KV-cache patterns, so the exporter did not merge each attention "
+                                "layer's k/v scales.", side="quark",
+                                evidence=f"expected: {sorted(written)}; found: {sorted(map(str, group))}"))
+    return findings

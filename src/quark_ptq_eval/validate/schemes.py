@@ -17,7 +17,7 @@ from typing import Any
 from ..catalog import cache_dir
 from ..fsio import write_json
 
-TABLE_FORMAT = 1
+TABLE_FORMAT = 2  # 2: the KV-cache layer patterns of every template
 # The fields of a QTensorConfig that decide what is stored; observers and rounding only shape values.
 MEANING_KEYS = ("dtype", "qscheme", "ch_axis", "group_size", "block_size", "symmetric", "is_dynamic",
                 "scale_type", "zero_point_type", "scale_format", "mx_element_dtype", "is_scale_quant")
@@ -34,7 +34,8 @@ def _cache_path():
 
 
 def load_scheme_table() -> dict[str, Any] | None:
-    """``{"schemes": {name: layer config}, "kv_cache": {name: output spec}}``, or None without Quark."""
+    """``{"schemes": {name: layer config}, "kv_cache": {name: output spec}, "kv_layers": {model_type: patterns}}``,
+    or None without Quark."""
     path = _cache_path()
     if path is None:
         return None
@@ -72,7 +73,9 @@ def dump_scheme_table() -> dict[str, Any]:
         except Exception:  # noqa: BLE001
             continue
         kv[name] = next((e.get("output_tensors") for e in entries.values()), None)
-    return {"format": TABLE_FORMAT, "schemes": schemes, "kv_cache": kv}
+    # the patterns each template's KV-cache scheme quantizes (k_proj/v_proj, MLA's kv_b_proj, fused qkv ...)
+    kv_layers = {t: list(LLMTemplate.get(t).kv_layers_name or []) for t in LLMTemplate.list_available()}
+    return {"format": TABLE_FORMAT, "schemes": schemes, "kv_cache": kv, "kv_layers": kv_layers}
 
 
 def meaning(spec: Any) -> list[dict[str, Any]] | None:
