@@ -253,7 +253,8 @@ def test_rocm_run_waits_for_the_port_and_never_checks_someone_elses_server(tmp_p
     outcome = t3.run(t3.prepare(ctx, env=ROCM_DOCKER), slow)
     assert outcome.baseline == {"gsm8k": {"exact_match,flexible-extract": 0.80}}
     checks = [i for i, c in enumerate(slow.calls) if c[0] == "port free?"]
-    assert len(checks) == 3 and checks[1] + 1 == checks[2]  # asked again before the baseline's server started
+    assert len(checks) == 4 and checks[1] + 1 == checks[2]  # asked again before the baseline's server started
+    assert slow.calls[checks[3] - 1][0] == "stop"  # and once the last server stopped: no port of ours left held
 
 
 class SilentLmEval(FakeExecutor):

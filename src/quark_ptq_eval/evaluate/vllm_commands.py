@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from .vllm_detect import Environment
+from .vllm_host import HostVllm, lm_eval_command
+from .vllm_host import server_argv as host_server_argv
 
 DEFAULT_TASKS = ["gsm8k"]
 GENERATE_TASK_PREFIXES = (
@@ -187,13 +189,13 @@ def plan_commands(
         plan.per_model[model.label] = [
             PlannedCommand(
                 f"serve the {model.label} model",
-                serve_argv(model, options, runtime, name, workdir),
+                serve_argv(model, options, runtime, name, workdir, env.host_vllm),
                 background=True,
             ),
             PlannedCommand("wait until the server is healthy", health_argv(options.vllm_port)),
             PlannedCommand(
                 f"evaluate the {model.label} model over the OpenAI endpoint",
-                lm_eval_argv(model, options, runtime, name, out),
+                lm_eval_argv(model, options, runtime, name, out, env.host_vllm is not None),
             ),
         ]
     if any(t.startswith("gsm8k") for t in options.tasks or DEFAULT_TASKS):
@@ -268,10 +270,14 @@ def holder_container_argv(name: str, image: str, models: list[ServedModel], work
     return argv
 
 
-def server_argv(model: ServedModel, options) -> list[str]:
-    """The bare ``vllm serve`` line, with the plan's tensor parallelism and KV-cache dtype."""
-    serve = ["vllm", "serve", str(model.path.resolve()), "--port", str(options.vllm_port),
-             "--served-model-name", model.served_name]
+def server_argv(model: ServedModel, options, host: HostVllm | None = None) -> list[str]:
+    """The bare ``vllm serve`` line (``host``: that interpreter's server module), with the plan's tensor
+    parallelism and KV-cache dtype."""
+    if host is not None:
+        serve = host_server_argv(host, model.path, options.vllm_port, model.served_name)
+    else:
+        serve = ["vllm", "serve", str(model.path.resolve()), "--port", str(options.vllm_port),
+                 "--served-model-name", model.served_name]
     if model.tensor_parallel:
         serve += ["--tensor-parallel-size", str(model.tensor_parallel)]
     if model.kv_cache_dtype:
@@ -283,8 +289,9 @@ def server_argv(model: ServedModel, options) -> list[str]:
     return serve
 
 
-def serve_argv(model: ServedModel, options, runtime: str, container: str, workdir: Path) -> list[str]:
-    serve = server_argv(model, options)
+def serve_argv(model: ServedModel, options, runtime: str, container: str, workdir: Path,
+               host: HostVllm | None = None) -> list[str]:
+    serve = server_argv(model, options, host if runtime == "host" else None)
     if runtime == "host":
         return serve
     return ["docker", "exec", container, "sh", "-c", launch_line(serve, pid_file_for(workdir, model))]
@@ -314,7 +321,9 @@ def health_argv(port: int) -> list[str]:
     ]
 
 
-def lm_eval_argv(model: ServedModel, options, runtime: str, container: str, output: Path) -> list[str]:
+def lm_eval_argv(model: ServedModel, options, runtime: str, container: str, output: Path,
+                 ours: bool = False) -> list[str]:
+    """``ours``: lm-eval from this environment (a named host vLLM lives in another), tokenizing locally."""
     traits = model_traits(model.path)
     tasks = options.tasks or DEFAULT_TASKS
     chat = traits["chat"] and all(is_generation_task(t) for t in tasks)  # loglikelihood needs completions
@@ -327,12 +336,13 @@ def lm_eval_argv(model: ServedModel, options, runtime: str, container: str, outp
         "timeout=1800",
         "tokenized_requests=False",
         f"tokenizer={model.path.resolve()}",
+        *(["tokenizer_backend=huggingface"] if ours else []),  # the model's own files, not the server's
     ]
     lengths = [n for n in (traits.get("max_model_len"), model.max_model_len) if n]  # the model's, the server's
     if lengths and not chat:
         model_args.append(f"max_length={min(lengths)}")  # lm-eval's 2048 default truncates prompts
     argv = [
-        "lm_eval",
+        *(lm_eval_command() if ours else ["lm_eval"]),
         "--model",
         "local-chat-completions" if chat else "local-completions",
         "--model_args",

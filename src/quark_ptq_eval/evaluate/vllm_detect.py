@@ -9,7 +9,9 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-LM_EVAL_API_MODULES = ("aiohttp", "tenacity", "tiktoken")  # what lm_eval[api] adds
+from .vllm_host import HostVllm
+
+LM_EVAL_API_MODULES = ("aiohttp", "tenacity")  # what local-completions needs of lm_eval[api] (tiktoken: OpenAI's own models)
 
 
 @dataclass
@@ -20,9 +22,15 @@ class Environment:
     in_container: bool
     vllm: bool
     lm_eval_api: bool
+    host_vllm: HostVllm | None = None  # a vLLM named by its interpreter (--vllm-python): Tier 3 runs here
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self) | ({"host_vllm": self.host_vllm.as_dict()} if self.host_vllm else {})
+
+    @property
+    def runnable(self) -> bool:
+        """Tier 3 can run on this host: ROCm (container or host), or a vLLM named by its interpreter."""
+        return self.rocm or self.host_vllm is not None
 
 
 def detect_environment() -> Environment:
@@ -71,6 +79,8 @@ def _in_container() -> bool:
 def choose_runtime(env: Environment, requested: str) -> str:
     if requested in ("docker", "host"):
         return requested
+    if env.host_vllm is not None:
+        return "host"  # the vLLM the user named
     if env.vllm and (env.in_container or not env.docker):
         return "host"  # already inside a vLLM container, or vLLM installed natively
     return "docker"

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..errors import QpeError
 from .context import TierContext, TierOutcome
 from .vllm_commands import CommandPlan, shell_line
+from .vllm_host import failure_reason, start_server, stop_group
 
 HEALTH_TIMEOUT_S = 1800  # large models take a long time to load and compile
 PORT_FREE_TIMEOUT_S = 120  # a stopped server releases its port once its workers have exited
@@ -34,8 +35,7 @@ class Executor:
         return result.stdout
 
     def start(self, argv: list[str], log_name: str) -> subprocess.Popen:
-        log = (self.workdir / log_name).open("ab")
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        return start_server(argv, self.workdir / log_name)  # its own process group: stopped with its workers
 
     def port_free(self, port: int) -> bool:
         """Nothing listens on the port (a connection is refused)."""
@@ -56,12 +56,7 @@ class Executor:
             if pid.isdigit():  # the server's own pid inside the container, written by its launcher
                 # sh's own kill: a slim image may have no /bin/kill
                 subprocess.run(["docker", "exec", container, "sh", "-c", f"kill -TERM {pid}"], capture_output=True)
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_group(process)  # the server (or `docker exec`) and whatever it spawned, nothing else
 
 
 def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, details: dict,
@@ -70,7 +65,10 @@ def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, detail
 
     options = ctx.options
     scores: dict[str, dict] = {}
+    stderrs: dict[str, dict] = {}
+    samples: dict[str, dict] = {}
     directions: dict = {}
+    lm_eval_version = None
     container_id = None
     try:
         for command in plan.setup:
@@ -81,15 +79,21 @@ def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, detail
         for i, (label, (serve, _health, evaluate_cmd)) in enumerate(plan.per_model.items()):
             # Never health-check someone else's server: the previous one must have let go of the port.
             _wait_port_free(executor, options.vllm_port, label, PORT_FREE_TIMEOUT_S if i else 0)
+            ctx.log(f"{serve.purpose}: {shell_line(serve.argv)}")
             process = executor.start(serve.argv, f"vllm_{label}.log")
             try:
-                _wait_healthy(executor, process, options.vllm_port, ctx.workdir / f"vllm_{label}.log")
-                ctx.log(evaluate_cmd.purpose)
+                _wait_healthy(executor, process, label, ctx.workdir / f"vllm_{label}.log", options)
+                ctx.log(f"{evaluate_cmd.purpose}: {shell_line(evaluate_cmd.argv)}")
                 before = results_files(plan.output_dirs[label])
                 executor.run(evaluate_cmd.argv)
             finally:
                 executor.stop_server(process, ctx.workdir.resolve() / f"vllm_{label}.pid", plan.container)
-            scores[label], _, directions = scores_from(results_of_this_run(plan.output_dirs[label], before))
+            results = results_of_this_run(plan.output_dirs[label], before)
+            scores[label], stderrs[label], directions = scores_from(results)
+            samples[label] = samples_of_this_run(plan.output_dirs[label], before)
+            lm_eval_version = results.get("lm_eval_version") or lm_eval_version
+        if plan.per_model:  # the last server's port released too: nothing of ours left listening
+            _wait_port_free(executor, options.vllm_port, "next", PORT_FREE_TIMEOUT_S)
     finally:
         container_id = container_id or created_container_id(plan)
         if container_id:  # only a container this run created, addressed by its id
@@ -100,9 +104,21 @@ def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, detail
         quantized=scores.get("quantized", {}),
         baseline=scores.get("baseline"),
         directions=directions,
-        details=details | {"commands": commands},
+        details=details | {"commands": commands, "lm_eval_version": lm_eval_version}
+        | comparison_details(stderrs, samples, directions),
         artifacts={f"lm_eval {k} results": str(v) for k, v in plan.output_dirs.items()},
     )
+
+
+def comparison_details(stderrs: dict, samples: dict, directions: dict) -> dict:
+    """lm-eval's standard errors, the verdict's noise and, with a baseline, the paired per-document
+    tests, as Tier 2 reports them."""
+    from .tier_lmeval import noise_from_stderr, paired_tests
+
+    out: dict = {"stderr": stderrs, "noise": noise_from_stderr(stderrs.get("quantized", {}), stderrs.get("baseline"))}
+    if samples.get("baseline") and samples.get("quantized"):
+        out["paired_tests"] = paired_tests(samples["baseline"], samples["quantized"], directions)
+    return out
 
 
 def created_container_id(plan: CommandPlan) -> str | None:
@@ -122,17 +138,23 @@ def _wait_port_free(executor: Executor, port: int, label: str, timeout_s: float)
         time.sleep(1)
 
 
-def _wait_healthy(executor: Executor, process, port: int, log_path: Path) -> None:
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+def _wait_healthy(executor: Executor, process, label: str, log_path: Path, options) -> None:
+    """Until the server answers /health; else one sentence: its own reason when it exited, the timeout
+    when it did not (the caller stops it either way)."""
+    timeout_s = getattr(options, "vllm_health_timeout_s", HEALTH_TIMEOUT_S)
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if executor.healthy(port):
+        if executor.healthy(options.vllm_port):
             return
         if process.poll() is not None:
+            reason = failure_reason(log_path)
             raise QpeError(
-                f"The vLLM server exited (code {process.returncode}) before it was healthy; see {log_path}."
+                f"The vLLM server for the {label} model exited (code {process.returncode}) before it was healthy"
+                + (f": {reason.rstrip('.')}" if reason else "") + f"; its log is {log_path}."
             )
-        time.sleep(5)
-    raise QpeError(f"The vLLM server was not healthy after {HEALTH_TIMEOUT_S} s.")
+        time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+    raise QpeError(f"The vLLM server for the {label} model was not healthy after {timeout_s:g} s, so it was "
+                   f"stopped; see {log_path}, or allow more time with --vllm-health-timeout.")
 
 
 def results_files(output: Path) -> dict[Path, int]:
@@ -140,10 +162,29 @@ def results_files(output: Path) -> dict[Path, int]:
     return {p: p.stat().st_mtime_ns for p in output.rglob("results_*.json")} if output.is_dir() else {}
 
 
+def samples_of_this_run(output: Path, before: dict[Path, int]) -> dict:
+    """The per-document scores (per_sample_scores) from the samples files lm_eval's --log_samples wrote
+    with this run's results file (``samples_<task>_<stamp>.jsonl`` next to ``results_<stamp>.json``)."""
+    from .tier_lmeval import per_sample_scores
+
+    results = _fresh_results(output, before)
+    stamp = results.stem.removeprefix("results_")
+    rows: dict[str, list[dict]] = {}
+    for path in sorted(results.parent.glob(f"samples_*_{stamp}.jsonl")):
+        task = path.name.removeprefix("samples_").removesuffix(f"_{stamp}.jsonl")
+        with path.open(encoding="utf-8") as lines:
+            rows.setdefault(task, []).extend(json.loads(line) for line in lines if line.strip())
+    return per_sample_scores(rows)
+
+
 def results_of_this_run(output: Path, before: dict[Path, int]) -> dict:
     """The newest results file lm_eval wrote after ``before`` was taken: a file an earlier run
     left in the same directory is never read as this run's scores."""
+    return json.loads(_fresh_results(output, before).read_text(encoding="utf-8"))
+
+
+def _fresh_results(output: Path, before: dict[Path, int]) -> Path:
     fresh = [(mtime, p) for p, mtime in results_files(output).items() if before.get(p) != mtime]
     if not fresh:
         raise QpeError(f"lm_eval wrote no new results under {output} in this run; see its output above.")
-    return json.loads(max(fresh)[1].read_text(encoding="utf-8"))
+    return max(fresh)[1]

