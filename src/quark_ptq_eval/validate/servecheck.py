@@ -55,7 +55,7 @@ def _serve(model: Path, host, result: CheckResult) -> None:
     started = time.perf_counter()
     process = start_server(argv, log)
     try:
-        healthy = _wait(process, port, SERVE_TIMEOUT_S)
+        healthy = wait_healthy(process, port, SERVE_TIMEOUT_S)
     finally:
         stop_group(process)
     seconds = time.perf_counter() - started
@@ -78,7 +78,8 @@ def _scratch_log(port: int) -> Path:
     return Path(tempfile.gettempdir()) / f"quark-ptq-eval-serve-check-{port}.log"
 
 
-def _wait(process, port: int, timeout_s: float) -> bool:
+def wait_healthy(process, port: int, timeout_s: float) -> bool:
+    """Until /health answers (True), the server exits or the time is up (False)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
         try:

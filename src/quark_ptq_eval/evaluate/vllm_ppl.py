@@ -1,0 +1,84 @@
+"""Tier 1 through vLLM: perplexity from a vLLM server's prompt log-probabilities on the same token
+windows HF Tier 1 scores, so a user sees whether the two backends agree on the same checkpoint.
+
+Each window goes to ``/v1/completions`` as its token ids with ``echo`` and ``logprobs=0``: the
+response carries the log-probability of every prompt token given the ones before it (the first has
+none), exactly the ``n - 1`` predictions HF Tier 1 averages per window (tier_ppl.score_batch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+from ..errors import QpeError
+
+# Relative perplexity difference above which the two backends are said to disagree. vLLM runs its
+# own kernels (on CPU: bf16 activations, its int8 GEMM with dynamic per-token activation scales where
+# Quark's export asks for static ones); on the demo model's int8 export the measured difference is in
+# bench/README.md ("HF vs vLLM Tier 1").
+AGREEMENT_TOLERANCE_PCT = 2.0
+CONCURRENT_REQUESTS = 8
+
+
+@dataclass
+class BackendComparison:
+    hf_perplexity: float
+    vllm_perplexity: float
+    difference_pct: float  # (vLLM - HF) / HF, percent
+    tolerance_pct: float
+    agree: bool
+    windows: int
+    hf_seconds: float | None = None
+    vllm_seconds: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def sentence(self) -> str:
+        verdict = "agree" if self.agree else "DISAGREE"
+        return (f"HF and vLLM {verdict} on perplexity over the same {self.windows} windows: HF {self.hf_perplexity:.4f}, "
+                f"vLLM {self.vllm_perplexity:.4f} ({self.difference_pct:+.2f} %, tolerance ±{self.tolerance_pct:g} %).")
+
+
+def window_nll(base_url: str, model: str, window: list[int], timeout_s: float = 600) -> float:
+    """Mean negative log-likelihood of ``window[1:]`` given what precedes each token, from vLLM."""
+    body = {"model": model, "prompt": window, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
+    request = urllib.request.Request(f"{base_url.rstrip('/')}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            choice = json.loads(response.read())["choices"][0]
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise QpeError(f"The vLLM server at {base_url} gave no prompt log-probabilities ({exc}).") from None
+    logprobs = choice["logprobs"]["token_logprobs"][1 : len(window)]  # first: no context; last+1: generated
+    if len(logprobs) != len(window) - 1 or any(v is None for v in logprobs):
+        raise QpeError(f"The vLLM server at {base_url} returned {len(logprobs)} prompt log-probabilities for a "
+                       f"{len(window)}-token window; it must echo one per prompt token.")
+    return -sum(logprobs) / len(logprobs)
+
+
+def vllm_window_nlls(base_url: str, model: str, windows) -> tuple[list[float], float]:
+    """Per-window mean NLL from vLLM, in window order, and the seconds it took."""
+    rows = [list(map(int, w)) for w in windows.tolist()]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(CONCURRENT_REQUESTS) as pool:  # the server batches concurrent requests
+        nlls = list(pool.map(lambda w: window_nll(base_url, model, w), rows))
+    return nlls, time.perf_counter() - started
+
+
+def compare(hf_nll: list[float], vllm_nll: list[float], tolerance_pct: float = AGREEMENT_TOLERANCE_PCT,
+            **seconds: float | None) -> BackendComparison:
+    """Both perplexities over the same windows (exp of the mean per-window NLL, as Tier 1) and whether
+    they agree within ``tolerance_pct``."""
+    if len(hf_nll) != len(vllm_nll) or not hf_nll:
+        raise QpeError(f"HF scored {len(hf_nll)} windows and vLLM {len(vllm_nll)}: they must score the same ones.")
+    hf = math.exp(sum(hf_nll) / len(hf_nll))
+    vl = math.exp(sum(vllm_nll) / len(vllm_nll))
+    diff = 100.0 * (vl - hf) / hf
+    return BackendComparison(hf, vl, diff, tolerance_pct, abs(diff) <= tolerance_pct, len(hf_nll),
+                             seconds.get("hf_seconds"), seconds.get("vllm_seconds"))
