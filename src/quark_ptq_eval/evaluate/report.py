@@ -229,9 +229,37 @@ def _details_section(report: EvalReport) -> list[str]:
                 joined = ", ".join(f"{m} ± {_num(v)}" for m, v in metrics.items())
                 lines.append(f"- {label} {task}: {joined}")
         lines.append("")
+    lines += _paired_lines(details.get("paired_tests")) + _server_lines(details)
     if report.artifacts:
         lines += ["## Files", "", *[f"- {name}: `{path}`" for name, path in report.artifacts.items()], ""]
     return lines
+
+
+def _paired_lines(paired: dict | None) -> list[str]:
+    """Tiers 2 and 3 with a baseline: the paired per-document test of each metric."""
+    if not paired:
+        return []
+    lines = ["## Paired per-document tests (quantized vs baseline)", ""]
+    for task, metrics in paired.items():
+        for metric, t in metrics.items():
+            lines.append(f"- {task} {metric}: {_num(t['mean'])} vs {_num(t['baseline_mean'])} over {t['documents']} "
+                         f"documents, {t['test']} p = {t['p_value']:.3g}"
+                         + (" (significant)" if t["significant"] else " (not significant)"))
+    return [*lines, ""]
+
+
+def _server_lines(details: dict) -> list[str]:
+    """Tier 3 on a host vLLM: the server's version and its exact commands, as they ran."""
+    if not details.get("vllm") or not details.get("commands"):
+        return []
+    v = details["vllm"]
+    lines = ["## vLLM server", "", f"- {v['distribution']} {v['version']} ({v['python']}); "
+             f"lm-eval {details.get('lm_eval_version') or '-'}", ""]
+    for command in details["commands"]:
+        if not command["purpose"].startswith("wait"):  # health is polled in-process, not by curl
+            lines += [f"- {command['purpose']}:", f"  `{shlex.join(command['argv'])}`"]
+    return [*lines, "- between them: `/health` polled until it answers (at most --vllm-health-timeout s); each "
+                    "server stopped with its process group and its port awaited free", ""]
 
 
 def _agreement_table(kl: dict, paired: dict | None) -> list[str]:
