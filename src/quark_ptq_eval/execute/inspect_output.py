@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..fsio import read_json
+from ..intake.model_files import not_regular
 from ..safetensors_io import read_model_headers, weight_files
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -19,6 +20,7 @@ def inspect_output(out: Path) -> dict:
         return facts
     files = sorted(p.name for p in out.iterdir() if p.is_file())
     facts["files"] = files
+    facts["problems"] += not_regular(out)  # an export holds regular files only: no link leads out of it
     facts["size_bytes"] = sum((out / f).stat().st_size for f in files)
     try:
         shards = weight_files(out)

@@ -10,12 +10,14 @@ Non-weight files of the source are copied byte for byte, so the output has no to
 from __future__ import annotations
 
 import argparse
-import shutil
+import fnmatch
 import sys
 import time
 from pathlib import Path
 
 NON_WEIGHT_SKIP = ("config.json", "model.safetensors.index.json")
+# Weights in any format: the export holds its own (a source pickle is never carried into it).
+NOT_CARRIED = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.onnx", "*.msgpack", "*.index.json")
 
 
 def child_parser(prog: str) -> argparse.ArgumentParser:
@@ -55,9 +57,14 @@ def calibration_batches(tokenizer, texts: list[str], seq_len: int, num: int, bat
 
 
 def copy_non_weight_files(src: Path, dst: Path) -> None:
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in NON_WEIGHT_SKIP and not f.name.startswith("."):
-            shutil.copy2(f, dst / f.name)
+    """The source's top-level non-weight files, byte for byte, from the paths intake approved (links
+    resolved and checked again now), written as regular files over whatever Quark put there."""
+    from quark_ptq_eval.intake.model_files import approved_files, copy_approved
+
+    for rel, target in approved_files(src).items():
+        carried = not any(fnmatch.fnmatchcase(rel, p) for p in NOT_CARRIED) and rel not in NON_WEIGHT_SKIP
+        if carried and "/" not in rel and not rel.startswith("."):
+            copy_approved(target, dst / rel)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,9 @@ def resolve_model(model: str, offline: bool) -> tuple[Path | None, str]:
             raise UsageError(f"The model directory {path} is empty.", "Point to a directory with config.json and safetensors.")
         if not (path / "config.json").is_file():
             raise UsageError(f"The model directory {path} has no config.json.", "Point to a Hugging Face model directory.")
+        from .model_files import check_model_files
+
+        check_model_files(path)  # every file it holds approved (links, special files, pickles) before anything runs
         return path.resolve(), "local"
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise UsageError(f"The model directory {path} does not exist.", "Check the path.")
