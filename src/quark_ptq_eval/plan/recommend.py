@@ -18,6 +18,7 @@ from ..textdata import check_text_source
 from . import resources
 from .family_limits import check_family_limits
 from .request import PlanRequest
+from .scheme_fit import fit_to_model
 from .targets import (
     TargetContext,
     format_family,
@@ -25,6 +26,7 @@ from .targets import (
     recommend_scheme,
     scheme_warnings,
     target_context,
+    target_fallbacks,
 )
 
 # Goal phrases -> scheme, most specific first. Matched on the lower-cased goal.
@@ -234,6 +236,10 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
     accelerator, arch = _gpu(env)
     tc = target_context(req.target, req.goal, env)
     scheme, scheme_why = _choose_scheme(req, env, catalog, tc, _budget_check(tc, analysis, catalog, req))
+    # group / block sizes against every quantized linear: a planner's choice falls back, a named one is refused
+    scheme, scheme_why = fit_to_model(analysis.model["model_path"], scheme, scheme_why, bool(req.scheme),
+                                      req.layer_quant_config, _exclusions(req, analysis)[0], catalog["schemes"],
+                                      target_fallbacks(tc))
     info = catalog["scheme_info"].get(scheme, {})
     algorithm, algo_why = _choose_algorithm(req, info, analysis.template.get("algorithms"))
     kv, kv_why = _choose_kv(req, tc, catalog, analysis)
@@ -290,5 +296,7 @@ def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: dict) -> None:
     """Re-check a (hand-edited) plan against the installed Quark, as make_plan does."""
     _check_compatible(analysis.model_type, plan.global_scheme, plan.algorithm, plan.kv_cache_scheme,
                       plan.layer_quant_config, analysis, catalog)
+    fit_to_model(analysis.model["model_path"], plan.global_scheme, "", True, plan.layer_quant_config,
+                 list(plan.exclude_layers), catalog["schemes"])
     if plan.engine.get("name") == "quark-api" and plan.calibration.get("source") == "local_file":
         check_text_source(plan.calibration.get("path") or "", "calibration data")

@@ -266,6 +266,12 @@ def recommend_scheme(tc: TargetContext, catalog: dict, fits=None) -> tuple[str, 
     return None
 
 
+def target_fallbacks(tc: TargetContext) -> tuple[str, ...]:
+    """The target's formats, most accurate first: where its pick cannot split the model's linears (plan/scheme_fit.py)."""
+    fam = tc.family
+    return tuple(dict.fromkeys(s for p in ("accuracy", "balanced", "speed", "size") for s in fam.prefer[p])) if fam else ()
+
+
 def recommend_kv(tc: TargetContext, catalog: dict, kv_layers: list[str]) -> tuple[str | None, str]:
     fam = tc.family
     if fam is None:
