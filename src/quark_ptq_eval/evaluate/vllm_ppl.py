@@ -18,10 +18,9 @@ from dataclasses import asdict, dataclass
 from ..errors import QpeError
 
 # Relative perplexity difference above which the two backends are said to disagree. vLLM runs its
-# own kernels (on CPU: bf16 activations, its int8 GEMM with dynamic per-token activation scales where
-# Quark's export asks for static ones); on the demo model's int8 export the measured difference is in
-# bench/README.md ("HF vs vLLM Tier 1").
-AGREEMENT_TOLERANCE_PCT = 2.0
+# own kernels on the same weights; on the demo model's int8 export the two differ by +0.04 % over 32
+# windows of 512 tokens (bench/README.md, "HF vs vLLM Tier 1"): the tolerance is about ten times that.
+AGREEMENT_TOLERANCE_PCT = 0.5
 CONCURRENT_REQUESTS = 8
 
 
