@@ -22,6 +22,8 @@ from .preflight import CONTEXT_KINDS
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    from .options import add_offline_flag
+
     g = p.add_argument_group("run control")
     g.add_argument("--workdir", type=Path, default=Path("."), help="where artifacts, state and logs go (default: .)")
     g.add_argument("--approve", default="", metavar="GATES",
@@ -29,8 +31,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--yes", "-y", action="store_true", help="approve every gate except overwrite and baseline")
     g.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     g.add_argument("--quiet", "-q", action="store_true", help="only errors and the final line")
-    g.add_argument("--offline", action="store_true", default=None,
-                   help="Hugging Face offline mode for this run and every child process")
+    add_offline_flag(g)
     g.add_argument("--execution-mode", choices=("plan_only", "interactive_execute", "batch_execute"))
     for kind in CONTEXT_KINDS:
         g.add_argument(f"--{kind.replace('_', '-')}", dest=kind, type=Path, metavar="FILE",
@@ -272,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(rewrite_model_dir(argv) if argv[:1] != ["import-command"] else argv)
     handler = HANDLERS.get(args.command, _cmd_pipeline)
+    from .options import apply_offline
+
+    apply_offline(getattr(args, "offline", None))  # every command, before anything could reach the Hub
     signal.signal(signal.SIGTERM, _terminate)  # SIGTERM stops as cleanly as Ctrl-C (exit 130)
     try:
         return handler(args)

@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     args = ["run", str(model), "-o", str(root / "tiny-llama-int8"), "--workdir", str(root / "run"),
             "--scheme", "int8", "--calib-data", str(corpus), "--num-calib-samples", "32", "--calib-seq-len", "256",
-            "--offline", "--yes", "--eval-tier", "ppl", "--eval-data", str(corpus), "--seq-len", "256",
+            # No --eval-data: Tier 1 scores the part of the corpus the plan holds out from calibration.
+            "--offline", "--yes", "--eval-tier", "ppl", "--seq-len", "256",
             "--baseline", "--overwrite", "--execution-mode", "batch_execute"]
     print("$ quark-ptq-eval " + " ".join(args), file=sys.stderr, flush=True)
     return cli_main(args)

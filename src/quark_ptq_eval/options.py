@@ -102,3 +102,19 @@ def check_names(cls: type, names: Iterable[str], what: str) -> None:
     unknown = sorted(set(names) - known)
     if unknown:
         raise UsageError(f"Unknown {what} option(s) {', '.join(unknown)}: use {', '.join(sorted(known))}.")
+
+
+OFFLINE_HELP = "Hugging Face offline mode for this run and every child process"
+
+
+def add_offline_flag(group: argparse._ActionsContainer) -> None:
+    """``--offline``: one spelling and one help for every command that could touch the Hub."""
+    group.add_argument("--offline", action="store_true", default=None, help=OFFLINE_HELP)
+
+
+def apply_offline(offline: bool | None) -> None:
+    """Offline for this process and every child it starts (Hub, datasets, transformers)."""
+    import os
+
+    if offline:
+        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

@@ -5,6 +5,7 @@ evaluate (Phase 3), summary. Every step writes its artifact; every gate goes thr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -80,13 +81,14 @@ class Recipe:
         self.gates: Gatekeeper  # every approval of this run goes through it
         self.timings: dict[str, float] = {}
         self.plan_flags_given = False
+        self.claims = contextlib.ExitStack()  # what the run holds until it ends (the output's claim)
 
     # -- the flow ---------------------------------------------------------------------------
     def run(self, options: RunOptions, stop_after: str | None = None) -> dict[str, Any]:
         if stop_after is not None and stop_after not in STEP_NAMES:
             raise UsageError(f"Unknown step {stop_after!r} to stop after.", f"Choose one of: {', '.join(STEP_NAMES)}.")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        with WorkdirLock(self.workdir):
+        with WorkdirLock(self.workdir), contextlib.ExitStack() as self.claims:  # claims: the output's lock
             self.state = RunState.load(self.workdir)
             resume = f"quark-ptq-eval resume --workdir {shlex.quote(str(self.workdir))}"
             self.gates = Gatekeeper(self.approver, self.state, lambda flags: f"{resume} {flags}")
@@ -114,8 +116,9 @@ class Recipe:
                                output_dir=output_dir or Path(""), trust_remote_code=bool(opts.plan.get("trust_remote_code")))
         if ctx.offline and not offline:
             return self._run_locked(dataclasses.replace(opts, offline=True), stop_after)
-        if opts.eval_tier == "ppl" and tier1_lacks_text(opts.eval, ctx.offline):
+        if opts.eval_tier == "ppl" and tier1_lacks_text(opts.eval, ctx.offline) and not opts.plan.get("calib_data"):
             raise UsageError(TIER1_NO_TEXT)  # refused before any gate asks: no approval is wasted
+        check_eval_window(opts.eval.get("seq_len"), model_path)  # a window beyond the context: refused now
         flow = Flow(opts, ctx, load_catalog(), model_path, output_dir)
         for step in STEPS:
             self.ui.headline(step.title)
@@ -162,7 +165,8 @@ class Recipe:
         plan = self._hand_edited_plan(analysis, flow.catalog)
         if plan is None:
             fields = {f.name for f in dataclasses.fields(PlanRequest)}
-            req = PlanRequest(**{k: v for k, v in flow.opts.plan.items() if k in fields}, offline=flow.ctx.offline)
+            req = PlanRequest(**{k: v for k, v in flow.opts.plan.items() if k in fields}, offline=flow.ctx.offline,
+                              hold_out_eval=_one_text_only(flow.opts, flow.ctx.offline))
             plan = make_plan(analysis, flow.ctx.env, req, flow.catalog, ModelAnalysis.path_in(self.workdir),
                              flow.output_dir)
         plan.requires_confirmation = not self.state.is_approved("plan", plan.digest)
@@ -251,6 +255,10 @@ class Recipe:
             applied = apply_fixes(fixes, source, output_dir)  # approval was just bound to these fixes
             report = self._checked(source, output_dir, plan, load_check)
             report.applied_fixes = [*report.applied_fixes, *applied]
+        if plan.get("calibration"):
+            from .calibration_text import describe_used
+
+            report.calibration = describe_used(plan["calibration"])
         report.write(self.workdir)
         self.ui.info(report.one_line())
         self.state.record_step("validate", report.status, report=str(self.workdir / "validation_report.md"))
@@ -274,12 +282,14 @@ class Recipe:
     def _evaluate(self, opts: RunOptions, source: Path | None, output_dir: Path, plan: dict):
         from .evaluate import EvalOptions, Thresholds, evaluate
 
+        self._heldout_default(opts, plan)
         tier = opts.eval_tier or self._ask_tier(opts)
         self.gates.chosen("eval", tier)
         if tier == "skip":
             self.state.record_step("eval", "skipped")
             self.ui.info("Evaluation skipped.")
             return "skipped"
+        self._say_heldout(tier, opts, plan)
         fields = {f.name for f in dataclasses.fields(EvalOptions)}
         given = {k: v for k, v in opts.eval.items() if k in fields} | {"tier": tier}
         if isinstance(given.get("thresholds"), dict):
@@ -292,6 +302,18 @@ class Recipe:
             self.ui.end_progress()
         self.state.record_step("eval", "done", tier=tier, report=str(self.workdir / "eval_report.md"))
         return report
+
+    def _heldout_default(self, opts: RunOptions, plan: dict) -> None:
+        """One text given: Tier 1 scores the part of it the plan held out from calibration."""
+        split = (plan.get("calibration") or {}).get("split")
+        if split and not opts.eval.get("eval_data") and opts.eval_tier in (None, "ppl"):
+            opts.eval["eval_data"] = split["heldout_path"]
+
+    def _say_heldout(self, tier: str, opts: RunOptions, plan: dict) -> None:
+        split = (plan.get("calibration") or {}).get("split")
+        if tier == "ppl" and split and opts.eval.get("eval_data") == split["heldout_path"]:
+            self.ui.info(f"Tier 1 text: the held-out part of your calibration text ({split['heldout_documents']} of "
+                         f"{split['documents']} documents, {split['rule']}), which calibration never saw.")
 
     def _ask_tier(self, opts: RunOptions) -> str:
         """The evaluation checkpoint: pick a tier (or stop until one is given), then opt in to
@@ -331,6 +353,20 @@ class Recipe:
         summary = build_summary(self.workdir, opts.model, opts.output_dir, self.timings, stopped_at, parts)
         write_json(self.workdir / SUMMARY_FILE, summary)
         return summary
+
+
+def _one_text_only(opts: RunOptions, offline: bool) -> bool:
+    """Calibration text given and Tier 1 would have no other text: hold a part of it out."""
+    return bool(opts.plan.get("calib_data")) and opts.eval_tier in (None, "ppl") and \
+        tier1_lacks_text(opts.eval, offline)
+
+
+def check_eval_window(seq_len: int | None, model_path: Path | None) -> None:
+    """An explicit Tier 1 --seq-len beyond the model's context is refused before anything runs."""
+    from .context_window import fit_window, read_model_config
+
+    if seq_len is not None and model_path is not None:
+        fit_window(seq_len, seq_len, read_model_config(model_path), "--seq-len")
 
 
 def content_digest(produced: Any) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .claims import holder_record, read_holder
 from .errors import UsageError, WorkdirLocked
 from .fsio import read_json, write_json
 
@@ -104,7 +105,9 @@ class WorkdirLock:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
-            holder = fh.read().strip() or "another process"
+            text = fh.read()
+            record = read_holder(text)
+            holder = f"pid {record['pid']}" if record else text.strip() or "another process"
             fh.close()
             raise WorkdirLocked(
                 f"Another quark-ptq-eval run ({holder}) is using the work directory {self.path.parent}.",
@@ -112,7 +115,7 @@ class WorkdirLock:
             ) from None
         fh.seek(0)
         fh.truncate()
-        fh.write(f"pid {os.getpid()}")
+        fh.write(json.dumps(holder_record(self.path.parent)))  # pid + start time: `status` tells a dead holder
         fh.flush()
         self._fh = fh
         return self

@@ -6,8 +6,9 @@ import shlex
 from pathlib import Path
 
 from .checkpoints import GATES, PIPELINE_GATES
+from .claims import holder_alive, read_holder
 from .evaluate.tiers import tier_checkpoint
-from .state import STATE_FILE, RunState
+from .state import LOCK_FILE, STATE_FILE, RunState
 from .steps import STEP_NAMES
 
 
@@ -19,20 +20,46 @@ def describe_status(workdir: Path) -> dict:
     state = RunState.load(workdir)
     lines = [f"Run in {workdir}", f"  model:  {state.options.get('model')}",
              f"  output: {state.options.get('output_dir')}"]
+    live = _liveness(workdir, state)
+    dead = live is not None and live["state"] == "interrupted"
     for step in STEP_NAMES:
         info = state.steps.get(step)
-        lines.append(f"  {step:<9} {info['status'] if info else '-':<12} {info.get('at', '') if info else ''}")
+        shown = "-" if not info else "interrupted" if dead and info["status"] == "running" else info["status"]
+        lines.append(f"  {step:<9} {shown:<12} {info.get('at', '') if info else ''}")
     approved = [g for g in (*PIPELINE_GATES, "eval") if g in state.approvals]
     lines.append(f"  approved gates: {', '.join(approved) or 'none'}")
     nxt = None
-    if state.waiting_for:
+    if live is not None:
+        lines.append(live["line"])
+        nxt = live["continue"]
+        if nxt:
+            lines.append(f"  continue with: {nxt}")
+    elif state.waiting_for:
         gate = GATES[state.waiting_for]
         lines.append(f"  waiting at checkpoint {gate.number} ({gate.name}): {gate.question}")
         nxt = (state.pending or {}).get("continue") or _continue_command(workdir, gate.name)
         lines.append(f"  continue with: {nxt}")
-    return {"workdir": str(workdir), "state": "waiting" if state.waiting_for else "idle",
+    kind = live["state"] if live else "waiting" if state.waiting_for else "idle"
+    return {"workdir": str(workdir), "state": kind,
             "waiting_for": state.waiting_for, "steps": state.steps, "approved": approved, "continue": nxt,
             "text": "\n".join(lines)}
+
+
+def _liveness(workdir: Path, state: RunState) -> dict | None:
+    """For a step recorded as running: is the process that ran it still alive (the work dir
+    lock's holder, pid + start time)? None when no step is running."""
+    running = [name for name in STEP_NAMES if (state.steps.get(name) or {}).get("status") == "running"]
+    if not running:
+        return None
+    try:
+        record = read_holder((workdir / LOCK_FILE).read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        record = None
+    if holder_alive(record):
+        return {"state": "running", "continue": None,
+                "line": f"  running: {running[0]} (pid {record['pid']}, started {record.get('started_at', '?')})"}
+    return {"state": "interrupted", "continue": f"quark-ptq-eval resume --workdir {shlex.quote(str(workdir))}",
+            "line": f"  interrupted: the process that ran {running[0]} is gone"}
 
 
 def _continue_command(workdir: Path, gate: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .calibration_text import describe_used
 from .steps import STEP_NAMES, artifact_files
 
 
@@ -33,6 +34,7 @@ def build_summary(wd: Path, model: str | None, output_dir: str | None, timings: 
         "algorithm": plan.algorithm if plan else None,
         "size_before_bytes": analysis.size["bytes"] if analysis else None,
         "size_after_bytes": _dir_bytes(out) if out and _executed(stopped_at) else None,
+        "calibration": describe_used(plan.calibration) if plan else None,
         "validation": getattr(validation, "status", None),
         "evaluation": _eval_summary(evaluation),
         "artifacts": artifacts,
@@ -49,7 +51,8 @@ def _eval_summary(evaluation: Any) -> Any:
     """``None`` (not reached), ``"skipped"``, or the tier, verdict and report of an EvalReport."""
     if evaluation is None or isinstance(evaluation, str):
         return evaluation
-    return {"tier": evaluation.tier, "verdict": evaluation.verdict, "report": str(evaluation.report_path)}
+    return {"tier": evaluation.tier, "verdict": evaluation.verdict, "report": str(evaluation.report_path),
+            "verdict_qualifier": getattr(evaluation, "verdict_qualifier", None)}
 
 
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -57,6 +60,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     mib = lambda b: f"{b / 2**20:.2f} MiB" if b else "-"  # noqa: E731
     rows += [("scheme", f"{summary['scheme']}" + (f" + {summary['algorithm']}" if summary["algorithm"] else "")),
              ("size before → after", f"{mib(summary['size_before_bytes'])} → {mib(summary['size_after_bytes'])}"),
+             ("calibration", str(summary.get("calibration") or "-")),
              ("validation", str(summary["validation"])), ("evaluation", _verdict_text(summary["evaluation"]))]
     rows += [(f"time: {k}", f"{v:.1f} s") for k, v in summary["timings_s"].items()]
     return rows
@@ -64,5 +68,6 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _verdict_text(evaluation: Any) -> str:
     if isinstance(evaluation, dict):
-        return f"{evaluation['verdict']} (tier {evaluation['tier']})"
+        qualifier = f", {evaluation['verdict_qualifier']}" if evaluation.get("verdict_qualifier") else ""
+        return f"{evaluation['verdict']} (tier {evaluation['tier']}{qualifier})"
     return str(evaluation)

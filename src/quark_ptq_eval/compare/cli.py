@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..checkpoints import Approver
 from ..errors import ExitCode
-from ..options import add_flags, given
+from ..options import add_flags, add_offline_flag, given
 
 # PlanRequest / EvalOptions fields every scheme of the comparison shares (their flags are declared there)
 PLAN_SHARED = ("goal", "target", "algorithm", "kv_cache_scheme", "exclude_layers", "calib_data", "calib_dataset",
@@ -42,7 +42,7 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--approve", default="", metavar="GATES", help="comma-separated approvals: intake,plan,execute,result,...")
     g.add_argument("--yes", "-y", action="store_true", help="approve every gate except overwrite and baseline")
     g.add_argument("--overwrite", action="store_true", default=None)
-    g.add_argument("--offline", action="store_true", default=None)
+    add_offline_flag(g)
     g.add_argument("--json", action="store_true", help="print comparison.json on stdout")
     g.add_argument("--quiet", "-q", action="store_true")
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..calibration_text import OPTIMISTIC
 from ..checkpoints import as_gatekeeper
 from ..errors import UsageError
 from ..sensitivity.followup import sensitivity_followup
@@ -43,17 +44,24 @@ def evaluate(
     workdir.mkdir(parents=True, exist_ok=True)
     ctx = TierContext(model_dir, options, workdir, approver, source_model, plan, progress=progress, started=started)
     estimate, outcome, timed_from = None, TierOutcome(quantized={}, notes=["Evaluation skipped."]), None
+    overlap = None
     if tier.module is not None:
         module = tier_module(tier)
         prepared = module.prepare(ctx)
         estimate = prepared.estimate
         estimate.elapsed_s = time.perf_counter() - started  # loading and the pilot are part of the span
         ctx.log(estimate.summary())
+        overlap = calibration_overlap(ctx)  # said at the checkpoint, before the tier runs
         asked = time.perf_counter()
         _confirm_if_long(estimate, tier.name, approver)
         timed_from = started + (time.perf_counter() - asked)  # a person's answer is not the evaluation's time
         outcome = module.run(prepared)
     report = build_report(ctx, outcome, estimate, None)
+    if overlap is not None:
+        report.details["calibration_overlap"] = overlap
+        report.verdict_qualifier = OPTIMISTIC
+        report.notes.append(f"Scored on calibration text: {overlap['text']}; perplexity and KL measured on the "
+                            "text the scales were fitted to are optimistic. Evaluate on held-out text.")
     report_files.write_all(report, timed_from=timed_from)
     ctx.log(f"{report.one_line()}; report: {report.report_path}")
     return report
@@ -74,6 +82,25 @@ def estimate_runtime(
         estimate = tier_module(tier).prepare(ctx).estimate
         estimate.elapsed_s = time.perf_counter() - ctx.started  # the same span evaluate() announces
         return estimate
+
+
+def calibration_overlap(ctx: TierContext) -> dict | None:
+    """Tier 1 text that overlaps the plan's calibration text (calibration_text.OVERLAP_RULE), said now."""
+    from ..calibration_text import overlap
+    from ..execute.calib_cache import split_plain_text
+    from .tier_ppl import eval_texts
+
+    options = ctx.options
+    if options.tier != "ppl" or options.eval_data is None or not ctx.plan:
+        return None
+    docs = eval_texts(options.eval_data, options.eval_text_limit)
+    if Path(options.eval_data).suffix == ".txt":
+        docs = split_plain_text("\n".join(docs))
+    found = overlap(ctx.plan.get("calibration") or {}, Path(options.eval_data), docs)
+    if found is not None:
+        ctx.log(f"warning: {found['text']}: the verdict will be {OPTIMISTIC}; give held-out --eval-data for an "
+                "unbiased one")
+    return found
 
 
 def _resolve_baseline(options: EvalOptions, source_model: Path | None) -> EvalOptions:

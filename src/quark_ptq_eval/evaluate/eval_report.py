@@ -37,6 +37,7 @@ class EvalReport:
     artifacts: dict[str, str] = field(default_factory=dict)
     chart_path: Path | None = None
     sensitivity: dict[str, Any] | None = None  # the plan's scan proposal: predicted vs measured KL
+    verdict_qualifier: str | None = None  # e.g. "optimistic: scored on calibration text"
 
     @property
     def report_path(self) -> Path:
@@ -48,4 +49,5 @@ class EvalReport:
 
     def one_line(self) -> str:
         scores = "; ".join(f"{t}:{m}={v:.4g}" for t, ms in self.quantized.items() for m, v in ms.items())
-        return f"eval tier {self.tier}: verdict {self.verdict}" + (f" ({scores})" if scores else "")
+        qualified = f"{self.verdict} ({self.verdict_qualifier})" if self.verdict_qualifier else self.verdict
+        return f"eval tier {self.tier}: verdict {qualified}" + (f" ({scores})" if scores else "")

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..options import flag, nested
 
+DEFAULT_SEQ_LEN = 2048  # Tier 1's window when --seq-len is not given (Quark's ppl_eval default)
 LONG_RUN_S = 15 * 60  # above this the user is asked again before the tier starts
 
 
@@ -63,8 +64,9 @@ class EvalOptions:
     eval_data: Path | None = field(default=None, metadata=flag(  # None: wikitext-2 test split through `datasets`
         "--eval-data", type=Path, metavar="PATH",
         help="local text (.txt/.jsonl/.parquet or a saved datasets dir); default wikitext-2 test"))
-    seq_len: int = field(default=2048, metadata=flag(
-        "--seq-len", type=int, help="Tier 1 window length in tokens (default 2048, like Quark)"))
+    seq_len: int | None = field(default=None, metadata=flag(  # None: DEFAULT_SEQ_LEN within the model's context
+        "--seq-len", type=int, help="Tier 1 window length in tokens (default 2048 like Quark, or the model's "
+                                    "context when shorter; longer than the context is refused)"))
     max_windows: int | None = field(default=None, metadata=flag(
         "--max-windows", type=int, help="Tier 1: score at most this many windows"))
     eval_text_limit: int | None = field(default=None, metadata=flag(
@@ -99,8 +101,6 @@ class EvalOptions:
         "--vllm-container", help="Tier 3: reuse this running container"))
     vllm_port: int = field(default=8080, metadata=flag(
         "--vllm-port", type=int, help="Tier 3 server port (default 8080)"))
-
-    def __post_init__(self) -> None:
     vllm_python: Path | None = field(default=None, metadata=flag(  # None: $QUARK_PTQ_EVAL_VLLM_PYTHON, if set
         "--vllm-python", type=Path, metavar="PYTHON",
         help="Tier 3 and the serving check on this host: the interpreter of a vLLM environment "
@@ -108,7 +108,9 @@ class EvalOptions:
     vllm_health_timeout_s: float = field(default=1800.0, metadata=flag(
         "--vllm-health-timeout", type=float, metavar="SECONDS",
         help="Tier 3: give up on a server not healthy after this long (default 1800)"))
-        if self.seq_len < 2:
+
+    def __post_init__(self) -> None:
+        if self.seq_len is not None and self.seq_len < 2:
             raise UsageError(f"--seq-len must be at least 2 tokens, not {self.seq_len}.")
         if self.batch_size is not None and self.batch_size < 1:
             raise UsageError(f"--batch-size must be a positive integer, not {self.batch_size}.")
@@ -118,12 +120,12 @@ class EvalOptions:
             self.baseline = Path(self.baseline)
         if self.include_path is not None:
             self.include_path = Path(self.include_path)
-        for task, metrics in self.reference.items():
-            for metric, value in metrics.items():
         if self.vllm_python is not None:
             self.vllm_python = Path(self.vllm_python)
         if not self.vllm_health_timeout_s > 0:
             raise UsageError(f"--vllm-health-timeout must be a positive number of seconds, not {self.vllm_health_timeout_s}.")
+        for task, metrics in self.reference.items():
+            for metric, value in metrics.items():
                 if not isinstance(value, int | float) or not math.isfinite(value):
                     raise UsageError(
                         f"The reference {task}:{metric}={value} is not a finite number: give the published score."

@@ -43,6 +43,7 @@ def results_document(report: EvalReport) -> dict:
             "reference": report.reference,
             "deltas": [c.as_dict() for c in report.comparisons],
             "verdict": report.verdict,
+            "verdict_qualifier": report.verdict_qualifier,
             "remedies": report.remedies,
             "runtime": runtime_document(report),
             "details": report.details,
@@ -86,7 +87,8 @@ def markdown(report: EvalReport) -> str:
     lines = [
         f"# Evaluation report — tier {report.tier}",
         "",
-        f"**Verdict: {report.verdict}**" + _verdict_explanation(report),
+        f"**Verdict: {report.verdict}**" + (f" **({report.verdict_qualifier})**" if report.verdict_qualifier else "")
+        + _verdict_explanation(report),
         "",
     ]
     lines += _settings_section(report)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..context_window import model_context
 from ..errors import QpeError, UsageError
 from ..fsio import atomic_write_text
 from .context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
@@ -275,7 +276,7 @@ def evaluate_tasks(loaded: LoadedModel, ctx: TierContext, task_names: list[str],
             pretrained=loaded.model,
             tokenizer=loaded.tokenizer,
             batch_size=options.batch_size or 1,
-            max_length=getattr(loaded.model.config, "max_position_embeddings", None),
+            max_length=model_context(loaded.model.config.to_dict())[0],  # RoPE scaling included
         )
         results = lm_eval.simple_evaluate(
             model=lm,
@@ -400,7 +401,8 @@ def lm_eval_chatter_to(log_path: Path) -> Iterator[None]:
     logger.handlers, logger.propagate = [handler], False
     evaluator.get_git_commit_hash = lambda: _git_hash(log_path)
     try:
-        yield
+        with contextlib.redirect_stdout(handler.stream):  # its print()s ("bootstrapping for stddev: ...")
+            yield
     finally:
         logger.handlers, logger.propagate, evaluator.get_git_commit_hash = saved
         handler.close()

@@ -304,6 +304,7 @@ class PplPrepared:
     estimate: RuntimeEstimate
     pilot_s: float = 0.0
     next_batch: int = 1  # batch 0 was the pilot
+    window_note: str | None = None  # why the default window was clamped to the model's context
 
 
 class Clock:
@@ -321,6 +322,7 @@ class Clock:
 
 def prepare(ctx: TierContext) -> PplPrepared:
     """Load the data and the model(s), score the first batch as a pilot, and estimate the rest."""
+    window_note = fit_eval_window(ctx)  # before anything loads: a window beyond the context is refused
     options, clock = ctx.options, Clock()
     texts = eval_texts(options.eval_data, options.eval_text_limit)  # fails before any model loads
     clock.lap("data")
@@ -340,7 +342,23 @@ def prepare(ctx: TierContext) -> PplPrepared:
     clock.lap("pilot")
     estimate = _estimate(ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_batches, acc)
     estimate.parts = clock.parts
-    return PplPrepared(ctx, quantized, baseline, windows, batch_size, acc, estimate, pilot_s, pilot_batches)
+    return PplPrepared(ctx, quantized, baseline, windows, batch_size, acc, estimate, pilot_s, pilot_batches,
+                       window_note=window_note)
+
+
+def fit_eval_window(ctx: TierContext) -> str | None:
+    """Set ``ctx.options.seq_len`` within the model's context: the default clamped (the reason is
+    returned and said), an explicit longer window refused naming the limit."""
+    import dataclasses
+
+    from ..context_window import fit_window, read_model_config
+    from .options import DEFAULT_SEQ_LEN
+
+    seq_len, note = fit_window(ctx.options.seq_len, DEFAULT_SEQ_LEN, read_model_config(ctx.model_dir), "--seq-len")
+    ctx.options = dataclasses.replace(ctx.options, seq_len=seq_len)
+    if note:
+        ctx.log(f"Tier 1 window: {note}")
+    return f"Tier 1 window of {seq_len} tokens: {note}." if note else None
 
 
 def _pilot(quantized, baseline, windows, batch_size: int, acc: Accumulator) -> tuple[int, float, float]:
@@ -470,4 +488,5 @@ def outcome_from(acc: Accumulator, seq_len: int, prepared: PplPrepared) -> TierO
         directions={TASK: {"perplexity": False, "kl_divergence": False, "top1_agreement": True}},
         details=details,
         informational=("top1_agreement",),
+        notes=[prepared.window_note] if getattr(prepared, "window_note", None) else [],
     )

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from ..artifacts import ModelAnalysis, RunManifest
 from ..checkpoints import Gatekeeper
+from ..claims import OutputClaim, make_staging, rename_no_replace
 from ..errors import QpeError, UsageError
 from ..safety import check_free_space, is_nonempty_dir
 from ..state import RunState, digest
@@ -62,16 +63,20 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
             recipe.ui.info(f"Already executed and verified: {output_dir}")
             return facts
     staging = Path(on_disk.outputs["staging_dir"])
+    _claim_output(recipe, output_dir)  # a second run aimed at this output stops here (exit 5)
     if is_nonempty_dir(output_dir) and not overwrite:
         raise UsageError(f"The output directory {output_dir} is not empty.",
                          "Choose another -o, or pass --overwrite (its contents are moved aside, not deleted).")
     check_free_space(output_dir, estimated_output_bytes(analysis))
     recipe.gates.require("execute", on_disk.command_digest, on_disk.command["shell"])
+    if staging.is_dir() and not staging.is_symlink() and not any(staging.iterdir()):
+        staging.rmdir()  # an empty staging dir of a run that died before its engine wrote: nothing to keep
     if staging.exists():
         _set_aside(recipe, staging, "holds a partial output from an interrupted or failed run")
     if is_nonempty_dir(output_dir):
         _set_aside(recipe, output_dir, "is not empty and will be replaced")
     get_engine(on_disk.engine["name"]).prepare_calibration(on_disk)
+    make_staging(staging)  # exclusively: this run's alone
     run = {"status": "running", "started_at": _now(), "command_digest": on_disk.command_digest}
     on_disk.runs.append(run)
     on_disk.write(recipe.workdir)
@@ -98,7 +103,7 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
             f"The engine failed ({failure['cause']}: {why}); evidence: {' | '.join(failure['evidence'][-2:]) or 'none'}.",
             f"Suggested change: {failure['proposal']} Full log: {result.log}",
         )
-    staging.rename(output_dir)
+    rename_no_replace(staging, output_dir)
     facts = inspect_output(output_dir)
     run["status"] = "succeeded"
     _record(recipe, on_disk, run, facts, "succeeded", output_dir=str(output_dir))
@@ -108,6 +113,20 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
                                         ("size", f"{facts['size_bytes'] / 2**20:.2f} MiB"),
                                         ("engine time", f"{result.seconds:.1f} s")])
     return facts
+
+
+def _claim_output(recipe: Recipe, output_dir: Path) -> None:
+    """Hold the output's claim for the rest of the run (the recipe's claims stack), or, for a
+    caller without one, for as long as this process lives."""
+    claims = getattr(recipe, "claims", None)
+    claim = OutputClaim(output_dir, recipe.workdir)
+    if claims is not None:
+        claims.enter_context(claim)
+    else:
+        _HELD.append(claim.__enter__())
+
+
+_HELD: list[OutputClaim] = []
 
 
 def _run(recipe: Recipe, manifest: RunManifest):

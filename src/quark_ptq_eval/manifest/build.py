@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 from ..artifacts import QuantPlan, RunManifest
+from ..calibration_text import describe_used
 from ..checkpoints import GATES, PIPELINE_GATES
 from ..errors import UsageError
 from ..execute.engines import Engine, get_engine
@@ -71,7 +72,8 @@ def build_manifest(plan: QuantPlan, workdir: Path, output_dir: Path, *, offline:
         workflow=WORKFLOW,
         inputs={"model_dir": str(model_dir), "quant_plan": str(workdir / "quant_plan.json"),
                 "model_analysis": str(workdir / "model_analysis.json"),
-                "calibration": plan.calibration.get("path") or plan.calibration.get("dataset")},
+                "calibration": plan.calibration.get("path") or plan.calibration.get("dataset"),
+                "calibration_used": describe_used(plan.calibration)},
         outputs={"quantized_model_dir": str(output_dir), "staging_dir": str(staging), "workdir": str(workdir),
                  "log": str(workdir / "logs" / "engine.log")},
         checkpoints=[{"id": f"checkpoint_{GATES[g].number}", "gate": g, "question": GATES[g].question,

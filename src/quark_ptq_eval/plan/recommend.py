@@ -11,11 +11,13 @@ import re
 from pathlib import Path
 
 from ..artifacts import ModelAnalysis, QuantPlan
+from ..context_window import fit_window, read_model_config
 from ..errors import UsageError
 from ..execute.engines import choose_engine, get_engine
 from ..sensitivity.plan_hook import apply_sensitivity
 from ..textdata import check_text_source
 from . import resources
+from .calibration_check import check_calibration_text, source_note
 from .family_limits import check_family_limits
 from .request import PlanRequest
 from .scheme_fit import fit_to_model
@@ -124,10 +126,12 @@ def _check_compatible(model_type: str, scheme: str, algorithm: str | None, kv: s
                          f"Supported KV-cache schemes: {', '.join(catalog['kv_cache_schemes'])}.")
 
 
-def _calibration(req: PlanRequest, accelerator: str) -> tuple[dict, str]:
+def _calibration(req: PlanRequest, accelerator: str, model_config: dict) -> tuple[dict, str]:
     samples = req.num_calib_samples or (128 if accelerator in ("cpu", "unknown") else 512)
-    seq_len = req.calib_seq_len or 512
+    seq_len, clamped = fit_window(req.calib_seq_len, 512, model_config, "--calib-seq-len")
     common = {"num_samples": samples, "seq_len": seq_len, "batch_size": req.batch_size}
+    if clamped:
+        common["seq_len_reason"] = clamped
     if req.calib_data:
         path = check_text_source(req.calib_data, "calibration data")
         return {"source": "local_file", "dataset": None, "path": str(path), **common}, "your local text"
@@ -248,8 +252,10 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
     if analysis.model.get("has_custom_code") and not req.trust_remote_code and not analysis.template["available"]:
         raise UsageError("This model needs its own code to load and --trust-remote-code was not given.",
                          "Review the model repository's code, then pass --trust-remote-code.")
-    calibration, calib_why = _calibration(req, accelerator)
+    calibration, calib_why = _calibration(req, accelerator, read_model_config(analysis.model.get("model_path")))
     calib_size_why = _calibration_size(req, calibration, info, algorithm, kv, accelerator)
+    calib_size_why, calib_size = check_calibration_text(calibration, req, analysis, Path(analysis_ref).parent,
+                                                        calib_size_why)
     device = _device(req, env, analysis.size["bytes"])
     # The engines registry decides (execute/engines/): its automatic choice and its constraints.
     engine, engine_why = choose_engine(req.engine, accelerator, calibration, device["device"] == "cpu")
@@ -265,9 +271,9 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
         {"decision": "exclude_layers", "value": excludes, "reason": ex_why},
         {"decision": "layer_quant_config", "value": req.layer_quant_config,
          "reason": "your per-pattern overrides" if req.layer_quant_config else "no overrides"},
-        {"decision": "calibration", "value": calibration.get("path") or calibration["dataset"], "reason": calib_why},
-        {"decision": "calibration size", "value": f"{calibration['num_samples']} x {calibration['seq_len']} tokens",
-         "reason": calib_size_why},
+        {"decision": "calibration", "value": calibration.get("source_path") or calibration.get("path")
+         or calibration["dataset"], "reason": calib_why + source_note(calibration)},
+        {"decision": "calibration size", "value": calib_size, "reason": calib_size_why},
         {"decision": "device", "value": device["device"] + (" (multi-device)" if device["multi_device"] else ""),
          "reason": "explicit" if req.device else f"detected {hw}"},
         {"decision": "engine", "value": engine, "reason": engine_why},

@@ -35,6 +35,9 @@ class PlanRequest:
         help="per-pattern scheme override (repeatable)"))
     calib_data: str | None = field(default=None, metadata=flag(
         "--calib-data", help="local calibration text: .txt, .jsonl or .parquet"))
+    calib_text_field: str | None = field(default=None, metadata=flag(
+        "--calib-text-field", help="the field (.jsonl) or column (.parquet, datasets) holding the calibration "
+                                   "text (default text)"))
     calib_dataset: str | None = field(default=None, metadata=flag(
         "--calib-dataset", help="quark-cli calibration dataset id (default pileval)"))
     num_calib_samples: int | None = field(default=None, metadata=flag("--num-calib-samples", type=int))
@@ -49,6 +52,7 @@ class PlanRequest:
         "--trust-remote-code", action="store_true", help="allow the model repository's own code to run (never implied)"))
     evaluation_intent: str = field(default="smoke", metadata=flag("--eval-intent", choices=("none", "smoke", "full")))
     offline: bool = False  # its flag is a run-control option (cli._common): it applies to every step
+    hold_out_eval: bool = False  # set by the run: split off a held-out part of the text for Tier 1
     sensitivity: bool = field(default=False, metadata=flag(  # the scan at plan time (sensitivity/plan_hook.py)
         "--sensitivity", action="store_true",
         help="run the sensitivity scan at plan time and propose layers to keep unquantized"))

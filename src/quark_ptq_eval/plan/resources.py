@@ -397,7 +397,9 @@ def hold_message(plan, execution_mode: str, approver, already_approved: bool) ->
 
     A plan this host cannot hold is not approved by --yes: only by name (``--approve plan``), by a
     person at the terminal who saw the table, or in plan_only mode (nothing runs there)."""
-    unfit = unfit_message(plan)
+    from ..calibration_text import short_message
+
+    unfit = unfit_message(plan) or short_message(plan.calibration)  # less calibration text than planned, too
     if unfit is None or execution_mode == "plan_only" or already_approved:
         return None
     named = "plan" in getattr(approver, "approved", ())

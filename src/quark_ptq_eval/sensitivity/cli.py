@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ExitCode, UsageError
-from ..options import add_flags, given
+from ..options import add_flags, add_offline_flag, apply_offline, given
 from ..textdata import check_text_source
 
 
@@ -30,11 +30,13 @@ def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, ScanOptions, only=["estimate_only", "use_cache", "trust_remote_code"])
     p.add_argument("--json", action="store_true", help="print the proposal as JSON on stdout")
     p.add_argument("--quiet", "-q", action="store_true")
+    add_offline_flag(p)
 
 
 def cmd_sensitivity(args: argparse.Namespace) -> int:
     from . import ScanOptions, run_sensitivity
 
+    apply_offline(args.offline)
     if args.max_kl is not None and not args.max_kl > 0:
         raise UsageError(f"--max-kl must be a positive number, not {args.max_kl}.")
     if not (Path(args.model) / "config.json").exists():

@@ -100,6 +100,7 @@ class ValidationReport:
     applied_fixes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     structural: tuple[str, ...] = ("layout", "md5")  # from the registry
+    calibration: str | None = None  # the calibration actually used (the plan's count of the text)
 
     def check(self, name: str) -> CheckResult:
         return next(c for c in self.checks if c.name == name)
@@ -170,6 +171,7 @@ class ValidationReport:
             "quantized_model_dir": str(self.quantized),
             "exclude_patterns": list(self.exclude_patterns),
             "exclusions_from": self.exclusions_from,
+            "calibration": self.calibration,
             "seconds": round(self.seconds, 4),
             "checks": {c.name: c.to_dict() for c in self.checks},
         }
@@ -183,6 +185,8 @@ class ValidationReport:
             f"- Status: **{self.status}**: {self.summary()}",
             f"- Exclusions ({self.exclusions_from}): {', '.join(self.exclude_patterns) or '(none)'}",
         ]
+        if self.calibration:
+            out.append(f"- Calibration used: {self.calibration}")
         if self.applied_fixes:
             out.append(f"- Applied fixes: {'; '.join(self.applied_fixes)}")
         for c in self.checks:
