@@ -59,12 +59,16 @@ def _layer_tensors(rng, i: int, hidden: int) -> tuple[dict, dict]:
     import numpy as np
 
     o_proj = _random(rng, (hidden, hidden), np.float16)
+    # up_proj: finite weights, quantized round-to-nearest per tensor as Quark does (the decode check holds it)
+    up = (rng.standard_normal((hidden // 2, hidden), dtype=np.float32) * 0.02).astype(np.float16)
+    scale = np.float32(np.abs(up).max()) / np.float32(127)
     src = {f"model.layers.{i}.self_attn.o_proj.weight": o_proj,
-           f"model.layers.{i}.mlp.up_proj.weight": _random(rng, (hidden // 2, hidden), np.float16),
+           f"model.layers.{i}.mlp.up_proj.weight": up,
            f"model.layers.{i}.input_layernorm.weight": _random(rng, (hidden,), np.float16)}
     out = {f"model.layers.{i}.self_attn.o_proj.weight": o_proj,
-           f"model.layers.{i}.mlp.up_proj.weight": _random(rng, (hidden // 2, hidden), np.int8),
-           f"model.layers.{i}.mlp.up_proj.weight_scale": np.ones((), np.float32),
+           f"model.layers.{i}.mlp.up_proj.weight": np.clip(np.rint(up.astype(np.float32) / scale), -128, 127)
+           .astype(np.int8),
+           f"model.layers.{i}.mlp.up_proj.weight_scale": np.array(scale, np.float32),
            f"model.layers.{i}.mlp.up_proj.weight_zero_point": np.zeros((), np.int8),
            f"model.layers.{i}.input_layernorm.weight": src[f"model.layers.{i}.input_layernorm.weight"]}
     return src, out

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from decode_faults import FAULTS, PLANTERS, applicable
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from test_validate import read_tensors, shard, write_tensors
@@ -23,7 +24,8 @@ from quark_ptq_eval.safetensors_io import INDEX_NAME
 from quark_ptq_eval.validate import validate_model
 
 EXPORTS = ("int8", "int4_wo_128", "mxfp4")
-KINDS = ("byte", "shape", "dtype", "config", "tokenizer", "index")
+WEIGHT_FAULTS = tuple(f"weight:{fault}" for fault in FAULTS)  # decoded weights off their source (decode check)
+KINDS = ("byte", "shape", "dtype", "config", "tokenizer", "index", *WEIGHT_FAULTS)
 SAME_WIDTH = {"F32": "I32", "I32": "F32", "F16": "BF16", "BF16": "F16", "I8": "U8", "U8": "I8",
               "F8_E4M3": "I8", "F8_E8M0": "U8", "I64": "F64", "F64": "I64"}
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
@@ -71,6 +73,8 @@ def test_unmutated_exports_are_never_flagged(campaign):
 def mutations(draw):
     kind = draw(st.sampled_from(KINDS))
     export = "int8-sharded" if kind == "index" else draw(st.sampled_from(EXPORTS))
+    if kind in WEIGHT_FAULTS:  # a format that can carry it: MX exponents only in mxfp4, nibbles in 4-bit codes
+        export = next(e for e in (export, *EXPORTS) if FAULT_FORMATS[kind.split(":")[1]] & {e, "*"})
     return kind, export, draw(st.integers(0, 2**31 - 1)), draw(st.integers(0, 2**31 - 1))
 
 
@@ -217,8 +221,25 @@ def mutate_index(out: Path, a: int, b: int) -> str:
     return what
 
 
+FAULT_FORMATS = {"negate_row": {"*"}, "zero_rows": {"*"}, "scale_25": {"int8", "int4_wo_128"},
+                 "zero_point_step": {"int8", "int4_wo_128"}, "swap_nibbles": {"int4_wo_128", "mxfp4"},
+                 "mx_exponent": {"mxfp4"}}
+
+
+def _weight_fault(fault: str):
+    def mutate(out: Path, a: int, b: int) -> str:
+        tensors = read_tensors(out)
+        modules = sorted(n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale"))
+        module = next(m for m in modules[a % len(modules):] + modules if fault in applicable(tensors, m))
+        what = PLANTERS[fault](tensors, module)
+        write_tensors(out / "model.safetensors", tensors)
+        return what
+    return mutate
+
+
 MUTATORS = {"byte": mutate_byte, "shape": mutate_shape, "dtype": mutate_dtype, "config": mutate_config,
-            "tokenizer": mutate_tokenizer, "index": mutate_index}
+            "tokenizer": mutate_tokenizer, "index": mutate_index,
+            **{kind: _weight_fault(kind.split(":")[1]) for kind in WEIGHT_FAULTS}}
 
 
 def test_campaign_size_and_catch_rate_are_printed(campaign, capsys):

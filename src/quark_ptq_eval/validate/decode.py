@@ -15,7 +15,7 @@ Bounds, by algorithm (``bench/bench_decode.py`` measures the statistical ones on
 - GPTQ moves codes to compensate earlier errors: each code within ``GPTQ_STEPS`` steps of where the
   source falls; each row's gain (least squares of the decoded row on the source's) within
   ``GPTQ_GAIN`` of 1; each row's error within ``GPTQ_ERROR_RATIO`` times round-to-nearest's with the
-  same scales; each group's mean code offset within ``GPTQ_BIAS`` steps.
+  same scales.
 - AWQ / SmoothQuant fold a per-channel scale: undone before comparing (``scaling_layers`` in the
   export: a norm's ratio source / export, exact; a linear's, from that linear's own rows, with the
   estimate's standard error added to the bound).
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,7 +37,8 @@ from . import decode_formats as fmt
 from .decode_weights import Comparison, Fold, Target, compare
 from .expectations import as_spec_list, module_config
 from .folds import fold_groups
-from .registry import ValidationContext, unreadable_headers
+from .md5check import default_workers
+from .registry import ValidationContext, read_config, unreadable_headers
 from .report import CheckResult, Finding
 from .rewrites import LAYER, ROTATING, SCALING, algorithms
 
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
 
 RTN_SLACK = 1e-3  # steps: float32 rounding of w / scale (+ zero point); measured worst 0.5000005
 # GPTQ, measured on healthy exports (bench/bench_decode.py): codes <= 2.9 steps off, |gain - 1| <= 0.031,
-# row error <= 2.0x round-to-nearest's, group offset <= 0.12 step. Each limit holds a margin of >= 1.4x.
+# row error <= 2.0x round-to-nearest's (tiny Llama int4_wo_128): each limit holds a margin of >= 1.4x.
 GPTQ_STEPS = 4.0
 GPTQ_GAIN = 0.1
 GPTQ_ERROR_RATIO = 3.0
@@ -65,6 +67,16 @@ class Bound:
         if self.gain is not None:
             text += f", row gain 1 +- {self.gain:g}, row error <= {self.error_ratio:g}x round-to-nearest's"
         return text
+
+
+def decode_export(source: Path, quantized: Path, plan: dict | None = None,
+                  weights_source: Path | None = None) -> CheckResult:
+    """The decode check alone on one export (``weights_source``: read source weights there instead,
+    e.g. a dequantized BF16 copy of an FP8 release); never raises on a mismatch."""
+    ctx = ValidationContext(Path(source), Path(quantized), plan, weights_source=weights_source)
+    ctx.src_config, ctx.out_config = read_config(ctx.source), read_config(ctx.quantized)
+    ctx.read_headers()
+    return check_decode(ctx)
 
 
 def check_decode(ctx: ValidationContext) -> CheckResult:
@@ -145,15 +157,11 @@ def bound_for(algos: set[str]) -> Bound:
 
 def decode_targets(targets: list[Target], ctx: ValidationContext, result: CheckResult, algos: set[str]) -> None:
     bound = bound_for(algos)
-    folds = FoldFinder(ctx, targets) if algos & SCALING else None
     t0, done, total = time.perf_counter(), 0, sum(t.source.nbytes for t in targets)
     worst: tuple[float, str] = (0.0, "")
-    for target in folds.ordered() if folds else targets:
-        try:
-            fold = folds.fold_for(target, result) if folds else None
-            outcome = compare(target, bound.steps, fold, rtn_reference=bound.gain is not None, clipped="awq" in algos)
-        except (fmt.UnsupportedFormat, OSError, ValueError) as exc:
-            result.notes.append(f"not checked: {target.weight.name} ({exc})")
+    for target, fold, outcome in _outcomes(targets, ctx, result, algos, bound):
+        if isinstance(outcome, Exception):
+            result.notes.append(f"not checked: {target.weight.name} ({outcome})")
             continue
         result.findings += judge(target, outcome, bound, fold)
         worst = max(worst, (float(outcome.worst_steps.max()) if outcome.rows else 0.0, target.weight.name))
@@ -167,13 +175,38 @@ def decode_targets(targets: list[Target], ctx: ValidationContext, result: CheckR
                             f"({worst[1]}); bound {bound.describe()}")
 
 
+def _outcomes(targets: list[Target], ctx: ValidationContext, result: CheckResult, algos: set[str], bound: Bound):
+    """(target, fold, comparison or the exception that stopped it), in order. Without folds the tensors
+    are independent: a thread pool overlaps one tensor's reads with another's arithmetic (numpy releases
+    the GIL); with folds a pair's first linear must come first, so they run in turn."""
+    def one(target: Target, fold: Fold | None):
+        try:
+            return target, fold, compare(target, bound.steps, fold, rtn_reference=bound.gain is not None,
+                                         clipped="awq" in algos)
+        except (fmt.UnsupportedFormat, OSError, ValueError) as exc:
+            return target, fold, exc
+
+    if algos & SCALING:
+        folds = FoldFinder(ctx, targets)
+        for target in folds.ordered():
+            try:
+                fold = folds.fold_for(target, result)
+            except (fmt.UnsupportedFormat, OSError, ValueError) as exc:
+                yield target, None, exc
+                continue
+            yield one(target, fold)
+        return
+    with ThreadPoolExecutor(max_workers=ctx.workers or default_workers()) as pool:
+        yield from pool.map(lambda t: one(t, None), sorted(targets, key=lambda t: -t.source.nbytes))
+
+
 def judge(target: Target, c: Comparison, bound: Bound, fold: Fold | None) -> list[Finding]:
     """Findings for one tensor: rows with elements over the bound, and (GPTQ) rows off in gain or error."""
     import numpy as np
 
     findings = []
     name = target.weight.name
-    folded = " after undoing the folded scale" if fold is not None else ""
+    folded = f" after undoing the scale folded from {fold.origin}" if fold is not None else ""
     if c.over:
         rows = sorted(c.over)
         row = max(rows, key=lambda r: c.worst_steps[r])
@@ -241,29 +274,32 @@ class FoldFinder:
     def fold_for(self, target: Target, result: CheckResult) -> Fold | None:
         import numpy as np
 
-        cols, col_tol = None, None
+        cols, col_tol, origins = None, None, []
         for prev, _ in self._folds_into(target):
             name = self._absolute(target.module, prev)
             if name in self.targets:
                 s, se = (_to_columns(a, target.source.shape[1], self.ctx.src_config) for a in self._row_scale(name))
                 cols = s if cols is None else cols * s
                 col_tol = se if col_tol is None else col_tol + se
+                origins.append(f"{name} (estimated from its rows: the fault may be in either)")
             else:
                 ratio = self._norm_ratio(name)
                 if ratio is None:
                     result.notes.append(f"{target.weight.name}: the fold from {name} could not be read; compared as is")
                     continue
                 cols = ratio if cols is None else cols * ratio
+                origins.append(name)
         rows, row_tol = None, None
         if self._feeds_a_fold(target, self.targets):
             rows, row_tol = self._row_scale(target.module, cols)
             result.findings += _unfoldable_rows(target, rows)
+            origins.append("its own rows")
         if cols is None and rows is None:
             return None
         tol = np.zeros((target.source.shape[0], 1), np.float32) if row_tol is None else row_tol[:, None]
         if col_tol is not None:
             tol = tol + col_tol[None, :]
-        return Fold(cols, rows, FOLD_SIGMAS * tol + _float_slack(self.ctx, target))
+        return Fold(cols, rows, FOLD_SIGMAS * tol + _float_slack(self.ctx, target), " and ".join(origins))
 
     def _folds_into(self, target: Target) -> list[tuple[str, list[str]]]:
         match = LAYER.match(target.module)
@@ -302,7 +338,7 @@ class FoldFinder:
 
         if module not in self.row_scales:
             target = self.targets[module]
-            c = compare(target, math.inf, Fold(cols) if cols is not None else None)
+            c = compare(target, math.inf, Fold(cols) if cols is not None else None, row_stats=True)
             with np.errstate(divide="ignore", invalid="ignore"):
                 s = (1.0 / c.gain).astype(np.float32)
                 # decoded = gain * source + residual: the gain's relative standard error over the row

@@ -51,8 +51,7 @@ class Grid:
         return float(self.values[-1])
 
 
-def read_array(info: TensorInfo) -> np.ndarray:
-    """The tensor's raw elements, memory-mapped (pages are read as they are touched)."""
+def _numpy_dtype(info: TensorInfo):
     import numpy as np
 
     dtype = {"I8": np.int8, "U8": np.uint8, "I32": np.int32, "U32": np.uint32, "I16": np.int16, "U16": np.uint16,
@@ -60,11 +59,30 @@ def read_array(info: TensorInfo) -> np.ndarray:
              **{k: np.dtype(v) for k, v in NUMPY_FLOATS.items()}}.get(info.dtype)
     if dtype is None:
         raise UnsupportedFormat(f"{info.dtype} tensors")
-    count = math.prod(info.shape)
-    if count == 0:
-        return np.zeros(info.shape, dtype=dtype)
-    return np.memmap(info.file, dtype=dtype, mode="r", offset=info.start, shape=tuple(info.shape) or (1,)) \
-        .reshape(info.shape)
+    return np.dtype(dtype)
+
+
+def read_array(info: TensorInfo) -> np.ndarray:
+    """The tensor's raw elements, read in one sequential pass."""
+    return read_rows(info, 0, info.shape[0] if info.shape else 1)
+
+
+def read_rows(info: TensorInfo, first: int, end: int) -> np.ndarray:
+    """Rows ``first:end`` of a row-major tensor (a scalar: its one element), one sequential read."""
+    import numpy as np
+
+    dtype = _numpy_dtype(info)
+    shape = tuple(info.shape)
+    per_row = math.prod(shape[1:]) if shape else 1
+    count = (end - first) * per_row
+    if count <= 0:
+        return np.zeros((0, *shape[1:]) if shape else (), dtype=dtype)
+    with open(info.file, "rb") as fh:
+        fh.seek(info.start + first * per_row * dtype.itemsize)
+        data = np.fromfile(fh, dtype=dtype, count=count)
+    if data.size != count:
+        raise UnsupportedFormat(f"{info.file.name} ends inside tensor {info.name}")
+    return data.reshape((end - first, *shape[1:]) if shape else ())
 
 
 def as_float(info: TensorInfo, raw: np.ndarray) -> np.ndarray:
@@ -97,6 +115,22 @@ def minifloat_table(dtype: str) -> np.ndarray:
         else:
             values.append(sign * (1 + man / (1 << mbits)) * 2.0 ** (exp - bias))
     return np.array(values, dtype=np.float32)
+
+
+@functools.cache
+def inverse_min_gap(dtype: str) -> np.ndarray:
+    """Per code of a minifloat: 1 / the smaller gap to its neighbours on the grid (0 for NaN codes)."""
+    import numpy as np
+
+    table, values = minifloat_table(dtype), grid(dtype).values
+    out = np.zeros(len(table), np.float32)
+    for code, value in enumerate(table):
+        if not np.isfinite(value):
+            continue
+        p = int(np.searchsorted(values, value))
+        gaps = [values[i + 1] - values[i] for i in (p - 1, p) if 0 <= i < len(values) - 1]
+        out[code] = 1.0 / min(gaps)
+    return out
 
 
 def grid(dtype: str) -> Grid:

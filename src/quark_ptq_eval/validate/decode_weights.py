@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 CHUNK_ELEMENTS = 1 << 22  # rows decoded at once: a few float32 arrays of this size at a time
+MIN_CLIP = 0.55  # Quark's AWQ clip search (awq.py _compute_best_clip): max_val down to 1 - 9/20 of the group's
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Fold:
     cols: np.ndarray | None = None
     rows: np.ndarray | None = None
     tolerance: np.ndarray | None = None  # [rows or 1, cols or 1], steps per unit |x|: the fold's own uncertainty
+    origin: str = ""  # where the scale was read, for messages
 
 
 def codes(t: Target) -> np.ndarray:
@@ -130,45 +132,81 @@ def _per_row(values: np.ndarray, out: int, transposed: bool) -> np.ndarray:
 
 
 def compare(t: Target, limit: float, fold: Fold | None = None, rtn_reference: bool = False,
-            clipped: bool = False) -> Comparison:
+            clipped: bool = False, row_stats: bool = False) -> Comparison:
     """Decode ``t`` and compare it with its source, row chunk by row chunk (see the module docstring);
     ``limit`` (steps) decides which rows and groups are listed as over. ``clipped``: the algorithm
-    searched a clip range per group (AWQ), so a source value beyond it decodes to its group's extreme code."""
+    searched a clip range per group (AWQ), so a source value beyond it decodes to its group's extreme code.
+    ``row_stats`` (implied by ``rtn_reference``): also each row's gain and error."""
     import numpy as np
 
     code_all = codes(t)
-    src = fmt.read_array(t.source)
     rows, cols = t.source.shape
     if code_all.shape != (rows, cols):
         raise fmt.UnsupportedFormat(f"codes of shape {list(code_all.shape)} for a source of {[rows, cols]}")
     scale, zero = scales(t, rows)
-    groups = scale.shape[1]
-    width = cols // groups
-    if width * groups != cols:
-        raise fmt.UnsupportedFormat(f"{groups} scale groups over {cols} columns")
+    if cols % scale.shape[1]:
+        raise fmt.UnsupportedFormat(f"{scale.shape[1]} scale groups over {cols} columns")
     grid = fmt.grid(t.dtype)
     result = Comparison(rows, cols, np.zeros(rows, np.float32), np.zeros(rows, np.int64))
     sums = np.zeros((4, rows), np.float64)  # <w,w>, <w,w_hat>, ||w - w_hat||^2, ||w - rtn||^2
     step = max(1, CHUNK_ELEMENTS // max(cols, 1))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        w = _folded(fmt.as_float(t.source, src[r0:r1]), fold, r0, r1)
-        s, z = np.repeat(scale[r0:r1], width, axis=1), np.repeat(zero[r0:r1], width, axis=1)
-        x = w / s + z
-        v = values_of(t, code_all[r0:r1])
-        err = _steps(x, v, grid)
+        w = _folded(fmt.as_float(t.source, fmt.read_rows(t.source, r0, r1)), fold, r0, r1)
+        chunk = _Chunk(t, w, scale[r0:r1], zero[r0:r1], code_all[r0:r1])
+        err = chunk.errors(grid, limit)
         if clipped:
-            err = _within_clip(err, x, v, width)
+            err = _within_clip(err, chunk.x, chunk.v, chunk.spread(zero[r0:r1]), chunk.width)
         if fold is not None and fold.tolerance is not None:
             tol = fold.tolerance[r0:r1] if fold.tolerance.shape[0] > 1 else fold.tolerance
-            err = np.maximum(err - tol * np.abs(x), 0.0)
-        _record(result, err, r0, width, limit)
-        _accumulate(sums, r0, r1, w, (v - z) * s, (_nearest(x, grid) - z) * s if rtn_reference else None)
+            err = np.maximum(err - tol * np.abs(chunk.x), 0.0)
+        _record(result, err, r0, chunk.width, limit)
+        if row_stats or rtn_reference:
+            rtn = chunk.dequantized(_nearest(chunk.x, grid)) if rtn_reference else None
+            _accumulate(sums, r0, r1, w, chunk.dequantized(chunk.v), rtn)
     with np.errstate(divide="ignore", invalid="ignore"):
         result.gain = sums[1] / sums[0]
         result.rel_error = np.sqrt(sums[2] / sums[0])
         result.rtn_error = np.sqrt(sums[3] / sums[0]) if rtn_reference else None
     return result
+
+
+class _Chunk:
+    """Rows of one tensor on the grid: ``x`` (the source), ``v`` (the codes); scales broadcast per group."""
+
+    def __init__(self, t: Target, w: np.ndarray, scale: np.ndarray, zero: np.ndarray, code_rows: np.ndarray):
+        import numpy as np
+
+        self.t, self.codes, self.scale, self.zero = t, code_rows, scale, zero
+        self.rows, cols = w.shape
+        self.groups = scale.shape[1]
+        self.width = cols // self.groups
+        x = w.reshape(self.rows, self.groups, self.width) / scale[:, :, None]
+        if zero.any():
+            x += zero[:, :, None]
+        self.x = x.reshape(self.rows, cols)
+        self.v = values_of(t, code_rows)
+        self._np = np
+
+    def spread(self, per_group: np.ndarray) -> np.ndarray:
+        return self._np.repeat(per_group, self.width, axis=1)
+
+    def dequantized(self, grid_values: np.ndarray) -> np.ndarray:
+        shaped = grid_values.reshape(self.rows, self.groups, self.width) - self.zero[:, :, None]
+        return (shaped * self.scale[:, :, None]).reshape(self.rows, -1)
+
+    def errors(self, grid: fmt.Grid, limit: float) -> np.ndarray:
+        """|x - v| in steps. Fast: ints step 1, floats the smaller gap beside v (never larger than the
+        exact error); the exact rule (``_steps``) only where that reads over half a step."""
+        np = self._np
+        err = np.abs(self.x - self.v)
+        if not grid.integer:
+            err *= fmt.inverse_min_gap(self.t.dtype)[self.codes]
+        with np.errstate(invalid="ignore"):
+            suspect = np.nonzero(~(err <= min(limit, 0.5)))  # over half a step: the exact rule says
+        if suspect[0].size:
+            err[suspect] = _steps(self.x[suspect], self.v[suspect], grid)
+        return err
 
 
 def _folded(w: np.ndarray, fold: Fold | None, r0: int, r1: int) -> np.ndarray:
@@ -197,14 +235,16 @@ def _steps(x: np.ndarray, v: np.ndarray, grid: fmt.Grid) -> np.ndarray:
     return np.where(np.isfinite(err), err, np.inf)  # a NaN code or scale is never within a bound
 
 
-def _within_clip(err: np.ndarray, x: np.ndarray, v: np.ndarray, width: int) -> np.ndarray:
-    """An element on its group's largest (smallest) code with the source beyond it was clipped: half a step."""
+def _within_clip(err: np.ndarray, x: np.ndarray, v: np.ndarray, z: np.ndarray, width: int) -> np.ndarray:
+    """An element on its group's largest (smallest) code with the source beyond it, but within what the
+    clip search can cut (``MIN_CLIP`` of the group's range), was clipped: half a step."""
     import numpy as np
 
     grouped = v.reshape(v.shape[0], -1, width)
     top = np.repeat(grouped.max(axis=2), width, axis=1)
     bottom = np.repeat(grouped.min(axis=2), width, axis=1)
-    clipped = ((v == top) & (x >= v)) | ((v == bottom) & (x <= v))
+    reach = np.abs(x - z) <= (np.abs(v - z) + 0.5) / MIN_CLIP
+    clipped = ((v == top) & (x >= v) | (v == bottom) & (x <= v)) & reach
     return np.where(clipped, np.minimum(err, 0.5), err)
 
 
