@@ -96,6 +96,20 @@ def as_float(info: TensorInfo, raw: np.ndarray) -> np.ndarray:
     raise UnsupportedFormat(f"a {info.dtype} source weight (dequantize it to BF16/F32 first)")
 
 
+HALF_FLOATS = ("BF16", "F16")
+
+
+def round_to(dtype: str, values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest BF16 / F16 (ties to even), as float32."""
+    import numpy as np
+
+    if dtype == "F16":
+        return values.astype(np.float16).astype(np.float32)
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return bits.view(np.float32)
+
+
 @functools.cache
 def minifloat_table(dtype: str) -> np.ndarray:
     """Every code's value (NaN for NaN/inf codes) of a 4-, 6- or 8-bit float, indexed by its bits."""

@@ -182,8 +182,9 @@ class _Chunk:
         self.groups = scale.shape[1]
         self.width = cols // self.groups
         x = w.reshape(self.rows, self.groups, self.width) / scale[:, :, None]
+        self.quotient = x.reshape(self.rows, cols)  # w / scale, before the zero point
         if zero.any():
-            x += zero[:, :, None]
+            x = x + zero[:, :, None]
         self.x = x.reshape(self.rows, cols)
         self.v = values_of(t, code_rows)
         self._np = np
@@ -206,6 +207,9 @@ class _Chunk:
             suspect = np.nonzero(~(err <= min(limit, 0.5)))  # over half a step: the exact rule says
         if suspect[0].size:
             err[suspect] = _steps(self.x[suspect], self.v[suspect], grid)
+            if self.t.source.dtype in fmt.HALF_FLOATS:  # Quark may divide in the model's dtype: either is exact
+                x = fmt.round_to(self.t.source.dtype, self.quotient[suspect]) + self.spread(self.zero)[suspect]
+                err[suspect] = np.minimum(err[suspect], _steps(x, self.v[suspect], grid))
         return err
 
 
