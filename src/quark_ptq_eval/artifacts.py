@@ -89,6 +89,7 @@ class ModelAnalysis(Artifact):
     size: dict[str, Any]
     risks: list[dict[str, Any]]
     analyzed_at: str = ""
+    source_format: dict[str, Any] = field(default_factory=dict)  # intake/formats.py: what the weights are
 
     @property
     def model_type(self) -> str:
@@ -120,6 +121,7 @@ class QuantPlan(Artifact):
     output_dir: str = ""
     target: dict[str, Any] = field(default_factory=dict)  # where it will be served (plan/targets.py)
     resources: dict[str, Any] = field(default_factory=dict)  # what this host must hold (plan/resources.py)
+    source_reading: dict[str, Any] = field(default_factory=dict)  # how the source is read (plan/source_reading.py)
 
 
 @dataclass

@@ -235,12 +235,18 @@ class Recipe:
                                 flow.opts.overwrite)
 
     def step_validate(self, flow: Flow):
+        from .plan.source_reading import effective_source
+
+        plan = flow.parts["plan"].to_dict()  # an FP8 / .bin source is compared through its staged copy
         self.vllm_python = flow.opts.eval.get("vllm_python")  # the serving check's vLLM, as Tier 3's
-        return self._validate(flow.model_path, flow.output_dir, flow.parts["plan"].to_dict(),
+        return self._validate(effective_source(plan, flow.model_path), flow.output_dir, plan,
                               load_check=not flow.opts.no_load_check)
 
     def step_eval(self, flow: Flow):
-        return self._evaluate(flow.opts, flow.model_path, flow.output_dir, flow.parts["plan"].to_dict())
+        from .plan.source_reading import effective_source
+
+        plan = flow.parts["plan"].to_dict()  # Tier 1's baseline: the staged BF16 copy of an FP8 release
+        return self._evaluate(flow.opts, effective_source(plan, flow.model_path), flow.output_dir, plan)
 
     def _validate(self, source: Path | None, output_dir: Path, plan: dict, load_check: bool = True):
         from .validate import apply_fixes, propose_fixes

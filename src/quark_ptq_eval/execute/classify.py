@@ -24,6 +24,7 @@ RULES: tuple[Rule, ...] = (
     _r("memory", r"out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory|\bKilled\b|HIP error: out of",
        "Use --multi-device, fewer calibration samples (--num-calib-samples) or a shorter --calib-seq-len."),
     _r("environment", r"ModuleNotFoundError|ImportError|undefined symbol|operator .* does not exist|No CUDA GPUs|"
+       r"requires a CUDA device|"
        r"Found no NVIDIA driver|CUDA driver version|libamdhip|torchvision",
        "Install a torch/torchvision pair that matches each other and the accelerator, then re-run `quark-ptq-eval preflight`."),
     _r("load", r"size mismatch|Error\(s\) in loading|Can't load|Unable to load|OSError: .*(config|model|safetensors)|offloaded|meta tensor|"
@@ -40,6 +41,46 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+# Where the failing frame's file lives -> (cause, package), checked in order.
+FRAME_OWNERS = (("/transformers/", "load", "transformers"), ("/accelerate/", "load", "accelerate"),
+                ("/quark/", "quark", "amd-quark"))
+
+
+def _package_version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "(version unknown)"
+
+
+def classify_by_frame(log_lines: list[str], returncode: int) -> dict | None:
+    """The traceback's failing frame (its last ``File ...`` line) names where it failed: loading code
+    in transformers/accelerate means load, Quark's own code means Quark, whatever the message says."""
+    frames = [(i, m) for i, ln in enumerate(log_lines) if (m := FRAME.match(ln))]
+    if not frames:
+        return None
+    i, frame = frames[-1]
+    owner = next(((cause, pkg) for part, cause, pkg in FRAME_OWNERS if part in frame["path"]), None)
+    if owner is None:
+        return None
+    cause, package = owner
+    error = next((ln.strip() for ln in log_lines[i + 1:] if re.match(r"^\w[\w.]*(Error|Exception)\b", ln)), "")
+    where = f"{package} {_package_version(package)}, {frame['path'].rpartition('/site-packages/')[2]}:" \
+            f"{frame['line']} in {frame['func']}"
+    if cause == "load":
+        proposal = (f"It failed inside {where} while loading the model, not in quantization: check that this "
+                    f"{package} loads the model on this device (an FP8 release needs the plan's BF16 staging copy), "
+                    f"or install a {package} version that does.")
+    else:
+        proposal = (f"It failed inside Quark's own code ({where}): try another scheme or algorithm, and report "
+                    "the log to Quark if it persists.")
+    return {"cause": cause, "evidence": [f"failing frame: {where}", *([error] if error else [])],
+            "proposal": proposal, "returncode": returncode, "package": package}
+
+
 def classify_failure(log_lines: list[str], returncode: int) -> dict:
     # The traceback header says nothing; the exception lines and messages are the evidence.
     evidence_pool = [ln for ln in log_lines if ln.strip() and not ln.startswith("Traceback (most recent")]
@@ -49,6 +90,9 @@ def classify_failure(log_lines: list[str], returncode: int) -> dict:
         return {"cause": "memory", "evidence": [f"the engine was killed by SIGKILL (exit {returncode}), usually the "
                                                 "kernel's out-of-memory killer (see `dmesg`)", *evidence_pool[-1:]],
                 "proposal": RULES[0].proposal, "returncode": returncode}
+    by_frame = classify_by_frame(log_lines, returncode)
+    if by_frame and not RULES[0].pattern.search(" ".join(by_frame["evidence"])):  # an OOM stays memory
+        return by_frame
     for rule in RULES:
         hits = [ln.strip() for ln in evidence_pool if rule.pattern.search(ln)]
         if hits:

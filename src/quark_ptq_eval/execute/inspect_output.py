@@ -14,7 +14,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 def inspect_output(out: Path) -> dict:
     """Facts about an output directory and the problems that make it not a usable model."""
-    facts: dict = {"dir": str(out), "exists": out.is_dir(), "problems": []}
+    facts: dict = {"dir": str(out), "exists": out.is_dir(), "problems": [], "ok": False}
     if not out.is_dir():
         facts["problems"].append("the output directory does not exist")
         return facts

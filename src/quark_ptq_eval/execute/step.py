@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Protocol
@@ -17,6 +18,7 @@ from .classify import classify_failure
 from .engines import get_engine
 from .inspect_output import inspect_output
 from .runner import EngineEcho, raise_if_interrupted, run_command
+from .staging import stage_source
 
 
 class Recipe(Protocol):
@@ -59,7 +61,7 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
     if (previous.get("status") == "succeeded" and previous.get("command_digest") == on_disk.command_digest
             and previous.get("output_dir") == str(output_dir)):
         facts = inspect_output(output_dir)
-        if facts["ok"]:
+        if facts.get("ok"):
             recipe.ui.info(f"Already executed and verified: {output_dir}")
             return facts
     staging = Path(on_disk.outputs["staging_dir"])
@@ -76,6 +78,7 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
     if is_nonempty_dir(output_dir):
         _set_aside(recipe, output_dir, "is not empty and will be replaced")
     get_engine(on_disk.engine["name"]).prepare_calibration(on_disk)
+    stage_source(on_disk.inputs.get("source_reading") or {}, Path(on_disk.inputs["model_dir"]), recipe.ui.info)
     make_staging(staging)  # exclusively: this run's alone
     run = {"status": "running", "started_at": _now(), "command_digest": on_disk.command_digest}
     on_disk.runs.append(run)
@@ -94,11 +97,11 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
         run["status"] = "interrupted"
         _record(recipe, on_disk, run, facts, "interrupted")
         raise_if_interrupted(result)
-    if result.returncode != 0 or not facts["ok"]:
+    if result.returncode != 0 or not facts.get("ok"):
         failure = classify_failure(result.tail, result.returncode)
         run.update(status="failed", failure=failure)
         _record(recipe, on_disk, run, facts, "failed")
-        why = f"exit code {result.returncode}" if result.returncode else "; ".join(facts["problems"])
+        why = f"exit code {result.returncode}" if result.returncode else _no_output_why(facts, result.tail)
         raise EngineFailed(
             f"The engine failed ({failure['cause']}: {why}); evidence: {' | '.join(failure['evidence'][-2:]) or 'none'}.",
             f"Suggested change: {failure['proposal']} Full log: {result.log}",
@@ -113,6 +116,13 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
                                         ("size", f"{facts['size_bytes'] / 2**20:.2f} MiB"),
                                         ("engine time", f"{result.seconds:.1f} s")])
     return facts
+
+
+def _no_output_why(facts: dict, tail: list[str]) -> str:
+    """An engine that exits 0 without a usable output: what is missing, and its own error line."""
+    said = [ln.strip() for ln in tail if re.search(r"ERROR|Error|error:", ln)]
+    own = f"; the engine's log says: {said[-1]}" if said else ""
+    return f"exit code 0 but {'; '.join(facts.get('problems') or ['no usable output'])}{own}"
 
 
 def _claim_output(recipe: Recipe, output_dir: Path) -> None:

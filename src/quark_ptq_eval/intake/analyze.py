@@ -17,6 +17,7 @@ from ..artifacts import ModelAnalysis
 from ..errors import UsageError
 from ..fsio import read_json
 from ..safetensors_io import read_model_headers, weight_files
+from .formats import CONVERT_BIN, FORMATS, REFUSED, describe_source
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -146,7 +147,8 @@ def _config_size_bytes(text_cfg: dict) -> int | None:
     return 2 * (layers * (4 * h * h + 3 * h * inter) + 2 * vocab * h)  # bf16
 
 
-def _risks(cfg: dict, text_cfg: dict, template: bool, model_type: str, has_weights: bool) -> list[dict]:
+def _risks(cfg: dict, text_cfg: dict, template: bool, model_type: str, has_weights: bool,
+           source_format: dict) -> list[dict]:
     risks = []
 
     def add(sev: str, msg: str, hint: str) -> None:
@@ -159,17 +161,19 @@ def _risks(cfg: dict, text_cfg: dict, template: bool, model_type: str, has_weigh
     if cfg.get("auto_map"):
         add("high", "The model ships custom code (auto_map); loading it executes code from the model repository.",
             "Review the code; pass --trust-remote-code only if you trust it. Nothing runs it otherwise.")
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "unknown") if isinstance(cfg["quantization_config"], dict) else "unknown"
-        add("high", f"The model is already quantized ({method}); quantizing it again is usually wrong.",
-            "Start from the unquantized checkpoint.")
+    fmt = FORMATS[source_format["name"]]
+    if fmt.reading == REFUSED:
+        add("high", f"The weights are {fmt.summary} ({source_format.get('quant_method') or 'unknown method'}).",
+            fmt.refusal[0].upper() + fmt.refusal[1:] + ".")
+    elif fmt.risk:
+        add("low", fmt.risk, "Nothing to do: the plan shows how the source is read and what the staging costs.")
     if any(k in text_cfg for k in MOE_KEYS):
         add("medium", "Mixture-of-experts model: experts need calibration coverage and more memory.",
             "Use more calibration samples; consider excluding or overriding '*experts*' / routers.")
     if "vision_config" in cfg or "text_config" in cfg:
         add("medium", "Multimodal model: only the language model is quantized.",
             "Check the template's exclusions cover the vision tower.")
-    if not has_weights:
+    if not has_weights and fmt.reading != CONVERT_BIN:
         add("medium", "No local safetensors headers: the linear count and size are estimated from config.json.",
             "Download the model locally for an exact analysis.")
     return risks
@@ -185,6 +189,7 @@ def analyze_model(model: str, *, offline: bool, catalog: dict, trust_remote_code
     tied = bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False)))
 
     has_weights = bool(path and weight_files(path))
+    tensors = None
     if has_weights:
         tensors = read_model_headers(path)
         linears, nbytes, fused = _count_linears_from_headers(tensors)
@@ -194,7 +199,12 @@ def analyze_model(model: str, *, offline: bool, catalog: dict, trust_remote_code
     else:
         count, method, excluded, fused = _count_linears_from_config(text_cfg, tied), "config_formula", [], 0
         size = {"bytes": _config_size_bytes(text_cfg) or 0, "method": "config_formula_bf16"}
-    risks = _risks(cfg, text_cfg, tmpl is not None, model_type, has_weights)
+    source_format = describe_source(cfg, tensors if has_weights else None, path, excludes)
+    if source_format.get("params"):  # true counts: an FP8 byte is one parameter, scales are none
+        size.update(params=source_format["params"], read_as_bytes=source_format["read_as_bytes"])
+    elif source_format["name"] == "pytorch_bin":
+        size.update(bytes=sum(f.stat().st_size for f in path.glob("pytorch_model*.bin")), method="pytorch_bin_files")
+    risks = _risks(cfg, text_cfg, tmpl is not None, model_type, has_weights, source_format)
     if fused:
         risks.append({"severity": "low", "message": f"{fused} fused 3-D expert tensors (transformers 5 MoE layout).",
                       "recovery_hint": "Nothing to do: both engines split them into per-expert linears "
@@ -224,6 +234,7 @@ def analyze_model(model: str, *, offline: bool, catalog: dict, trust_remote_code
                               "has_non_linear_experts": fused > 0, "fused_expert_tensors": fused},
         size=size,
         risks=risks,
+        source_format=source_format,
         analyzed_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
 
@@ -235,6 +246,7 @@ def describe(analysis: ModelAnalysis) -> list[tuple[str, Any]]:
         ("architectures", ", ".join(analysis.model["architectures"]) or "-"),
         ("layers / hidden", f"{a['num_hidden_layers']} / {a['hidden_size']}"),
         ("MoE / multimodal / pre-quantized", f"{a['is_moe']} / {a['is_multimodal']} / {a['is_prequantized']}"),
+        ("source format", (analysis.source_format or {}).get("summary", "-")),
         ("Quark template", "yes" if analysis.template["available"] else "NO"),
         ("default exclusions", ", ".join(analysis.template["exclude_layers"]) or "(none)"),
         ("quantizable linears", f"{t['linear_layer_count']} ({t['linear_count_method']})"),

@@ -16,7 +16,7 @@ from ..errors import UsageError
 from ..execute.engines import choose_engine, get_engine
 from ..sensitivity.plan_hook import apply_sensitivity
 from ..textdata import check_text_source
-from . import resources
+from . import resources, source_reading
 from .calibration_check import check_calibration_text, source_note
 from .family_limits import check_family_limits
 from .request import PlanRequest
@@ -262,6 +262,7 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
     engine, engine_why = resources.engine_for_host(analysis, engine, engine_why, req.engine, info, algorithm, kv,
                                                    calibration, device, env)  # file2file when the model does not fit
     get_engine(engine).check_constraints(info, algorithm, device)
+    reading = source_reading.decide(analysis, engine, device, Path(analysis_ref).parent)  # FP8 / .bin sources
     hw = f"{accelerator}{' ' + arch if arch else ''}"
     decisions = [
         {"decision": "target", "value": tc.name, "reason": f"{tc.label}; {tc.source}; priority: {tc.priority}"},
@@ -277,6 +278,7 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
         {"decision": "device", "value": device["device"] + (" (multi-device)" if device["multi_device"] else ""),
          "reason": "explicit" if req.device else f"detected {hw}"},
         {"decision": "engine", "value": engine, "reason": engine_why},
+        *([source_reading.decision_row(reading)] if reading["mode"] != "direct" else []),
         {"decision": "trust_remote_code", "value": req.trust_remote_code,
          "reason": "approved explicitly (--trust-remote-code)" if req.trust_remote_code else
          "off: nothing from the model repository is executed"},
@@ -286,7 +288,7 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
     target, fit = _target_and_fit(analysis, tc, scheme, info, algorithm, kv, calibration, device, env, output_dir,
                                   engine)
     decisions += [{"decision": "warning", "value": scheme, "reason": w} for w in target["warnings"]]
-    decisions += fit.pop("rows")
+    decisions += fit.pop("rows") + source_reading.disk_problem(reading, fit)
     plan = QuantPlan(
         model={"model_type": model_type, "analysis_ref": str(analysis_ref), "model_path": analysis.model["model_path"]},
         global_scheme=scheme, exclude_layers=excludes, exclude_source=ex_source,
@@ -294,6 +296,7 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
         calibration=calibration, device_strategy=device, engine={"name": engine, "reason": engine_why},
         trust_remote_code=req.trust_remote_code, evaluation_intent=req.evaluation_intent, decisions=decisions,
         requires_confirmation=True, output_dir=str(output_dir), target=target, resources=fit,
+        source_reading=reading,
     )
     return apply_sensitivity(plan, req, Path(analysis_ref).parent)
 

@@ -31,6 +31,7 @@ EVAL_LOGIT_BUDGET = 64 * 2**20  # elements per batch (evaluate.tier_ppl.LOGIT_BU
 # largest shard as read, its quantized copy and the bytes being written, one shard at a time.
 F2F_BASE_BYTES = 1.05 * GIB
 F2F_SHARD_FACTOR = 2.0
+F2F_RECOVERY_BYTES_PER_FP8_BYTE = 4.0  # an FP8 shard recovered to float32 before it is quantized (modelled)
 
 
 # ---- what the model is made of -------------------------------------------------------------------
@@ -83,10 +84,21 @@ def weight_bits(scheme: str, info: dict) -> float:
 
 
 def output_bytes(analysis, scheme: str, info: dict) -> int:
-    """The quantized checkpoint's size on disk: quantized linears + everything else in its source dtype."""
+    """The quantized checkpoint's size on disk: quantized linears at the scheme's bits + everything else
+    as the engine writes it. With the source's header counts (intake/formats.py): the template's linears
+    from their shapes, the rest at its bytes once read (FP8 layers left out are written dequantized to
+    BF16 by both engines; Quark's file-to-file keeps them FP8 only when asked, which we do not)."""
+    fmt = getattr(analysis, "source_format", None) or {}
+    if fmt.get("quantizable_params") is not None and fmt.get("rest_read_as_bytes") is not None:
+        return int(fmt["quantizable_params"] * weight_bits(scheme, info) / 8 + fmt["rest_read_as_bytes"])
     q = quantizable_params(analysis)
     rest = max(param_count(analysis) - q, 0)
     return int(q * weight_bits(scheme, info) / 8 + rest * bytes_per_param(analysis))
+
+
+def loaded_bytes(analysis) -> int:
+    """The model's bytes once read in its float dtype (an FP8 source is read as BF16, scales dropped)."""
+    return int(analysis.size.get("read_as_bytes") or analysis.size["bytes"] or param_count(analysis) * 2)
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -106,7 +118,7 @@ def calibration_cache_bytes(analysis, calibration: dict) -> int:
 
 def estimate_quantize(analysis, info: dict, algorithm: str | None, calibration: dict, device: str) -> dict:
     """Peak host RAM (and GPU memory on a GPU device) of the engine for this plan, with its terms."""
-    w = analysis.size["bytes"] or int(param_count(analysis) * 2)
+    w = loaded_bytes(analysis)
     act = calibration_activation_bytes(analysis, calibration)
     algos = [a for a in (algorithm or "").split(",") if a]
     algo_w = sum(ALGO_WEIGHT_FACTOR.get(a, OTHER_ALGO_WEIGHT_FACTOR) for a in algos)
@@ -139,10 +151,14 @@ def largest_shard_bytes(analysis) -> int:
 
 
 def estimate_file2file(analysis, device: str) -> dict:
-    """Peak memory of Quark's file-to-file engine: start-up plus a multiple of the largest shard."""
+    """Peak memory of Quark's file-to-file engine: start-up plus a multiple of the largest shard; an FP8
+    source adds the shard's recovery buffer (Quark dequantizes FP8 weights to float32: 4 bytes a parameter)."""
     shard = largest_shard_bytes(analysis)
     work = F2F_SHARD_FACTOR * shard
     terms = {"start-up": F2F_BASE_BYTES, "largest shard": work}
+    if (getattr(analysis, "source_format", None) or {}).get("name") in ("fp8_block", "fp8_tensor"):
+        terms["FP8 recovery buffer"] = F2F_RECOVERY_BYTES_PER_FP8_BYTE * shard
+        work += terms["FP8 recovery buffer"]
     if device == "cpu":
         return {"host_peak_bytes": int(F2F_BASE_BYTES + work), "gpu_peak_bytes": 0, "model_bytes": shard,
                 "terms": terms, "basis": "measured (file-to-file: one shard at a time)"}
@@ -175,9 +191,12 @@ def engine_for_host(analysis, engine: str, why: str, requested: str, info: dict,
         if why_not:
             raise file2file.refusal(why_not)
         return engine, why
+    from .source_reading import file2file_can_read
+
     host = host_capacity(env, None)
     whole = estimate_quantize(analysis, info, algorithm, calibration, device["device"])
-    if requested != "auto" or _fits(whole, host, device) or not file2file.supports(info, algorithm, kv):
+    if (requested != "auto" or _fits(whole, host, device) or not file2file.supports(info, algorithm, kv)
+            or not file2file_can_read(analysis, device["device"])):
         return engine, why
     f2f = estimate_file2file(analysis, device["device"])
     if not _fits(f2f, host, device):
@@ -194,7 +213,7 @@ def engine_for_host(analysis, engine: str, why: str, requested: str, info: dict,
 def estimate_eval(analysis, out_bytes: int, baseline: bool = False, seq_len: int = 2048) -> dict:
     """Tier 1 on the CPU: the quantized model held dequantized (its source size), the baseline when
     asked, and the logits of one batch (evaluate.tier_ppl caps a batch at EVAL_LOGIT_BUDGET elements)."""
-    w = analysis.size["bytes"] or int(param_count(analysis) * 2)
+    w = loaded_bytes(analysis)
     vocab = _arch(analysis).get("vocab_size") or 0
     logits = min(EVAL_LOGIT_BUDGET, max(seq_len * vocab, 1)) * 4 * EVAL_LOGIT_COPIES
     peak = BASE_BYTES + w + (w if baseline else 0) + logits
@@ -266,8 +285,17 @@ def assess(analysis, scheme: str, info: dict, algorithm: str | None, calibration
     proposals = [] if fits else _proposals(analysis, info, algorithm, calibration, device, host, est, rerun)
     if not fits and engine != "file2file":
         proposals[-1:-1] = _file2file_proposal(analysis, info, algorithm, kv, device, host)
-    return {"quantize": est, "evaluate": ev, "output_bytes": out, "host": host,
+    return {"quantize": est, "evaluate": ev, "output_bytes": out, "host": host, "output_basis": output_basis(analysis),
             "fits": fits, "problems": problems, "proposals": proposals}
+
+
+def output_basis(analysis) -> str:
+    fmt = getattr(analysis, "source_format", None) or {}
+    if fmt.get("quantizable_params") is None or not fmt.get("prequantized_tensors"):
+        return "quantized linears at the scheme's bits (scales included), the rest in the source dtype"
+    return (f"{fmt['quantizable_params']:,} parameters of the template's linears (header shapes) at the scheme's "
+            f"bits, scales included; the rest ({gb(fmt['rest_read_as_bytes'])}) as both engines write it: FP8 "
+            "layers left out dequantized to BF16")
 
 
 def _problems(est: dict, out: int, ev: dict, host: dict, device: dict) -> list[dict]:
@@ -329,13 +357,26 @@ def _proposals(analysis, info, algorithm, calibration, device, host, est, rerun)
 def _file2file_proposal(analysis, info, algorithm, kv, device, host) -> list[dict]:
     """Quark's file-to-file engine with its estimate, when it can serve this plan (a proposal must work)."""
     from ..execute.engines import file2file
+    from .source_reading import file2file_can_read
 
+    no_kv = ""
     if not file2file.supports(info, algorithm, kv):
-        return []
+        if not (kv and file2file.supports(info, algorithm, None)):
+            return []
+        no_kv = " --kv-cache-scheme ''"  # file-to-file never runs the model, so it calibrates no KV scales
+    if not file2file_can_read(analysis, device["device"]):
+        if not file2file_can_read(analysis, "cuda"):
+            return []
+        e = estimate_file2file(analysis, "cuda")
+        return [{"change": f"--engine file2file --device cuda{no_kv} (a GPU host)",
+                 "detail": f"on a GPU host, Quark's file-to-file engine recovers the FP8 weights itself, one shard "
+                           f"at a time: about {gb(e['gpu_peak_bytes'])} of GPU memory and {gb(e['host_peak_bytes'])} "
+                           f"of RAM (this host has no GPU for its FP8 kernel)"
+                           + ("; without the KV-cache scheme, whose scales need calibration" if no_kv else "")}]
     e = estimate_file2file(analysis, device["device"])
     fits = "fits" if _fits(e, host, device) else "still too much"
-    return [{"change": "--engine file2file", "detail": f"--engine file2file: one shard at a time, about "
-                                                       f"{gb(e['host_peak_bytes'])} ({fits})"}]
+    return [{"change": f"--engine file2file{no_kv}", "detail": f"--engine file2file{no_kv}: one shard at a time, "
+                                                               f"about {gb(e['host_peak_bytes'])} ({fits})"}]
 
 
 def rerun_command(model: str, output_dir: Path | None, scheme: str, algorithm: str | None, kv: str | None,
@@ -368,7 +409,7 @@ def decision_rows(res: dict) -> list[dict]:
         rows.append({"decision": "GPU memory (quantize)", "value": f"~{gb(q['gpu_peak_bytes'])}",
                      "reason": f"{q['basis']}: weights, activations and algorithm caches on the device"})
     rows.append({"decision": "output size on disk", "value": f"~{gb(res['output_bytes'])}",
-                 "reason": "quantized linears at the scheme's bits (scales included), the rest in the source dtype"})
+                 "reason": res.get("output_basis") or output_basis(None)})
     ev = res["evaluate"]
     rows.append({"decision": "host memory (evaluate)", "value": f"~{gb(ev['host_peak_bytes'])}",
                  "reason": f"Tier 1 (modelled): start-up, the model as loaded, {gb(ev['logits_bytes'])} of logits per "

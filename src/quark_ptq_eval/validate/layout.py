@@ -25,6 +25,7 @@ from .expectations import (
     weight_expectations,
 )
 from .report import CheckResult, Finding
+from .widening import is_lossless_widening, widening_note
 
 LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
@@ -227,6 +228,9 @@ def _same_header(module: str, suffix: str, src: TensorInfo, got: TensorInfo | No
         return [Finding(name, "is missing from the output.", side="quark",
                         evidence=f"source has {src.dtype} {list(src.shape)} in {src.file.name}")]
     if (got.dtype, got.shape) != (src.dtype, src.shape):
+        if is_lossless_widening(src, got):
+            return [Finding(name, widening_note(src, got), benign=True,
+                            evidence=f"{src.dtype} -> {got.dtype} {list(got.shape)}, values compared bit for bit")]
         side = "environment" if got.shape == src.shape else "quark"
         return [Finding(name, f"should keep the source header {src.dtype} {list(src.shape)} "
                               f"but is {got.dtype} {list(got.shape)}.", side=side,

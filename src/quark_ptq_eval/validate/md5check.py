@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ..safetensors_io import TensorInfo
 from .expectations import matches
 from .report import CheckResult, Finding
+from .widening import is_lossless_widening, widening_note
 
 CHUNK_BYTES = 16 * 1024 * 1024  # one mapped window per side
 DEFAULT_MAX_WORKERS = 4
@@ -240,6 +241,9 @@ def _comparable_pairs(names: list[str], source: dict[str, TensorInfo], output: d
             findings.append(Finding(name, "must be carried over unchanged but is missing from the output.",
                                     side="quark", evidence=f"expected: {s.dtype} {list(s.shape)} as in the source; "
                                                            "found: no such tensor"))
+        elif (s.dtype, s.shape) != (o.dtype, o.shape) and is_lossless_widening(s, o):
+            findings.append(Finding(name, widening_note(s, o), benign=True,
+                                    evidence=f"{s.dtype} -> {o.dtype}, values compared bit for bit"))
         elif (s.dtype, s.shape) != (o.dtype, o.shape):
             side = "environment" if s.shape == o.shape else "quark"
             findings.append(Finding(name, f"must be carried over unchanged but its header changed from {s.dtype} "

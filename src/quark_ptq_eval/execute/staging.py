@@ -1,0 +1,170 @@
+"""The plan's source reading carried out after the execution gate (plan/source_reading.py).
+
+- an FP8 release -> an exact BF16 copy: every F8_E4M3 weight times its scale as the format defines
+  it (each ``[b0, b1]`` block x its ``weight_scale_inv`` entry, or a per-tensor/channel scale),
+  computed in float32 and rounded once to BF16; every other tensor copied as it is;
+- ``pytorch_model.bin`` -> safetensors, read with ``torch.load(weights_only=True)`` after the
+  pickle scan of intake (intake/pickle_scan.py) has refused anything that is not tensor data.
+
+Both go shard by shard into ``<dir>.partial`` (memory bounded by one shard), then config.json
+(without the FP8 ``quantization_config``), the other files, a completion mark, and a rename.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+from ..errors import UsageError
+from ..plan.source_reading import COMPLETE_MARK
+from ..safetensors_io import INDEX_NAME, weight_files
+
+SCALE_NAMES = ("weight_scale_inv", "weight_scale")  # DeepSeek / HF fp8, compressed-tensors
+DROPPED = ("input_scale",)  # dynamic-activation releases may carry one; the BF16 copy has no use for it
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+def stage_source(reading: dict, model_dir: Path, say=print) -> Path | None:
+    """Make the staged copy the plan names (once: a complete copy is reused); returns its dir."""
+    from ..safety import check_free_space
+
+    mode = reading.get("mode")
+    if mode in (None, "direct"):
+        return None
+    dst = Path(reading["source_dir"])
+    if (dst / COMPLETE_MARK).is_file():
+        return dst
+    tmp = dst.with_name(dst.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # our own unfinished copy in the work dir from an interrupted run
+    check_free_space(dst.parent, int(reading.get("disk_bytes") or 0))
+    tmp.mkdir(parents=True)
+    if mode == "convert_bin":
+        say(f"[quark-ptq-eval] converting pytorch_model.bin to safetensors in {dst}")
+        convert_bin(model_dir, tmp)
+    else:
+        say(f"[quark-ptq-eval] writing the exact BF16 copy of the FP8 release to {dst} (shard by shard)")
+        dequantize_fp8_checkpoint(model_dir, tmp)
+    _copy_other_files(model_dir, tmp)
+    (tmp / COMPLETE_MARK).write_text(json.dumps({"from": str(model_dir), "mode": mode}) + "\n", encoding="utf-8")
+    if dst.exists():
+        shutil.rmtree(dst)  # an incomplete copy of ours (no mark): replaced
+    tmp.rename(dst)
+    return dst
+
+
+# ---- FP8 -> BF16 ---------------------------------------------------------------------------------
+def dequantize_fp8(weight, scale, block: list[int] | None):
+    """weight x scale as the release defines it: one scale per ``block`` tile, or per tensor/channel."""
+    import torch
+
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if block and s.dim() == 2 and w.dim() == 2 and s.shape != (w.shape[0], 1):
+        b0, b1 = block
+        if tuple(s.shape) != (math.ceil(w.shape[0] / b0), math.ceil(w.shape[1] / b1)):
+            raise UsageError(f"A weight_scale_inv of shape {list(s.shape)} does not tile a {list(w.shape)} weight in "
+                             f"{b0}x{b1} blocks.", "Check the release's files: its scales do not match its weights.")
+        s = s.repeat_interleave(b0, 0)[: w.shape[0]].repeat_interleave(b1, 1)[:, : w.shape[1]]
+    elif s.dim() == 1 and s.numel() == w.shape[0]:
+        s = s.reshape(-1, *([1] * (w.dim() - 1)))  # per output channel
+    return (w * s).to(torch.bfloat16)
+
+
+def _scale_name(name: str, names: set[str]) -> str | None:
+    module = name.rpartition(".")[0]
+    return next((f"{module}.{s}" for s in SCALE_NAMES if f"{module}.{s}" in names), None)
+
+
+def dequantize_fp8_checkpoint(src: Path, dst: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    block = (config.get("quantization_config") or {}).get("weight_block_size")
+    shards = weight_files(src)
+    where = _tensor_shards(shards)
+    names = set(where)
+    weight_map = {}
+    for shard in shards:
+        out = {}
+        with safe_open(str(shard), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if name.rpartition(".")[2] in (*SCALE_NAMES, *DROPPED):
+                    continue
+                t = f.get_tensor(name)
+                scale = _scale_name(name, names) if str(t.dtype).removeprefix("torch.") in FP8_DTYPES else None
+                if scale:  # the scale may sit in another shard than its weight
+                    s = f.get_tensor(scale) if where[scale] == shard else _read(where[scale], scale)
+                    t = dequantize_fp8(t, s, block)
+                out[name] = t
+        save_file(out, str(dst / shard.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, shard.name))
+        del out
+    if (src / INDEX_NAME).is_file():
+        _write_index(dst, weight_map)
+    config.pop("quantization_config", None)
+    for key in ("dtype", "torch_dtype"):  # only the key the release spells: no drift of our making
+        if key in config:
+            config[key] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _tensor_shards(shards: list[Path]) -> dict[str, Path]:
+    from ..safetensors_io import read_header
+
+    return {n: s for s in shards for n in read_header(s).tensors}
+
+
+def _read(shard: Path, name: str):
+    from safetensors import safe_open
+
+    with safe_open(str(shard), "pt") as f:
+        return f.get_tensor(name)
+
+
+def _write_index(dst: Path, weight_map: dict[str, str]) -> None:
+    total = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
+    (dst / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2),
+                                  encoding="utf-8")
+
+
+# ---- pytorch_model.bin -> safetensors ------------------------------------------------------------
+def bin_files(src: Path) -> list[Path]:
+    index = src / "pytorch_model.bin.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        return [src / Path(n).name for n in names]  # base names only: nothing outside the model dir
+    return [src / "pytorch_model.bin"]
+
+
+def convert_bin(src: Path, dst: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from ..intake.pickle_scan import scan_pickle
+
+    files = bin_files(src)
+    weight_map = {}
+    for i, path in enumerate(files, 1):
+        scan_pickle(path)  # refuses code in the pickle before torch reads it (intake/pickle_scan.py)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        out = {k: v.detach().contiguous().clone() for k, v in state.items()}  # tied tensors share storage
+        del state
+        name = "model.safetensors" if len(files) == 1 else f"model-{i:05d}-of-{len(files):05d}.safetensors"
+        save_file(out, str(dst / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, name))
+    if len(files) > 1:
+        _write_index(dst, weight_map)
+    shutil.copy2(src / "config.json", dst / "config.json")
+
+
+def _copy_other_files(src: Path, dst: Path) -> None:
+    """Tokenizer, generation config, README ...: byte for byte (weights and config are written above)."""
+    skip = {"config.json", INDEX_NAME, "pytorch_model.bin.index.json"}
+    for f in src.iterdir():
+        if (f.is_file() and f.name not in skip and not f.name.startswith(".")
+                and f.suffix not in (".safetensors", ".bin") and not (dst / f.name).exists()):
+            shutil.copy2(f, dst / f.name)

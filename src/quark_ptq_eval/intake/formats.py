@@ -1,0 +1,199 @@
+"""Source formats as a registry: what a checkpoint's weights are, how they are read, what they weigh.
+
+Each row says how the recipe reads such a source (``reading``), what Quark's file-to-file engine
+does with it, and, when it is refused, what to start from instead. :func:`describe_source` turns
+config.json and the safetensors headers (never payloads) into the analysis's ``source_format``:
+the format, its true parameter count from header shapes (an FP8 byte is one parameter, an MXFP4
+byte two, scale tensors none), the parameters the template quantizes, and the bytes the model
+takes once read as BF16 (what a staged copy, a CPU load and an engine's "the rest" hold).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..safetensors_io import TensorInfo
+
+# Readings: how the recipe reads the source before an engine sees it (plan/source_reading.py decides).
+DIRECT, STAGE_BF16, CONVERT_BIN, REFUSED = "direct", "stage_bf16", "convert_bin", "refused"
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "_scales", "weight_zero_point", "qzeros",
+                  "scales", "g_idx")
+FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+NON_LINEAR_HINTS = ("embed", "norm", "wte", "wpe", "rotary")  # as intake/analyze.py
+BIN_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class SourceFormat:
+    name: str
+    summary: str
+    reading: str  # DIRECT, STAGE_BF16, CONVERT_BIN or REFUSED
+    file2file: str  # what Quark 0.13's file-to-file engine does with it
+    file2file_needs_gpu: bool = False
+    refusal: str = ""  # for REFUSED: what is wrong and what to start from
+    risk: str = ""  # the analysis's risk line for this format ("" = none)
+
+
+FORMATS: dict[str, SourceFormat] = {f.name: f for f in (
+    SourceFormat("float", "BF16/FP16/FP32 safetensors", DIRECT, "reads it as it is"),
+    SourceFormat("fp8_block", "FP8 (E4M3) weights with one F32 scale per block (weight_scale_inv), DeepSeek style",
+                 STAGE_BF16, "recovers the FP8 blocks itself, shard by shard, with a Triton kernel (GPU only)",
+                 file2file_needs_gpu=True,
+                 risk="FP8 block release (the authors' own format): a normal starting point. The plan reads it "
+                      "through Quark's file-to-file engine on a GPU host, or through an exact BF16 staging copy "
+                      "(each block x its scale) in the work dir for CPU hosts and calibrated schemes."),
+    SourceFormat("fp8_tensor", "FP8 (E4M3) weights with a per-tensor or per-channel F32 scale", STAGE_BF16,
+                 "recovers FP8 sources with a Triton kernel (GPU only)", file2file_needs_gpu=True,
+                 risk="FP8 per-tensor/channel release: a normal starting point, read through an exact BF16 "
+                      "staging copy (weight x its scale) or Quark's file-to-file engine on a GPU host."),
+    SourceFormat("compressed_tensors", "compressed-tensors (llm-compressor) checkpoint", REFUSED,
+                 "decompresses it itself (compressed-tensors >= 0.15)",
+                 refusal="this compressed-tensors format is not staged here; run on a GPU host with "
+                         "--engine file2file (Quark decompresses it shard by shard), or start from the model "
+                         "it was compressed from"),
+    SourceFormat("mxfp4", "MXFP4 weights (gpt-oss *_blocks / *_scales)", REFUSED,
+                 "does not read the gpt-oss *_blocks/*_scales layout (Quark 0.13 recovers the DeepSeek-V4 MXFP4 "
+                 "layout only)",
+                 refusal="re-quantizing gpt-oss MXFP4 weights needs them dequantized first; load it with "
+                         "transformers' Mxfp4Config(dequantize=True), save it as BF16 and start from that copy"),
+    SourceFormat("int4", "4-bit integer weights (GPTQ / AWQ / bitsandbytes)", REFUSED,
+                 "does not read it",
+                 refusal="re-quantizing 4-bit integer weights compounds their rounding error; start from the "
+                         "BF16 (or FP8) checkpoint they were made from"),
+    SourceFormat("quark", "a Quark export", REFUSED, "does not re-quantize it",
+                 refusal="this model is already a Quark export; quantizing it again compounds the error: start "
+                         "from the checkpoint it was made from"),
+    SourceFormat("other_quantized", "a pre-quantized checkpoint of a method not read here", REFUSED,
+                 "does not read it",
+                 refusal="this quantization method is not read here; start from the unquantized (BF16) or FP8 "
+                         "checkpoint"),
+    SourceFormat("pytorch_bin", "pytorch_model.bin (PyTorch pickle)", CONVERT_BIN,
+                 "reads safetensors only (the converted copy)",
+                 risk="Only pytorch_model.bin weights: the plan converts them to safetensors in the work dir "
+                      "(torch.load(weights_only=True), after the execution gate) and validates against that copy; "
+                      "the counts here come from config.json until then."),
+)}
+INT4_METHODS = ("gptq", "awq", "bitsandbytes", "bnb", "autoround", "hqq", "marlin", "exl2", "aqlm", "eetq")
+
+
+def quant_config(config: dict) -> dict:
+    qc = config.get("quantization_config")
+    return qc if isinstance(qc, dict) else {}
+
+
+def has_bin_weights(model_dir: Path | None) -> bool:
+    if model_dir is None:
+        return False
+    root = Path(model_dir)
+    return any((root / n).is_file() for n in BIN_NAMES) or any(root.glob("pytorch_model-*.bin"))
+
+
+def detect(config: dict, tensors: dict[str, TensorInfo] | None, model_dir: Path | None) -> SourceFormat:
+    """The format of a source from its config.json, its headers and, without headers, its files."""
+    qc = quant_config(config)
+    method = str(qc.get("quant_method", "")).lower() if qc else ""
+    if not tensors and has_bin_weights(model_dir):
+        return FORMATS["pytorch_bin"]
+    if not qc:
+        return FORMATS["float"]
+    if method == "fp8":
+        return FORMATS["fp8_block" if qc.get("weight_block_size") else "fp8_tensor"]
+    if method == "compressed-tensors":
+        return FORMATS["fp8_tensor" if _ct_is_fp8(qc) else "int4" if _ct_is_int(qc) else "compressed_tensors"]
+    if method == "mxfp4" or any(n.endswith("_blocks") for n in tensors or {}):
+        return FORMATS["mxfp4"]
+    if method in INT4_METHODS or qc.get("load_in_4bit") or qc.get("bits") == 4:
+        return FORMATS["int4"]
+    if method == "quark":
+        return FORMATS["quark"]
+    return FORMATS["other_quantized"]
+
+
+def _ct_groups(qc: dict) -> list[dict]:
+    return [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+
+
+def _ct_is_fp8(qc: dict) -> bool:
+    """compressed-tensors float-quantized FP8 weights: one F32 ``weight_scale`` per tensor or channel."""
+    weights = [g.get("weights") or {} for g in _ct_groups(qc)]
+    return (qc.get("format") in ("float-quantized", "naive-quantized") and bool(weights)
+            and all(w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") in ("tensor", "channel")
+                    for w in weights))
+
+
+def _ct_is_int(qc: dict) -> bool:
+    return any((g.get("weights") or {}).get("type") == "int" and (g.get("weights") or {}).get("num_bits", 8) <= 4
+               for g in _ct_groups(qc))
+
+
+def is_scale(name: str) -> bool:
+    suffix = name.rpartition(".")[2]
+    return suffix in SCALE_SUFFIXES or suffix.endswith("_scales")
+
+
+def tensor_params(info: TensorInfo) -> int:
+    """Parameters a tensor holds: its elements; two per byte of packed FP4 blocks; none for a scale."""
+    if is_scale(info.name):
+        return 0
+    n = math.prod(info.shape)
+    return 2 * n if info.name.endswith("_blocks") else n
+
+
+def read_as_bytes(info: TensorInfo, params: int | None = None) -> int:
+    """Bytes once the source is read in BF16 (staged or loaded): quantized weights widen, scales go."""
+    if is_scale(info.name):
+        return 0
+    if info.dtype in FLOAT_BYTES:
+        return info.nbytes
+    return 2 * (tensor_params(info) if params is None else params)
+
+
+def exclusion_matcher(excludes: list[str]):
+    """One compiled regex for the template's fnmatch patterns (a real release has ~10^5 tensors)."""
+    if not excludes:
+        return lambda module: False
+    rx = re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in excludes))
+    return lambda module: rx.match(module) is not None
+
+
+def is_quantizable(info: TensorInfo, excluded) -> bool:
+    """A linear weight the template quantizes: 2-D ``*.weight`` (or fused 3-D experts), not an
+    embedding or norm, not matched by the exclusions (as intake counts linears)."""
+    name = info.name
+    if not ((name.endswith(".weight") and len(info.shape) == 2) or (len(info.shape) == 3 and ".experts." in name)):
+        return False
+    return not any(h in name for h in NON_LINEAR_HINTS) and not excluded(name.rpartition(".")[0])
+
+
+def describe_source(config: dict, tensors: dict[str, TensorInfo] | None, model_dir: Path | None,
+                    excludes: list[str]) -> dict[str, Any]:
+    """The analysis's ``source_format``: the format, how it is read, its true counts from the headers."""
+    fmt = detect(config, tensors, model_dir)
+    qc = quant_config(config)
+    record: dict[str, Any] = {"name": fmt.name, "summary": fmt.summary, "reading": fmt.reading,
+                              "quant_method": qc.get("quant_method"), "file2file": fmt.file2file,
+                              "file2file_needs_gpu": fmt.file2file_needs_gpu}
+    if fmt.refusal:
+        record["refusal"] = fmt.refusal
+    if qc.get("weight_block_size"):
+        record["weight_block_size"] = list(qc["weight_block_size"])
+    if not tensors:
+        return record
+    excluded = exclusion_matcher(excludes)
+    params = quantizable = read = read_quantizable = prequantized = 0
+    for t in tensors.values():  # one pass: a real release has ~10^5 tensors
+        n = tensor_params(t)
+        b = read_as_bytes(t, n)
+        params, read = params + n, read + b
+        if n and t.dtype not in FLOAT_BYTES:
+            prequantized += 1
+        if n and is_quantizable(t, excluded):
+            quantizable, read_quantizable = quantizable + n, read_quantizable + b
+    record.update(params=params, quantizable_params=quantizable, read_as_bytes=read,
+                  rest_read_as_bytes=read - read_quantizable, prequantized_tensors=prequantized)
+    return record

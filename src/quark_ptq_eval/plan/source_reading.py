@@ -1,0 +1,122 @@
+"""How the engine reads the source, decided by the plan before anything runs (intake/formats.py).
+
+- ``direct``: BF16/FP16/FP32 safetensors, read as they are;
+- ``file2file_native``: Quark's file-to-file engine on a GPU host recovers FP8 blocks itself;
+- ``stage_bf16``: an exact BF16 copy (each block x its scale) in the work dir, for CPU hosts and
+  calibrated schemes; written shard by shard after the execution gate (execute/staging.py);
+- ``convert_bin``: ``pytorch_model.bin`` converted to safetensors in the work dir, after the gate;
+- refused (a UsageError): what is wrong and what would work.
+
+Validation, the load check and Tier 1's baseline read ``source_dir`` (:func:`effective_source`):
+the staged copy when there is one, so they compare against what the engine was given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..intake.formats import CONVERT_BIN, DIRECT, FORMATS, REFUSED, STAGE_BF16
+from .resources import gb
+
+STAGED_BF16_DIR = "source-bf16"  # in the work dir
+CONVERTED_BIN_DIR = "source-safetensors"
+COMPLETE_MARK = ".staged-complete"  # written last: a staged dir without it is unfinished
+
+
+def source_format(analysis) -> dict:
+    return getattr(analysis, "source_format", None) or {"name": "float", "reading": DIRECT}
+
+
+def decide(analysis, engine: str, device: dict, workdir: Path) -> dict[str, Any]:
+    """The plan's ``source_reading``: mode, reason, the dir the engine reads and the staging's disk cost."""
+    fmt = source_format(analysis)
+    model = analysis.model["model_path"]
+    entry = FORMATS[fmt["name"]]
+    if fmt["reading"] == REFUSED:
+        raise UsageError(f"This source cannot be quantized here: its weights are {entry.summary}.",
+                         entry.refusal[0].upper() + entry.refusal[1:] + ".")
+    base = {"format": fmt["name"], "source_dir": model, "engine_reads": model, "disk_bytes": 0}
+    if fmt["reading"] == DIRECT:
+        return {**base, "mode": "direct", "reason": f"{entry.summary}: read as they are"}
+    if fmt["reading"] == CONVERT_BIN:
+        staged = str(Path(workdir) / CONVERTED_BIN_DIR)
+        disk = int(analysis.size.get("bytes") or 0)
+        return {**base, "mode": "convert_bin", "source_dir": staged, "engine_reads": staged, "disk_bytes": disk,
+                "reason": f"only pytorch_model.bin: converted to safetensors in {staged} after the execution gate "
+                          f"(torch.load(weights_only=True), about {gb(disk)} on disk); the engine, validation and "
+                          "the baseline read that copy"}
+    assert fmt["reading"] == STAGE_BF16
+    staged = str(Path(workdir) / STAGED_BF16_DIR)
+    disk = int(fmt.get("read_as_bytes") or 2 * int(analysis.size.get("params") or 0))
+    how = _dequant_rule(fmt)
+    if engine == "file2file":
+        _check_file2file(device, disk, how)
+        return {**base, "mode": "file2file_native", "source_dir": staged, "disk_bytes": disk,
+                "reason": f"Quark's file-to-file engine recovers the FP8 weights itself on the GPU, shard by shard; "
+                          f"validation and the baseline read an exact BF16 copy ({how}) written to {staged} after "
+                          f"the execution gate (about {gb(disk)} on disk)"}
+    return {**base, "mode": "stage_bf16", "source_dir": staged, "engine_reads": staged, "disk_bytes": disk,
+            "reason": f"{entry.summary}: the {engine} engine loads the model with transformers, which cannot load "
+                      f"FP8 checkpoints here, and calibration needs the model; an exact BF16 copy ({how}) is written "
+                      f"shard by shard to {staged} after the execution gate: about {gb(disk)} on disk"}
+
+
+def _dequant_rule(fmt: dict) -> str:
+    block = fmt.get("weight_block_size")
+    if block:
+        return f"each {block[0]}x{block[1]} block x its weight_scale_inv"
+    return "each weight x its per-tensor/channel scale"
+
+
+def _check_file2file(device: dict, disk: int, how: str) -> None:
+    if device["device"] == "cpu":
+        raise UsageError(
+            "--engine file2file cannot read this FP8 release on this CPU host: Quark 0.13 recovers FP8 weights with "
+            "a Triton kernel that needs a GPU (on a CPU it logs 'FP8 model dequantization requires a CUDA device' "
+            "and writes nothing).",
+            f"Leave out --engine: the plan then reads it through an exact BF16 staging copy ({how}, about "
+            f"{gb(disk)} in the work dir) with the quark-api engine; or run on a GPU host with --engine file2file "
+            "--device cuda.")
+    if device.get("multi_device"):
+        raise UsageError("Quark 0.13's file-to-file engine refuses several devices for FP8 sources.",
+                         "Drop --multi-device (one GPU, shard by shard), or leave out --engine file2file.")
+
+
+def file2file_can_read(analysis, device: str) -> bool:
+    """Whether Quark's file-to-file engine can read this source on this device (FP8 needs a GPU)."""
+    entry = FORMATS[source_format(analysis)["name"]]
+    if entry.reading in (REFUSED, CONVERT_BIN):
+        return False
+    return not (entry.file2file_needs_gpu and device == "cpu")
+
+
+def effective_source(plan: dict | None, model_path: Path | None) -> Path | None:
+    """The source validation, the load check and Tier 1's baseline compare against: the staged
+    BF16 (or converted) copy when the plan made one and it is complete, else the model dir.
+    For other checks that want the dequantized source (e.g. a decode check in validate/)."""
+    reading = (plan or {}).get("source_reading") or {}
+    staged = reading.get("source_dir")
+    staged_modes = ("stage_bf16", "convert_bin", "file2file_native")
+    if reading.get("mode") in staged_modes and staged and (Path(staged) / COMPLETE_MARK).is_file():
+        return Path(staged)
+    return model_path
+
+
+def decision_row(reading: dict) -> dict:
+    value = reading["mode"] + (f" ({gb(reading['disk_bytes'])} on disk)" if reading.get("disk_bytes") else "")
+    return {"decision": "source reading", "value": value, "reason": reading["reason"]}
+
+
+def disk_problem(reading: dict, fit: dict) -> list[dict]:
+    """A staged copy larger than the free disk blocks the plan (added to ``fit``); its table row."""
+    free = (fit.get("host") or {}).get("disk_free_bytes")
+    need = int(reading.get("disk_bytes") or 0) + int(fit.get("output_bytes") or 0)
+    if not reading.get("disk_bytes") or free is None or need <= free:
+        return []
+    message = (f"the staged source copy ({gb(reading['disk_bytes'])}) and the output ({gb(fit['output_bytes'])}) "
+               f"need about {gb(need)} on disk; {gb(free)} is free")
+    fit.setdefault("problems", []).append({"blocking": True, "what": "disk (staged source)", "message": message})
+    fit["fits"] = False
+    return [{"decision": "does not fit: disk (staged source)", "value": "STOP", "reason": message}]
