@@ -213,12 +213,16 @@ def test_ask_tier1_text_offers_an_existing_default(corpus, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_tier1_checkpoint_asks_for_text_instead_of_failing(tiny_llama, corpus, tmp_path, monkeypatch):
+    corpus_file = corpus
     import quark_ptq_eval as qpe
 
     no_hf_cache(monkeypatch, tmp_path)
     answers = iter(["ppl", "", "n"])  # tier, text (Enter: the default), baseline
     prompts: list[str] = []
     monkeypatch.setattr(builtins, "input", lambda prompt="": prompts.append(prompt) or next(answers))
+    # One document: nothing can be held out of it for Tier 1, so the checkpoint asks for text.
+    corpus = tmp_path / "one-document.txt"
+    corpus.write_text(" ".join(Path(corpus_file).read_text(encoding="utf-8").splitlines()[:100]), encoding="utf-8")
     summary = qpe.run(tiny_llama, tmp_path / "out", workdir=tmp_path / "w", offline=True,
                       approver=qpe.TerminalApprover(all_gates=True), scheme="int8", calib_data=str(corpus),
                       num_calib_samples=8, calib_seq_len=64, eval_options={"seq_len": 64, "max_windows": 4})
