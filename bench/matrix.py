@@ -152,8 +152,12 @@ def run_cell(setup: Setup, family: str, model_dir: Path, column: str) -> Cell:
         cell.message = exc.message + (f" {exc.hint}" if getattr(exc, "hint", None) else "")
         return cell
     cell.seconds["plan"] = time.monotonic() - t0
+    return run_stages(setup, cell, {"plan": plan, "model_dir": model_dir, "wd": wd})
+
+
+def run_stages(setup: Setup, cell: Cell, state: dict) -> Cell:
+    """engine -> validate (load check) -> Tier 1 with baseline -> share, for ``state["plan"]``; also bench/plan_matrix.py."""
     stages = (("engine", _engine), ("validate", _validate), ("evaluate", _evaluate), ("share", _share))
-    state: dict = {"plan": plan, "model_dir": model_dir, "wd": wd}
     for stage, step in stages:
         t = time.monotonic()
         try:

@@ -81,7 +81,8 @@ def check_layout(inputs: LayoutInputs) -> CheckResult:
             result.findings += _check_quantized(module, suffixes, out_suffixes, inputs.qconfig or {})
         else:
             excluded += matches(module, f"{module}.weight", inputs.exclude)
-            result.findings += _check_unchanged(module, suffixes, out_suffixes, inputs.exclude)
+            result.findings += _check_unchanged(module, suffixes, out_suffixes, inputs.exclude,
+                                                kv_cache_output(inputs.qconfig or {}, module))
     result.findings += _unexplained_extras(src_modules, out_modules)
     result.findings += _overrides_honoured(inputs)
     result.findings += share.findings()
@@ -209,11 +210,14 @@ def _check_expectation(module: str, exp: TensorExpectation, got: TensorInfo | No
 
 
 def _check_unchanged(module: str, src: dict[str, TensorInfo], out: dict[str, TensorInfo],
-                     exclude: list[str]) -> list[Finding]:
+                     exclude: list[str], kv_spec: object = None) -> list[Finding]:
+    """Keeps its source header; an excluded KV projection still carries its KV-cache scale (Quark's
+    get_layer_quant_config: exclusion drops weight and input, never the KV cache's output)."""
     findings: list[Finding] = []
     for suffix, info in src.items():
         findings += _same_header(module, suffix, info, out.get(suffix))
-    extra = sorted(s for s in out if is_quant_param(s))
+    kv_tensors = {e.suffix for e in activation_expectations("output", kv_spec)} if kv_spec else set()
+    extra = sorted(s for s in out if is_quant_param(s) and s not in kv_tensors)
     if extra:
         why = "is excluded from quantization" if matches(module, f"{module}.weight", exclude) else \
             "is not a linear layer the plan quantizes"
