@@ -40,15 +40,25 @@ def corpus(assets) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(assets, corpus):
-    """``tiny_model("llama")`` / ``tiny_model("qwen3")``: path of a trained tiny checkpoint.
+    """``tiny_model("llama")`` / ``tiny_model("qwen3")``: path of a trained tiny checkpoint; any other
+    transformers model type (``"qwen3_moe"``): a tiny random instance of that family (bench/families.py).
     Treat it as read-only: copy it (``copy_model``) before planting faults."""
-    from quark_ptq_eval.demo import build_tiny_model
+    from quark_ptq_eval.demo import ARCHITECTURES, build_tiny_model
 
     built: dict[str, Path] = {}
 
     def get(arch: str = "llama") -> Path:
-        if arch not in built:
+        if arch not in built and arch in ARCHITECTURES:
             built[arch] = build_tiny_model(assets / f"tiny-{arch}", corpus, arch=arch)
+        elif arch not in built:
+            if str(ROOT / "bench") not in sys.path:
+                sys.path.insert(0, str(ROOT / "bench"))
+            from families import build_family
+
+            tokenizer = assets / "tokenizer-only"  # a demo model trained one step: only its tokenizer is used
+            if not (tokenizer / "tokenizer.json").exists():
+                build_tiny_model(tokenizer, corpus, train_steps=1)
+            built[arch] = build_family(arch, assets / f"tiny-{arch}", tokenizer)
         return built[arch]
 
     return get
@@ -61,13 +71,15 @@ def tiny_llama(tiny_model) -> Path:
 
 @pytest.fixture(scope="session")
 def quantized(assets, corpus, tiny_model):
-    """``quantized("int8", arch="llama", algorithm=None)``: a real Quark export of the tiny model."""
+    """``quantized("int8", arch="llama", algorithm=None, kv=None)``: a real Quark export of the tiny model
+    (``kv="fp8"``: with an FP8 KV cache)."""
     from quark_ptq_eval.execute import quark_api_engine
 
     done: dict[tuple, Path] = {}
 
-    def get(scheme: str, arch: str = "llama", algorithm: str | None = None, exclude: list[str] | None = None) -> Path:
-        key = (scheme, arch, algorithm, tuple(exclude) if exclude is not None else None)
+    def get(scheme: str, arch: str = "llama", algorithm: str | None = None, exclude: list[str] | None = None,
+            kv: str | None = None) -> Path:
+        key = (scheme, arch, algorithm, tuple(exclude) if exclude is not None else None) + ((kv,) if kv else ())
         if key not in done:
             # the folder named by the key's digest: an exclude list of any length makes no over-long file name
             digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
@@ -78,6 +90,8 @@ def quantized(assets, corpus, tiny_model):
                 argv += ["--quant_algo", algorithm]
             if exclude is not None:
                 argv += ["--exclude_layers", *exclude]
+            if kv:
+                argv += ["--kv_cache_dtype", kv]
             assert quark_api_engine.main(argv) == 0
             done[key] = out
         return done[key]

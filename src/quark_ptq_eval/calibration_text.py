@@ -63,6 +63,8 @@ def _tokenizer(model_dir: Path):
 
             fast = Tokenizer.from_file(str(file))
             return lambda text: len(fast.encode(text).ids)
+        if not any((model_dir / f).is_file() for f in ("tokenizer_config.json", "tokenizer.model", "vocab.json")):
+            return None  # no tokenizer files: nothing to load (and no transformers import for nothing)
         from transformers import AutoTokenizer
 
         slow = AutoTokenizer.from_pretrained(str(model_dir))

@@ -56,6 +56,25 @@ def calibration_batches(tokenizer, texts: list[str], seq_len: int, num: int, bat
     return [torch.stack(windows[i : i + batch_size]).to(device) for i in range(0, len(windows), batch_size)]
 
 
+def prepare_for_quantization(model) -> None:
+    """As quark-cli does: fused 3-D expert parameters (transformers 5 MoE) become per-expert
+    nn.Linear through Quark's module-replacement registry; without it experts stay in BF16.
+    The sensitivity scan calls this too, so that it measures the model this engine quantizes."""
+    from quark.torch.utils.llm.model_preparation import preprocess_for_quantization
+
+    preprocess_for_quantization(model)
+
+
+def template_config(model_type: str, scheme: str, *, algorithm: list[str] | None = None,
+                    kv_cache_scheme: str | None = None, layer_config: dict[str, str] | None = None,
+                    exclude_layers: list[str] | None = None):
+    """Quark's config for ``scheme`` from the model type's template (its exclusions unless given)."""
+    from quark.torch import LLMTemplate
+
+    return LLMTemplate.get(model_type).get_config(scheme=scheme, algorithm=algorithm, kv_cache_scheme=kv_cache_scheme,
+                                                  layer_config=layer_config or {}, exclude_layers=exclude_layers)
+
+
 def copy_non_weight_files(src: Path, dst: Path) -> None:
     """The source's top-level non-weight files, byte for byte, from the paths intake approved (links
     resolved and checked again now), written as regular files over whatever Quark put there."""
@@ -78,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     from quark_ptq_eval.quark_import import import_quark_torch
 
     import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
-    from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
-    from quark.torch.utils.llm.model_preparation import preprocess_for_quantization
+    from quark.torch import ModelQuantizer, export_safetensors
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quark_ptq_eval.textdata import load_texts
@@ -91,16 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         args.model_dir, dtype="auto", trust_remote_code=args.trust_remote_code
     ).to(args.device)
     model.eval()
-    # As quark-cli does: fused 3-D expert parameters (transformers 5 MoE) become per-expert
-    # nn.Linear through Quark's module-replacement registry; without it experts stay in BF16.
-    preprocess_for_quantization(model)
+    prepare_for_quantization(model)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, trust_remote_code=args.trust_remote_code)
     batches = calibration_batches(
         tokenizer, load_texts(args.calib_data), args.seq_len, args.num_calib_data, args.batch_size, args.device
     )
-    template = LLMTemplate.get(model.config.model_type)
-    config = template.get_config(
-        scheme=args.quant_scheme,
+    config = template_config(
+        model.config.model_type, args.quant_scheme,
         algorithm=args.quant_algo.split(",") if args.quant_algo else None,
         kv_cache_scheme=args.kv_cache_dtype,
         layer_config=dict(args.layer_quant_scheme or []),

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
 from .cache import ScanCache
+from .emulation import check_scheme_runs
 from .proposal import Proposal, default_max_kl, propose
 from .report import write_reports
 from .scan import ScanOptions, measure_kl, open_session, scan
@@ -52,6 +54,7 @@ def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = Non
     ``wider`` ("auto": fp8 for fp4/fp6 formats, int8 for int4; None: exclusions only), write the reports."""
     if not (Path(opts.model_dir) / "config.json").exists():
         raise UsageError(f"The sensitivity scan needs a local model directory; {opts.model_dir} has no config.json.")
+    check_scheme_runs(opts.model_dir, opts.scheme, opts.exclude, opts.layer_config)  # before anything loads
     budget = default_max_kl() if max_kl is None else max_kl
     result, session = scan(opts, progress)
     if result["status"] != "complete":
@@ -60,10 +63,11 @@ def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = Non
         return {"status": result["status"], "result": result}
 
     def measure(excluded: set[str]) -> float:
+        """KL with every quantized module but those the ``excluded`` patterns name."""
         nonlocal session
         if session is None:  # cached scan, new combination: quantize once more to measure it
             session = open_session(opts, _batches(opts))
-        return measure_kl(session, set(session.layers) - excluded)
+        return measure_kl(session, {n for n in session.layers if not any(fnmatchcase(n, p) for p in excluded)})
 
     known = result.setdefault("combinations", {})
     before = len(known)

@@ -18,16 +18,18 @@ from ..catalog import cache_dir
 from ..fsio import read_json, write_json
 
 # Bump when what a scan measures changes: old entries then stop matching.
-METHOD_VERSION = "1"
+# 2: the engine's preparation (MoE experts per expert), expert units, pinned routing, quantized share.
+METHOD_VERSION = "2"
+
 def tokens_digest(windows: list[list[int]]) -> str:
     """What the scan actually measures on: the token windows, not the file they came from."""
     return hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]
 
 
 def scan_key(model: str, scheme: str, exclude: list[str] | None, data: str, device: str,
-             layer_config: dict[str, str] | None = None) -> str:
+             layer_config: dict[str, str] | None = None, expert_units: str = "group") -> str:
     spec = {"model": model, "scheme": scheme, "exclude": exclude, "data": data, "device": device,
-            "method": METHOD_VERSION}
+            "method": METHOD_VERSION, "expert_units": expert_units}
     if layer_config:  # only when set, so that the keys of scans without overrides stay as they were
         spec["layer_config"] = layer_config
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]

@@ -19,7 +19,7 @@ def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
     from .scan import ScanOptions
 
     p.add_argument("model", help="local model directory")
-    add_flags(p, ScanOptions, only=["scheme", "calib_data", "num_samples", "seq_len", "exclude"])
+    add_flags(p, ScanOptions, only=["scheme", "calib_data", "num_samples", "seq_len", "exclude", "expert_units"])
     p.add_argument("--max-kl", type=float, default=None,
                    help="KL budget for the proposal (default: the healthy threshold, log(1.02) ~ 0.0198)")
     p.add_argument("--wider", default="auto", metavar="SCHEME",
@@ -35,19 +35,21 @@ def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_sensitivity(args: argparse.Namespace) -> int:
     from . import ScanOptions, run_sensitivity
+    from .emulation import check_scheme_runs
 
     apply_offline(args.offline)
     if args.max_kl is not None and not args.max_kl > 0:
         raise UsageError(f"--max-kl must be a positive number, not {args.max_kl}.")
     if not (Path(args.model) / "config.json").exists():
         raise UsageError(f"The sensitivity scan needs a local model directory; {args.model} has no config.json.")
+    _check_scheme(args.scheme)
+    if args.wider not in ("auto", "none"):
+        _check_scheme(args.wider)
+    check_scheme_runs(Path(args.model), args.scheme, args.exclude, None)  # before the corpus or the model
     calib = check_text_source(args.calib_data, "calibration data") if args.calib_data else _demo_corpus(args.out)
     opts = ScanOptions(**{**given(ScanOptions, args), "model_dir": Path(args.model).resolve(),
                           "calib_data": Path(calib).resolve()})
     say = (lambda _msg: None) if args.quiet or args.json else (lambda msg: print(msg, flush=True))
-    _check_scheme(opts.scheme)
-    if args.wider not in ("auto", "none"):
-        _check_scheme(args.wider)
     with _stdout_to_stderr(args.json):  # Quark and transformers print to stdout: keep --json parseable
         done = run_sensitivity(opts, args.out.resolve(), args.max_kl, say, None if args.wider == "none" else args.wider)
     if done["status"] != "complete":

@@ -1,5 +1,10 @@
 """The smallest set of layers to keep unquantized so that the model's KL meets a budget.
 
+The scan's rows are units (units.py): a layer, or an MoE layer's experts. Each carries the pattern
+naming its modules; the proposal keeps patterns (exact names for single layers, e.g.
+``model.layers.1.mlp.experts.*`` for a layer's routed experts), which Quark's config and the
+plan-conformance check read alike.
+
 Layers are chosen in deployment units: vLLM fuses q/k/v into one qkv_proj and gate/up into one
 gate_up_proj, which must share one scheme, so those are kept or quantized together. Greedy by
 measured KL (largest first, then the cheaper unit); the prediction for a set is the additive
@@ -28,7 +33,7 @@ def default_max_kl() -> float:
 @dataclass
 class Proposal:
     max_kl: float
-    exclude: list[str]  # exact module names to keep unquantized
+    exclude: list[str]  # patterns to keep unquantized (exact module names for single layers)
     units: list[str]
     whole_model_kl: float  # measured, every scanned layer quantized
     predicted_kl: float
@@ -85,7 +90,7 @@ def fusion_units(names: list[str]) -> dict[str, list[str]]:
 
 
 def propose(result: dict, max_kl: float, measure: Callable[[set[str]], float] | None) -> Proposal:
-    """Greedy on the scan, then re-measured with ``measure(excluded) -> KL`` when one is given."""
+    """Greedy on the scan, then re-measured with ``measure(excluded patterns) -> KL`` when one is given."""
     rows = {r["layer"]: r for r in result["layers"]}
     whole = float(result["whole_model_kl"])
     units = fusion_units(list(rows))
@@ -100,20 +105,28 @@ def propose(result: dict, max_kl: float, measure: Callable[[set[str]], float] | 
             break
         chosen.append(unit)
         predicted = whole * (total - sum(unit_kl[u] for u in chosen)) / total
-    measured, rechecks = _recheck(chosen, order, units, whole, max_kl, measure, result.get("combinations", {}))
+
+    def patterns_of(unit_names: list[str]) -> list[str]:
+        return _patterns(rows, [n for u in unit_names for n in units[u]])
+
+    measured, rechecks = _recheck(chosen, order, patterns_of, max_kl, measure, result.get("combinations", {}))
     if rechecks:
         chosen = rechecks[-1]["units"]
-    exclude = sorted(n for u in chosen for n in units[u])
-    return _proposal(result, max_kl, exclude, chosen, whole, predicted, measured, rechecks)
+    kept_rows = [n for u in chosen for n in units[u]]
+    return _proposal(result, max_kl, kept_rows, chosen, whole, predicted, measured, rechecks)
 
 
-def _recheck(chosen, order, units, whole, max_kl, measure, known: dict) -> tuple[float | None, list[dict]]:
+def _patterns(rows: dict, names: list[str]) -> list[str]:
+    return sorted(rows[n].get("pattern", n) for n in names)
+
+
+def _recheck(chosen, order, patterns_of, max_kl, measure, known: dict) -> tuple[float | None, list[dict]]:
     if not chosen:
         return None, []
     rechecks: list[dict] = []
     chosen = list(chosen)
     while True:
-        names = sorted(n for u in chosen for n in units[u])
+        names = patterns_of(chosen)
         key = "|".join(names)
         kl = known.get(key) if key in known else (measure(set(names)) if measure else None)
         if kl is None:
@@ -126,9 +139,10 @@ def _recheck(chosen, order, units, whole, max_kl, measure, known: dict) -> tuple
         chosen.append(left[0])
 
 
-def _proposal(result, max_kl, exclude, chosen, whole, predicted, measured, rechecks) -> Proposal:
+def _proposal(result, max_kl, kept_rows, chosen, whole, predicted, measured, rechecks) -> Proposal:
     rows = {r["layer"]: r for r in result["layers"]}
-    kept = sum(rows[n]["params"] for n in exclude)
+    kept = sum(rows[n]["params"] for n in kept_rows)
+    exclude = _patterns(rows, kept_rows)
     all_params = sum(r["params"] for r in rows.values()) or 1
     src_bits, q_bits = result.get("source_bits", 16.0), result.get("scheme_bits", 4.0)
     extra = int(kept * (src_bits - q_bits) / 8)

@@ -51,13 +51,15 @@ def _markdown(result: dict, summary: dict, proposal: dict | None, command: str, 
         f"- whole model quantized: KL {result['whole_model_kl']:.4g}",
         f"- cost: 1 calibration + 1 reference pass + {cost['measurement_passes']} model-pass equivalents for "
         f"{cost['layers']} layers ({result['method']}); {cost['scan_s']} s",
+        *_share_md(result), *_experts_md(result),
         f"- command: `{command}`", "",
     ]
     if proposal:
         lines += _proposal_md(proposal)
     ranked = sorted(result["layers"], key=lambda r: -r["kl"])
     lines += ["## Layers ranked (most sensitive first)", "", "| # | layer | KL | params |", "|---|---|---|---|"]
-    lines += [f"| {i} | `{r['layer']}` | {r['kl']:.4g} | {r['params']:,} |" for i, r in enumerate(ranked[:TOP], 1)]
+    lines += [f"| {i} | `{r.get('pattern', r['layer'])}` | {r['kl']:.4g} | {r['params']:,} |"
+              for i, r in enumerate(ranked[:TOP], 1)]
     if len(ranked) > TOP:
         lines.append(f"| ... | {len(ranked) - TOP} more in sensitivity_report.json | | |")
     lines += ["", "## Per module type", "", "| type | layers | sum KL | max KL |", "|---|---|---|---|"]
@@ -69,6 +71,31 @@ def _markdown(result: dict, summary: dict, proposal: dict | None, command: str, 
     if chart:
         lines += ["", f"![sensitivity chart]({chart.name})"]
     return "\n".join(lines) + "\n"
+
+
+def _share_md(result: dict) -> list[str]:
+    share = result.get("quantized_share") or {}
+    if not share.get("matrix_params"):
+        return []
+    return [f"- quantized share of matrix parameters: {share['share']:.1%} ({share['quantized_params']:,} of "
+            f"{share['matrix_params']:,}, counted as validation counts an export's headers)"]
+
+
+def _experts_md(result: dict) -> list[str]:
+    experts = result.get("experts") or {}
+    if not experts.get("moe_layers"):
+        return []
+    unreached = experts.get("unreached") or {}
+    missing = sum(len(v) for v in unreached.values())
+    where = "; ".join(f"`{k}`: {', '.join(map(str, v))}" for k, v in unreached.items())
+    return [f"- MoE: {experts['moe_layers']} layer(s), {experts['experts']} routed experts, measured per "
+            f"{UNIT_WORDS.get(result.get('expert_units', 'group'), 'group')}; {experts['routing']}",
+            f"- experts no calibration token reached: {missing}{f' ({where})' if where else ''}; "
+            f"{experts['unreached_treatment']}"]
+
+
+UNIT_WORDS = {"group": "MoE layer (routed experts as one unit, shared experts as another)",
+              "expert": "expert", "projection": "projection type across each layer's experts"}
 
 
 def _proposal_md(p: dict) -> list[str]:

@@ -1,10 +1,13 @@
-"""Measure, layer by layer, how much quantizing that layer alone moves the next-token distribution.
+"""Measure, unit by unit, how much quantizing that unit alone moves the next-token distribution.
 
-One Quark quantization of the whole model (fake-quant, Quark's own ``ModelQuantizer`` and
-calibration), then every layer's quantizers are switched off, and each layer is switched back on
-alone for one measurement: KL(unquantized || this-layer-quantized) per token, averaged over a
-small calibration slice. A layer in block b replays only blocks b.. on inputs cached by the
-reference pass (see replay.py), so the scan costs one calibration plus about L/2 model passes.
+The model is the one the engine quantizes: the same ``prepare_for_quantization`` (MoE experts
+split per expert), the same template config (exclusions, per-layer overrides). One Quark
+quantization of the whole model (fake-quant, Quark's own ``ModelQuantizer`` and calibration), then
+every quantizer is switched off, and each unit (a layer, or an MoE layer's experts: units.py) is
+switched back on alone for one measurement: KL(unquantized || this-unit-quantized) per token,
+averaged over a small calibration slice. A unit in block b replays only blocks b.. on inputs
+cached by the reference pass (see replay.py), so the scan costs one calibration plus about U/2
+model passes for U units.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ from ..evaluate.baseline_cache import model_digest  # one digest of a model's we
 from ..options import flag
 from .cache import METHOD_VERSION, ScanCache, scan_key, tokens_digest
 from .replay import Decoder, capture_inputs, find_decoder, replay, replay_matches
+from .units import EXPERT_UNITS, Routing, Unit, measurement_units, module_type
 
 ESTIMATE_AFTER = 2  # layers timed before the whole scan's time is estimated
 Progress = Callable[[str], None]
@@ -52,6 +57,10 @@ class ScanOptions:
         "--no-cache", action="store_false", help="measure again even when a cached scan matches"))
     replay: bool = True  # False: full forward passes for every measurement (the benchmark's comparison)
     layer_config: dict[str, str] | None = None  # per-layer scheme overrides (Quark's layer_quant_config)
+    expert_units: str = field(default="group", metadata=flag(
+        "--expert-units", choices=list(EXPERT_UNITS),
+        help="MoE experts measured as one group per layer (default), per expert, or per projection type "
+             "(gate/up/down across the layer's experts)"))
 
 
 @dataclass
@@ -63,6 +72,9 @@ class Session:
     reference: list  # float32 log-probs per batch, nothing quantized
     layers: dict[str, Any]  # quantized module name -> its Quark quantizers
     decoder: Decoder | None  # None: measure with full forward passes
+    units: dict[str, Unit] = field(default_factory=dict)  # what is measured alone (units.py)
+    routing: Routing = field(default_factory=Routing)  # MoE routing of the reference pass
+    share: dict[str, Any] = field(default_factory=dict)  # quantized share of matrix parameters
     saved: dict[int, tuple[bool, bool]] = field(default_factory=dict)  # quantizer id -> (fake_quant, observer)
     passes: float = 0.0  # model passes spent in measurements (a replay of k of N blocks counts k/N)
 
@@ -77,7 +89,8 @@ def scan(opts: ScanOptions, progress: Progress = print) -> tuple[dict[str, Any],
     texts = load_texts(opts.calib_data)
     batches = calibration_batches(tokenizer, texts, opts.seq_len, opts.num_samples, 1, opts.device)
     key = scan_key(model_digest(opts.model_dir), opts.scheme, opts.exclude,
-                   tokens_digest([b[0].tolist() for b in batches]), opts.device, opts.layer_config)
+                   tokens_digest([b[0].tolist() for b in batches]), opts.device, opts.layer_config,
+                   opts.expert_units)
     cache = ScanCache(key, opts.cache_root)
     if opts.use_cache and (hit := cache.load_final()) is not None:
         progress(f"sensitivity: cache hit ({cache.final}); no model pass needed")
@@ -86,7 +99,7 @@ def scan(opts: ScanOptions, progress: Progress = print) -> tuple[dict[str, Any],
     t0 = time.time()
     session = open_session(opts, batches)
     setup_s = time.time() - t0
-    names = list(session.layers)
+    names = list(session.units)
     todo = [n for n in names if n not in done]
     if done:
         progress(f"sensitivity: resuming, {len(done)} of {len(names)} layers already measured")
@@ -94,7 +107,7 @@ def scan(opts: ScanOptions, progress: Progress = print) -> tuple[dict[str, Any],
     _measure_all(session, todo, rows, cache, progress, opts.estimate_only, len(names))
     if opts.estimate_only and len(rows) < len(names):
         return {"status": "estimated", "key": key, "measured": len(rows), "layers": len(names)}, session
-    whole = measure_kl(session, set(names))
+    whole = measure_kl(session, set(session.layers))
     passes = round(sum(r.get("passes", 0.0) for r in rows.values()) + 1, 2)  # + the whole-model pass
     result = {
         "format": 1, "method_version": METHOD_VERSION, "key": key, "status": "complete",
@@ -103,7 +116,8 @@ def scan(opts: ScanOptions, progress: Progress = print) -> tuple[dict[str, Any],
         "method": "replay from the layer's block on cached inputs" if session.decoder else "full forward passes",
         "cost": {"calibration_passes": 1, "reference_passes": 1, "measurement_passes": passes,
                  "layers": len(names), "setup_s": round(setup_s, 1), "scan_s": round(time.time() - t0, 1)},
-        "whole_model_kl": whole,
+        "whole_model_kl": whole, "quantized_share": session.share, "expert_units": opts.expert_units,
+        "experts": experts_summary(session),
         "source_bits": _source_bits(session), "scheme_bits": scheme_bits(session),
         "layers": [rows[n] for n in names],
     }
@@ -126,10 +140,12 @@ def _measure_all(session: Session, todo: list[str], rows: dict, cache: ScanCache
     t_start = time.time()
     for i, name in enumerate(todo, 1):
         before = session.passes
-        kl = measure_kl(session, {name})
-        row = {"layer": name, "kl": kl, "params": _params(session.layers[name]["module"]),
-               "module_type": name.rsplit(".", 1)[-1], "block": _block(session, name),
-               "passes": round(session.passes - before, 4)}
+        unit = session.units[name]
+        kl = measure_kl(session, set(unit.members), pinned=True)
+        row = {"layer": name, "kl": kl, "params": sum(_params(session.layers[m]["module"]) for m in unit.members),
+               "module_type": module_type(unit), "block": _block(session, unit.members[0]),
+               "passes": round(session.passes - before, 4), "kind": unit.kind, "pattern": unit.pattern,
+               "members": len(unit.members)}
         rows[name] = row
         cache.append(row)
         if i == min(ESTIMATE_AFTER, len(todo)):
@@ -149,9 +165,10 @@ def _source_bits(session: Session) -> float:
 
 
 def scheme_bits(session: Session, layer: str | None = None) -> float:
-    """Stored bits per weight of ``layer`` (default: the first) under its scheme: element bits plus the
+    """Stored bits per weight of ``layer`` (a name or pattern; default: the first) under its scheme: element bits plus the
     group's scale (8-bit power-of-two scales for MX formats, else the scale's float width)."""
-    q = session.layers[layer or next(iter(session.layers))]["module"]._weight_quantizer
+    name = next((n for n in session.layers if layer is None or fnmatchcase(n, layer)), next(iter(session.layers)))
+    q = session.layers[name]["module"]._weight_quantizer
     q = q[0] if isinstance(q, list) or (hasattr(q, "__getitem__") and not hasattr(q, "dtype")) else q
     dtype = str(getattr(getattr(q, "dtype", None), "value", getattr(q, "dtype", "")))
     digits = re.findall(r"\d+", dtype.replace("e4m3", "").replace("e5m2", "").replace("e2m1", ""))
@@ -178,39 +195,88 @@ def _params(module) -> int:
 
 
 def open_session(opts: ScanOptions, batches: list) -> Session:
-    """Load, record the reference pass, quantize once with Quark (fake-quant), switch everything off."""
+    """Load and prepare as the engine does, record the reference pass (and the MoE routing), quantize
+    once with Quark (fake-quant, the engine's template config), switch everything off."""
+    import torch
     import transformers
 
+    from ..execute.quark_api_engine import prepare_for_quantization, template_config
     from ..quark_import import import_quark_torch
+    from .emulation import use_cpu_emulation
 
     import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
-    from quark.torch import LLMTemplate, ModelQuantizer
+    from quark.torch import ModelQuantizer
     from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(
         opts.model_dir, dtype="auto", trust_remote_code=opts.trust_remote_code
     ).to(opts.device).eval()
-    decoder = find_decoder(model)
-    if decoder is not None:
-        reference = capture_inputs(decoder, model, batches)
-        decoder = decoder if opts.replay and replay_matches(decoder, reference) else None
-    else:
-        reference = _full_pass(model, batches)
-    config = LLMTemplate.get(model.config.model_type).get_config(scheme=opts.scheme, exclude_layers=opts.exclude,
-                                                                 layer_config=opts.layer_config)
-    import torch
-
+    prepare_for_quantization(model)  # the engine's step: per-expert linears, as the export holds them
+    routing = Routing()
+    decoder, reference = _reference_pass(model, batches, routing, opts.replay)
+    config = template_config(model.config.model_type, opts.scheme, layer_config=opts.layer_config,
+                             exclude_layers=opts.exclude)
     with torch.no_grad():
         model = ModelQuantizer(config).quantize_model(model, batches)
+    if str(opts.device).startswith("cpu"):
+        use_cpu_emulation(model)
     if decoder is not None:  # Quark swaps quantized modules in place: take the head as it is now
         decoder.head = model.get_output_embeddings()
-    session = Session(model, batches, reference, _quantized_layers(model), decoder)
+    routing.pin(model)
+    layers = _quantized_layers(model)
+    session = Session(model, batches, reference, layers, decoder, measurement_units(list(layers), opts.expert_units),
+                      routing, quantized_share(model, layers))
     for entry in session.layers.values():
         for q in entry["quantizers"]:
             session.saved[id(q)] = (q.fake_quant_enabled, q.observer_enabled)
     _switch(session, set(session.layers), on=False)
     return session
+
+
+def _reference_pass(model, batches: list, routing: Routing, use_replay: bool) -> tuple[Decoder | None, list]:
+    """Reference log-probs (nothing quantized), each block's inputs and each MoE layer's routing."""
+    decoder = find_decoder(model)
+    routing.record(model)
+    try:
+        reference = capture_inputs(decoder, model, batches) if decoder is not None else _full_pass(model, batches)
+    finally:
+        routing.stop_recording()
+    if decoder is not None and not (use_replay and replay_matches(decoder, reference)):
+        decoder = None
+    return decoder, reference
+
+
+def quantized_share(model, layers: dict[str, Any]) -> dict[str, Any]:
+    """Weight parameters quantized / all matrix parameters, counted as the validator counts the export's
+    headers: every weight of two or more dimensions except embeddings (routers and lm_head included)."""
+    from ..validate.expectations import is_embedding
+
+    total = quantized = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "_parameters", {}).get("weight")
+        if weight is None or weight.ndim < 2 or is_embedding(name):
+            continue
+        total += weight.numel()
+        if name in layers and getattr(module, "_weight_quantizer", None) is not None:
+            quantized += weight.numel()
+    return {"quantized_params": quantized, "matrix_params": total,
+            "share": round(quantized / total, 4) if total else 0.0}
+
+
+def experts_summary(session: Session) -> dict[str, Any]:
+    """Per MoE layer: the calibration tokens each expert received, and the experts none reached."""
+    counts = session.routing.tokens_per_expert()
+    unreached = {name: [e for e, n in enumerate(c) if n == 0] for name, c in counts.items()}
+    return {"moe_layers": len(counts), "experts": sum(len(c) for c in counts.values()),
+            "tokens_per_expert": counts, "unreached": {k: v for k, v in unreached.items() if v},
+            "routing": "each unit measured with the routing of the unquantized model's own pass",
+            "unreached_treatment": UNREACHED_TREATMENT}
+
+
+UNREACHED_TREATMENT = ("an expert no calibration token reached is quantized like the others (its weights need no "
+                       "calibration) but moves no token of the slice: its KL here is 0, which says nothing about it; "
+                       "it is listed here, and the proposal, which ranks by KL, leaves it at the scheme")
 
 
 def _full_pass(model, batches: list) -> list:
@@ -249,16 +315,21 @@ def _switch(session: Session, names: set[str], on: bool) -> None:
             q.fake_quant_enabled, q.observer_enabled = fake, observe
 
 
-def measure_kl(session: Session, quantized: set[str]) -> float:
-    """Mean per-token KL(reference || model with exactly ``quantized`` layers quantized)."""
+def measure_kl(session: Session, quantized: set[str], pinned: bool = False) -> float:
+    """Mean per-token KL(reference || model with exactly ``quantized`` layers quantized); ``pinned``: every
+    MoE layer routes as in the reference pass (a unit's own effect), else live (the real model)."""
     import torch
 
+    if not quantized:  # everything kept out: the reference model itself
+        return 0.0
     _switch(session, quantized, on=True)
+    session.routing.pinned = pinned
     try:
         start = _start_block(session, quantized)
         total, tokens = 0.0, 0
         with torch.no_grad():
             for i, (batch, ref) in enumerate(zip(session.batches, session.reference, strict=True)):
+                session.routing.batch = i
                 got = replay(session.decoder, start, i) if start is not None else \
                     _full_pass(session.model, [batch])[0]
                 total += float((ref.exp() * (ref - got)).sum(-1).double().sum())
@@ -266,6 +337,7 @@ def measure_kl(session: Session, quantized: set[str]) -> float:
         n_blocks = len(session.decoder.blocks) if session.decoder else 1
         session.passes += 1.0 if start is None else (n_blocks - min(start, n_blocks) + 0.5) / (n_blocks + 0.5)
     finally:
+        session.routing.pinned = False
         _switch(session, quantized, on=False)
     kl = total / max(tokens, 1)
     # float32 rounding makes a harmless layer's KL a tiny negative number: KL is never below 0.
