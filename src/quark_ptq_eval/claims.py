@@ -25,7 +25,8 @@ def process_start(pid: int) -> str | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]  # after the command name, which may hold spaces
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return None if fields[0] in ("Z", "X") else fields[19]  # a zombie is gone: only its exit status is left
 
 
 def holder_record(workdir: Path) -> dict[str, Any]:
