@@ -224,3 +224,32 @@ def test_two_runs_one_output_then_sigkill_status_and_resume(cli, tiny_llama, cor
     assert "interrupted" not in cli("status", "--workdir", win_wd).out
     assert "runs" not in (yaml.safe_load((lose_wd / "run_manifest.yaml").read_text()) or {}) or \
         not yaml.safe_load((lose_wd / "run_manifest.yaml").read_text())["runs"]  # the other never ran
+
+
+def test_output_claim_names_its_holder_and_the_final_rename_never_replaces(tmp_path):
+    from quark_ptq_eval.claims import OutputClaim, claim_path, make_staging, rename_no_replace
+    from quark_ptq_eval.errors import QpeError, WorkdirLocked
+
+    out = tmp_path / "out"
+    with OutputClaim(out, tmp_path / "wd-a"):
+        with pytest.raises(WorkdirLocked) as err:
+            OutputClaim(out, tmp_path / "wd-b").__enter__()
+        assert err.value.exit_code == ExitCode.LOCKED
+        assert f"(work dir {tmp_path / 'wd-a'}, pid {os.getpid()}) is writing the output {out}" in err.value.message
+    assert not claim_path(out).exists()  # released with the run
+    with OutputClaim(out, tmp_path / "wd-b"):  # and free for the next
+        pass
+
+    staging = tmp_path / "out.partial"
+    make_staging(staging)
+    with pytest.raises(WorkdirLocked, match="appeared while this run prepared it"):
+        make_staging(staging)
+    (staging / "model.safetensors").write_bytes(b"ours")
+    out.mkdir()
+    (out / "theirs.txt").write_text("another run's export")
+    with pytest.raises(QpeError, match="appeared while the engine ran; the verified result stays in"):
+        rename_no_replace(staging, out)
+    assert (out / "theirs.txt").read_text() == "another run's export" and (staging / "model.safetensors").exists()
+    (out / "theirs.txt").unlink()  # an empty directory the user made for the output is taken
+    rename_no_replace(staging, out)
+    assert (out / "model.safetensors").read_bytes() == b"ours" and not staging.exists()
