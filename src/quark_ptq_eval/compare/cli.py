@@ -10,6 +10,7 @@ from pathlib import Path
 from ..checkpoints import Approver
 from ..errors import ExitCode
 from ..options import add_flags, add_offline_flag, given
+from ..ui import noise_to_log
 
 # PlanRequest / EvalOptions fields every scheme of the comparison shares (their flags are declared there)
 PLAN_SHARED = ("goal", "target", "algorithm", "kv_cache_scheme", "exclude_layers", "calib_data", "calib_dataset",
@@ -50,19 +51,25 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_compare(args: argparse.Namespace, approver: Approver) -> int:
     from ..evaluate.options import EvalOptions
     from ..plan.request import PlanRequest
-    from . import compare
 
     plan = given(PlanRequest, args, only=PLAN_SHARED)
     if plan.get("calib_data"):
         plan["calib_data"] = os.path.abspath(plan["calib_data"])
     ev = given(EvalOptions, args, only=TIER1_SHARED + TIER2_SHARED)
-    result = compare(args.model, args.schemes, args.out_root, approver=approver, quiet=args.quiet or args.json,
-                     eval_data=ev.get("eval_data"), seq_len=ev.get("seq_len"), max_windows=ev.get("max_windows"),
-                     eval_batch_size=ev.get("batch_size"), eval_device=ev.get("device"), top_k=args.top_k,
-                     max_kl=args.max_kl, max_ppl_increase_pct=args.max_ppl_increase_pct, tasks=ev.get("tasks"),
-                     include_path=ev.get("include_path"), limit=ev.get("limit"), num_fewshot=ev.get("num_fewshot"),
-                     max_task_drop_pct=args.max_task_drop_pct, offline=args.offline,
-                     overwrite=bool(args.overwrite), **plan)
+    with noise_to_log(Path(args.out_root).resolve() / "logs" / "compare.log"):  # library chatter: the log
+        result = _compare(args, approver, plan, ev)
     if args.json:
         print(json.dumps(result, indent=2))
     return ExitCode.OK
+
+
+def _compare(args: argparse.Namespace, approver: Approver, plan: dict, ev: dict) -> dict:
+    from . import compare
+
+    return compare(args.model, args.schemes, args.out_root, approver=approver, quiet=args.quiet or args.json,
+                   eval_data=ev.get("eval_data"), seq_len=ev.get("seq_len"), max_windows=ev.get("max_windows"),
+                   eval_batch_size=ev.get("batch_size"), eval_device=ev.get("device"), top_k=args.top_k,
+                   max_kl=args.max_kl, max_ppl_increase_pct=args.max_ppl_increase_pct, tasks=ev.get("tasks"),
+                   include_path=ev.get("include_path"), limit=ev.get("limit"), num_fewshot=ev.get("num_fewshot"),
+                   max_task_drop_pct=args.max_task_drop_pct, offline=args.offline,
+                   overwrite=bool(args.overwrite), **plan)

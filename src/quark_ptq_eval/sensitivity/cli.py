@@ -13,6 +13,7 @@ from pathlib import Path
 from ..errors import ExitCode, UsageError
 from ..options import add_flags, add_offline_flag, apply_offline, given
 from ..textdata import check_text_source
+from ..ui import noise_to_log
 
 
 def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +51,8 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
     opts = ScanOptions(**{**given(ScanOptions, args), "model_dir": Path(args.model).resolve(),
                           "calib_data": Path(calib).resolve()})
     say = (lambda _msg: None) if args.quiet or args.json else (lambda msg: print(msg, flush=True))
-    with _stdout_to_stderr(args.json):  # Quark and transformers print to stdout: keep --json parseable
+    # Quark and transformers print to stdout: keep --json parseable, and their chatter goes to the log
+    with _stdout_to_stderr(args.json), noise_to_log(args.out.resolve() / "logs" / "sensitivity.log"):
         done = run_sensitivity(opts, args.out.resolve(), args.max_kl, say, None if args.wider == "none" else args.wider)
     if done["status"] != "complete":
         return ExitCode.OK

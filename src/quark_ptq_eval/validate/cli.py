@@ -9,6 +9,7 @@ from pathlib import Path
 from ..checkpoints import Approver
 from ..errors import UsageError
 from ..fsio import read_json
+from ..ui import noise_to_log
 from .fixes import fix_and_revalidate, propose_fixes
 from .report import ValidationReport
 from .runner import validate_model
@@ -41,12 +42,14 @@ def cmd_validate(args: argparse.Namespace, approver: Approver) -> int:
     options = {"max_samples": args.max_samples, "seed": args.seed, "workers": args.workers,
                "load_check": not getattr(args, "no_load_check", False),
                "vllm_python": getattr(args, "vllm_python", None)}
-    report = validate_model(args.source, args.quantized, plan, **options)
+    with noise_to_log(workdir / "logs" / "validate.log"):  # Quark's and transformers' chatter: the log
+        report = validate_model(args.source, args.quantized, plan, **options)
     md_path, _ = report.write(workdir)
     if report.status == "failed" and not report.structural_failure and propose_fixes(report, report.source,
                                                                                       report.quantized):
         _print_failures(report)
-        report = fix_and_revalidate(report, approver, plan, **options)  # asks the "fix" gate first
+        with noise_to_log(workdir / "logs" / "validate.log"):
+            report = fix_and_revalidate(report, approver, plan, **options)  # asks the "fix" gate first
         md_path, _ = report.write(workdir)
     if report.status == "failed":
         _print_failures(report)
