@@ -166,7 +166,7 @@ class Recipe:
         if plan is None:
             fields = {f.name for f in dataclasses.fields(PlanRequest)}
             req = PlanRequest(**{k: v for k, v in flow.opts.plan.items() if k in fields}, offline=flow.ctx.offline,
-                              hold_out_eval=_one_text_only(flow.opts, flow.ctx.offline))
+                              hold_out_eval=self._hold_out(flow))
             plan = make_plan(analysis, flow.ctx.env, req, flow.catalog, ModelAnalysis.path_in(self.workdir),
                              flow.output_dir)
         plan.requires_confirmation = not self.state.is_approved("plan", plan.digest)
@@ -187,6 +187,15 @@ class Recipe:
         if hold:
             self.gates.stop("plan", hold, "--approve plan")
         return plan
+
+    def _hold_out(self, flow: Flow) -> bool:
+        """Split off a held-out part of the calibration text? Decided once, when the plan is first
+        made for this text: a resume (e.g. `--eval-tier skip`) must not change what was approved."""
+        previous = self._load_quietly(QuantPlan)
+        calib = previous.calibration if previous is not None else {}
+        if calib.get("source_path", calib.get("path")) == flow.opts.plan.get("calib_data"):
+            return bool(calib.get("split"))
+        return _one_text_only(flow.opts, flow.ctx.offline)
 
     def _hand_edited_plan(self, analysis: ModelAnalysis, catalog: dict) -> QuantPlan | None:
         """A quant_plan.json the user corrected by hand is honoured (validated first), unless
