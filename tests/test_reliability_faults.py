@@ -195,9 +195,13 @@ def test_a_stale_lock_from_a_dead_process_is_taken_over(tmp_path):
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     lock = tmp_path / LOCK_FILE
-    assert lock.read_text() == f"pid {holder.pid}"  # the dead run left its lock file behind
+    from quark_ptq_eval.claims import holder_alive, read_holder
+
+    dead = read_holder(lock.read_text())  # the dead run left its lock file behind: pid + start time
+    assert dead["pid"] == holder.pid and dead["start"] and not holder_alive(dead)
     with WorkdirLock(tmp_path):
-        assert lock.read_text() == f"pid {os.getpid()}"
+        mine = read_holder(lock.read_text())
+        assert mine["pid"] == os.getpid() and holder_alive(mine)
     assert lock.read_text() == ""
 
 
