@@ -189,8 +189,9 @@ def test_catalog_build_is_announced(tmp_path):
 
 def test_tier1_offline_without_text_is_refused_before_any_gate(cli, tiny_llama, corpus, tmp_path, monkeypatch):
     no_hf_cache(monkeypatch, tmp_path)
+    # No text at all (with --calib-data, Tier 1 scores its held-out part: tests/test_data_trust.py)
     result = cli("run", tiny_llama, "-o", tmp_path / "out", "--workdir", tmp_path / "w", "--scheme", "int8",
-                 "--calib-data", corpus, "--offline", "--yes", "--eval-tier", "ppl")
+                 "--offline", "--yes", "--eval-tier", "ppl")
     assert result.rc == 2 and "--eval-data FILE" in result.err
     assert not (tmp_path / "w" / "model_analysis.json").exists()  # nothing asked, nothing done
 

@@ -305,6 +305,8 @@ class Recipe:
             self.ui.info("Evaluation skipped.")
             return "skipped"
         self._say_heldout(tier, opts, plan)
+        if tier == "ppl" and tier1_lacks_text(opts.eval, opts.offline):
+            raise UsageError(TIER1_NO_TEXT)  # a calibration text too small to hold a part out
         fields = {f.name for f in dataclasses.fields(EvalOptions)}
         given = {k: v for k, v in opts.eval.items() if k in fields} | {"tier": tier}
         if isinstance(given.get("thresholds"), dict):
