@@ -372,6 +372,15 @@ def _interrupted_run(path: Path, cells: dict) -> dict:
             "tag": path.stem.removeprefix("results-")}
 
 
+def offline_workdir(path: str) -> Path:
+    """Offline for this process and every child (no Hub), and the work folder made; also bench/plan_matrix.py."""
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                      TOKENIZERS_PARALLELISM="false")
+    work = Path(path)
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", help="comma-separated model types (default: every buildable one)")
@@ -384,10 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rebuild", action="store_true", help="rebuild the families' tiny models first")
     p.add_argument("--doc-only", action="store_true", help="only regenerate the doc from the results in --work")
     args = p.parse_args(argv)
-    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                      TOKENIZERS_PARALLELISM="false")
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    work = offline_workdir(args.work)
     if args.doc_only:
         from families_doc import write_doc
 

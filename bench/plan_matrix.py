@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -24,7 +23,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matrix import ROOT, Cell, Setup, build, log, prepare, run_stages  # noqa: E402
+from matrix import ROOT, Cell, Setup, build, log, offline_workdir, prepare, run_stages  # noqa: E402
 
 # dense, tied embeddings, fused QKV, MoE with fused experts, MLA (+ MoE)
 FAMILIES = ("llama", "gemma2", "phi3", "qwen3_moe", "deepseek_v3")
@@ -114,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="main", help="results file plan-results-TAG.json (parallel runners use distinct tags)")
     p.add_argument("--doc-only", action="store_true", help="only regenerate the doc from every plan-results-*.json")
     args = p.parse_args(argv)
-    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                      TOKENIZERS_PARALLELISM="false")
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    work = offline_workdir(args.work)
     if args.doc_only:
         write_targets_doc(Path(args.out), merged_results(work), prepare(work, args.calib_samples, args.windows))
         return 0
