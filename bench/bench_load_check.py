@@ -4,8 +4,8 @@ For each export of the family matrix (``python bench/matrix.py`` leaves them und
 ``.matrix/cells/<family>/<column>/out.partial``), the full validation with the load check runs
 twice: on the export as Quark wrote it, and on a copy with one module's weight scale multiplied
 by 4 in the file (headers, layout and the unquantized tensors' bytes all unchanged: only the load
-check can see it). Prints one line per export and a summary; the numbers behind
-``loadcheck.MODULE_ERROR_LIMIT``. Run: ``python bench/bench_load_check.py [--families a,b] [--columns fp8]``.
+check could see it; since the decode check it fails there first). Prints one line per export and a
+summary; the numbers behind ``loadlimits.HEALTHY`` (the limit per weight format). Run: ``python bench/bench_load_check.py [--families a,b] [--columns fp8]``.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ def plant_scale_fault(export: Path, work: Path) -> tuple[Path, str] | None:
 
 
 def load_stats(report) -> dict:
-    check, calibration = report.check("load"), report.check("calibration")
-    findings = [f for c in (calibration, check) for f in c.findings if not f.benign]
+    check, calibration, decode = report.check("load"), report.check("calibration"), report.check("decode")
+    findings = [f for c in (decode, calibration, check) for f in c.findings if not f.benign]
     return {"status": check.status, **check.stats, "uncalibrated": calibration.stats.get("uncalibrated", 0),
+            "decode": decode.status, "decode_worst_steps": decode.stats.get("worst_steps"),
             "verdict": "fail" if any(c.status == "fail" for c in report.checks) else "pass",
             "findings": [f"{f.subject}: {f.message}" for f in findings][:2]}
 

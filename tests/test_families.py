@@ -158,6 +158,7 @@ def test_a_fault_in_an_expert_no_probe_token_reaches_still_fails(setup, copy_mod
     scale read 4x there passed. The experts module is replayed again with every expert routed a token.
     (Weight-only int4: no activation scale for calibration to miss, see the next test.)"""
     from quark_ptq_eval.validate import validate_model
+    from quark_ptq_eval.validate.loadcheck import load_check_alone
 
     model_dir = _wide_moe(setup)
     cell = run_cell(setup, "qwen3_moe_wide", model_dir, "int4_wo_32")
@@ -167,7 +168,9 @@ def test_a_fault_in_an_expert_no_probe_token_reaches_still_fails(setup, copy_mod
     assert unrouted  # the premise: the probe leaves experts without a token
     out = copy_model(setup.work / "cells" / "qwen3_moe_wide" / "int4_wo_32" / "out.partial", "unrouted-expert-x4")
     scale_in_file(out, f"{experts}.{unrouted[0]}.down_proj.weight_scale", 4)
-    load = next(c for c in validate_model(model_dir, out, load_check=True).checks if c.name == "load")
+    report = validate_model(model_dir, out, load_check=True)  # the decode check names the expert first
+    assert f"{experts}.{unrouted[0]}.down_proj.weight" in "\n".join(f.subject for f in report.check("decode").failures)
+    load = load_check_alone(model_dir, out)  # and a loader reading it 4x is caught by the replay too
     assert load.status == "fail", load.notes
     assert load.stats["experts_routed_by_probe"] < load.stats["experts"] == 64  # two layers of 32
     assert [f.subject for f in load.findings if not f.benign] == [f"{experts} (expert {unrouted[0]})"]  # the block passed

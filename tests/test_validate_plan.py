@@ -16,6 +16,7 @@ from quark_ptq_eval.errors import ExitCode, QpeError
 from quark_ptq_eval.safetensors_io import INDEX_NAME
 from quark_ptq_eval.validate import add_validate_arguments, cmd_validate, validate_model
 from quark_ptq_eval.validate.checks import CHECKS
+from quark_ptq_eval.validate.loadcheck import load_check_alone
 
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -219,16 +220,21 @@ def test_a_shard_tensor_missing_from_the_index_fails(tiny_llama, quantized, copy
 
 # --- 6. it loads and runs ------------------------------------------------------------------------------
 
-def test_the_load_check_runs_by_default_and_states_its_limit(tiny_llama, quantized, tmp_path):
+def test_the_load_check_runs_by_default_and_states_its_limit(tiny_llama, quantized, tmp_path, capsys):
     rc, report = run_cli(tiny_llama, quantized("int8"), tmp_path, plan_for("int8"))
     assert rc == 0, failures(report, "load")
+    shown = capsys.readouterr()  # only our lines: transformers' loading bars go to the command's log
+    assert "Loading weights" not in shown.out + shown.err and "Validation passed" in shown.out
+    assert "Loading weights" in (tmp_path / "logs" / "validate.log").read_text()
     load = report["checks"]["load"]
     stats = load["stats"]
     # every linear, the embedding and lm_head of the 2-layer model, replayed one by one
     assert load["status"] == "pass" and stats["modules_replayed"] == 16
     assert 0 < stats["max_module_error"] <= stats["module_error_limit"]
     assert stats["greedy_agreement"] >= 0.6  # reported; the replay judges
-    assert any("limit 45%" in n for n in load["notes"]) and any("loaded with transformers" in n for n in load["notes"])
+    assert stats["module_error_limit"] < 0.45 and stats["module_error_limit_from"].startswith("int8")  # int8's own
+    assert any(f"limit {stats['module_error_limit']:.0%}: int8" in n for n in load["notes"])
+    assert any("loaded with transformers" in n for n in load["notes"])
 
 
 def test_no_load_check_is_said_in_the_report(tiny_llama, quantized, tmp_path):
@@ -246,9 +252,10 @@ def test_nan_scales_pass_the_headers_but_fail_the_load_check(tiny_llama, quantiz
     rc, report = run_cli(tiny_llama, out, tmp_path, plan_for("int8"))
     assert rc == 4
     assert all(report["checks"][c]["status"] in ("pass", "skipped") for c in ("layout", "index", "md5"))
-    # transformers' int8 path turns the NaN scale into garbage, not NaN, logits on CPU; a loader that
-    # propagates NaN fails on finiteness instead. Either way: exit 4.
-    text = failures(report, "load")
+    assert "model.layers.0.self_attn.q_proj.weight: decodes to more than" in failures(report, "decode")
+    # The load check alone (structural failures skip it): transformers' int8 path turns the NaN scale
+    # into garbage, not NaN, logits on CPU; a loader that propagates NaN fails on finiteness instead.
+    text = "\n".join(f.line() for f in load_check_alone(tiny_llama, out, plan_for("int8")).failures)
     assert "logits: are not finite" in text or "model.layers.0.self_attn.q_proj: gives outputs" in text, text
 
 
@@ -262,10 +269,11 @@ def test_a_scale_read_four_times_too_large_fails_the_load_check_naming_the_modul
     rc, report = run_cli(tiny_llama, out, tmp_path, plan_for(scheme))
     assert rc == 4
     assert all(report["checks"][c]["status"] in ("pass", "skipped") for c in ("layout", "index", "md5"))
-    load = report["checks"]["load"]
-    assert load["stats"]["worst_module"] == "model.layers.1.mlp.down_proj"
-    assert 2.5 < load["stats"]["max_module_error"] < 3.5  # (4 s - s) / s
-    assert "model.layers.1.mlp.down_proj: gives outputs" in failures(report, "load")
+    assert "model.layers.1.mlp.down_proj.weight: decodes to more than" in failures(report, "decode")
+    load = load_check_alone(tiny_llama, out, plan_for(scheme))  # a loader reading it 4x would be caught too
+    assert load.stats["worst_module"] == "model.layers.1.mlp.down_proj"
+    assert 2.5 < load.stats["max_module_error"] < 3.5  # (4 s - s) / s
+    assert any("model.layers.1.mlp.down_proj: gives outputs" in f.line() for f in load.failures)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
@@ -307,7 +315,8 @@ def test_in_an_awq_export_a_linear_is_judged_after_its_exports_norm(tiny_llama, 
     (tmp_path / "again").mkdir()
     rc, report = run_cli(tiny_llama, out, tmp_path / "again", plan)
     assert rc == 4
-    assert report["checks"]["load"]["stats"]["worst_module"] == "model.layers.0.self_attn.k_proj"
+    assert "model.layers.0.self_attn.k_proj.weight: decodes after undoing" in failures(report, "decode")
+    assert load_check_alone(tiny_llama, out, plan).stats["worst_module"] == "model.layers.0.self_attn.k_proj"
 
 
 def test_fold_units_follow_the_exports_scaling_layers():

@@ -104,6 +104,9 @@ def scales(t: Target, out: int) -> tuple[np.ndarray, np.ndarray]:
     import numpy as np
 
     raw = fmt.read_array(t.scale)
+    if t.spec.get("scale_format") not in (None, "e8m0") or (t.scale.dtype not in fmt.NUMPY_FLOATS and t.scale.dtype
+                                                            not in ("BF16", "U8", "F8_E8M0")):
+        raise fmt.UnsupportedFormat(f"{t.spec.get('scale_format') or t.scale.dtype} scales")
     scale = fmt.e8m0(raw) if t.spec.get("scale_format") == "e8m0" else fmt.as_float(t.scale, raw)
     scale = _per_row(scale, out, transposed=t.grouped and not t.dtype.startswith("fp"))
     zero = np.zeros_like(scale)

@@ -7,7 +7,8 @@ transformers' Quark integration, or Quark's importer for two-level scales and pe
 linears), and a short probe runs through the source. The verdict comes from replaying each module
 on the source's own inputs (``replay.py``; MoE experts also one by one, each routed its own tokens,
 ``experts.py``): every module's output must stay within
-``MODULE_ERROR_LIMIT`` of the source's; the loader must not report weights it initialised; the
+its scheme's limit of the source's (``loadlimits.py``: the healthy maximum measured for that weight
+format and algorithm, with a margin); the loader must not report weights it initialised; the
 logits must be finite. Greedy next-token agreement with the source is reported, and judges only
 when no module could be replayed: on a model with flat logits (random weights) it reads 16-100 %
 for healthy exports. This is the only check that imports torch and transformers;
@@ -18,9 +19,10 @@ from __future__ import annotations
 
 import gc
 import math
+from pathlib import Path
 
 from ..errors import QpeError
-from .registry import ValidationContext
+from .registry import ValidationContext, read_config
 from .report import CheckResult, Finding
 
 # Plain English and code (what the demo model was trained on), long enough for ~60 positions.
@@ -29,15 +31,23 @@ PROBE = ("Return the number of items in the container. If the argument is a stri
 MAX_PROBE_TOKENS = 64
 AGREEMENT_THRESHOLD = 0.6  # share of probe positions whose greedy next token matches the source's
 # Relative output error of one replay unit (a module; under AWQ/SmoothQuant the unit holding its
-# folded scales) on the source's input. Over the family matrix's 159 real exports (34 families; fp8,
-# int8, int4, mxfp4, awq): healthy at most 0.29; a scale planted 4x in the file at least 0.52 (an
-# expert seen through its MoE block), most near 3. bench/bench_load_check.py.
-MODULE_ERROR_LIMIT = 0.45
+# folded scales) on the source's input: limited per weight format and algorithm (loadlimits.py).
 MAX_LISTED = 5
+
+
+def load_check_alone(source: Path, quantized: Path, plan: dict | None = None) -> CheckResult:
+    """The load check on its own, whatever the structural checks say (a loader diagnosis: since the
+    decode check, a fault planted in a weight's file stops validation before the load check runs)."""
+    ctx = ValidationContext(Path(source), Path(quantized), plan, load_check=True)
+    ctx.src_config, ctx.out_config = read_config(ctx.source), read_config(ctx.quantized)
+    return check_load(ctx)
 
 
 def check_load(ctx: ValidationContext) -> CheckResult:
     result = CheckResult("load")
+    from .loadlimits import module_error_limit
+
+    ctx.shared["module_error_limit"] = module_error_limit(ctx.qconfig, ctx.plan)
     if not ctx.load_check:
         result.skipped_reason = ("not requested (--no-load-check, or load_check=False in the API): the export was "
                                  "not loaded or run")
@@ -83,7 +93,7 @@ def _probe(ctx: ValidationContext, result: CheckResult) -> None:
     errors = replay.module_errors(_units(ctx, owners, captures, exported, result), captures, exported)
     del out, exported
     if _logits_finite(got, loader, result):
-        _judge_modules(errors, len(owners), loader, result)
+        _judge_modules(errors, len(owners), loader, result, ctx.shared["module_error_limit"])
         _judge_agreement(got, want, ids.shape[1], loader, result, decisive=not errors)
 
 
@@ -103,7 +113,7 @@ def _units(ctx: ValidationContext, owners, captures, exported, result: CheckResu
         return []
     targets = replay.replay_targets(owners, captures, exported)
     if not algos & SCALING:
-        forced = every_expert_units(captures, exported, MODULE_ERROR_LIMIT)
+        forced = every_expert_units(captures, exported, ctx.shared["module_error_limit"][0])
         if forced:
             routed, total = coverage(captures)
             result.stats.update(experts=total, experts_routed_by_probe=routed)
@@ -132,8 +142,10 @@ def _logits_finite(got, loader: str, result: CheckResult) -> bool:
     return False
 
 
-def _judge_modules(errors: dict[str, float], owners: int, loader: str, result: CheckResult) -> None:
-    result.stats.update(modules_replayed=len(errors), module_error_limit=MODULE_ERROR_LIMIT)
+def _judge_modules(errors: dict[str, float], owners: int, loader: str, result: CheckResult,
+                   limit_why: tuple[float, str]) -> None:
+    limit, why = limit_why
+    result.stats.update(modules_replayed=len(errors), module_error_limit=limit, module_error_limit_from=why)
     if not errors:
         result.notes.append(f"no module of the {owners} holding weights could be replayed on the export: greedy "
                             "agreement judges alone")
@@ -143,14 +155,14 @@ def _judge_modules(errors: dict[str, float], owners: int, loader: str, result: C
     finite = math.isfinite(errors[worst])
     result.stats.update(max_module_error=round(errors[worst], 4) if finite else None, worst_module=worst)
     result.notes.append(f"{len(errors)} modules replayed on the source's inputs: largest relative output error "
-                        f"{errors[worst]:.1%} ({worst}; limit {MODULE_ERROR_LIMIT:.0%})")
-    over = sorted((name for name, err in errors.items() if err > MODULE_ERROR_LIMIT), key=errors.__getitem__,
+                        f"{errors[worst]:.1%} ({worst}; limit {limit:.0%}: {why})")
+    over = sorted((name for name, err in errors.items() if err > limit), key=errors.__getitem__,
                   reverse=True)
     for name in over[:MAX_LISTED]:
         result.findings.append(Finding(
             name, f"gives outputs {errors[name]:.0%} away from the source module's on the same input, over the "
-            f"{MODULE_ERROR_LIMIT:.0%} limit: the loader does not read this module as exported.", side="quark",
-            evidence=f"expected: relative error <= {MODULE_ERROR_LIMIT}; found {errors[name]:.3g} (loader {loader})"))
+            f"{limit:.0%} limit: the loader does not read this module as exported.", side="quark",
+            evidence=f"expected: relative error <= {limit} ({why}); found {errors[name]:.3g} (loader {loader})"))
     if len(over) > MAX_LISTED:
         result.notes.append(f"{len(over) - MAX_LISTED} more modules over the limit")
 
