@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import QpeError, UsageError
 from .context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
 from .loading import LoadedModel, load_model, require_finite
 from .verdict import BEYOND_NOISE, WITHIN_NOISE, Z95, safe_exp, safe_expm1
@@ -440,6 +440,7 @@ def run(prepared: PplPrepared) -> TierOutcome:
     ctx, acc, windows, size = prepared.ctx, prepared.acc, prepared.windows, prepared.batch_size
     baseline_model = prepared.baseline.model if prepared.baseline else None
     total = math.ceil(windows.shape[0] / size)
+    scoring_started = time.perf_counter()
     for index in range(prepared.next_batch, total):
         score_batch(
             prepared.quantized.model,
@@ -451,7 +452,23 @@ def run(prepared: PplPrepared) -> TierOutcome:
             ctx.progress("perplexity batches", index + 1, total)
         elif index % 10 == 0 or index == total - 1:
             ctx.log(f"perplexity: batch {index + 1}/{total}")
-    return outcome_from(acc, ctx.options.seq_len, prepared)
+    outcome = outcome_from(acc, ctx.options.seq_len, prepared)
+    _vllm_cross_check(prepared, outcome, time.perf_counter() - scoring_started + prepared.pilot_s)
+    return outcome
+
+
+def _vllm_cross_check(prepared: PplPrepared, outcome: TierOutcome, hf_seconds: float) -> None:
+    """--vllm-python: the same windows through that vLLM's prompt log-probabilities (vllm_ppl.py)."""
+    from .vllm_ppl import cross_check
+
+    try:
+        result = cross_check(prepared.ctx, prepared.windows, prepared.acc.window_nll, hf_seconds)
+    except QpeError as exc:  # vLLM refuses the export, or never answers: Tier 1's own scores stand
+        outcome.notes.append(f"HF vs vLLM was not checked: {exc.message}")
+        return
+    if result is not None:
+        outcome.details["hf_vs_vllm"] = result.as_dict()
+        outcome.notes.append(result.sentence())
 
 
 def outcome_from(acc: Accumulator, seq_len: int, prepared: PplPrepared) -> TierOutcome:

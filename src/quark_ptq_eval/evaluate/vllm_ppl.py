@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -46,12 +48,16 @@ class BackendComparison:
 
 def window_nll(base_url: str, model: str, window: list[int], timeout_s: float = 600) -> float:
     """Mean negative log-likelihood of ``window[1:]`` given what precedes each token, from vLLM."""
+    # echo: the prompt's log-probabilities come back before the one generated token (discarded)
     body = {"model": model, "prompt": window, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
     request = urllib.request.Request(f"{base_url.rstrip('/')}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             choice = json.loads(response.read())["choices"][0]
+    except urllib.error.HTTPError as exc:  # vLLM says why in the body
+        said = exc.read().decode(errors="replace")[:300]
+        raise QpeError(f"The vLLM server at {base_url} refused the window ({exc.code}: {said}).") from None
     except (OSError, ValueError, KeyError, IndexError) as exc:
         raise QpeError(f"The vLLM server at {base_url} gave no prompt log-probabilities ({exc}).") from None
     logprobs = choice["logprobs"]["token_logprobs"][1 : len(window)]  # first: no context; last+1: generated
@@ -81,3 +87,31 @@ def compare(hf_nll: list[float], vllm_nll: list[float], tolerance_pct: float = A
     diff = 100.0 * (vl - hf) / hf
     return BackendComparison(hf, vl, diff, tolerance_pct, abs(diff) <= tolerance_pct, len(hf_nll),
                              seconds.get("hf_seconds"), seconds.get("vllm_seconds"))
+
+
+def cross_check(ctx, windows, hf_nll: list[float], hf_seconds: float | None = None) -> BackendComparison | None:
+    """Tier 1 with --vllm-python: the quantized model's windows scored again by that vLLM, compared with
+    HF's. None without an explicit --vllm-python (an environment variable alone never starts a server
+    here). A server that does not become healthy is a QpeError in one sentence, as in Tier 3."""
+    from ..validate.servecheck import free_port, wait_healthy
+    from .vllm_host import failure_reason, find_host_vllm, server_argv, start_server, stop_group
+
+    if ctx.options.vllm_python is None:
+        return None
+    host = find_host_vllm(ctx.options.vllm_python)
+    port = free_port()
+    # the window and the one token generated after it (a window as long as the model's context is refused)
+    argv = server_argv(host, ctx.model_dir, port, "tier1") + ["--max-model-len", str(windows.shape[1] + 1)]
+    log = ctx.workdir / "logs" / "vllm_tier1.log"
+    ctx.log(f"HF vs vLLM: scoring the same {windows.shape[0]} windows with {shlex.join(argv)}")
+    process = start_server(argv, log)
+    try:
+        if not wait_healthy(process, port, ctx.options.vllm_health_timeout_s):
+            reason = failure_reason(log) or f"not healthy after {ctx.options.vllm_health_timeout_s:g} s"
+            raise QpeError(f"The vLLM server for the HF vs vLLM check did not serve the model: "
+                           f"{reason.rstrip('.')}; its log is {log}.")
+        nlls, seconds = vllm_window_nlls(f"http://127.0.0.1:{port}", "tier1", windows)
+    finally:
+        stop_group(process)
+    return compare(hf_nll, nlls, hf_seconds=hf_seconds, vllm_seconds=seconds)
+
