@@ -97,9 +97,10 @@ def test_each_option_is_declared_once_on_its_dataclass_and_feeds_parser_and_api(
     for cls in (PlanRequest, EvalOptions, Thresholds):
         for field, spec in flagged_fields(cls):
             assert flag_dest(field, spec) in dests, (cls.__name__, field.name)
-    # every plan field but `offline` (a run-control flag for every step) is declared with its flag
+    # every plan field but `offline` (a run-control flag for every step) and `hold_out_eval` (set by
+    # `run` from its own evaluation options, never by the user) is declared with its flag
     assert {f.name for f in dataclasses.fields(PlanRequest)} - {f.name for f, _ in flagged_fields(PlanRequest)} \
-        == {"offline"}
+        == {"offline", "hold_out_eval"}
     args = run_parser.parse_args(["m", "--scheme", "fp8", "--layer-quant-scheme", "*down_proj", "int8",
                                   "--tasks", "arc_easy, gsm8k", "--hurt-pct", "7", "--eval-batch-size", "2"])
     assert given(PlanRequest, args) == {"scheme": "fp8", "layer_quant_config": {"*down_proj": "int8"}}

@@ -57,6 +57,36 @@ def _set_aside(recipe: Recipe, path: Path, why: str) -> Path:
 def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnalysis, output_dir: Path,
                      overwrite: bool) -> dict:
     on_disk = RunManifest.load(recipe.workdir)  # run what is on disk, and only if that was approved
+    done = _already_verified(recipe, on_disk, output_dir)
+    if done is not None:
+        return done
+    staging = _prepare(recipe, on_disk, analysis, output_dir, overwrite)
+    run = {"status": "running", "started_at": _now(), "command_digest": on_disk.command_digest}
+    on_disk.runs.append(run)
+    on_disk.write(recipe.workdir)
+    recipe.state.record_step("execute", "running", command_digest=on_disk.command_digest)
+    try:
+        result = _run(recipe, on_disk)
+    except OSError as exc:  # the engine could not even start (argv[0] missing, not executable, ...)
+        run.update(status="failed", finished_at=_now(), failure={"cause": "environment", "evidence": [str(exc)]})
+        _record(recipe, on_disk, run, inspect_output(staging), "failed")
+        raise EngineFailed(f"The engine could not be started: {exc.strerror or exc} ({on_disk.command['argv'][0]}).",
+                           "Check the installation with `quark-ptq-eval preflight`.") from None
+    _judge_run(recipe, on_disk, run, result, staging)
+    rename_no_replace(staging, output_dir)
+    facts = inspect_output(output_dir)
+    run["status"] = "succeeded"
+    _record(recipe, on_disk, run, facts, "succeeded", output_dir=str(output_dir))
+    recipe.ui.table("Verified output", [("dir", output_dir), ("shards", ", ".join(facts["shards"])),
+                                        ("tensors", facts["tensor_count"]), ("quant_method", facts["quant_method"]),
+                                        ("tokenizer", ", ".join(facts["tokenizer_files"])),
+                                        ("size", f"{facts['size_bytes'] / 2**20:.2f} MiB"),
+                                        ("engine time", f"{result.seconds:.1f} s")])
+    return facts
+
+
+def _already_verified(recipe: Recipe, on_disk: RunManifest, output_dir: Path) -> dict | None:
+    """The facts of this exact command's verified output, when a resumed run already made it."""
     previous = recipe.state.steps.get("execute", {})
     if (previous.get("status") == "succeeded" and previous.get("command_digest") == on_disk.command_digest
             and previous.get("output_dir") == str(output_dir)):
@@ -64,6 +94,13 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
         if facts.get("ok"):
             recipe.ui.info(f"Already executed and verified: {output_dir}")
             return facts
+    return None
+
+
+def _prepare(recipe: Recipe, on_disk: RunManifest, analysis: ModelAnalysis, output_dir: Path,
+             overwrite: bool) -> Path:
+    """Everything before the engine starts: the output claimed, the execution gate passed, old
+    partial outputs set aside, calibration and source staged, the staging dir made; returns it."""
     staging = Path(on_disk.outputs["staging_dir"])
     _claim_output(recipe, output_dir)  # a second run aimed at this output stops here (exit 5)
     if is_nonempty_dir(output_dir) and not overwrite:
@@ -80,17 +117,11 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
     get_engine(on_disk.engine["name"]).prepare_calibration(on_disk)
     stage_source(on_disk.inputs.get("source_reading") or {}, Path(on_disk.inputs["model_dir"]), recipe.ui.info)
     make_staging(staging)  # exclusively: this run's alone
-    run = {"status": "running", "started_at": _now(), "command_digest": on_disk.command_digest}
-    on_disk.runs.append(run)
-    on_disk.write(recipe.workdir)
-    recipe.state.record_step("execute", "running", command_digest=on_disk.command_digest)
-    try:
-        result = _run(recipe, on_disk)
-    except OSError as exc:  # the engine could not even start (argv[0] missing, not executable, ...)
-        run.update(status="failed", finished_at=_now(), failure={"cause": "environment", "evidence": [str(exc)]})
-        _record(recipe, on_disk, run, inspect_output(staging), "failed")
-        raise EngineFailed(f"The engine could not be started: {exc.strerror or exc} ({on_disk.command['argv'][0]}).",
-                           "Check the installation with `quark-ptq-eval preflight`.") from None
+    return staging
+
+
+def _judge_run(recipe: Recipe, on_disk: RunManifest, run: dict, result, staging: Path) -> None:
+    """Record how the engine ended; raise unless it exited 0 with a usable output."""
     facts = inspect_output(staging)
     run.update(finished_at=_now(), returncode=result.returncode, seconds=round(result.seconds, 1), log=str(result.log))
     if result.interrupted:
@@ -106,16 +137,6 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
             f"The engine failed ({failure['cause']}: {why}); evidence: {' | '.join(failure['evidence'][-2:]) or 'none'}.",
             f"Suggested change: {failure['proposal']} Full log: {result.log}",
         )
-    rename_no_replace(staging, output_dir)
-    facts = inspect_output(output_dir)
-    run["status"] = "succeeded"
-    _record(recipe, on_disk, run, facts, "succeeded", output_dir=str(output_dir))
-    recipe.ui.table("Verified output", [("dir", output_dir), ("shards", ", ".join(facts["shards"])),
-                                        ("tensors", facts["tensor_count"]), ("quant_method", facts["quant_method"]),
-                                        ("tokenizer", ", ".join(facts["tokenizer_files"])),
-                                        ("size", f"{facts['size_bytes'] / 2**20:.2f} MiB"),
-                                        ("engine time", f"{result.seconds:.1f} s")])
-    return facts
 
 
 def _no_output_why(facts: dict, tail: list[str]) -> str:

@@ -13,7 +13,7 @@ import math
 import re
 from pathlib import Path
 
-GIB = 2**30
+from ..sizes import GIB, gb  # noqa: F401 (gb: callers use resources.gb)
 
 # ---- measured scaling (bench/measure_memory.py on the CPU engine; see docs/planning.md) ----------
 BASE_BYTES = 1.40 * GIB  # python + torch + transformers + quark.torch imported, tokenizer loaded
@@ -264,12 +264,6 @@ def serving_fit(analysis, out_bytes: int, kv_scheme: str | None, memory_gb: floa
     return {"weights_bytes": out_bytes, "kv_cache_bytes": kv, "context": budget["context"], "batch": budget["batch"],
             "device_memory_gb": memory_gb, "devices_needed": tp,
             "fits_budget": bool(per_device) and need <= per_device * budget["devices"]}
-
-
-def gb(n: float | None) -> str:
-    if n is None:
-        return "?"
-    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.0f} MiB"
 
 
 # ---- the plan checkpoint's verdict ---------------------------------------------------------------

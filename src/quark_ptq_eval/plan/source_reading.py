@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..intake.formats import CONVERT_BIN, DIRECT, FORMATS, REFUSED, STAGE_BF16
-from .resources import gb
+from ..sizes import gb
 
 STAGED_BF16_DIR = "source-bf16"  # in the work dir
 CONVERTED_BIN_DIR = "source-safetensors"
