@@ -234,16 +234,29 @@ def _exclusions(req: PlanRequest, analysis: ModelAnalysis) -> tuple[list[str], s
         f"Quark's {analysis.model_type} template defaults"
 
 
+def _fitting_scheme(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dict, tc) -> tuple[str, str]:
+    """The scheme the request and target ask for, held against every quantized linear's group and
+    block sizes: a planner's choice falls back to the nearest that fits, a named one is refused."""
+    scheme, why = _choose_scheme(req, env, catalog, tc, _budget_check(tc, analysis, catalog, req))
+    return fit_to_model(analysis.model["model_path"], scheme, why, bool(req.scheme), req.layer_quant_config,
+                        _exclusions(req, analysis)[0], catalog["schemes"], target_fallbacks(tc))
+
+
+def _plan_calibration(req: PlanRequest, analysis: ModelAnalysis, analysis_ref: Path, accelerator: str,
+                      info: dict, algorithm: str | None, kv: str | None) -> tuple[dict, str, str, str]:
+    """The calibration source and its size, the text read and tokenized now (before anything runs)."""
+    calibration, why = _calibration(req, accelerator, read_model_config(analysis.model.get("model_path")))
+    size_why = _calibration_size(req, calibration, info, algorithm, kv, accelerator)
+    size_why, size = check_calibration_text(calibration, req, analysis, Path(analysis_ref).parent, size_why)
+    return calibration, why, size, size_why
+
+
 def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dict, analysis_ref: Path,
               output_dir: Path) -> QuantPlan:
     model_type = analysis.model_type
     accelerator, arch = _gpu(env)
     tc = target_context(req.target, req.goal, env)
-    scheme, scheme_why = _choose_scheme(req, env, catalog, tc, _budget_check(tc, analysis, catalog, req))
-    # group / block sizes against every quantized linear: a planner's choice falls back, a named one is refused
-    scheme, scheme_why = fit_to_model(analysis.model["model_path"], scheme, scheme_why, bool(req.scheme),
-                                      req.layer_quant_config, _exclusions(req, analysis)[0], catalog["schemes"],
-                                      target_fallbacks(tc))
+    scheme, scheme_why = _fitting_scheme(analysis, env, req, catalog, tc)
     info = catalog["scheme_info"].get(scheme, {})
     algorithm, algo_why = _choose_algorithm(req, info, analysis.template.get("algorithms"))
     kv, kv_why = _choose_kv(req, tc, catalog, analysis)
@@ -252,10 +265,8 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
     if analysis.model.get("has_custom_code") and not req.trust_remote_code and not analysis.template["available"]:
         raise UsageError("This model needs its own code to load and --trust-remote-code was not given.",
                          "Review the model repository's code, then pass --trust-remote-code.")
-    calibration, calib_why = _calibration(req, accelerator, read_model_config(analysis.model.get("model_path")))
-    calib_size_why = _calibration_size(req, calibration, info, algorithm, kv, accelerator)
-    calib_size_why, calib_size = check_calibration_text(calibration, req, analysis, Path(analysis_ref).parent,
-                                                        calib_size_why)
+    calibration, calib_why, calib_size, calib_size_why = _plan_calibration(req, analysis, analysis_ref, accelerator,
+                                                                           info, algorithm, kv)
     device = _device(req, env, analysis.size["bytes"])
     # The engines registry decides (execute/engines/): its automatic choice and its constraints.
     engine, engine_why = choose_engine(req.engine, accelerator, calibration, device["device"] == "cpu")
