@@ -72,7 +72,7 @@ def test_a_given_context_file_is_validated_and_names_the_field(tiny_llama, corpu
                                 "hardware": {"accelerator": "amd-rocm", "gpu_arch": "gfx942", "gpu_count": 8,
                                              "memory_gb": 192}}))
     res = cli("plan", tiny_llama, "-o", tmp_path / "out2", "--workdir", tmp_path / "w2", "--calib-data", corpus,
-              "--offline", "--env-context", good, "--approve", "intake", "--json")
+              "--num-calib-samples", "32", "--offline", "--env-context", good, "--approve", "intake", "--json")
     assert res.rc == 0, res.err
     plan = json.loads((tmp_path / "w2" / "quant_plan.json").read_text())
     assert plan["global_scheme"] == "fp8" and plan["engine"]["name"] == "quark-cli"

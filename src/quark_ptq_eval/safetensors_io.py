@@ -36,6 +36,7 @@ class TensorInfo:
     file: Path
     start: int  # absolute byte offset in ``file``
     end: int
+    transposed: bool = False  # a fused-expert slice stored [in, out] for a linear's [out, in] (checkpoint_names)
 
     @property
     def nbytes(self) -> int:

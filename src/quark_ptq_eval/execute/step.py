@@ -102,12 +102,13 @@ def _prepare(recipe: Recipe, on_disk: RunManifest, analysis: ModelAnalysis, outp
     """Everything before the engine starts: the output claimed, the execution gate passed, old
     partial outputs set aside, calibration and source staged, the staging dir made; returns it."""
     staging = Path(on_disk.outputs["staging_dir"])
-    _claim_output(recipe, output_dir)  # a second run aimed at this output stops here (exit 5)
     if is_nonempty_dir(output_dir) and not overwrite:
         raise UsageError(f"The output directory {output_dir} is not empty.",
                          "Choose another -o, or pass --overwrite (its contents are moved aside, not deleted).")
     check_free_space(output_dir, estimated_output_bytes(analysis))
     recipe.gates.require("execute", on_disk.command_digest, on_disk.command["shell"])
+    output_dir.parent.mkdir(parents=True, exist_ok=True)  # approved: the output's folder may be new (compare)
+    _claim_output(recipe, output_dir)  # a second run aimed at this output stops here (exit 5)
     if staging.is_dir() and not staging.is_symlink() and not any(staging.iterdir()):
         staging.rmdir()  # an empty staging dir of a run that died before its engine wrote: nothing to keep
     if staging.exists():

@@ -98,11 +98,13 @@ def _split_fused_expert(name: str, info, output: dict) -> dict | None:
         return None
     rows = info.shape[0] // len(names)
     shape = tuple(info.shape[1:]) if rows == 1 else (rows, *info.shape[1:])
-    if role == "weight" and len(shape) == 2 and (rows == 1 or m["proj"] == "w2"):
+    transposed = role == "weight" and len(shape) == 2 and (rows == 1 or m["proj"] == "w2")
+    if transposed:
         shape = shape[::-1]  # gpt-oss [E, in, out] and DBRX's w2 [E*I, H] store [in, out]; a linear is [out, in]
     per = (info.end - info.start) // len(names)
     return {alias: dataclasses.replace(info, name=alias, shape=shape, start=info.start + e * per,
-                                       end=info.start + (e + 1) * per) for e, alias in enumerate(names)}
+                                       end=info.start + (e + 1) * per, transposed=transposed)
+            for e, alias in enumerate(names)}
 
 
 _GRANITE = re.compile(r"^(?P<moe>.*\.block_sparse_moe)\.(?P<which>input|output)_linear\.weight$")
