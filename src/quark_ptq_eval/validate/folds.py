@@ -63,6 +63,7 @@ def _unit(target: str, groups: list[tuple[str, list[str]]], owners: set[str], re
     if not match:
         return Unit(target)  # embeddings, lm_head: outside the decoder layers no scale is folded
     layer, rel = match.group(1), match.group(2)
+    groups = groups + _per_expert(rel, groups)
     scope = _scope(rel, groups, lambda r: f"{layer}.{r}" in owners)
     whole_layer = Unit(layer, residual=True)
     if not scope or not groups:  # no scaling_layers recorded: any module of the layer may be folded
@@ -72,6 +73,19 @@ def _unit(target: str, groups: list[tuple[str, list[str]]], owners: set[str], re
     if feeding or not replayable(f"{layer}.{scope}") or (norm and not replayable(norm)):
         return whole_layer if replayable(layer) else Unit(target)
     return Unit(f"{layer}.{scope}", norm)
+
+
+def _per_expert(rel: str, groups: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """Quark records an expert's own folds with bare names (``up_proj`` -> ``down_proj``): they hold
+    inside each expert and shared-experts module, so for ``rel`` they are placed under its parent."""
+    out = []
+    for prev, layers in groups:
+        for name in (prev, *layers):
+            if "." not in name and rel.endswith(f".{name}"):
+                prefix = rel[: -len(name)]
+                out.append((prefix + prev, [prefix + x for x in layers]))
+                break
+    return out
 
 
 def _scope(rel: str, groups: list[tuple[str, list[str]]], is_linear) -> str:
