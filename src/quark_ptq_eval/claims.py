@@ -64,6 +64,16 @@ def holder_alive(record: dict[str, Any] | None) -> bool:
     return record.get("start") in (None, start)
 
 
+def open_lock_file(path: Path) -> int:
+    """A lock file's descriptor, created if need be; O_NOFOLLOW: a lock file planted as a symlink
+    must not make us write to its target."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise UsageError(f"Cannot use the lock file {path}: {exc.strerror or exc}.",
+                         "Remove it if it is a symlink or not a regular file, then re-run.") from None
+
+
 def claim_path(output_dir: Path) -> Path:
     """The lock file next to the output (the output itself need not exist yet)."""
     return output_dir.with_name(f".{output_dir.name}.quark-ptq-eval.lock")
@@ -100,11 +110,7 @@ class OutputClaim:
                        "Check whether other runs target it, then re-run.")
 
     def _open(self) -> int:
-        try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as exc:
-            raise UsageError(f"Cannot use the lock file {self.path}: {exc.strerror or exc}.",
-                             "Remove it if it is a symlink or not a regular file, then re-run.") from None
+        return open_lock_file(self.path)
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is None:

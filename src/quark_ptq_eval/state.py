@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .claims import holder_record, read_holder
-from .errors import UsageError, WorkdirLocked
+from .claims import holder_record, open_lock_file, read_holder
+from .errors import WorkdirLocked
 from .fsio import read_json, write_json
 
 STATE_FILE = "run_state.json"
@@ -94,13 +94,7 @@ class WorkdirLock:
 
     def __enter__(self) -> WorkdirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            # O_NOFOLLOW: a lock file planted as a symlink must not make us truncate its target.
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as exc:
-            raise UsageError(f"Cannot use the lock file {self.path}: {exc.strerror or exc}.",
-                             "Remove it if it is a symlink or not a regular file, then re-run.") from None
-        fh = os.fdopen(fd, "r+")
+        fh = os.fdopen(open_lock_file(self.path), "r+")
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
