@@ -39,13 +39,17 @@ def model_context(config: dict) -> tuple[int | None, str]:
 
 
 def read_model_config(model_dir: str | Path | None) -> dict:
-    """config.json of a local model directory, or {} (no limit known) when it cannot be read."""
-    import json
+    """config.json of a local model directory, or {} (no limit known) when it cannot be read; through
+    fsio.read_json, which never opens a FIFO or reads an oversized file."""
+    from .fsio import read_json
 
-    try:
-        return json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")) if model_dir else {}
-    except (OSError, ValueError):
+    if not model_dir or not (Path(model_dir) / "config.json").exists():
         return {}
+    try:
+        config = read_json(Path(model_dir) / "config.json", "model config")
+    except UsageError:
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def fit_window(seq_len: int | None, default: int, config: dict, flag: str) -> tuple[int, str | None]:
