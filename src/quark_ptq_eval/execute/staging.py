@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import UsageError
+from ..fsio import read_json
 from ..plan.source_reading import COMPLETE_MARK
 from ..safetensors_io import INDEX_NAME, weight_files
 
@@ -82,7 +83,7 @@ def dequantize_fp8_checkpoint(src: Path, dst: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    config = read_json(src / "config.json", "model config")
     block = (config.get("quantization_config") or {}).get("weight_block_size")
     shards = weight_files(src)
     where = _tensor_shards(shards)
