@@ -36,7 +36,7 @@ from ..safetensors_io import TensorInfo, read_model_headers
 from . import decode_formats as fmt
 from .decode_weights import Comparison, Fold, Target, compare
 from .expectations import as_spec_list, module_config
-from .folds import fold_groups
+from .folds import fold_groups, per_expert_folds
 from .md5check import default_workers
 from .registry import ValidationContext, read_config, unreadable_headers
 from .report import CheckResult, Finding
@@ -302,35 +302,32 @@ class FoldFinder:
             tol = tol + col_tol[None, :]
         return Fold(cols, rows, FOLD_SIGMAS * tol + _float_slack(self.ctx, target), " and ".join(origins))
 
-    def _anchor(self, module: str) -> tuple[str, str] | None:
-        """(prefix, name): how ``scaling_layers`` names this module, relative to its decoder layer
-        (``mlp.down_proj``) or, for Quark's per-expert entries (a bare ``down_proj``), to its expert."""
-        names = {n for prev, layers in self.groups for n in (prev, *layers)}
+    def _local(self, module: str) -> tuple[str, str, list[tuple[str, list[str]]]] | None:
+        """(decoder layer, name relative to it, the folds that hold there): the export's
+        ``scaling_layers`` plus Quark's per-expert entries placed under the module's expert (folds.py)."""
         match = LAYER.match(module)
-        if match and match.group(2) in names:
-            return f"{match.group(1)}.", match.group(2)
         if not match:
             return None
-        for name in sorted(names, key=len, reverse=True):
-            if module.endswith(f".{name}") and len(module) - len(name) > len(match.group(1)):
-                return module[: -len(name)], name
-        return None
+        layer, rel = match.group(1), match.group(2)
+        groups = list(self.groups)  # a per-expert entry may restate a layer-level one: each fold counts once
+        groups += [g for g in per_expert_folds(rel, self.groups) if g not in groups]
+        return layer, rel, groups
 
     def _folds_into(self, target: Target) -> list[str]:
         """The modules (absolute names) whose scale was folded into this linear's input columns."""
-        anchor = self._anchor(target.module)
-        if anchor is None:
+        local = self._local(target.module)
+        if local is None:
             return []
-        prefix, name = anchor
-        return [prefix + prev for prev, layers in self.groups if name in layers]
+        layer, rel, groups = local
+        return [f"{layer}.{prev}" for prev, layers in groups if rel in layers]
 
     def _feeds_a_fold(self, target: Target, targets: dict[str, Target]) -> bool:
         """The linear's rows were divided by a scale its consumer took: one whose inputs are these rows."""
-        anchor = self._anchor(target.module)
-        if anchor is None:
+        local = self._local(target.module)
+        if local is None:
             return False
-        prefix, name = anchor
-        return any(prefix + layer in targets for prev, layers in self.groups if prev == name for layer in layers)
+        layer, rel, groups = local
+        return any(f"{layer}.{x}" in targets for prev, layers in groups if prev == rel for x in layers)
 
     def _norm_ratio(self, norm: str) -> np.ndarray | None:
         """source / export of a norm's weight: the scale each input channel of its linears was multiplied by."""

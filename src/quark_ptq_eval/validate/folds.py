@@ -63,7 +63,7 @@ def _unit(target: str, groups: list[tuple[str, list[str]]], owners: set[str], re
     if not match:
         return Unit(target)  # embeddings, lm_head: outside the decoder layers no scale is folded
     layer, rel = match.group(1), match.group(2)
-    groups = groups + _per_expert(rel, groups)
+    groups = groups + per_expert_folds(rel, groups)
     scope = _scope(rel, groups, lambda r: f"{layer}.{r}" in owners)
     whole_layer = Unit(layer, residual=True)
     if not scope or not groups:  # no scaling_layers recorded: any module of the layer may be folded
@@ -75,7 +75,7 @@ def _unit(target: str, groups: list[tuple[str, list[str]]], owners: set[str], re
     return Unit(f"{layer}.{scope}", norm)
 
 
-def _per_expert(rel: str, groups: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+def per_expert_folds(rel: str, groups: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
     """Quark records an expert's own folds with bare names (``up_proj`` -> ``down_proj``): they hold
     inside each expert and shared-experts module, so for ``rel`` they are placed under its parent."""
     out = []
