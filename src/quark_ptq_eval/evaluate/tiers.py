@@ -70,7 +70,7 @@ TIERS: dict[str, Tier] = {
             "fast on a ROCm GPU; without a vLLM the commands are recorded for later",
             "quark_ptq_eval.evaluate.tier_vllm",
             False,
-            "ROCm server",
+            "vLLM server (ROCm, or --vllm-python)",
         ),
         Tier("skip", "-", "skip", "no evaluation", "none", None, False),
     )
