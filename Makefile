@@ -35,7 +35,7 @@ test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) -m quark_ptq_eval.demo_run demo-work
+	$(PY) -m quark_ptq_eval.flows.demo_run demo-work
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py
@@ -48,7 +48,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 
 docs: $(STAMP)
-	$(PY) -m quark_ptq_eval.docs_gen docs/cli.md
+	$(PY) -m quark_ptq_eval.flows.docs_gen docs/cli.md
 
 clean-demo:
 	rm -rf demo-work

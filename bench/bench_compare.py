@@ -1,6 +1,6 @@
 """`compare` over four schemes against four separate `run --baseline`, on the demo model.
 
-Builds the demo corpus and tiny Llama (``quark_ptq_eval.demo``, as ``make demo`` does) in a temp
+Builds the demo corpus and tiny Llama (``quark_ptq_eval.flows.demo``, as ``make demo`` does) in a temp
 dir, warms the capability catalog, then times, each as one fresh process with fresh directories:
 
 - ours: ``quark-ptq-eval compare M --schemes fp8,int8,int4_wo_128,mxfp4 -o ROOT --calib-data corpus.txt
@@ -98,7 +98,7 @@ def run(quick: bool, windows: int | None = None, model: Path | None = None, corp
     with tempfile.TemporaryDirectory(prefix="qpe-bench-compare-") as tmp:
         root = Path(keep).resolve() if keep else Path(tmp)
         if model is None or corpus is None:
-            from quark_ptq_eval.demo import build_corpus, build_tiny_model
+            from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
 
             corpus = build_corpus(root / "assets" / "corpus.txt")
             model = build_tiny_model(root / "assets" / "tiny-llama", corpus)  # the demo's model, as trained there

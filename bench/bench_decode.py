@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def decode_ranges(source: Path, twin: Path) -> list[tuple[Path, int, int]]:
     """The byte ranges the decode check reads: each quantized weight, its scale, zero point and source."""
-    from quark_ptq_eval.safetensors_io import read_model_headers
+    from quark_ptq_eval.base.safetensors_io import read_model_headers
 
     src, out = read_model_headers(source), read_model_headers(twin)
     ranges = []

@@ -43,8 +43,8 @@ def build_demo(root: Path) -> Path:
     """The demo's tiny model, corpus and int8 export (the demo's own commands, evaluation skipped)."""
     if (root / "tiny-llama-int8" / "config.json").exists():
         return root
-    from quark_ptq_eval.cli import main as cli_main
-    from quark_ptq_eval.demo import build_corpus, build_tiny_model
+    from quark_ptq_eval.flows.cli import main as cli_main
+    from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
 
     root.mkdir(parents=True, exist_ok=True)
     if not (root / "tiny-llama" / "config.json").exists():
@@ -101,7 +101,7 @@ def case_options(case: str, demo: Path, big: Path) -> dict:
 
 def child(spec: dict, workdir: Path) -> dict:
     """In a fresh process: one evaluate(), timed from the outside too."""
-    from quark_ptq_eval.checkpoints import FlagApprover
+    from quark_ptq_eval.base.gates import FlagApprover
     from quark_ptq_eval.evaluate import EvalOptions, evaluate
 
     options = EvalOptions(**{k: Path(v) if k in ("eval_data", "baseline") else v

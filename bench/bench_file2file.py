@@ -68,7 +68,7 @@ def capped_run(argv: list[str], cap_bytes: int | None, log: Path) -> dict:
 
 def product_run(model: Path, corpus: Path, work: Path, scheme: str, cap_gib: float) -> dict:
     """The recipe with a host of ``cap_gib`` stated: the plan's engine, validation, Tier 1."""
-    from quark_ptq_eval.preflight import detect_env
+    from quark_ptq_eval.context.preflight import detect_env
 
     env = detect_env()
     env["hardware"]["host_memory_gb"] = cap_gib

@@ -1,6 +1,6 @@
 """Orchestration overhead: our `execute` / `run` against the bare engine they drive, on the tiny model.
 
-Builds the embedded corpus and tiny Llama (``quark_ptq_eval.demo``) in a temp dir, then times,
+Builds the embedded corpus and tiny Llama (``quark_ptq_eval.flows.demo``) in a temp dir, then times,
 each as a fresh process from a fresh work dir and output dir:
 
 - ours, Phase 1 only: ``quark-ptq-eval execute M -o O --workdir W --scheme int8 --calib-data corpus.txt
@@ -160,7 +160,7 @@ def _with_output(argv: list[str], out: Path) -> list[str]:
 
 def build_assets(root: Path) -> tuple[Path, Path]:
     """The demo corpus and a tiny Llama; few training steps (weights quality does not matter here)."""
-    from quark_ptq_eval.demo import build_corpus, build_tiny_model
+    from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
 
     corpus = build_corpus(root / "corpus.txt")
     return build_tiny_model(root / "tiny-llama", corpus, train_steps=20), corpus
@@ -168,7 +168,7 @@ def build_assets(root: Path) -> tuple[Path, Path]:
 
 def warm_catalog() -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "from quark_ptq_eval.catalog import load_catalog; load_catalog()"],
+    subprocess.run([sys.executable, "-c", "from quark_ptq_eval.base.catalog import load_catalog; load_catalog()"],
                    env=ENV, check=True)
     return time.perf_counter() - t0
 

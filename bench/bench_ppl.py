@@ -31,7 +31,7 @@ ASSETS = Path(tempfile.gettempdir()) / "qpe-bench-assets"
 
 
 def build_assets() -> tuple[Path, Path]:
-    from quark_ptq_eval.demo import build_corpus, build_tiny_model
+    from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
 
     corpus = ASSETS / "corpus.txt"
     if not corpus.exists():

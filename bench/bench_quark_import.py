@@ -21,7 +21,7 @@ from pathlib import Path
 REGISTRY = ("from quark.torch.utils.llm.module_replacement.preprocess_registry import PREPROCESS_REGISTRY as R\n"
             "print(sorted(f'{k.__module__}.{k.__qualname__}' for k in R))\n")
 PLAIN = "import quark.torch\n" + REGISTRY
-CACHED = ("import sys\nfrom pathlib import Path\nfrom quark_ptq_eval.quark_import import import_quark_torch\n"
+CACHED = ("import sys\nfrom pathlib import Path\nfrom quark_ptq_eval.base.quark_import import import_quark_torch\n"
           "import_quark_torch(Path(sys.argv[1]))\n" + REGISTRY)
 
 

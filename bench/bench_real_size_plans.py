@@ -182,10 +182,10 @@ def header_count(tensors: list[tuple[str, str, list[int]]], scheme: str, exclude
 
 # ---- intake + plan in a child (its wall time and peak RSS are the figures) -------------------------
 def child(model: str, work: str, scheme: str, target: str) -> None:
-    from quark_ptq_eval import api
-    from quark_ptq_eval.catalog import load_catalog
+    from quark_ptq_eval.base.catalog import load_catalog
+    from quark_ptq_eval.context.preflight import detect_env
+    from quark_ptq_eval.flows import api
     from quark_ptq_eval.intake import analyze_model
-    from quark_ptq_eval.preflight import detect_env
 
     catalog = load_catalog()
     t0 = time.perf_counter()

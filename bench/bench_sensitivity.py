@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def _model(root: Path, layers: int) -> tuple[Path, Path]:
-    from quark_ptq_eval.demo import build_corpus, build_tiny_model
+    from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
 
     corpus = build_corpus(root / "corpus.txt", max_chars=60_000)
     return build_tiny_model(root / "model", corpus, layers=layers, train_steps=30), corpus

@@ -31,7 +31,7 @@ from pathlib import Path
 
 def demo_model(root: Path) -> tuple[Path, Path]:
     """The model and corpus of ``make demo`` (same builder, same defaults)."""
-    from quark_ptq_eval.demo import build_corpus, build_tiny_model
+    from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
 
     corpus, model = root / "corpus.txt", root / "tiny-llama"
     if not (model / "config.json").exists():

@@ -211,7 +211,7 @@ def quiet(fn):
 
 
 def bench_md5(source: Path, twin: Path, workers: int | None, repeat: int) -> list[dict]:
-    from quark_ptq_eval.safetensors_io import read_model_headers
+    from quark_ptq_eval.base.safetensors_io import read_model_headers
     from quark_ptq_eval.validate.md5check import compare_tensors, excluded_candidates
 
     qv = load_quark_helper()
@@ -257,7 +257,7 @@ def bench_full(source: Path, twin: Path, workers: int | None) -> dict:
 
 
 def bench_headers(source: Path, twin: Path) -> dict:
-    from quark_ptq_eval.safetensors_io import read_model_headers
+    from quark_ptq_eval.base.safetensors_io import read_model_headers
     from quark_ptq_eval.validate.layout import LayoutInputs, check_layout
 
     qv = load_quark_helper()

@@ -133,7 +133,7 @@ class Setup:
 
 
 def run_cell(setup: Setup, family: str, model_dir: Path, column: str) -> Cell:
-    from quark_ptq_eval.errors import UsageError
+    from quark_ptq_eval.base.errors import UsageError
     from quark_ptq_eval.plan.family_limits import limit_for
 
     scheme, algorithm = COLUMNS[column]
@@ -175,7 +175,7 @@ def run_stages(setup: Setup, cell: Cell, state: dict) -> Cell:
 
 
 def _plan(setup: Setup, model_dir: Path, wd: Path, scheme: str, algorithm: str | None):
-    from quark_ptq_eval import api
+    from quark_ptq_eval.flows import api
     from quark_ptq_eval.intake import analyze_model
 
     analysis = analyze_model(str(model_dir), offline=True, catalog=setup.catalog)
@@ -187,8 +187,8 @@ def _plan(setup: Setup, model_dir: Path, wd: Path, scheme: str, algorithm: str |
 
 
 def _engine(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
-    from quark_ptq_eval import api
     from quark_ptq_eval.execute import quark_api_engine
+    from quark_ptq_eval.flows import api
 
     plan = state["plan"]
     plan.requires_confirmation = False  # the matrix approves every checkpoint
@@ -217,7 +217,7 @@ def _validate(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
 
 
 def _evaluate(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
-    from quark_ptq_eval.checkpoints import CallbackApprover
+    from quark_ptq_eval.base.gates import CallbackApprover
     from quark_ptq_eval.evaluate import EvalOptions, evaluate
 
     opts = EvalOptions(tier="ppl", eval_data=setup.corpus, max_windows=setup.windows, seq_len=64, device="cpu",
@@ -245,7 +245,7 @@ def _score(scores) -> float | None:
 
 
 def _share(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
-    from quark_ptq_eval.safetensors_io import read_model_headers
+    from quark_ptq_eval.base.safetensors_io import read_model_headers
 
     src, out = read_model_headers(state["model_dir"]), read_model_headers(state["out"])
     cell.share_measured = measured_share(src, out)
@@ -278,9 +278,9 @@ def _tf_version() -> str:
 
 
 def prepare(work: Path, calib_samples: int, windows: int) -> Setup:
-    from quark_ptq_eval.catalog import load_catalog
-    from quark_ptq_eval.demo import build_corpus, build_tiny_model
-    from quark_ptq_eval.preflight import detect_env
+    from quark_ptq_eval.base.catalog import load_catalog
+    from quark_ptq_eval.context.preflight import detect_env
+    from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
 
     corpus = work / "corpus.txt"
     if not corpus.exists():

@@ -64,7 +64,7 @@ model.save_pretrained({str(out)!r}, max_shard_size={SHARD!r})
 
 
 def tokenizer_and_corpus(work: Path) -> tuple[Path, Path]:
-    from quark_ptq_eval.demo import build_corpus, build_tiny_model
+    from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
 
     corpus = work / "corpus.txt"
     if not corpus.exists():
@@ -95,7 +95,7 @@ def measure(model: Path, corpus: Path, scheme: str, algorithm: str | None, sampl
 
 
 def model_facts(model: Path) -> dict:
-    from quark_ptq_eval.catalog import load_catalog
+    from quark_ptq_eval.base.catalog import load_catalog
     from quark_ptq_eval.intake import analyze_model
 
     a = analyze_model(str(model), offline=True, catalog=load_catalog())
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fit", action="store_true", help="fit and tabulate the rows in --results, run nothing")
     args = p.parse_args(argv)
     if args.fit:
-        from quark_ptq_eval.catalog import load_catalog
+        from quark_ptq_eval.base.catalog import load_catalog
 
         rows = [json.loads(line) for line in (args.results or args.out / "results.jsonl").read_text().splitlines()]
         print(json.dumps(fit(rows), indent=2))
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             r.update(predicted(a, r["scheme"], r["algorithm"], r["samples"], r["seq_len"], load_catalog()))
         print(report(rows))
         return
-    from quark_ptq_eval.catalog import load_catalog
+    from quark_ptq_eval.base.catalog import load_catalog
 
     catalog = load_catalog()
     args.out.mkdir(parents=True, exist_ok=True)

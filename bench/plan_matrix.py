@@ -42,8 +42,8 @@ def _plan_key(plan) -> str:
 
 def run_goal_cell(setup: Setup, family: str, model_dir: Path, target: str, priority: str, runs: dict) -> dict:
     """One cell: plan from the goal, then that plan's run (shared with earlier cells of the same plan)."""
-    from quark_ptq_eval import api
-    from quark_ptq_eval.errors import UsageError
+    from quark_ptq_eval.base.errors import UsageError
+    from quark_ptq_eval.flows import api
     from quark_ptq_eval.intake import analyze_model
     from quark_ptq_eval.plan.targets import TARGETS
 

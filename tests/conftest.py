@@ -33,7 +33,7 @@ def assets(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def corpus(assets) -> Path:
-    from quark_ptq_eval.demo import build_corpus
+    from quark_ptq_eval.flows.demo import build_corpus
 
     return build_corpus(assets / "corpus.txt")
 
@@ -43,7 +43,7 @@ def tiny_model(assets, corpus):
     """``tiny_model("llama")`` / ``tiny_model("qwen3")``: path of a trained tiny checkpoint; any other
     transformers model type (``"qwen3_moe"``): a tiny random instance of that family (bench/families.py).
     Treat it as read-only: copy it (``copy_model``) before planting faults."""
-    from quark_ptq_eval.demo import ARCHITECTURES, build_tiny_model
+    from quark_ptq_eval.flows.demo import ARCHITECTURES, build_tiny_model
 
     built: dict[str, Path] = {}
 
@@ -128,7 +128,7 @@ def scale_in_file():
 
 @pytest.fixture(scope="session")
 def catalog() -> dict:
-    from quark_ptq_eval.catalog import load_catalog
+    from quark_ptq_eval.base.catalog import load_catalog
 
     return load_catalog()
 

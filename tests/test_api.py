@@ -3,7 +3,7 @@
 import pytest
 
 import quark_ptq_eval as qpe
-from quark_ptq_eval import contracts
+from quark_ptq_eval.base import contracts
 
 
 def test_steps_as_functions_return_typed_artifacts(tiny_llama, corpus, tmp_path):

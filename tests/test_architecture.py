@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from quark_ptq_eval import contracts
-from quark_ptq_eval.checkpoints import FlagApprover, Gatekeeper
-from quark_ptq_eval.errors import CheckpointPending, UsageError
+from quark_ptq_eval.base import contracts
+from quark_ptq_eval.base.errors import CheckpointPending, UsageError
+from quark_ptq_eval.base.gates import FlagApprover, Gatekeeper
+from quark_ptq_eval.base.state import RunState
+from quark_ptq_eval.base.step_table import STEP_NAMES, STEPS
 from quark_ptq_eval.evaluate.tiers import TIERS, tier_checkpoint
 from quark_ptq_eval.execute.engines import ENGINE_NAMES, choose_engine, get_engine
-from quark_ptq_eval.state import RunState
-from quark_ptq_eval.status import describe_status
-from quark_ptq_eval.steps import STEP_NAMES, STEPS
+from quark_ptq_eval.flows.status import describe_status
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "quark_ptq_eval"
 
@@ -86,10 +86,10 @@ def test_each_option_is_declared_once_on_its_dataclass_and_feeds_parser_and_api(
     import dataclasses
 
     from quark_ptq_eval import run
-    from quark_ptq_eval.cli import build_parser
+    from quark_ptq_eval.base.options import flag_dest, flagged_fields, given
     from quark_ptq_eval.evaluate.cli import eval_options_from_args
     from quark_ptq_eval.evaluate.options import EvalOptions, Thresholds
-    from quark_ptq_eval.options import flag_dest, flagged_fields, given
+    from quark_ptq_eval.flows.cli import build_parser
     from quark_ptq_eval.plan.request import PlanRequest
 
     run_parser = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
@@ -162,7 +162,7 @@ def test_gatekeeper_binds_each_approval_to_content_and_records_how_to_continue(t
 
 
 def test_engine_names_come_from_the_registry_everywhere():
-    from quark_ptq_eval.cli import build_parser
+    from quark_ptq_eval.flows.cli import build_parser
 
     schema = contracts.own_schema("quant_plan")
     assert schema["properties"]["engine"]["properties"]["name"]["enum"] == list(ENGINE_NAMES)
@@ -181,7 +181,7 @@ def test_engine_names_come_from_the_registry_everywhere():
 
 
 def test_tier_names_come_from_the_registry_everywhere():
-    from quark_ptq_eval.cli import build_parser
+    from quark_ptq_eval.flows.cli import build_parser
 
     run = build_parser()._subparsers._group_actions[0].choices["run"]
     tier_flag = next(a for a in run._actions if "--eval-tier" in a.option_strings)
@@ -195,8 +195,8 @@ def test_library_noise_goes_to_the_log_and_progress_shows_as_milestones(tmp_path
     import logging
     import sys
 
+    from quark_ptq_eval.base.ui import Reporter, noise_to_log
     from quark_ptq_eval.execute.runner import EngineEcho
-    from quark_ptq_eval.ui import Reporter, noise_to_log
 
     log = tmp_path / "logs" / "run.log"
     real = io.StringIO()

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from quark_ptq_eval import compare
-from quark_ptq_eval.checkpoints import FlagApprover
-from quark_ptq_eval.compare.recommend import pareto_front, recommend
-from quark_ptq_eval.errors import CheckpointPending
-from quark_ptq_eval.state import RunState
+from quark_ptq_eval.base.errors import CheckpointPending
+from quark_ptq_eval.base.gates import FlagApprover
+from quark_ptq_eval.base.state import RunState
+from quark_ptq_eval.flows.compare.recommend import pareto_front, recommend
 
 pytestmark = pytest.mark.slow
 SCHEMES = ["int8", "int4_wo_128", "no_such_scheme"]
@@ -155,9 +155,9 @@ def test_task_scores_carry_a_paired_test_against_the_baseline_evaluated_once(com
 
 
 def test_plan_time_estimate_comes_from_measurements_on_this_host(compared):
-    from quark_ptq_eval.artifacts import ModelAnalysis, QuantPlan
-    from quark_ptq_eval.compare.options import CompareOptions
-    from quark_ptq_eval.compare.plans import engine_history, estimate_totals
+    from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
+    from quark_ptq_eval.flows.compare.options import CompareOptions
+    from quark_ptq_eval.flows.compare.plans import engine_history, estimate_totals
 
     root = compared["root"]
     recorded = [r for r in engine_history() if r["scheme"] in ("int8", "int4_wo_128") and r["calib_tokens"] == 8 * 64]

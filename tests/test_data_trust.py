@@ -14,9 +14,9 @@ import yaml
 from test_reliability_guard import source_guard  # noqa: F401 - arms the session guard early
 from test_reliability_interrupts import Started, engine_log
 
-from quark_ptq_eval.calibration_text import OPTIMISTIC, calibration_documents
-from quark_ptq_eval.context_window import model_context
-from quark_ptq_eval.errors import ExitCode, UsageError
+from quark_ptq_eval.base.calibration_text import OPTIMISTIC, calibration_documents
+from quark_ptq_eval.base.context_window import model_context
+from quark_ptq_eval.base.errors import ExitCode, UsageError
 
 
 def run_args(model, out, wd, calib, *extra):
@@ -94,7 +94,7 @@ def test_one_text_is_split_and_the_engine_calibrates_only_on_its_part(cli, tiny_
 
 @pytest.mark.slow
 def test_scoring_on_the_calibration_text_qualifies_the_verdict(quantized, corpus, tiny_llama, tmp_path):
-    from quark_ptq_eval.checkpoints import FlagApprover
+    from quark_ptq_eval.base.gates import FlagApprover
     from quark_ptq_eval.evaluate import EvalOptions, evaluate
 
     model = quantized("int8")
@@ -161,7 +161,7 @@ def test_windows_beyond_the_context_are_refused_or_clamped(cli, tiny_llama, corp
     with pytest.raises(UsageError, match="--calib-seq-len 256 is longer than the model's context of 128 tokens"):
         plan(calib_seq_len=256)
 
-    from quark_ptq_eval.checkpoints import FlagApprover
+    from quark_ptq_eval.base.gates import FlagApprover
     from quark_ptq_eval.evaluate import EvalOptions, evaluate
 
     report = evaluate(short, EvalOptions(tier="ppl", eval_data=corpus, max_windows=2), tmp_path / "ev", FlagApprover())
@@ -227,8 +227,8 @@ def test_two_runs_one_output_then_sigkill_status_and_resume(cli, tiny_llama, cor
 
 
 def test_output_claim_names_its_holder_and_the_final_rename_never_replaces(tmp_path):
-    from quark_ptq_eval.claims import OutputClaim, claim_path, make_staging, rename_no_replace
-    from quark_ptq_eval.errors import QpeError, WorkdirLocked
+    from quark_ptq_eval.base.claims import OutputClaim, claim_path, make_staging, rename_no_replace
+    from quark_ptq_eval.base.errors import QpeError, WorkdirLocked
 
     out = tmp_path / "out"
     with OutputClaim(out, tmp_path / "wd-a"):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from quark_ptq_eval.checkpoints import FlagApprover
-from quark_ptq_eval.errors import UsageError
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.evaluate import EvalOptions, estimate_runtime, evaluate
 from quark_ptq_eval.evaluate.tier_lmeval import mcnemar, paired_bootstrap, paired_tests, per_sample_scores
 

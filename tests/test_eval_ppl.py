@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from quark_ptq_eval.checkpoints import FlagApprover
-from quark_ptq_eval.errors import CheckpointPending, UsageError
+from quark_ptq_eval.base.errors import CheckpointPending, UsageError
+from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.evaluate import EvalOptions, Thresholds, estimate_runtime, evaluate
 
 pytestmark = pytest.mark.slow
@@ -42,8 +42,8 @@ def independent_kl_top1(
     """
     import torch
 
+    from quark_ptq_eval.base.textdata import load_texts
     from quark_ptq_eval.evaluate.loading import load_model
-    from quark_ptq_eval.textdata import load_texts
 
     base, quant = load_model(baseline_dir, "cpu"), load_model(model_dir, "cpu")
     ids = base.tokenizer("\n\n".join(load_texts(eval_text)), return_tensors="pt").input_ids[0]
@@ -240,7 +240,7 @@ def test_non_finite_logits_are_refused(tiny_llama, copy_model, eval_text, tmp_pa
 
 
 def test_eval_command_through_the_main_cli(tiny_llama, eval_text, tmp_path):
-    from quark_ptq_eval.cli import main
+    from quark_ptq_eval.flows.cli import main
 
     argv = [
         "eval",
@@ -269,8 +269,8 @@ def test_fast_nll_equals_a_plain_torch_float64_reference(tiny_llama, eval_text):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from quark_ptq_eval.base.textdata import load_texts
     from quark_ptq_eval.evaluate import tier_ppl
-    from quark_ptq_eval.textdata import load_texts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from quark_ptq_eval.checkpoints import FlagApprover
-from quark_ptq_eval.errors import CheckpointPending, UsageError
+from quark_ptq_eval.base.errors import CheckpointPending, UsageError
+from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.evaluate import (
     TIERS,
     EvalOptions,

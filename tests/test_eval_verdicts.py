@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from quark_ptq_eval.checkpoints import FlagApprover
-from quark_ptq_eval.errors import UsageError
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.evaluate import EvalOptions, Thresholds
 from quark_ptq_eval.evaluate.reference import model_card_reference, parse_reference
 from quark_ptq_eval.evaluate.verdict import (
@@ -67,7 +67,7 @@ def test_a_non_finite_reference_is_refused(value):
 
 
 def test_a_non_finite_reference_exits_2_with_one_sentence(tmp_path, capsys):
-    from quark_ptq_eval.cli import main
+    from quark_ptq_eval.flows.cli import main
 
     rc = main(["eval", "--model", str(tmp_path), "--workdir", str(tmp_path), "--tier", "ppl",
                "--reference", "perplexity:perplexity=nan"])
@@ -262,7 +262,7 @@ def scale_tensor(model_dir: Path, name: str, factor: float) -> None:
 @pytest.mark.slow
 def test_a_badly_broken_export_is_hurt_with_its_numbers(quantized, copy_model, tiny_llama, eval_text, capsys):
     """lm_head x 1e30 in a real int8 export: logits near 1e30, whose exp() overflows any float."""
-    from quark_ptq_eval.cli import main
+    from quark_ptq_eval.flows.cli import main
 
     broken = copy_model(quantized("int8"), "huge-lm-head")
     scale_tensor(broken, "lm_head.weight", 1e30)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from quark_ptq_eval.checkpoints import FlagApprover
-from quark_ptq_eval.errors import CheckpointPending, QpeError
+from quark_ptq_eval.base.errors import CheckpointPending, QpeError
+from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.evaluate import EvalOptions, evaluate
 from quark_ptq_eval.evaluate import tier_vllm as t3
 from quark_ptq_eval.evaluate.context import TierContext

@@ -21,15 +21,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 from families import build_family  # noqa: E402
 from matrix import Setup, matrix_params, run_cell  # noqa: E402
 
-from quark_ptq_eval.errors import QpeError, UsageError  # noqa: E402
-from quark_ptq_eval.safetensors_io import read_model_headers  # noqa: E402
+from quark_ptq_eval.base.errors import QpeError, UsageError  # noqa: E402
+from quark_ptq_eval.base.safetensors_io import read_model_headers  # noqa: E402
 from quark_ptq_eval.validate.configdiff import ConfigContext, check_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, corpus, catalog) -> Setup:
-    from quark_ptq_eval.demo import build_tiny_model
-    from quark_ptq_eval.preflight import detect_env
+    from quark_ptq_eval.context.preflight import detect_env
+    from quark_ptq_eval.flows.demo import build_tiny_model
 
     work = tmp_path_factory.mktemp("matrix")
     tokenizer = build_tiny_model(work / "tokenizer", corpus, train_steps=1)  # only its tokenizer is used
@@ -222,7 +222,7 @@ def test_a_real_config_change_still_fails_next_to_normalisation(setup, tmp_path)
 
 
 def test_plan_refuses_a_known_family_limit_up_front(tiny_llama, copy_model, catalog, corpus):
-    from quark_ptq_eval import api
+    from quark_ptq_eval.flows import api
 
     model = copy_model(tiny_llama)
     _edit(model, model_type="mllama")

@@ -8,8 +8,8 @@ import json
 import pytest
 from test_plan_targets import cpu_env
 
-from quark_ptq_eval.checkpoints import FlagApprover
-from quark_ptq_eval.errors import UsageError
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.intake import analyze_model
 from quark_ptq_eval.plan import PlanRequest, make_plan
 from quark_ptq_eval.plan import resources as R
@@ -72,7 +72,7 @@ def test_explicit_file2file_refuses_what_it_cannot_quantize(tiny_analysis, catal
 def test_run_engine_file2file_writes_a_validated_export(tiny_llama, corpus, tmp_path):
     # In process (the API behind `run --engine file2file`): the load check shares the session's Quark
     # import; the engine is still a child process, as for users.
-    from quark_ptq_eval import api
+    from quark_ptq_eval.flows import api
 
     wd, out = tmp_path / "work", tmp_path / "out"
     summary = api.run(tiny_llama, out, workdir=wd, approver=FlagApprover(all_gates=True), eval_tier="skip",

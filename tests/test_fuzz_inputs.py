@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quark_ptq_eval.errors import UnsafeInputError
-from quark_ptq_eval.safetensors_io import DTYPE_BYTES, SafetensorsHeader, read_header
+from quark_ptq_eval.base.errors import UnsafeInputError
+from quark_ptq_eval.base.safetensors_io import DTYPE_BYTES, SafetensorsHeader, read_header
 from quark_ptq_eval.validate.configdiff import (
     ConfigContext,
     check_config,

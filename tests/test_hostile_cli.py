@@ -17,7 +17,7 @@ import yaml
 from test_hostile_inputs import plant_custom_code
 from test_reliability_guard import LLAMA_CONFIG, make_model, source_guard, st_bytes, tree_checksums  # noqa: F401
 
-from quark_ptq_eval.errors import ExitCode
+from quark_ptq_eval.base.errors import ExitCode
 
 
 def _symlink_out(model: Path, tmp: Path) -> None:

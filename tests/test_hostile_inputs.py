@@ -28,9 +28,9 @@ from test_reliability_guard import (
     write_st,
 )
 
-from quark_ptq_eval.errors import ExitCode, UnsafeInputError, UsageError
-from quark_ptq_eval.safetensors_io import read_header, read_model_headers
-from quark_ptq_eval.safety import check_output_target
+from quark_ptq_eval.base.errors import ExitCode, UnsafeInputError, UsageError
+from quark_ptq_eval.base.safetensors_io import read_header, read_model_headers
+from quark_ptq_eval.base.safety import check_output_target
 
 
 @contextlib.contextmanager
@@ -291,7 +291,7 @@ def test_bad_config_json_stops_intake_with_one_sentence(tmp_path, catalog, case)
 def test_json_inputs_that_are_not_small_regular_files_are_refused(tmp_path, monkeypatch, kind):
     """Context files, plans and state are read through read_json: a FIFO or /dev/zero given as
     --session-context must not hang or exhaust memory."""
-    from quark_ptq_eval import fsio
+    from quark_ptq_eval.base import fsio
 
     path = tmp_path / "session_context.json"
     if kind == "fifo":
@@ -415,9 +415,9 @@ HOSTILE_NAMES = {
 
 @pytest.mark.parametrize("case", list(HOSTILE_NAMES))
 def test_hostile_names_travel_as_exact_arguments(tmp_path, monkeypatch, case):
-    from quark_ptq_eval.checkpoints import FlagApprover
-    from quark_ptq_eval.pipeline import Recipe, RunOptions
-    from quark_ptq_eval.ui import Reporter
+    from quark_ptq_eval.base.gates import FlagApprover
+    from quark_ptq_eval.base.ui import Reporter
+    from quark_ptq_eval.flows.pipeline import Recipe, RunOptions
 
     name = HOSTILE_NAMES[case]
     monkeypatch.chdir(tmp_path)

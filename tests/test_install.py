@@ -82,7 +82,7 @@ def test_wheel_builds_without_setuptools_warnings(wheel):
         names = zf.namelist()
         metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata
-    assert "quark_ptq_eval/schemas/quant_plan.schema.json" in names  # package data travels
+    assert "quark_ptq_eval/base/schemas/quant_plan.schema.json" in names  # package data travels
     assert any(n.endswith("entry_points.txt") for n in names)
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from quark_ptq_eval import contracts, safetensors_io
-from quark_ptq_eval.errors import UsageError
+from quark_ptq_eval.base import contracts, safetensors_io
+from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.intake import analyze_model
 
 

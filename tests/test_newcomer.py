@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from quark_ptq_eval import first_use
-from quark_ptq_eval.cli import build_parser, main
-from quark_ptq_eval.import_command import (
+from quark_ptq_eval.base import first_use
+from quark_ptq_eval.flows.cli import build_parser, main
+from quark_ptq_eval.flows.import_command import (
     NOT_TRANSLATED,
     QUARK_CLI_FLAGS,
     SAME_SPELLING,
@@ -127,7 +127,7 @@ def test_import_command_shows_the_plan_for_approval(cli, tiny_llama, corpus, tmp
 
 def test_preflight_is_one_screen_with_fixes_and_no_quark_import(tmp_path, monkeypatch):
     no_hf_cache(monkeypatch, tmp_path)
-    code = ("import sys, json; from quark_ptq_eval.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys, json; from quark_ptq_eval.flows.cli import main; rc = main(sys.argv[1:]); "
             "print(json.dumps({'rc': rc, 'quark.torch': 'quark.torch' in sys.modules, 'torch': 'torch' in sys.modules}))")
     proc = subprocess.run([sys.executable, "-c", code, "preflight", "--workdir", str(tmp_path / "w")],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ))
@@ -167,7 +167,7 @@ def test_hw_emulation_build_dir_is_where_torch_builds_it(quantized):
 
 
 def test_first_use_costs_are_announced_once(tmp_path):
-    code = ("from quark_ptq_eval.first_use import announce_quark_import as a, hw_emulation_state as s; "
+    code = ("from quark_ptq_eval.base.first_use import announce_quark_import as a, hw_emulation_state as s; "
             "print(s()[0]); a('loading x'); a('loading y')")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "fresh-extensions")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
@@ -178,8 +178,8 @@ def test_first_use_costs_are_announced_once(tmp_path):
 
 def test_catalog_build_is_announced(tmp_path):
     env = {**os.environ, "QUARK_PTQ_EVAL_CACHE": str(tmp_path / "fresh-cache")}
-    code = ("from quark_ptq_eval.catalog import catalog_built as c; "
-            "from quark_ptq_eval.first_use import announce_catalog_build as a; print(c()); a()")
+    code = ("from quark_ptq_eval.base.catalog import catalog_built as c; "
+            "from quark_ptq_eval.base.first_use import announce_catalog_build as a; print(c()); a()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.stdout.strip() == "False" and "asking it which schemes" in proc.stderr
 
@@ -340,7 +340,7 @@ def test_readme_first_run_preflight_is_what_a_fresh_machine_prints(tmp_path):
     printed = proc.stdout.splitlines()
     # Free disk is the one row that depends on the host's state, not its software: README shows a roomy disk; a
     # host below the limit must say so (with its fix line), and the rest of the screen must still match.
-    from quark_ptq_eval.preflight import LOW_DISK_GB, free_gb
+    from quark_ptq_eval.context.preflight import LOW_DISK_GB, free_gb
 
     if free_gb(tmp_path) < LOW_DISK_GB:
         row = next(i for i, x in enumerate(printed) if x.lstrip().startswith(("ok disk", "!! disk")))
@@ -351,12 +351,12 @@ def test_readme_first_run_preflight_is_what_a_fresh_machine_prints(tmp_path):
 
 def test_readme_session_is_the_command_make_demo_runs(tmp_path, monkeypatch, capsys):
     """`make demo`'s first lines as README describes them, and the command its transcript shows."""
-    from quark_ptq_eval import demo_run
+    from quark_ptq_eval.flows import demo_run
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     session = _section(readme, "## A real session", "## Install")
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
-    assert "$(PY) -m quark_ptq_eval.demo_run demo-work" in makefile
+    assert "$(PY) -m quark_ptq_eval.flows.demo_run demo-work" in makefile
     building = re.search(r"`(Building the embedded tiny model and corpus in) <checkout>/demo-work \.\.\.`", session)
     assert building and building.group(1) in Path(demo_run.__file__).read_text(encoding="utf-8")
     root = tmp_path / "demo-work"

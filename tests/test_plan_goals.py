@@ -15,7 +15,7 @@ import pytest
 from test_plan_targets import cpu_env, header_only_llama
 from test_validate_plan import failures, plan_for, run_cli
 
-from quark_ptq_eval.errors import ExitCode, UsageError
+from quark_ptq_eval.base.errors import ExitCode, UsageError
 from quark_ptq_eval.intake import analyze_model
 from quark_ptq_eval.plan import PlanRequest, make_plan
 

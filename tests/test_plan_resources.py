@@ -9,11 +9,11 @@ import sys
 import pytest
 from test_plan_targets import LLAMA_8B, cpu_env, header_only_llama
 
-from quark_ptq_eval.checkpoints import FlagApprover
+from quark_ptq_eval.base.gates import FlagApprover
+from quark_ptq_eval.context.preflight import detect_env
 from quark_ptq_eval.intake import analyze_model
 from quark_ptq_eval.plan import PlanRequest, make_plan
 from quark_ptq_eval.plan import resources as R
-from quark_ptq_eval.preflight import detect_env
 
 # Runs the engine in a child and prints the child's peak RSS in bytes (Linux reports KiB).
 PEAK_RSS = """

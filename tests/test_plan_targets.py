@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quark_ptq_eval import contracts
-from quark_ptq_eval.errors import UsageError
+from quark_ptq_eval.base import contracts
+from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.intake import analyze_model
 from quark_ptq_eval.plan import PlanRequest, make_plan
 from quark_ptq_eval.plan.targets import TARGETS

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from quark_ptq_eval.errors import UsageError
+from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.execute import quark_cli
 from quark_ptq_eval.execute.calib_cache import (
     CALIBRATION_DATASETS,

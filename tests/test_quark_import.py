@@ -13,7 +13,7 @@ from pathlib import Path
 
 import transformers
 
-from quark_ptq_eval.quark_import import DECORATOR, SCANNER, remembered_scan
+from quark_ptq_eval.base.quark_import import DECORATOR, SCANNER, remembered_scan
 
 SCAN_CODE = '''
 import ast

@@ -21,9 +21,9 @@ import pytest
 import yaml
 from test_reliability_guard import make_model
 
-from quark_ptq_eval import fsio
-from quark_ptq_eval.errors import ExitCode, QpeError, UsageError, WorkdirLocked
-from quark_ptq_eval.state import LOCK_FILE, STATE_FILE, RunState, WorkdirLock, digest
+from quark_ptq_eval.base import fsio
+from quark_ptq_eval.base.errors import ExitCode, QpeError, UsageError, WorkdirLocked
+from quark_ptq_eval.base.state import LOCK_FILE, STATE_FILE, RunState, WorkdirLock, digest
 
 
 def leftovers(directory: Path) -> list[str]:
@@ -67,7 +67,7 @@ def test_a_crash_mid_write_keeps_the_previous_artifact(tmp_path, monkeypatch, wh
 
 
 def test_run_state_and_manifest_survive_a_failed_save(tmp_path, monkeypatch):
-    from quark_ptq_eval.artifacts import RunManifest
+    from quark_ptq_eval.base.artifacts import RunManifest
 
     state = RunState(tmp_path, options={"model": "m"}, approvals={"execute": "abc"})
     state.save()
@@ -92,7 +92,7 @@ def test_power_loss_mid_write_leaves_the_previous_version(tmp_path):
     fsio.write_json(target, OLD)
     code = textwrap.dedent(f"""
         import os, signal
-        from quark_ptq_eval import fsio
+        from quark_ptq_eval.base import fsio
         os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
         fsio.write_json({str(target)!r}, {NEW!r})
     """)
@@ -110,7 +110,7 @@ def test_power_loss_mid_write_leaves_the_previous_version(tmp_path):
 
 FSIZE_CHILD = """
 import json, resource, signal, sys
-from quark_ptq_eval import fsio
+from quark_ptq_eval.base import fsio
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so write() fails with EFBIG instead of killing us
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 try:
@@ -159,7 +159,7 @@ def test_cli_under_a_file_size_limit_names_the_file_and_resumes_afterwards(cli, 
 
 HOLDER = """
 import sys, time
-from quark_ptq_eval.state import WorkdirLock
+from quark_ptq_eval.base.state import WorkdirLock
 with WorkdirLock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(600)
@@ -195,7 +195,7 @@ def test_a_stale_lock_from_a_dead_process_is_taken_over(tmp_path):
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     lock = tmp_path / LOCK_FILE
-    from quark_ptq_eval.claims import holder_alive, read_holder
+    from quark_ptq_eval.base.claims import holder_alive, read_holder
 
     dead = read_holder(lock.read_text())  # the dead run left its lock file behind: pid + start time
     assert dead["pid"] == holder.pid and dead["start"] and not holder_alive(dead)

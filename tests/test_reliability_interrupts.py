@@ -21,7 +21,7 @@ import pytest
 import yaml
 from test_reliability_guard import source_guard  # noqa: F401 - arms the session guard early
 
-from quark_ptq_eval.errors import ExitCode
+from quark_ptq_eval.base.errors import ExitCode
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("source_guard")]
 

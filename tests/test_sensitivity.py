@@ -50,8 +50,8 @@ def independent_kl(model_dir: Path, corpus: Path, quantized: set[str], layer_con
     from quark.torch import LLMTemplate, ModelQuantizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from quark_ptq_eval.base.textdata import load_texts
     from quark_ptq_eval.execute.quark_api_engine import calibration_batches
-    from quark_ptq_eval.textdata import load_texts
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     batches = calibration_batches(tok, load_texts(corpus), SEQ, SAMPLES, 1, "cpu")
@@ -149,7 +149,7 @@ def test_an_interrupted_scan_resumes(scan_setup, scanned):
 
 
 def test_cli_prints_the_proposal_from_the_cache(scan_setup, scanned, tiny_llama, corpus, cli, tmp_path):
-    from quark_ptq_eval.catalog import cache_dir, catalog_path
+    from quark_ptq_eval.base.catalog import cache_dir, catalog_path
 
     root, _ = scan_setup
     shutil.copytree(root / "cache", tmp_path / "cache")
@@ -168,7 +168,7 @@ def test_cli_prints_the_proposal_from_the_cache(scan_setup, scanned, tiny_llama,
 @pytest.fixture(scope="module")
 def sens_plan(tiny_llama, corpus, tmp_path_factory):
     """A real plan with --sensitivity (tight budget, so the proposal keeps layers unquantized)."""
-    from quark_ptq_eval.api import analyze_model, plan_quantization
+    from quark_ptq_eval.flows.api import analyze_model, plan_quantization
 
     root = tmp_path_factory.mktemp("sens-plan")
     analysis = analyze_model(tiny_llama, offline=True)
@@ -194,7 +194,7 @@ def test_plan_with_sensitivity_adds_the_proposal_as_a_decision(sens_plan):
 def test_eval_report_shows_predicted_against_measured_kl(sens_plan, tiny_llama, corpus):
     """A real export with the plan's exclusions, Tier 1 with baseline: the report pairs the scan's
     prediction with the KL Tier 1 measured; a plan made for another output is not used."""
-    from quark_ptq_eval.checkpoints import FlagApprover
+    from quark_ptq_eval.base.gates import FlagApprover
     from quark_ptq_eval.evaluate import EvalOptions, evaluate
     from quark_ptq_eval.execute import quark_api_engine
     from quark_ptq_eval.sensitivity.followup import sensitivity_followup
@@ -226,7 +226,7 @@ def test_hurt_remedies_name_the_scan_command():
 
 
 def test_cli_refuses_an_unknown_wider_scheme(tiny_llama, cli, tmp_path):
-    from quark_ptq_eval.catalog import cache_dir, catalog_path
+    from quark_ptq_eval.base.catalog import cache_dir, catalog_path
 
     env = {}
     if catalog_path().exists():  # spare the child a Quark import just to list the schemes

@@ -64,7 +64,7 @@ def engine_export(model_dir: Path, out: Path, scheme: str, corpus: Path) -> Path
 @pytest.mark.parametrize("arch", MOE)
 def test_every_moe_layers_experts_are_ranked_and_the_share_is_the_exports(moe_scan, tiny_model, corpus, tmp_path,
                                                                           arch, scheme):
-    from quark_ptq_eval.safetensors_io import read_model_headers
+    from quark_ptq_eval.base.safetensors_io import read_model_headers
 
     result = moe_scan(arch, scheme)
     rows = {r["layer"]: r for r in result["layers"]}
@@ -117,7 +117,7 @@ def plant_outliers(model_dir: Path, per_matrix: int = 32, factor: float = 50.0) 
 def test_planted_expert_outliers_rank_first_and_the_proposal_exports(tiny_model, copy_model, corpus, cli, tmp_path):
     """CLI, mxfp4 on CPU, no traceback; the proposal keeps the planted experts by pattern, and the engine's
     export of the plan with that pattern passes validation against the plan (plan conformance included)."""
-    from quark_ptq_eval.catalog import load_catalog
+    from quark_ptq_eval.base.catalog import load_catalog
     from quark_ptq_eval.execute import quark_api_engine
     from quark_ptq_eval.validate import validate_model
 

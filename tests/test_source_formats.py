@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from families import build_family  # noqa: E402
 from fp8_release import to_bin_only, to_fp8_release  # noqa: E402
 
-from quark_ptq_eval.checkpoints import FlagApprover  # noqa: E402
+from quark_ptq_eval.base.gates import FlagApprover  # noqa: E402
+from quark_ptq_eval.base.safetensors_io import read_model_headers  # noqa: E402
 from quark_ptq_eval.intake import analyze_model  # noqa: E402
-from quark_ptq_eval.safetensors_io import read_model_headers  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_file2file_on_an_fp8_release_is_refused_at_the_plan_on_a_cpu_host(cli, r
 
 
 def test_refused_formats_say_what_to_start_from(release, catalog, tmp_path):
-    from quark_ptq_eval.errors import UsageError
+    from quark_ptq_eval.base.errors import UsageError
     from quark_ptq_eval.plan.source_reading import decide
 
     bf16, _ = release("qwen3")
@@ -183,7 +183,7 @@ def test_a_lossless_widening_is_benign_and_a_changed_value_is_not(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from quark_ptq_eval.safetensors_io import read_header
+    from quark_ptq_eval.base.safetensors_io import read_header
     from quark_ptq_eval.validate.md5check import compare_tensors
 
     bias = torch.randn(64).to(torch.bfloat16)
@@ -217,8 +217,8 @@ def test_output_size_comes_from_the_release_headers(release, catalog, tmp_path):
 
 
 def _run_release(model: Path, tmp_path: Path, scheme: str, corpus: Path, eval_text: Path | None) -> dict:
-    from quark_ptq_eval import api
     from quark_ptq_eval.evaluate import BASELINE_FROM_SOURCE
+    from quark_ptq_eval.flows import api
 
     wd, out = tmp_path / "work", tmp_path / "out"
     tier = "ppl" if eval_text else "skip"

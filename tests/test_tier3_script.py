@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from quark_ptq_eval.checkpoints import FlagApprover
+from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.evaluate import EvalOptions
 from quark_ptq_eval.evaluate import tier_vllm as t3
 from quark_ptq_eval.evaluate.context import TierContext

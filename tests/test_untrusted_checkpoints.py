@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_reliability_guard import LLAMA_CONFIG, make_model, tree_checksums
 
-from quark_ptq_eval.errors import ExitCode, UnsafeInputError
+from quark_ptq_eval.base.errors import ExitCode, UnsafeInputError
 from quark_ptq_eval.intake.model_files import approved_files
 from quark_ptq_eval.intake.pickle_scan import ALLOWED_GLOBALS, scan_pickle
 

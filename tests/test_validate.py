@@ -11,9 +11,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from quark_ptq_eval.checkpoints import FlagApprover
-from quark_ptq_eval.errors import CheckpointPending, ExitCode, UsageError, ValidationFailed
-from quark_ptq_eval.safetensors_io import INDEX_NAME, read_model_headers
+from quark_ptq_eval.base.errors import CheckpointPending, ExitCode, UsageError, ValidationFailed
+from quark_ptq_eval.base.gates import FlagApprover
+from quark_ptq_eval.base.safetensors_io import INDEX_NAME, read_model_headers
 from quark_ptq_eval.validate import (
     ValidationReport,
     add_validate_arguments,

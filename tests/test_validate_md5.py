@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from quark_ptq_eval.safetensors_io import TensorInfo
+from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.validate.md5check import check_md5, digest_pair, excluded_candidates, sample
 
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from test_validate import read_tensors, shard, write_tensors
 
-from quark_ptq_eval.safetensors_io import INDEX_NAME
+from quark_ptq_eval.base.safetensors_io import INDEX_NAME
 from quark_ptq_eval.validate import validate_model
 
 EXPORTS = ("int8", "int4_wo_128", "mxfp4")

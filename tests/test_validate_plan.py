@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from test_validate import read_tensors, rewrite, shard
 
-from quark_ptq_eval.checkpoints import FlagApprover
-from quark_ptq_eval.errors import ExitCode, QpeError
-from quark_ptq_eval.safetensors_io import INDEX_NAME
+from quark_ptq_eval.base.errors import ExitCode, QpeError
+from quark_ptq_eval.base.gates import FlagApprover
+from quark_ptq_eval.base.safetensors_io import INDEX_NAME
 from quark_ptq_eval.validate import add_validate_arguments, cmd_validate, validate_model
 from quark_ptq_eval.validate.checks import CHECKS
 from quark_ptq_eval.validate.loadcheck import load_check_alone

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from quark_ptq_eval.errors import UsageError
+from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.evaluate.vllm_host import ENV_VAR, find_host_vllm
 from quark_ptq_eval.plan.targets import scheme_warnings, target_context
 

@@ -12,13 +12,13 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "analyze_model": "api", "plan_quantization": "api", "build_manifest": "api", "execute_plan": "api",
-    "validate_model": "api", "evaluate_model": "api", "run": "api", "compare": "api",
-    "ModelAnalysis": "artifacts", "QuantPlan": "artifacts", "RunManifest": "artifacts",
-    "Approver": "checkpoints", "FlagApprover": "checkpoints", "TerminalApprover": "checkpoints",
-    "CallbackApprover": "checkpoints", "Gate": "checkpoints",
-    "QpeError": "errors", "CheckpointPending": "errors", "ValidationFailed": "errors", "ExitCode": "errors",
-    "Recipe": "pipeline", "RunOptions": "pipeline",
+    "analyze_model": "flows.api", "plan_quantization": "flows.api", "build_manifest": "flows.api", "execute_plan": "flows.api",
+    "validate_model": "flows.api", "evaluate_model": "flows.api", "run": "flows.api", "compare": "flows.api",
+    "ModelAnalysis": "base.artifacts", "QuantPlan": "base.artifacts", "RunManifest": "base.artifacts",
+    "Approver": "base.gates", "FlagApprover": "base.gates", "TerminalApprover": "base.gates",
+    "CallbackApprover": "base.gates", "Gate": "base.gates",
+    "QpeError": "base.errors", "CheckpointPending": "base.errors", "ValidationFailed": "base.errors", "ExitCode": "base.errors",
+    "Recipe": "flows.pipeline", "RunOptions": "flows.pipeline",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from quark_ptq_eval.flows.cli import main
 
 sys.exit(main())

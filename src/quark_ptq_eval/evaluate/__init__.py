@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .cli import add_eval_arguments, cmd_eval, eval_options_from_args
-from .options import EvalOptions, Thresholds
-from .tiers import TIERS, Tier
+from quark_ptq_eval.evaluate.cli import add_eval_arguments, cmd_eval, eval_options_from_args
+from quark_ptq_eval.evaluate.options import EvalOptions, Thresholds
+from quark_ptq_eval.evaluate.tiers import TIERS, Tier
 
 _LAZY = {
     "BASELINE_FROM_SOURCE": "api",

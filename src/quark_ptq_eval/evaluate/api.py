@@ -8,18 +8,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..calibration_text import OPTIMISTIC
-from ..checkpoints import as_gatekeeper
-from ..errors import UsageError
-from ..sensitivity.followup import sensitivity_followup
-from . import report as report_files
-from .context import RuntimeEstimate, TierContext, TierOutcome, format_duration, log, tier_module
-from .eval_report import EvalReport
-from .options import EvalOptions
-from .reference import align_scale, merge_references, model_card_reference
-from .remedies import suggest_remedies
-from .tiers import TIERS, get_tier
-from .verdict import compare_all, overall_verdict
+from quark_ptq_eval.base.calibration_text import OPTIMISTIC
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.gates import as_gatekeeper
+from quark_ptq_eval.evaluate import report as report_files
+from quark_ptq_eval.evaluate.context import (
+    RuntimeEstimate,
+    TierContext,
+    TierOutcome,
+    format_duration,
+    log,
+    tier_module,
+)
+from quark_ptq_eval.evaluate.eval_report import EvalReport
+from quark_ptq_eval.evaluate.options import EvalOptions
+from quark_ptq_eval.evaluate.reference import align_scale, merge_references, model_card_reference
+from quark_ptq_eval.evaluate.remedies import suggest_remedies
+from quark_ptq_eval.evaluate.tiers import TIERS, get_tier
+from quark_ptq_eval.evaluate.verdict import compare_all, overall_verdict
+from quark_ptq_eval.sensitivity.followup import sensitivity_followup
 
 BASELINE_FROM_SOURCE = "<source>"  # `--baseline` without a path: the source model of the run
 
@@ -86,9 +93,9 @@ def estimate_runtime(
 
 def calibration_overlap(ctx: TierContext) -> dict | None:
     """Tier 1 text that overlaps the plan's calibration text (calibration_text.OVERLAP_RULE), said now."""
-    from ..calibration_text import overlap
-    from ..execute.calib_cache import split_plain_text
-    from .tier_ppl import eval_texts
+    from quark_ptq_eval.base.calibration_text import overlap
+    from quark_ptq_eval.evaluate.tier_ppl import eval_texts
+    from quark_ptq_eval.execute.calib_cache import split_plain_text
 
     options = ctx.options
     if options.tier != "ppl" or options.eval_data is None or not ctx.plan:
@@ -191,7 +198,7 @@ def _settings(options: EvalOptions) -> dict[str, Any]:
 
 
 def _num_layers(model_dir: Path) -> int | None:
-    from .loading import read_config
+    from quark_ptq_eval.evaluate.loading import read_config
 
     try:
         return read_config(model_dir).get("num_hidden_layers")

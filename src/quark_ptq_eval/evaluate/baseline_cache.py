@@ -34,10 +34,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-from ..fsio import write_json
-from ..state import digest
-from .tier_ppl import ROW_CHUNK_ELEMENTS  # one bound on the float64 rows held at once
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.fsio import write_json
+from quark_ptq_eval.base.state import digest
+from quark_ptq_eval.evaluate.tier_ppl import ROW_CHUNK_ELEMENTS  # one bound on the float64 rows held at once
 
 CACHE_FORMAT = "quark-ptq-eval/baseline_cache/1"
 DEFAULT_TOP_K = 64
@@ -79,7 +79,7 @@ class BaselineEntry:
 
 def model_digest(model_dir: Path) -> str:
     """sha256 over config.json and every weight file's bytes (the weights decide the baseline)."""
-    from ..safetensors_io import weight_files
+    from quark_ptq_eval.base.safetensors_io import weight_files
 
     h = hashlib.sha256()
     for path in [Path(model_dir) / "config.json", *weight_files(model_dir)]:
@@ -208,7 +208,7 @@ class BaselineCache:
         import torch
         from safetensors.torch import save_file
 
-        from .loading import require_finite
+        from quark_ptq_eval.evaluate.loading import require_finite
 
         started, chunks = time.perf_counter(), []
         device = next(model.parameters()).device

@@ -9,17 +9,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..checkpoints import Gatekeeper
-from ..errors import ExitCode, UsageError
-from ..options import add_flags, given
-from ..ui import noise_to_log
-from .tiers import tier_checkpoint
+from quark_ptq_eval.base.errors import ExitCode, UsageError
+from quark_ptq_eval.base.gates import Gatekeeper
+from quark_ptq_eval.base.options import add_flags, given
+from quark_ptq_eval.base.ui import noise_to_log
+from quark_ptq_eval.evaluate.tiers import tier_checkpoint
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> None:
     """Eval options (declared on EvalOptions' fields); ``standalone`` (the `eval` command) adds --model,
     --source and the short names."""
-    from .options import EvalOptions
+    from quark_ptq_eval.evaluate.options import EvalOptions
 
     g = parser.add_argument_group("evaluation (Phase 3)")
     add_flags(g, EvalOptions, standalone=standalone, only=["tier"])
@@ -33,7 +33,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser, standalone: bool = True)
 
 def eval_options_from_args(args: argparse.Namespace, explicit_only: bool = False):
     """EvalOptions from parsed args; ``explicit_only``: a dict of the fields actually given (for `run`)."""
-    from .options import EvalOptions
+    from quark_ptq_eval.evaluate.options import EvalOptions
 
     explicit = given(EvalOptions, args)
     return explicit if explicit_only else EvalOptions(**explicit)
@@ -41,7 +41,7 @@ def eval_options_from_args(args: argparse.Namespace, explicit_only: bool = False
 
 def cmd_eval(args: argparse.Namespace, approver) -> int:
     """`quark-ptq-eval eval --model OUT --tier ...`: one tier on its own."""
-    from .api import evaluate
+    from quark_ptq_eval.evaluate.api import evaluate
 
     if not getattr(args, "eval_tier", None):
         message, flag = tier_checkpoint()

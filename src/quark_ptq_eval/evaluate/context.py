@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import UsageError
-from .options import EvalOptions
-from .tiers import Tier
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.evaluate.options import EvalOptions
+from quark_ptq_eval.evaluate.tiers import Tier
 
 Scores = dict[str, dict[str, float]]  # task -> metric -> value
 

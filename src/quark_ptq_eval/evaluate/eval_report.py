@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .context import RuntimeEstimate, Scores
-from .options import Thresholds
-from .verdict import Comparison
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, Scores
+from quark_ptq_eval.evaluate.options import Thresholds
+from quark_ptq_eval.evaluate.verdict import Comparison
 
 REPORT_NAME = "eval_report.md"
 RESULTS_NAME = "eval_results.json"

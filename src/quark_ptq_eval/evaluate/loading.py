@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import QpeError, UsageError
+from quark_ptq_eval.base.errors import QpeError, UsageError
 
 TRANSFORMERS = "transformers"
 QUARK = "quark"
@@ -86,7 +86,7 @@ _EXPERT_TENSOR = re.compile(r"\.experts\.(?:mlp\.)?\d+\.")
 
 def _has_per_expert_tensors(model_dir: Path) -> bool:
     """Quark's MoE preprocessing exports experts as ``...experts.<n>.<proj>`` linears (headers only)."""
-    from ..safetensors_io import read_model_headers
+    from quark_ptq_eval.base.safetensors_io import read_model_headers
 
     try:
         return any(_EXPERT_TENSOR.search(name) for name in read_model_headers(model_dir))
@@ -120,8 +120,8 @@ def load_model(
         chosen, reason = loader, f"forced {loader} loader"
     device = resolve_device(device)
     if (config.get("quantization_config") or {}).get("quant_method") == "quark":
-        from ..first_use import announce_quark_import
-        from ..quark_import import import_quark_torch
+        from quark_ptq_eval.base.first_use import announce_quark_import
+        from quark_ptq_eval.base.quark_import import import_quark_torch
 
         announce_quark_import(f"loading the Quark export {model_dir.name}")  # both loaders import quark.torch
         import_quark_torch()  # now, through our cache of Quark's transformers scan (quark_import.py)

@@ -6,21 +6,21 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UsageError
-from ..options import flag, nested
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.options import flag, nested
 
 DEFAULT_SEQ_LEN = 2048  # Tier 1's window when --seq-len is not given (Quark's ppl_eval default)
 LONG_RUN_S = 15 * 60  # above this the user is asked again before the tier starts
 
 
 def _tier_choices() -> list[str]:
-    from .tiers import TIERS
+    from quark_ptq_eval.evaluate.tiers import TIERS
 
     return list(TIERS)
 
 
 def _tier_help() -> str:
-    from .tiers import TIERS
+    from quark_ptq_eval.evaluate.tiers import TIERS
 
     return "; ".join(f"{t.name}: tier {t.number}, {t.method} ({t.cost})" for t in TIERS.values())
 
@@ -30,7 +30,7 @@ def _task_list(text: str) -> list[str]:
 
 
 def _references(items: list[str]) -> dict[str, dict[str, float]]:
-    from .reference import parse_reference
+    from quark_ptq_eval.evaluate.reference import parse_reference
 
     return parse_reference(items)
 

@@ -6,7 +6,7 @@ import math
 import re
 from pathlib import Path
 
-from ..errors import UsageError
+from quark_ptq_eval.base.errors import UsageError
 
 REFERENCE_RE = re.compile(r"^(?P<task>[^:=\s]+):(?P<metric>[^=\s]+)=(?P<value>\S+)$")
 

@@ -7,10 +7,10 @@ import shlex
 import time
 from pathlib import Path
 
-from ..fsio import atomic_write_text, write_json, write_png
-from .context import SPAN, format_duration
-from .eval_report import REPORT_NAME, RESULTS_NAME, EvalReport  # noqa: F401 (names kept importable here)
-from .verdict import invalid_reasons
+from quark_ptq_eval.base.fsio import atomic_write_text, write_json, write_png
+from quark_ptq_eval.evaluate.context import SPAN, format_duration
+from quark_ptq_eval.evaluate.eval_report import REPORT_NAME, RESULTS_NAME, EvalReport  # noqa: F401 (names kept importable here)
+from quark_ptq_eval.evaluate.verdict import invalid_reasons
 
 CHART_NAME = "eval_chart.png"
 RESULTS_SCHEMA = "quark-ptq-eval/eval_results/1"
@@ -94,7 +94,7 @@ def markdown(report: EvalReport) -> str:
     lines += _settings_section(report)
     lines += _scores_section(report)
     lines += _details_section(report)
-    from ..sensitivity.followup import followup_markdown
+    from quark_ptq_eval.sensitivity.followup import followup_markdown
 
     lines += followup_markdown(report.sensitivity)
     if report.remedies:

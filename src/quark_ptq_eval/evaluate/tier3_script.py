@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..fsio import atomic_write_text
-from .vllm_commands import (
+from quark_ptq_eval.base.fsio import atomic_write_text
+from quark_ptq_eval.evaluate.vllm_commands import (
     CommandPlan,
     PlannedCommand,
     ServedModel,

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import QpeError, UsageError
-from .context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
-from .loading import LoadedModel, load_model, require_finite
-from .verdict import BEYOND_NOISE, WITHIN_NOISE, Z95, safe_exp, safe_expm1
+from quark_ptq_eval.base.errors import QpeError, UsageError
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
+from quark_ptq_eval.evaluate.loading import LoadedModel, load_model, require_finite
+from quark_ptq_eval.evaluate.verdict import BEYOND_NOISE, WITHIN_NOISE, Z95, safe_exp, safe_expm1
 
 TASK = "perplexity"
 LOGIT_BUDGET = 64 * 2**20  # logits elements per batch when --batch-size is not given
@@ -39,7 +39,7 @@ ROW_CHUNK_ELEMENTS = 8 * 2**20  # float64 elements of the vocabulary softmax han
 def eval_texts(eval_data: Path | None, limit: int | None = None) -> list[str]:
     """Documents to score: a local text source, or wikitext-2's test split through `datasets`."""
     if eval_data is not None:
-        from ..textdata import load_texts
+        from quark_ptq_eval.base.textdata import load_texts
 
         texts = load_texts(eval_data)
     else:
@@ -351,8 +351,8 @@ def fit_eval_window(ctx: TierContext) -> str | None:
     returned and said), an explicit longer window refused naming the limit."""
     import dataclasses
 
-    from ..context_window import fit_window, read_model_config
-    from .options import DEFAULT_SEQ_LEN
+    from quark_ptq_eval.base.context_window import fit_window, read_model_config
+    from quark_ptq_eval.evaluate.options import DEFAULT_SEQ_LEN
 
     seq_len, note = fit_window(ctx.options.seq_len, DEFAULT_SEQ_LEN, read_model_config(ctx.model_dir), "--seq-len")
     ctx.options = dataclasses.replace(ctx.options, seq_len=seq_len)
@@ -459,7 +459,7 @@ def run(prepared: PplPrepared) -> TierOutcome:
 
 def _vllm_cross_check(prepared: PplPrepared, outcome: TierOutcome, hf_seconds: float) -> None:
     """--vllm-python: the same windows through that vLLM's prompt log-probabilities (vllm_ppl.py)."""
-    from .vllm_ppl import cross_check
+    from quark_ptq_eval.evaluate.vllm_ppl import cross_check
 
     try:
         result = cross_check(prepared.ctx, prepared.windows, prepared.acc.window_nll, hf_seconds)

@@ -16,14 +16,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..checkpoints import as_gatekeeper
-from ..errors import UsageError
-from .context import RuntimeEstimate, TierContext, TierOutcome
-from .tier3_script import write_script
-from .vllm_commands import DEFAULT_TASKS, CommandPlan, ServedModel, plan_commands, served_models, shell_line
-from .vllm_detect import Environment, choose_runtime, detect_environment
-from .vllm_executor import Executor, execute_plan
-from .vllm_host import find_host_vllm
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.gates import as_gatekeeper
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome
+from quark_ptq_eval.evaluate.tier3_script import write_script
+from quark_ptq_eval.evaluate.vllm_commands import (
+    DEFAULT_TASKS,
+    CommandPlan,
+    ServedModel,
+    plan_commands,
+    served_models,
+    shell_line,
+)
+from quark_ptq_eval.evaluate.vllm_detect import Environment, choose_runtime, detect_environment
+from quark_ptq_eval.evaluate.vllm_executor import Executor, execute_plan
+from quark_ptq_eval.evaluate.vllm_host import find_host_vllm
 
 __all__ = ["CommandPlan", "Environment", "Executor", "ServedModel", "VllmPrepared", "choose_runtime",
            "detect_environment", "plan_commands", "prepare", "run"]
@@ -51,7 +58,7 @@ def prepare(ctx: TierContext, env: Environment | None = None) -> VllmPrepared:
     runtime = choose_runtime(env, ctx.options.vllm_runtime)
     plan = plan_commands(models, ctx.options, ctx.workdir, runtime, env)
     plan.notes += fit_notes
-    from .loading import model_size_bytes
+    from quark_ptq_eval.evaluate.loading import model_size_bytes
 
     size = sum(model_size_bytes(m.path) for m in models)
     where = ("ROCm: " + ", ".join(env.rocm_evidence) if env.rocm

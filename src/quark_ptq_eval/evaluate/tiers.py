@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from quark_ptq_eval.base.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .options import Thresholds
+from quark_ptq_eval.evaluate.options import Thresholds
 
 # Metric-name fragments whose value goes down when the model gets better.
 LOWER_IS_BETTER = ("perplexity", "kl_divergence", "bits_per_byte", "loss", "nll")

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .vllm_detect import Environment
-from .vllm_host import HostVllm, lm_eval_command
-from .vllm_host import server_argv as host_server_argv
+from quark_ptq_eval.evaluate.vllm_detect import Environment
+from quark_ptq_eval.evaluate.vllm_host import HostVllm, lm_eval_command
+from quark_ptq_eval.evaluate.vllm_host import server_argv as host_server_argv
 
 DEFAULT_TASKS = ["gsm8k"]
 GENERATE_TASK_PREFIXES = (
@@ -150,7 +150,7 @@ def served_models(model_dir: Path, baseline: Path | None, plan: dict | None) -> 
 
 def _baseline_devices(path: Path, fit: dict, kv: str | None) -> int:
     """Devices for the unquantized baseline: its weights on disk plus a model-dtype KV cache."""
-    from ..plan.resources import HEADROOM
+    from quark_ptq_eval.plan.resources import HEADROOM
 
     need = sum(f.stat().st_size for f in path.glob("*.safetensors")) + fit["kv_cache_bytes"] * (2 if kv else 1)
     devices = max(1, math.ceil(need / (fit["device_memory_gb"] * 1e9 * HEADROOM)))

@@ -10,10 +10,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ..errors import QpeError
-from .context import TierContext, TierOutcome
-from .vllm_commands import CommandPlan, shell_line
-from .vllm_host import failure_reason, start_server, stop_group
+from quark_ptq_eval.base.errors import QpeError
+from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
+from quark_ptq_eval.evaluate.vllm_commands import CommandPlan, shell_line
+from quark_ptq_eval.evaluate.vllm_host import failure_reason, start_server, stop_group
 
 HEALTH_TIMEOUT_S = 1800  # large models take a long time to load and compile
 PORT_FREE_TIMEOUT_S = 120  # a stopped server releases its port once its workers have exited
@@ -61,7 +61,7 @@ class Executor:
 
 def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, details: dict,
                  commands: list[dict]) -> TierOutcome:
-    from .tier_lmeval import scores_from
+    from quark_ptq_eval.evaluate.tier_lmeval import scores_from
 
     options = ctx.options
     scores: dict[str, dict] = {}
@@ -113,7 +113,7 @@ def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, detail
 def comparison_details(stderrs: dict, samples: dict, directions: dict) -> dict:
     """lm-eval's standard errors, the verdict's noise and, with a baseline, the paired per-document
     tests, as Tier 2 reports them."""
-    from .tier_lmeval import noise_from_stderr, paired_tests
+    from quark_ptq_eval.evaluate.tier_lmeval import noise_from_stderr, paired_tests
 
     out: dict = {"stderr": stderrs, "noise": noise_from_stderr(stderrs.get("quantized", {}), stderrs.get("baseline"))}
     if samples.get("baseline") and samples.get("quantized"):
@@ -165,7 +165,7 @@ def results_files(output: Path) -> dict[Path, int]:
 def samples_of_this_run(output: Path, before: dict[Path, int]) -> dict:
     """The per-document scores (per_sample_scores) from the samples files lm_eval's --log_samples wrote
     with this run's results file (``samples_<task>_<stamp>.jsonl`` next to ``results_<stamp>.json``)."""
-    from .tier_lmeval import per_sample_scores
+    from quark_ptq_eval.evaluate.tier_lmeval import per_sample_scores
 
     results = _fresh_results(output, before)
     stamp = results.stem.removeprefix("results_")

@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import UsageError
+from quark_ptq_eval.base.errors import UsageError
 
 ENV_VAR = "QUARK_PTQ_EVAL_VLLM_PYTHON"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"

@@ -17,7 +17,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from ..errors import QpeError
+from quark_ptq_eval.base.errors import QpeError
 
 # Relative perplexity difference above which the two backends are said to disagree. vLLM runs its
 # own kernels on the same weights; on the demo model's int8 export the two differ by +0.04 % over 32
@@ -93,8 +93,14 @@ def cross_check(ctx, windows, hf_nll: list[float], hf_seconds: float | None = No
     """Tier 1 with --vllm-python: the quantized model's windows scored again by that vLLM, compared with
     HF's. None without an explicit --vllm-python (an environment variable alone never starts a server
     here). A server that does not become healthy is a QpeError in one sentence, as in Tier 3."""
-    from ..validate.servecheck import free_port, wait_healthy
-    from .vllm_host import failure_reason, find_host_vllm, server_argv, start_server, stop_group
+    from quark_ptq_eval.evaluate.vllm_host import (
+        failure_reason,
+        find_host_vllm,
+        server_argv,
+        start_server,
+        stop_group,
+    )
+    from quark_ptq_eval.validate.servecheck import free_port, wait_healthy
 
     if ctx.options.vllm_python is None:
         return None

@@ -19,8 +19,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
-from ..textdata import load_texts
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.textdata import load_texts
 
 # Bump when the on-disk layout we write changes: a new value invalidates every reused entry.
 _LAYOUT_VERSION = "1"

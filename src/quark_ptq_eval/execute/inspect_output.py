@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import UsageError
-from ..fsio import read_json
-from ..intake.model_files import not_regular
-from ..safetensors_io import read_model_headers, weight_files
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.fsio import read_json
+from quark_ptq_eval.base.safetensors_io import read_model_headers, weight_files
+from quark_ptq_eval.intake.model_files import not_regular
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 

@@ -88,19 +88,19 @@ def copy_non_weight_files(src: Path, dst: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from quark_ptq_eval.first_use import announce_quark_import
+    from quark_ptq_eval.base.first_use import announce_quark_import
 
     announce_quark_import("the Quark API engine")  # on a fresh machine this import compiles Quark's kernels
     import torch
     import transformers
 
-    from quark_ptq_eval.quark_import import import_quark_torch
+    from quark_ptq_eval.base.quark_import import import_quark_torch
 
     import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
     from quark.torch import ModelQuantizer, export_safetensors
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quark_ptq_eval.textdata import load_texts
+    from quark_ptq_eval.base.textdata import load_texts
 
     transformers.logging.set_verbosity_error()  # e.g. "sequence longer than max length": we window it
     t0 = time.time()

@@ -14,9 +14,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from ..catalog import cache_dir, quark_version
-from ..errors import QpeError
-from .engines.quark_cli import SUBCOMMAND, find_quark_cli
+from quark_ptq_eval.base.catalog import cache_dir, quark_version
+from quark_ptq_eval.base.errors import QpeError
+from quark_ptq_eval.execute.engines.quark_cli import SUBCOMMAND, find_quark_cli
 
 _OPTION_LINE = re.compile(r"^ {1,8}(-{1,2}[A-Za-z0-9][\w-]*.*)$")
 _FLAG = re.compile(r"(?:^|, )(-{1,2}[A-Za-z0-9][\w-]*)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..errors import Interrupted
+from quark_ptq_eval.base.errors import Interrupted
 
 
 @dataclass

@@ -17,10 +17,10 @@ import math
 import shutil
 from pathlib import Path
 
-from ..errors import UsageError
-from ..fsio import read_json
-from ..plan.source_reading import COMPLETE_MARK
-from ..safetensors_io import INDEX_NAME, weight_files
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.fsio import read_json
+from quark_ptq_eval.base.safetensors_io import INDEX_NAME, weight_files
+from quark_ptq_eval.plan.source_reading import COMPLETE_MARK
 
 SCALE_NAMES = ("weight_scale_inv", "weight_scale")  # DeepSeek / HF fp8, compressed-tensors
 DROPPED = ("input_scale",)  # dynamic-activation releases may carry one; the BF16 copy has no use for it
@@ -29,7 +29,7 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
 
 def stage_source(reading: dict, model_dir: Path, say=print) -> Path | None:
     """Make the staged copy the plan names (once: a complete copy is reused); returns its dir."""
-    from ..safety import check_free_space
+    from quark_ptq_eval.base.safety import check_free_space
 
     mode = reading.get("mode")
     if mode in (None, "direct"):
@@ -114,7 +114,7 @@ def dequantize_fp8_checkpoint(src: Path, dst: Path) -> None:
 
 
 def _tensor_shards(shards: list[Path]) -> dict[str, Path]:
-    from ..safetensors_io import read_header
+    from quark_ptq_eval.base.safetensors_io import read_header
 
     return {n: s for s in shards for n in read_header(s).tensors}
 
@@ -145,7 +145,7 @@ def convert_bin(src: Path, dst: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from ..intake.pickle_scan import scan_pickle
+    from quark_ptq_eval.intake.pickle_scan import scan_pickle
 
     files = bin_files(src)
     weight_map = {}

@@ -7,18 +7,18 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from ..artifacts import ModelAnalysis, RunManifest
-from ..checkpoints import Gatekeeper
-from ..claims import OutputClaim, make_staging, rename_no_replace
-from ..errors import QpeError, UsageError
-from ..safety import check_free_space, is_nonempty_dir
-from ..state import RunState, digest
-from ..ui import Reporter
-from .classify import classify_failure
-from .engines import get_engine
-from .inspect_output import inspect_output
-from .runner import EngineEcho, raise_if_interrupted, run_command
-from .staging import stage_source
+from quark_ptq_eval.base.artifacts import ModelAnalysis, RunManifest
+from quark_ptq_eval.base.claims import OutputClaim, make_staging, rename_no_replace
+from quark_ptq_eval.base.errors import QpeError, UsageError
+from quark_ptq_eval.base.gates import Gatekeeper
+from quark_ptq_eval.base.safety import check_free_space, is_nonempty_dir
+from quark_ptq_eval.base.state import RunState, digest
+from quark_ptq_eval.base.ui import Reporter
+from quark_ptq_eval.execute.classify import classify_failure
+from quark_ptq_eval.execute.engines import get_engine
+from quark_ptq_eval.execute.inspect_output import inspect_output
+from quark_ptq_eval.execute.runner import EngineEcho, raise_if_interrupted, run_command
+from quark_ptq_eval.execute.staging import stage_source
 
 
 class Recipe(Protocol):

@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import ModelAnalysis
-from ..errors import UsageError
-from ..fsio import read_json
-from ..safetensors_io import read_model_headers, weight_files
-from .formats import CONVERT_BIN, FORMATS, REFUSED, describe_source
+from quark_ptq_eval.base.artifacts import ModelAnalysis
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.fsio import read_json
+from quark_ptq_eval.base.safetensors_io import read_model_headers, weight_files
+from quark_ptq_eval.intake.formats import CONVERT_BIN, FORMATS, REFUSED, describe_source
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -34,7 +34,7 @@ def resolve_model(model: str, offline: bool) -> tuple[Path | None, str]:
             raise UsageError(f"The model directory {path} is empty.", "Point to a directory with config.json and safetensors.")
         if not (path / "config.json").is_file():
             raise UsageError(f"The model directory {path} has no config.json.", "Point to a Hugging Face model directory.")
-        from .model_files import check_model_files
+        from quark_ptq_eval.intake.model_files import check_model_files
 
         check_model_files(path)  # every file it holds approved (links, special files, pickles) before anything runs
         return path.resolve(), "local"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..safetensors_io import TensorInfo
+from quark_ptq_eval.base.safetensors_io import TensorInfo
 
 # Readings: how the recipe reads the source before an engine sees it (plan/source_reading.py decides).
 DIRECT, STAGE_BF16, CONVERT_BIN, REFUSED = "direct", "stage_bf16", "convert_bin", "refused"

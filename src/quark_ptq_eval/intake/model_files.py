@@ -17,8 +17,8 @@ import stat
 import tempfile
 from pathlib import Path, PurePosixPath
 
-from ..errors import UnsafeInputError
-from .pickle_scan import scan_pickle
+from quark_ptq_eval.base.errors import UnsafeInputError
+from quark_ptq_eval.intake.pickle_scan import scan_pickle
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 # The Trainer's own state: pickles of settings and optimizer state that no model loader reads and

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from ..errors import UnsafeInputError
+from quark_ptq_eval.base.errors import UnsafeInputError
 
 _LEGACY_TYPES = ("Byte", "Char", "Short", "Int", "Long", "Half", "Float", "Double", "BFloat16", "Bool")
 _SPARSE_TYPES = tuple(t for t in _LEGACY_TYPES if t != "Bool")

@@ -10,12 +10,12 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from ..artifacts import QuantPlan, RunManifest
-from ..calibration_text import describe_used
-from ..checkpoints import GATES, PIPELINE_GATES
-from ..errors import UsageError
-from ..execute.engines import Engine, get_engine
-from ..steps import STEPS, SUMMARY_FILE
+from quark_ptq_eval.base.artifacts import QuantPlan, RunManifest
+from quark_ptq_eval.base.calibration_text import describe_used
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.gates import GATES, PIPELINE_GATES
+from quark_ptq_eval.base.step_table import STEPS, SUMMARY_FILE
+from quark_ptq_eval.execute.engines import Engine, get_engine
 
 WORKFLOW = "quark-torch-llm-ptq-eval"
 

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..artifacts import ModelAnalysis
-from ..calibration_text import actual_size, calibration_documents, count_tokens, hold_out, normalized_copy
-from ..textdata import load_texts
-from .request import PlanRequest
+from quark_ptq_eval.base.artifacts import ModelAnalysis
+from quark_ptq_eval.base.calibration_text import (
+    actual_size,
+    calibration_documents,
+    count_tokens,
+    hold_out,
+    normalized_copy,
+)
+from quark_ptq_eval.base.textdata import load_texts
+from quark_ptq_eval.plan.request import PlanRequest
 
 
 def check_calibration_text(calibration: dict, req: PlanRequest, analysis: ModelAnalysis, workdir: Path,

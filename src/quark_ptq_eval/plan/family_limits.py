@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from quark_ptq_eval.base.errors import UsageError
 
 ALL = "*"
 

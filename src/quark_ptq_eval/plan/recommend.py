@@ -10,18 +10,17 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..artifacts import ModelAnalysis, QuantPlan
-from ..context_window import fit_window, read_model_config
-from ..errors import UsageError
-from ..execute.engines import choose_engine, get_engine
-from ..sensitivity.plan_hook import apply_sensitivity
-from ..textdata import check_text_source
-from . import resources, source_reading
-from .calibration_check import check_calibration_text, source_note
-from .family_limits import check_family_limits
-from .request import PlanRequest
-from .scheme_fit import fit_to_model
-from .targets import (
+from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
+from quark_ptq_eval.base.context_window import fit_window, read_model_config
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.textdata import check_text_source
+from quark_ptq_eval.execute.engines import choose_engine, get_engine
+from quark_ptq_eval.plan import resources, source_reading
+from quark_ptq_eval.plan.calibration_check import check_calibration_text, source_note
+from quark_ptq_eval.plan.family_limits import check_family_limits
+from quark_ptq_eval.plan.request import PlanRequest
+from quark_ptq_eval.plan.scheme_fit import fit_to_model
+from quark_ptq_eval.plan.targets import (
     TargetContext,
     format_family,
     recommend_kv,
@@ -30,6 +29,7 @@ from .targets import (
     target_context,
     target_fallbacks,
 )
+from quark_ptq_eval.sensitivity.plan_hook import apply_sensitivity
 
 # Goal phrases -> scheme, most specific first. Matched on the lower-cased goal.
 GOAL_SCHEMES: tuple[tuple[str, str], ...] = (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..execute.engines import ENGINE_NAMES
-from ..options import flag
+from quark_ptq_eval.base.options import flag
+from quark_ptq_eval.execute.engines import ENGINE_NAMES
 
 
 def _pairs_to_dict(pairs: list[list[str]]) -> dict[str, str]:

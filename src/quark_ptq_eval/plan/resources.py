@@ -13,7 +13,7 @@ import math
 import re
 from pathlib import Path
 
-from ..sizes import GIB, gb  # noqa: F401 (gb: callers use resources.gb)
+from quark_ptq_eval.base.sizes import GIB, gb  # noqa: F401 (gb: callers use resources.gb)
 
 # ---- measured scaling (bench/measure_memory.py on the CPU engine; see docs/planning.md) ----------
 BASE_BYTES = 1.40 * GIB  # python + torch + transformers + quark.torch imported, tokenizer loaded
@@ -140,7 +140,7 @@ def estimate_quantize(analysis, info: dict, algorithm: str | None, calibration: 
 def largest_shard_bytes(analysis) -> int:
     """The biggest safetensors file of a local model (the file-to-file engine holds one at a time);
     the whole model when its files are not here to measure."""
-    from ..safetensors_io import weight_files
+    from quark_ptq_eval.base.safetensors_io import weight_files
 
     path = analysis.model.get("model_path")
     try:
@@ -184,14 +184,14 @@ def engine_for_host(analysis, engine: str, why: str, requested: str, info: dict,
                     kv: str | None, calibration: dict, device: dict, env: dict) -> tuple[str, str]:
     """The plan's engine once this host's memory is known: file-to-file when the automatic choice's
     whole-model engine does not fit and file-to-file does and can serve the plan (docs/planning.md)."""
-    from ..execute.engines import file2file
+    from quark_ptq_eval.execute.engines import file2file
 
     if requested == "file2file":
         why_not = file2file.unsupported_reason(info, algorithm, kv)
         if why_not:
             raise file2file.refusal(why_not)
         return engine, why
-    from .source_reading import file2file_can_read
+    from quark_ptq_eval.plan.source_reading import file2file_can_read
 
     host = host_capacity(env, None)
     whole = estimate_quantize(analysis, info, algorithm, calibration, device["device"])
@@ -234,7 +234,7 @@ def mem_available_bytes(meminfo: str | None = None) -> int | None:
 
 def host_capacity(env: dict, output_dir: Path | None, meminfo: str | None = None) -> dict:
     """RAM (the env_context's host_memory_gb), GPU memory (memory_gb x gpu_count) and free disk."""
-    from ..preflight import free_gb
+    from quark_ptq_eval.context.preflight import free_gb
 
     hw = env["hardware"]
     ram = hw.get("host_memory_gb")
@@ -350,8 +350,8 @@ def _proposals(analysis, info, algorithm, calibration, device, host, est, rerun)
 
 def _file2file_proposal(analysis, info, algorithm, kv, device, host) -> list[dict]:
     """Quark's file-to-file engine with its estimate, when it can serve this plan (a proposal must work)."""
-    from ..execute.engines import file2file
-    from .source_reading import file2file_can_read
+    from quark_ptq_eval.execute.engines import file2file
+    from quark_ptq_eval.plan.source_reading import file2file_can_read
 
     no_kv = ""
     if not file2file.supports(info, algorithm, kv):
@@ -432,7 +432,7 @@ def hold_message(plan, execution_mode: str, approver, already_approved: bool) ->
 
     A plan this host cannot hold is not approved by --yes: only by name (``--approve plan``), by a
     person at the terminal who saw the table, or in plan_only mode (nothing runs there)."""
-    from ..calibration_text import short_message
+    from quark_ptq_eval.base.calibration_text import short_message
 
     unfit = unfit_message(plan) or short_message(plan.calibration)  # less calibration text than planned, too
     if unfit is None or execution_mode == "plan_only" or already_approved:

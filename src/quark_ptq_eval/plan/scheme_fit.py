@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
-from ..errors import UsageError
-from ..safetensors_io import read_model_headers, weight_files
-from ..validate.expectations import as_spec_list, dtype_bits, is_embedding, is_integer
-from ..validate.schemes import meaning
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.safetensors_io import read_model_headers, weight_files
+from quark_ptq_eval.validate.expectations import as_spec_list, dtype_bits, is_embedding, is_integer
+from quark_ptq_eval.validate.schemes import meaning
 
 ROLES = ("weight", "input_tensors")  # the specs that split the input dimension
 NON_LINEAR = ("norm", "rotary")  # as intake counts linears; embeddings by name (is_embedding)
@@ -130,7 +130,9 @@ def check_overrides(overrides: dict[str, str], shapes: dict[str, tuple[int, int]
 def fit_to_model(model_path: str, scheme: str, why: str, user_named: bool, overrides: dict[str, str],
                  excludes: list[str], known: list[str], fallbacks: tuple[str, ...] = ()) -> tuple[str, str]:
     """The plan step's check: overrides against the linears they match, the global scheme against the rest."""
-    from ..validate.schemes import load_scheme_table  # Quark's own specs, cached (no quark import here)
+    from quark_ptq_eval.validate.schemes import (
+        load_scheme_table,  # Quark's own specs, cached (no quark import here)
+    )
 
     shapes = linear_shapes(model_path, excludes)
     if not shapes:

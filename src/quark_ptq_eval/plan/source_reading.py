@@ -16,9 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-from ..intake.formats import CONVERT_BIN, DIRECT, FORMATS, REFUSED, STAGE_BF16
-from ..sizes import gb
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.sizes import gb
+from quark_ptq_eval.intake.formats import CONVERT_BIN, DIRECT, FORMATS, REFUSED, STAGE_BF16
 
 STAGED_BF16_DIR = "source-bf16"  # in the work dir
 CONVERTED_BIN_DIR = "source-safetensors"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from quark_ptq_eval.base.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,13 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-from .cache import ScanCache
-from .emulation import check_scheme_runs
-from .proposal import Proposal, default_max_kl, propose
-from .report import write_reports
-from .scan import ScanOptions, measure_kl, open_session, scan
-from .wider import try_wider, wider_scheme
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.sensitivity.cache import ScanCache
+from quark_ptq_eval.sensitivity.emulation import check_scheme_runs
+from quark_ptq_eval.sensitivity.proposal import Proposal, default_max_kl, propose
+from quark_ptq_eval.sensitivity.report import write_reports
+from quark_ptq_eval.sensitivity.scan import ScanOptions, measure_kl, open_session, scan
+from quark_ptq_eval.sensitivity.wider import try_wider, wider_scheme
 
 __all__ = ["Proposal", "ScanOptions", "default_max_kl", "propose", "run_sensitivity", "scan_command",
            "sensitivity_remedy"]
@@ -84,8 +84,8 @@ def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = Non
 def _batches(opts: ScanOptions) -> list:
     from transformers import AutoTokenizer
 
-    from ..execute.quark_api_engine import calibration_batches
-    from ..textdata import load_texts
+    from quark_ptq_eval.base.textdata import load_texts
+    from quark_ptq_eval.execute.quark_api_engine import calibration_batches
 
     tokenizer = AutoTokenizer.from_pretrained(opts.model_dir, trust_remote_code=opts.trust_remote_code)
     return calibration_batches(tokenizer, load_texts(opts.calib_data), opts.seq_len, opts.num_samples, 1, opts.device)

@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..catalog import cache_dir
-from ..fsio import read_json, write_json
+from quark_ptq_eval.base.catalog import cache_dir
+from quark_ptq_eval.base.fsio import read_json, write_json
 
 # Bump when what a scan measures changes: old entries then stop matching.
 # 2: the engine's preparation (MoE experts per expert), expert units, pinned routing, quantized share.

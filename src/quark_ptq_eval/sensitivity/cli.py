@@ -10,14 +10,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import ExitCode, UsageError
-from ..options import add_flags, add_offline_flag, apply_offline, given
-from ..textdata import check_text_source
-from ..ui import noise_to_log
+from quark_ptq_eval.base.errors import ExitCode, UsageError
+from quark_ptq_eval.base.options import add_flags, add_offline_flag, apply_offline, given
+from quark_ptq_eval.base.textdata import check_text_source
+from quark_ptq_eval.base.ui import noise_to_log
 
 
 def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
-    from .scan import ScanOptions
+    from quark_ptq_eval.sensitivity.scan import ScanOptions
 
     p.add_argument("model", help="local model directory")
     add_flags(p, ScanOptions, only=["scheme", "calib_data", "num_samples", "seq_len", "exclude", "expert_units"])
@@ -35,8 +35,8 @@ def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_sensitivity(args: argparse.Namespace) -> int:
-    from . import ScanOptions, run_sensitivity
-    from .emulation import check_scheme_runs
+    from quark_ptq_eval.sensitivity import ScanOptions, run_sensitivity
+    from quark_ptq_eval.sensitivity.emulation import check_scheme_runs
 
     apply_offline(args.offline)
     if args.max_kl is not None and not args.max_kl > 0:
@@ -84,7 +84,7 @@ def _stdout_to_stderr(active: bool) -> Iterator[None]:
 
 
 def _demo_corpus(out: Path) -> Path:
-    from ..demo import build_corpus
+    from quark_ptq_eval.flows.demo import build_corpus
 
     path = out.resolve() / "sensitivity_corpus.txt"
     return path if path.exists() else build_corpus(path)
@@ -92,7 +92,7 @@ def _demo_corpus(out: Path) -> Path:
 
 def _check_scheme(scheme: str) -> None:
     """Refuse a scheme the installed Quark does not know, before loading anything heavy."""
-    from ..catalog import load_catalog
+    from quark_ptq_eval.base.catalog import load_catalog
 
     schemes = load_catalog().get("schemes")
     if isinstance(schemes, (list, dict)) and schemes and scheme not in schemes:

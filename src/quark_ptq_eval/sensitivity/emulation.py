@@ -36,9 +36,9 @@ def check_scheme_runs(model_dir: Path, scheme: str, exclude: list[str] | None,
                       layer_config: dict[str, str] | None) -> None:
     """Refuse, before anything loads, a scheme Quark cannot fake-quantize on this model: one whose groups
     do not divide a linear it quantizes (Quark's observer would fail there, as the engine's would)."""
-    from ..catalog import load_catalog
-    from ..fsio import read_json
-    from ..plan.scheme_fit import fit_to_model
+    from quark_ptq_eval.base.catalog import load_catalog
+    from quark_ptq_eval.base.fsio import read_json
+    from quark_ptq_eval.plan.scheme_fit import fit_to_model
 
     catalog = load_catalog()
     model_type = (read_json(Path(model_dir) / "config.json", "model config") or {}).get("model_type")

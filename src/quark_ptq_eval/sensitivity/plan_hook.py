@@ -12,14 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from quark_ptq_eval.base.errors import UsageError
 
 
 def apply_sensitivity(plan: Any, req: Any, workdir: Path) -> Any:
     """Add the scan's proposed exclusions to ``plan`` (a QuantPlan) when ``req.sensitivity`` is set."""
     if not getattr(req, "sensitivity", False):
         return plan
-    from . import ScanOptions, run_sensitivity
+    from quark_ptq_eval.sensitivity import ScanOptions, run_sensitivity
 
     model_dir = Path(plan.model["model_path"])
     if not (model_dir / "config.json").exists():
@@ -57,7 +57,7 @@ def _measured(proposal: Any) -> float | None:
 
 
 def _demo_corpus(workdir: Path) -> Path:
-    from ..demo import build_corpus
+    from quark_ptq_eval.flows.demo import build_corpus
 
     path = workdir / "sensitivity_corpus.txt"
     return path if path.exists() else build_corpus(path)

@@ -25,7 +25,7 @@ MAX_RECHECKS = 6  # combinations re-measured before the proposal gives up on the
 
 def default_max_kl() -> float:
     """The KL at which the evaluation verdict stops being healthy: 100 * expm1(KL) = healthy %."""
-    from ..evaluate.options import Thresholds
+    from quark_ptq_eval.evaluate.options import Thresholds
 
     return math.log1p(Thresholds().healthy_pct / 100.0)
 

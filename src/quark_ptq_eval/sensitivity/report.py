@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..fsio import atomic_write_text, write_json, write_png
+from quark_ptq_eval.base.fsio import atomic_write_text, write_json, write_png
 
 TOP = 20  # layers listed in the markdown ranking and the chart
 
@@ -99,8 +99,8 @@ UNIT_WORDS = {"group": "MoE layer (routed experts as one unit, shared experts as
 
 
 def _proposal_md(p: dict) -> list[str]:
-    from ..evaluate.options import Thresholds
-    from .proposal import default_max_kl
+    from quark_ptq_eval.evaluate.options import Thresholds
+    from quark_ptq_eval.sensitivity.proposal import default_max_kl
 
     healthy = f"the healthy threshold, {Thresholds().healthy_pct:g} % perplexity factor"
     source = healthy if abs(p["max_kl"] - default_max_kl()) < 1e-12 else "--max-kl"

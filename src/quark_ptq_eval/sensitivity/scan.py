@@ -21,11 +21,13 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from ..evaluate.baseline_cache import model_digest  # one digest of a model's weights (config + shards)
-from ..options import flag
-from .cache import METHOD_VERSION, ScanCache, scan_key, tokens_digest
-from .replay import Decoder, capture_inputs, find_decoder, replay, replay_matches
-from .units import EXPERT_UNITS, Routing, Unit, measurement_units, module_type
+from quark_ptq_eval.base.options import flag
+from quark_ptq_eval.evaluate.baseline_cache import (
+    model_digest,  # one digest of a model's weights (config + shards)
+)
+from quark_ptq_eval.sensitivity.cache import METHOD_VERSION, ScanCache, scan_key, tokens_digest
+from quark_ptq_eval.sensitivity.replay import Decoder, capture_inputs, find_decoder, replay, replay_matches
+from quark_ptq_eval.sensitivity.units import EXPERT_UNITS, Routing, Unit, measurement_units, module_type
 
 ESTIMATE_AFTER = 2  # layers timed before the whole scan's time is estimated
 Progress = Callable[[str], None]
@@ -82,8 +84,8 @@ class Session:
 def scan(opts: ScanOptions, progress: Progress = print) -> tuple[dict[str, Any], Session | None]:
     """The scan result (cached or measured: per-layer KL plus the whole-model KL) and, when it was
     measured now, the live session (for re-measuring combinations without quantizing again)."""
-    from ..execute.quark_api_engine import calibration_batches
-    from ..textdata import load_texts
+    from quark_ptq_eval.base.textdata import load_texts
+    from quark_ptq_eval.execute.quark_api_engine import calibration_batches
 
     tokenizer = _tokenizer(opts)
     texts = load_texts(opts.calib_data)
@@ -200,9 +202,9 @@ def open_session(opts: ScanOptions, batches: list) -> Session:
     import torch
     import transformers
 
-    from ..execute.quark_api_engine import prepare_for_quantization, template_config
-    from ..quark_import import import_quark_torch
-    from .emulation import use_cpu_emulation
+    from quark_ptq_eval.base.quark_import import import_quark_torch
+    from quark_ptq_eval.execute.quark_api_engine import prepare_for_quantization, template_config
+    from quark_ptq_eval.sensitivity.emulation import use_cpu_emulation
 
     import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
     from quark.torch import ModelQuantizer
@@ -250,7 +252,7 @@ def _reference_pass(model, batches: list, routing: Routing, use_replay: bool) ->
 def quantized_share(model, layers: dict[str, Any]) -> dict[str, Any]:
     """Weight parameters quantized / all matrix parameters, counted as the validator counts the export's
     headers: every weight of two or more dimensions except embeddings (routers and lm_head included)."""
-    from ..validate.expectations import is_embedding
+    from quark_ptq_eval.validate.expectations import is_embedding
 
     total = quantized = 0
     for name, module in model.named_modules():
@@ -282,7 +284,7 @@ UNREACHED_TREATMENT = ("an expert no calibration token reached is quantized like
 def _full_pass(model, batches: list) -> list:
     import torch
 
-    from .replay import log_probs
+    from quark_ptq_eval.sensitivity.replay import log_probs
 
     with torch.no_grad():
         return [log_probs(model(b, use_cache=False).logits) for b in batches]

@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from .proposal import Proposal
-from .scan import ScanOptions, measure_kl, open_session, scheme_bits
+from quark_ptq_eval.sensitivity.proposal import Proposal
+from quark_ptq_eval.sensitivity.scan import ScanOptions, measure_kl, open_session, scheme_bits
 
 # The 8-bit scheme a narrow scheme's sensitive layers move up to: the same number family, so the
 # deployment kernels stay alike (fp8 next to fp4/fp6 formats, int8 next to int4).

@@ -7,10 +7,10 @@ running a probe. Importing this package pulls in neither torch, transformers nor
 the load check imports them, when it runs.
 """
 
-from .cli import add_validate_arguments, cmd_validate
-from .fixes import Fix, apply_fixes, fix_and_revalidate, propose_fixes
-from .report import CheckResult, Finding, ValidationReport
-from .runner import validate_model
+from quark_ptq_eval.validate.cli import add_validate_arguments, cmd_validate
+from quark_ptq_eval.validate.fixes import Fix, apply_fixes, fix_and_revalidate, propose_fixes
+from quark_ptq_eval.validate.report import CheckResult, Finding, ValidationReport
+from quark_ptq_eval.validate.runner import validate_model
 
 __all__ = [
     "CheckResult", "Finding", "Fix", "ValidationReport", "add_validate_arguments", "apply_fixes", "cmd_validate",

@@ -15,9 +15,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .configdiff import benign_reason, triage_json
-from .report import CheckResult, Finding
-from .tokenizer_content import describe, differing_aspects, is_tokenizer_file, tokenizer_content
+from quark_ptq_eval.validate.configdiff import benign_reason, triage_json
+from quark_ptq_eval.validate.report import CheckResult, Finding
+from quark_ptq_eval.validate.tokenizer_content import (
+    describe,
+    differing_aspects,
+    is_tokenizer_file,
+    tokenizer_content,
+)
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.ckpt", "*.gguf", "*.msgpack", "*.onnx", "*.pb", "*.pt", "*.pth",
                    "config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")

@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from ..safetensors_io import TensorInfo
-from .kvcache import check_kv_scales
-from .registry import ValidationContext, unreadable_headers
-from .report import MAX_LISTED, CheckResult, Finding
+from quark_ptq_eval.base.safetensors_io import TensorInfo
+from quark_ptq_eval.validate.kvcache import check_kv_scales
+from quark_ptq_eval.validate.registry import ValidationContext, unreadable_headers
+from quark_ptq_eval.validate.report import MAX_LISTED, CheckResult, Finding
 
 if TYPE_CHECKING:
     import numpy as np

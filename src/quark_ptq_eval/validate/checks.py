@@ -7,21 +7,21 @@ source, the activation scales' values, then loading the model.
 
 from __future__ import annotations
 
-from ..safetensors_io import TensorInfo
-from .auxfiles import check_aux
-from .calibration import check_calibration
-from .configdiff import ConfigContext, check_config
-from .decode import check_decode
-from .index import check_index
-from .layout import LayoutInputs, check_layout, layer_count
-from .loadcheck import check_load
-from .md5check import compare_pair, compare_tensors, excluded_candidates, sample
-from .plan_conformance import plan_expectation
-from .registry import Check, ValidationContext, unreadable_headers
-from .report import CheckResult, Finding
-from .rewrites import rewritten_by
-from .schemes import load_scheme_table
-from .servecheck import check_serving
+from quark_ptq_eval.base.safetensors_io import TensorInfo
+from quark_ptq_eval.validate.auxfiles import check_aux
+from quark_ptq_eval.validate.calibration import check_calibration
+from quark_ptq_eval.validate.configdiff import ConfigContext, check_config
+from quark_ptq_eval.validate.decode import check_decode
+from quark_ptq_eval.validate.index import check_index
+from quark_ptq_eval.validate.layout import LayoutInputs, check_layout, layer_count
+from quark_ptq_eval.validate.loadcheck import check_load
+from quark_ptq_eval.validate.md5check import compare_pair, compare_tensors, excluded_candidates, sample
+from quark_ptq_eval.validate.plan_conformance import plan_expectation
+from quark_ptq_eval.validate.registry import Check, ValidationContext, unreadable_headers
+from quark_ptq_eval.validate.report import CheckResult, Finding
+from quark_ptq_eval.validate.rewrites import rewritten_by
+from quark_ptq_eval.validate.schemes import load_scheme_table
+from quark_ptq_eval.validate.servecheck import check_serving
 
 FLOAT_EXPONENT = {"F16": (2, 0x7C00), "BF16": (2, 0x7F80)}  # all-ones exponent: inf or NaN
 

@@ -6,13 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..checkpoints import Approver
-from ..errors import UsageError
-from ..fsio import read_json
-from ..ui import noise_to_log
-from .fixes import fix_and_revalidate, propose_fixes
-from .report import ValidationReport
-from .runner import validate_model
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.fsio import read_json
+from quark_ptq_eval.base.gates import Approver
+from quark_ptq_eval.base.ui import noise_to_log
+from quark_ptq_eval.validate.fixes import fix_and_revalidate, propose_fixes
+from quark_ptq_eval.validate.report import ValidationReport
+from quark_ptq_eval.validate.runner import validate_model
 
 MAX_PRINTED = 20
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .report import CheckResult, Finding
+from quark_ptq_eval.validate.report import CheckResult, Finding
 
 QUANT_KEYS = frozenset({"quantization_config"})
 VERSION_STAMPS = frozenset({"transformers_version", "_commit_hash", "_name_or_path", "_attn_implementation_autoset"})

@@ -31,16 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import UnsafeInputError
-from ..safetensors_io import TensorInfo, read_model_headers
-from . import decode_formats as fmt
-from .decode_weights import Comparison, Fold, Target, compare
-from .expectations import as_spec_list, module_config
-from .folds import fold_groups, per_expert_folds
-from .md5check import default_workers
-from .registry import ValidationContext, read_config, unreadable_headers
-from .report import CheckResult, Finding
-from .rewrites import LAYER, ROTATING, SCALING, algorithms
+from quark_ptq_eval.base.errors import UnsafeInputError
+from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
+from quark_ptq_eval.validate import decode_formats as fmt
+from quark_ptq_eval.validate.decode_weights import Comparison, Fold, Target, compare
+from quark_ptq_eval.validate.expectations import as_spec_list, module_config
+from quark_ptq_eval.validate.folds import fold_groups, per_expert_folds
+from quark_ptq_eval.validate.md5check import default_workers
+from quark_ptq_eval.validate.registry import ValidationContext, read_config, unreadable_headers
+from quark_ptq_eval.validate.report import CheckResult, Finding
+from quark_ptq_eval.validate.rewrites import LAYER, ROTATING, SCALING, algorithms
 
 if TYPE_CHECKING:
     import numpy as np

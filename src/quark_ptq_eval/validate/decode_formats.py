@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..safetensors_io import TensorInfo
+from quark_ptq_eval.base.safetensors_io import TensorInfo
 
 if TYPE_CHECKING:
     import numpy as np

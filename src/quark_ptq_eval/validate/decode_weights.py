@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..safetensors_io import TensorInfo
-from . import decode_formats as fmt
+from quark_ptq_eval.base.safetensors_io import TensorInfo
+from quark_ptq_eval.validate import decode_formats as fmt
 
 if TYPE_CHECKING:
     import numpy as np

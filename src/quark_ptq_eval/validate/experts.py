@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .folds import Unit
-from .replay import Capture, first_tensor, module_errors
+from quark_ptq_eval.validate.folds import Unit
+from quark_ptq_eval.validate.replay import Capture, first_tensor, module_errors
 
 EXPERT_KEY = " (expert "  # a forced call's capture key: "<experts module> (expert <e>)"
 TOKENS_PER_EXPERT = 4  # judged per expert: one expert's fault is not averaged away by the others'

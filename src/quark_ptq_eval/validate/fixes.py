@@ -14,10 +14,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoints import Approver, require
-from ..errors import UnsafeInputError
-from .report import ValidationReport
-from .runner import validate_model
+from quark_ptq_eval.base.errors import UnsafeInputError
+from quark_ptq_eval.base.gates import Approver, require
+from quark_ptq_eval.validate.report import ValidationReport
+from quark_ptq_eval.validate.runner import validate_model
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .rewrites import LAYER, SCALING
+from quark_ptq_eval.validate.rewrites import LAYER, SCALING
 
 
 @dataclass(frozen=True)

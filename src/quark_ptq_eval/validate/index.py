@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import UnsafeInputError
-from ..safetensors_io import INDEX_NAME, read_header
-from .registry import ValidationContext
-from .report import CheckResult, Finding
+from quark_ptq_eval.base.errors import UnsafeInputError
+from quark_ptq_eval.base.safetensors_io import INDEX_NAME, read_header
+from quark_ptq_eval.validate.registry import ValidationContext
+from quark_ptq_eval.validate.report import CheckResult, Finding
 
 
 def check_index(ctx: ValidationContext) -> CheckResult:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 from fnmatch import fnmatchcase
 
-from ..safetensors_io import TensorInfo
-from .expectations import activation_expectations, as_spec_list
-from .registry import ValidationContext
-from .report import MAX_LISTED, CheckResult, Finding
+from quark_ptq_eval.base.safetensors_io import TensorInfo
+from quark_ptq_eval.validate.expectations import activation_expectations, as_spec_list
+from quark_ptq_eval.validate.registry import ValidationContext
+from quark_ptq_eval.validate.report import MAX_LISTED, CheckResult, Finding
 
 MERGE_TOLERANCE = 1e-6  # relative: merged k/v scales are the same float
 

@@ -13,8 +13,8 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from ..safetensors_io import TensorInfo, canonical_name
-from .expectations import (
+from quark_ptq_eval.base.safetensors_io import TensorInfo, canonical_name
+from quark_ptq_eval.validate.expectations import (
     TensorExpectation,
     activation_expectations,
     is_embedding,
@@ -24,8 +24,8 @@ from .expectations import (
     module_config,
     weight_expectations,
 )
-from .report import CheckResult, Finding
-from .widening import is_lossless_widening, widening_note
+from quark_ptq_eval.validate.report import CheckResult, Finding
+from quark_ptq_eval.validate.widening import is_lossless_widening, widening_note
 
 LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 

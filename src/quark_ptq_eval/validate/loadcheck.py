@@ -21,9 +21,9 @@ import gc
 import math
 from pathlib import Path
 
-from ..errors import QpeError
-from .registry import ValidationContext, read_config
-from .report import CheckResult, Finding
+from quark_ptq_eval.base.errors import QpeError
+from quark_ptq_eval.validate.registry import ValidationContext, read_config
+from quark_ptq_eval.validate.report import CheckResult, Finding
 
 # Plain English and code (what the demo model was trained on), long enough for ~60 positions.
 PROBE = ("Return the number of items in the container. If the argument is a string, the result is the "
@@ -45,7 +45,7 @@ def load_check_alone(source: Path, quantized: Path, plan: dict | None = None) ->
 
 def check_load(ctx: ValidationContext) -> CheckResult:
     result = CheckResult("load")
-    from .loadlimits import module_error_limit
+    from quark_ptq_eval.validate.loadlimits import module_error_limit
 
     ctx.shared["module_error_limit"] = module_error_limit(ctx.qconfig, ctx.plan)
     if not ctx.load_check:
@@ -69,8 +69,8 @@ def check_load(ctx: ValidationContext) -> CheckResult:
 
 
 def _probe(ctx: ValidationContext, result: CheckResult) -> None:
-    from ..evaluate.loading import TRANSFORMERS, load_model, missing_weights_message
-    from . import experts, replay
+    from quark_ptq_eval.evaluate.loading import TRANSFORMERS, load_model, missing_weights_message
+    from quark_ptq_eval.validate import experts, replay
 
     trust = bool((ctx.plan or {}).get("trust_remote_code"))  # the user approved it in the plan, or not at all
     # The source first, its module inputs kept, then freed: one model in memory at a time.
@@ -101,10 +101,10 @@ def _units(ctx: ValidationContext, owners, captures, exported, result: CheckResu
     """What to replay: each module; under AWQ/SmoothQuant the smallest unit holding its folded scales
     (folds.py); nothing where the algorithm rotated the residual stream (only the whole model is
     equivalent: greedy agreement judges)."""
-    from . import replay
-    from .experts import coverage, every_expert_units
-    from .folds import Unit, fold_groups, fold_units
-    from .rewrites import ROTATING, SCALING, algorithms
+    from quark_ptq_eval.validate import replay
+    from quark_ptq_eval.validate.experts import coverage, every_expert_units
+    from quark_ptq_eval.validate.folds import Unit, fold_groups, fold_units
+    from quark_ptq_eval.validate.rewrites import ROTATING, SCALING, algorithms
 
     algos = set(algorithms(ctx.qconfig, ctx.plan))
     if algos & ROTATING:

@@ -11,8 +11,8 @@ to the loosest format it uses.
 
 from __future__ import annotations
 
-from .expectations import as_spec_list, dtype_bits, is_integer
-from .rewrites import SCALING, algorithms
+from quark_ptq_eval.validate.expectations import as_spec_list, dtype_bits, is_integer
+from quark_ptq_eval.validate.rewrites import SCALING, algorithms
 
 MARGIN = 2.0  # the sweeps cover 8 families of 34: room for the others' spread
 CEILING = 0.45  # the former single limit: planted scale x4 faults read >= 0.52 over 159 exports

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..safetensors_io import TensorInfo
-from .expectations import matches
-from .report import CheckResult, Finding
-from .widening import is_lossless_widening, widening_note
+from quark_ptq_eval.base.safetensors_io import TensorInfo
+from quark_ptq_eval.validate.expectations import matches
+from quark_ptq_eval.validate.report import CheckResult, Finding
+from quark_ptq_eval.validate.widening import is_lossless_widening, widening_note
 
 CHUNK_BYTES = 16 * 1024 * 1024  # one mapped window per side
 DEFAULT_MAX_WORKERS = 4

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import Any
 
-from .report import Finding
-from .schemes import ROLES, describe, meaning
+from quark_ptq_eval.validate.report import Finding
+from quark_ptq_eval.validate.schemes import ROLES, describe, meaning
 
 DEFAULT_KV_PATTERNS = ("*k_proj", "*v_proj")
 ATTENTION_TOKENS = ("self_attn", "self_attention", "attn", "attention")  # Quark's _ATTN_TOKENS

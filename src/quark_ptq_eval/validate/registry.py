@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UnsafeInputError
-from ..safetensors_io import TensorInfo, read_model_headers
-from .report import CheckResult, Finding
+from quark_ptq_eval.base.errors import UnsafeInputError
+from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
+from quark_ptq_eval.validate.report import CheckResult, Finding
 
 Progress = Callable[[str, int, int], None]
 
@@ -53,7 +53,7 @@ class ValidationContext:
                 self.headers[side] = exc.message
         src, out = self.tensors("source"), self.tensors("output")
         if src is not None and out is not None:  # legacy checkpoint names (Mixtral's w1/w2/w3) -> the export's
-            from .checkpoint_names import align_source_names
+            from quark_ptq_eval.validate.tensor_names import align_source_names
 
             self.headers["source"] = align_source_names(src, out, self.src_config.get("model_type"))
 

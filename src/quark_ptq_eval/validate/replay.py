@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .folds import Unit
+from quark_ptq_eval.validate.folds import Unit
 
 MAX_CLIMB = 3  # the owner, its parent (an MoE block for fused experts), grandparent (DBRX: experts.mlp -> ffn)
 

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import ValidationFailed
-from ..fsio import atomic_write_text, write_json
+from quark_ptq_eval.base.errors import ValidationFailed
+from quark_ptq_eval.base.fsio import atomic_write_text, write_json
 
 CheckStatus = Literal["pass", "benign", "warn", "fail", "skipped"]  # warn: an advisory check's failures
 Side = Literal["quark", "environment"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..errors import UsageError
-from .registry import Progress, ValidationContext, read_config
-from .report import ValidationReport
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.validate.registry import Progress, ValidationContext, read_config
+from quark_ptq_eval.validate.report import ValidationReport
 
 DEFAULT_EXCLUDE = ["lm_head"]
 
@@ -23,7 +23,7 @@ def validate_model(source: Path | None, quantized: Path, plan: dict | None = Non
     interpreter (servecheck.py). Raises :class:`UsageError` only for
     unusable arguments (a directory that does not exist).
     """
-    from .checks import CHECKS
+    from quark_ptq_eval.validate.checks import CHECKS
 
     t0 = time.perf_counter()
     source, quantized = _existing_dir(source, "source model"), _existing_dir(quantized, "quantized model")

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from typing import Any
 
-from ..catalog import cache_dir
-from ..fsio import write_json
+from quark_ptq_eval.base.catalog import cache_dir
+from quark_ptq_eval.base.fsio import write_json
 
 TABLE_FORMAT = 2  # 2: the KV-cache layer patterns of every template
 # The fields of a QTensorConfig that decide what is stored; observers and rounding only shape values.
@@ -54,7 +54,7 @@ def load_scheme_table() -> dict[str, Any] | None:
 
 def dump_scheme_table() -> dict[str, Any]:
     """Runs inside the child: serialise each scheme's global layer config as the exporter does."""
-    from ..quark_import import import_quark_torch
+    from quark_ptq_eval.base.quark_import import import_quark_torch
 
     import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
     from quark.torch import LLMTemplate

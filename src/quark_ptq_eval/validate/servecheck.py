@@ -15,16 +15,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ..errors import QpeError
-from .registry import ValidationContext
-from .report import CheckResult, Finding
+from quark_ptq_eval.base.errors import QpeError
+from quark_ptq_eval.validate.registry import ValidationContext
+from quark_ptq_eval.validate.report import CheckResult, Finding
 
 SERVE_TIMEOUT_S = 600.0  # a tiny model is healthy in 20-25 s on 2 CPU cores; large ones load for minutes
 MAX_MODEL_LEN = 2048  # the check needs the weights to load, not a long context: keeps the KV cache small
 
 
 def check_serving(ctx: ValidationContext) -> CheckResult:
-    from ..evaluate.vllm_host import find_host_vllm
+    from quark_ptq_eval.evaluate.vllm_host import find_host_vllm
 
     result = CheckResult("serve")
     if ctx.shared.get("structural_failed"):
@@ -47,7 +47,7 @@ def check_serving(ctx: ValidationContext) -> CheckResult:
 
 def _serve(model: Path, host, result: CheckResult) -> None:
     """Start vLLM on the export, wait for health or its exit, stop it: served, or its reason."""
-    from ..evaluate.vllm_host import failure_reason, server_argv, start_server, stop_group
+    from quark_ptq_eval.evaluate.vllm_host import failure_reason, server_argv, start_server, stop_group
 
     port = free_port()
     log = _scratch_log(port)  # never inside the user's export

@@ -8,7 +8,7 @@ bit; this module checks that on the payloads (bounded: small tensors only, as th
 
 from __future__ import annotations
 
-from ..safetensors_io import TensorInfo
+from quark_ptq_eval.base.safetensors_io import TensorInfo
 
 WIDENINGS = {("BF16", "F32"), ("F16", "F32")}
 MAX_BYTES = 64 * 2**20  # biases and norms, never a weight matrix

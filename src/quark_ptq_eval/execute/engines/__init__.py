@@ -61,7 +61,7 @@ ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
 
 
 def get_engine(name: str) -> Engine:
-    from ...errors import UsageError
+    from quark_ptq_eval.base.errors import UsageError
 
     if name not in ENGINES:
         raise UsageError(f"Unknown engine {name!r}.", f"Choose one of: {', '.join(ENGINE_NAMES)}.")

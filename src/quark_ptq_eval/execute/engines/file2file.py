@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...errors import UsageError
-from .flags import tail_flags
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.execute.engines.flags import tail_flags
 
 CHILD_MODULE = "quark_ptq_eval.execute.engines.file2file"
 
@@ -78,7 +78,7 @@ class File2FileEngine:
         return None  # calibration-free
 
     def version(self) -> str:
-        from ...catalog import quark_version
+        from quark_ptq_eval.base.catalog import quark_version
 
         return quark_version()
 
@@ -88,7 +88,7 @@ ENGINE = File2FileEngine()
 
 # ---- the child process ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from ..quark_api_engine import child_parser
+    from quark_ptq_eval.execute.quark_api_engine import child_parser
 
     p = child_parser(f"python -m {CHILD_MODULE}")
     p.add_argument("--multi_device", action="store_true", help="one worker per GPU, shards spread over them")
@@ -112,7 +112,7 @@ def keep_exclusions(out: Path, patterns: list[str]) -> list[str]:
     Quark 0.13 resolves exclusions against the tensors in the checkpoint, so a module with no tensor
     of its own (a tied lm_head) leaves ``exclude``; loaders then quantize it with no scale and the
     logits are NaN (found by our load check on a tied Llama-3.2-1B shape, docs/planning.md)."""
-    from ...fsio import read_json, write_json
+    from quark_ptq_eval.base.fsio import read_json, write_json
 
     path = out / "config.json"
     config = read_json(path, "the export's config.json")
@@ -143,17 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     shards = sorted(model_dir.glob("*.safetensors"), key=lambda f: f.stat().st_size)
     largest = shards[-1].stat().st_size if shards else 0
     print(f"[quark-ptq-eval] file-to-file: {len(shards)} shard(s), the largest {largest / 2**20:.0f} MiB", flush=True)
-    from quark_ptq_eval.first_use import announce_quark_import
+    from quark_ptq_eval.base.first_use import announce_quark_import
 
     announce_quark_import("the file-to-file engine")
     import time
 
-    from ...quark_import import import_quark_torch
+    from quark_ptq_eval.base.quark_import import import_quark_torch
 
     import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
     from quark.torch import LLMTemplate, ModelQuantizer
 
-    from ..quark_api_engine import copy_non_weight_files
+    from quark_ptq_eval.execute.quark_api_engine import copy_non_weight_files
 
     t0 = time.time()
     model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["model_type"]

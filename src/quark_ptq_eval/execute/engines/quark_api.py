@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .flags import head_flags, tail_flags
+from quark_ptq_eval.execute.engines.flags import head_flags, tail_flags
 
 CHILD_MODULE = "quark_ptq_eval.execute.quark_api_engine"  # the child entry point
 
@@ -38,7 +38,7 @@ class QuarkApiEngine:
         return None  # the child reads the local text itself
 
     def version(self) -> str:
-        from ...catalog import quark_version
+        from quark_ptq_eval.base.catalog import quark_version
 
         return quark_version()
 

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...errors import UsageError
-from .flags import head_flags, tail_flags
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.execute.engines.flags import head_flags, tail_flags
 
 SUBCOMMAND = "torch-llm-ptq"
 CALIB_CACHE_DIR = "calib_cache"  # under the work dir
@@ -66,7 +66,7 @@ class QuarkCliEngine:
     def env(self, plan: Any, workdir: Path) -> dict[str, str]:
         if plan.calibration["source"] != "local_file":
             return {}
-        from ..calib_cache import offline_env
+        from quark_ptq_eval.execute.calib_cache import offline_env
 
         return offline_env(workdir / CALIB_CACHE_DIR)
 
@@ -74,7 +74,7 @@ class QuarkCliEngine:
         cache = manifest.command.get("env", {}).get("HF_DATASETS_CACHE")
         if not cache:
             return
-        from ..calib_cache import prepare_offline_calibration
+        from quark_ptq_eval.execute.calib_cache import prepare_offline_calibration
 
         calib = manifest.inputs.get("calibration")
         if not calib or not Path(calib).exists():
@@ -85,7 +85,7 @@ class QuarkCliEngine:
         prepare_offline_calibration(Path(calib), Path(cache), dataset=dataset)
 
     def version(self) -> str:
-        from ...catalog import quark_version
+        from quark_ptq_eval.base.catalog import quark_version
 
         return quark_version()
 

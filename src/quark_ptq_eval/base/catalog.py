@@ -1,0 +1,117 @@
+"""What the installed Quark supports: schemes, algorithms, KV-cache schemes and per-model templates.
+
+Asked of the installed package, never hard-coded. ``import quark.torch`` costs ~20 s, so the
+answer is computed once in a child process and cached per Quark version and install location.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from quark_ptq_eval.base.errors import QpeError
+from quark_ptq_eval.base.fsio import cache_dir, write_json
+
+CATALOG_FORMAT = 3  # bump when dump_catalog() describes more
+
+
+def quark_version() -> str:
+    try:
+        return importlib.metadata.version("amd-quark")
+    except importlib.metadata.PackageNotFoundError:
+        raise QpeError("AMD Quark is not installed.", "Install it with: pip install 'amd-quark[cli]==0.13'.") from None
+
+
+def _install_key() -> str:
+    dist = importlib.metadata.distribution("amd-quark")
+    where = str(dist.locate_file(""))
+    return hashlib.sha256(f"{CATALOG_FORMAT}|{quark_version()}|{where}".encode()).hexdigest()[:12]
+
+
+def catalog_path() -> Path:
+    return cache_dir() / f"quark-catalog-{quark_version()}-{_install_key()}.json"
+
+
+def catalog_built() -> bool:
+    """Is the catalog cached for this Quark install (so no first-use build is due)?"""
+    try:
+        return catalog_path().is_file()
+    except Exception:  # noqa: BLE001 - Quark absent: the catalog step reports that itself
+        return True
+
+
+def load_catalog() -> dict:
+    path = catalog_path()
+    if path.exists():
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            pass  # a damaged cache is rebuilt below
+    from quark_ptq_eval.base.first_use import announce_catalog_build
+
+    announce_catalog_build()  # once per Quark install: say why this first run pauses
+    proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval.base.catalog"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise QpeError(f"Could not query the installed Quark for its supported schemes: {tail[0]}")
+    catalog = json.loads(proc.stdout.strip().splitlines()[-1])
+    write_json(path, catalog)
+    return catalog
+
+
+def dump_catalog() -> dict:
+    """Runs inside the child: import Quark and describe it."""
+    from quark_ptq_eval.base.quark_import import import_quark_torch
+
+    import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
+    from quark.torch import LLMTemplate
+    from quark.torch.quantization.config.algo_configs import get_supported_algorithm_types
+
+    templates = {}
+    for model_type in LLMTemplate.list_available():
+        t = LLMTemplate.get(model_type)
+        templates[model_type] = {
+            "exclude_layers": list(t.exclude_layers_name or []),
+            "kv_layers": list(t.kv_layers_name or []),
+            # only algorithms with a built-in config for this model type: get_config raises for the rest
+            "algorithms": sorted(k for k, v in (t.algo_config or {}).items() if v is not None),
+        }
+    return {
+        "quark_version": quark_version(),
+        "scheme_info": {name: _scheme_info(LLMTemplate.get("llama"), name) for name in LLMTemplate.get_supported_schemes()},
+        "schemes": list(LLMTemplate.get_supported_schemes()),
+        "algorithms": list(get_supported_algorithm_types()),
+        "kv_cache_schemes": sorted(LLMTemplate._SUPPORTED_KV_CACHE_SCHEMES),
+        "templates": templates,
+    }
+
+
+def _dtypes(spec) -> list[str]:
+    specs = spec if isinstance(spec, list) else [spec] if spec is not None else []
+    return [getattr(s.dtype, "value", str(s.dtype)) for s in specs]
+
+
+def _scheme_info(template, name: str) -> dict:
+    """Weight / activation dtypes of a scheme, read from the config Quark builds for it."""
+    try:
+        g = template.get_config(scheme=name).global_quant_config
+    except Exception as exc:  # noqa: BLE001 - a scheme Quark cannot build is reported, not fatal
+        return {"error": str(exc)}
+    weight, act = _dtypes(g.weight), _dtypes(g.input_tensors)
+    specs = g.input_tensors if isinstance(g.input_tensors, list) else [g.input_tensors] if g.input_tensors else []
+    return {"weight_dtypes": weight, "activation_dtypes": act, "weight_only": not act,
+            "static_activations": any(not getattr(s, "is_dynamic", False) for s in specs),
+            "weight_bits": _bits(weight[0]) if weight else None}
+
+
+def _bits(dtype: str) -> float:
+    digits = "".join(c for c in dtype.split("_")[0] if c.isdigit())
+    return float(digits) if digits else 16.0
+
+
+if __name__ == "__main__":
+    print(json.dumps(dump_catalog()))

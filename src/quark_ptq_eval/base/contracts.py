@@ -1,0 +1,78 @@
+"""JSON-schema validation of every artifact: against our own schema and Quark's contract.
+
+Quark ships its contracts inside the wheel (``quark/_bundled_skills/.../contracts``); they are
+located without importing Quark. Schema errors name the offending field.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from functools import cache
+from pathlib import Path
+
+from quark_ptq_eval.base.errors import UsageError
+
+OWN_SCHEMAS = Path(__file__).parent / "schemas"
+QUARK_CONTRACT_DIRS = (
+    "_bundled_skills/quark-torch-ptq/references/contracts",
+    "_bundled_skills/_legacy_impl/shared/contracts",
+)
+
+
+@cache
+def quark_contract_dir() -> Path | None:
+    spec = importlib.util.find_spec("quark")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for rel in QUARK_CONTRACT_DIRS[::-1]:
+            if (Path(root) / rel).is_dir():
+                return Path(root) / rel
+    return None
+
+
+@cache
+def _schema(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def quark_contract(kind: str) -> dict | None:
+    d = quark_contract_dir()
+    return _schema(d / f"{kind}.schema.json") if d and (d / f"{kind}.schema.json").exists() else None
+
+
+def own_schema(kind: str) -> dict | None:
+    p = OWN_SCHEMAS / f"{kind}.schema.json"
+    return _with_registries(kind, _schema(p)) if p.exists() else None
+
+
+def _with_registries(kind: str, schema: dict) -> dict:
+    """Enums that a registry owns are filled in here, never typed into the schema files."""
+    if kind != "quant_plan":
+        return schema
+    from quark_ptq_eval.execute.engines import ENGINE_NAMES
+
+    engine = schema["properties"]["engine"]
+    name = {**engine["properties"]["name"], "enum": list(ENGINE_NAMES)}
+    engine = {**engine, "properties": {**engine["properties"], "name": name}}
+    return {**schema, "properties": {**schema["properties"], "engine": engine}}
+
+
+def schema_errors(kind: str, data: object) -> list[str]:
+    """All violations of our schema and Quark's contract, each as 'field: problem'."""
+    import jsonschema
+
+    problems = []
+    for origin, schema in (("ours", own_schema(kind)), ("quark", quark_contract(kind))):
+        if schema is None:
+            continue
+        validator = jsonschema.Draft202012Validator(schema)
+        for err in sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path)):
+            where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+            problems.append(f"{where}: {err.message} [{origin} schema]")
+    return problems
+
+
+def check(kind: str, data: object, source: str | Path) -> None:
+    problems = schema_errors(kind, data)
+    if problems:
+        raise UsageError(f"{source} is not a valid {kind}: {problems[0]}", "Fix the field or regenerate the file.")

@@ -1,0 +1,131 @@
+"""Crash-safe file writes and friendly reads.
+
+Every artifact is written to a temporary file in the same directory, fsynced, then renamed
+over the target, so a reader (or a resumed run) sees either the old file or the new one,
+never half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from quark_ptq_eval.base.errors import QpeError, UsageError
+
+MAX_JSON_BYTES = 256 * 1024 * 1024
+
+
+class DiskFullError(QpeError):
+    pass
+
+
+def write_png(fig: Any, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """Render a matplotlib figure to PNG and write it atomically; the figure is closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    plt.close(fig)
+    return atomic_write_bytes(path, buffer.getvalue())
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _write_error(path, exc, len(data)) from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; artifacts get the usual mode
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)  # the rename itself survives a power loss
+    except OSError as exc:
+        _unlink_quietly(tmp)
+        raise _write_error(path, exc, len(data)) from None
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_error(path: Path, exc: OSError, size: int) -> QpeError:
+    """One sentence naming the file (and, when space ran out, the space needed)."""
+    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return DiskFullError(
+            f"Could not write {path}: {os.strerror(exc.errno)} ({size} bytes needed).",
+            "Free some space or choose another work directory, then re-run.",
+        )
+    return QpeError(f"Could not write {path}: {exc.strerror or exc}.",
+                    "Check that the directory is writable and its file system healthy, then re-run.")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False) + "\n")
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    """Read JSON, turning every expected failure into one clear sentence."""
+    path = Path(path)
+    try:
+        # O_NONBLOCK + regular-file check: a FIFO or /dev/zero named config.json must not hang or
+        # exhaust memory; the size cap bounds what a hostile file can make us read.
+        with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(f"The {what} {path} is not a regular file; refusing to read it.")
+            if st.st_size > MAX_JSON_BYTES:
+                raise UsageError(f"The {what} {path} is {st.st_size} bytes, more than any such file should be "
+                                 f"({MAX_JSON_BYTES} at most).")
+            text = fh.read(MAX_JSON_BYTES + 1).decode("utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"The {what} {path} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"The {what} {path} cannot be read: {exc}.") from None
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise UsageError(f"The {what} {path} is not valid JSON ({exc}).", "Fix or remove it.") from None
+
+
+def _unlink_quietly(path: str | os.PathLike) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def cache_dir() -> Path:
+    """Our one cache directory: $QUARK_PTQ_EVAL_CACHE, else $XDG_CACHE_HOME/quark-ptq-eval, else ~/.cache/..."""
+    if os.environ.get("QUARK_PTQ_EVAL_CACHE"):
+        return Path(os.environ["QUARK_PTQ_EVAL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quark-ptq-eval"

@@ -1,0 +1,120 @@
+"""One source for options: each option's flag, type and help live on its dataclass field.
+
+    scheme: str | None = field(default=None, metadata=flag("--scheme", help="exact Quark scheme name"))
+
+``add_flags`` turns a dataclass's flagged fields into argparse arguments, ``given`` reads back the
+ones the user actually gave (as keyword arguments for the dataclass), so the CLI, the Python API
+and ``docs/cli.md`` (generated from the parser) cannot drift apart. Every generated argument
+defaults to ``None``: "not given" stays distinguishable from a default, which ``resume`` needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+_KEY = "cli"
+_NESTED = "cli_nested"  # a field holding another dataclass whose fields carry flags (e.g. thresholds)
+
+
+@dataclass(frozen=True)
+class Flag:
+    names: tuple[str, ...]
+    help: str | Callable[[], str] | None = None
+    dest: str | None = None  # argparse dest when the field name clashes with another command's option
+    convert: Callable[[Any], Any] | None = None  # parsed value -> field value (e.g. "a,b" -> ["a", "b"])
+    standalone_names: tuple[str, ...] = ()  # extra spellings where no clash exists (the `eval` command)
+    standalone_only: bool = False  # only on the standalone command (its owner elsewhere adds it otherwise)
+    argparse: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def flag(*names: str, help: str | Callable[[], str] | None = None, dest: str | None = None,  # noqa: A002
+         convert: Callable[[Any], Any] | None = None, standalone_names: tuple[str, ...] = (),
+         standalone_only: bool = False, **argparse_kwargs: Any) -> dict[str, Flag]:
+    """Field metadata declaring the field's command-line option (argparse keywords pass through)."""
+    return {_KEY: Flag(names, help, dest, convert, standalone_names, standalone_only, argparse_kwargs)}
+
+
+def nested(cls: type) -> dict[str, type]:
+    """Field metadata: the field is a ``cls`` built from ``cls``'s own flags, added at this position."""
+    return {_NESTED: cls}
+
+
+def flagged_fields(cls: type) -> list[tuple[dataclasses.Field, Flag]]:
+    return [(f, f.metadata[_KEY]) for f in dataclasses.fields(cls) if _KEY in f.metadata]
+
+
+def flag_dest(field: dataclasses.Field, spec: Flag) -> str:
+    return spec.dest or field.name
+
+
+def add_flags(group: argparse._ActionsContainer, cls: type, *, standalone: bool = False,
+              only: Iterable[str] | None = None, skip: Iterable[str] = ()) -> None:
+    """Add ``cls``'s flagged fields to ``group`` in field order (``only``/``skip`` select by field name)."""
+    wanted = set(only) if only is not None else None
+    for field in dataclasses.fields(cls):
+        if (wanted is not None and field.name not in wanted) or field.name in skip:
+            continue
+        if _NESTED in field.metadata:
+            add_flags(group, field.metadata[_NESTED], standalone=standalone)
+            continue
+        spec = field.metadata.get(_KEY)
+        if spec is None or (spec.standalone_only and not standalone):
+            continue
+        kwargs = {k: v() if callable(v) and k == "choices" else v for k, v in spec.argparse.items()}
+        kwargs.setdefault("default", None)
+        if kwargs.get("action") in (None, "store", "append") and not {"metavar", "choices"} & kwargs.keys():
+            kwargs["metavar"] = spec.names[0].lstrip("-").replace("-", "_").upper()  # the flag's, not the field's
+        help_text = spec.help() if callable(spec.help) else spec.help
+        names = spec.names + (spec.standalone_names if standalone else ())
+        group.add_argument(*names, dest=flag_dest(field, spec), help=help_text, **kwargs)
+
+
+def given(cls: type, args: argparse.Namespace, *, only: Iterable[str] | None = None) -> dict[str, Any]:
+    """The flagged fields of ``cls`` present in ``args`` and not None, converted to field values."""
+    wanted = set(only) if only is not None else None
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        if wanted is not None and field.name not in wanted:
+            continue
+        if _NESTED in field.metadata:
+            inner = given(field.metadata[_NESTED], args)
+            if inner:
+                values[field.name] = field.metadata[_NESTED](**inner)
+            continue
+        spec = field.metadata.get(_KEY)
+        if spec is None:
+            continue
+        value = getattr(args, flag_dest(field, spec), None)
+        if value is not None:
+            values[field.name] = spec.convert(value) if spec.convert else value
+    return values
+
+
+def check_names(cls: type, names: Iterable[str], what: str) -> None:
+    """Refuse keyword names ``cls`` has no field for (the API's typo guard: nothing is silently ignored)."""
+    from quark_ptq_eval.base.errors import UsageError
+
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise UsageError(f"Unknown {what} option(s) {', '.join(unknown)}: use {', '.join(sorted(known))}.")
+
+
+OFFLINE_HELP = "Hugging Face offline mode for this run and every child process"
+
+
+def add_offline_flag(group: argparse._ActionsContainer) -> None:
+    """``--offline``: one spelling and one help for every command that could touch the Hub."""
+    group.add_argument("--offline", action="store_true", default=None, help=OFFLINE_HELP)
+
+
+def apply_offline(offline: bool | None) -> None:
+    """Offline for this process and every child it starts (Hub, datasets, transformers)."""
+    import os
+
+    if offline:
+        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

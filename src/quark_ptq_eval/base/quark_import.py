@@ -1,0 +1,86 @@
+"""``import quark.torch`` without re-reading all of transformers on every start.
+
+At import, Quark 0.13 (``quark_experts``) AST-parses every ``modeling_*.py`` of the installed
+transformers (about 450 files with transformers 5.x) to find the classes decorated with
+``use_experts_implementation``: 20-40 s of every process that imports Quark (the engine, the
+load check, the scan). The answer depends only on those files' text, so we remember it: while
+Quark imports, ``ast.parse`` called *from that module* returns, for a source text seen before,
+a module holding just its decorated classes (what Quark reads: ``body``, ``ClassDef.name``,
+``decorator_list``). A text not seen before is parsed for real and remembered. The cache is
+keyed by the text's hash, so an upgraded transformers is parsed again; nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import hashlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from quark_ptq_eval.base.fsio import cache_dir, write_json
+
+SCANNER = "quark.torch.utils.llm.module_replacement.quark_experts"
+DECORATOR = "use_experts_implementation"
+CACHE_NAME = "quark-import-scan.json"
+
+
+def import_quark_torch(cache_file: Path | None = None) -> None:
+    """``import quark.torch``, answering Quark's scan of transformers from the cache where it can."""
+    if "quark.torch" in sys.modules:
+        return
+    with remembered_scan(cache_file or cache_dir() / CACHE_NAME):
+        import quark.torch  # noqa: F401
+
+
+@contextlib.contextmanager
+def remembered_scan(cache_file: Path) -> Iterator[None]:
+    known = _load(cache_file)
+    seen = len(known)
+    real_parse = ast.parse
+
+    def parse(source, *args, **kwargs):  # the signature of ast.parse
+        if sys._getframe(1).f_globals.get("__name__") != SCANNER or not isinstance(source, str) or args or kwargs:
+            return real_parse(source, *args, **kwargs)
+        key = hashlib.sha1(source.encode("utf-8", "surrogatepass")).hexdigest()
+        if key not in known:
+            known[key] = _decorated_classes(real_parse(source))
+        return _module_of(known[key])
+
+    ast.parse = parse
+    try:
+        yield
+    finally:
+        ast.parse = real_parse
+        if len(known) != seen:
+            _save(cache_file, known)
+
+
+def _decorated_classes(tree: ast.Module) -> list[str]:
+    return [node.name for node in tree.body if isinstance(node, ast.ClassDef) and any(
+        (isinstance(d, ast.Name) and d.id == DECORATOR)
+        or (isinstance(d, ast.Call) and isinstance(d.func, ast.Name) and d.func.id == DECORATOR)
+        for d in node.decorator_list)]
+
+
+def _module_of(classes: list[str]) -> ast.Module:
+    body = [ast.ClassDef(name=name, bases=[], keywords=[], body=[ast.Pass()], type_params=[],
+                         decorator_list=[ast.Name(id=DECORATOR, ctx=ast.Load())]) for name in classes]
+    return ast.Module(body=body, type_ignores=[])
+
+
+def _load(path: Path) -> dict[str, list[str]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    ok = isinstance(data, dict) and all(isinstance(v, list) for v in data.values())
+    return data if ok else {}
+
+
+def _save(path: Path, known: dict[str, list[str]]) -> None:
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, known)

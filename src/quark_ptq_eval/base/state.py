@@ -1,0 +1,123 @@
+"""The work dir's run state and its lock.
+
+``run_state.json`` records the options the run was started with, which gate was approved for
+which digest, and each step's observed status, so ``status`` can say where a run stands and a
+re-run continues from the last approved step. It is always written atomically.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quark_ptq_eval.base.claims import holder_record, open_lock_file, read_holder
+from quark_ptq_eval.base.errors import WorkdirLocked
+from quark_ptq_eval.base.fsio import read_json, write_json
+
+STATE_FILE = "run_state.json"
+LOCK_FILE = ".quark-ptq-eval.lock"
+
+
+def digest(obj: Any) -> str:
+    """A stable content digest of a JSON-able object (what an approval is bound to)."""
+    blob = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass
+class RunState:
+    workdir: Path
+    options: dict[str, Any] = field(default_factory=dict)
+    approvals: dict[str, str] = field(default_factory=dict)
+    steps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    waiting_for: str | None = None
+    pending: dict[str, Any] | None = None  # the gate waited at: digest, question, the command that continues
+
+    @classmethod
+    def load(cls, workdir: str | os.PathLike) -> RunState:
+        workdir = Path(workdir)
+        path = workdir / STATE_FILE
+        if not path.exists():
+            return cls(workdir)
+        data = read_json(path, "run state")
+        if not isinstance(data, dict):
+            data = {}
+        return cls(
+            workdir,
+            options=dict(data.get("options") or {}),
+            approvals=dict(data.get("approvals") or {}),
+            steps=dict(data.get("steps") or {}),
+            waiting_for=data.get("waiting_for"),
+            pending=data.get("pending") if isinstance(data.get("pending"), dict) else None,
+        )
+
+    def save(self) -> None:
+        write_json(
+            self.workdir / STATE_FILE,
+            {"options": self.options, "approvals": self.approvals, "steps": self.steps,
+             "waiting_for": self.waiting_for, "pending": self.pending, "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+        )
+
+    def is_approved(self, gate: str, content_digest: str) -> bool:
+        return self.approvals.get(gate) == content_digest
+
+    def approve(self, gate: str, content_digest: str) -> None:
+        self.approvals[gate] = content_digest
+        if self.waiting_for == gate:
+            self.waiting_for = self.pending = None
+        self.save()
+
+    def wait_for(self, gate: str, content_digest: str | None, question: str, continue_with: str) -> None:
+        """Record the gate the run waits at, before asking: a stop or a crash leaves it readable."""
+        self.waiting_for = gate
+        self.pending = {"gate": gate, "digest": content_digest, "question": question, "continue": continue_with}
+        self.save()
+
+    def record_step(self, step: str, status: str, **details: Any) -> None:
+        self.steps[step] = {"status": status, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **details}
+        self.save()
+
+
+class WorkdirLock:
+    """Exclusive lock on a work dir. The kernel drops it when its holder dies, so a lock file
+    left by a killed run is stale by construction and is simply taken over."""
+
+    def __init__(self, workdir: str | os.PathLike):
+        self.path = Path(workdir) / LOCK_FILE
+        self._fh = None
+
+    def __enter__(self) -> WorkdirLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fh = os.fdopen(open_lock_file(self.path), "r+")
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            text = fh.read()
+            record = read_holder(text)
+            holder = f"pid {record['pid']}" if record else text.strip() or "another process"
+            fh.close()
+            raise WorkdirLocked(
+                f"Another quark-ptq-eval run ({holder}) is using the work directory {self.path.parent}.",
+                "Wait for it to finish or use another --workdir.",
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps(holder_record(self.path.parent)))  # pid + start time: `status` tells a dead holder
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fh:
+            self._fh.seek(0)
+            self._fh.truncate()
+            fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
+            self._fh.close()
+            self._fh = None

@@ -1,0 +1,1 @@
+"""The flows: the recipe end to end (pipeline), compare, the CLI, the Python API and the demo."""

@@ -1,0 +1,108 @@
+"""The recipe as Python functions over typed artifacts (the CLI is a thin layer over these).
+
+    from quark_ptq_eval import run, CallbackApprover
+    summary = run("path/to/model", "out/", workdir="work/", scheme="int8", calib_data="calib.txt",
+                  approver=CallbackApprover(lambda gate, summary: gate.name != "eval"))
+
+Each step also works alone: ``analyze_model`` -> ``ModelAnalysis``, ``plan_quantization`` ->
+``QuantPlan``, ``build_manifest`` -> ``RunManifest``, ``execute_plan``; ``validate_model`` and
+``evaluate_model`` take model directories. (Names differ from the phase packages they call.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan, RunManifest
+from quark_ptq_eval.base.gates import Approver, FlagApprover
+
+
+def analyze_model(model: str | Path, *, offline: bool = False, trust_remote_code: bool = False,
+           workdir: str | Path | None = None) -> ModelAnalysis:
+    from quark_ptq_eval.base.catalog import load_catalog
+    from quark_ptq_eval.intake import analyze_model as _analyze
+
+    analysis = _analyze(str(model), offline=offline, catalog=load_catalog(), trust_remote_code=trust_remote_code)
+    if workdir is not None:
+        analysis.write(workdir)
+    return analysis
+
+
+def plan_quantization(analysis: ModelAnalysis, output_dir: str | Path, *, env_context: dict | None = None,
+         workdir: str | Path | None = None, **request: Any) -> QuantPlan:
+    """``request`` takes PlanRequest fields: goal, scheme, algorithm, calib_data, exclude_layers, ..."""
+    from quark_ptq_eval.base.catalog import load_catalog
+    from quark_ptq_eval.context.preflight import detect_env
+    from quark_ptq_eval.plan import PlanRequest, make_plan
+
+    wd = Path(workdir or ".")
+    result = make_plan(analysis, env_context or detect_env(), PlanRequest(**request), load_catalog(),
+                       ModelAnalysis.path_in(wd).resolve(), Path(output_dir).resolve())
+    if workdir is not None:
+        result.write(workdir)
+    return result
+
+
+def build_manifest(quant_plan: QuantPlan, workdir: str | Path, *, offline: bool = False) -> RunManifest:
+    from quark_ptq_eval.base.catalog import quark_version
+    from quark_ptq_eval.manifest import build_manifest as _build
+
+    wd = Path(workdir).resolve()
+    result = _build(quant_plan, wd, Path(quant_plan.output_dir), offline=offline, engine_version=quark_version())
+    result.write(wd)
+    return result
+
+
+def run(model: str | Path | None, output_dir: str | Path | None, *, workdir: str | Path = ".",
+        approver: Approver | None = None, stop_after: str | None = None, eval_tier: str | None = None,
+        eval_options: dict[str, Any] | None = None, offline: bool | None = None, overwrite: bool = False,
+        quiet: bool = True, **plan_request: Any) -> dict[str, Any]:
+    """The whole recipe (or up to ``stop_after``: intake, plan, manifest, execute). Raises
+    ``CheckpointPending`` at a gate the approver refuses; call again to resume."""
+    from quark_ptq_eval.base.options import check_names
+    from quark_ptq_eval.base.ui import Reporter
+    from quark_ptq_eval.evaluate.options import EvalOptions
+    from quark_ptq_eval.flows.pipeline import Recipe, RunOptions
+    from quark_ptq_eval.plan.request import PlanRequest
+
+    check_names(PlanRequest, plan_request, "plan")
+    check_names(EvalOptions, eval_options or {}, "evaluation")
+    options = RunOptions(model=str(model) if model else None, output_dir=str(output_dir) if output_dir else None,
+                         plan=plan_request, overwrite=overwrite, eval_tier=eval_tier, eval=eval_options or {},
+                         offline=offline)
+    recipe = Recipe(workdir, approver or FlagApprover(), Reporter(quiet=quiet))
+    return recipe.run(options, stop_after=stop_after)
+
+
+def execute_plan(workdir: str | Path, *, approver: Approver | None = None, quiet: bool = True) -> dict[str, Any]:
+    """Run the approved manifest of an earlier ``run`` in ``workdir`` (Phase 1 step 4)."""
+    return run(None, None, workdir=workdir, approver=approver, stop_after="execute", quiet=quiet)
+
+
+def validate_model(source: str | Path, quantized: str | Path, quant_plan: QuantPlan | dict | None = None, **kwargs: Any):
+    from quark_ptq_eval.validate import validate_model as _validate
+
+    plan_dict = quant_plan.to_dict() if isinstance(quant_plan, QuantPlan) else quant_plan
+    return _validate(Path(source), Path(quantized), plan_dict, **kwargs)
+
+
+def evaluate_model(model_dir: str | Path, workdir: str | Path = ".", *, approver: Approver | None = None,
+             source_model: str | Path | None = None, **options: Any):
+    from quark_ptq_eval.evaluate import EvalOptions
+    from quark_ptq_eval.evaluate import evaluate as _evaluate
+
+    fields = {f.name for f in dataclasses.fields(EvalOptions)}
+    return _evaluate(Path(model_dir), EvalOptions(**{k: v for k, v in options.items() if k in fields}),
+                     Path(workdir), approver or FlagApprover(),
+                     source_model=Path(source_model) if source_model else None)
+
+
+def compare(model: str | Path | None, schemes: list[str] | str | None, out_root: str | Path, **kwargs: Any):
+    """Compare schemes in one run (see ``quark_ptq_eval.flows.compare.compare``): one intake, the plans
+    approved together, each scheme quantized, validated and evaluated against a baseline evaluated
+    once; returns comparison.json's content."""
+    from quark_ptq_eval.flows.compare import compare as _compare
+
+    return _compare(model, schemes, out_root, **kwargs)

@@ -1,0 +1,175 @@
+"""Tier 1 for each scheme of a comparison, against the baseline evaluated once and cached.
+
+The scheme's own side is scored exactly as `run`'s Tier 1 does (same windows, same float64 NLL),
+so its perplexity equals a separate run's; the baseline side (its NLLs, top-K distribution and
+tail mass) comes from evaluate/baseline_cache.py. The result is written as the scheme's normal
+eval_report.md / eval_results.json in its work dir, through the evaluation's own report code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.evaluate.baseline_cache import BaselineCache, BaselineEntry, CacheKey
+from quark_ptq_eval.flows.compare.options import CompareOptions
+
+CACHE_DIR = "baseline_cache"
+
+
+class BaselineSource:
+    """The comparison's baseline: its key now (cheap: hashes and tokenization), the cache built
+    at most once, on the first scheme that needs it, and read by every scheme."""
+
+    def __init__(self, comparison, opts: CompareOptions):
+        from transformers import AutoTokenizer
+
+        from quark_ptq_eval.evaluate.tier_ppl import eval_texts, token_windows
+        from quark_ptq_eval.intake import resolve_model
+
+        source, _ = resolve_model(opts.model, bool(opts.offline))
+        if source is None:
+            raise UsageError(f"The baseline {opts.model} is not available as local files.",
+                             "Download it first (or pass its local directory) and re-run compare.")
+        self.source: Path = source
+        self.opts, self.log = opts, comparison.ui.info
+        self.texts = eval_texts(Path(opts.eval_data) if opts.eval_data else None, opts.eval_text_limit)
+        tokenizer = AutoTokenizer.from_pretrained(self.source, trust_remote_code=bool(opts.plan.get("trust_remote_code")))
+        self.windows = token_windows(tokenizer, self.texts, opts.seq_len, opts.max_windows)
+        self.cache = comparison.cache = BaselineCache(comparison.root / CACHE_DIR)
+        self.key: CacheKey = self.cache.key_for(self.source, tokenizer, self.texts, self.windows, opts.top_k)
+        self._tasks: dict | None = None
+
+    @property
+    def tasks_key(self) -> str | None:
+        """What the task scores depend on (None: no Tier 2 in this comparison)."""
+        from quark_ptq_eval.flows.compare.tasks import cache_key
+
+        return cache_key(self.opts, self.key.model_digest) if self.opts.tasks else None
+
+    def tasks(self) -> dict:
+        """The baseline's lm-eval results with per-document scores: run at most once, then cached."""
+        from quark_ptq_eval.flows.compare.tasks import baseline_tasks
+
+        if self._tasks is None:
+            self._tasks = baseline_tasks(self.cache.root, self.opts, self.source, self.key.model_digest, self.log)
+        return self._tasks
+
+    def entry(self) -> BaselineEntry:
+        if not self.cache.has(self.key):
+            self._build()
+        else:
+            self.log(f"baseline: cache hit {self.key.id}")
+        return self.cache.load(self.key)
+
+    def _build(self) -> None:
+        from quark_ptq_eval.evaluate.loading import load_model
+        from quark_ptq_eval.evaluate.tier_ppl import auto_batch_size
+
+        loaded = load_model(self.source, self.opts.device, bool(self.opts.plan.get("trust_remote_code")))
+        vocab = loaded.model.get_output_embeddings().weight.shape[0]
+        batch = self.opts.batch_size or auto_batch_size(self.opts.seq_len, vocab, loaded.device)
+        self.log(f"baseline: evaluating {self.source} once ({self.windows.shape[0]} windows) into the cache")
+        self.cache.build(self.key, loaded.model, self.windows, batch, self.source, log=self.log)
+
+
+@dataclass
+class _Loaded:
+    loader: str
+    loader_reason: str
+
+
+@dataclass
+class _Prepared:
+    """What tier_ppl.outcome_from reads of a prepared run."""
+
+    batch_size: int
+    quantized: Any
+    baseline: _Loaded
+
+
+def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: BaselineSource):
+    """Score the scheme's quantized model against the cached baseline; write its eval report."""
+    from quark_ptq_eval.base.fsio import read_json
+    from quark_ptq_eval.evaluate import EvalOptions
+    from quark_ptq_eval.evaluate import report as report_files
+    from quark_ptq_eval.evaluate.api import build_report  # the evaluation's own report builder: same verdicts
+    from quark_ptq_eval.evaluate.context import TierContext
+    from quark_ptq_eval.evaluate.loading import load_model
+    from quark_ptq_eval.evaluate.tier_ppl import auto_batch_size, outcome_from, token_windows
+
+    entry = baseline.entry()
+    base_tasks = baseline.tasks() if opts.tasks else None  # before the scheme's model loads: one model at a time
+    model_dir, workdir = comparison.output_dir(scheme), comparison.workdir(scheme)
+    options = EvalOptions(tier="ppl", eval_data=Path(opts.eval_data) if opts.eval_data else None,
+                          eval_text_limit=opts.eval_text_limit, max_windows=opts.max_windows, seq_len=opts.seq_len,
+                          batch_size=opts.batch_size, device=opts.device, baseline=baseline.source)
+    started = time.perf_counter()
+    quantized = load_model(model_dir, opts.device, bool(opts.plan.get("trust_remote_code")))
+    windows = token_windows(quantized.tokenizer, baseline.texts, opts.seq_len, opts.max_windows)
+    if tuple(windows.shape) != tuple(entry.ids.shape) or not bool((windows == entry.ids).all()):
+        raise UsageError(f"{model_dir} tokenizes the evaluation text differently from the baseline; "
+                         "per-token KL needs the same tokenizer.")
+    vocab = quantized.model.get_output_embeddings().weight.shape[0]
+    batch = opts.batch_size or auto_batch_size(opts.seq_len, vocab, quantized.device)
+    acc, bounds, tail = score_against_cache(quantized.model, windows, entry, batch)
+    prepared = _Prepared(batch, quantized, _Loaded(f"baseline cache {entry.key.id}", ""))
+    outcome = outcome_from(acc, opts.seq_len, prepared)
+    outcome.details["kl"]["kl_cache_gap_bound_mean"] = float(bounds.mean())
+    outcome.details["kl"]["kl_cache_gap_bound_max"] = float(bounds.max())
+    outcome.details["kl"]["baseline_tail_mass_mean"] = float(tail.mean())
+    outcome.details["baseline_cache"] = {"key": entry.key.id, "top_k": entry.key.top_k, "path": str(entry.path),
+                                         "method": "KL against the cached top-K + tail mass (a lower bound; "
+                                                   "the gap to the full-logit KL is at most the stated bound)"}
+    plan = read_json(workdir / "quant_plan.json", "quantization plan")
+    ctx = TierContext(model_dir, options, workdir, None, baseline.source, plan)
+    report = build_report(ctx, outcome, None, time.perf_counter() - started)
+    report_files.write_all(report)
+    _record_eval(workdir, report)
+    if base_tasks is not None:
+        from quark_ptq_eval.flows.compare.tasks import score_scheme
+
+        score_scheme(quantized, workdir, model_dir, opts, base_tasks, comparison.ui.info)
+    return report
+
+
+def score_against_cache(model, windows, entry: BaselineEntry, batch_size: int):
+    """tier_ppl's accumulator filled from the model's logits and the cached baseline, plus per token
+    the bound on the cached KL's gap to the full-logit KL and the baseline's tail mass."""
+    import torch
+
+    from quark_ptq_eval.evaluate.baseline_cache import cached_token_stats
+    from quark_ptq_eval.evaluate.loading import require_finite
+    from quark_ptq_eval.evaluate.tier_ppl import Accumulator
+
+    acc, bounds, tail, device = Accumulator(), [], [], next(model.parameters()).device
+    with torch.inference_mode():
+        for i in range(0, windows.shape[0], batch_size):
+            sl = slice(i, i + batch_size)
+            batch = windows[sl].to(device)
+            logits = model(batch).logits[:, :-1]
+            require_finite(logits, "The quantized model")
+            stats = cached_token_stats(logits, batch[:, 1:], entry.topk_logp[sl].to(device),
+                                       entry.topk_ids[sl].to(device), entry.log_tail[sl].to(device), entry.nll[sl])
+            acc.window_nll.extend(stats["nll"].mean(dim=1).tolist())
+            acc.base_window_nll.extend(stats["base_nll"].mean(dim=1).tolist())
+            acc.window_kl.extend(stats["kl"].mean(dim=1).tolist())
+            acc.kl_values.append(stats["kl"].reshape(-1).cpu())
+            acc.top1_matches += int(stats["top1"].sum())
+            acc.tokens += stats["nll"].numel()
+            acc.windows += batch.shape[0]
+            bounds.append(stats["kl_gap_bound"].reshape(-1).cpu())
+            tail.append(stats["tail_mass"].reshape(-1).cpu())
+    return acc, torch.cat(bounds), torch.cat(tail)
+
+
+def _record_eval(workdir: Path, report) -> None:
+    """The scheme's own run state says it was evaluated, as a `run` would."""
+    from quark_ptq_eval.base.state import RunState, WorkdirLock
+
+    with WorkdirLock(workdir):
+        state = RunState.load(workdir)
+        state.record_step("eval", "done", tier="ppl", report=str(report.report_path), baseline="cache")

@@ -1,0 +1,231 @@
+"""A comparison: one intake, one plan per scheme approved together, one execution gate, then per
+scheme quantize -> validate -> Tier 1 against a baseline evaluated once.
+
+Layout under the output root (the compare work dir)::
+
+    run_state.json, model_analysis.json        the comparison's own state and the shared intake
+    work/<scheme>/                             a normal `run` work dir per scheme (its own state)
+    models/<scheme>/                           the scheme's quantized model
+    baseline_cache/<key>/                      the unquantized model's cached Tier 1 outputs
+    comparison_report.md, comparison.json, comparison_pareto.png
+
+Each scheme is driven by the recipe itself (``pipeline.Recipe``), whose gates are answered from
+the comparison's approvals: intake, the plans and the commands are approved once here, for the
+exact digests shown; every other gate (result, overwrite, fix) goes to the user's approver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan, RunManifest
+from quark_ptq_eval.base.errors import CheckpointPending, QpeError, UsageError
+from quark_ptq_eval.base.gates import Approver, Gate, Gatekeeper
+from quark_ptq_eval.base.state import RunState, WorkdirLock
+from quark_ptq_eval.base.ui import Reporter, noise_to_log
+from quark_ptq_eval.flows.compare.options import CompareOptions, scheme_label
+
+Progress = Callable[[str, str], None]  # (event, scheme): "done" / "failed" / "skipped"
+
+
+class _Delegate:
+    """The approver of one scheme's recipe: gates the comparison approved already pass, the rest
+    are the user's to answer."""
+
+    def __init__(self, user: Approver, granted: set[str]):
+        self.user, self.granted = user, set(granted)
+        self.interactive = bool(getattr(user, "interactive", False))
+        self.approved = self.granted | set(getattr(user, "approved", ()))  # plan.resources reads names
+
+    def __call__(self, gate: Gate, summary: str) -> bool:
+        return gate.name in self.granted or self.user(gate, summary)
+
+
+class Comparison:
+    def __init__(self, root: str | Path, approver: Approver, reporter: Reporter | None = None,
+                 progress: Progress | None = None):
+        self.root = Path(root).resolve()
+        self.approver = approver
+        self.ui = reporter or Reporter()
+        self.progress = progress or (lambda event, scheme: None)
+        self.state: RunState
+        self.gates: Gatekeeper
+        self.cache = None  # evaluate.baseline_cache.BaselineCache, once the comparison evaluates
+
+    def run(self, options: CompareOptions) -> dict[str, Any]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with WorkdirLock(self.root):
+            self.state = RunState.load(self.root)
+            opts = options.merged_over(self.state.options)
+            opts.check()
+            self.state.options = dataclasses.asdict(opts)
+            self.state.save()
+            command = f"quark-ptq-eval compare -o {shlex.quote(str(self.root))}"
+            self.gates = Gatekeeper(self.approver, self.state, lambda flags: f"{command} {flags}")
+            with noise_to_log(self.root / "logs" / "compare.log"):
+                return self._run_locked(opts)
+
+    def _run_locked(self, opts: CompareOptions) -> dict[str, Any]:
+        from quark_ptq_eval.flows.compare.evaluation import BaselineSource
+        from quark_ptq_eval.flows.compare.plans import combined_plan_table, estimate_totals
+
+        analysis = self._intake(opts)
+        if opts.tasks:
+            self._check_tasks(opts)
+        plans = self._each(opts, "plan", {"intake"})
+        plans = {s: QuantPlan.load(self.workdir(s)) for s in plans}
+        totals = estimate_totals(analysis, plans, opts)
+        self.ui.table("Plans", combined_plan_table(plans, totals), ("scheme", "bits/weight", "output", "time",
+                                                                    "algorithm", "calibration"))
+        self.ui.info(totals["text"])
+        self.gates.require("plan", {s: p.digest for s, p in plans.items()}, totals["text"])
+        manifests = self._each(opts, "manifest", {"intake", "plan"}, only=list(plans))
+        manifests = {s: RunManifest.load(self.workdir(s)) for s in manifests}
+        shown = "\n".join(f"[{s}] {m.command['shell']}" for s, m in manifests.items())
+        self.ui.info(f"Commands, one per scheme:\n{shown}\nthen validate and Tier 1 against the baseline, "
+                     "evaluated once and cached")
+        self.gates.require("execute", {s: m.command_digest for s, m in manifests.items()}, shown)
+        baseline = BaselineSource(self, opts)
+        for scheme in opts.schemes:
+            if scheme in manifests:
+                self._scheme(opts, scheme, baseline)
+        from quark_ptq_eval.flows.compare.results import write_comparison
+
+        return write_comparison(self, opts, baseline)
+
+    # -- the steps --------------------------------------------------------------------------
+    def _intake(self, opts: CompareOptions) -> ModelAnalysis:
+        from quark_ptq_eval.base.catalog import load_catalog
+        from quark_ptq_eval.intake import analyze_model
+        from quark_ptq_eval.intake.analyze import describe
+
+        self.ui.headline("Compare · intake (once for every scheme)")
+        analysis = analyze_model(opts.model, offline=bool(opts.offline), catalog=load_catalog(),
+                                 trust_remote_code=bool(opts.plan.get("trust_remote_code")))
+        analysis.write(self.root)
+        self.ui.table("Model analysis", describe(analysis))
+        self.state.record_step("intake", "done", digest=analysis.digest)
+        self.gates.require("intake", analysis.digest, "analysis")
+        return analysis
+
+    def _check_tasks(self, opts: CompareOptions) -> None:
+        """An unknown task fails before any scheme runs (once per task list: lm-eval's index is slow)."""
+        from quark_ptq_eval.flows.compare.tasks import check
+
+        asked = {"tasks": list(opts.tasks), "include_path": opts.include_path}
+        if self.state.steps.get("tasks", {}).get("checked") != asked:
+            check(opts)
+            self.state.record_step("tasks", "done", checked=asked)
+
+    def _each(self, opts: CompareOptions, stop_after: str, granted: set[str],
+              only: list[str] | None = None) -> list[str]:
+        """Take every scheme's recipe up to ``stop_after``; a scheme that fails there is recorded
+        and left out of what follows."""
+        self.ui.headline(f"Compare · {stop_after} (every scheme)")
+        ok = []
+        for scheme in only if only is not None else opts.schemes:
+            try:
+                self._recipe(opts, scheme, granted, quiet=True).run(self._run_options(opts, scheme), stop_after)
+                ok.append(scheme)
+            except CheckpointPending as exc:
+                self._relay(scheme, exc)
+            except QpeError as exc:
+                self._failed(scheme, stop_after, exc)
+        if not ok:
+            raise UsageError(f"No scheme could be taken to its {stop_after}; see comparison state in {self.root}.",
+                             "Fix the schemes named above and re-run.")
+        return ok
+
+    def _scheme(self, opts: CompareOptions, scheme: str, baseline) -> None:
+        from quark_ptq_eval.flows.compare.evaluation import evaluate_scheme
+
+        record = self.state.steps.get(f"scheme:{scheme}", {})
+        if record.get("status") == "evaluated" and record.get("cache_key") == baseline.key.id \
+                and record.get("tasks_key") == baseline.tasks_key \
+                and (self.workdir(scheme) / "eval_results.json").is_file():
+            self.ui.info(f"{scheme}: already quantized, validated and evaluated; skipped.")
+            self.progress("skipped", scheme)
+            return
+        self.ui.headline(f"Compare · {scheme}: quantize → validate → evaluate")
+        runs_before = len(self._engine_runs(scheme))
+        try:
+            self._recipe(opts, scheme, {"intake", "plan", "execute"}, quiet=self.ui.quiet).run(
+                self._run_options(opts, scheme), "validate")
+        except CheckpointPending as exc:
+            self._relay(scheme, exc)
+        except QpeError as exc:
+            self._failed(scheme, self._failed_step(scheme), exc)
+            return
+        finally:
+            self._record_timing(scheme, runs_before)
+        try:
+            report = evaluate_scheme(self, opts, scheme, baseline)
+        except QpeError as exc:
+            self._failed(scheme, "eval", exc)
+            return
+        self.state.record_step(f"scheme:{scheme}", "evaluated", cache_key=baseline.key.id,
+                               tasks_key=baseline.tasks_key, verdict=report.verdict, report=str(report.report_path))
+        self.ui.info(f"{scheme}: {report.one_line()}")
+        self.progress("done", scheme)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _engine_runs(self, scheme: str) -> list[dict]:
+        if not RunManifest.path_in(self.workdir(scheme)).exists():
+            return []
+        try:
+            return RunManifest.load(self.workdir(scheme)).runs
+        except QpeError:
+            return []
+
+    def _record_timing(self, scheme: str, runs_before: int) -> None:
+        """A successful engine run of this call feeds the next comparison's time estimate."""
+        from quark_ptq_eval.flows.compare.plans import record_engine_run
+
+        runs = self._engine_runs(scheme)
+        if len(runs) > runs_before and runs[-1].get("status") == "succeeded" and runs[-1].get("seconds"):
+            wd = self.workdir(scheme)
+            with contextlib.suppress(QpeError):  # a record helps the next estimate, never stops this one
+                record_engine_run(ModelAnalysis.load(wd), QuantPlan.load(wd), runs[-1]["seconds"])
+
+    def workdir(self, scheme: str) -> Path:
+        return self.root / "work" / scheme_label(scheme)
+
+    def output_dir(self, scheme: str) -> Path:
+        return self.root / "models" / scheme_label(scheme)
+
+    def _recipe(self, opts: CompareOptions, scheme: str, granted: set[str], quiet: bool):
+        from quark_ptq_eval.flows.pipeline import Recipe
+
+        return Recipe(self.workdir(scheme), _Delegate(self.approver, granted), Reporter(quiet=quiet))
+
+    def _run_options(self, opts: CompareOptions, scheme: str):
+        from quark_ptq_eval.flows.pipeline import RunOptions
+
+        return RunOptions(model=opts.model, output_dir=str(self.output_dir(scheme)),
+                          plan={**opts.plan, "scheme": scheme}, overwrite=opts.overwrite, offline=opts.offline)
+
+    def _failed_step(self, scheme: str) -> str:
+        steps = RunState.load(self.workdir(scheme)).steps
+        for name in ("validate", "execute", "manifest", "plan"):
+            if steps.get(name, {}).get("status") in ("failed", "interrupted"):
+                return name
+        return "quantize"
+
+    def _failed(self, scheme: str, step: str, exc: QpeError) -> None:
+        self.ui.info(f"{scheme}: failed at {step}: {exc.message}" + (f" ({exc.hint})" if exc.hint else ""))
+        self.state.record_step(f"scheme:{scheme}", "failed", failed_step=step, error=exc.message, hint=exc.hint)
+        self.progress("failed", scheme)
+
+    def _relay(self, scheme: str, exc: CheckpointPending) -> None:
+        """A scheme's recipe stopped at a gate the comparison does not answer: stop the comparison
+        there, with the command that continues it."""
+        gate = RunState.load(self.workdir(scheme)).waiting_for or "result"
+        command = self.gates.continue_command(f"--approve {gate}")
+        self.state.wait_for(gate, None, f"[{scheme}] {exc.message}", command)
+        raise CheckpointPending(f"Scheme {scheme}: {exc.message}", f"To continue: {command}") from None
+

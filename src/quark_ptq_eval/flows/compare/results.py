@@ -1,0 +1,219 @@
+"""comparison.json, comparison_report.md and the Pareto chart, read back from every scheme's own files
+(so a resumed comparison reports the schemes done before the interruption the same way)."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from quark_ptq_eval.base.fsio import atomic_write_text, read_json, write_json
+from quark_ptq_eval.base.state import RunState
+from quark_ptq_eval.evaluate.report import json_safe
+from quark_ptq_eval.evaluate.verdict import BEYOND_NOISE
+from quark_ptq_eval.flows.compare.options import CompareOptions
+from quark_ptq_eval.flows.compare.recommend import pareto_front, recommend
+
+SCHEMA = "quark-ptq-eval/comparison/1"
+JSON_NAME, REPORT_NAME, CHART_NAME = "comparison.json", "comparison_report.md", "comparison_pareto.png"
+
+
+def _bytes(model_dir: Path) -> int:
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
+def _source_params(source: Path) -> int:
+    from quark_ptq_eval.base.safetensors_io import read_model_headers
+
+    return sum(math.prod(t.shape) for t in read_model_headers(source).values())
+
+
+def scheme_row(comparison, scheme: str, source_bytes: int, params: int) -> dict[str, Any]:
+    record = comparison.state.steps.get(f"scheme:{scheme}", {})
+    wd, out = comparison.workdir(scheme), comparison.output_dir(scheme)
+    steps = RunState.load(wd).steps
+    row: dict[str, Any] = {"scheme": scheme, "status": record.get("status", "not run"),
+                           "validation": steps.get("validate", {}).get("status"),
+                           "model_dir": str(out), "workdir": str(wd)}
+    if record.get("status") == "failed":
+        row.update(failed_step=record.get("failed_step"), error=record.get("error"), hint=record.get("hint"))
+    runs = _manifest_runs(wd)
+    if runs:
+        row["quantize_s"] = runs[-1].get("seconds")
+    if out.is_dir() and _bytes(out):
+        size = _bytes(out)
+        row.update(size_bytes=size, compression_ratio=source_bytes / size, bits_per_weight=8 * size / params)
+    results = wd / "eval_results.json"
+    if record.get("status") == "evaluated" and results.is_file():
+        row.update(_eval_fields(read_json(results, "evaluation results")))
+        if record.get("tasks_key"):
+            from quark_ptq_eval.flows.compare.tasks import read_rows, worst_drop
+
+            row["tasks"] = read_rows(wd)
+            row["task_drop_pct"] = worst_drop(row["tasks"])
+    return row
+
+
+def _manifest_runs(wd: Path) -> list[dict]:
+    from quark_ptq_eval.base.artifacts import RunManifest
+
+    try:
+        return RunManifest.load(wd).runs if RunManifest.path_in(wd).exists() else []
+    except Exception:  # noqa: BLE001 - a damaged manifest only costs the time column
+        return []
+
+
+def _eval_fields(doc: dict) -> dict[str, Any]:
+    d = doc.get("details") or {}
+    q, b, kl, paired = d.get("quantized", {}), d.get("baseline", {}), d.get("kl", {}), d.get("paired", {})
+    ppl, base = q.get("perplexity"), b.get("perplexity")
+    return {
+        "perplexity": ppl, "perplexity_ci95": [q.get("perplexity_ci95_low"), q.get("perplexity_ci95_high")],
+        "baseline_perplexity": base,
+        "ppl_increase_pct": 100 * (ppl / base - 1) if ppl and base else None,
+        "delta_nll": paired.get("delta_nll"), "delta_nll_stderr": paired.get("delta_nll_stderr"),
+        "delta_nll_ci95": [paired.get("delta_nll_ci95_low"), paired.get("delta_nll_ci95_high")],
+        "significant": paired.get("noise") == BEYOND_NOISE if paired.get("noise") else None,
+        "noise": paired.get("noise"),
+        "kl_mean": kl.get("kl_divergence"), "kl_p50": kl.get("kl_p50"), "kl_p99": kl.get("kl_p99"),
+        "kl_max": kl.get("kl_max"), "kl_cache_gap_bound_mean": kl.get("kl_cache_gap_bound_mean"),
+        "baseline_tail_mass_mean": kl.get("baseline_tail_mass_mean"),
+        "top1_agreement": kl.get("top1_agreement"), "verdict": doc.get("verdict"),
+        "windows": q.get("windows"), "tokens": q.get("tokens"),
+    }
+
+
+def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, Any]:
+    root, source = comparison.root, baseline.source
+    source_bytes, params = _bytes(source), _source_params(source)
+    rows = [scheme_row(comparison, s, source_bytes, params) for s in opts.schemes]
+    budget = opts.budget
+    rec = recommend(rows, budget)
+    cache = baseline.cache
+    meta_path = cache.path_for(baseline.key) / "meta.json"
+    meta = read_json(meta_path, "baseline cache") if meta_path.is_file() else {}
+    doc = {
+        "schema": SCHEMA, "model": opts.model, "source_bytes": source_bytes, "source_params": params,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "settings": {"eval_data": opts.eval_data or "wikitext-2-raw-v1 test", "seq_len": opts.seq_len,
+                     "windows": baseline.key.windows, "top_k": opts.top_k, "device": opts.device,
+                     "algorithm": opts.plan.get("algorithm"), "tasks": list(opts.tasks), "limit": opts.limit,
+                     "num_fewshot": opts.num_fewshot},
+        "budget": budget, "schemes": rows, "recommendation": rec,
+        "pareto_front": {"kl_mean": pareto_front(rows, "kl_mean"), "perplexity": pareto_front(rows, "perplexity")},
+        "baseline_cache": {"key": baseline.key.id, "path": str(cache.path_for(baseline.key)),
+                           "bytes": meta.get("bytes"), "full_logits_bytes": meta.get("full_logits_bytes"),
+                           "built_seconds": meta.get("seconds"), "writes_this_run": cache.writes,
+                           "hits_this_run": cache.hits},
+    }
+    from quark_ptq_eval.flows.compare.chart import write_pareto_chart
+
+    chart = write_pareto_chart(rows, doc["pareto_front"], root / CHART_NAME)
+    doc["artifacts"] = {"report": str(root / REPORT_NAME), "json": str(root / JSON_NAME),
+                        "chart": str(chart) if chart else None}
+    write_json(root / JSON_NAME, json_safe(doc))
+    atomic_write_text(root / REPORT_NAME, markdown(doc))
+    comparison.ui.table("Comparison", [(r["scheme"], _cell_status(r), _fmt(r.get("size_bytes"), "mib"),
+                                        _fmt(r.get("perplexity")), _fmt(r.get("kl_mean"))) for r in rows],
+                        ("scheme", "status", "size", "perplexity", "KL mean"))
+    comparison.ui.info(f"Recommendation: {rec['reason']}\nReport: {root / REPORT_NAME}")
+    return doc
+
+
+def _fmt(value, kind: str = "num") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if kind == "mib":
+        return f"{value / 2**20:.2f} MiB"
+    if kind == "pct":
+        return f"{value:.1%}"
+    return f"{value:.4g}"
+
+
+def _with(value, suffix: str) -> str:
+    return "-" if value is None else f"{_fmt(value)}{suffix}"
+
+
+def _ppl_cell(r: dict) -> str:
+    ci = r.get("perplexity_ci95") or [None, None]
+    return "-" if r.get("perplexity") is None else f"{_fmt(r['perplexity'])} ({_fmt(ci[0])}–{_fmt(ci[1])})"
+
+
+def _dnll_cell(r: dict) -> str:
+    return "-" if r.get("delta_nll") is None else f"{_fmt(r['delta_nll'])} ± {_fmt(r.get('delta_nll_stderr'))}"
+
+
+def _cell_status(row: dict) -> str:
+    if row["status"] == "failed":
+        return f"failed at {row.get('failed_step')}"
+    return row["status"]
+
+
+def markdown(doc: dict) -> str:
+    rec = doc["recommendation"]
+    lines = [f"# Scheme comparison — {doc['model']}", "",
+             f"**Recommendation:** {rec['reason']}", "",
+             f"Budget: {', '.join(f'{k} = {v:g}' for k, v in doc['budget'].items())}. "
+             f"Evaluation: {doc['settings']['windows']} windows of {doc['settings']['seq_len']} tokens of "
+             f"{doc['settings']['eval_data']}; baseline evaluated once (cache {doc['baseline_cache']['key']}).", "",
+             "| scheme | status | validation | bits/weight | size | ratio | perplexity (95 % CI) | ΔNLL ± SE | "
+             "significant | KL mean | KL p50 | KL p99 | KL max | top-1 | quantize |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["schemes"]:
+        lines.append(
+            f"| {r['scheme']}{' ★' if r['scheme'] == rec['scheme'] else ''} | {_cell_status(r)} | "
+            f"{r.get('validation') or '-'} | {_fmt(r.get('bits_per_weight'))} | {_fmt(r.get('size_bytes'), 'mib')} | "
+            f"{_with(r.get('compression_ratio'), '×')} | {_ppl_cell(r)} | {_dnll_cell(r)} | "
+            f"{'-' if r.get('significant') is None else ('yes' if r['significant'] else 'no')} | "
+            f"{_fmt(r.get('kl_mean'))} | {_fmt(r.get('kl_p50'))} | {_fmt(r.get('kl_p99'))} | {_fmt(r.get('kl_max'))} | "
+            f"{_fmt(r.get('top1_agreement'), 'pct')} | {_with(r.get('quantize_s'), ' s')} |")
+    lines += ["", f"Pareto front (size vs mean KL): {', '.join(doc['pareto_front']['kl_mean']) or '-'}; "
+                  f"(size vs perplexity): {', '.join(doc['pareto_front']['perplexity']) or '-'}.",
+              f"Chart: {doc['artifacts']['chart'] or 'not drawn (no evaluated scheme)'}", ""]
+    lines += _task_lines(doc)
+    failed = [r for r in doc["schemes"] if r["status"] == "failed"]
+    if failed:
+        lines += ["## Failed schemes", ""]
+        lines += [f"- **{r['scheme']}** at {r.get('failed_step')}: {r.get('error')}"
+                  + (f" ({r['hint']})" if r.get("hint") else "") for r in failed]
+        lines.append("")
+    c = doc["baseline_cache"]
+    lines += ["## How the numbers are computed", "",
+              "- Perplexity: exp of the mean next-token NLL over non-overlapping windows (the same as `run`'s "
+              "Tier 1); 95 % interval from the per-window NLLs. ΔNLL: per-window quantized − baseline, paired; "
+              "significant when its 95 % interval excludes 0.",
+              f"- KL(baseline ‖ scheme) per token from the cached top-{doc['settings']['top_k']} baseline "
+              "log-probabilities plus the tail mass as one bucket. This never exceeds the full-logit KL; the gap "
+              "is at most r·log(min(p_K, r)·q_T / (r·q_min)) per token (r: baseline tail mass, p_K: its K-th "
+              "probability, q_T, q_min: the scheme's tail mass and smallest tail probability); its mean is "
+              "`kl_cache_gap_bound_mean` in comparison.json. It is a worst case over every possible baseline "
+              "tail: small when the tail mass (`baseline_tail_mass_mean`) is small; raise --top-k otherwise.",
+              f"- Baseline probability mass outside the top-{doc['settings']['top_k']}, mean over tokens: "
+              f"{_fmt(next((r['baseline_tail_mass_mean'] for r in doc['schemes'] if r.get('baseline_tail_mass_mean') is not None), None))}.",
+              f"- Baseline cache: {_fmt(c.get('bytes'), 'mib')} against {_fmt(c.get('full_logits_bytes'), 'mib')} "
+              f"of full float32 logits; this run built it {c['writes_this_run']}× and read it "
+              f"{c['hits_this_run']}×.", ""]
+    return "\n".join(lines)
+
+
+def _task_lines(doc: dict) -> list[str]:
+    """Tier 2: per scheme, task and metric, the scores and the paired test against the baseline."""
+    rows = [(r["scheme"], t) for r in doc["schemes"] for t in r.get("tasks") or []]
+    if not rows:
+        return []
+    s = doc["settings"]
+    lines = ["## Task scores (Tier 2, lm-eval)", "",
+             f"Tasks {', '.join(s['tasks'])}" + (f", {s['limit']:g} documents per task" if s.get("limit") else "")
+             + ". Paired on the same documents: McNemar's exact mid-p for 0/1 scores (documents only the "
+               "baseline / only the scheme got right), a paired bootstrap otherwise; significant at 5 % when "
+               "p < 0.05.", "",
+             "| scheme | task | metric | baseline | scheme | drop % | test | only base / only scheme | p | "
+             "significant at 5 % |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for scheme, t in rows:
+        pair = "-" if t.get("baseline_only") is None else f"{t['baseline_only']} / {t['scheme_only']}"
+        sig = "-" if t.get("significant") is None else ("yes" if t["significant"] else "no")
+        lines.append(f"| {scheme} | {t['task']} | {t['metric']} | {_fmt(t.get('baseline'))} | {_fmt(t.get('score'))} | "
+                     f"{_fmt(t.get('drop_pct'))} | {t.get('test') or 'none (aggregate-only metric)'} | {pair} | "
+                     f"{_fmt(t.get('p_value'))} | {sig} |")
+    return [*lines, ""]

@@ -1,0 +1,36 @@
+"""`make demo`: the whole recipe on the embedded tiny model, offline, approvals given by flags."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from quark_ptq_eval.base.ui import noise_to_log
+from quark_ptq_eval.flows.cli import main as cli_main
+
+
+def main(argv: list[str] | None = None) -> int:
+    root = Path((argv or sys.argv[1:] or ["demo-work"])[0]).resolve()
+    from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
+
+    corpus, model = root / "corpus.txt", root / "tiny-llama"
+    if not (model / "config.json").exists():
+        t = time.monotonic()
+        print(f"Building the embedded tiny model and corpus in {root} ...", file=sys.stderr, flush=True)
+        with noise_to_log(root / "logs" / "build.log"):  # transformers' warnings and shard bars
+            build_corpus(corpus)
+            build_tiny_model(model, corpus)
+        print(f"  built in {time.monotonic() - t:.0f} s (library output: {root / 'logs' / 'build.log'})",
+              file=sys.stderr)
+    args = ["run", str(model), "-o", str(root / "tiny-llama-int8"), "--workdir", str(root / "run"),
+            "--scheme", "int8", "--calib-data", str(corpus), "--num-calib-samples", "32", "--calib-seq-len", "256",
+            # No --eval-data: Tier 1 scores the part of the corpus the plan holds out from calibration.
+            "--offline", "--yes", "--eval-tier", "ppl", "--seq-len", "256",
+            "--baseline", "--overwrite", "--execution-mode", "batch_execute"]
+    print("$ quark-ptq-eval " + " ".join(args), file=sys.stderr, flush=True)
+    return cli_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
