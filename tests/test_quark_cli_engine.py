@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.textdata import split_plain_text
 from quark_ptq_eval.execute import quark_cli
 from quark_ptq_eval.execute.calib_cache import (
     CALIBRATION_DATASETS,
     prepare_offline_calibration,
     read_documents,
-    split_plain_text,
 )
 
 # A representative command's flags: each must exist in the installed quark-cli.

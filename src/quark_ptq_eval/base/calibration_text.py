@@ -34,8 +34,7 @@ OPTIMISTIC = "optimistic: scored on calibration text"
 
 def calibration_documents(path: str | Path, text_field: str = "text") -> list[str]:
     """The documents of a local calibration text; one sentence (UsageError) when it has none."""
-    from quark_ptq_eval.base.textdata import load_texts
-    from quark_ptq_eval.execute.calib_cache import split_plain_text
+    from quark_ptq_eval.base.textdata import load_texts, split_plain_text
 
     try:
         texts = load_texts(path, text_field)

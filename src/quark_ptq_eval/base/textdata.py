@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from quark_ptq_eval.base.errors import UsageError
@@ -21,6 +22,13 @@ def check_text_source(path: str | Path, what: str = "text file") -> Path:
     elif p.suffix not in TEXT_SUFFIXES:
         raise UsageError(f"The {what} {p} must be .txt, .jsonl or .parquet (or a saved `datasets` directory).")
     return p.resolve()
+
+
+def split_plain_text(text: str) -> list[str]:
+    """Blank-line separated paragraphs when the file has them, else one document per line."""
+    blank_line = re.compile(r"\n[ \t]*\n")
+    parts = blank_line.split(text) if blank_line.search(text.strip()) else text.splitlines()
+    return [p.strip() for p in parts if p.strip()]
 
 
 def load_texts(path: str | Path, column: str = "text") -> list[str]:

@@ -94,8 +94,8 @@ def estimate_runtime(
 def calibration_overlap(ctx: TierContext) -> dict | None:
     """Tier 1 text that overlaps the plan's calibration text (calibration_text.OVERLAP_RULE), said now."""
     from quark_ptq_eval.base.calibration_text import overlap
+    from quark_ptq_eval.base.textdata import split_plain_text
     from quark_ptq_eval.evaluate.tier_ppl import eval_texts
-    from quark_ptq_eval.execute.calib_cache import split_plain_text
 
     options = ctx.options
     if options.tier != "ppl" or options.eval_data is None or not ctx.plan:

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.base.textdata import load_texts
+from quark_ptq_eval.base.textdata import load_texts, split_plain_text
 
 # Bump when the on-disk layout we write changes: a new value invalidates every reused entry.
 _LAYOUT_VERSION = "1"
@@ -93,13 +92,6 @@ def read_documents(path: Path) -> list[str]:
     if not documents:
         raise UsageError(f"The calibration text {path} holds no text.")
     return documents
-
-
-def split_plain_text(text: str) -> list[str]:
-    """Blank-line separated paragraphs when the file has them, else one document per line."""
-    blank_line = re.compile(r"\n[ \t]*\n")
-    parts = blank_line.split(text) if blank_line.search(text.strip()) else text.splitlines()
-    return [p.strip() for p in parts if p.strip()]
 
 
 def _spec(dataset: str) -> HubDataset:
