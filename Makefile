@@ -44,8 +44,10 @@ bench: $(STAMP)
 matrix: $(STAMP)
 	$(PY) bench/matrix.py
 
+# ruff, then mypy over src/ (configured in pyproject.toml: strict on the base and the steps)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
+	$(PY) -m mypy
 
 docs: $(STAMP)
 	$(PY) -m quark_ptq_eval.flows.docs_gen docs/cli.md
