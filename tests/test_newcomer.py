@@ -70,7 +70,7 @@ def test_aliases_stay_out_of_help_and_docs(capsys):
 @pytest.mark.slow
 def test_every_quark_cli_flag_is_translated_or_named():
     """Against the installed quark-cli's own --help: nothing it accepts falls through unexplained."""
-    from quark_ptq_eval.execute import quark_cli
+    from quark_ptq_eval.context import quark_cli
 
     flags = quark_cli.quark_cli_flags()  # the session's cache (conftest), shared with the manifest tests
     ours = {s for f in QUARK_CLI_FLAGS for s in f.quark} | set(SAME_SPELLING) | set(NOT_TRANSLATED) | {"--model_dir"}

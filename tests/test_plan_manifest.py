@@ -125,7 +125,7 @@ def test_exclusions_are_spelled_out_and_no_exclusions_emits_an_empty_flag(plan_f
 
 
 def test_quark_cli_engine_command_flags_all_exist_in_installed_help(plan_for, tmp_path):
-    from quark_ptq_eval.execute.quark_cli import quark_cli_flags
+    from quark_ptq_eval.context.quark_cli import quark_cli_flags
 
     plan = plan_for(env("amd-rocm", "gfx942", 192), scheme="int4_wo_128", algorithm="awq", kv_cache_scheme="fp8",
                     exclude_layers=["lm_head"], layer_quant_config={"*down_proj": "fp8"}, multi_device=True)

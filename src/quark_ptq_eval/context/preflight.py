@@ -108,7 +108,7 @@ def detect_pytorch(env: dict) -> dict:
 
 def detect_quark() -> dict:
     v = _version("amd-quark")
-    from quark_ptq_eval.execute.engines.quark_cli import find_quark_cli
+    from quark_ptq_eval.context.quark_cli import find_quark_cli
 
     cli = find_quark_cli()
     return {"status": "ok" if v else "failed", "quark_version": v, "install_source": "pypi",
@@ -247,7 +247,7 @@ def _quark_check(ctx: Contexts) -> Check:
 
 def _quark_cli_check(ctx: Contexts, deep: bool) -> Check:
     from quark_ptq_eval.base.errors import QpeError
-    from quark_ptq_eval.execute import quark_cli
+    from quark_ptq_eval.context import quark_cli
 
     exe = ctx.quark["verification"].get("quark_cli")
     if not exe:

@@ -11,19 +11,29 @@ import functools
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from quark_ptq_eval.base.catalog import cache_dir, quark_version
 from quark_ptq_eval.base.errors import QpeError
-from quark_ptq_eval.execute.engines.quark_cli import SUBCOMMAND, find_quark_cli
 
 _OPTION_LINE = re.compile(r"^ {1,8}(-{1,2}[A-Za-z0-9][\w-]*.*)$")
 _FLAG = re.compile(r"(?:^|, )(-{1,2}[A-Za-z0-9][\w-]*)")
+SUBCOMMAND = "torch-llm-ptq"
+
+
+def find_quark_cli() -> str | None:
+    """The one place that locates ``quark-cli``: next to this interpreter (the venv we run in),
+    else on PATH; None when neither has it."""
+    beside = Path(sys.executable).with_name("quark-cli")
+    found = str(beside) if beside.is_file() else shutil.which("quark-cli")
+    return str(Path(found).absolute()) if found else None
 
 
 def quark_cli_executable() -> str:
-    """``quark-cli`` as the engines locate it (execute/engines/quark_cli.py)."""
+    """``quark-cli`` as find_quark_cli locates it, or QpeError."""
     found = find_quark_cli()
     if not found:
         raise QpeError("quark-cli is not installed.", hint="Install it with `pip install amd-quark[cli]`.")

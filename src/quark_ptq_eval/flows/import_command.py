@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.context.quark_cli import SUBCOMMAND
 
-SUBCOMMAND = "torch-llm-ptq"
 # quark-cli 0.13's own defaults for the calibration size: a pasted line that omits them ran with these.
 QUARK_CLI_DEFAULTS = {"--num_calib_data": "512", "--seq_len": "512"}
 

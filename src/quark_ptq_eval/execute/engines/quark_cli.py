@@ -7,24 +7,14 @@ weight-only / dynamic-activation schemes with --multi-device (measured on 0.13).
 
 from __future__ import annotations
 
-import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.context.quark_cli import SUBCOMMAND, find_quark_cli
 from quark_ptq_eval.execute.engines.flags import head_flags, tail_flags
 
-SUBCOMMAND = "torch-llm-ptq"
 CALIB_CACHE_DIR = "calib_cache"  # under the work dir
-
-
-def find_quark_cli() -> str | None:
-    """The one place that locates ``quark-cli``: next to this interpreter (the venv we run in),
-    else on PATH; None when neither has it."""
-    beside = Path(sys.executable).with_name("quark-cli")
-    found = str(beside) if beside.is_file() else shutil.which("quark-cli")
-    return str(Path(found).absolute()) if found else None
 
 
 class QuarkCliEngine:
