@@ -63,7 +63,7 @@ class Artifact:
         return cls.from_dict(cls._parse(path), path)
 
     @staticmethod
-    def _dump(path: Path, data: dict) -> Path:
+    def _dump(path: Path, data: dict[str, Any]) -> Path:
         return write_json(path, data)
 
     @staticmethod
@@ -147,7 +147,7 @@ class RunManifest(Artifact):
         return digest({"argv": self.command["argv"], "env": self.command.get("env", {})})
 
     @staticmethod
-    def _dump(path: Path, data: dict) -> Path:
+    def _dump(path: Path, data: dict[str, Any]) -> Path:
         import yaml
 
         return atomic_write_text(path, yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=100))

@@ -101,7 +101,7 @@ def actual_size(tokens: int | None, num_samples: int, seq_len: int) -> dict[str,
     return {"tokens": tokens, "samples": samples, "tokens_per_sample": per, "short": short, "text": text}
 
 
-def describe_used(calibration: dict) -> str:
+def describe_used(calibration: dict[str, Any]) -> str:
     """One line: the calibration actually used (manifest, validation report, summary)."""
     source = calibration.get("source_path") or calibration.get("path") or calibration.get("dataset")
     actual = calibration.get("actual") or {}
@@ -114,7 +114,7 @@ def describe_used(calibration: dict) -> str:
     return f"{size} from {source}{part}{asked}"
 
 
-def short_message(calibration: dict) -> str | None:
+def short_message(calibration: dict[str, Any]) -> str | None:
     """Why the plan must be approved by name: the text gives less than the calibration size."""
     actual = calibration.get("actual") or {}
     if not actual.get("short"):
@@ -186,7 +186,7 @@ def _ngrams(documents: list[str]) -> set[int]:
     return grams
 
 
-def overlap(calibration: dict, eval_path: Path, eval_docs: list[str]) -> dict[str, Any] | None:
+def overlap(calibration: dict[str, Any], eval_path: Path, eval_docs: list[str]) -> dict[str, Any] | None:
     """How the evaluation text overlaps the plan's calibration text (OVERLAP_RULE), or None."""
     calib_path = calibration.get("path")
     if calibration.get("source") != "local_file" or not calib_path:

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.base.fsio import cache_dir, write_json
@@ -44,7 +45,7 @@ def catalog_built() -> bool:
         return True
 
 
-def load_catalog() -> dict:
+def load_catalog() -> dict[str, Any]:
     path = catalog_path()
     if path.exists():
         try:
@@ -63,7 +64,7 @@ def load_catalog() -> dict:
     return catalog
 
 
-def dump_catalog() -> dict:
+def dump_catalog() -> dict[str, Any]:
     """Runs inside the child: import Quark and describe it."""
     from quark_ptq_eval.base.quark_import import import_quark_torch
 
@@ -95,7 +96,7 @@ def _dtypes(spec) -> list[str]:
     return [getattr(s.dtype, "value", str(s.dtype)) for s in specs]
 
 
-def _scheme_info(template, name: str) -> dict:
+def _scheme_info(template, name: str) -> dict[str, Any]:
     """Weight / activation dtypes of a scheme, read from the config Quark builds for it."""
     try:
         g = template.get_config(scheme=name).global_quant_config

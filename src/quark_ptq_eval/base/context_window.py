@@ -9,19 +9,20 @@ clamped to the limit, with the reason said.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 
 NO_SCALING = (None, "default", "none")
 
 
-def _text_config(config: dict) -> dict:
+def _text_config(config: dict[str, Any]) -> dict:
     if "max_position_embeddings" not in config and isinstance(config.get("text_config"), dict):
         return config["text_config"]  # multimodal wrappers keep the language model's config inside
     return config
 
 
-def model_context(config: dict) -> tuple[int | None, str]:
+def model_context(config: dict[str, Any]) -> tuple[int | None, str]:
     """(context length in tokens, where it comes from); (None, "") when the config does not say."""
     cfg = _text_config(config)
     base = cfg.get("max_position_embeddings")
@@ -38,7 +39,7 @@ def model_context(config: dict) -> tuple[int | None, str]:
     return base, "max_position_embeddings"
 
 
-def read_model_config(model_dir: str | Path | None) -> dict:
+def read_model_config(model_dir: str | Path | None) -> dict[str, Any]:
     """config.json of a local model directory, or {} (no limit known) when it cannot be read; through
     fsio.read_json, which never opens a FIFO or reads an oversized file."""
     from quark_ptq_eval.base.fsio import read_json
@@ -52,7 +53,7 @@ def read_model_config(model_dir: str | Path | None) -> dict:
     return config if isinstance(config, dict) else {}
 
 
-def fit_window(seq_len: int | None, default: int, config: dict, flag: str) -> tuple[int, str | None]:
+def fit_window(seq_len: int | None, default: int, config: dict[str, Any], flag: str) -> tuple[int, str | None]:
     """The window to use and, when a default was clamped, why. An explicit ``seq_len`` beyond the
     model's context is refused (UsageError) naming the limit."""
     limit, why = model_context(config)

@@ -10,6 +10,7 @@ import importlib.util
 import json
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 
@@ -31,21 +32,21 @@ def quark_contract_dir() -> Path | None:
 
 
 @cache
-def _schema(path: Path) -> dict:
+def _schema(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def quark_contract(kind: str) -> dict | None:
+def quark_contract(kind: str) -> dict[str, Any] | None:
     d = quark_contract_dir()
     return _schema(d / f"{kind}.schema.json") if d and (d / f"{kind}.schema.json").exists() else None
 
 
-def own_schema(kind: str) -> dict | None:
+def own_schema(kind: str) -> dict[str, Any] | None:
     p = OWN_SCHEMAS / f"{kind}.schema.json"
     return _with_registries(kind, _schema(p)) if p.exists() else None
 
 
-def _with_registries(kind: str, schema: dict) -> dict:
+def _with_registries(kind: str, schema: dict[str, Any]) -> dict:
     """Enums that a registry owns are filled in here, never typed into the schema files."""
     if kind != "quant_plan":
         return schema

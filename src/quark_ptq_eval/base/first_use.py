@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from importlib import util
 from pathlib import Path
+from typing import Any
 
 HW_EMULATION_LIB = "quark_hw_emulation_stable_abi"  # Quark 0.13's JIT module name (torch >= 2.10)
 LEGACY_HW_EMULATION_LIB = "kernel_ext"  # its pybind11 build on older torch
@@ -134,7 +135,7 @@ def offline_now(offline: bool | None) -> bool:
     return bool(offline) or "1" in (os.environ.get("HF_DATASETS_OFFLINE"), os.environ.get("HF_HUB_OFFLINE"))
 
 
-def tier1_lacks_text(eval_options: dict, offline: bool | None) -> bool:
+def tier1_lacks_text(eval_options: dict[str, Any], offline: bool | None) -> bool:
     """Tier 1 with no --eval-data, offline, and no wikitext-2 on disk: it could only fail."""
     return not eval_options.get("eval_data") and offline_now(offline) and not wikitext_cached()
 

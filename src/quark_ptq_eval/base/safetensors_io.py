@@ -14,6 +14,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import UnsafeInputError
 
@@ -88,7 +89,7 @@ def _nonblocking(path: str, flags: int) -> int:
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"{}[]")
 
 
-def _parse_json_header(path: Path, raw: bytes) -> dict:
+def _parse_json_header(path: Path, raw: bytes) -> dict[str, Any]:
     # Depth is bounded before json.loads so a deeply nested header cannot exhaust the stack.
     depth = 0
     for b in raw.translate(None, _NOT_BRACKETS):  # only brackets matter: skip the rest in C

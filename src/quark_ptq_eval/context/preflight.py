@@ -44,13 +44,13 @@ class Contexts:
         return self.env["hardware"]["accelerator"]
 
 
-def load_context(kind: str, path: str | Path) -> dict:
+def load_context(kind: str, path: str | Path) -> dict[str, Any]:
     data = read_json(path, kind)
     contracts.check(kind, data, path)
     return data
 
 
-def detect_env() -> dict:
+def detect_env() -> dict[str, Any]:
     """env_context: the machine, and the GPU as torch sees it when a GPU driver is present."""
     hw: dict[str, Any] = {"accelerator": "cpu", "cuda_version": None, "rocm_version": None, "gpu_count": 0,
                           "gpu_model": None, "gpu_arch": None}
@@ -96,7 +96,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def detect_pytorch(env: dict) -> dict:
+def detect_pytorch(env: dict[str, Any]) -> dict:
     torch_v = _version("torch")
     acc = env["hardware"]["accelerator"]
     return {"status": "ok" if torch_v else "failed", "pytorch_version": torch_v,
@@ -106,7 +106,7 @@ def detect_pytorch(env: dict) -> dict:
             "failure_reason": None if torch_v else "torch is not installed"}
 
 
-def detect_quark() -> dict:
+def detect_quark() -> dict[str, Any]:
     v = _version("amd-quark")
     from quark_ptq_eval.context.quark_cli import find_quark_cli
 
@@ -124,7 +124,7 @@ def free_gb(path: Path) -> float | None:
     return None
 
 
-def workspace(model: str, model_path: Path | None, output_dir: Path, trust_remote_code: bool) -> dict:
+def workspace(model: str, model_path: Path | None, output_dir: Path, trust_remote_code: bool) -> dict[str, Any]:
     parent = output_dir.parent
     return {"model_path": str(model_path or model), "model_source": "local" if model_path else "huggingface_id",
             "trust_remote_code_required": trust_remote_code, "output_dir": str(output_dir),
@@ -133,7 +133,7 @@ def workspace(model: str, model_path: Path | None, output_dir: Path, trust_remot
             "disk_space_gb_free": free_gb(output_dir), "quark_script_path": None, "required_paths": []}
 
 
-def session(goal: str, offline: bool, execution_mode: str, workdir: Path) -> dict:
+def session(goal: str, offline: bool, execution_mode: str, workdir: Path) -> dict[str, Any]:
     return {"user_goal": goal, "workflow": "quark-torch-ptq",
             "constraints": {"offline": offline, "execution_mode": execution_mode},
             "env_context_ref": str(workdir / "env_context.json"),
@@ -167,7 +167,7 @@ def gather(workdir: Path, given: dict[str, str | None], *, goal: str, offline: b
     return ctx
 
 
-def _reuse(workdir: Path, kind: str) -> dict | None:
+def _reuse(workdir: Path, kind: str) -> dict[str, Any] | None:
     """The machine does not change between the gates of one run: reuse the env we detected."""
     path = workdir / f"{kind}.json"
     if path.exists():
@@ -206,7 +206,7 @@ def host_checks(ctx: Contexts, workdir: Path, deep: bool = False) -> list[Check]
             _disk_check(workdir), _offline_check(ctx)]
 
 
-def _accelerator_check(ctx: Contexts, build: dict | None) -> Check:
+def _accelerator_check(ctx: Contexts, build: dict[str, Any] | None) -> Check:
     hw = ctx.env["hardware"]
     if hw["accelerator"] in ("amd-rocm", "nvidia-cuda"):
         return Check("accelerator", True, f"{hw['accelerator']}: {hw.get('gpu_count')} x {hw.get('gpu_model')} "
@@ -219,7 +219,7 @@ def _accelerator_check(ctx: Contexts, build: dict | None) -> Check:
                                       "quantizes with Quark's Python API; fine for small models")
 
 
-def _torch_check(build: dict | None) -> Check:
+def _torch_check(build: dict[str, Any] | None) -> Check:
     if build is None:
         return Check("torch", False, "not installed", "pip install torch (the build for your accelerator)")
     kind = f"ROCm {build['hip']}" if build["hip"] else f"CUDA {build['cuda']}" if build["cuda"] else "CPU"
@@ -289,7 +289,7 @@ def _lm_eval_check() -> Check:
                  "pip install 'quark-ptq-eval[eval]' (from a clone: pip install '.[eval]')")
 
 
-def _tier3_check(build: dict | None) -> Check:
+def _tier3_check(build: dict[str, Any] | None) -> Check:
     from importlib import util
 
     evidence = [e for e, present in (("torch ROCm build", bool(build and build["hip"])), ("/dev/kfd", Path("/dev/kfd").exists()),

@@ -38,7 +38,7 @@ def evaluate(
     approver,
     *,
     source_model: Path | None = None,
-    plan: dict | None = None,
+    plan: dict[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> EvalReport:
     """Run ``options.tier`` on ``model_dir``; write eval_report.md, eval_results.json and a chart to ``workdir``."""
@@ -91,7 +91,7 @@ def estimate_runtime(
         return estimate
 
 
-def calibration_overlap(ctx: TierContext) -> dict | None:
+def calibration_overlap(ctx: TierContext) -> dict[str, Any] | None:
     """Tier 1 text that overlaps the plan's calibration text (calibration_text.OVERLAP_RULE), said now."""
     from quark_ptq_eval.base.calibration_text import overlap
     from quark_ptq_eval.base.textdata import split_plain_text

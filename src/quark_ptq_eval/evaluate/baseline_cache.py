@@ -71,7 +71,7 @@ class BaselineEntry:
     topk_logp: Any
     topk_ids: Any
     log_tail: Any
-    meta: dict
+    meta: dict[str, Any]
 
 
 # ---------------------------------------------------------------- the key

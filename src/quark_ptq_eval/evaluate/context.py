@@ -28,7 +28,7 @@ class TierContext:
     workdir: Path
     approver: Any
     source_model: Path | None = None
-    plan: dict | None = None
+    plan: dict[str, Any] | None = None
     log: Callable[[str], None] = log
     # (work, done, total) -> a bar with an ETA on a terminal, milestone lines elsewhere (ui.Reporter.progress)
     progress: Callable[[str, int, int], None] | None = None
@@ -89,7 +89,7 @@ class RuntimeEstimate:
             lines.append(f"  warning: {self.warning}")
         return "\n".join(lines)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "seconds": self.seconds,
             "total_s": self.total_s,
@@ -113,7 +113,7 @@ class TierOutcome:
     directions: dict[str, dict[str, bool]] = field(default_factory=dict)  # task -> metric -> higher is better
     details: dict[str, Any] = field(default_factory=dict)
     informational: tuple[str, ...] = ()  # metrics reported without a verdict
-    deferred_commands: list[dict] = field(default_factory=list)  # Tier 3 off ROCm
+    deferred_commands: list[dict[str, Any]] = field(default_factory=list)  # Tier 3 off ROCm
     notes: list[str] = field(default_factory=list)
     artifacts: dict[str, str] = field(default_factory=dict)  # name -> path of files written
 

@@ -32,7 +32,7 @@ class EvalReport:
     estimate: RuntimeEstimate | None
     actual_s: float | None
     details: dict[str, Any] = field(default_factory=dict)
-    deferred_commands: list[dict] = field(default_factory=list)
+    deferred_commands: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     artifacts: dict[str, str] = field(default_factory=dict)
     chart_path: Path | None = None

@@ -40,7 +40,7 @@ def model_size_bytes(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
-def read_config(model_dir: Path) -> dict:
+def read_config(model_dir: Path) -> dict[str, Any]:
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         raise UsageError(f"{model_dir} has no config.json: it is not a Hugging Face model directory.")
@@ -50,7 +50,7 @@ def read_config(model_dir: Path) -> dict:
         raise UsageError(f"{config_path} cannot be read as JSON ({exc}).") from None
 
 
-def choose_loader(config: dict) -> tuple[str, str]:
+def choose_loader(config: dict[str, Any]) -> tuple[str, str]:
     """(loader, reason) from the quantization_config of a model's config.json."""
     qconfig = config.get("quantization_config")
     if not qconfig:
@@ -65,7 +65,7 @@ def choose_loader(config: dict) -> tuple[str, str]:
     return TRANSFORMERS, "Quark export with single-level scales: transformers' Quark integration loads it"
 
 
-def _has_two_level_scales(qconfig: dict) -> bool:
+def _has_two_level_scales(qconfig: dict[str, Any]) -> bool:
     configs = [qconfig.get("global_quant_config") or {}]
     for key in ("layer_quant_config", "layer_type_quant_config"):
         configs.extend((qconfig.get(key) or {}).values())

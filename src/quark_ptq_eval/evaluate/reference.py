@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 
@@ -44,7 +45,7 @@ def model_card_reference(model_dir: Path | None) -> dict[str, dict[str, float]]:
     return out
 
 
-def _front_matter(text: str) -> dict:
+def _front_matter(text: str) -> dict[str, Any]:
     import yaml
 
     if not text.startswith("---"):
@@ -59,7 +60,7 @@ def _front_matter(text: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _add_result(out: dict[str, dict[str, float]], result: dict) -> None:
+def _add_result(out: dict[str, dict[str, float]], result: dict[str, Any]) -> None:
     dataset = result.get("dataset") or {}
     task = dataset.get("type") or dataset.get("name") or (result.get("task") or {}).get("type")
     if not task:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from quark_ptq_eval.sensitivity import sensitivity_remedy
 
 # A wider format to fall back to, per scheme family (first match on the scheme name wins).
@@ -20,7 +22,7 @@ ACCURACY_ALGORITHMS = ("awq", "gptq", "smoothquant", "rotation", "quarot", "auto
 MIN_CALIBRATION = 512
 
 
-def suggest_remedies(plan: dict | None, num_layers: int | None = None) -> list[str]:
+def suggest_remedies(plan: dict[str, Any] | None, num_layers: int | None = None) -> list[str]:
     """Concrete next steps, most effective first, skipping what the plan already does."""
     plan = plan or {}
     scheme = str(plan.get("global_scheme") or plan.get("scheme") or "")
@@ -45,7 +47,7 @@ def suggest_remedies(plan: dict | None, num_layers: int | None = None) -> list[s
     return remedies
 
 
-def _algorithms(plan: dict) -> set[str]:
+def _algorithms(plan: dict[str, Any]) -> set[str]:
     value = plan.get("algorithm") or plan.get("algorithms") or []
     items = value.split(",") if isinstance(value, str) else list(value)
     return {a.strip().lower() for a in items if a and a.strip()}

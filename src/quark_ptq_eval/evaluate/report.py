@@ -6,6 +6,7 @@ import math
 import shlex
 import time
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.fsio import atomic_write_text, write_json, write_png
 from quark_ptq_eval.evaluate.context import SPAN, format_duration
@@ -27,7 +28,7 @@ def write_all(report: EvalReport, timed_from: float | None = None) -> None:
     atomic_write_text(report.report_path, markdown(report))
 
 
-def results_document(report: EvalReport) -> dict:
+def results_document(report: EvalReport) -> dict[str, Any]:
     doc = {
         "schema": RESULTS_SCHEMA,
         "tier": report.tier,
@@ -57,7 +58,7 @@ def results_document(report: EvalReport) -> dict:
     return json_safe(doc)
 
 
-def runtime_document(report: EvalReport) -> dict:
+def runtime_document(report: EvalReport) -> dict[str, Any]:
     """Estimated and actual time over the same span, and their ratio."""
     estimated = report.estimate.total_s if report.estimate else None
     ratio = estimated / report.actual_s if estimated is not None and report.actual_s else None
@@ -237,7 +238,7 @@ def _details_section(report: EvalReport) -> list[str]:
     return lines
 
 
-def _paired_lines(paired: dict | None) -> list[str]:
+def _paired_lines(paired: dict[str, Any] | None) -> list[str]:
     """Tiers 2 and 3 with a baseline: the paired per-document test of each metric."""
     if not paired:
         return []
@@ -250,7 +251,7 @@ def _paired_lines(paired: dict | None) -> list[str]:
     return [*lines, ""]
 
 
-def _server_lines(details: dict) -> list[str]:
+def _server_lines(details: dict[str, Any]) -> list[str]:
     """Tier 3 on a host vLLM: the server's version and its exact commands, as they ran."""
     if not details.get("vllm") or not details.get("commands"):
         return []
@@ -264,7 +265,7 @@ def _server_lines(details: dict) -> list[str]:
                     "server stopped with its process group and its port awaited free", ""]
 
 
-def _agreement_table(kl: dict, paired: dict | None) -> list[str]:
+def _agreement_table(kl: dict[str, Any], paired: dict | None) -> list[str]:
     """KL quantiles and top-1 agreement at a glance (the bullets below say the same in words)."""
     delta = "-" if not paired else f"{paired['delta_nll']:+.4g} ± {paired['delta_nll_stderr']:.2g}"
     return [
@@ -375,7 +376,7 @@ def _distribution_chart(report: EvalReport, path: Path) -> Path:
     return path
 
 
-def _kl_panel(ax, hist: dict, kl: dict) -> None:
+def _kl_panel(ax, hist: dict[str, Any], kl: dict) -> None:
     if hist["counts"]:
         ax.stairs(hist["counts"], hist["edges"], fill=True, color="#5b9bd5")
         ax.set_xscale("log")

@@ -92,7 +92,7 @@ def load_task_objects(manager, tasks: list[str]) -> dict[str, Any]:
         ) from None
 
 
-def _flatten(task_dict: dict) -> dict[str, Any]:
+def _flatten(task_dict: dict[str, Any]) -> dict[str, Any]:
     flat = {}
     for key, value in task_dict.items():
         if isinstance(value, dict):
@@ -259,11 +259,11 @@ def prepare(ctx: TierContext) -> LmEvalPrepared:
     return LmEvalPrepared(ctx, quantized, tasks, workload, estimate, pilot_s)
 
 
-def run_lm_eval(loaded: LoadedModel, prepared: LmEvalPrepared, label: str) -> dict:
+def run_lm_eval(loaded: LoadedModel, prepared: LmEvalPrepared, label: str) -> dict[str, Any]:
     return evaluate_tasks(loaded, prepared.ctx, prepared.task_names, label)
 
 
-def evaluate_tasks(loaded: LoadedModel, ctx: TierContext, task_names: list[str], label: str) -> dict:
+def evaluate_tasks(loaded: LoadedModel, ctx: TierContext, task_names: list[str], label: str) -> dict[str, Any]:
     """lm-eval on ``loaded``; its results document (less the logged samples) is written to
     RESULTS_DIR/<label>.json and the per-sample scores to RESULTS_DIR/<label>.samples.json."""
     lm_eval, _ = _import_lm_eval()
@@ -303,7 +303,7 @@ def samples_path(workdir: Path, label: str) -> Path:
     return Path(workdir) / RESULTS_DIR / f"{label}.samples.json"
 
 
-def per_sample_scores(samples: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, float]]]:
+def per_sample_scores(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, dict[str, float]]]:
     """lm-eval's logged samples as ``{task: {metric: {doc_id: score}}}``, scalar scores only (a rolling
     perplexity's per-document (loglikelihood, length) pairs are aggregated, not averaged: no paired
     test applies). A filter other than "none" is kept in the metric's name as in scores_from."""
@@ -360,10 +360,10 @@ def paired_bootstrap(base: list[float], ours: list[float], iters: int = BOOTSTRA
     return (far + 1) / (iters + 1)
 
 
-def paired_tests(baseline: dict, quantized: dict, directions: dict | None = None) -> dict[str, dict[str, dict]]:
+def paired_tests(baseline: dict[str, Any], quantized: dict, directions: dict | None = None) -> dict[str, dict[str, dict]]:
     """Per task and metric, the paired test between two per-sample score sets (per_sample_scores):
     McNemar (exact mid-p) where every score is 0/1, else a paired bootstrap of the mean difference."""
-    out: dict[str, dict[str, dict]] = {}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
     for task, metrics in quantized.items():
         for metric, ours in metrics.items():
             theirs = (baseline.get(task) or {}).get(metric)
@@ -419,7 +419,7 @@ def _git_hash(log_path: Path) -> str | None:
     return (proc.stdout.strip() or None) if proc.returncode == 0 else None
 
 
-def scores_from(results: dict) -> tuple[dict, dict, dict]:
+def scores_from(results: dict[str, Any]) -> tuple[dict, dict, dict]:
     """({task: {metric: value}}, {task: {metric: stderr}}, {task: {metric: higher_is_better}})."""
     scores, stderrs, directions = {}, {}, {}
     for task, metrics in results["results"].items():
@@ -476,9 +476,9 @@ def run(prepared: LmEvalPrepared) -> TierOutcome:
     )
 
 
-def noise_from_stderr(quantized: dict, baseline: dict | None) -> dict[str, dict[str, dict]]:
+def noise_from_stderr(quantized: dict[str, Any], baseline: dict | None) -> dict[str, dict[str, dict]]:
     """lm-eval's standard errors as the verdict's noise input: {task: {metric: {stderr, baseline_stderr}}}."""
-    noise: dict[str, dict[str, dict]] = {}
+    noise: dict[str, dict[str, dict[str, Any]]] = {}
     for task, metrics in quantized.items():
         for metric, se in metrics.items():
             entry = {"stderr": se}

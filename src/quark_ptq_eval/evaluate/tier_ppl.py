@@ -482,7 +482,7 @@ def outcome_from(acc: Accumulator, seq_len: int, prepared: PplPrepared) -> TierO
         "method": "non-overlapping windows, mean next-token NLL (Quark ppl_eval's averaging)",
     }
     # Sampling noise for the verdict: log(perplexity) is the mean NLL, so its standard error is the NLL's.
-    noise: dict[str, dict] = {"perplexity": {"log_stderr": stats["nll_stderr"]}}
+    noise: dict[str, dict[str, Any]] = {"perplexity": {"log_stderr": stats["nll_stderr"]}}
     baseline = None
     if prepared.baseline is not None:
         base_stats = perplexity_stats(acc.base_window_nll, seq_len - 1)

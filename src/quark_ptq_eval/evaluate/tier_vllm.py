@@ -15,6 +15,7 @@ One job per module: vllm_detect (the host), vllm_commands (the command plan), vl
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import as_gatekeeper
@@ -96,7 +97,7 @@ def run(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutcome
     return execute_plan(ctx, plan, executor or Executor(ctx.workdir), details, commands)
 
 
-def _deferred(prepared: VllmPrepared, details: dict) -> TierOutcome:
+def _deferred(prepared: VllmPrepared, details: dict[str, Any]) -> TierOutcome:
     """Off ROCm: write the commands as a script to run later, top to bottom, and show them."""
     ctx, plan = prepared.ctx, prepared.plan
     script, steps = write_script(plan, prepared.models, ctx.options, ctx.workdir)

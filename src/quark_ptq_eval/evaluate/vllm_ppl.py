@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from quark_ptq_eval.base.errors import QpeError
 
@@ -37,7 +38,7 @@ class BackendComparison:
     hf_seconds: float | None = None
     vllm_seconds: float | None = None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def sentence(self) -> str:

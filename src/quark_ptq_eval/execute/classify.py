@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def _package_version(package: str) -> str:
         return "(version unknown)"
 
 
-def classify_by_frame(log_lines: list[str], returncode: int) -> dict | None:
+def classify_by_frame(log_lines: list[str], returncode: int) -> dict[str, Any] | None:
     """The traceback's failing frame (its last ``File ...`` line) names where it failed: loading code
     in transformers/accelerate means load, Quark's own code means Quark, whatever the message says."""
     frames = [(i, m) for i, ln in enumerate(log_lines) if (m := FRAME.match(ln))]
@@ -81,7 +82,7 @@ def classify_by_frame(log_lines: list[str], returncode: int) -> dict | None:
             "proposal": proposal, "returncode": returncode, "package": package}
 
 
-def classify_failure(log_lines: list[str], returncode: int) -> dict:
+def classify_failure(log_lines: list[str], returncode: int) -> dict[str, Any]:
     # The traceback header says nothing; the exception lines and messages are the evidence.
     evidence_pool = [ln for ln in log_lines if ln.strip() and not ln.startswith("Traceback (most recent")]
     if returncode in (-9, 137):

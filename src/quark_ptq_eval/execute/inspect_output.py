@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import read_json
@@ -12,9 +13,9 @@ from quark_ptq_eval.intake.model_files import not_regular
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def inspect_output(out: Path) -> dict:
+def inspect_output(out: Path) -> dict[str, Any]:
     """Facts about an output directory and the problems that make it not a usable model."""
-    facts: dict = {"dir": str(out), "exists": out.is_dir(), "problems": [], "ok": False}
+    facts: dict[str, Any] = {"dir": str(out), "exists": out.is_dir(), "problems": [], "ok": False}
     if not out.is_dir():
         facts["problems"].append("the output directory does not exist")
         return facts

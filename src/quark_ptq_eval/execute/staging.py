@@ -16,6 +16,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import read_json
@@ -27,7 +28,7 @@ DROPPED = ("input_scale",)  # dynamic-activation releases may carry one; the BF1
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 
 
-def stage_source(reading: dict, model_dir: Path, say=print) -> Path | None:
+def stage_source(reading: dict[str, Any], model_dir: Path, say=print) -> Path | None:
     """Make the staged copy the plan names (once: a complete copy is reused); returns its dir."""
     from quark_ptq_eval.base.safety import check_free_space
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis, RunManifest
 from quark_ptq_eval.base.claims import OutputClaim, make_staging, rename_no_replace
@@ -55,7 +55,7 @@ def _set_aside(recipe: Recipe, path: Path, why: str) -> Path:
 
 
 def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnalysis, output_dir: Path,
-                     overwrite: bool) -> dict:
+                     overwrite: bool) -> dict[str, Any]:
     on_disk = RunManifest.load(recipe.workdir)  # run what is on disk, and only if that was approved
     done = _already_verified(recipe, on_disk, output_dir)
     if done is not None:
@@ -85,7 +85,7 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
     return facts
 
 
-def _already_verified(recipe: Recipe, on_disk: RunManifest, output_dir: Path) -> dict | None:
+def _already_verified(recipe: Recipe, on_disk: RunManifest, output_dir: Path) -> dict[str, Any] | None:
     """The facts of this exact command's verified output, when a resumed run already made it."""
     previous = recipe.state.steps.get("execute", {})
     if (previous.get("status") == "succeeded" and previous.get("command_digest") == on_disk.command_digest
@@ -121,7 +121,7 @@ def _prepare(recipe: Recipe, on_disk: RunManifest, analysis: ModelAnalysis, outp
     return staging
 
 
-def _judge_run(recipe: Recipe, on_disk: RunManifest, run: dict, result, staging: Path) -> None:
+def _judge_run(recipe: Recipe, on_disk: RunManifest, run: dict[str, Any], result, staging: Path) -> None:
     """Record how the engine ended; raise unless it exited 0 with a usable output."""
     facts = inspect_output(staging)
     run.update(finished_at=_now(), returncode=result.returncode, seconds=round(result.seconds, 1), log=str(result.log))
@@ -140,7 +140,7 @@ def _judge_run(recipe: Recipe, on_disk: RunManifest, run: dict, result, staging:
         )
 
 
-def _no_output_why(facts: dict, tail: list[str]) -> str:
+def _no_output_why(facts: dict[str, Any], tail: list[str]) -> str:
     """An engine that exits 0 without a usable output: what is missing, and its own error line."""
     said = [ln.strip() for ln in tail if re.search(r"ERROR|Error|error:", ln)]
     own = f"; the engine's log says: {said[-1]}" if said else ""
@@ -171,7 +171,7 @@ def _run(recipe: Recipe, manifest: RunManifest):
             echo.close()
 
 
-def _record(recipe: Recipe, manifest: RunManifest, run: dict, facts: dict, status: str, **extra) -> None:
+def _record(recipe: Recipe, manifest: RunManifest, run: dict[str, Any], facts: dict, status: str, **extra) -> None:
     run["observed"] = {k: facts.get(k) for k in ("dir", "files", "shards", "size_bytes", "quant_method", "problems")}
     manifest.observed = run["observed"]
     manifest.write(recipe.workdir)

@@ -50,7 +50,7 @@ def resolve_model(model: str, offline: bool) -> tuple[Path | None, str]:
     raise UsageError(f"The model {model} is neither an existing directory nor a Hugging Face repo id (org/name).")
 
 
-def _hub_config(model: str) -> dict:
+def _hub_config(model: str) -> dict[str, Any]:
     try:
         from huggingface_hub import hf_hub_download
 
@@ -62,7 +62,7 @@ def _hub_config(model: str) -> dict:
                          "Check the repo id, your network and HF_TOKEN, or pass a local directory.") from None
 
 
-def _load_config(model: str, path: Path | None) -> dict:
+def _load_config(model: str, path: Path | None) -> dict[str, Any]:
     config = read_json(path / "config.json", "config.json") if path else _hub_config(model)
     if not isinstance(config, dict):
         raise UsageError("config.json is not a JSON object.", "Check the model files.")
@@ -78,7 +78,7 @@ INT_KEYS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "intermedia
             "moe_intermediate_size")
 
 
-def _check_config_types(config: dict) -> None:
+def _check_config_types(config: dict[str, Any]) -> None:
     """Refuse config values of the wrong type (naming the field) instead of crashing or guessing."""
     arch = config.get("architectures")
     if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
@@ -101,7 +101,7 @@ def _brief(value: Any) -> str:
     return text if len(text) <= 60 else text[:59] + "…"
 
 
-def _int(cfg: dict, *keys: str) -> int | None:
+def _int(cfg: dict[str, Any], *keys: str) -> int | None:
     for k in keys:
         v = cfg.get(k)
         if isinstance(v, int) and not isinstance(v, bool):
@@ -113,7 +113,7 @@ def _module_of(tensor_name: str) -> str:
     return tensor_name.rsplit(".", 1)[0]
 
 
-def _count_linears_from_headers(tensors: dict) -> tuple[list[str], int, int]:
+def _count_linears_from_headers(tensors: dict[str, Any]) -> tuple[list[str], int, int]:
     """(linear module names, bytes, fused expert tensors). transformers 5 holds MoE experts as
     fused 3-D tensors (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); Quark's
     preprocessing turns each into per-expert linears, counted here as ``experts.<e>.<proj>``."""
@@ -131,14 +131,14 @@ def _count_linears_from_headers(tensors: dict) -> tuple[list[str], int, int]:
     return sorted(linears), sum(t.nbytes for t in tensors.values()), fused
 
 
-def _count_linears_from_config(text_cfg: dict, tied: bool) -> int:
+def _count_linears_from_config(text_cfg: dict[str, Any], tied: bool) -> int:
     layers = _int(text_cfg, "num_hidden_layers", "n_layer") or 0
     experts = _int(text_cfg, "num_experts", "num_local_experts", "n_routed_experts") or 0
     mlp = 3 * max(experts, 1)
     return layers * (4 + mlp) + (0 if tied else 1)
 
 
-def _config_size_bytes(text_cfg: dict) -> int | None:
+def _config_size_bytes(text_cfg: dict[str, Any]) -> int | None:
     h, layers, vocab = (_int(text_cfg, "hidden_size", "n_embd"), _int(text_cfg, "num_hidden_layers", "n_layer"),
                         _int(text_cfg, "vocab_size"))
     if not (h and layers and vocab):
@@ -147,8 +147,8 @@ def _config_size_bytes(text_cfg: dict) -> int | None:
     return 2 * (layers * (4 * h * h + 3 * h * inter) + 2 * vocab * h)  # bf16
 
 
-def _risks(cfg: dict, text_cfg: dict, template: bool, model_type: str, has_weights: bool,
-           source_format: dict) -> list[dict]:
+def _risks(cfg: dict[str, Any], text_cfg: dict, template: bool, model_type: str, has_weights: bool,
+           source_format: dict[str, Any]) -> list[dict]:
     risks = []
 
     def add(sev: str, msg: str, hint: str) -> None:
@@ -179,7 +179,7 @@ def _risks(cfg: dict, text_cfg: dict, template: bool, model_type: str, has_weigh
     return risks
 
 
-def analyze_model(model: str, *, offline: bool, catalog: dict, trust_remote_code: bool = False) -> ModelAnalysis:
+def analyze_model(model: str, *, offline: bool, catalog: dict[str, Any], trust_remote_code: bool = False) -> ModelAnalysis:
     path, source = resolve_model(model, offline)
     cfg = _load_config(model, path)
     text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg

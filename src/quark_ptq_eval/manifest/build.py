@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.artifacts import QuantPlan, RunManifest
 from quark_ptq_eval.base.calibration_text import describe_used
@@ -36,9 +37,9 @@ def shell_line(argv: list[str], env: dict[str, str]) -> str:
     return shlex.join(["env", *prefix, *argv] if prefix else argv)
 
 
-def manifest_steps(workdir: Path, calibration: list[dict], run: dict) -> list[dict]:
+def manifest_steps(workdir: Path, calibration: list[dict[str, Any]], run: dict) -> list[dict]:
     """The manifest's step list, in the recipe's order (steps.STEPS), ending with the summary."""
-    steps: list[dict] = []
+    steps: list[dict[str, Any]] = []
     for step in STEPS:
         if step.manifest_step == "run":
             steps += [*calibration, run]

@@ -8,6 +8,7 @@ part for evaluation (``calibration["split"]``): the engine is then given only th
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis
 from quark_ptq_eval.base.calibration_text import (
@@ -21,7 +22,7 @@ from quark_ptq_eval.base.textdata import load_texts
 from quark_ptq_eval.plan.request import PlanRequest
 
 
-def check_calibration_text(calibration: dict, req: PlanRequest, analysis: ModelAnalysis, workdir: Path,
+def check_calibration_text(calibration: dict[str, Any], req: PlanRequest, analysis: ModelAnalysis, workdir: Path,
                            size_why: str) -> tuple[str, str]:
     """Read, split (when asked) and count the local calibration text; returns the "calibration
     size" decision's (reason, value). ``calibration`` is updated in place."""
@@ -44,7 +45,7 @@ def check_calibration_text(calibration: dict, req: PlanRequest, analysis: ModelA
     return f"{size_why}; the text holds enough ({tokens:,}+ tokens counted)", asked
 
 
-def _engine_input(calibration: dict, documents: list[str], field: str, split_wanted: bool,
+def _engine_input(calibration: dict[str, Any], documents: list[str], field: str, split_wanted: bool,
                   workdir: Path) -> list[str]:
     """Point ``calibration["path"]`` at what the engine must read; return that text's documents."""
     source = calibration["path"]
@@ -58,7 +59,7 @@ def _engine_input(calibration: dict, documents: list[str], field: str, split_wan
     return load_texts(source)  # exactly the engine's input (a .txt file is one text)
 
 
-def source_note(calibration: dict) -> str:
+def source_note(calibration: dict[str, Any]) -> str:
     """What the "calibration" decision adds: the field read, the part held out for evaluation."""
     notes = []
     if calibration.get("text_field", "text") != "text":

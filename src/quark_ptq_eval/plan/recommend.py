@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
 from quark_ptq_eval.base.context_window import fit_window, read_model_config
@@ -54,12 +55,12 @@ ACTIVATION_ALGORITHMS = {"smoothquant", "autosmoothquant"}
 ACCURACY_FIRST = re.compile(r"accura|quality|best")
 
 
-def _gpu(env: dict) -> tuple[str, str]:
+def _gpu(env: dict[str, Any]) -> tuple[str, str]:
     hw = env["hardware"]
     return hw["accelerator"], (hw.get("gpu_arch") or "").lower()
 
 
-def _choose_scheme(req: PlanRequest, env: dict, catalog: dict, tc: TargetContext,
+def _choose_scheme(req: PlanRequest, env: dict[str, Any], catalog: dict, tc: TargetContext,
                    fits=None) -> tuple[str, str]:
     if req.scheme:
         return req.scheme, "asked for explicitly"
@@ -79,7 +80,7 @@ def _choose_scheme(req: PlanRequest, env: dict, catalog: dict, tc: TargetContext
     return "int8", "portable default"
 
 
-def _choose_algorithm(req: PlanRequest, scheme_info: dict, template_algorithms: list[str] | None = None
+def _choose_algorithm(req: PlanRequest, scheme_info: dict[str, Any], template_algorithms: list[str] | None = None
                       ) -> tuple[str | None, str]:
     if req.algorithm is not None:
         return (req.algorithm or None), "asked for explicitly" if req.algorithm else "disabled explicitly"
@@ -96,7 +97,7 @@ def _choose_algorithm(req: PlanRequest, scheme_info: dict, template_algorithms: 
 
 
 def _check_compatible(model_type: str, scheme: str, algorithm: str | None, kv: str | None,
-                      overrides: dict[str, str], analysis: ModelAnalysis, catalog: dict) -> None:
+                      overrides: dict[str, str], analysis: ModelAnalysis, catalog: dict[str, Any]) -> None:
     if not analysis.template["available"]:
         raise UsageError(f"The installed Quark {catalog['quark_version']} has no template for model_type {model_type!r}.",
                          f"Supported model types: {', '.join(sorted(catalog['templates']))}.")
@@ -126,7 +127,7 @@ def _check_compatible(model_type: str, scheme: str, algorithm: str | None, kv: s
                          f"Supported KV-cache schemes: {', '.join(catalog['kv_cache_schemes'])}.")
 
 
-def _calibration(req: PlanRequest, accelerator: str, model_config: dict) -> tuple[dict, str]:
+def _calibration(req: PlanRequest, accelerator: str, model_config: dict[str, Any]) -> tuple[dict, str]:
     samples = req.num_calib_samples or (128 if accelerator in ("cpu", "unknown") else 512)
     seq_len, clamped = fit_window(req.calib_seq_len, 512, model_config, "--calib-seq-len")
     common = {"num_samples": samples, "seq_len": seq_len, "batch_size": req.batch_size}
@@ -142,7 +143,7 @@ def _calibration(req: PlanRequest, accelerator: str, model_config: dict) -> tupl
     return {"source": "hub_dataset", "dataset": dataset, "path": None, **common}, f"Quark's standard {dataset}"
 
 
-def _device(req: PlanRequest, env: dict, size_bytes: int) -> dict:
+def _device(req: PlanRequest, env: dict[str, Any], size_bytes: int) -> dict:
     acc, _ = _gpu(env)
     device = req.device or ("cpu" if acc in ("cpu", "unknown") else "cuda")
     mem = env["hardware"].get("memory_gb") or 0
@@ -154,13 +155,13 @@ def _device(req: PlanRequest, env: dict, size_bytes: int) -> dict:
 LITTLE_CALIBRATION = 32  # samples when calibration only sees weight ranges
 
 
-def _choose_kv(req: PlanRequest, tc: TargetContext, catalog: dict, analysis: ModelAnalysis) -> tuple[str | None, str]:
+def _choose_kv(req: PlanRequest, tc: TargetContext, catalog: dict[str, Any], analysis: ModelAnalysis) -> tuple[str | None, str]:
     if req.kv_cache_scheme is not None:
         return (req.kv_cache_scheme or None), "asked for explicitly" if req.kv_cache_scheme else "disabled explicitly"
     return recommend_kv(tc, catalog, analysis.template.get("kv_layers") or [])
 
 
-def _budget_check(tc: TargetContext, analysis: ModelAnalysis, catalog: dict, req: PlanRequest):
+def _budget_check(tc: TargetContext, analysis: ModelAnalysis, catalog: dict[str, Any], req: PlanRequest):
     """``fits(scheme) -> (ok, why)`` against a serving budget stated in the goal, or None."""
     if not (tc.budget and tc.target):
         return None
@@ -185,7 +186,7 @@ def _scheme_reason(why: str, tc: TargetContext, scheme: str) -> str:
     return f"{why}; {tc.label} " + ("runs it natively" if native else "has no native support for it (see the warning)")
 
 
-def _calibration_size(req: PlanRequest, calibration: dict, info: dict, algorithm: str | None, kv: str | None,
+def _calibration_size(req: PlanRequest, calibration: dict[str, Any], info: dict, algorithm: str | None, kv: str | None,
                       accelerator: str) -> str:
     if req.num_calib_samples:
         return "explicit"
@@ -198,9 +199,9 @@ def _calibration_size(req: PlanRequest, calibration: dict, info: dict, algorithm
     return "quark-cli's default sample count"
 
 
-def _target_and_fit(analysis: ModelAnalysis, tc: TargetContext, scheme: str, info: dict, algorithm: str | None,
-                    kv: str | None, calibration: dict, device: dict, env: dict, output_dir: Path,
-                    engine: str | None = None) -> tuple[dict, dict]:
+def _target_and_fit(analysis: ModelAnalysis, tc: TargetContext, scheme: str, info: dict[str, Any], algorithm: str | None,
+                    kv: str | None, calibration: dict[str, Any], device: dict, env: dict, output_dir: Path,
+                    engine: str | None = None) -> tuple[dict[str, Any], dict]:
     """The plan's ``target`` (with its serving fit) and ``resources`` (this host's fit, with table rows)."""
     target = {**tc.to_dict(), "warnings": scheme_warnings(tc, scheme, kv)}
     rows = []
@@ -234,7 +235,7 @@ def _exclusions(req: PlanRequest, analysis: ModelAnalysis) -> tuple[list[str], s
         f"Quark's {analysis.model_type} template defaults"
 
 
-def _fitting_scheme(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dict, tc) -> tuple[str, str]:
+def _fitting_scheme(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, catalog: dict, tc) -> tuple[str, str]:
     """The scheme the request and target ask for, held against every quantized linear's group and
     block sizes: a planner's choice falls back to the nearest that fits, a named one is refused."""
     scheme, why = _choose_scheme(req, env, catalog, tc, _budget_check(tc, analysis, catalog, req))
@@ -243,7 +244,7 @@ def _fitting_scheme(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalo
 
 
 def _plan_calibration(req: PlanRequest, analysis: ModelAnalysis, analysis_ref: Path, accelerator: str,
-                      info: dict, algorithm: str | None, kv: str | None) -> tuple[dict, str, str, str]:
+                      info: dict[str, Any], algorithm: str | None, kv: str | None) -> tuple[dict, str, str, str]:
     """The calibration source and its size, the text read and tokenized now (before anything runs)."""
     calibration, why = _calibration(req, accelerator, read_model_config(analysis.model.get("model_path")))
     size_why = _calibration_size(req, calibration, info, algorithm, kv, accelerator)
@@ -251,7 +252,7 @@ def _plan_calibration(req: PlanRequest, analysis: ModelAnalysis, analysis_ref: P
     return calibration, why, size, size_why
 
 
-def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dict, analysis_ref: Path,
+def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, catalog: dict, analysis_ref: Path,
               output_dir: Path) -> QuantPlan:
     model_type = analysis.model_type
     accelerator, arch = _gpu(env)
@@ -312,7 +313,7 @@ def make_plan(analysis: ModelAnalysis, env: dict, req: PlanRequest, catalog: dic
     return apply_sensitivity(plan, req, Path(analysis_ref).parent)
 
 
-def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: dict) -> None:
+def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: dict[str, Any]) -> None:
     """Re-check a (hand-edited) plan against the installed Quark, as make_plan does."""
     _check_compatible(analysis.model_type, plan.global_scheme, plan.algorithm, plan.kv_cache_scheme,
                       plan.layer_quant_config, analysis, catalog)

@@ -56,7 +56,7 @@ def linear_shapes(model_path: str, excludes: list[str]) -> dict[str, tuple[int, 
     return {m: s for m, s in shapes.items() if not any(fnmatchcase(m, p) for p in excludes)}
 
 
-def misfits(layer_spec: dict, shapes: dict[str, tuple[int, int]]) -> list[Misfit]:
+def misfits(layer_spec: dict[str, Any], shapes: dict[str, tuple[int, int]]) -> list[Misfit]:
     """Each linear whose input (group size) or output (packed zero points) the spec cannot split."""
     out: list[Misfit] = []
     for module, (rows, cols) in shapes.items():
@@ -71,7 +71,7 @@ def misfits(layer_spec: dict, shapes: dict[str, tuple[int, int]]) -> list[Misfit
     return out
 
 
-def _zero_point_pack(spec: dict) -> int:
+def _zero_point_pack(spec: dict[str, Any]) -> int:
     """Values per int32 of a sub-byte integer per-group weight's zero points (0: no constraint)."""
     bits = dtype_bits(spec.get("dtype"))
     if spec.get("qscheme") == "per_group" and is_integer(spec.get("dtype")) and bits and bits < 8:
@@ -99,7 +99,7 @@ def _text(bad: list[Misfit]) -> str:
 
 
 def fit_scheme(scheme: str, why: str, user_named: bool, shapes: dict[str, tuple[int, int]],
-               table: dict | None, known: list[str], fallbacks: tuple[str, ...] = ()) -> tuple[str, str]:
+               table: dict[str, Any] | None, known: list[str], fallbacks: tuple[str, ...] = ()) -> tuple[str, str]:
     """(scheme, reason): ``scheme`` when it fits; else the nearest that does (the same format with smaller
     groups, then ``fallbacks``: the target's other formats), or a refusal for a scheme the user named."""
     schemes = (table or {}).get("schemes") or {}
@@ -119,7 +119,7 @@ def fit_scheme(scheme: str, why: str, user_named: bool, shapes: dict[str, tuple[
     return fitting, f"{why}; {fitting} instead of {scheme}: {_text(bad)}, and {fitting} fits every quantized linear"
 
 
-def check_overrides(overrides: dict[str, str], shapes: dict[str, tuple[int, int]], table: dict | None,
+def check_overrides(overrides: dict[str, str], shapes: dict[str, tuple[int, int]], table: dict[str, Any] | None,
                     known: list[str]) -> None:
     """A per-pattern override the user named must fit the linears its pattern matches."""
     for pattern, scheme in overrides.items():

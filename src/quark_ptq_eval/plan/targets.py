@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 
@@ -124,7 +125,7 @@ def resolve_target(name: str | None, goal: str) -> tuple[Target | None, str]:
     return None, "no target named: planning for this host"
 
 
-def host_family(env: dict) -> ArchFamily | None:
+def host_family(env: dict[str, Any]) -> ArchFamily | None:
     """The architecture family of the host's accelerator (when no target is named)."""
     hw = env["hardware"]
     arch, acc = (hw.get("gpu_arch") or "").lower(), hw["accelerator"]
@@ -141,7 +142,7 @@ def priority(goal: str) -> str:
     return next((p for p, pattern in PRIORITIES if re.search(pattern, text)), "balanced")
 
 
-def memory_budget(goal: str) -> dict | None:
+def memory_budget(goal: str) -> dict[str, Any] | None:
     """{"devices", "context", "batch"} when the goal states a serving budget ("fit one MI300X with 32k context")."""
     text = goal.lower()
     fit, ctx = BUDGET.search(text), CONTEXT.search(text)
@@ -216,7 +217,7 @@ class TargetContext:
     source: str
     family: ArchFamily | None
     priority: str
-    budget: dict | None
+    budget: dict[str, Any] | None
 
     @property
     def label(self) -> str:
@@ -231,7 +232,7 @@ class TargetContext:
     def name(self) -> str:
         return self.target.label if self.target else "this host"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         t, f = self.target, self.family
         return {"name": t.name if t else None, "label": self.name, "source": self.source,
                 "arch": f.arch if f else None, "native_formats": list(f.native) if f else [],
@@ -239,13 +240,13 @@ class TargetContext:
                 "fp8_kv_cache": bool(f and f.fp8_kv), "priority": self.priority, "budget": self.budget}
 
 
-def target_context(name: str | None, goal: str, env: dict) -> TargetContext:
+def target_context(name: str | None, goal: str, env: dict[str, Any]) -> TargetContext:
     target, source = resolve_target(name, goal)
     family = target.family if target else host_family(env)
     return TargetContext(target, source, family, priority(goal), memory_budget(goal))
 
 
-def recommend_scheme(tc: TargetContext, catalog: dict, fits=None) -> tuple[str, str] | None:
+def recommend_scheme(tc: TargetContext, catalog: dict[str, Any], fits=None) -> tuple[str, str] | None:
     """(scheme, reason) for the target and priority; ``fits(scheme) -> (ok, why)`` checks a memory budget."""
     fam = tc.family
     if fam is None:
@@ -272,7 +273,7 @@ def target_fallbacks(tc: TargetContext) -> tuple[str, ...]:
     return tuple(dict.fromkeys(s for p in ("accuracy", "balanced", "speed", "size") for s in fam.prefer[p])) if fam else ()
 
 
-def recommend_kv(tc: TargetContext, catalog: dict, kv_layers: list[str]) -> tuple[str | None, str]:
+def recommend_kv(tc: TargetContext, catalog: dict[str, Any], kv_layers: list[str]) -> tuple[str | None, str]:
     fam = tc.family
     if fam is None:
         return None, "KV cache left in the model dtype: no target named and no known accelerator here"

@@ -37,7 +37,7 @@ def scan_command(model: str | Path, scheme: str, calib_data: str | Path | None, 
     return shlex.join(argv)
 
 
-def sensitivity_remedy(plan: dict) -> list[str]:
+def sensitivity_remedy(plan: dict[str, Any]) -> list[str]:
     """The remedy line for a hurt verdict: measure which layers the scheme hurts, with the command."""
     model = (plan.get("model") or {}).get("model_path")
     scheme = plan.get("global_scheme") or plan.get("scheme")

@@ -18,7 +18,7 @@ PLAN_NAME = "quant_plan.json"
 
 
 def sensitivity_followup(workdir: Path, model_dir: Path, details: dict[str, Any],
-                         plan: dict | None = None) -> dict[str, Any] | None:
+                         plan: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The predicted-vs-measured record, or None when the plan made no sensitivity decision.
     ``plan``: the run's plan when the caller has it; else the work dir's quant_plan.json."""
     plan = _for_model(plan if plan is not None else _read_plan(Path(workdir)), Path(model_dir))
@@ -75,14 +75,14 @@ def followup_markdown(follow: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _read_plan(workdir: Path) -> dict | None:
+def _read_plan(workdir: Path) -> dict[str, Any] | None:
     try:
         return json.loads((workdir / PLAN_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 
 
-def _for_model(plan: dict | None, model_dir: Path) -> dict | None:
+def _for_model(plan: dict[str, Any] | None, model_dir: Path) -> dict | None:
     """The plan when it was made for this export (a plan for another output is not ours)."""
     out = plan.get("output_dir") if isinstance(plan, dict) else None
     if not out or Path(out).resolve() != model_dir.resolve():

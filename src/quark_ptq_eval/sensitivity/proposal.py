@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
@@ -42,10 +43,10 @@ class Proposal:
     params_kept: int
     extra_bytes: int  # what keeping them at the source precision costs over the scheme
     extra_pct: float  # of the quantized layers' size under the scheme
-    rechecks: list[dict] = field(default_factory=list)
-    wider: dict | None = None  # the same layers at a wider scheme, measured (wider.py); "chosen" when used
+    rechecks: list[dict[str, Any]] = field(default_factory=list)
+    wider: dict[str, Any] | None = None  # the same layers at a wider scheme, measured (wider.py); "chosen" when used
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"layer_quant_config": self.layer_quant_config, "kept_unquantized": self.kept_unquantized}
 
     @property
@@ -89,7 +90,7 @@ def fusion_units(names: list[str]) -> dict[str, list[str]]:
     return units
 
 
-def propose(result: dict, max_kl: float, measure: Callable[[set[str]], float] | None) -> Proposal:
+def propose(result: dict[str, Any], max_kl: float, measure: Callable[[set[str]], float] | None) -> Proposal:
     """Greedy on the scan, then re-measured with ``measure(excluded patterns) -> KL`` when one is given."""
     rows = {r["layer"]: r for r in result["layers"]}
     whole = float(result["whole_model_kl"])
@@ -116,14 +117,14 @@ def propose(result: dict, max_kl: float, measure: Callable[[set[str]], float] | 
     return _proposal(result, max_kl, kept_rows, chosen, whole, predicted, measured, rechecks)
 
 
-def _patterns(rows: dict, names: list[str]) -> list[str]:
+def _patterns(rows: dict[str, Any], names: list[str]) -> list[str]:
     return sorted(rows[n].get("pattern", n) for n in names)
 
 
-def _recheck(chosen, order, patterns_of, max_kl, measure, known: dict) -> tuple[float | None, list[dict]]:
+def _recheck(chosen, order, patterns_of, max_kl, measure, known: dict[str, Any]) -> tuple[float | None, list[dict]]:
     if not chosen:
         return None, []
-    rechecks: list[dict] = []
+    rechecks: list[dict[str, Any]] = []
     chosen = list(chosen)
     while True:
         names = patterns_of(chosen)

@@ -23,7 +23,7 @@ class Decoder:
     prefix: str  # module-name prefix of the blocks, e.g. "model.layers"
     norm: Any | None
     head: Any | None
-    inputs: list[list[tuple[tuple, dict]]] = field(default_factory=list)  # [block][batch] -> (args, kwargs)
+    inputs: list[list[tuple[tuple, dict[str, Any]]]] = field(default_factory=list)  # [block][batch] -> (args, kwargs)
     final: list = field(default_factory=list)  # [batch] -> output of the last block (the head's input)
 
     def block_of(self, name: str) -> int | None:

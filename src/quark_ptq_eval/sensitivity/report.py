@@ -26,7 +26,7 @@ def aggregate(result: dict[str, Any]) -> dict[str, Any]:
     return {"per_block": by_block, "per_module_type": by_type, "grid": grid}
 
 
-def write_reports(out_dir: Path, result: dict[str, Any], proposal: dict | None, command: str) -> dict[str, Path]:
+def write_reports(out_dir: Path, result: dict[str, Any], proposal: dict[str, Any] | None, command: str) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = aggregate(result)
     data = {**{k: v for k, v in result.items() if k != "cache_hit"}, **summary, "proposal": proposal,
@@ -40,7 +40,7 @@ def write_reports(out_dir: Path, result: dict[str, Any], proposal: dict | None, 
     return paths
 
 
-def _markdown(result: dict, summary: dict, proposal: dict | None, command: str, chart: Path | None) -> str:
+def _markdown(result: dict[str, Any], summary: dict, proposal: dict | None, command: str, chart: Path | None) -> str:
     cost = result["cost"]
     lines = [
         "# Sensitivity scan", "",
@@ -73,7 +73,7 @@ def _markdown(result: dict, summary: dict, proposal: dict | None, command: str, 
     return "\n".join(lines) + "\n"
 
 
-def _share_md(result: dict) -> list[str]:
+def _share_md(result: dict[str, Any]) -> list[str]:
     share = result.get("quantized_share") or {}
     if not share.get("matrix_params"):
         return []
@@ -81,7 +81,7 @@ def _share_md(result: dict) -> list[str]:
             f"{share['matrix_params']:,}, counted as validation counts an export's headers)"]
 
 
-def _experts_md(result: dict) -> list[str]:
+def _experts_md(result: dict[str, Any]) -> list[str]:
     experts = result.get("experts") or {}
     if not experts.get("moe_layers"):
         return []
@@ -98,7 +98,7 @@ UNIT_WORDS = {"group": "MoE layer (routed experts as one unit, shared experts as
               "expert": "expert", "projection": "projection type across each layer's experts"}
 
 
-def _proposal_md(p: dict) -> list[str]:
+def _proposal_md(p: dict[str, Any]) -> list[str]:
     from quark_ptq_eval.evaluate.options import Thresholds
     from quark_ptq_eval.sensitivity.proposal import default_max_kl
 
@@ -122,7 +122,7 @@ def _proposal_md(p: dict) -> list[str]:
     return lines
 
 
-def _chart(path: Path, result: dict, summary: dict) -> Path | None:
+def _chart(path: Path, result: dict[str, Any], summary: dict) -> Path | None:
     try:
         import matplotlib
 

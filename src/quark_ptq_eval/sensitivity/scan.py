@@ -137,7 +137,7 @@ def _tokenizer(opts: ScanOptions):
     return AutoTokenizer.from_pretrained(opts.model_dir, trust_remote_code=opts.trust_remote_code)
 
 
-def _measure_all(session: Session, todo: list[str], rows: dict, cache: ScanCache, progress: Progress,
+def _measure_all(session: Session, todo: list[str], rows: dict[str, Any], cache: ScanCache, progress: Progress,
                  estimate_only: bool, total: int) -> None:
     t_start = time.time()
     for i, name in enumerate(todo, 1):

@@ -135,7 +135,7 @@ def _experts_modules(model) -> list[tuple[str, Any]]:
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "num_experts") and hasattr(m, "_apply_gate")]
 
 
-def _routing_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+def _routing_args(args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     if len(args) >= 3:
         return args[1], args[2]
     return kwargs["top_k_index"], kwargs["top_k_weights"]

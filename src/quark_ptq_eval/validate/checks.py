@@ -7,6 +7,8 @@ source, the activation scales' values, then loading the model.
 
 from __future__ import annotations
 
+from typing import Any
+
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.validate.auxfiles import check_aux
 from quark_ptq_eval.validate.calibration import check_calibration
@@ -126,7 +128,7 @@ def non_finite(info: TensorInfo) -> int:
     return 0
 
 
-def tied_embeddings(config: dict, source: dict[str, TensorInfo] | None = None) -> bool:
+def tied_embeddings(config: dict[str, Any], source: dict[str, TensorInfo] | None = None) -> bool:
     """``tie_word_embeddings`` from config.json (or its ``text_config``); when the key is absent, the weights.
 
     The config class's default would need transformers imported (measured: 3-5 s idle, minutes on a

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import read_json
@@ -62,7 +63,7 @@ def cmd_validate(args: argparse.Namespace, approver: Approver) -> int:
     return 0
 
 
-def _load_plan(path: Path | None) -> dict | None:
+def _load_plan(path: Path | None) -> dict[str, Any] | None:
     if path is None:
         return None
     plan = read_json(path, "quant plan")

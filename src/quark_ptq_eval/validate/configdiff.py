@@ -77,7 +77,7 @@ def normalize_drift(cfg: Any) -> Any:
     return cfg
 
 
-def _normalize_node(node: dict) -> None:
+def _normalize_node(node: dict[str, Any]) -> None:
     for old, new in RENAMED.items():
         if old in node:
             value = node.pop(old)
@@ -118,7 +118,7 @@ def benign_reason(path: str) -> str:
     return "known metadata drift"
 
 
-def compare_by_meaning(source: dict, output: dict, real: list[JsonDiff]) -> tuple[list[JsonDiff], list[JsonDiff], str]:
+def compare_by_meaning(source: dict[str, Any], output: dict, real: list[JsonDiff]) -> tuple[list[JsonDiff], list[JsonDiff], str]:
     """Split ``real`` into (still real, same meaning once both configs are loaded by their class)."""
     loaded = _as_loaded(source, output)
     if loaded is None:
@@ -128,7 +128,7 @@ def compare_by_meaning(source: dict, output: dict, real: list[JsonDiff]) -> tupl
     return [d for d in real if _root(d.path) in still], [d for d in real if _root(d.path) not in still], name
 
 
-def _as_loaded(source: dict, output: dict) -> tuple[dict, dict, str] | None:
+def _as_loaded(source: dict[str, Any], output: dict) -> tuple[dict, dict, str] | None:
     """Both configs through ``CONFIG_MAPPING[model_type].from_dict(...).to_dict()``, or None when
     the model type differs or is unknown, or a config does not load (then raw comparison stands)."""
     model_type = source.get("model_type")
@@ -192,7 +192,7 @@ def _real_finding(d: JsonDiff, ctx: ConfigContext) -> Finding:
                    evidence="the exporter rewrote config.json with a value the source does not have")
 
 
-def _load(path: Path) -> dict | str:
+def _load(path: Path) -> dict[str, Any] | str:
     """The parsed JSON object, or a one-sentence reason it cannot be compared."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

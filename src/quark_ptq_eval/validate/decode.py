@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
@@ -69,7 +69,7 @@ class Bound:
         return text
 
 
-def decode_export(source: Path, quantized: Path, plan: dict | None = None,
+def decode_export(source: Path, quantized: Path, plan: dict[str, Any] | None = None,
                   weights_source: Path | None = None) -> CheckResult:
     """The decode check alone on one export (``weights_source``: read source weights there instead,
     e.g. a dequantized BF16 copy of an FP8 release); never raises on a mismatch."""
@@ -115,7 +115,7 @@ def _source_tensors(ctx: ValidationContext, result: CheckResult) -> dict[str, Te
 
 
 def find_targets(output: dict[str, TensorInfo], source: dict[str, TensorInfo],
-                 qconfig: dict) -> tuple[list[Target], list[tuple[str, str]]]:
+                 qconfig: dict[str, Any]) -> tuple[list[Target], list[tuple[str, str]]]:
     """Every weight with a ``weight_scale`` in the export, with what decodes it; and those that cannot be."""
     reorder = ((qconfig.get("export") or {}).get("pack_method") or "reorder") == "reorder"
     targets, unchecked = [], []
@@ -134,7 +134,7 @@ def find_targets(output: dict[str, TensorInfo], source: dict[str, TensorInfo],
     return targets, unchecked
 
 
-def _cannot_decode(name: str, specs: list[dict], output: dict[str, TensorInfo],
+def _cannot_decode(name: str, specs: list[dict[str, Any]], output: dict[str, TensorInfo],
                    source: dict[str, TensorInfo]) -> str | None:
     if len(specs) != 1:
         return "two-level scales" if len(specs) > 1 else "no weight spec in quantization_config"
@@ -364,14 +364,14 @@ UNIT_OFFSET_NORM_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", 
                                     "t5gemma", "t5gemma2", "qwen3_5", "qwen3_5_moe", "qwen3_5_text"})
 
 
-def _norm_offset(config: dict) -> float:
+def _norm_offset(config: dict[str, Any]) -> float:
     types = {str(config.get("model_type", ""))}
     if isinstance(config.get("text_config"), dict):
         types.add(str(config["text_config"].get("model_type", "")))
     return 1.0 if types & UNIT_OFFSET_NORM_TYPES else 0.0
 
 
-def _to_columns(per_row: np.ndarray, columns: int, config: dict) -> np.ndarray:
+def _to_columns(per_row: np.ndarray, columns: int, config: dict[str, Any]) -> np.ndarray:
     """A prev linear's per-row scale on its consumer's columns: under grouped-query attention each of
     v_proj's heads feeds ``heads / kv_heads`` of o_proj's, which took the same scale."""
     import numpy as np

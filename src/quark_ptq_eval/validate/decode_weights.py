@@ -11,7 +11,7 @@ round-to-nearest format is held to 0.5 step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.validate import decode_formats as fmt
@@ -32,7 +32,7 @@ class Target:
     scale: TensorInfo
     zero_point: TensorInfo | None
     source: TensorInfo
-    spec: dict
+    spec: dict[str, Any]
     reorder: bool  # export.pack_method == "reorder" (int4 nibble order)
 
     @property

@@ -61,7 +61,7 @@ class TensorExpectation:
         return math.ceil(self.count * self.bits / 8)
 
 
-def as_spec_list(spec: Any) -> list[dict]:
+def as_spec_list(spec: Any) -> list[dict[str, Any]]:
     if spec is None:
         return []
     specs = spec if isinstance(spec, list) else [spec]
@@ -90,13 +90,13 @@ def _packed(shape: tuple[int, ...], dtype: str, bits: int | None) -> tuple[int, 
     return (*shape[:-1], math.ceil(shape[-1] * bits / container))
 
 
-def _transposed(spec: dict) -> bool:
+def _transposed(spec: dict[str, Any]) -> bool:
     """Quark stores a per-group sub-byte integer weight (and its scales) transposed."""
     bits = dtype_bits(spec.get("dtype"))
     return is_integer(spec.get("dtype")) and bits is not None and bits < 8 and spec.get("qscheme") == "per_group"
 
 
-def _scale_shape(spec: dict, shape: tuple[int, ...], transposed: bool) -> tuple[int, ...] | None:
+def _scale_shape(spec: dict[str, Any], shape: tuple[int, ...], transposed: bool) -> tuple[int, ...] | None:
     qscheme = spec.get("qscheme")
     if qscheme == "per_tensor":
         return ()
@@ -109,7 +109,7 @@ def _scale_shape(spec: dict, shape: tuple[int, ...], transposed: bool) -> tuple[
     return None
 
 
-def _scale_count(spec: dict, shape: tuple[int, ...]) -> int | None:
+def _scale_count(spec: dict[str, Any], shape: tuple[int, ...]) -> int | None:
     numel = math.prod(shape)
     qscheme = spec.get("qscheme")
     if qscheme == "per_tensor":
@@ -124,7 +124,7 @@ def _scale_count(spec: dict, shape: tuple[int, ...]) -> int | None:
     return None
 
 
-def _scale_storage(specs: list[dict], level: int) -> tuple[int | None, frozenset[str]]:
+def _scale_storage(specs: list[dict[str, Any]], level: int) -> tuple[int | None, frozenset[str]]:
     """The scale of ``level`` is stored quantized when the next level is a scale quantizer."""
     nxt = specs[level + 1] if level + 1 < len(specs) else None
     if nxt and nxt.get("is_scale_quant"):
@@ -159,7 +159,7 @@ def activation_expectations(kind: str, spec: Any, shape: tuple[int, ...] = ()) -
     return _scale_expectations(kind, as_spec_list(spec), shape)
 
 
-def _scale_expectations(kind: str, specs: list[dict], shape: tuple[int, ...]) -> list[TensorExpectation]:
+def _scale_expectations(kind: str, specs: list[dict[str, Any]], shape: tuple[int, ...]) -> list[TensorExpectation]:
     out: list[TensorExpectation] = []
     for level, spec in enumerate(specs):
         if kind != "weight" and spec.get("is_dynamic"):
@@ -207,7 +207,7 @@ class ModuleConfig:
     source: str  # "global_quant_config" or "layer_quant_config[PATTERN]" ...
 
 
-def module_config(qconfig: dict, module: str) -> ModuleConfig | None:
+def module_config(qconfig: dict[str, Any], module: str) -> ModuleConfig | None:
     """First ``layer_quant_config`` pattern matching ``module``, else the global config."""
     for key in ("layer_quant_config", "layer_type_quant_config"):
         for pattern, cfg in (qconfig.get(key) or {}).items():
@@ -218,11 +218,11 @@ def module_config(qconfig: dict, module: str) -> ModuleConfig | None:
     return _as_module_config(glob, "global_quant_config") if isinstance(glob, dict) else None
 
 
-def _as_module_config(cfg: dict, source: str) -> ModuleConfig:
+def _as_module_config(cfg: dict[str, Any], source: str) -> ModuleConfig:
     return ModuleConfig(cfg.get("weight"), cfg.get("input_tensors"), cfg.get("output_tensors"), source)
 
 
-def kv_cache_output(qconfig: dict, module: str) -> Any:
+def kv_cache_output(qconfig: dict[str, Any], module: str) -> Any:
     """The output (KV-cache) spec applied to ``module`` by ``kv_cache_quant_config``, if any."""
     for pattern, cfg in (qconfig.get("kv_cache_quant_config") or {}).items():
         if isinstance(cfg, dict) and fnmatchcase(module, pattern):

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.gates import Approver, require
@@ -60,7 +61,7 @@ def apply_fixes(fixes: list[Fix], source: Path, quantized: Path, approver: Appro
     return applied
 
 
-def fix_and_revalidate(report: ValidationReport, approver: Approver, plan: dict | None = None,
+def fix_and_revalidate(report: ValidationReport, approver: Approver, plan: dict[str, Any] | None = None,
                        **validate_kwargs) -> ValidationReport:
     """Apply the proposed fixes (on approval) and validate again; the new report lists them."""
     fixes = propose_fixes(report, report.source, report.quantized)

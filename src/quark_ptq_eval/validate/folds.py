@@ -17,6 +17,7 @@ fold it takes part in, read from the export's ``algo_config.scaling_layers``:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from quark_ptq_eval.validate.rewrites import LAYER, SCALING
 
@@ -35,7 +36,7 @@ class Unit:
         return self.capture or self.module
 
 
-def fold_groups(qconfig: dict | None) -> list[tuple[str, list[str]]]:
+def fold_groups(qconfig: dict[str, Any] | None) -> list[tuple[str, list[str]]]:
     """(prev_op, layers) pairs, names relative to a decoder layer, of every scaling algorithm."""
     groups = []
     for algo in (qconfig or {}).get("algo_config") or []:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo, canonical_name
 from quark_ptq_eval.validate.expectations import (
@@ -35,7 +36,7 @@ def split_name(name: str) -> tuple[str, str]:
     return module, suffix
 
 
-def fuzzy_patterns(tensors: dict[str, TensorInfo]) -> list[dict]:
+def fuzzy_patterns(tensors: dict[str, TensorInfo]) -> list[dict[str, Any]]:
     """Canonical name patterns with dtype counts, in order of first appearance (as Quark lists them)."""
     counts: dict[str, Counter] = {}
     for name, info in tensors.items():
@@ -53,11 +54,11 @@ def layer_count(tensors: dict[str, TensorInfo]) -> int:
 class LayoutInputs:
     source: dict[str, TensorInfo]
     output: dict[str, TensorInfo]
-    qconfig: dict | None  # the output's quantization_config
+    qconfig: dict[str, Any] | None  # the output's quantization_config
     exclude: list[str]
     plan_overrides: dict[str, str]
     export_has_qconfig: bool = True
-    export_qconfig: dict | None = None  # the export's own quantization_config, when qconfig is the plan's
+    export_qconfig: dict[str, Any] | None = None  # the export's own quantization_config, when qconfig is the plan's
     quantized_modules: set[str] = field(default_factory=set)  # filled in: modules the plan quantizes
 
 
@@ -160,7 +161,7 @@ def _expect_quantized(module: str, suffixes: dict[str, TensorInfo], inputs: Layo
     return cfg is not None and bool(cfg.weight)
 
 
-def _check_quantized(module: str, src: dict[str, TensorInfo], out: dict[str, TensorInfo], qconfig: dict) -> list[Finding]:
+def _check_quantized(module: str, src: dict[str, TensorInfo], out: dict[str, TensorInfo], qconfig: dict[str, Any]) -> list[Finding]:
     cfg = module_config(qconfig, module)
     assert cfg is not None  # _expect_quantized guarantees it
     weight = src["weight"]
@@ -243,7 +244,7 @@ def _same_header(module: str, suffix: str, src: TensorInfo, got: TensorInfo | No
     return []
 
 
-def _unexplained_extras(src: dict[str, dict], out: dict[str, dict[str, TensorInfo]]) -> list[Finding]:
+def _unexplained_extras(src: dict[str, dict[str, Any]], out: dict[str, dict[str, TensorInfo]]) -> list[Finding]:
     findings = []
     for module, suffixes in out.items():
         for suffix, info in suffixes.items():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import math
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.validate.registry import ValidationContext, read_config
@@ -35,7 +36,7 @@ AGREEMENT_THRESHOLD = 0.6  # share of probe positions whose greedy next token ma
 MAX_LISTED = 5
 
 
-def load_check_alone(source: Path, quantized: Path, plan: dict | None = None) -> CheckResult:
+def load_check_alone(source: Path, quantized: Path, plan: dict[str, Any] | None = None) -> CheckResult:
     """The load check on its own, whatever the structural checks say (a loader diagnosis: since the
     decode check, a fault planted in a weight's file stops validation before the load check runs)."""
     ctx = ValidationContext(Path(source), Path(quantized), plan, load_check=True)

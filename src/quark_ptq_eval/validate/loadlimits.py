@@ -11,6 +11,8 @@ to the loosest format it uses.
 
 from __future__ import annotations
 
+from typing import Any
+
 from quark_ptq_eval.validate.expectations import as_spec_list, dtype_bits, is_integer
 from quark_ptq_eval.validate.rewrites import SCALING, algorithms
 
@@ -27,7 +29,7 @@ HEALTHY = {"int8": 0.059, "fp8": 0.084, "int4": 0.184, "fp4": 0.33,
 HEALTHY_SCALING = {"int8": 0.22, "int4": 0.29}
 
 
-def format_of(spec: dict) -> str | None:
+def format_of(spec: dict[str, Any]) -> str | None:
     dtype = str(spec.get("dtype") or "")
     bits = dtype_bits(dtype)
     if dtype.startswith("fp8"):
@@ -41,7 +43,7 @@ def format_of(spec: dict) -> str | None:
     return None
 
 
-def weight_formats(qconfig: dict | None) -> set[str | None]:
+def weight_formats(qconfig: dict[str, Any] | None) -> set[str | None]:
     """Every weight format the export's quantization_config uses (global and per-layer)."""
     qconfig = qconfig or {}
     configs = [qconfig.get("global_quant_config")]
@@ -54,7 +56,7 @@ def weight_formats(qconfig: dict | None) -> set[str | None]:
     return formats
 
 
-def module_error_limit(qconfig: dict | None, plan: dict | None) -> tuple[float, str]:
+def module_error_limit(qconfig: dict[str, Any] | None, plan: dict | None) -> tuple[float, str]:
     """(limit, why) for the export's module replay."""
     scaling = bool(set(algorithms(qconfig, plan)) & SCALING)
     table = {**HEALTHY, **HEALTHY_SCALING} if scaling else HEALTHY

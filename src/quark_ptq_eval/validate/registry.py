@@ -25,7 +25,7 @@ class ValidationContext:
 
     source: Path
     quantized: Path
-    plan: dict | None
+    plan: dict[str, Any] | None
     max_samples: int | None = None
     seed: int = 0
     workers: int | None = None
@@ -41,7 +41,7 @@ class ValidationContext:
     weights_source: Path | None = None  # where the decode check reads source weights (an FP8 release's BF16 copy)
 
     @property
-    def qconfig(self) -> dict | None:
+    def qconfig(self) -> dict[str, Any] | None:
         q = self.out_config.get("quantization_config")
         return q if isinstance(q, dict) else None
 

@@ -31,7 +31,7 @@ class Capture:
     """One source module's first call on the probe, kept on the CPU."""
 
     args: tuple
-    kwargs: dict
+    kwargs: dict[str, Any]
     output: Any  # the first tensor of what it returned
     cls: type
     takes_weights: bool  # an argument is (a view of) a model parameter: the parent owns the weights
@@ -158,7 +158,7 @@ def _run_unit(unit: Unit, captures: dict[str, Capture], exported: dict[str, Any]
     return first_tensor(module(*args, **kwargs))
 
 
-def _hidden_state(args: tuple, kwargs: dict):
+def _hidden_state(args: tuple, kwargs: dict[str, Any]):
     """A module call's hidden state: its first positional tensor, else ``hidden_states=``."""
     import torch
 
@@ -168,7 +168,7 @@ def _hidden_state(args: tuple, kwargs: dict):
     return current if isinstance(current, torch.Tensor) else None
 
 
-def _with_hidden(args: tuple, kwargs: dict, hidden) -> tuple[tuple, dict] | None:
+def _with_hidden(args: tuple, kwargs: dict[str, Any], hidden) -> tuple[tuple, dict] | None:
     """The call's arguments with its hidden state replaced; None when it has none of that shape."""
     current = _hidden_state(args, kwargs)
     if current is None or current.shape != hidden.shape:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.validate.registry import Progress, ValidationContext, read_config
@@ -12,7 +13,7 @@ from quark_ptq_eval.validate.report import ValidationReport
 DEFAULT_EXCLUDE = ["lm_head"]
 
 
-def validate_model(source: Path | None, quantized: Path, plan: dict | None = None, *, max_samples: int | None = None,
+def validate_model(source: Path | None, quantized: Path, plan: dict[str, Any] | None = None, *, max_samples: int | None = None,
                    seed: int = 0, workers: int | None = None, progress: Progress | None = None,
                    load_check: bool = False, vllm_python: Path | None = None) -> ValidationReport:
     """Validate ``quantized`` against ``source`` (and ``plan`` when given); never raises on a mismatch.
@@ -59,7 +60,7 @@ def _existing_dir(path: Path | str | None, what: str) -> Path:
     return path.resolve()
 
 
-def _exclusions(plan: dict | None, qconfig: dict | None) -> tuple[list[str], str]:
+def _exclusions(plan: dict[str, Any] | None, qconfig: dict | None) -> tuple[list[str], str]:
     """The plan's exclusions when given; else what Quark wrote; else the recipe's default."""
     if plan is not None and isinstance(plan.get("exclude_layers"), list):
         return [str(p) for p in plan["exclude_layers"]], "plan"

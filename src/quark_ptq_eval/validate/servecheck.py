@@ -14,6 +14,7 @@ import socket
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.validate.registry import ValidationContext
@@ -99,7 +100,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _against_classes(qconfig: dict | None, result: CheckResult) -> None:
+def _against_classes(qconfig: dict[str, Any] | None, result: CheckResult) -> None:
     """vLLM importable here: its Quark config class must accept the export's quantization_config."""
     if not qconfig:
         result.notes.append("no quantization_config: vLLM serves the weights as a plain model")

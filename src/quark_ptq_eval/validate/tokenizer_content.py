@@ -150,7 +150,7 @@ def _token_text(value: Any) -> Any:
     return value
 
 
-def _load_json(path: Path) -> dict:
+def _load_json(path: Path) -> dict[str, Any]:
     if not path.is_file() or path.stat().st_size > MAX_TOKENIZER_BYTES:
         return {}
     try:

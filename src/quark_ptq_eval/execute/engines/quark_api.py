@@ -15,13 +15,13 @@ CHILD_MODULE = "quark_ptq_eval.execute.quark_api_engine"  # the child entry poin
 class QuarkApiEngine:
     name = "quark-api"
 
-    def auto_reason(self, accelerator: str, calibration: dict, device_is_cpu: bool) -> str | None:
+    def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
         if accelerator in ("cpu", "unknown") or device_is_cpu:
             return ("quark-cli 0.13 loads with device_map='auto' and fails on a host without a GPU; "
                     "Quark's Python API quantizes on the CPU")
         return None
 
-    def check_constraints(self, scheme_info: dict, algorithm: str | None, device: dict) -> None:
+    def check_constraints(self, scheme_info: dict[str, Any], algorithm: str | None, device: dict) -> None:
         return None  # any device, any scheme the installed Quark supports
 
     def argv(self, plan: Any, model_dir: Path, out: Path) -> list[str]:

@@ -20,14 +20,14 @@ CALIB_CACHE_DIR = "calib_cache"  # under the work dir
 class QuarkCliEngine:
     name = "quark-cli"
 
-    def auto_reason(self, accelerator: str, calibration: dict, device_is_cpu: bool) -> str | None:
+    def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
         if accelerator in ("cpu", "unknown") or device_is_cpu:
             return None  # it loads with device_map="auto": the quark-api engine serves CPU hosts
         if calibration["source"] == "local_file":
             return "quark-cli with your text served from a private offline datasets cache"
         return "the public Quark CLI serves this plan as is"
 
-    def check_constraints(self, scheme_info: dict, algorithm: str | None, device: dict) -> None:
+    def check_constraints(self, scheme_info: dict[str, Any], algorithm: str | None, device: dict) -> None:
         """quark-cli 0.13 always loads with device_map='auto'; without a GPU accelerate offloads the
         model to disk, which only weight-only / dynamic-activation schemes survive (measured)."""
         if device["device"] != "cpu":
