@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import json
 
+from quark_ptq_eval.base.schemes import dtype_bits
 from quark_ptq_eval.validate.configdiff import json_diff, triage_json
-from quark_ptq_eval.validate.expectations import (
-    activation_expectations,
-    dtype_bits,
-    module_config,
-    weight_expectations,
-)
+from quark_ptq_eval.validate.expectations import activation_expectations, module_config, weight_expectations
 from quark_ptq_eval.validate.tokenizer_content import differing_aspects, tokenizer_content
 
 

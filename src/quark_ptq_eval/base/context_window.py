@@ -16,7 +16,7 @@ from quark_ptq_eval.base.errors import UsageError
 NO_SCALING = (None, "default", "none")
 
 
-def _text_config(config: dict[str, Any]) -> dict:
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     if "max_position_embeddings" not in config and isinstance(config.get("text_config"), dict):
         return config["text_config"]  # multimodal wrappers keep the language model's config inside
     return config

@@ -46,7 +46,7 @@ def own_schema(kind: str) -> dict[str, Any] | None:
     return _with_registries(kind, _schema(p)) if p.exists() else None
 
 
-def _with_registries(kind: str, schema: dict[str, Any]) -> dict:
+def _with_registries(kind: str, schema: dict[str, Any]) -> dict[str, Any]:
     """Enums that a registry owns are filled in here, never typed into the schema files."""
     if kind != "quant_plan":
         return schema

@@ -25,7 +25,7 @@ class DiskFullError(QpeError):
     pass
 
 
-def write_png(fig: Any, path: str | os.PathLike, dpi: int = 110) -> Path:
+def write_png(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> Path:
     """Render a matplotlib figure to PNG and write it atomically; the figure is closed."""
     import io
 
@@ -37,7 +37,7 @@ def write_png(fig: Any, path: str | os.PathLike, dpi: int = 110) -> Path:
     return atomic_write_bytes(path, buffer.getvalue())
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -87,15 +87,15 @@ def _write_error(path: Path, exc: OSError, size: int) -> QpeError:
                     "Check that the directory is writable and its file system healthy, then re-run.")
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> Path:
+def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False) + "\n")
 
 
-def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+def read_json(path: str | os.PathLike[str], what: str = "file") -> Any:
     """Read JSON, turning every expected failure into one clear sentence."""
     path = Path(path)
     try:
@@ -119,7 +119,7 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
         raise UsageError(f"The {what} {path} is not valid JSON ({exc}).", "Fix or remove it.") from None
 
 
-def _unlink_quietly(path: str | os.PathLike) -> None:
+def _unlink_quietly(path: str | os.PathLike[str]) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
 

@@ -52,7 +52,7 @@ class SafetensorsHeader:
     data_start: int
 
 
-def read_header(path: str | os.PathLike) -> SafetensorsHeader:
+def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """Parse and check one safetensors header; never reads tensor payloads."""
     path = Path(path)
     try:
@@ -160,7 +160,7 @@ def _in_hub_cache_blobs(root: Path, resolved: Path) -> bool:
             and resolved.parent == repo / "blobs")
 
 
-def weight_files(model_dir: str | os.PathLike) -> list[Path]:
+def weight_files(model_dir: str | os.PathLike[str]) -> list[Path]:
     """The safetensors shards of a model directory, through its index when it has one."""
     root = Path(model_dir).resolve()
     index = root / INDEX_NAME
@@ -179,7 +179,7 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     return [_contained(root, p, "Shard") for p in sorted(root.glob("*.safetensors"))]
 
 
-def read_model_headers(model_dir: str | os.PathLike) -> dict[str, TensorInfo]:
+def read_model_headers(model_dir: str | os.PathLike[str]) -> dict[str, TensorInfo]:
     """All tensors of a model directory keyed by name (duplicates across shards are refused)."""
     tensors: dict[str, TensorInfo] = {}
     for shard in weight_files(model_dir):

@@ -40,7 +40,7 @@ class RunState:
     pending: dict[str, Any] | None = None  # the gate waited at: digest, question, the command that continues
 
     @classmethod
-    def load(cls, workdir: str | os.PathLike) -> RunState:
+    def load(cls, workdir: str | os.PathLike[str]) -> RunState:
         workdir = Path(workdir)
         path = workdir / STATE_FILE
         if not path.exists():
@@ -88,7 +88,7 @@ class WorkdirLock:
     """Exclusive lock on a work dir. The kernel drops it when its holder dies, so a lock file
     left by a killed run is stale by construction and is simply taken over."""
 
-    def __init__(self, workdir: str | os.PathLike):
+    def __init__(self, workdir: str | os.PathLike[str]):
         self.path = Path(workdir) / LOCK_FILE
         self._fh = None
 

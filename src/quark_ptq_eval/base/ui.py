@@ -204,7 +204,7 @@ def noise_to_log(log_path: Path) -> Iterator[None]:
             f.close_log()
 
 
-def _swap_handler_streams(streams: dict[int, Any]) -> list[tuple[logging.StreamHandler, Any]]:
+def _swap_handler_streams(streams: dict[int, Any]) -> list[tuple[logging.StreamHandler[Any], Any]]:
     loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
                                       if isinstance(lg, logging.Logger))]
     swapped = []

@@ -96,7 +96,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def detect_pytorch(env: dict[str, Any]) -> dict:
+def detect_pytorch(env: dict[str, Any]) -> dict[str, Any]:
     torch_v = _version("torch")
     acc = env["hardware"]["accelerator"]
     return {"status": "ok" if torch_v else "failed", "pytorch_version": torch_v,

@@ -110,7 +110,7 @@ def baseline_token_stats(logits, labels, top_k: int) -> dict[str, Any]:
     vocab = logits.shape[-1]
     k = min(top_k, vocab)
     rows, flat = logits.reshape(-1, vocab), labels.reshape(-1, 1)
-    parts: dict[str, list] = {"nll": [], "topk_logp": [], "topk_ids": [], "log_tail": []}
+    parts: dict[str, list[Any]] = {"nll": [], "topk_logp": [], "topk_ids": [], "log_tail": []}
     step = max(1, ROW_CHUNK_ELEMENTS // vocab)
     for start in range(0, rows.shape[0], step):
         sl = slice(start, start + step)
@@ -140,7 +140,7 @@ def cached_token_stats(logits, labels, topk_logp, topk_ids, log_tail, base_nll) 
     lp_all, ids_all = topk_logp.reshape(-1, topk_logp.shape[-1]).double(), topk_ids.reshape(-1, topk_ids.shape[-1])
     lr_all = log_tail.reshape(-1).double()
     step = max(1, ROW_CHUNK_ELEMENTS // vocab)
-    parts: dict[str, list] = {"nll": [], "kl": [], "top1": [], "kl_gap_bound": [], "tail_mass": []}
+    parts: dict[str, list[Any]] = {"nll": [], "kl": [], "top1": [], "kl_gap_bound": [], "tail_mass": []}
     for start in range(0, rows.shape[0], step):
         sl = slice(start, start + step)
         log_q = torch.log_softmax(rows[sl].double(), dim=-1)

@@ -265,7 +265,7 @@ def _server_lines(details: dict[str, Any]) -> list[str]:
                     "server stopped with its process group and its port awaited free", ""]
 
 
-def _agreement_table(kl: dict[str, Any], paired: dict | None) -> list[str]:
+def _agreement_table(kl: dict[str, Any], paired: dict[str, Any] | None) -> list[str]:
     """KL quantiles and top-1 agreement at a glance (the bullets below say the same in words)."""
     delta = "-" if not paired else f"{paired['delta_nll']:+.4g} ± {paired['delta_nll_stderr']:.2g}"
     return [
@@ -376,7 +376,7 @@ def _distribution_chart(report: EvalReport, path: Path) -> Path:
     return path
 
 
-def _kl_panel(ax, hist: dict[str, Any], kl: dict) -> None:
+def _kl_panel(ax, hist: dict[str, Any], kl: dict[str, Any]) -> None:
     if hist["counts"]:
         ax.stairs(hist["counts"], hist["edges"], fill=True, color="#5b9bd5")
         ax.set_xscale("log")

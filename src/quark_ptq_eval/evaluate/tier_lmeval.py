@@ -360,7 +360,7 @@ def paired_bootstrap(base: list[float], ours: list[float], iters: int = BOOTSTRA
     return (far + 1) / (iters + 1)
 
 
-def paired_tests(baseline: dict[str, Any], quantized: dict, directions: dict | None = None) -> dict[str, dict[str, dict]]:
+def paired_tests(baseline: dict[str, Any], quantized: dict[str, Any], directions: dict[str, Any] | None = None) -> dict[str, dict[str, dict[str, Any]]]:
     """Per task and metric, the paired test between two per-sample score sets (per_sample_scores):
     McNemar (exact mid-p) where every score is 0/1, else a paired bootstrap of the mean difference."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -419,7 +419,7 @@ def _git_hash(log_path: Path) -> str | None:
     return (proc.stdout.strip() or None) if proc.returncode == 0 else None
 
 
-def scores_from(results: dict[str, Any]) -> tuple[dict, dict, dict]:
+def scores_from(results: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """({task: {metric: value}}, {task: {metric: stderr}}, {task: {metric: higher_is_better}})."""
     scores, stderrs, directions = {}, {}, {}
     for task, metrics in results["results"].items():
@@ -476,7 +476,7 @@ def run(prepared: LmEvalPrepared) -> TierOutcome:
     )
 
 
-def noise_from_stderr(quantized: dict[str, Any], baseline: dict | None) -> dict[str, dict[str, dict]]:
+def noise_from_stderr(quantized: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, dict[str, dict[str, Any]]]:
     """lm-eval's standard errors as the verdict's noise input: {task: {metric: {stderr, baseline_stderr}}}."""
     noise: dict[str, dict[str, dict[str, Any]]] = {}
     for task, metrics in quantized.items():

@@ -147,7 +147,7 @@ def token_stats(logits, labels, base_logits=None) -> dict[str, Any]:
     rows, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1, 1)
     base_rows = None if base_logits is None else base_logits.reshape(-1, vocab)
     step = max(1, ROW_CHUNK_ELEMENTS // vocab)
-    parts: dict[str, list] = {"nll": [], "base_nll": [], "kl": [], "top1": []}
+    parts: dict[str, list[Any]] = {"nll": [], "base_nll": [], "kl": [], "top1": []}
     for start in range(0, rows.shape[0], step):
         chunk = slice(start, start + step)
         log_q = torch.log_softmax(rows[chunk].double(), dim=-1)

@@ -35,7 +35,7 @@ class Executor:
             )
         return result.stdout
 
-    def start(self, argv: list[str], log_name: str) -> subprocess.Popen:
+    def start(self, argv: list[str], log_name: str) -> subprocess.Popen[bytes]:
         return start_server(argv, self.workdir / log_name)  # its own process group: stopped with its workers
 
     def port_free(self, port: int) -> bool:
@@ -51,7 +51,7 @@ class Executor:
         except OSError:
             return False
 
-    def stop_server(self, process: subprocess.Popen, pid_file: Path | None, container: str | None) -> None:
+    def stop_server(self, process: subprocess.Popen[bytes], pid_file: Path | None, container: str | None) -> None:
         if container and pid_file and pid_file.is_file():
             pid = pid_file.read_text().strip()
             if pid.isdigit():  # the server's own pid inside the container, written by its launcher
@@ -111,7 +111,7 @@ def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, detail
     )
 
 
-def comparison_details(stderrs: dict[str, Any], samples: dict, directions: dict) -> dict:
+def comparison_details(stderrs: dict[str, Any], samples: dict[str, Any], directions: dict[str, Any]) -> dict[str, Any]:
     """lm-eval's standard errors, the verdict's noise and, with a baseline, the paired per-document
     tests, as Tier 2 reports them."""
     from quark_ptq_eval.evaluate.tier_lmeval import noise_from_stderr, paired_tests

@@ -98,7 +98,7 @@ def lm_eval_command() -> list[str]:
     return [sys.executable, "-m", "lm_eval"]
 
 
-def start_server(argv: list[str], log_path: Path) -> subprocess.Popen:
+def start_server(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     """Started in a process group of its own: what it spawns (vLLM's engine core) is stopped with it."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
@@ -106,7 +106,7 @@ def start_server(argv: list[str], log_path: Path) -> subprocess.Popen:
                                 start_new_session=True)
 
 
-def stop_group(process: subprocess.Popen, grace_s: float = 30) -> None:
+def stop_group(process: subprocess.Popen[bytes], grace_s: float = 30) -> None:
     """SIGTERM to the server's own process group (it lets vLLM shut its workers down), SIGKILL after
     ``grace_s``; only this group, which this run created."""
     for sig in (signal.SIGTERM, signal.SIGKILL):

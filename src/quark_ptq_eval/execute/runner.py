@@ -35,7 +35,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+def _stop_group(proc: subprocess.Popen[str], grace: float = 10.0) -> None:
     """SIGTERM the child's process group, then SIGKILL what is left after ``grace`` seconds."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         try:

@@ -171,7 +171,7 @@ def _run(recipe: Recipe, manifest: RunManifest):
             echo.close()
 
 
-def _record(recipe: Recipe, manifest: RunManifest, run: dict[str, Any], facts: dict, status: str, **extra) -> None:
+def _record(recipe: Recipe, manifest: RunManifest, run: dict[str, Any], facts: dict[str, Any], status: str, **extra) -> None:
     run["observed"] = {k: facts.get(k) for k in ("dir", "files", "shards", "size_bytes", "quant_method", "problems")}
     manifest.observed = run["observed"]
     manifest.write(recipe.workdir)

@@ -147,8 +147,8 @@ def _config_size_bytes(text_cfg: dict[str, Any]) -> int | None:
     return 2 * (layers * (4 * h * h + 3 * h * inter) + 2 * vocab * h)  # bf16
 
 
-def _risks(cfg: dict[str, Any], text_cfg: dict, template: bool, model_type: str, has_weights: bool,
-           source_format: dict[str, Any]) -> list[dict]:
+def _risks(cfg: dict[str, Any], text_cfg: dict[str, Any], template: bool, model_type: str, has_weights: bool,
+           source_format: dict[str, Any]) -> list[dict[str, Any]]:
     risks = []
 
     def add(sev: str, msg: str, hint: str) -> None:

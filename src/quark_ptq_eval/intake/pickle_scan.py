@@ -53,7 +53,7 @@ _STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICO
 _NEUTRAL_OPS = frozenset({"PROTO", "FRAME", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"})  # leave the stack as is
 
 
-def scan_pickle(path: str | os.PathLike) -> None:
+def scan_pickle(path: str | os.PathLike[str]) -> None:
     """Return when ``path`` only rebuilds tensors; else raise one UnsafeInputError sentence."""
     path = Path(path)
     try:

@@ -37,7 +37,7 @@ def shell_line(argv: list[str], env: dict[str, str]) -> str:
     return shlex.join(["env", *prefix, *argv] if prefix else argv)
 
 
-def manifest_steps(workdir: Path, calibration: list[dict[str, Any]], run: dict) -> list[dict]:
+def manifest_steps(workdir: Path, calibration: list[dict[str, Any]], run: dict[str, Any]) -> list[dict[str, Any]]:
     """The manifest's step list, in the recipe's order (steps.STEPS), ending with the summary."""
     steps: list[dict[str, Any]] = []
     for step in STEPS:

@@ -60,7 +60,7 @@ def _gpu(env: dict[str, Any]) -> tuple[str, str]:
     return hw["accelerator"], (hw.get("gpu_arch") or "").lower()
 
 
-def _choose_scheme(req: PlanRequest, env: dict[str, Any], catalog: dict, tc: TargetContext,
+def _choose_scheme(req: PlanRequest, env: dict[str, Any], catalog: dict[str, Any], tc: TargetContext,
                    fits=None) -> tuple[str, str]:
     if req.scheme:
         return req.scheme, "asked for explicitly"
@@ -127,7 +127,7 @@ def _check_compatible(model_type: str, scheme: str, algorithm: str | None, kv: s
                          f"Supported KV-cache schemes: {', '.join(catalog['kv_cache_schemes'])}.")
 
 
-def _calibration(req: PlanRequest, accelerator: str, model_config: dict[str, Any]) -> tuple[dict, str]:
+def _calibration(req: PlanRequest, accelerator: str, model_config: dict[str, Any]) -> tuple[dict[str, Any], str]:
     samples = req.num_calib_samples or (128 if accelerator in ("cpu", "unknown") else 512)
     seq_len, clamped = fit_window(req.calib_seq_len, 512, model_config, "--calib-seq-len")
     common = {"num_samples": samples, "seq_len": seq_len, "batch_size": req.batch_size}
@@ -143,7 +143,7 @@ def _calibration(req: PlanRequest, accelerator: str, model_config: dict[str, Any
     return {"source": "hub_dataset", "dataset": dataset, "path": None, **common}, f"Quark's standard {dataset}"
 
 
-def _device(req: PlanRequest, env: dict[str, Any], size_bytes: int) -> dict:
+def _device(req: PlanRequest, env: dict[str, Any], size_bytes: int) -> dict[str, Any]:
     acc, _ = _gpu(env)
     device = req.device or ("cpu" if acc in ("cpu", "unknown") else "cuda")
     mem = env["hardware"].get("memory_gb") or 0
@@ -186,7 +186,7 @@ def _scheme_reason(why: str, tc: TargetContext, scheme: str) -> str:
     return f"{why}; {tc.label} " + ("runs it natively" if native else "has no native support for it (see the warning)")
 
 
-def _calibration_size(req: PlanRequest, calibration: dict[str, Any], info: dict, algorithm: str | None, kv: str | None,
+def _calibration_size(req: PlanRequest, calibration: dict[str, Any], info: dict[str, Any], algorithm: str | None, kv: str | None,
                       accelerator: str) -> str:
     if req.num_calib_samples:
         return "explicit"
@@ -200,8 +200,8 @@ def _calibration_size(req: PlanRequest, calibration: dict[str, Any], info: dict,
 
 
 def _target_and_fit(analysis: ModelAnalysis, tc: TargetContext, scheme: str, info: dict[str, Any], algorithm: str | None,
-                    kv: str | None, calibration: dict[str, Any], device: dict, env: dict, output_dir: Path,
-                    engine: str | None = None) -> tuple[dict[str, Any], dict]:
+                    kv: str | None, calibration: dict[str, Any], device: dict[str, Any], env: dict[str, Any], output_dir: Path,
+                    engine: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The plan's ``target`` (with its serving fit) and ``resources`` (this host's fit, with table rows)."""
     target = {**tc.to_dict(), "warnings": scheme_warnings(tc, scheme, kv)}
     rows = []
@@ -235,7 +235,7 @@ def _exclusions(req: PlanRequest, analysis: ModelAnalysis) -> tuple[list[str], s
         f"Quark's {analysis.model_type} template defaults"
 
 
-def _fitting_scheme(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, catalog: dict, tc) -> tuple[str, str]:
+def _fitting_scheme(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, catalog: dict[str, Any], tc) -> tuple[str, str]:
     """The scheme the request and target ask for, held against every quantized linear's group and
     block sizes: a planner's choice falls back to the nearest that fits, a named one is refused."""
     scheme, why = _choose_scheme(req, env, catalog, tc, _budget_check(tc, analysis, catalog, req))
@@ -244,7 +244,7 @@ def _fitting_scheme(analysis: ModelAnalysis, env: dict[str, Any], req: PlanReque
 
 
 def _plan_calibration(req: PlanRequest, analysis: ModelAnalysis, analysis_ref: Path, accelerator: str,
-                      info: dict[str, Any], algorithm: str | None, kv: str | None) -> tuple[dict, str, str, str]:
+                      info: dict[str, Any], algorithm: str | None, kv: str | None) -> tuple[dict[str, Any], str, str, str]:
     """The calibration source and its size, the text read and tokenized now (before anything runs)."""
     calibration, why = _calibration(req, accelerator, read_model_config(analysis.model.get("model_path")))
     size_why = _calibration_size(req, calibration, info, algorithm, kv, accelerator)
@@ -252,7 +252,7 @@ def _plan_calibration(req: PlanRequest, analysis: ModelAnalysis, analysis_ref: P
     return calibration, why, size, size_why
 
 
-def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, catalog: dict, analysis_ref: Path,
+def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, catalog: dict[str, Any], analysis_ref: Path,
               output_dir: Path) -> QuantPlan:
     model_type = analysis.model_type
     accelerator, arch = _gpu(env)

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from quark_ptq_eval.base.options import flag
 from quark_ptq_eval.execute.engines import ENGINE_NAMES
 
-
 def _pairs_to_dict(pairs: list[list[str]]) -> dict[str, str]:
     return dict(pairs)
 

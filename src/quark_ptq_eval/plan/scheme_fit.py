@@ -22,8 +22,7 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.safetensors_io import read_model_headers, weight_files
-from quark_ptq_eval.validate.expectations import as_spec_list, dtype_bits, is_embedding, is_integer
-from quark_ptq_eval.validate.schemes import meaning
+from quark_ptq_eval.base.schemes import as_spec_list, dtype_bits, is_embedding, is_integer, meaning
 
 ROLES = ("weight", "input_tensors")  # the specs that split the input dimension
 NON_LINEAR = ("norm", "rotary")  # as intake counts linears; embeddings by name (is_embedding)
@@ -81,7 +80,7 @@ def _zero_point_pack(spec: dict[str, Any]) -> int:
 
 def _variants(scheme: str, schemes: dict[str, Any], known: list[str]) -> list[str]:
     """Schemes Quark builds exactly as ``scheme`` but for the group size, largest group first."""
-    def shape_of(name: str) -> list:
+    def shape_of(name: str) -> list[Any]:
         return [[{k: v for k, v in (m or {}).items() if k != "group_size"} for m in meaning(schemes[name].get(r)) or []]
                 for r in ROLES]
 
@@ -130,9 +129,7 @@ def check_overrides(overrides: dict[str, str], shapes: dict[str, tuple[int, int]
 def fit_to_model(model_path: str, scheme: str, why: str, user_named: bool, overrides: dict[str, str],
                  excludes: list[str], known: list[str], fallbacks: tuple[str, ...] = ()) -> tuple[str, str]:
     """The plan step's check: overrides against the linears they match, the global scheme against the rest."""
-    from quark_ptq_eval.validate.schemes import (
-        load_scheme_table,  # Quark's own specs, cached (no quark import here)
-    )
+    from quark_ptq_eval.base.schemes import load_scheme_table
 
     shapes = linear_shapes(model_path, excludes)
     if not shapes:

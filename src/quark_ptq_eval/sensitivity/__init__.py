@@ -81,7 +81,7 @@ def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = Non
     return {"status": "complete", "result": result, "proposal": proposal, "reports": paths}
 
 
-def _batches(opts: ScanOptions) -> list:
+def _batches(opts: ScanOptions) -> list[Any]:
     from transformers import AutoTokenizer
 
     from quark_ptq_eval.base.textdata import load_texts

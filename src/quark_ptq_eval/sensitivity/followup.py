@@ -82,7 +82,7 @@ def _read_plan(workdir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _for_model(plan: dict[str, Any] | None, model_dir: Path) -> dict | None:
+def _for_model(plan: dict[str, Any] | None, model_dir: Path) -> dict[str, Any] | None:
     """The plan when it was made for this export (a plan for another output is not ours)."""
     out = plan.get("output_dir") if isinstance(plan, dict) else None
     if not out or Path(out).resolve() != model_dir.resolve():

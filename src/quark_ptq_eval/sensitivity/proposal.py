@@ -121,7 +121,7 @@ def _patterns(rows: dict[str, Any], names: list[str]) -> list[str]:
     return sorted(rows[n].get("pattern", n) for n in names)
 
 
-def _recheck(chosen, order, patterns_of, max_kl, measure, known: dict[str, Any]) -> tuple[float | None, list[dict]]:
+def _recheck(chosen, order, patterns_of, max_kl, measure, known: dict[str, Any]) -> tuple[float | None, list[dict[str, Any]]]:
     if not chosen:
         return None, []
     rechecks: list[dict[str, Any]] = []

@@ -23,8 +23,8 @@ class Decoder:
     prefix: str  # module-name prefix of the blocks, e.g. "model.layers"
     norm: Any | None
     head: Any | None
-    inputs: list[list[tuple[tuple, dict[str, Any]]]] = field(default_factory=list)  # [block][batch] -> (args, kwargs)
-    final: list = field(default_factory=list)  # [batch] -> output of the last block (the head's input)
+    inputs: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = field(default_factory=list)  # [block][batch] -> (args, kwargs)
+    final: list[Any] = field(default_factory=list)  # [batch] -> output of the last block (the head's input)
 
     def block_of(self, name: str) -> int | None:
         """Index of the block a module belongs to, None for modules outside every block (lm_head)."""
@@ -45,7 +45,7 @@ def find_decoder(model) -> Decoder | None:
     return None
 
 
-def capture_inputs(decoder: Decoder, model, batches: list) -> list:
+def capture_inputs(decoder: Decoder, model, batches: list[Any]) -> list[Any]:
     """Run the reference pass, recording each block's inputs; return float32 log-probs per batch."""
     import torch
 
@@ -95,7 +95,7 @@ def replay(decoder: Decoder, start: int, batch_index: int):
         return log_probs(decoder.head(hidden))
 
 
-def replay_matches(decoder: Decoder, reference: list) -> bool:
+def replay_matches(decoder: Decoder, reference: list[Any]) -> bool:
     """True when replaying from block 0 reproduces the reference pass (checked on the first batch)."""
     if decoder.head is None or not decoder.inputs or not decoder.inputs[0]:
         return False

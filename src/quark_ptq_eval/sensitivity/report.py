@@ -40,7 +40,7 @@ def write_reports(out_dir: Path, result: dict[str, Any], proposal: dict[str, Any
     return paths
 
 
-def _markdown(result: dict[str, Any], summary: dict, proposal: dict | None, command: str, chart: Path | None) -> str:
+def _markdown(result: dict[str, Any], summary: dict[str, Any], proposal: dict[str, Any] | None, command: str, chart: Path | None) -> str:
     cost = result["cost"]
     lines = [
         "# Sensitivity scan", "",
@@ -122,7 +122,7 @@ def _proposal_md(p: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _chart(path: Path, result: dict[str, Any], summary: dict) -> Path | None:
+def _chart(path: Path, result: dict[str, Any], summary: dict[str, Any]) -> Path | None:
     try:
         import matplotlib
 

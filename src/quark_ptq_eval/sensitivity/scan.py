@@ -70,8 +70,8 @@ class Session:
     """The loaded model, quantized once in fake-quant mode, and what the measurements need."""
 
     model: Any
-    batches: list
-    reference: list  # float32 log-probs per batch, nothing quantized
+    batches: list[Any]
+    reference: list[Any]  # float32 log-probs per batch, nothing quantized
     layers: dict[str, Any]  # quantized module name -> its Quark quantizers
     decoder: Decoder | None  # None: measure with full forward passes
     units: dict[str, Unit] = field(default_factory=dict)  # what is measured alone (units.py)
@@ -196,7 +196,7 @@ def _params(module) -> int:
     return int(weight.numel()) if weight is not None else 0
 
 
-def open_session(opts: ScanOptions, batches: list) -> Session:
+def open_session(opts: ScanOptions, batches: list[Any]) -> Session:
     """Load and prepare as the engine does, record the reference pass (and the MoE routing), quantize
     once with Quark (fake-quant, the engine's template config), switch everything off."""
     import torch
@@ -236,7 +236,7 @@ def open_session(opts: ScanOptions, batches: list) -> Session:
     return session
 
 
-def _reference_pass(model, batches: list, routing: Routing, use_replay: bool) -> tuple[Decoder | None, list]:
+def _reference_pass(model, batches: list[Any], routing: Routing, use_replay: bool) -> tuple[Decoder | None, list[Any]]:
     """Reference log-probs (nothing quantized), each block's inputs and each MoE layer's routing."""
     decoder = find_decoder(model)
     routing.record(model)
@@ -252,7 +252,7 @@ def _reference_pass(model, batches: list, routing: Routing, use_replay: bool) ->
 def quantized_share(model, layers: dict[str, Any]) -> dict[str, Any]:
     """Weight parameters quantized / all matrix parameters, counted as the validator counts the export's
     headers: every weight of two or more dimensions except embeddings (routers and lm_head included)."""
-    from quark_ptq_eval.validate.expectations import is_embedding
+    from quark_ptq_eval.base.schemes import is_embedding
 
     total = quantized = 0
     for name, module in model.named_modules():
@@ -281,7 +281,7 @@ UNREACHED_TREATMENT = ("an expert no calibration token reached is quantized like
                        "it is listed here, and the proposal, which ranks by KL, leaves it at the scheme")
 
 
-def _full_pass(model, batches: list) -> list:
+def _full_pass(model, batches: list[Any]) -> list[Any]:
     import torch
 
     from quark_ptq_eval.sensitivity.replay import log_probs

@@ -80,7 +80,7 @@ class Routing:
         self.num_experts: dict[str, int] = {}
         self.pinned = False
         self.batch = 0
-        self._handles: list = []
+        self._handles: list[Any] = []
 
     def record(self, model) -> None:
         """Hooks that record the routing of every experts module during the next forward passes."""
@@ -135,7 +135,7 @@ def _experts_modules(model) -> list[tuple[str, Any]]:
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "num_experts") and hasattr(m, "_apply_gate")]
 
 
-def _routing_args(args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+def _routing_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     if len(args) >= 3:
         return args[1], args[2]
     return kwargs["top_k_index"], kwargs["top_k_weights"]

@@ -32,7 +32,7 @@ def wider_scheme(scheme: str) -> str | None:
     return None
 
 
-def try_wider(opts: ScanOptions, proposal: Proposal, result: dict[str, Any], batches: Callable[[], list],
+def try_wider(opts: ScanOptions, proposal: Proposal, result: dict[str, Any], batches: Callable[[], list[Any]],
               wider: str | None, progress: Callable[[str], None]) -> dict[str, Any] | None:
     """Measure the proposal's layers at ``wider`` and record the outcome in ``proposal.wider``."""
     if not proposal.exclude or not wider or wider == opts.scheme:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
+from quark_ptq_eval.base.schemes import load_scheme_table
 from quark_ptq_eval.validate.auxfiles import check_aux
 from quark_ptq_eval.validate.calibration import check_calibration
 from quark_ptq_eval.validate.configdiff import ConfigContext, check_config
@@ -22,7 +23,6 @@ from quark_ptq_eval.validate.plan_conformance import plan_expectation
 from quark_ptq_eval.validate.registry import Check, ValidationContext, unreadable_headers
 from quark_ptq_eval.validate.report import CheckResult, Finding
 from quark_ptq_eval.validate.rewrites import rewritten_by
-from quark_ptq_eval.validate.schemes import load_scheme_table
 from quark_ptq_eval.validate.servecheck import check_serving
 
 FLOAT_EXPONENT = {"F16": (2, 0x7C00), "BF16": (2, 0x7F80)}  # all-ones exponent: inf or NaN

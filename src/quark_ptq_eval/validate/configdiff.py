@@ -118,7 +118,7 @@ def benign_reason(path: str) -> str:
     return "known metadata drift"
 
 
-def compare_by_meaning(source: dict[str, Any], output: dict, real: list[JsonDiff]) -> tuple[list[JsonDiff], list[JsonDiff], str]:
+def compare_by_meaning(source: dict[str, Any], output: dict[str, Any], real: list[JsonDiff]) -> tuple[list[JsonDiff], list[JsonDiff], str]:
     """Split ``real`` into (still real, same meaning once both configs are loaded by their class)."""
     loaded = _as_loaded(source, output)
     if loaded is None:
@@ -128,7 +128,7 @@ def compare_by_meaning(source: dict[str, Any], output: dict, real: list[JsonDiff
     return [d for d in real if _root(d.path) in still], [d for d in real if _root(d.path) not in still], name
 
 
-def _as_loaded(source: dict[str, Any], output: dict) -> tuple[dict, dict, str] | None:
+def _as_loaded(source: dict[str, Any], output: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str] | None:
     """Both configs through ``CONFIG_MAPPING[model_type].from_dict(...).to_dict()``, or None when
     the model type differs or is unknown, or a config does not load (then raw comparison stands)."""
     model_type = source.get("model_type")

@@ -24,24 +24,14 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
+from quark_ptq_eval.base.schemes import as_spec_list, dtype_bits, is_integer
+
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 INTEGER_CONTAINERS = frozenset({"U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"})
 FP8_CONTAINERS = {"fp8_e4m3": {"F8_E4M3", "F8_E4M3FNUZ"}, "fp8_e5m2": {"F8_E5M2", "F8_E5M2FNUZ"}}
 MINIFLOAT_CONTAINERS = frozenset({"U8", "I8", "F8_E8M0", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
 E8M0_CONTAINERS = frozenset({"U8", "F8_E8M0"})
 MINIFLOAT_FORMAT = re.compile(r"e\d+m\d+")
-EMBEDDING_MARKERS = ("embed", "wte", "wpe")
-_BITS = re.compile(r"^(?:u?int|fp|float|bfloat)(\d+)")
-
-
-def dtype_bits(quark_dtype: str | None) -> int | None:
-    """``int4`` -> 4, ``fp8_e4m3`` -> 8, ``fp4`` -> 4; None for block formats we cannot size."""
-    m = _BITS.match(quark_dtype or "")
-    return int(m.group(1)) if m else None
-
-
-def is_integer(quark_dtype: str | None) -> bool:
-    return bool(quark_dtype) and quark_dtype.startswith(("int", "uint"))
 
 
 @dataclass(frozen=True)
@@ -59,13 +49,6 @@ class TensorExpectation:
         if self.count is None or self.bits is None:
             return None
         return math.ceil(self.count * self.bits / 8)
-
-
-def as_spec_list(spec: Any) -> list[dict[str, Any]]:
-    if spec is None:
-        return []
-    specs = spec if isinstance(spec, list) else [spec]
-    return [s for s in specs if isinstance(s, dict)]
 
 
 def _element_containers(dtype: str, bits: int | None) -> frozenset[str]:
@@ -190,11 +173,6 @@ def is_quant_param(suffix: str) -> bool:
 def matches(module: str, tensor: str | None, patterns: list[str]) -> bool:
     """Quark's exclude semantics: a pattern matches the module name or the full tensor name."""
     return any(fnmatchcase(module, p) or (tensor is not None and fnmatchcase(tensor, p)) for p in patterns)
-
-
-def is_embedding(module: str) -> bool:
-    last = module.rsplit(".", 1)[-1].lower()
-    return any(marker in last for marker in EMBEDDING_MARKERS)
 
 
 @dataclass(frozen=True)

@@ -71,14 +71,14 @@ def coverage(captures: dict[str, Capture]) -> tuple[int, int]:
     return sum(r for r, _ in pairs), sum(t for _, t in pairs)
 
 
-def _index_arg(args: tuple) -> int | None:
+def _index_arg(args: tuple[Any, ...]) -> int | None:
     import torch
 
     found = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.ndim == 2 and not a.is_floating_point()]
     return found[0] if len(found) == 1 else None
 
 
-def _forced_calls(module, cap: Capture) -> list[tuple[int, tuple]] | None:
+def _forced_calls(module, cap: Capture) -> list[tuple[int, tuple[Any, ...]]] | None:
     """Per expert e, the call's positional arguments on a few probe tokens with e in every row's first
     slot at weight 1 (the other slots, distinct experts, at weight 0)."""
     import torch

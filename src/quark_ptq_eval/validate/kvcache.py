@@ -15,7 +15,8 @@ import math
 from fnmatch import fnmatchcase
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
-from quark_ptq_eval.validate.expectations import activation_expectations, as_spec_list
+from quark_ptq_eval.base.schemes import as_spec_list
+from quark_ptq_eval.validate.expectations import activation_expectations
 from quark_ptq_eval.validate.registry import ValidationContext
 from quark_ptq_eval.validate.report import MAX_LISTED, CheckResult, Finding
 

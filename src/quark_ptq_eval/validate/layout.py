@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo, canonical_name
+from quark_ptq_eval.base.schemes import is_embedding
 from quark_ptq_eval.validate.expectations import (
     TensorExpectation,
     activation_expectations,
-    is_embedding,
     is_quant_param,
     kv_cache_output,
     matches,
@@ -38,7 +38,7 @@ def split_name(name: str) -> tuple[str, str]:
 
 def fuzzy_patterns(tensors: dict[str, TensorInfo]) -> list[dict[str, Any]]:
     """Canonical name patterns with dtype counts, in order of first appearance (as Quark lists them)."""
-    counts: dict[str, Counter] = {}
+    counts: dict[str, Counter[str]] = {}
     for name, info in tensors.items():
         counts.setdefault(canonical_name(name), Counter())[info.dtype] += 1
     return [{"pattern": p, "dtype_counts": dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))}

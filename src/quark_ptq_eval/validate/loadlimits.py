@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quark_ptq_eval.validate.expectations import as_spec_list, dtype_bits, is_integer
+from quark_ptq_eval.base.schemes import as_spec_list, dtype_bits, is_integer
 from quark_ptq_eval.validate.rewrites import SCALING, algorithms
 
 MARGIN = 2.0  # the sweeps cover 8 families of 34: room for the others' spread
@@ -56,7 +56,7 @@ def weight_formats(qconfig: dict[str, Any] | None) -> set[str | None]:
     return formats
 
 
-def module_error_limit(qconfig: dict[str, Any] | None, plan: dict | None) -> tuple[float, str]:
+def module_error_limit(qconfig: dict[str, Any] | None, plan: dict[str, Any] | None) -> tuple[float, str]:
     """(limit, why) for the export's module replay."""
     scaling = bool(set(algorithms(qconfig, plan)) & SCALING)
     table = {**HEALTHY, **HEALTHY_SCALING} if scaling else HEALTHY

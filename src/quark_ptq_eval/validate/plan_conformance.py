@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import Any
 
+from quark_ptq_eval.base.schemes import ROLES, describe, meaning
 from quark_ptq_eval.validate.report import Finding
-from quark_ptq_eval.validate.schemes import ROLES, describe, meaning
 
 DEFAULT_KV_PATTERNS = ("*k_proj", "*v_proj")
 ATTENTION_TOKENS = ("self_attn", "self_attention", "attn", "attention")  # Quark's _ATTN_TOKENS
@@ -36,7 +36,7 @@ class PlanExpectation:
     notes: list[str] = field(default_factory=list)
 
 
-def plan_expectation(plan: dict[str, Any] | None, out_qconfig: dict | None, table: dict | None) -> PlanExpectation:
+def plan_expectation(plan: dict[str, Any] | None, out_qconfig: dict[str, Any] | None, table: dict[str, Any] | None) -> PlanExpectation:
     """The plan-derived quantization config, plus a finding per spec the export got wrong."""
     scheme = (plan or {}).get("global_scheme")
     if not scheme:
@@ -55,7 +55,7 @@ def plan_expectation(plan: dict[str, Any] | None, out_qconfig: dict | None, tabl
     return result
 
 
-def _expected_qconfig(plan: dict[str, Any], out_qconfig: dict, table: dict) -> dict:
+def _expected_qconfig(plan: dict[str, Any], out_qconfig: dict[str, Any], table: dict[str, Any]) -> dict[str, Any]:
     schemes = table["schemes"]
     expected: dict[str, Any] = {
         "global_quant_config": schemes[plan["global_scheme"]],
@@ -75,7 +75,7 @@ def _expected_qconfig(plan: dict[str, Any], out_qconfig: dict, table: dict) -> d
     return expected
 
 
-def kv_patterns(plan: dict[str, Any], out_qconfig: dict, table: dict) -> list[str]:
+def kv_patterns(plan: dict[str, Any], out_qconfig: dict[str, Any], table: dict[str, Any]) -> list[str]:
     """The patterns a KV scheme quantizes: the export's own, else the model type's Quark template."""
     written = list(out_qconfig.get("kv_cache_quant_config") or {})
     group = list((out_qconfig.get("export") or {}).get("kv_cache_group") or [])
@@ -84,7 +84,7 @@ def kv_patterns(plan: dict[str, Any], out_qconfig: dict, table: dict) -> list[st
     return written or group or template or list(DEFAULT_KV_PATTERNS)
 
 
-def _kv_entry(expected: dict[str, Any], pattern: str, kv_spec: dict) -> dict:
+def _kv_entry(expected: dict[str, Any], pattern: str, kv_spec: dict[str, Any]) -> dict[str, Any]:
     """Quark's entry for one KV pattern: its base spec (None when excluded) with the KV output spec."""
     if any(fnmatch(pattern, ex) for ex in expected["exclude"]):
         return {"weight": None, "input_tensors": None, "output_tensors": kv_spec}
@@ -98,7 +98,7 @@ def _kv_entry(expected: dict[str, Any], pattern: str, kv_spec: dict) -> dict:
     return {"weight": base.get("weight"), "input_tensors": base.get("input_tensors"), "output_tensors": kv_spec}
 
 
-def _compare(plan: dict[str, Any], expected: dict, out: dict | None, schemes: dict) -> list[Finding]:
+def _compare(plan: dict[str, Any], expected: dict[str, Any], out: dict[str, Any] | None, schemes: dict[str, Any]) -> list[Finding]:
     if out is None:
         return [Finding("quantization_config", f"is absent, but the plan quantizes with {plan['global_scheme']!r}.",
                         side="quark", evidence=f"expected (plan): {describe(expected['global_quant_config']['weight'])}"
@@ -131,7 +131,7 @@ def _compare(plan: dict[str, Any], expected: dict, out: dict | None, schemes: di
     return findings
 
 
-def _compare_layer(where: str, scheme: str, want: dict[str, Any], got: Any, schemes: dict) -> list[Finding]:
+def _compare_layer(where: str, scheme: str, want: dict[str, Any], got: Any, schemes: dict[str, Any]) -> list[Finding]:
     got = got if isinstance(got, dict) else {}
     findings = []
     for role in ROLES:
@@ -158,7 +158,7 @@ def _difference(scheme: str, want: Any, got: Any) -> str:
             + "; found: " + ", ".join(f"{tag[i]}{k}={w!r}" for i, k, _, w in diffs))
 
 
-def _scheme_of(layer: dict[str, Any], schemes: dict) -> str | None:
+def _scheme_of(layer: dict[str, Any], schemes: dict[str, Any]) -> str | None:
     """The scheme whose spec the export's layer config carries, to name it in the message."""
     for name, spec in schemes.items():
         if all(meaning(spec.get(r)) == meaning(layer.get(r)) for r in ROLES):
@@ -166,7 +166,7 @@ def _scheme_of(layer: dict[str, Any], schemes: dict) -> str | None:
     return None
 
 
-def _compare_kv(plan: dict[str, Any], expected: dict, out: dict) -> list[Finding]:
+def _compare_kv(plan: dict[str, Any], expected: dict[str, Any], out: dict[str, Any]) -> list[Finding]:
     written = out.get("kv_cache_quant_config") or {}
     kv_scheme = plan.get("kv_cache_scheme")
     if not kv_scheme:

@@ -30,7 +30,7 @@ MAX_CLIMB = 3  # the owner, its parent (an MoE block for fused experts), grandpa
 class Capture:
     """One source module's first call on the probe, kept on the CPU."""
 
-    args: tuple
+    args: tuple[Any, ...]
     kwargs: dict[str, Any]
     output: Any  # the first tensor of what it returned
     cls: type
@@ -158,7 +158,7 @@ def _run_unit(unit: Unit, captures: dict[str, Capture], exported: dict[str, Any]
     return first_tensor(module(*args, **kwargs))
 
 
-def _hidden_state(args: tuple, kwargs: dict[str, Any]):
+def _hidden_state(args: tuple[Any, ...], kwargs: dict[str, Any]):
     """A module call's hidden state: its first positional tensor, else ``hidden_states=``."""
     import torch
 
@@ -168,7 +168,7 @@ def _hidden_state(args: tuple, kwargs: dict[str, Any]):
     return current if isinstance(current, torch.Tensor) else None
 
 
-def _with_hidden(args: tuple, kwargs: dict[str, Any], hidden) -> tuple[tuple, dict] | None:
+def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The call's arguments with its hidden state replaced; None when it has none of that shape."""
     current = _hidden_state(args, kwargs)
     if current is None or current.shape != hidden.shape:

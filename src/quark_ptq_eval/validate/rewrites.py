@@ -23,7 +23,7 @@ ROTATED = ("*embed*", "*wte*", "lm_head.*", "*norm*", "*_proj.*", "*.fc*", "*.de
 LAYER = re.compile(r"^(.*?\.(?:layers|h|blocks|layer)\.\d+)\.(.+)$")
 
 
-def algorithms(qconfig: dict[str, Any] | None, plan: dict | None) -> list[str]:
+def algorithms(qconfig: dict[str, Any] | None, plan: dict[str, Any] | None) -> list[str]:
     """Algorithm names from the export's ``algo_config`` and the plan's ``algorithm``."""
     names: list[str] = []
     for algo in (qconfig or {}).get("algo_config") or []:
@@ -36,7 +36,7 @@ def algorithms(qconfig: dict[str, Any] | None, plan: dict | None) -> list[str]:
     return sorted({ALIASES.get(n.lower(), n.lower()) for n in names})
 
 
-def rewritten_by(names: list[str], qconfig: dict[str, Any] | None, plan: dict | None) -> dict[str, str]:
+def rewritten_by(names: list[str], qconfig: dict[str, Any] | None, plan: dict[str, Any] | None) -> dict[str, str]:
     """Tensor name -> the algorithm allowed to rewrite it (first one wins)."""
     allowed: dict[str, str] = {}
     configs = {str(a.get("name", "")).lower(): a for a in (qconfig or {}).get("algo_config") or [] if isinstance(a, dict)}

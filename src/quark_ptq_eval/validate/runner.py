@@ -60,7 +60,7 @@ def _existing_dir(path: Path | str | None, what: str) -> Path:
     return path.resolve()
 
 
-def _exclusions(plan: dict[str, Any] | None, qconfig: dict | None) -> tuple[list[str], str]:
+def _exclusions(plan: dict[str, Any] | None, qconfig: dict[str, Any] | None) -> tuple[list[str], str]:
     """The plan's exclusions when given; else what Quark wrote; else the recipe's default."""
     if plan is not None and isinstance(plan.get("exclude_layers"), list):
         return [str(p) for p in plan["exclude_layers"]], "plan"

@@ -42,7 +42,7 @@ def export_name(name: str, output: dict[str, Any] | None = None) -> str:
     return candidates[0]
 
 
-def align_source_names(source: dict[str, Any], output: dict, model_type: str | None = None) -> dict:
+def align_source_names(source: dict[str, Any], output: dict[str, Any], model_type: str | None = None) -> dict[str, Any]:
     """``source`` keyed by the export's names where only the legacy name differs, and fused 3-D
     expert tensors split per expert where the export holds them per expert; else unchanged.
     Names still unmatched then go through transformers' own checkpoint renamings for
@@ -66,7 +66,7 @@ def _transformers_renamer(model_type: str):
     return (lambda n: rename_source_key(n, rules, [])[0]) if rules else None
 
 
-def _align(source: dict[str, Any], output: dict, pre) -> dict:
+def _align(source: dict[str, Any], output: dict[str, Any], pre) -> dict[str, Any]:
     renamed = {}
     for name, info in source.items():
         split = _split_fused_expert(name, info, output) or _split_granite_moe(name, info, output)
@@ -84,7 +84,7 @@ def _align(source: dict[str, Any], output: dict, pre) -> dict:
 _FUSED = re.compile(r"^(?P<experts>.*\.experts(?:\.mlp)?)\.(?P<proj>[a-z0-9_]+?)(?P<bias>_bias)?$")
 
 
-def _split_fused_expert(name: str, info, output: dict[str, Any]) -> dict | None:
+def _split_fused_expert(name: str, info, output: dict[str, Any]) -> dict[str, Any] | None:
     """A fused expert tensor on disk (gpt-oss ``experts.gate_up_proj`` [E, in, out], DBRX
     ``experts.mlp.w1`` [E*I, H]) -> ``experts.<e>.<proj>.weight`` per expert, as Quark exports it:
     equal slices of the leading dimension, exact byte ranges of the same tensor."""
@@ -111,7 +111,7 @@ def _split_fused_expert(name: str, info, output: dict[str, Any]) -> dict | None:
 _GRANITE = re.compile(r"^(?P<moe>.*\.block_sparse_moe)\.(?P<which>input|output)_linear\.weight$")
 
 
-def _split_granite_moe(name: str, info, output: dict[str, Any]) -> dict | None:
+def _split_granite_moe(name: str, info, output: dict[str, Any]) -> dict[str, Any] | None:
     """Granite MoE: ``input_linear`` [E, 2I, H] holds gate then up rows, ``output_linear`` [E, H, I]
     the down projection; Quark exports ``experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``."""
     m = _GRANITE.match(name)

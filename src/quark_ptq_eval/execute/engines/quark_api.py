@@ -21,7 +21,7 @@ class QuarkApiEngine:
                     "Quark's Python API quantizes on the CPU")
         return None
 
-    def check_constraints(self, scheme_info: dict[str, Any], algorithm: str | None, device: dict) -> None:
+    def check_constraints(self, scheme_info: dict[str, Any], algorithm: str | None, device: dict[str, Any]) -> None:
         return None  # any device, any scheme the installed Quark supports
 
     def argv(self, plan: Any, model_dir: Path, out: Path) -> list[str]:

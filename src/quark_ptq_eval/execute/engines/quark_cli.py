@@ -27,7 +27,7 @@ class QuarkCliEngine:
             return "quark-cli with your text served from a private offline datasets cache"
         return "the public Quark CLI serves this plan as is"
 
-    def check_constraints(self, scheme_info: dict[str, Any], algorithm: str | None, device: dict) -> None:
+    def check_constraints(self, scheme_info: dict[str, Any], algorithm: str | None, device: dict[str, Any]) -> None:
         """quark-cli 0.13 always loads with device_map='auto'; without a GPU accelerate offloads the
         model to disk, which only weight-only / dynamic-activation schemes survive (measured)."""
         if device["device"] != "cpu":

@@ -3,6 +3,8 @@
 The table is asked of the installed Quark once (``LLMTemplate.get_config(scheme).to_dict()``,
 the very dicts its exporter serialises), in a child process, and cached per Quark version and
 install location like the capability catalog: the validator itself never imports quark.
+The small readers of a spec (its dtype's bits, integer or not, one spec or a list) sit here too:
+the plan's scheme fit and the validator read specs alike.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 from typing import Any
@@ -22,6 +25,8 @@ TABLE_FORMAT = 2  # 2: the KV-cache layer patterns of every template
 MEANING_KEYS = ("dtype", "qscheme", "ch_axis", "group_size", "block_size", "symmetric", "is_dynamic",
                 "scale_type", "zero_point_type", "scale_format", "mx_element_dtype", "is_scale_quant")
 ROLES = ("weight", "input_tensors", "output_tensors")
+EMBEDDING_MARKERS = ("embed", "wte", "wpe")
+_BITS = re.compile(r"^(?:u?int|fp|float|bfloat)(\d+)")
 
 
 def _cache_path():
@@ -44,7 +49,7 @@ def load_scheme_table() -> dict[str, Any] | None:
             return json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError:
             pass  # a damaged cache is rebuilt
-    proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval.validate.schemes"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval.base.schemes"], capture_output=True, text=True)
     if proc.returncode != 0 or not proc.stdout.strip():
         return None
     table = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -76,6 +81,28 @@ def dump_scheme_table() -> dict[str, Any]:
     # the patterns each template's KV-cache scheme quantizes (k_proj/v_proj, MLA's kv_b_proj, fused qkv ...)
     kv_layers = {t: list(LLMTemplate.get(t).kv_layers_name or []) for t in LLMTemplate.list_available()}
     return {"format": TABLE_FORMAT, "schemes": schemes, "kv_cache": kv, "kv_layers": kv_layers}
+
+
+def dtype_bits(quark_dtype: str | None) -> int | None:
+    """``int4`` -> 4, ``fp8_e4m3`` -> 8, ``fp4`` -> 4; None for block formats we cannot size."""
+    m = _BITS.match(quark_dtype or "")
+    return int(m.group(1)) if m else None
+
+
+def is_integer(quark_dtype: str | None) -> bool:
+    return bool(quark_dtype) and quark_dtype.startswith(("int", "uint"))
+
+
+def as_spec_list(spec: Any) -> list[dict[str, Any]]:
+    if spec is None:
+        return []
+    specs = spec if isinstance(spec, list) else [spec]
+    return [s for s in specs if isinstance(s, dict)]
+
+
+def is_embedding(module: str) -> bool:
+    last = module.rsplit(".", 1)[-1].lower()
+    return any(marker in last for marker in EMBEDDING_MARKERS)
 
 
 def meaning(spec: Any) -> list[dict[str, Any]] | None:
