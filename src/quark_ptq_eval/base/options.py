@@ -18,6 +18,7 @@ from typing import Any
 
 _KEY = "cli"
 _NESTED = "cli_nested"  # a field holding another dataclass whose fields carry flags (e.g. thresholds)
+_CONCERN = "concern"  # the concern an option belongs to (see ``concern``)
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,49 @@ def nested(cls: type) -> dict[str, type]:
     return {_NESTED: cls}
 
 
-def flagged_fields(cls: type) -> list[tuple[dataclasses.Field, Flag]]:
+def concern(name: str) -> dict[str, str]:
+    """Field metadata naming the concern an option belongs to (merge it into ``flag(...)`` with ``|``):
+    a command that takes only part of a dataclass selects its options by concern, never by a list of names."""
+    return {_CONCERN: name}
+
+
+@dataclass(frozen=True)
+class Part:
+    """The options of ``cls`` a command takes: those of the ``concerns`` given (all when None), less
+    those of ``skip_concerns``."""
+
+    cls: type
+    concerns: tuple[str, ...] | None = None
+    skip_concerns: tuple[str, ...] = ()
+
+    def takes(self, field: dataclasses.Field[Any]) -> bool:
+        owned = field.metadata.get(_CONCERN, "")
+        return (self.concerns is None or owned in self.concerns) and owned not in self.skip_concerns
+
+    def add_flags(self, group: argparse._ActionsContainer, *, standalone: bool = False) -> None:
+        add_flags(group, self.cls, standalone=standalone, only=self.names())
+
+    def given(self, args: argparse.Namespace) -> dict[str, Any]:
+        return given(self.cls, args, only=self.names())
+
+    def names(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self.cls) if self.takes(f)]
+
+    def values(self, options: Any) -> dict[str, Any]:
+        """The taken fields' values of ``options`` (a ``cls``), as keywords for another ``cls``."""
+        return {name: getattr(options, name) for name in self.names()}
+
+    def dests(self) -> set[str]:
+        """The argparse dests (also the Python API's keywords) of the flagged options taken."""
+        wanted = set(self.names())
+        return {flag_dest(f, spec) for f, spec in flagged_fields(self.cls) if f.name in wanted}
+
+
+def flagged_fields(cls: type) -> list[tuple[dataclasses.Field[Any], Flag]]:
     return [(f, f.metadata[_KEY]) for f in dataclasses.fields(cls) if _KEY in f.metadata]
 
 
-def flag_dest(field: dataclasses.Field, spec: Flag) -> str:
+def flag_dest(field: dataclasses.Field[Any], spec: Flag) -> str:
     return spec.dest or field.name
 
 
@@ -92,6 +131,28 @@ def given(cls: type, args: argparse.Namespace, *, only: Iterable[str] | None = N
         if value is not None:
             values[field.name] = spec.convert(value) if spec.convert else value
     return values
+
+
+def build(cls: type, values: dict[str, Any]) -> Any:
+    """``cls`` from field values; a dataclass-typed field given as a dict (as JSON stores it) is rebuilt."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    built = {}
+    for name, value in values.items():
+        inner = fields[name].metadata.get(_NESTED) if name in fields else None
+        built[name] = build(inner, value) if inner is not None and isinstance(value, dict) else value
+    return cls(**built)
+
+
+def json_values(values: dict[str, Any]) -> dict[str, Any]:
+    """Field values as JSON holds them (a state file): paths as absolute strings, dataclasses as dicts."""
+    import os
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, os.PathLike):
+            return os.path.abspath(os.path.expanduser(os.fspath(value)))
+        return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value  # type: ignore[arg-type]
+
+    return {k: plain(v) for k, v in values.items()}
 
 
 def check_names(cls: type, names: Iterable[str], what: str) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.base.options import flag, nested
+from quark_ptq_eval.base.options import concern, flag, nested
 
 DEFAULT_SEQ_LEN = 2048  # Tier 1's window when --seq-len is not given (Quark's ppl_eval default)
 LONG_RUN_S = 15 * 60  # above this the user is asked again before the tier starts
@@ -25,8 +25,10 @@ def _tier_help() -> str:
     return "; ".join(f"{t.name}: tier {t.number}, {t.method} ({t.cost})" for t in TIERS.values())
 
 
-def _task_list(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
+def _task_list(text: str | list[str]) -> list[str]:
+    """"a, b" (the command line) or ["a", "b"] (the Python API) -> ["a", "b"]."""
+    items = text.split(",") if isinstance(text, str) else text
+    return [t.strip() for t in items if t.strip()]
 
 
 def _references(items: list[str]) -> dict[str, dict[str, float]]:
@@ -63,19 +65,19 @@ class EvalOptions:
         "--trust-remote-code", action="store_true", standalone_only=True))
     eval_data: Path | None = field(default=None, metadata=flag(  # None: wikitext-2 test split through `datasets`
         "--eval-data", type=Path, metavar="PATH",
-        help="local text (.txt/.jsonl/.parquet or a saved datasets dir); default wikitext-2 test"))
+        help="local text (.txt/.jsonl/.parquet or a saved datasets dir); default wikitext-2 test") | concern("windows"))
     seq_len: int | None = field(default=None, metadata=flag(  # None: DEFAULT_SEQ_LEN within the model's context
         "--seq-len", type=int, help="Tier 1 window length in tokens (default 2048 like Quark, or the model's "
-                                    "context when shorter; longer than the context is refused)"))
+                                    "context when shorter; longer than the context is refused)") | concern("windows"))
     max_windows: int | None = field(default=None, metadata=flag(
-        "--max-windows", type=int, help="Tier 1: score at most this many windows"))
+        "--max-windows", type=int, help="Tier 1: score at most this many windows") | concern("windows"))
     eval_text_limit: int | None = field(default=None, metadata=flag(
-        "--eval-text-limit", type=int, metavar="DOCS", help="use only the first DOCS documents"))
+        "--eval-text-limit", type=int, metavar="DOCS", help="use only the first DOCS documents") | concern("windows"))
     batch_size: int | None = field(default=None, metadata=flag(  # None: chosen from the vocabulary and seq_len
         "--eval-batch-size", dest="eval_batch_size", standalone_names=("--batch-size",), type=int,
-        help="windows / requests per forward (default: auto)"))
+        help="windows / requests per forward (default: auto)") | concern("compute"))
     device: str = field(default="auto", metadata=flag(  # "auto": cuda/rocm when present, else cpu
-        "--eval-device", dest="eval_device", standalone_names=("--device",), help="auto (default), cpu, cuda"))
+        "--eval-device", dest="eval_device", standalone_names=("--device",), help="auto (default), cpu, cuda") | concern("compute"))
     baseline: Path | None = field(default=None, metadata=flag(  # evaluated only when set (explicit opt-in)
         "--baseline", nargs="?", const="<source>", metavar="SRC",
         help="also evaluate the unquantized model (about double the time); no value: the source"))
@@ -83,14 +85,14 @@ class EvalOptions:
         "--reference", action="append", metavar="TASK:METRIC=VALUE", convert=_references,
         help="a published score to compare with (repeatable), e.g. gsm8k:exact_match=0.62"))
     tasks: list[str] = field(default_factory=list, metadata=flag(
-        "--tasks", convert=_task_list, help="Tier 2/3 lm-eval tasks, comma-separated (e.g. gsm8k,arc_easy)"))
-    num_fewshot: int | None = field(default=None, metadata=flag("--num-fewshot", type=int))
+        "--tasks", convert=_task_list, help="Tier 2/3 lm-eval tasks, comma-separated (e.g. gsm8k,arc_easy)") | concern("tasks"))
+    num_fewshot: int | None = field(default=None, metadata=flag("--num-fewshot", type=int) | concern("tasks"))
     limit: float | None = field(default=None, metadata=flag(
-        "--limit", type=float, help="lm-eval: documents per task (a fraction when below 1)"))
+        "--limit", type=float, help="lm-eval: documents per task (a fraction when below 1)") | concern("tasks"))
     include_path: Path | None = field(default=None, metadata=flag(
-        "--include-path", type=Path, help="directory of local lm-eval task YAMLs"))
+        "--include-path", type=Path, help="directory of local lm-eval task YAMLs") | concern("tasks"))
     max_gen_toks: int | None = field(default=None, metadata=flag(  # None: task default, large for reasoning models
-        "--max-gen-toks", type=int, help="generation budget (default: task's; large for reasoning models)"))
+        "--max-gen-toks", type=int, help="generation budget (default: task's; large for reasoning models)") | concern("tasks"))
     thresholds: Thresholds = field(default_factory=Thresholds, metadata=nested(Thresholds))
     confirm_above_s: float = LONG_RUN_S  # ask the "eval" gate again when the estimate exceeds this
     vllm_runtime: str = field(default="auto", metadata=flag(

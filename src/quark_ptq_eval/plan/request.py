@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from quark_ptq_eval.base.options import flag
+from quark_ptq_eval.base.options import concern, flag
 from quark_ptq_eval.execute.engines import ENGINE_NAMES
+
+CHOICE = "choice"  # the options that settle one plan's scheme and kept layers (compare settles them itself)
+
 
 def _pairs_to_dict(pairs: list[list[str]]) -> dict[str, str]:
     return dict(pairs)
@@ -20,7 +23,7 @@ class PlanRequest:
         "--target", help="where the model will be served, e.g. mi300x, mi355x, h100, b200, cpu "
                          "(default: named in --goal, else this host)"))
     scheme: str | None = field(default=None, metadata=flag(
-        "--scheme", help="exact Quark scheme name (int8, fp8, int4_wo_128, mxfp4, ...)"))
+        "--scheme", help="exact Quark scheme name (int8, fp8, int4_wo_128, mxfp4, ...)") | concern(CHOICE))
     algorithm: str | None = field(default=None, metadata=flag(
         "--algorithm", help="awq, gptq, smoothquant, rotation, ... (comma-separated; '' disables)"))
     kv_cache_scheme: str | None = field(default=None, metadata=flag(
@@ -54,6 +57,7 @@ class PlanRequest:
     hold_out_eval: bool = False  # set by the run: split off a held-out part of the text for Tier 1
     sensitivity: bool = field(default=False, metadata=flag(  # the scan at plan time (sensitivity/plan_hook.py)
         "--sensitivity", action="store_true",
-        help="run the sensitivity scan at plan time and propose layers to keep unquantized"))
+        help="run the sensitivity scan at plan time and propose layers to keep unquantized") | concern(CHOICE))
     max_kl: float | None = field(default=None, metadata=flag(
-        "--max-kl", type=float, help="KL budget of the --sensitivity proposal (default: healthy threshold)"))
+        "--max-kl", type=float, help="KL budget of the --sensitivity proposal (default: healthy threshold)")
+        | concern(CHOICE))

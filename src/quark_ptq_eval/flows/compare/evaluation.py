@@ -15,7 +15,7 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.evaluate.baseline_cache import BaselineCache, BaselineEntry, CacheKey
-from quark_ptq_eval.flows.compare.options import CompareOptions
+from quark_ptq_eval.flows.compare.options import TIER1, CompareOptions
 
 CACHE_DIR = "baseline_cache"
 
@@ -36,9 +36,9 @@ class BaselineSource:
                              "Download it first (or pass its local directory) and re-run compare.")
         self.source: Path = source
         self.opts, self.log = opts, comparison.ui.info
-        self.texts = eval_texts(Path(opts.eval_data) if opts.eval_data else None, opts.eval_text_limit)
+        self.texts = eval_texts(opts.eval.eval_data, opts.eval.eval_text_limit)
         tokenizer = AutoTokenizer.from_pretrained(self.source, trust_remote_code=bool(opts.plan.get("trust_remote_code")))
-        self.windows = token_windows(tokenizer, self.texts, opts.seq_len, opts.max_windows)
+        self.windows = token_windows(tokenizer, self.texts, opts.eval.seq_len, opts.eval.max_windows)
         self.cache = comparison.cache = BaselineCache(comparison.root / CACHE_DIR)
         self.key: CacheKey = self.cache.key_for(self.source, tokenizer, self.texts, self.windows, opts.top_k)
         self._tasks: dict | None = None
@@ -48,7 +48,7 @@ class BaselineSource:
         """What the task scores depend on (None: no Tier 2 in this comparison)."""
         from quark_ptq_eval.flows.compare.tasks import cache_key
 
-        return cache_key(self.opts, self.key.model_digest) if self.opts.tasks else None
+        return cache_key(self.opts, self.key.model_digest) if self.opts.eval.tasks else None
 
     def tasks(self) -> dict:
         """The baseline's lm-eval results with per-document scores: run at most once, then cached."""
@@ -69,9 +69,9 @@ class BaselineSource:
         from quark_ptq_eval.evaluate.loading import load_model
         from quark_ptq_eval.evaluate.tier_ppl import auto_batch_size
 
-        loaded = load_model(self.source, self.opts.device, bool(self.opts.plan.get("trust_remote_code")))
+        loaded = load_model(self.source, self.opts.eval.device, bool(self.opts.plan.get("trust_remote_code")))
         vocab = loaded.model.get_output_embeddings().weight.shape[0]
-        batch = self.opts.batch_size or auto_batch_size(self.opts.seq_len, vocab, loaded.device)
+        batch = self.opts.eval.batch_size or auto_batch_size(self.opts.eval.seq_len, vocab, loaded.device)
         self.log(f"baseline: evaluating {self.source} once ({self.windows.shape[0]} windows) into the cache")
         self.cache.build(self.key, loaded.model, self.windows, batch, self.source, log=self.log)
 
@@ -102,22 +102,20 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     from quark_ptq_eval.evaluate.tier_ppl import auto_batch_size, outcome_from, token_windows
 
     entry = baseline.entry()
-    base_tasks = baseline.tasks() if opts.tasks else None  # before the scheme's model loads: one model at a time
+    base_tasks = baseline.tasks() if opts.eval.tasks else None  # before the scheme's model loads: one model at a time
     model_dir, workdir = comparison.output_dir(scheme), comparison.workdir(scheme)
-    options = EvalOptions(tier="ppl", eval_data=Path(opts.eval_data) if opts.eval_data else None,
-                          eval_text_limit=opts.eval_text_limit, max_windows=opts.max_windows, seq_len=opts.seq_len,
-                          batch_size=opts.batch_size, device=opts.device, baseline=baseline.source)
+    options = EvalOptions(tier="ppl", baseline=baseline.source, **TIER1.values(opts.eval))
     started = time.perf_counter()
-    quantized = load_model(model_dir, opts.device, bool(opts.plan.get("trust_remote_code")))
-    windows = token_windows(quantized.tokenizer, baseline.texts, opts.seq_len, opts.max_windows)
+    quantized = load_model(model_dir, opts.eval.device, bool(opts.plan.get("trust_remote_code")))
+    windows = token_windows(quantized.tokenizer, baseline.texts, opts.eval.seq_len, opts.eval.max_windows)
     if tuple(windows.shape) != tuple(entry.ids.shape) or not bool((windows == entry.ids).all()):
         raise UsageError(f"{model_dir} tokenizes the evaluation text differently from the baseline; "
                          "per-token KL needs the same tokenizer.")
     vocab = quantized.model.get_output_embeddings().weight.shape[0]
-    batch = opts.batch_size or auto_batch_size(opts.seq_len, vocab, quantized.device)
+    batch = opts.eval.batch_size or auto_batch_size(opts.eval.seq_len, vocab, quantized.device)
     acc, bounds, tail = score_against_cache(quantized.model, windows, entry, batch)
     prepared = _Prepared(batch, quantized, _Loaded(f"baseline cache {entry.key.id}", ""))
-    outcome = outcome_from(acc, opts.seq_len, prepared)
+    outcome = outcome_from(acc, opts.eval.seq_len, prepared)
     outcome.details["kl"]["kl_cache_gap_bound_mean"] = float(bounds.mean())
     outcome.details["kl"]["kl_cache_gap_bound_max"] = float(bounds.max())
     outcome.details["kl"]["baseline_tail_mass_mean"] = float(tail.mean())

@@ -17,7 +17,6 @@ exact digests shown; every other gate (result, overwrite, fix) goes to the user'
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -63,7 +62,7 @@ class Comparison:
             self.state = RunState.load(self.root)
             opts = options.merged_over(self.state.options)
             opts.check()
-            self.state.options = dataclasses.asdict(opts)
+            self.state.options = opts.to_state()
             self.state.save()
             command = f"quark-ptq-eval compare -o {shlex.quote(str(self.root))}"
             self.gates = Gatekeeper(self.approver, self.state, lambda flags: f"{command} {flags}")
@@ -75,7 +74,7 @@ class Comparison:
         from quark_ptq_eval.flows.compare.plans import combined_plan_table, estimate_totals
 
         analysis = self._intake(opts)
-        if opts.tasks:
+        if opts.eval.tasks:
             self._check_tasks(opts)
         plans = self._each(opts, "plan", {"intake"})
         plans = {s: QuantPlan.load(self.workdir(s)) for s in plans}
@@ -117,7 +116,8 @@ class Comparison:
         """An unknown task fails before any scheme runs (once per task list: lm-eval's index is slow)."""
         from quark_ptq_eval.flows.compare.tasks import check
 
-        asked = {"tasks": list(opts.tasks), "include_path": opts.include_path}
+        include = opts.eval.include_path
+        asked = {"tasks": list(opts.eval.tasks), "include_path": str(include) if include else None}
         if self.state.steps.get("tasks", {}).get("checked") != asked:
             check(opts)
             self.state.record_step("tasks", "done", checked=asked)

@@ -1,17 +1,30 @@
-"""What a comparison is asked to do; persisted in the compare work dir so a re-run needs no flags."""
+"""What a comparison is asked to do; persisted in the compare work dir so a re-run needs no flags.
+
+Composed from the per-concern dataclasses, as the recipe's own options are: every scheme's plan takes
+the ``PlanRequest`` options but those that settle one plan's scheme (``PLAN``), the evaluation is an
+``EvalOptions`` of the Tier 1 window / compute and the Tier 2 task options (``TIER1``, ``TASKS``), and
+only what is the comparison's own (its baseline cache, its accuracy budget) is declared here. The
+command's flags and the Python API's keywords both come from these parts: no list of option names.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.options import OFFLINE_HELP, Part, build, concern, flag, json_values
 from quark_ptq_eval.evaluate.baseline_cache import DEFAULT_TOP_K
+from quark_ptq_eval.evaluate.options import DEFAULT_SEQ_LEN, EvalOptions
+from quark_ptq_eval.plan.request import CHOICE, PlanRequest
 
 DEFAULT_MAX_PPL_INCREASE_PCT = 2.0  # the healthy threshold of a single run's verdict
+BUDGET, CACHE, RUN = "budget", "cache", "run"  # the concerns of the comparison's own options
 
 
 @dataclass
@@ -19,23 +32,32 @@ class CompareOptions:
     model: str | None = None
     schemes: list[str] = field(default_factory=list)
     out_root: str | None = None
-    plan: dict[str, Any] = field(default_factory=dict)  # PlanRequest fields shared by every scheme
-    eval_data: str | None = None  # None: wikitext-2 test through `datasets`
-    eval_text_limit: int | None = None
-    seq_len: int = 2048
-    max_windows: int | None = None
-    batch_size: int | None = None
-    device: str = "auto"
-    top_k: int = DEFAULT_TOP_K
-    max_kl: float | None = None
-    max_ppl_increase_pct: float | None = None
-    tasks: list[str] = field(default_factory=list)  # Tier 2: lm-eval tasks scored per scheme (none: Tier 1 only)
-    include_path: str | None = None  # directory of local lm-eval task YAMLs
-    limit: float | None = None  # lm-eval documents per task (a fraction below 1)
-    num_fewshot: int | None = None
-    max_task_drop_pct: float | None = None  # budget: largest drop of any task metric, percent of the baseline's
-    offline: bool | None = None
-    overwrite: bool = False
+    plan: dict[str, Any] = field(default_factory=dict)  # PLAN's PlanRequest fields given, shared by every scheme
+    eval: EvalOptions = field(default_factory=EvalOptions)  # TIER1 and TASKS (a dict when read from the state)
+    top_k: int = field(default=DEFAULT_TOP_K, metadata=flag(
+        "--top-k", type=int, help="baseline log-probabilities kept per token in the cache (default 64)") | concern(CACHE))
+    max_kl: float | None = field(default=None, metadata=flag(
+        "--max-kl", type=float, help="largest acceptable mean KL(baseline || scheme)") | concern(BUDGET))
+    max_ppl_increase_pct: float | None = field(default=None, metadata=flag(
+        "--max-ppl-increase-pct", type=float,
+        help="largest acceptable perplexity increase in percent (default 2 when no budget is given)") | concern(BUDGET))
+    max_task_drop_pct: float | None = field(default=None, metadata=flag(  # percent of the baseline's score
+        "--max-task-drop-pct", type=float,
+        help="largest acceptable drop of any task metric, in percent of the baseline's (needs --tasks)")
+        | concern(BUDGET))
+    overwrite: bool = field(default=False, metadata=flag("--overwrite", action="store_true") | concern(RUN))
+    offline: bool | None = field(default=None, metadata=flag(
+        "--offline", action="store_true", help=OFFLINE_HELP) | concern(RUN))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.eval, dict):
+            self.eval = build(EvalOptions, self.eval)
+        if self.eval.seq_len is None:
+            self.eval.seq_len = DEFAULT_SEQ_LEN  # one window for every scheme and the baseline's cache
+
+    def to_state(self) -> dict[str, Any]:
+        """These options as the state file holds them (JSON: absolute paths)."""
+        return {**dataclasses.asdict(self), "eval": json_values(dataclasses.asdict(self.eval))}
 
     def merged_over(self, stored: dict[str, Any]) -> CompareOptions:
         """These options, with anything left at its default taken from a stored earlier comparison."""
@@ -43,7 +65,10 @@ class CompareOptions:
         merged = {**stored}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, dict):
+            if f.name == "eval":
+                now, default = json_values(dataclasses.asdict(value)), json_values(dataclasses.asdict(defaults.eval))
+                merged["eval"] = {**(stored.get("eval") or {}), **{k: v for k, v in now.items() if v != default[k]}}
+            elif isinstance(value, dict):
                 merged[f.name] = {**(stored.get(f.name) or {}), **{k: v for k, v in value.items() if v is not None}}
             elif value != getattr(defaults, f.name) or f.name not in stored:
                 merged[f.name] = value
@@ -64,22 +89,55 @@ class CompareOptions:
         if self.top_k < 1:
             raise UsageError(f"--top-k must be a positive integer, not {self.top_k}.")
         for name, value in (("--max-kl", self.max_kl), ("--max-ppl-increase-pct", self.max_ppl_increase_pct),
-                            ("--max-task-drop-pct", self.max_task_drop_pct), ("--limit", self.limit)):
+                            ("--max-task-drop-pct", self.max_task_drop_pct), ("--limit", self.eval.limit)):
             if value is not None and value < 0:
                 raise UsageError(f"{name} must not be negative, not {value}.")
-        if self.max_task_drop_pct is not None and not self.tasks:
+        if self.max_task_drop_pct is not None and not self.eval.tasks:
             raise UsageError("--max-task-drop-pct needs task scores.", "Pass --tasks (lm-eval task names) too.")
-        if self.include_path and not Path(self.include_path).is_dir():
-            raise UsageError(f"--include-path {self.include_path} is not a directory of lm-eval task YAMLs.")
+        if self.eval.include_path and not Path(self.eval.include_path).is_dir():
+            raise UsageError(f"--include-path {self.eval.include_path} is not a directory of lm-eval task YAMLs.")
 
     @property
     def budget(self) -> dict[str, float]:
         """The accuracy budget a recommendation must fit: the given limits, else the healthy threshold."""
-        given = (("max_kl", self.max_kl), ("max_ppl_increase_pct", self.max_ppl_increase_pct),
-                 ("max_task_drop_pct", self.max_task_drop_pct))
-        if all(v is None for _, v in given):
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if BUDGET_PART.takes(f)}
+        if all(v is None for v in given.values()):
             return {"max_ppl_increase_pct": DEFAULT_MAX_PPL_INCREASE_PCT}
-        return {k: v for k, v in given if v is not None}
+        return {k: v for k, v in given.items() if v is not None}
+
+
+PLAN = Part(PlanRequest, skip_concerns=(CHOICE,))  # every scheme's plan: all but what settles its scheme
+TIER1 = Part(EvalOptions, concerns=("windows", "compute"))  # Tier 1 against the baseline evaluated once
+TASKS = Part(EvalOptions, concerns=("tasks",))  # Tier 2: lm-eval per scheme, paired tests against the baseline
+CACHE_PART = Part(CompareOptions, concerns=(CACHE,))  # the baseline cache, beside Tier 1's options
+BUDGET_PART = Part(CompareOptions, concerns=(BUDGET,))  # the accuracy budget of the recommendation
+RUN_PART = Part(CompareOptions, concerns=(RUN,))
+PARTS = (PLAN, TIER1, CACHE_PART, TASKS, BUDGET_PART, RUN_PART)
+
+
+def keywords() -> set[str]:
+    """The Python API's option keywords: the flags' dests, as on the command line."""
+    return set().union(*(part.dests() for part in PARTS))
+
+
+def options_from(model: str | Path | None, schemes: list[str] | str | None, out_root: str | Path,
+                 given: dict[str, Any]) -> CompareOptions:
+    """CompareOptions from the command line's or the Python API's option values (by flag dest)."""
+    unknown = set(given) - keywords()
+    if unknown:
+        raise TypeError(f"compare() got unexpected keyword argument(s): {', '.join(sorted(unknown))}; "
+                        f"known: {', '.join(sorted(keywords()))}")
+    args = argparse.Namespace(**given)
+    if isinstance(schemes, str):
+        schemes = [s.strip() for s in schemes.split(",") if s.strip()]
+    plan = PLAN.given(args)
+    if plan.get("calib_data"):
+        plan["calib_data"] = os.path.abspath(os.path.expanduser(plan["calib_data"]))
+    if model and Path(model).exists():
+        model = Path(model).resolve()  # stored for a resume from another directory
+    own = {**CACHE_PART.given(args), **BUDGET_PART.given(args), **RUN_PART.given(args)}
+    return CompareOptions(model=str(model) if model else None, schemes=list(schemes or []), out_root=str(out_root),
+                          plan=plan, eval=EvalOptions(**TIER1.given(args), **TASKS.given(args)), **own)
 
 
 def scheme_label(scheme: str) -> str:

@@ -90,8 +90,8 @@ def record_engine_run(analysis, plan, seconds: float) -> None:
 
 
 def _eval_tokens(opts: CompareOptions) -> int:
-    if opts.max_windows:
-        return opts.max_windows * opts.seq_len
+    if opts.eval.max_windows:
+        return opts.eval.max_windows * (opts.eval.seq_len or 0)
     return 300_000  # wikitext-2 test is ~300k tokens for a typical tokenizer
 
 

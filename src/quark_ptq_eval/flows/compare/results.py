@@ -88,7 +88,7 @@ def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, An
     root, source = comparison.root, baseline.source
     source_bytes, params = _bytes(source), _source_params(source)
     rows = [scheme_row(comparison, s, source_bytes, params) for s in opts.schemes]
-    budget = opts.budget
+    budget, ev = opts.budget, opts.eval
     rec = recommend(rows, budget)
     cache = baseline.cache
     meta_path = cache.path_for(baseline.key) / "meta.json"
@@ -96,10 +96,10 @@ def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, An
     doc = {
         "schema": SCHEMA, "model": opts.model, "source_bytes": source_bytes, "source_params": params,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "settings": {"eval_data": opts.eval_data or "wikitext-2-raw-v1 test", "seq_len": opts.seq_len,
-                     "windows": baseline.key.windows, "top_k": opts.top_k, "device": opts.device,
-                     "algorithm": opts.plan.get("algorithm"), "tasks": list(opts.tasks), "limit": opts.limit,
-                     "num_fewshot": opts.num_fewshot},
+        "settings": {"eval_data": str(ev.eval_data or "wikitext-2-raw-v1 test"), "seq_len": ev.seq_len,
+                     "windows": baseline.key.windows, "top_k": opts.top_k, "device": ev.device,
+                     "algorithm": opts.plan.get("algorithm"), "tasks": list(ev.tasks), "limit": ev.limit,
+                     "num_fewshot": ev.num_fewshot},
         "budget": budget, "schemes": rows, "recommendation": rec,
         "pareto_front": {"kl_mean": pareto_front(rows, "kl_mean"), "perplexity": pareto_front(rows, "perplexity")},
         "baseline_cache": {"key": baseline.key.id, "path": str(cache.path_for(baseline.key)),

@@ -19,22 +19,23 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import read_json, write_json
+from quark_ptq_eval.base.options import Part
 from quark_ptq_eval.base.state import digest
+from quark_ptq_eval.evaluate.options import EvalOptions
 from quark_ptq_eval.flows.compare.options import CompareOptions
+
+TASK_RUN = Part(EvalOptions, concerns=("compute", "tasks"))  # lm-eval's options: the tasks', on the Tier 1 device
 
 TASKS_FILE = "compare_tasks.json"  # in each scheme's work dir
 CACHE_PREFIX = "lm_eval-"
 
 
-def eval_options(opts: CompareOptions):
-    from quark_ptq_eval.evaluate import EvalOptions
-
-    return EvalOptions(tier="lm_eval", tasks=list(opts.tasks), include_path=opts.include_path,
-                       limit=opts.limit, num_fewshot=opts.num_fewshot, device=opts.device,
-                       batch_size=opts.batch_size, trust_remote_code=bool(opts.plan.get("trust_remote_code")))
+def eval_options(opts: CompareOptions) -> EvalOptions:
+    return EvalOptions(tier="lm_eval", trust_remote_code=bool(opts.plan.get("trust_remote_code")),
+                       **TASK_RUN.values(opts.eval))
 
 
-def _include_hash(include_path: str | None) -> str | None:
+def _include_hash(include_path: str | Path | None) -> str | None:
     """Local task YAMLs and their data decide the documents: hash their bytes."""
     if not include_path:
         return None
@@ -46,8 +47,8 @@ def _include_hash(include_path: str | None) -> str | None:
 
 
 def cache_key(opts: CompareOptions, model_digest: str) -> str:
-    return digest({"model": model_digest, "tasks": list(opts.tasks), "include": _include_hash(opts.include_path),
-                   "limit": opts.limit, "num_fewshot": opts.num_fewshot, "lm_eval": _lm_eval_version()})
+    return digest({"model": model_digest, "tasks": list(opts.eval.tasks), "include": _include_hash(opts.eval.include_path),
+                   "limit": opts.eval.limit, "num_fewshot": opts.eval.num_fewshot, "lm_eval": _lm_eval_version()})
 
 
 def _lm_eval_version() -> str | None:
@@ -64,7 +65,7 @@ def check(opts: CompareOptions) -> None:
     """Unknown tasks fail before any model runs."""
     from quark_ptq_eval.evaluate.tier_lmeval import check_tasks, task_manager
 
-    check_tasks(task_manager(Path(opts.include_path) if opts.include_path else None), list(opts.tasks))
+    check_tasks(task_manager(Path(opts.eval.include_path) if opts.eval.include_path else None), list(opts.eval.tasks))
 
 
 def baseline_tasks(cache_root: Path, opts: CompareOptions, source: Path, model_digest: str, log) -> dict:
@@ -80,9 +81,9 @@ def baseline_tasks(cache_root: Path, opts: CompareOptions, source: Path, model_d
         results = read_json(results_file, "baseline lm-eval results")
         results["per_sample"] = read_json(samples_path(where, "baseline"), "baseline per-sample scores")
         return results
-    loaded = load_model(source, opts.device, bool(opts.plan.get("trust_remote_code")))
+    loaded = load_model(source, opts.eval.device, bool(opts.plan.get("trust_remote_code")))
     ctx = TierContext(source, eval_options(opts), where, None, source, None, log)
-    results = evaluate_tasks(loaded, ctx, list(opts.tasks), "baseline")
+    results = evaluate_tasks(loaded, ctx, list(opts.eval.tasks), "baseline")
     loaded.model = None  # free it before the scheme's model loads
     return results
 
@@ -94,7 +95,7 @@ def score_scheme(loaded, workdir: Path, model_dir: Path, opts: CompareOptions, b
     from quark_ptq_eval.evaluate.tier_lmeval import evaluate_tasks, paired_tests, scores_from
 
     ctx = TierContext(model_dir, eval_options(opts), workdir, None, None, None, log)
-    results = evaluate_tasks(loaded, ctx, list(opts.tasks), "quantized")
+    results = evaluate_tasks(loaded, ctx, list(opts.eval.tasks), "quantized")
     scores, _, directions = scores_from(results)
     base_scores, _, base_dirs = scores_from(base)
     directions = {t: {**base_dirs.get(t, {}), **m} for t, m in {**base_dirs, **directions}.items()}
@@ -111,7 +112,7 @@ def score_scheme(loaded, workdir: Path, model_dir: Path, opts: CompareOptions, b
                          "exact_p_value": test.get("exact_p_value"), "significant": test.get("significant"),
                          "documents": test.get("documents"), "baseline_only": test.get("baseline_only"),
                          "scheme_only": test.get("scheme_only")})
-    doc = {"tasks": list(opts.tasks), "limit": opts.limit, "num_fewshot": opts.num_fewshot, "rows": rows}
+    doc = {"tasks": list(opts.eval.tasks), "limit": opts.eval.limit, "num_fewshot": opts.eval.num_fewshot, "rows": rows}
     write_json(workdir / TASKS_FILE, doc)
     return doc
 
