@@ -21,7 +21,7 @@ from quark_ptq_eval.execute.runner import EngineEcho, raise_if_interrupted, run_
 from quark_ptq_eval.execute.staging import stage_source
 
 
-class Recipe(Protocol):
+class ExecuteContext(Protocol):
     """What this step needs of the running recipe (pipeline.Recipe), without importing it."""
 
     workdir: Path
@@ -42,7 +42,7 @@ def estimated_output_bytes(analysis: ModelAnalysis) -> int:
     return int(analysis.size["bytes"] * 0.6) + (1 << 20)
 
 
-def _set_aside(recipe: Recipe, path: Path, why: str) -> Path:
+def _set_aside(recipe: ExecuteContext, path: Path, why: str) -> Path:
     """Move ``path`` out of the way (never delete it), after the overwrite approval."""
     # Bound to what is there now: a different leftover at the same path asks again.
     listing = sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
@@ -54,7 +54,7 @@ def _set_aside(recipe: Recipe, path: Path, why: str) -> Path:
     return aside
 
 
-def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnalysis, output_dir: Path,
+def execute_manifest(recipe: ExecuteContext, manifest: RunManifest, analysis: ModelAnalysis, output_dir: Path,
                      overwrite: bool) -> dict[str, Any]:
     on_disk = RunManifest.load(recipe.workdir)  # run what is on disk, and only if that was approved
     done = _already_verified(recipe, on_disk, output_dir)
@@ -85,7 +85,7 @@ def execute_manifest(recipe: Recipe, manifest: RunManifest, analysis: ModelAnaly
     return facts
 
 
-def _already_verified(recipe: Recipe, on_disk: RunManifest, output_dir: Path) -> dict[str, Any] | None:
+def _already_verified(recipe: ExecuteContext, on_disk: RunManifest, output_dir: Path) -> dict[str, Any] | None:
     """The facts of this exact command's verified output, when a resumed run already made it."""
     previous = recipe.state.steps.get("execute", {})
     if (previous.get("status") == "succeeded" and previous.get("command_digest") == on_disk.command_digest
@@ -97,7 +97,7 @@ def _already_verified(recipe: Recipe, on_disk: RunManifest, output_dir: Path) ->
     return None
 
 
-def _prepare(recipe: Recipe, on_disk: RunManifest, analysis: ModelAnalysis, output_dir: Path,
+def _prepare(recipe: ExecuteContext, on_disk: RunManifest, analysis: ModelAnalysis, output_dir: Path,
              overwrite: bool) -> Path:
     """Everything before the engine starts: the output claimed, the execution gate passed, old
     partial outputs set aside, calibration and source staged, the staging dir made; returns it."""
@@ -121,7 +121,7 @@ def _prepare(recipe: Recipe, on_disk: RunManifest, analysis: ModelAnalysis, outp
     return staging
 
 
-def _judge_run(recipe: Recipe, on_disk: RunManifest, run: dict[str, Any], result, staging: Path) -> None:
+def _judge_run(recipe: ExecuteContext, on_disk: RunManifest, run: dict[str, Any], result, staging: Path) -> None:
     """Record how the engine ended; raise unless it exited 0 with a usable output."""
     facts = inspect_output(staging)
     run.update(finished_at=_now(), returncode=result.returncode, seconds=round(result.seconds, 1), log=str(result.log))
@@ -147,7 +147,7 @@ def _no_output_why(facts: dict[str, Any], tail: list[str]) -> str:
     return f"exit code 0 but {'; '.join(facts.get('problems') or ['no usable output'])}{own}"
 
 
-def _claim_output(recipe: Recipe, output_dir: Path) -> None:
+def _claim_output(recipe: ExecuteContext, output_dir: Path) -> None:
     """Hold the output's claim for the rest of the run (the recipe's claims stack), or, for a
     caller without one, for as long as this process lives."""
     claims = getattr(recipe, "claims", None)
@@ -161,7 +161,7 @@ def _claim_output(recipe: Recipe, output_dir: Path) -> None:
 _HELD: list[OutputClaim] = []
 
 
-def _run(recipe: Recipe, manifest: RunManifest):
+def _run(recipe: ExecuteContext, manifest: RunManifest):
     echo = None if recipe.ui.quiet else EngineEcho(recipe.ui)
     try:
         return run_command(manifest.command["argv"], manifest.command.get("env", {}),
@@ -171,7 +171,7 @@ def _run(recipe: Recipe, manifest: RunManifest):
             echo.close()
 
 
-def _record(recipe: Recipe, manifest: RunManifest, run: dict[str, Any], facts: dict[str, Any], status: str, **extra) -> None:
+def _record(recipe: ExecuteContext, manifest: RunManifest, run: dict[str, Any], facts: dict[str, Any], status: str, **extra) -> None:
     run["observed"] = {k: facts.get(k) for k in ("dir", "files", "shards", "size_bytes", "quant_method", "problems")}
     manifest.observed = run["observed"]
     manifest.write(recipe.workdir)
