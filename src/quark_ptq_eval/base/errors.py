@@ -39,6 +39,14 @@ class UsageError(QpeError):
     exit_code = ExitCode.USAGE
 
 
+class UnknownEntry(UsageError, KeyError):
+    """A name no registry row holds (an unknown --engine, --eval-tier, --target ...); also a KeyError."""
+
+
+class DuplicateEntry(QpeError):
+    """Two registry rows under one name: the second registration would silently replace the first."""
+
+
 class UnsafeInputError(UsageError):
     """Input that is malformed or hostile (a bad safetensors header, a path escaping its dir)."""
 

@@ -202,7 +202,7 @@ def analyze_model(model: str, *, offline: bool, catalog: dict[str, Any], trust_r
     source_format = describe_source(cfg, tensors if has_weights else None, path, excludes)
     if source_format.get("params"):  # true counts: an FP8 byte is one parameter, scales are none
         size.update(params=source_format["params"], read_as_bytes=source_format["read_as_bytes"])
-    elif source_format["name"] == "pytorch_bin":
+    elif FORMATS[source_format["name"]].reading == CONVERT_BIN:
         size.update(bytes=sum(f.stat().st_size for f in path.glob("pytorch_model*.bin")), method="pytorch_bin_files")
     risks = _risks(cfg, text_cfg, tmpl is not None, model_type, has_weights, source_format)
     if fused:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.sizes import GIB, gb  # noqa: F401 (gb: callers use resources.gb)
 
+from quark_ptq_eval.intake.formats import FORMATS
 # ---- measured scaling (bench/measure_memory.py on the CPU engine; see docs/planning.md) ----------
 BASE_BYTES = 1.40 * GIB  # python + torch + transformers + quark.torch imported, tokenizer loaded
 WEIGHT_FACTOR = 2.0  # peak / model bytes for plain PTQ: model, its quantized copy at freeze, export
@@ -156,7 +158,8 @@ def estimate_file2file(analysis, device: str) -> dict:
     shard = largest_shard_bytes(analysis)
     work = F2F_SHARD_FACTOR * shard
     terms = {"start-up": F2F_BASE_BYTES, "largest shard": work}
-    if (getattr(analysis, "source_format", None) or {}).get("name") in ("fp8_block", "fp8_tensor"):
+    fmt = (getattr(analysis, "source_format", None) or {}).get("name")
+    if fmt in FORMATS and FORMATS[fmt].fp8_weights:
         terms["FP8 recovery buffer"] = F2F_RECOVERY_BYTES_PER_FP8_BYTE * shard
         work += terms["FP8 recovery buffer"]
     if device == "cpu":
@@ -166,9 +169,11 @@ def estimate_file2file(analysis, device: str) -> dict:
             "terms": terms, "basis": "modelled (file-to-file on a GPU: not measured here)"}
 
 
-def engine_estimate(engine: str | None, analysis, info: dict, algorithm: str | None, calibration: dict,
-                    device: str) -> dict:
-    if engine == "file2file":
+def engine_estimate(engine: str | None, analysis, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any],
+                    device: str) -> dict[str, Any]:
+    from quark_ptq_eval.execute.engines import holds_one_shard
+
+    if holds_one_shard(engine):
         return estimate_file2file(analysis, device)
     return estimate_quantize(analysis, info, algorithm, calibration, device)
 
@@ -184,19 +189,20 @@ def engine_for_host(analysis, engine: str, why: str, requested: str, info: dict,
                     kv: str | None, calibration: dict, device: dict, env: dict) -> tuple[str, str]:
     """The plan's engine once this host's memory is known: file-to-file when the automatic choice's
     whole-model engine does not fit and file-to-file does and can serve the plan (docs/planning.md)."""
-    from quark_ptq_eval.execute.engines import file2file
+    from quark_ptq_eval.execute.engines import shard_engine
 
-    if requested == "file2file":
-        why_not = file2file.unsupported_reason(info, algorithm, kv)
+    shard = shard_engine()
+    if shard is not None and requested == shard.name:
+        why_not = shard.unsupported_reason(info, algorithm, kv)
         if why_not:
-            raise file2file.refusal(why_not)
+            raise shard.refusal(why_not)
         return engine, why
     from quark_ptq_eval.plan.source_reading import file2file_can_read
 
     host = host_capacity(env, None)
     whole = estimate_quantize(analysis, info, algorithm, calibration, device["device"])
-    if (requested != "auto" or _fits(whole, host, device) or not file2file.supports(info, algorithm, kv)
-            or not file2file_can_read(analysis, device["device"])):
+    if (shard is None or requested != "auto" or _fits(whole, host, device)
+            or shard.unsupported_reason(info, algorithm, kv) or not file2file_can_read(analysis, device["device"])):
         return engine, why
     f2f = estimate_file2file(analysis, device["device"])
     if not _fits(f2f, host, device):
@@ -204,7 +210,7 @@ def engine_for_host(analysis, engine: str, why: str, requested: str, info: dict,
     key, have = (("gpu_peak_bytes", host["gpu_bytes_per_device"]) if whole["gpu_peak_bytes"]
                  and not _fits({**whole, "host_peak_bytes": 0}, host, device) else ("host_peak_bytes", host["ram_bytes"]))
     where = "GPU memory" if key == "gpu_peak_bytes" else "RAM"
-    return "file2file", (f"the whole-model engine ({engine}) needs about {gb(whole[key])} of {where} at its peak and "
+    return shard.name, (f"the whole-model engine ({engine}) needs about {gb(whole[key])} of {where} at its peak and "
                          f"this host has {gb(have)} (planning for at most {HEADROOM:.0%}); Quark's file-to-file "
                          f"quantization holds one shard at a time: about {gb(f2f[key])} (largest shard "
                          f"{gb(f2f['model_bytes'])}), and this scheme needs no calibration")
@@ -271,13 +277,15 @@ def assess(analysis, scheme: str, info: dict, algorithm: str | None, calibration
            host: dict, rerun: list[str], engine: str | None = None, kv: str | None = None) -> dict:
     """Does this host hold the engine, the output and a Tier 1 evaluation? If not, what would."""
     est = engine_estimate(engine, analysis, info, algorithm, calibration, device["device"])
+    from quark_ptq_eval.execute.engines import holds_one_shard
+
     out = output_bytes(analysis, scheme, info)
     ev = estimate_eval(analysis, out)
     ev["with_baseline_bytes"] = estimate_eval(analysis, out, baseline=True)["host_peak_bytes"]
     problems = _problems(est, out, ev, host, device)
     fits = not any(p["blocking"] for p in problems)
     proposals = [] if fits else _proposals(analysis, info, algorithm, calibration, device, host, est, rerun)
-    if not fits and engine != "file2file":
+    if not fits and not holds_one_shard(engine):
         proposals[-1:-1] = _file2file_proposal(analysis, info, algorithm, kv, device, host)
     return {"quantize": est, "evaluate": ev, "output_bytes": out, "host": host, "output_basis": output_basis(analysis),
             "fits": fits, "problems": problems, "proposals": proposals}
@@ -350,26 +358,28 @@ def _proposals(analysis, info, algorithm, calibration, device, host, est, rerun)
 
 def _file2file_proposal(analysis, info, algorithm, kv, device, host) -> list[dict]:
     """Quark's file-to-file engine with its estimate, when it can serve this plan (a proposal must work)."""
-    from quark_ptq_eval.execute.engines import file2file
+    from quark_ptq_eval.execute.engines import shard_engine
     from quark_ptq_eval.plan.source_reading import file2file_can_read
 
-    no_kv = ""
-    if not file2file.supports(info, algorithm, kv):
-        if not (kv and file2file.supports(info, algorithm, None)):
+    shard, no_kv = shard_engine(), ""
+    if shard is None:
+        return []
+    if shard.unsupported_reason(info, algorithm, kv):
+        if not (kv and not shard.unsupported_reason(info, algorithm, None)):
             return []
         no_kv = " --kv-cache-scheme ''"  # file-to-file never runs the model, so it calibrates no KV scales
     if not file2file_can_read(analysis, device["device"]):
         if not file2file_can_read(analysis, "cuda"):
             return []
         e = estimate_file2file(analysis, "cuda")
-        return [{"change": f"--engine file2file --device cuda{no_kv} (a GPU host)",
+        return [{"change": f"--engine {shard.name} --device cuda{no_kv} (a GPU host)",
                  "detail": f"on a GPU host, Quark's file-to-file engine recovers the FP8 weights itself, one shard "
                            f"at a time: about {gb(e['gpu_peak_bytes'])} of GPU memory and {gb(e['host_peak_bytes'])} "
                            f"of RAM (this host has no GPU for its FP8 kernel)"
                            + ("; without the KV-cache scheme, whose scales need calibration" if no_kv else "")}]
     e = estimate_file2file(analysis, device["device"])
     fits = "fits" if _fits(e, host, device) else "still too much"
-    return [{"change": f"--engine file2file{no_kv}", "detail": f"--engine file2file{no_kv}: one shard at a time, "
+    return [{"change": f"--engine {shard.name}{no_kv}", "detail": f"--engine {shard.name}{no_kv}: one shard at a time, "
                                                                f"about {gb(e['host_peak_bytes'])} ({fits})"}]
 
 

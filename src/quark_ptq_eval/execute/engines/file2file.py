@@ -55,10 +55,16 @@ def supports(scheme_info: dict, algorithm: str | None = None, kv_cache_scheme: s
 class File2FileEngine:
     name = "file2file"
 
-    def auto_reason(self, accelerator: str, calibration: dict, device_is_cpu: bool) -> str | None:
+    def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
         return None  # chosen by the host's memory (plan/resources.engine_for_host), never by the accelerator
 
-    def check_constraints(self, scheme_info: dict, algorithm: str | None, device: dict) -> None:
+    def unsupported_reason(self, scheme_info: dict[str, Any], algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
+        return unsupported_reason(scheme_info, algorithm, kv_cache_scheme)
+
+    def refusal(self, why: str) -> UsageError:
+        return refusal(why)
+
+    def check_constraints(self, scheme_info: dict[str, Any], algorithm: str | None, device: dict[str, Any]) -> None:
         why = unsupported_reason(scheme_info, algorithm, None)
         if why:
             raise refusal(why)
