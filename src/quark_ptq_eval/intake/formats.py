@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quark_ptq_eval.base.registry import Registry, load
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 
 # Readings: how the recipe reads the source before an engine sees it (plan/source_reading.py decides).
@@ -29,59 +30,78 @@ BIN_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 @dataclass(frozen=True)
+class SourceEvidence:
+    """What a format's detector reads: config.json's quantization_config, the headers, the files."""
+
+    qc: dict[str, Any]
+    method: str  # quantization_config.quant_method, lower-cased ("" without one)
+    tensors: dict[str, TensorInfo]
+    model_dir: Path | None
+
+
+@dataclass(frozen=True)
 class SourceFormat:
     name: str
     summary: str
     reading: str  # DIRECT, STAGE_BF16, CONVERT_BIN or REFUSED
     file2file: str  # what Quark 0.13's file-to-file engine does with it
+    detector: str  # "module:function": function(SourceEvidence) -> bool; the first row that answers wins
     file2file_needs_gpu: bool = False
     refusal: str = ""  # for REFUSED: what is wrong and what to start from
     risk: str = ""  # the analysis's risk line for this format ("" = none)
+    fp8_weights: bool = False  # FP8 weights an engine recovers (4 bytes a parameter while it does)
 
 
-FORMATS: dict[str, SourceFormat] = {f.name: f for f in (
-    SourceFormat("float", "BF16/FP16/FP32 safetensors", DIRECT, "reads it as it is"),
+def _here(function: str) -> str:
+    return f"{__name__}:{function}"
+
+
+# In detection order: each detector may assume the rows above it did not answer.
+FORMATS: Registry[SourceFormat] = Registry("source format", (
+    SourceFormat("pytorch_bin", "pytorch_model.bin (PyTorch pickle)", CONVERT_BIN,
+                 "reads safetensors only (the converted copy)", _here("only_bin_weights"),
+                 risk="Only pytorch_model.bin weights: the plan converts them to safetensors in the work dir "
+                      "(torch.load(weights_only=True), after the execution gate) and validates against that copy; "
+                      "the counts here come from config.json until then."),
+    SourceFormat("float", "BF16/FP16/FP32 safetensors", DIRECT, "reads it as it is", _here("no_quantization")),
     SourceFormat("fp8_block", "FP8 (E4M3) weights with one F32 scale per block (weight_scale_inv), DeepSeek style",
                  STAGE_BF16, "recovers the FP8 blocks itself, shard by shard, with a Triton kernel (GPU only)",
-                 file2file_needs_gpu=True,
+                 _here("fp8_blocks"), file2file_needs_gpu=True, fp8_weights=True,
                  risk="FP8 block release (the authors' own format): a normal starting point. The plan reads it "
                       "through Quark's file-to-file engine on a GPU host, or through an exact BF16 staging copy "
                       "(each block x its scale) in the work dir for CPU hosts and calibrated schemes."),
     SourceFormat("fp8_tensor", "FP8 (E4M3) weights with a per-tensor or per-channel F32 scale", STAGE_BF16,
-                 "recovers FP8 sources with a Triton kernel (GPU only)", file2file_needs_gpu=True,
+                 "recovers FP8 sources with a Triton kernel (GPU only)", _here("fp8_per_tensor"),
+                 file2file_needs_gpu=True, fp8_weights=True,
                  risk="FP8 per-tensor/channel release: a normal starting point, read through an exact BF16 "
                       "staging copy (weight x its scale) or Quark's file-to-file engine on a GPU host."),
     SourceFormat("compressed_tensors", "compressed-tensors (llm-compressor) checkpoint", REFUSED,
-                 "decompresses it itself (compressed-tensors >= 0.15)",
+                 "decompresses it itself (compressed-tensors >= 0.15)", _here("compressed_other"),
                  refusal="this compressed-tensors format is not staged here; run on a GPU host with "
                          "--engine file2file (Quark decompresses it shard by shard), or start from the model "
                          "it was compressed from"),
     SourceFormat("mxfp4", "MXFP4 weights (gpt-oss *_blocks / *_scales)", REFUSED,
                  "does not read the gpt-oss *_blocks/*_scales layout (Quark 0.13 recovers the DeepSeek-V4 MXFP4 "
-                 "layout only)",
+                 "layout only)", _here("mxfp4_blocks"),
                  refusal="re-quantizing gpt-oss MXFP4 weights needs them dequantized first; load it with "
                          "transformers' Mxfp4Config(dequantize=True), save it as BF16 and start from that copy"),
     SourceFormat("int4", "4-bit integer weights (GPTQ / AWQ / bitsandbytes)", REFUSED,
-                 "does not read it",
+                 "does not read it", _here("four_bit_integers"),
                  refusal="re-quantizing 4-bit integer weights compounds their rounding error; start from the "
                          "BF16 (or FP8) checkpoint they were made from"),
-    SourceFormat("quark", "a Quark export", REFUSED, "does not re-quantize it",
+    SourceFormat("quark", "a Quark export", REFUSED, "does not re-quantize it", _here("quark_export"),
                  refusal="this model is already a Quark export; quantizing it again compounds the error: start "
                          "from the checkpoint it was made from"),
     SourceFormat("other_quantized", "a pre-quantized checkpoint of a method not read here", REFUSED,
-                 "does not read it",
+                 "does not read it", _here("any_other_method"),
                  refusal="this quantization method is not read here; start from the unquantized (BF16) or FP8 "
                          "checkpoint"),
-    SourceFormat("pytorch_bin", "pytorch_model.bin (PyTorch pickle)", CONVERT_BIN,
-                 "reads safetensors only (the converted copy)",
-                 risk="Only pytorch_model.bin weights: the plan converts them to safetensors in the work dir "
-                      "(torch.load(weights_only=True), after the execution gate) and validates against that copy; "
-                      "the counts here come from config.json until then."),
-)}
+))
+UNQUANTIZED = "float"  # the row a source without a quantization_config reads as (and an old analysis's default)
 INT4_METHODS = ("gptq", "awq", "bitsandbytes", "bnb", "autoround", "hqq", "marlin", "exl2", "aqlm", "eetq")
 
 
-def quant_config(config: dict) -> dict:
+def quant_config(config: dict[str, Any]) -> dict[str, Any]:
     qc = config.get("quantization_config")
     return qc if isinstance(qc, dict) else {}
 
@@ -93,32 +113,58 @@ def has_bin_weights(model_dir: Path | None) -> bool:
     return any((root / n).is_file() for n in BIN_NAMES) or any(root.glob("pytorch_model-*.bin"))
 
 
-def detect(config: dict, tensors: dict[str, TensorInfo] | None, model_dir: Path | None) -> SourceFormat:
+def detect(config: dict[str, Any], tensors: dict[str, TensorInfo] | None, model_dir: Path | None) -> SourceFormat:
     """The format of a source from its config.json, its headers and, without headers, its files."""
     qc = quant_config(config)
-    method = str(qc.get("quant_method", "")).lower() if qc else ""
-    if not tensors and has_bin_weights(model_dir):
-        return FORMATS["pytorch_bin"]
-    if not qc:
-        return FORMATS["float"]
-    if method == "fp8":
-        return FORMATS["fp8_block" if qc.get("weight_block_size") else "fp8_tensor"]
-    if method == "compressed-tensors":
-        return FORMATS["fp8_tensor" if _ct_is_fp8(qc) else "int4" if _ct_is_int(qc) else "compressed_tensors"]
-    if method == "mxfp4" or any(n.endswith("_blocks") for n in tensors or {}):
-        return FORMATS["mxfp4"]
-    if method in INT4_METHODS or qc.get("load_in_4bit") or qc.get("bits") == 4:
-        return FORMATS["int4"]
-    if method == "quark":
-        return FORMATS["quark"]
-    return FORMATS["other_quantized"]
+    evidence = SourceEvidence(qc, str(qc.get("quant_method", "")).lower() if qc else "", tensors or {}, model_dir)
+    for fmt in FORMATS.values():
+        if load(fmt.detector)(evidence):
+            return fmt
+    raise AssertionError("the last source format answers for every quantization method")
 
 
-def _ct_groups(qc: dict) -> list[dict]:
+def only_bin_weights(e: SourceEvidence) -> bool:
+    return not e.tensors and has_bin_weights(e.model_dir)
+
+
+def no_quantization(e: SourceEvidence) -> bool:
+    return not e.qc
+
+
+def fp8_blocks(e: SourceEvidence) -> bool:
+    return e.method == "fp8" and bool(e.qc.get("weight_block_size"))
+
+
+def fp8_per_tensor(e: SourceEvidence) -> bool:
+    return e.method == "fp8" or (e.method == "compressed-tensors" and _ct_is_fp8(e.qc))
+
+
+def compressed_other(e: SourceEvidence) -> bool:
+    return e.method == "compressed-tensors" and not _ct_is_int(e.qc)
+
+
+def mxfp4_blocks(e: SourceEvidence) -> bool:
+    return e.method != "compressed-tensors" and (e.method == "mxfp4" or any(n.endswith("_blocks") for n in e.tensors))
+
+
+def four_bit_integers(e: SourceEvidence) -> bool:
+    return (e.method == "compressed-tensors" or e.method in INT4_METHODS or bool(e.qc.get("load_in_4bit"))
+            or e.qc.get("bits") == 4)
+
+
+def quark_export(e: SourceEvidence) -> bool:
+    return e.method == "quark"
+
+
+def any_other_method(e: SourceEvidence) -> bool:
+    return True
+
+
+def _ct_groups(qc: dict[str, Any]) -> list[dict[str, Any]]:
     return [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
 
 
-def _ct_is_fp8(qc: dict) -> bool:
+def _ct_is_fp8(qc: dict[str, Any]) -> bool:
     """compressed-tensors float-quantized FP8 weights: one F32 ``weight_scale`` per tensor or channel."""
     weights = [g.get("weights") or {} for g in _ct_groups(qc)]
     return (qc.get("format") in ("float-quantized", "naive-quantized") and bool(weights)
@@ -126,7 +172,7 @@ def _ct_is_fp8(qc: dict) -> bool:
                     for w in weights))
 
 
-def _ct_is_int(qc: dict) -> bool:
+def _ct_is_int(qc: dict[str, Any]) -> bool:
     return any((g.get("weights") or {}).get("type") == "int" and (g.get("weights") or {}).get("num_bits", 8) <= 4
                for g in _ct_groups(qc))
 
@@ -170,7 +216,7 @@ def is_quantizable(info: TensorInfo, excluded) -> bool:
     return not any(h in name for h in NON_LINEAR_HINTS) and not excluded(name.rpartition(".")[0])
 
 
-def describe_source(config: dict, tensors: dict[str, TensorInfo] | None, model_dir: Path | None,
+def describe_source(config: dict[str, Any], tensors: dict[str, TensorInfo] | None, model_dir: Path | None,
                     excludes: list[str]) -> dict[str, Any]:
     """The analysis's ``source_format``: the format, how it is read, its true counts from the headers."""
     fmt = detect(config, tensors, model_dir)

@@ -18,7 +18,7 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import gb
-from quark_ptq_eval.intake.formats import CONVERT_BIN, DIRECT, FORMATS, REFUSED, STAGE_BF16
+from quark_ptq_eval.intake.formats import CONVERT_BIN, DIRECT, FORMATS, REFUSED, STAGE_BF16, UNQUANTIZED
 
 STAGED_BF16_DIR = "source-bf16"  # in the work dir
 CONVERTED_BIN_DIR = "source-safetensors"
@@ -26,7 +26,7 @@ COMPLETE_MARK = ".staged-complete"  # written last: a staged dir without it is u
 
 
 def source_format(analysis) -> dict:
-    return getattr(analysis, "source_format", None) or {"name": "float", "reading": DIRECT}
+    return getattr(analysis, "source_format", None) or {"name": UNQUANTIZED, "reading": DIRECT}
 
 
 def decide(analysis, engine: str, device: dict, workdir: Path) -> dict[str, Any]:
@@ -51,7 +51,9 @@ def decide(analysis, engine: str, device: dict, workdir: Path) -> dict[str, Any]
     staged = str(Path(workdir) / STAGED_BF16_DIR)
     disk = int(fmt.get("read_as_bytes") or 2 * int(analysis.size.get("params") or 0))
     how = _dequant_rule(fmt)
-    if engine == "file2file":
+    from quark_ptq_eval.execute.engines import ENGINES
+
+    if engine in ENGINES and ENGINES[engine].reads_fp8_source:
         _check_file2file(device, disk, how)
         return {**base, "mode": "file2file_native", "source_dir": staged, "disk_bytes": disk,
                 "reason": f"Quark's file-to-file engine recovers the FP8 weights itself on the GPU, shard by shard; "
