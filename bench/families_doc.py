@@ -12,8 +12,35 @@ MARK = {"green": "ok", "refused": "refused", "failed": "FAIL"}
 def _cell_text(c: dict) -> str:
     if c["outcome"] == "green":
         share = c.get("share_measured")
-        return f"ok {share:.0%}" if share is not None else "ok"
+        text = f"ok {share:.0%}" if share is not None else "ok"
+        return f"{text} · {_decode_text(c)}" if c.get("decode_status") else text
     return f"{MARK[c['outcome']]} ({c['cause']})"
+
+
+def _decode_text(c: dict) -> str:
+    """The decode check's worst element against its bound, in quantization steps ("-" when not run)."""
+    status = c.get("decode_status")
+    if not status:
+        return "-"
+    if status == "skipped" or not c.get("decode_checked"):
+        return f"{status}, none decoded"
+    worst, bound = c.get("decode_worst"), c.get("decode_bound")
+    figures = f"{worst:.3g}/{bound:.3g}" if worst is not None and bound is not None else "?"
+    return figures if status in ("pass", "benign") else f"{figures} {status.upper()}"
+
+
+def decode_summary(cells: list[dict]) -> str:
+    """How many exports the decode check decoded, their worst errors and bounds, and its failures."""
+    ran = [c for c in cells if c.get("decode_status") and c.get("decode_checked")]
+    if not ran:
+        return "The decode check ran on no export in these results."
+    worst = [c["decode_worst"] for c in ran if c.get("decode_worst") is not None]
+    bounds = sorted({c["decode_bound"] for c in ran if c.get("decode_bound") is not None})
+    failed = [f"{c['family']}/{c['column']}" for c in ran if c["decode_status"] == "fail"]
+    return (f"Decode check (every quantized weight decoded from its codes and scales and compared with its "
+            f"source, element by element): {len(ran)} exports decoded, worst error {min(worst):.3g} to "
+            f"{max(worst):.3g} steps against bounds of {', '.join(f'{b:g}' for b in bounds)} steps; "
+            f"{len(failed)} failed" + (f" ({', '.join(failed)})" if failed else " (no false failure)") + ".")
 
 
 def _last_run(run: dict | None, whole: bool) -> str:
@@ -34,7 +61,10 @@ def _run_text(run: dict) -> str:
 
 def write_doc(path: Path, data: dict[str, Any], skipped: dict[str, str], setup: Any) -> None:
     cells = data["cells"]
-    columns = list(dict.fromkeys(c["column"] for c in cells.values()))
+    from matrix import COLUMNS  # the matrix's column order, whichever runner ran a column first
+
+    order = list(COLUMNS)
+    columns = sorted({c["column"] for c in cells.values()}, key=lambda c: (order.index(c) if c in order else len(order), c))
     families = sorted({c["family"] for c in cells.values()})
     counts = {k: sum(c["outcome"] == k for c in cells.values()) for k in MARK}
     ours = sum(c["outcome"] == "failed" and c["cause"] == "ours" for c in cells.values())
@@ -58,12 +88,14 @@ def write_doc(path: Path, data: dict[str, Any], skipped: dict[str, str], setup: 
         "",
         "Each family is a tiny random instance built offline from its transformers config class "
         "(`AutoConfig.for_model`, 2 layers, hidden 128, head dim 32, 4 experts where the family has them, "
-        "the demo tokenizer, seed 0; `bench/families.py`). Each cell runs the recipe's own step functions "
-        "in one process (analyze → plan → manifest → Quark-API engine → validate, with the load check → "
-        "Tier 1 perplexity with "
+        "the demo tokenizer, seed 0; `bench/families.py`). Each cell is a run of the recipe itself "
+        "(`pipeline.Recipe`: intake → plan → manifest → Quark-API engine → validate, with the load and decode "
+        "checks → Tier 1 perplexity with "
         f"baseline on {setup.windows} windows of 64 tokens, loaded with the evaluator's loader), "
-        f"calibrating on {setup.calib_samples} × 64 tokens. The pipeline would start one engine process per "
-        "cell and pay `import quark.torch` each time; the matrix drives the same steps in-process instead.",
+        f"calibrating on {setup.calib_samples} × 64 tokens, its checkpoints approved by name (never `fix`). "
+        "A run would start one engine process per cell and pay `import quark.torch` each time; the matrix "
+        "gives the recipe an in-process engine runner (`execute/in_process.py`) instead, so that import is "
+        "paid once per runner.",
         "",
         "A cell is **ok** when the engine ran, validation passed (the load check included: every module of "
         "the export, replayed on the source's inputs, within its limit; no weight left at random by the "
@@ -71,7 +103,14 @@ def write_doc(path: Path, data: dict[str, Any], skipped: dict[str, str], setup: 
         "matrix parameters (linear and expert weights; embeddings and norms left out) stored quantized in "
         "the export matches the share the plan promised (all but its exclusions). The percentage is that "
         "measured share, read from the safetensors headers. Columns: "
-        + ", ".join(f"`{c}`" for c in columns) + " (`awq` = AWQ on `int4_wo_32`).",
+        + ", ".join(f"`{c}`" for c in columns) + " (`awq` = AWQ on `int4_wo_32`; `fp8_release` = the "
+        "family's instance converted to the DeepSeek FP8 block format (F8_E4M3 linears with 128 × 128 "
+        "`weight_scale_inv`, `quantization_config` fp8, `tests/fp8_release.py`) and quantized to `mxfp4`: the "
+        "plan reads it through a dequantized BF16 staging copy, which validation, the load and decode checks "
+        "and Tier 1's baseline use as the source). After the share comes the decode check's worst error "
+        "against its bound, in quantization steps (round-to-nearest: half a step plus float slack).",
+        "",
+        decode_summary(list(cells.values())),
         "",
         "| family | " + " | ".join(columns) + " |",
         "|---|" + "---|" * len(columns),
@@ -94,14 +133,15 @@ def write_doc(path: Path, data: dict[str, Any], skipped: dict[str, str], setup: 
     lines += ["", "## Quark templates transformers cannot build offline", ""]
     lines += [f"- `{t}`: {why}" for t, why in sorted(skipped.items())] or ["None."]
     lines += ["", "## Per-cell detail", "",
-              "| family | column | outcome | share measured / promised | loader | ppl base → quantized | verdict "
-              "| seconds |", "|---|---|---|---|---|---|---|---|"]
+              "| family | column | outcome | share measured / promised | decode worst / bound (weights) | loader "
+              "| ppl base → quantized | verdict | seconds |", "|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(cells.values(), key=lambda c: (c["family"], c["column"])):
         share = (f"{c['share_measured']:.1%} / {c['share_promised']:.1%}" if c.get("share_measured") is not None
                  else "-")
         ppl = f"{c['ppl_base']:.1f} → {c['ppl']:.1f}" if c.get("ppl") and c.get("ppl_base") else "-"
         secs = c["seconds"].get("cell")
-        lines.append(f"| {c['family']} | {c['column']} | {c['outcome']} | {share} | {c.get('loader') or '-'} "
+        decode = _decode_text(c) + (f" ({c['decode_checked']})" if c.get("decode_checked") else "")
+        lines.append(f"| {c['family']} | {c['column']} | {c['outcome']} | {share} | {decode} | {c.get('loader') or '-'} "
                      f"| {ppl} | {c.get('verdict') or '-'} | {secs:.0f} |" if secs is not None else "")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

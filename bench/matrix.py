@@ -28,16 +28,22 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))
 from families import build_family  # noqa: E402
+from fp8_release import to_fp8_release  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # column -> (scheme, algorithm)
 COLUMNS: dict[str, tuple[str, str | None]] = {
     "fp8": ("fp8", None), "int8": ("int8", None), "int4_wo_32": ("int4_wo_32", None),
-    "mxfp4": ("mxfp4", None), "awq": ("int4_wo_32", "awq"),
+    "mxfp4": ("mxfp4", None), "awq": ("int4_wo_32", "awq"), "fp8_release": ("mxfp4", None),
 }
+# columns whose source is the family's instance as an FP8 block release (DeepSeek's format,
+# tests/fp8_release.py): the recipe's plan reads it through a dequantized BF16 staging copy
+FP8_RELEASE_COLUMNS = ("fp8_release",)
 NON_MATRIX = ("embed", "norm", "wte", "wpe", "rotary", "conv")
 FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
 SHARE_TOLERANCE = 0.005  # measured within half a point of the promise
@@ -58,6 +64,10 @@ class Cell:
     ppl: float | None = None
     ppl_base: float | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    decode_status: str = ""  # the decode check's: pass | fail | skipped ("" when validation did not run)
+    decode_checked: int | None = None  # quantized weights decoded against the source
+    decode_worst: float | None = None  # the worst element's distance from its source, in quantization steps
+    decode_bound: float | None = None  # the bound, in steps (round-to-nearest: 0.5 plus float slack)
 
 
 def log(msg: str) -> None:
@@ -120,7 +130,12 @@ def _brief(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:240]}"
 
 
-# -- one cell ---------------------------------------------------------------------------------
+# -- one cell: the recipe itself (pipeline.Recipe), its engine run in this process --------------
+# Every gate a cell meets is approved by name, except "fix": a fix would hide a false failure, and
+# "overwrite": each cell starts in a fresh folder.
+CELL_GATES = ("intake", "plan", "execute", "result", "eval", "baseline")
+
+
 @dataclass
 class Setup:
     work: Path
@@ -130,108 +145,167 @@ class Setup:
     env: dict
     calib_samples: int
     windows: int
+    runner: Any = field(default=None)  # execute.in_process.InProcessRunner, shared by every cell
+
+    def __post_init__(self) -> None:
+        from quark_ptq_eval.execute.in_process import InProcessRunner
+
+        self.runner = self.runner or InProcessRunner()
+
+    def env_file(self) -> Path:
+        """The host's environment context, detected once for every cell (the recipe reads it as given)."""
+        path = self.work / "env_context.json"
+        if not path.exists():
+            path.write_text(json.dumps(self.env, indent=1))
+        return path
+
+
+def cell_dir(setup: Setup, family: str, column: str) -> Path:
+    return setup.work / "cells" / family / column
+
+
+def export_dir(setup: Setup, family: str, column: str) -> Path:
+    """Where a cell's quantized model is (the recipe's output folder)."""
+    return cell_dir(setup, family, column) / "out"
+
+
+def cell_recipe(setup: Setup, base: Path):
+    """A recipe for one cell in ``base`` (work/ and out/ under it), quiet, its engine in this process."""
+    from quark_ptq_eval.base.gates import FlagApprover
+    from quark_ptq_eval.base.ui import Reporter
+    from quark_ptq_eval.flows.pipeline import Recipe
+
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    return Recipe(base / "work", FlagApprover(CELL_GATES), Reporter(quiet=True), engine_runner=setup.runner)
+
+
+def cell_options(setup: Setup, model_dir: Path, base: Path, plan: dict):
+    """The run's options: ``plan`` (PlanRequest fields) on this CPU, calibrating on a few short windows,
+    then Tier 1 with the source (an FP8 release as dequantized) as the baseline."""
+    from quark_ptq_eval.evaluate import BASELINE_FROM_SOURCE
+    from quark_ptq_eval.flows.pipeline import RunOptions
+
+    plan = {"calib_data": str(setup.corpus), "num_calib_samples": setup.calib_samples, "calib_seq_len": 64,
+            "device": "cpu", "engine": "quark-api", **plan}
+    evaluation = {"eval_data": str(setup.corpus), "max_windows": setup.windows, "seq_len": 64, "device": "cpu",
+                  "baseline": BASELINE_FROM_SOURCE}
+    return RunOptions(model=str(model_dir), output_dir=str(base / "out"), plan=plan, eval_tier="ppl",
+                      eval=evaluation, offline=True, contexts={"env_context": str(setup.env_file())})
 
 
 def run_cell(setup: Setup, family: str, model_dir: Path, column: str) -> Cell:
-    from quark_ptq_eval.base.errors import UsageError
-    from quark_ptq_eval.plan.family_limits import limit_for
-
     scheme, algorithm = COLUMNS[column]
-    cell = Cell(family, column)
-    wd = setup.work / "cells" / family / column
-    shutil.rmtree(wd, ignore_errors=True)
-    wd.mkdir(parents=True)
-    t0 = time.monotonic()
+    base = cell_dir(setup, family, column)
+    recipe = cell_recipe(setup, base)
+    opts = cell_options(setup, model_dir, base, {"scheme": scheme, "algorithm": algorithm or ""})
+    return run_recipe(setup, Cell(family, column), recipe, opts)
+
+
+def run_recipe(setup: Setup, cell: Cell, recipe, opts) -> Cell:
+    """intake -> plan -> manifest -> execute -> validate (load and decode checks) -> Tier 1 with baseline
+    through ``recipe``, then the share check; every failure recorded with where it was raised."""
+    from quark_ptq_eval.base.errors import UsageError
+
     try:
-        plan = _plan(setup, model_dir, wd, scheme, algorithm)
-    except UsageError as exc:
-        lim = limit_for(family, scheme, algorithm)
-        no_algo = "is not available for model_type" in exc.message  # Quark's template has no config for it
-        cell.outcome = "refused" if lim or no_algo else "failed"
-        cell.stage, cell.cause = "plan", (lim.owner if lim else "quark" if no_algo else "ours")
-        cell.message = exc.message + (f" {exc.hint}" if getattr(exc, "hint", None) else "")
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            recipe.run(opts)  # what it says is in its work dir: reports, logs/run.log, logs/engine.log
+    except Exception as exc:  # noqa: BLE001 - every failure is recorded and classified
+        _failed(setup, cell, recipe, exc)
+        if isinstance(exc, UsageError) and cell.stage == "plan":
+            _refusal(cell, exc)
         return cell
-    cell.seconds["plan"] = time.monotonic() - t0
-    return run_stages(setup, cell, {"plan": plan, "model_dir": model_dir, "wd": wd})
-
-
-def run_stages(setup: Setup, cell: Cell, state: dict) -> Cell:
-    """engine -> validate (load check) -> Tier 1 with baseline -> share, for ``state["plan"]``; also bench/plan_matrix.py."""
-    stages = (("engine", _engine), ("validate", _validate), ("evaluate", _evaluate), ("share", _share))
-    for stage, step in stages:
-        t = time.monotonic()
-        try:
-            problem = step(setup, cell, state)
-        except Exception as exc:  # noqa: BLE001 - every failure is recorded and classified
-            cell.stage, cell.cause, cell.message = stage, classify(exc), _brief(exc)
-            return cell
-        finally:
-            cell.seconds[stage] = time.monotonic() - t
-        if problem:
+    finally:
+        _timings(cell, recipe)
+    _read_results(cell, recipe)
+    for stage, check in (("evaluate", _finite_ppl), ("share", _share)):
+        if problem := check(cell, recipe):
             cell.stage, (cell.cause, cell.message) = stage, problem
             return cell
     cell.outcome = "green"
     return cell
 
 
-def _plan(setup: Setup, model_dir: Path, wd: Path, scheme: str, algorithm: str | None):
-    from quark_ptq_eval.flows import api
-    from quark_ptq_eval.intake import analyze_model
-
-    analysis = analyze_model(str(model_dir), offline=True, catalog=setup.catalog)
-    analysis.write(wd)
-    return api.plan_quantization(
-        analysis, wd / "out", env_context=setup.env, workdir=wd, scheme=scheme, algorithm=algorithm or "",
-        calib_data=str(setup.corpus), num_calib_samples=setup.calib_samples, calib_seq_len=64, offline=True,
-        device="cpu", engine="quark-api")
+STAGE_OF_PART = (("plan", "plan"), ("result", "engine"), ("validation", "validate"), ("evaluation", "evaluate"))
+PHASE_STAGE = {"phase1_prepare": "plan", "phase1_execute": "engine", "phase2_validate": "validate",
+               "phase3_eval": "evaluate"}
 
 
-def _engine(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
-    from quark_ptq_eval.execute import quark_api_engine
-    from quark_ptq_eval.flows import api
-
-    plan = state["plan"]
-    plan.requires_confirmation = False  # the matrix approves every checkpoint
-    argv = api.build_manifest(plan, state["wd"], offline=True).command["argv"]
-    args = argv[argv.index("--model_dir"):]
-    out = Path(args[args.index("--output_dir") + 1])
-    shutil.rmtree(out, ignore_errors=True)
-    with contextlib.redirect_stdout(io.StringIO()):
-        rc = quark_api_engine.main(args)
-    state["out"] = out
-    return None if rc == 0 else ("ours", f"engine exit {rc}")
+def _stage(recipe) -> str:
+    """The stage a run stopped in: the first whose part the recipe did not produce."""
+    parts = recipe.flow.parts if recipe.flow is not None else {}
+    return next((stage for part, stage in STAGE_OF_PART if part not in parts), "share")
 
 
-def _validate(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
-    from quark_ptq_eval.validate import validate_model
+def _failed(setup: Setup, cell: Cell, recipe, exc: BaseException) -> None:
+    cell.stage = _stage(recipe)
+    _read_decode(cell, recipe.workdir)
+    if cell.stage == "validate" and (problem := _validation_problem(recipe.workdir)):
+        cell.cause, cell.message = problem
+        return
+    engine_error = setup.runner.last_error if cell.stage == "engine" else None
+    cell.cause = classify(engine_error or exc)
+    cell.message = getattr(exc, "message", None) or _brief(exc)
+    if getattr(exc, "hint", None):
+        cell.message += f" {exc.hint}"
+    if engine_error is not None:
+        cell.message = _brief(engine_error)
 
-    # with the load check: green must mean the evaluator's loader reads the export as exported
-    report = validate_model(state["model_dir"], state["out"], state["plan"].to_dict(), load_check=True)
-    state["validation"] = report
-    if report.status == "failed":
-        bad = [f for c in report.checks for f in c.findings if not getattr(f, "benign", False)]
-        sides = {getattr(f, "side", "") for f in bad}
-        cause = "quark" if sides == {"quark"} else "ours"  # anything else: a false failure until shown otherwise
-        return cause, "; ".join(f"{f.subject}: {f.message}"[:200] for f in bad[:3])
-    return None
+
+def _refusal(cell: Cell, exc) -> None:
+    """A plan refused up front: a known family limit, or Quark's template lacking the algorithm."""
+    from quark_ptq_eval.plan.family_limits import limit_for
+
+    scheme, algorithm = COLUMNS[cell.column]
+    lim = limit_for(cell.family, scheme, algorithm)
+    no_algo = "is not available for model_type" in exc.message  # Quark's template has no config for it
+    cell.outcome = "refused" if lim or no_algo else "failed"
+    cell.cause = lim.owner if lim else "quark" if no_algo else "ours"
 
 
-def _evaluate(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
-    from quark_ptq_eval.base.gates import CallbackApprover
-    from quark_ptq_eval.evaluate import EvalOptions, evaluate
+def _timings(cell: Cell, recipe) -> None:
+    for phase, seconds in recipe.timings.items():
+        if phase in PHASE_STAGE:
+            cell.seconds[PHASE_STAGE[phase]] = seconds
 
-    opts = EvalOptions(tier="ppl", eval_data=setup.corpus, max_windows=setup.windows, seq_len=64, device="cpu",
-                       baseline=state["model_dir"])
-    with contextlib.redirect_stdout(io.StringIO()):
-        report = evaluate(state["out"], opts, state["wd"] / "eval", CallbackApprover(lambda gate, summary: True),
-                          source_model=state["model_dir"], plan=state["plan"].to_dict())
+
+def _validation_problem(workdir: Path) -> tuple[str, str] | None:
+    """(cause, message) of a failed validation, from its report: Quark's when every failing finding
+    says so, else ours (a false failure until shown otherwise)."""
+    path = workdir / "validation_report.json"
+    if not path.is_file():
+        return None
+    checks = json.loads(path.read_text())["checks"].values()
+    bad = [f for c in checks if c["status"] == "fail" for f in c["findings"] if not f["benign"]]
+    if not bad:
+        return None
+    cause = "quark" if {f.get("side") for f in bad} == {"quark"} else "ours"
+    return cause, "; ".join(f"{f['subject']}: {f['message']}"[:200] for f in bad[:3])
+
+
+def _read_decode(cell: Cell, workdir: Path) -> None:
+    """The decode check's worst error and its bound (steps of the scheme's quantization step)."""
+    path = workdir / "validation_report.json"
+    decode = json.loads(path.read_text())["checks"].get("decode") if path.is_file() else None
+    if not decode:
+        return
+    stats = decode.get("stats") or {}
+    cell.decode_status = decode["status"]
+    cell.decode_checked = stats.get("checked")
+    cell.decode_worst = stats.get("worst_steps")
+    bound = str(stats.get("bound", "")).split(" ", 1)[0]  # "0.502 step per element (round-to-nearest)"
+    cell.decode_bound = float(bound) if bound.replace(".", "", 1).isdigit() else None
+
+
+def _read_results(cell: Cell, recipe) -> None:
+    _read_decode(cell, recipe.workdir)
+    report = recipe.flow.parts.get("evaluation")
+    if report is None or report == "skipped":
+        return
     cell.verdict = report.verdict
     cell.loader = str(report.details.get("loader", "")).split(" ", 1)[0]
     cell.ppl = _score(report.quantized)
     cell.ppl_base = _score(report.baseline)
-    if cell.ppl is None or not math.isfinite(cell.ppl):
-        return "ours", f"no finite perplexity (verdict {report.verdict})"
-    return None
 
 
 def _score(scores) -> float | None:
@@ -244,12 +318,23 @@ def _score(scores) -> float | None:
     return None
 
 
-def _share(setup: Setup, cell: Cell, state: dict) -> tuple[str, str] | None:
-    from quark_ptq_eval.base.safetensors_io import read_model_headers
+def _finite_ppl(cell: Cell, recipe) -> tuple[str, str] | None:
+    if cell.ppl is None or not math.isfinite(cell.ppl):
+        return "ours", f"no finite perplexity (verdict {cell.verdict})"
+    return None
 
-    src, out = read_model_headers(state["model_dir"]), read_model_headers(state["out"])
+
+def _share(cell: Cell, recipe) -> tuple[str, str] | None:
+    """The share of matrix weights quantized as the plan promised."""
+    from quark_ptq_eval.base.safetensors_io import read_model_headers
+    from quark_ptq_eval.plan.source_reading import effective_source
+
+    flow = recipe.flow
+    plan = flow.parts["plan"]
+    source = effective_source(plan.to_dict(), flow.model_path)  # an FP8 release: its dequantized copy
+    src, out = read_model_headers(source), read_model_headers(flow.output_dir)
     cell.share_measured = measured_share(src, out)
-    cell.share_promised = promised_share(src, state["plan"].exclude_layers)
+    cell.share_promised = promised_share(src, plan.exclude_layers)
     if cell.share_measured + SHARE_TOLERANCE < cell.share_promised:
         return "ours", (f"{cell.share_measured:.1%} of matrix parameters quantized, the plan promised "
                         f"{cell.share_promised:.1%}")
@@ -306,31 +391,51 @@ def build(setup: Setup, family: str) -> tuple[Path | None, str]:
         return None, f"{classify(exc)}: {_brief(exc)}"
 
 
-def run_matrix(setup: Setup, families: list[str], columns: list[str], on_cell=None) -> list[Cell]:
-    from quark_ptq_eval.plan.family_limits import limit_for
+def build_release(setup: Setup, family: str, bf16: Path) -> tuple[Path | None, str]:
+    """The family's instance as an FP8 block release (F8_E4M3 linears, 128x128 ``weight_scale_inv``)."""
+    release = setup.work / "models-fp8" / family
+    if (release / "config.json").exists():
+        return release, ""
+    try:
+        return to_fp8_release(bf16, release), ""
+    except Exception as exc:  # noqa: BLE001
+        shutil.rmtree(release, ignore_errors=True)
+        return None, f"{classify(exc)}: {_brief(exc)}"
 
+
+def run_matrix(setup: Setup, families: list[str], columns: list[str], on_cell=None) -> list[Cell]:
     cells = []
-    built = {}
+    built: dict[str, tuple[Path | None, str]] = {}
     for column in columns:
         for family in families:
-            if family not in built:
-                built[family] = (None, "") if limit_for(family, "*", None) else build(setup, family)
-            model_dir, why = built[family]
             t = time.monotonic()
-            if model_dir is None and not limit_for(family, "*", None):
-                cell = Cell(family, column, stage="build", cause=why.split(":", 1)[0], message=why)
-            elif model_dir is None:
-                cell = run_cell_refused(family, column)
-            else:
-                cell = run_cell(setup, family, model_dir, column)
+            cell = _one_cell(setup, family, column, built)
             cell.seconds["cell"] = time.monotonic() - t
             cells.append(cell)
             stages = " ".join(f"{k}={v:.0f}" for k, v in cell.seconds.items() if k != "cell")
-            log(f"{family:<18} {column:<11} {cell.outcome:<8} {cell.seconds['cell']:6.1f}s [{stages}] "
+            decode = f" decode {cell.decode_worst}/{cell.decode_bound}" if cell.decode_status else ""
+            log(f"{family:<18} {column:<11} {cell.outcome:<8} {cell.seconds['cell']:6.1f}s [{stages}]{decode} "
                 f"{cell.stage} {cell.cause} {cell.message[:200]}")
             if on_cell:
                 on_cell(cell)  # results survive an interrupted matrix
     return cells
+
+
+def _one_cell(setup: Setup, family: str, column: str, built: dict[str, tuple[Path | None, str]]) -> Cell:
+    """Build the family's instance (once; its FP8 release for an FP8-release column), then its cell."""
+    from quark_ptq_eval.plan.family_limits import limit_for
+
+    if limit_for(family, "*", None):
+        return run_cell_refused(family, column)
+    key = f"{family}:fp8" if column in FP8_RELEASE_COLUMNS else family
+    if family not in built:
+        built[family] = build(setup, family)
+    if key not in built:
+        built[key] = build_release(setup, family, built[family][0]) if built[family][0] else built[family]
+    model_dir, why = built[key]
+    if model_dir is None:
+        return Cell(family, column, stage="build", cause=why.split(":", 1)[0], message=why)
+    return run_cell(setup, family, model_dir, column)
 
 
 def run_cell_refused(family: str, column: str) -> Cell:

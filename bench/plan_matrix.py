@@ -1,7 +1,7 @@
 """The plan matrix: every deployment target the planner knows x every priority, on representative families.
 
 Per cell the goal names the target and the priority (``"accuracy first for MI300X"``, ``"for A100"``);
-the plan made from that goal runs for real through the family matrix's stages (bench/matrix.py:
+the plan made from that goal runs for real through the recipe, as the family matrix drives it (bench/matrix.py:
 the Quark-API engine -> validate with the load check -> Tier 1 perplexity with baseline -> the
 quantized share), or is refused at the plan step with its reason. Cells whose plans are the same
 (scheme, algorithm, KV cache, exclusions, overrides) share one run: the result is that plan's.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -23,7 +22,18 @@ from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matrix import ROOT, Cell, Setup, build, log, offline_workdir, prepare, run_stages  # noqa: E402
+from matrix import (  # noqa: E402
+    ROOT,
+    Cell,
+    Setup,
+    build,
+    cell_options,
+    cell_recipe,
+    log,
+    offline_workdir,
+    prepare,
+    run_recipe,
+)
 
 # dense, tied embeddings, fused QKV, MoE with fused experts, MLA (+ MoE)
 FAMILIES = ("llama", "gemma2", "phi3", "qwen3_moe", "deepseek_v3")
@@ -41,35 +51,29 @@ def _plan_key(plan) -> str:
 
 
 def run_goal_cell(setup: Setup, family: str, model_dir: Path, target: str, priority: str, runs: dict) -> dict:
-    """One cell: plan from the goal, then that plan's run (shared with earlier cells of the same plan)."""
+    """One cell: the recipe up to the plan from the goal, then (once per distinct plan) the rest of it,
+    resumed in the same work dir (later cells of the same plan share that run)."""
     from quark_ptq_eval.base.errors import UsageError
-    from quark_ptq_eval.flows import api
-    from quark_ptq_eval.intake import analyze_model
     from quark_ptq_eval.plan.targets import TARGETS
 
     goal = goal_for(TARGETS[target].label, priority)
-    wd = setup.work / "plan-cells" / family / target / priority
-    shutil.rmtree(wd, ignore_errors=True)
-    wd.mkdir(parents=True)
+    base = setup.work / "plan-cells" / family / target / priority
+    recipe = cell_recipe(setup, base)
+    opts = cell_options(setup, model_dir, base, {"goal": goal})
     t0 = time.monotonic()
     row = {"family": family, "target": target, "priority": priority, "goal": goal}
     try:
-        analysis = analyze_model(str(model_dir), offline=True, catalog=setup.catalog)
-        analysis.write(wd)
-        plan = api.plan_quantization(analysis, wd / "out", env_context=setup.env, workdir=wd, goal=goal,
-                                     calib_data=str(setup.corpus), num_calib_samples=setup.calib_samples,
-                                     calib_seq_len=64, offline=True, device="cpu", engine="quark-api")
+        recipe.run(opts, "plan")
     except UsageError as exc:
         return {**row, "outcome": "refused", "stage": "plan", "message": f"{exc.message} {exc.hint or ''}".strip(),
                 "seconds": round(time.monotonic() - t0, 1)}
+    plan = recipe.flow.parts["plan"]
     scheme_row = next(d for d in plan.decisions if d["decision"] == "global_scheme")
     row.update(scheme=plan.global_scheme, kv=plan.kv_cache_scheme, algorithm=plan.algorithm,
                why=scheme_row["reason"])
     key = _plan_key(plan)
     if key not in runs:
-        cell = Cell(family, f"{target}/{priority}")
-        cell.seconds["plan"] = time.monotonic() - t0
-        runs[key] = asdict(run_stages(setup, cell, {"plan": plan, "model_dir": model_dir, "wd": wd}))
+        runs[key] = asdict(run_recipe(setup, Cell(family, f"{target}/{priority}"), recipe, opts))
         row["ran"] = True
     run = runs[key]
     row.update(outcome=run["outcome"], stage=run["stage"], cause=run["cause"], message=run["message"],

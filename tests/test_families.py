@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from families import build_family  # noqa: E402
-from matrix import Setup, matrix_params, run_cell  # noqa: E402
+from matrix import Setup, build_release, cell_dir, export_dir, matrix_params, run_cell  # noqa: E402
 
 from quark_ptq_eval.base.errors import QpeError, UsageError  # noqa: E402
 from quark_ptq_eval.base.safetensors_io import read_model_headers  # noqa: E402
@@ -56,6 +56,51 @@ def test_family_goes_through_the_recipe_with_the_promised_share_quantized(setup,
     assert cell.outcome == "green", f"{cell.stage} ({cell.cause}): {cell.message}"
     assert cell.share_measured is not None and cell.share_measured >= cell.share_promised - 0.005
     assert cell.ppl is not None and cell.ppl_base is not None
+    # issue 22: the healthy export decodes to its source within the bound, the figures in the matrix's table
+    assert cell.decode_status == "pass" and cell.decode_checked > 0, cell
+    assert 0 < cell.decode_worst <= cell.decode_bound < 0.51
+    # issue 24: the cell was a run of the recipe, its engine in this process
+    work = cell_dir(setup, family, column) / "work"
+    assert json.loads((work / "run_summary.json").read_text())["validation"] == "success"
+    assert "(in this process)" in (work / "logs" / "engine.log").read_text()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3"])
+def test_the_fp8_release_column_goes_through_the_recipe_via_the_staged_copy(setup, family):
+    """Issue 21: the family's instance as a DeepSeek FP8 block release, through the recipe: the plan reads
+    it through a dequantized BF16 copy, which validation (load and decode checks) and Tier 1's baseline use."""
+    release, why = build_release(setup, family, _family(setup, family))
+    assert release is not None, why
+    assert json.loads((release / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    cell = run_cell(setup, family, release, "fp8_release")
+    assert cell.outcome == "green", f"{cell.stage} ({cell.cause}): {cell.message}"
+    work = cell_dir(setup, family, "fp8_release") / "work"
+    staged = work / "source-bf16"
+    assert json.loads((work / "quant_plan.json").read_text())["source_reading"]["mode"] == "stage_bf16"
+    assert json.loads((work / "validation_report.json").read_text())["source_model_dir"] == str(staged)
+    assert str(staged) in (work / "eval_results.json").read_text()  # Tier 1's baseline: the release, dequantized
+    assert cell.decode_status == "pass" and cell.decode_checked > 0 and cell.decode_worst <= cell.decode_bound
+    assert cell.share_measured >= cell.share_promised - 0.005 > 0.3
+
+
+def test_an_engine_that_raises_in_process_fails_as_a_child_would(tmp_path):
+    """The in-process runner's contract is the child process's: exit 1, the traceback in the log's tail
+    (the failure classifier reads its frames), the exception kept; the environment as it was."""
+    import os
+
+    from quark_ptq_eval.execute.classify import classify_failure
+    from quark_ptq_eval.execute.in_process import InProcessRunner
+
+    runner = InProcessRunner()
+    argv = [sys.executable, "-m", "quark_ptq_eval.execute.quark_api_engine", "--model_dir", str(tmp_path / "none"),
+            "--output_dir", str(tmp_path / "out"), "--quant_scheme", "int8", "--calib_data", str(tmp_path / "t.txt")]
+    result = runner(argv, {"QPE_IN_PROCESS_PROBE": "1"}, tmp_path / "engine.log", tmp_path)
+    assert result.returncode == 1 and not result.interrupted
+    assert runner.last_error is not None and "Traceback (most recent call last):" in result.tail
+    assert classify_failure(result.tail, result.returncode)["cause"] == "load"  # the failing frame: transformers
+    assert "QPE_IN_PROCESS_PROBE" not in os.environ
+    assert runner(argv[:3], {}, tmp_path / "engine.log", tmp_path).returncode == 2  # argparse's exit
+    assert "(in this process)" in (tmp_path / "engine.log").read_text()
 
 
 def test_the_slice_has_the_structures_it_claims(setup):
@@ -73,7 +118,7 @@ def test_the_slice_has_the_structures_it_claims(setup):
 
 def test_moe_experts_are_quantized_in_the_export(setup):
     """Fused experts come out per expert and quantized, not as BF16 3-D tensors (issue 11)."""
-    out = setup.work / "cells" / "qwen3_moe" / "fp8" / "out.partial"
+    out = export_dir(setup, "qwen3_moe", "fp8")
     if not out.exists():
         run_cell(setup, "qwen3_moe", _family(setup, "qwen3_moe"), "fp8")
     headers = read_model_headers(out)
@@ -93,7 +138,7 @@ def test_per_expert_dbrx_export_is_loaded_by_quarks_importer_with_its_experts(se
     cell = run_cell(setup, "dbrx", model_dir, "fp8")  # validation with the load check, then Tier 1
     assert cell.outcome == "green", f"{cell.stage} ({cell.cause}): {cell.message}"
     assert cell.loader == "quark"
-    out = setup.work / "cells" / "dbrx" / "fp8" / "out.partial"
+    out = export_dir(setup, "dbrx", "fp8")
     with pytest.raises(QpeError, match="initialised them at random"):  # Tier 1 refuses such a load
         loading.load_model(out, device="cpu", loader=loading.TRANSFORMERS)
     monkeypatch.setattr(loading, "_has_per_expert_tensors", lambda model_dir: False)  # the old loader choice
@@ -115,7 +160,7 @@ def test_an_awq_export_whose_norms_were_rewritten_passes_the_load_check_layer_by
     model_dir = _family(setup, "opt")
     cell = run_cell(setup, "opt", model_dir, "awq")
     assert cell.outcome == "green", f"{cell.stage} ({cell.cause}): {cell.message}"
-    out = setup.work / "cells" / "opt" / "awq" / "out.partial"
+    out = export_dir(setup, "opt", "awq")
     src, exp = load_file(model_dir / "model.safetensors"), load_file(out / "model.safetensors")
     norms = [n for n in src if "layer_norm" in n]
     assert any(not torch.equal(src[n], exp[n]) for n in norms)  # the premise: AWQ rewrote norms before linears
@@ -166,7 +211,7 @@ def test_a_fault_in_an_expert_no_probe_token_reaches_still_fails(setup, copy_mod
     experts = "model.layers.0.mlp.experts"
     unrouted = sorted(set(range(32)) - _experts_the_probe_routes(model_dir, experts))
     assert unrouted  # the premise: the probe leaves experts without a token
-    out = copy_model(setup.work / "cells" / "qwen3_moe_wide" / "int4_wo_32" / "out.partial", "unrouted-expert-x4")
+    out = copy_model(export_dir(setup, "qwen3_moe_wide", "int4_wo_32"), "unrouted-expert-x4")
     scale_in_file(out, f"{experts}.{unrouted[0]}.down_proj.weight_scale", 4)
     report = validate_model(model_dir, out, load_check=True)  # the decode check names the expert first
     assert f"{experts}.{unrouted[0]}.down_proj.weight" in "\n".join(f.subject for f in report.check("decode").failures)
@@ -184,7 +229,7 @@ def test_experts_calibration_never_reached_fail_validation(setup):
     model_dir = _wide_moe(setup)
     cell = run_cell(setup, "qwen3_moe_wide", model_dir, "fp8")
     assert (cell.outcome, cell.stage) == ("failed", "validate") and "calibration data" in cell.message, cell
-    out = setup.work / "cells" / "qwen3_moe_wide" / "fp8" / "out.partial"
+    out = export_dir(setup, "qwen3_moe_wide", "fp8")
     check = validate_model(model_dir, out).check("calibration")
     unset = [f.subject for f in check.failures]
     assert unset and all(".mlp.experts." in n and n.endswith(".input_scale") for n in unset)

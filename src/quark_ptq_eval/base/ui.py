@@ -211,5 +211,6 @@ def _swap_handler_streams(streams: dict[int, Any]) -> list[tuple[logging.StreamH
     for handler in {h for lg in loggers for h in lg.handlers}:
         target = streams.get(id(getattr(handler, "stream", None)))
         if target is not None and isinstance(handler, logging.StreamHandler):
-            swapped.append((handler, handler.setStream(target)))
+            with contextlib.suppress(AttributeError):  # logging's last-resort handler: its stream is sys.stderr
+                swapped.append((handler, handler.setStream(target)))
     return swapped

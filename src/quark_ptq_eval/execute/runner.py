@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -26,6 +27,10 @@ class RunResult:
     log: Path
     tail: list[str]
     interrupted: bool = False
+
+
+# (argv, extra environment, log path, working dir, echo) -> how the engine ended: run_command's signature
+EngineRunner = Callable[[list[str], dict[str, str], Path, Path, Any], RunResult]
 
 
 def _die_with_parent() -> None:

@@ -17,7 +17,7 @@ from quark_ptq_eval.base.ui import Reporter
 from quark_ptq_eval.execute.classify import classify_failure
 from quark_ptq_eval.execute.engines import get_engine
 from quark_ptq_eval.execute.inspect_output import inspect_output
-from quark_ptq_eval.execute.runner import EngineEcho, raise_if_interrupted, run_command
+from quark_ptq_eval.execute.runner import EngineEcho, EngineRunner, raise_if_interrupted
 from quark_ptq_eval.execute.staging import stage_source
 
 
@@ -28,6 +28,7 @@ class ExecuteContext(Protocol):
     ui: Reporter
     state: RunState
     gates: Gatekeeper
+    engine_runner: EngineRunner  # run_command (a child process) or e.g. in_process.InProcessRunner
 
 
 class EngineFailed(QpeError):
@@ -164,8 +165,8 @@ _HELD: list[OutputClaim] = []
 def _run(recipe: ExecuteContext, manifest: RunManifest):
     echo = None if recipe.ui.quiet else EngineEcho(recipe.ui)
     try:
-        return run_command(manifest.command["argv"], manifest.command.get("env", {}),
-                           Path(manifest.outputs["log"]), recipe.workdir, echo=echo)
+        return recipe.engine_runner(manifest.command["argv"], manifest.command.get("env", {}),
+                                    Path(manifest.outputs["log"]), recipe.workdir, echo=echo)
     finally:
         if echo is not None:
             echo.close()

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,12 @@ from quark_ptq_eval.base.state import RunState, WorkdirLock, digest
 from quark_ptq_eval.base.step_table import STEP_NAMES, STEPS, SUMMARY_FILE
 from quark_ptq_eval.base.ui import Reporter, noise_to_log
 from quark_ptq_eval.context import preflight
+from quark_ptq_eval.execute.runner import EngineRunner, run_command
 from quark_ptq_eval.plan import PlanRequest, make_plan
 
 RUN_LOG = "run.log"  # in-process library output of a run (the engine's own is engine.log)
+# (output dir, source as compared, plan) -> the evaluation report: Phase 3 given by the caller
+Evaluator = Callable[[Path, Path | None, dict[str, Any]], Any]
 
 
 @dataclass
@@ -73,10 +77,14 @@ class Flow:
 
 
 class Recipe:
-    def __init__(self, workdir: str | Path, approver: Approver, reporter: Reporter | None = None):
+    def __init__(self, workdir: str | Path, approver: Approver, reporter: Reporter | None = None,
+                 engine_runner: EngineRunner = run_command, evaluator: Evaluator | None = None):
         self.workdir = Path(workdir).resolve()
         self.approver = approver
         self.ui = reporter or Reporter()
+        self.engine_runner = engine_runner  # a child process; the family matrix runs it in its own process
+        self.flow: Flow | None = None  # the last run's: what each step produced, for a caller to read
+        self.evaluator = evaluator  # Phase 3 in place of the tier choice (compare: against its cached baseline)
         self.state: RunState
         self.gates: Gatekeeper  # every approval of this run goes through it
         self.timings: dict[str, float] = {}
@@ -119,7 +127,7 @@ class Recipe:
         if opts.eval_tier == "ppl" and tier1_lacks_text(opts.eval, ctx.offline) and not opts.plan.get("calib_data"):
             raise UsageError(TIER1_NO_TEXT)  # refused before any gate asks: no approval is wasted
         check_eval_window(opts.eval.get("seq_len"), model_path)  # a window beyond the context: refused now
-        flow = Flow(opts, ctx, load_catalog(), model_path, output_dir)
+        flow = self.flow = Flow(opts, ctx, load_catalog(), model_path, output_dir)
         for step in STEPS:
             self.ui.headline(step.title)
             produced = flow.parts[step.part] = getattr(self, step.run)(flow)
@@ -255,7 +263,12 @@ class Recipe:
         from quark_ptq_eval.plan.source_reading import effective_source
 
         plan = flow.parts["plan"].to_dict()  # Tier 1's baseline: the staged BF16 copy of an FP8 release
-        return self._evaluate(flow.opts, effective_source(plan, flow.model_path), flow.output_dir, plan)
+        source = effective_source(plan, flow.model_path)
+        if self.evaluator is not None:
+            report = self.evaluator(flow.output_dir, source, plan)
+            self.state.record_step("eval", "done", tier=report.tier, report=str(report.report_path))
+            return report
+        return self._evaluate(flow.opts, source, flow.output_dir, plan)
 
     def _validate(self, source: Path | None, output_dir: Path, plan: dict, load_check: bool = True):
         from quark_ptq_eval.validate import apply_fixes, propose_fixes
