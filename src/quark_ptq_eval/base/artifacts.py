@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from quark_ptq_eval.base import contracts
 from quark_ptq_eval.base.errors import UsageError
@@ -20,6 +20,9 @@ from quark_ptq_eval.base.state import digest
 
 class MissingArtifact(UsageError):
     pass
+
+
+ArtifactT = TypeVar("ArtifactT", bound="Artifact")
 
 
 @dataclass
@@ -34,7 +37,7 @@ class Artifact:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str | Path = "artifact"):
+    def from_dict(cls: type[ArtifactT], data: dict[str, Any], source: str | Path = "artifact") -> ArtifactT:
         contracts.check(cls.KIND, data, source)
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -53,7 +56,7 @@ class Artifact:
         return self._dump(self.path_in(workdir), data)
 
     @classmethod
-    def load(cls, workdir: str | Path):
+    def load(cls: type[ArtifactT], workdir: str | Path) -> ArtifactT:
         path = cls.path_in(workdir)
         if not path.exists():
             raise MissingArtifact(
@@ -93,7 +96,8 @@ class ModelAnalysis(Artifact):
 
     @property
     def model_type(self) -> str:
-        return self.model["model_type"]
+        model_type: str = self.model["model_type"]
+        return model_type
 
 
 @dataclass

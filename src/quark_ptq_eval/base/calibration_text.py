@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ def calibration_documents(path: str | Path, text_field: str = "text") -> list[st
 # ---------------------------------------------------------------- tokens
 
 
-def _tokenizer(model_dir: Path):
+def _tokenizer(model_dir: Path) -> Callable[[str], int] | None:
     """A callable text -> token count for the model's tokenizer, or None when none loads."""
     file = model_dir / "tokenizer.json"
     try:

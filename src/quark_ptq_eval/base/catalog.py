@@ -49,7 +49,8 @@ def load_catalog() -> dict[str, Any]:
     path = catalog_path()
     if path.exists():
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
+            cached: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+            return cached
         except json.JSONDecodeError:
             pass  # a damaged cache is rebuilt below
     from quark_ptq_eval.base.first_use import announce_catalog_build
@@ -59,7 +60,7 @@ def load_catalog() -> dict[str, Any]:
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         raise QpeError(f"Could not query the installed Quark for its supported schemes: {tail[0]}")
-    catalog = json.loads(proc.stdout.strip().splitlines()[-1])
+    catalog: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     write_json(path, catalog)
     return catalog
 
@@ -91,12 +92,12 @@ def dump_catalog() -> dict[str, Any]:
     }
 
 
-def _dtypes(spec) -> list[str]:
+def _dtypes(spec: Any) -> list[str]:  # a Quark QuantizationSpec, a list of them, or None
     specs = spec if isinstance(spec, list) else [spec] if spec is not None else []
     return [getattr(s.dtype, "value", str(s.dtype)) for s in specs]
 
 
-def _scheme_info(template, name: str) -> dict[str, Any]:
+def _scheme_info(template: Any, name: str) -> dict[str, Any]:  # a Quark LLMTemplate (no stubs)
     """Weight / activation dtypes of a scheme, read from the config Quark builds for it."""
     try:
         g = template.get_config(scheme=name).global_quant_config

@@ -85,7 +85,8 @@ class OutputClaim:
     lock the kernel dropped, and the next run takes it over."""
 
     def __init__(self, output_dir: Path, workdir: Path):
-        self.path, self.workdir, self._fd = claim_path(Path(output_dir)), Path(workdir), None
+        self.path, self.workdir = claim_path(Path(output_dir)), Path(workdir)
+        self._fd: int | None = None
         self.output_dir = Path(output_dir)
 
     def __enter__(self) -> OutputClaim:

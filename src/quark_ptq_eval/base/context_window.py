@@ -18,7 +18,8 @@ NO_SCALING = (None, "default", "none")
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     if "max_position_embeddings" not in config and isinstance(config.get("text_config"), dict):
-        return config["text_config"]  # multimodal wrappers keep the language model's config inside
+        inner: dict[str, Any] = config["text_config"]  # multimodal wrappers keep the language model's config inside
+        return inner
     return config
 
 
@@ -29,8 +30,9 @@ def model_context(config: dict[str, Any]) -> tuple[int | None, str]:
     if not isinstance(base, int) or base < 1:
         return None, ""
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    factor = rope.get("factor") if isinstance(rope, dict) else None
-    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
+    rope = rope if isinstance(rope, dict) else {}
+    factor = rope.get("factor")
+    kind = rope.get("rope_type") or rope.get("type")
     if isinstance(factor, int | float) and factor > 1 and kind not in NO_SCALING:
         original = rope.get("original_max_position_embeddings") or base
         scaled = int(original * factor)

@@ -33,7 +33,8 @@ def quark_contract_dir() -> Path | None:
 
 @cache
 def _schema(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8"))
+    schema: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return schema
 
 
 def quark_contract(kind: str) -> dict[str, Any] | None:

@@ -14,7 +14,10 @@ import sys
 from collections.abc import Callable
 from importlib import util
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.base.gates import Approver, Gatekeeper
 
 HW_EMULATION_LIB = "quark_hw_emulation_stable_abi"  # Quark 0.13's JIT module name (torch >= 2.10)
 LEGACY_HW_EMULATION_LIB = "kernel_ext"  # its pybind11 build on older torch
@@ -140,7 +143,7 @@ def tier1_lacks_text(eval_options: dict[str, Any], offline: bool | None) -> bool
     return not eval_options.get("eval_data") and offline_now(offline) and not wikitext_cached()
 
 
-def ask_tier1_text(approver, default: str | None) -> str | None:
+def ask_tier1_text(approver: Approver | Gatekeeper, default: str | None) -> str | None:
     """At the evaluation checkpoint: a local text path for Tier 1 (Enter takes ``default``),
     asked through the gatekeeper; None when there is no one to ask or no usable answer came."""
     from quark_ptq_eval.base.gates import as_gatekeeper

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 from quark_ptq_eval.base.errors import CheckpointPending, UsageError
 from quark_ptq_eval.base.state import RunState, digest
@@ -56,6 +56,13 @@ class Approver(Protocol):
     interactive: bool
 
     def __call__(self, gate: Gate, summary: str) -> bool: ...
+
+
+@runtime_checkable
+class Chooser(Protocol):
+    """An approver that can answer a choice on the spot (a person at a terminal)."""
+
+    def choose(self, question: str, choices: tuple[str, ...]) -> str | None: ...
 
 
 class FlagApprover:
@@ -147,7 +154,7 @@ class Gatekeeper:
     @property
     def can_choose(self) -> bool:
         """Can the approver answer a choice on the spot (a person at a terminal)?"""
-        return hasattr(self.approver, "choose")
+        return isinstance(self.approver, Chooser)
 
     def continue_command(self, flags: str) -> str:
         return self._continue_with(flags)
@@ -179,7 +186,7 @@ class Gatekeeper:
     def choose(self, gate_name: str, question: str, choices: tuple[str, ...], message: str, flag: str) -> str:
         """One of ``choices``: asked when the approver can answer on the spot, else a stop whose
         continue command passes ``flag`` (e.g. ``--eval-tier ppl|lm_eval|vllm|skip``)."""
-        answer = self.approver.choose(question, choices) if self.can_choose else None
+        answer = self.approver.choose(question, choices) if isinstance(self.approver, Chooser) else None
         if answer is None:
             self.stop(gate_name, message, flag)
         self.chosen(gate_name, answer)
@@ -188,8 +195,10 @@ class Gatekeeper:
     def ask_path(self, gate_name: str, question: str, default: str | None = None, tries: int = 3) -> str | None:
         """A local path that must exist, asked on the spot (a person at a terminal; Enter takes
         ``default``) and recorded as the gate's answer; None when no one can answer."""
-        ask = getattr(self.approver, "ask_text", None)
-        for _ in range(tries if ask is not None else 0):
+        ask: Callable[[str, str | None], str | None] | None = getattr(self.approver, "ask_text", None)
+        if ask is None:
+            return None
+        for _ in range(tries):
             answer = ask(question, default)
             if answer is None:
                 return None
@@ -204,7 +213,7 @@ class Gatekeeper:
         """Record a choice given up front (a flag) or on the spot."""
         self._approved(gate_name, _bound({"chosen": answer}))
 
-    def stop(self, gate_name: str, message: str, flag: str) -> None:
+    def stop(self, gate_name: str, message: str, flag: str) -> NoReturn:
         """Stop at ``gate_name`` without asking: it needs an answer only a new command can give."""
         command = self.continue_command(flag)
         self._pending(gate_name, None, command)

@@ -19,6 +19,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.base.fsio import cache_dir, write_json
 
@@ -41,7 +42,7 @@ def remembered_scan(cache_file: Path) -> Iterator[None]:
     seen = len(known)
     real_parse = ast.parse
 
-    def parse(source, *args, **kwargs):  # the signature of ast.parse
+    def parse(source: Any, *args: Any, **kwargs: Any) -> Any:  # the signature of ast.parse
         if sys._getframe(1).f_globals.get("__name__") != SCANNER or not isinstance(source, str) or args or kwargs:
             return real_parse(source, *args, **kwargs)
         key = hashlib.sha1(source.encode("utf-8", "surrogatepass")).hexdigest()
@@ -66,9 +67,16 @@ def _decorated_classes(tree: ast.Module) -> list[str]:
 
 
 def _module_of(classes: list[str]) -> ast.Module:
-    body = [ast.ClassDef(name=name, bases=[], keywords=[], body=[ast.Pass()], type_params=[],
-                         decorator_list=[ast.Name(id=DECORATOR, ctx=ast.Load())]) for name in classes]
+    body: list[ast.stmt] = [_class_node(name) for name in classes]
     return ast.Module(body=body, type_ignores=[])
+
+
+def _class_node(name: str) -> ast.ClassDef:
+    node = ast.ClassDef(name=name, bases=[], keywords=[], body=[ast.Pass()],
+                        decorator_list=[ast.Name(id=DECORATOR, ctx=ast.Load())])
+    if sys.version_info >= (3, 12):
+        node.type_params = []  # a field since Python 3.12
+    return node
 
 
 def _load(path: Path) -> dict[str, list[str]]:

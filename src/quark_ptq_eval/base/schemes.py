@@ -15,10 +15,10 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
-from quark_ptq_eval.base.catalog import cache_dir
-from quark_ptq_eval.base.fsio import write_json
+from quark_ptq_eval.base.fsio import cache_dir, write_json
 
 TABLE_FORMAT = 2  # 2: the KV-cache layer patterns of every template
 # The fields of a QTensorConfig that decide what is stored; observers and rounding only shape values.
@@ -29,7 +29,7 @@ EMBEDDING_MARKERS = ("embed", "wte", "wpe")
 _BITS = re.compile(r"^(?:u?int|fp|float|bfloat)(\d+)")
 
 
-def _cache_path():
+def _cache_path() -> Path | None:
     try:
         dist = importlib.metadata.distribution("amd-quark")
     except importlib.metadata.PackageNotFoundError:
@@ -46,13 +46,14 @@ def load_scheme_table() -> dict[str, Any] | None:
         return None
     if path.exists():
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
+            cached: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+            return cached
         except json.JSONDecodeError:
             pass  # a damaged cache is rebuilt
     proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval.base.schemes"], capture_output=True, text=True)
     if proc.returncode != 0 or not proc.stdout.strip():
         return None
-    table = json.loads(proc.stdout.strip().splitlines()[-1])
+    table: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     write_json(path, table)
     return table
 
@@ -90,7 +91,7 @@ def dtype_bits(quark_dtype: str | None) -> int | None:
 
 
 def is_integer(quark_dtype: str | None) -> bool:
-    return bool(quark_dtype) and quark_dtype.startswith(("int", "uint"))
+    return quark_dtype is not None and quark_dtype.startswith(("int", "uint"))
 
 
 def as_spec_list(spec: Any) -> list[dict[str, Any]]:

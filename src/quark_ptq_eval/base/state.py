@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from quark_ptq_eval.base.claims import holder_record, open_lock_file, read_holder
 from quark_ptq_eval.base.errors import WorkdirLocked
@@ -90,7 +90,7 @@ class WorkdirLock:
 
     def __init__(self, workdir: str | os.PathLike[str]):
         self.path = Path(workdir) / LOCK_FILE
-        self._fh = None
+        self._fh: TextIO | None = None
 
     def __enter__(self) -> WorkdirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,18 +16,21 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 MILESTONES = (25, 50, 75, 100)  # percent: the plain-text progress lines
 
 
 class Reporter:
-    def __init__(self, quiet: bool = False, stream=None):
+    def __init__(self, quiet: bool = False, stream: TextIO | None = None):
         self.stream = stream or sys.stderr
         self.quiet = quiet
         self.rich = self.stream.isatty() and not quiet
         self._bars: dict[str, Any] = {}  # progress key -> rich task id, or (start, last milestone)
-        self._live = None
+        self._live: Progress | None = None
         if self.rich:
             from rich.console import Console
 

@@ -37,15 +37,15 @@ class Contexts:
 
     @property
     def execution_mode(self) -> str:
-        return self.session.get("constraints", {}).get("execution_mode", "batch_execute")
+        return str(self.session.get("constraints", {}).get("execution_mode", "batch_execute"))
 
     @property
     def accelerator(self) -> str:
-        return self.env["hardware"]["accelerator"]
+        return str(self.env["hardware"]["accelerator"])
 
 
 def load_context(kind: str, path: str | Path) -> dict[str, Any]:
-    data = read_json(path, kind)
+    data: dict[str, Any] = read_json(path, kind)
     contracts.check(kind, data, path)
     return data
 

@@ -16,8 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from quark_ptq_eval.base.catalog import cache_dir, quark_version
+from quark_ptq_eval.base.catalog import quark_version
 from quark_ptq_eval.base.errors import QpeError
+from quark_ptq_eval.base.fsio import cache_dir
 
 _OPTION_LINE = re.compile(r"^ {1,8}(-{1,2}[A-Za-z0-9][\w-]*.*)$")
 _FLAG = re.compile(r"(?:^|, )(-{1,2}[A-Za-z0-9][\w-]*)")

@@ -9,7 +9,7 @@ from typing import Any
 
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, Scores
 from quark_ptq_eval.evaluate.options import Thresholds
-from quark_ptq_eval.evaluate.verdict import Comparison
+from quark_ptq_eval.evaluate.verdict import MetricVerdict
 
 REPORT_NAME = "eval_report.md"
 RESULTS_NAME = "eval_results.json"
@@ -26,7 +26,7 @@ class EvalReport:
     quantized: Scores
     baseline: Scores | None
     reference: Scores
-    comparisons: list[Comparison]
+    comparisons: list[MetricVerdict]
     verdict: str
     remedies: list[str]
     estimate: RuntimeEstimate | None

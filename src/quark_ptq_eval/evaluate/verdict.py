@@ -27,7 +27,9 @@ _EXP_MAX = 709.0  # math.exp overflows a float just above 709.78
 
 
 @dataclass
-class Comparison:
+class MetricVerdict:
+    """One metric of one task against its comparison point (baseline, reference or ideal), with its verdict."""
+
     task: str
     metric: str
     value: float
@@ -106,8 +108,8 @@ def judge(
     return "watch", noise, note
 
 
-def _invalid(task: str, metric: str, value: float, higher: bool, why: str, **kw: Any) -> Comparison:
-    return Comparison(task, metric, value, None, None, higher, None, "invalid", note=why, **kw)
+def _invalid(task: str, metric: str, value: float, higher: bool, why: str, **kw: Any) -> MetricVerdict:
+    return MetricVerdict(task, metric, value, None, None, higher, None, "invalid", note=why, **kw)
 
 
 def _bad_value(value: float | None, higher_is_better: bool) -> str | None:
@@ -130,7 +132,7 @@ def compare_metric(
     higher_is_better: bool,
     thresholds: Thresholds,
     noise: dict[str, float] | None = None,
-) -> Comparison:
+) -> MetricVerdict:
     """The baseline (same settings, exact) wins over a reference (published, approximate)."""
     bad = _bad_value(value, higher_is_better)
     if bad:
@@ -141,7 +143,7 @@ def compare_metric(
         worse = 100.0 * safe_expm1(value)
         interval = _ideal_interval(value, noise)
         verdict, label, note = judge(worse, interval, thresholds)
-        return Comparison(
+        return MetricVerdict(
             task, metric, value, "ideal", IDEAL_VALUES[metric], False, worse, verdict, interval, label, note
         )
     for label, other in (("baseline", baseline), ("reference", reference)):
@@ -152,10 +154,10 @@ def compare_metric(
         worse = degradation_pct(value, other, higher_is_better)
         interval = _interval(value, other, label, higher_is_better, worse, noise)
         verdict, noise_label, note = judge(worse, interval, thresholds)
-        return Comparison(
+        return MetricVerdict(
             task, metric, value, label, other, higher_is_better, worse, verdict, interval, noise_label, note
         )
-    return Comparison(task, metric, value, None, None, higher_is_better, None, "unknown")
+    return MetricVerdict(task, metric, value, None, None, higher_is_better, None, "unknown")
 
 
 def _finite(noise: dict[str, float] | None, key: str) -> float | None:
@@ -207,7 +209,7 @@ def compare_all(
     informational: tuple[str, ...] = ("top1_agreement",),
     noise: dict[str, dict[str, dict[str, Any]]] | None = None,
     required: dict[str, list[str]] | None = None,
-) -> list[Comparison]:
+) -> list[MetricVerdict]:
     """One comparison per metric of the quantized model, of the baseline, and of ``required``.
 
     A metric the baseline has (or the tier requires) but the quantized results lack is ``invalid``;
@@ -223,7 +225,7 @@ def compare_all(
             rows.append(
                 _invalid(task, metric, math.nan if value is None else value, higher, bad)
                 if bad
-                else Comparison(task, metric, value, None, None, True, None, "info")
+                else MetricVerdict(task, metric, value, None, None, True, None, "info")
             )
             continue
         published = reference.get(task, {})
@@ -255,7 +257,7 @@ def _metrics(quantized, baseline, required):
     return [(task, metric, value) for (task, metric), value in seen.items()]
 
 
-def overall_verdict(rows: list[Comparison]) -> str:
+def overall_verdict(rows: list[MetricVerdict]) -> str:
     """``invalid`` when any metric is; else the worst judged verdict; ``unknown`` when none was judged."""
     judged = [r.verdict for r in rows if r.verdict in VERDICT_ORDER and r.verdict != "unknown"]
     if not judged:
@@ -263,6 +265,6 @@ def overall_verdict(rows: list[Comparison]) -> str:
     return max(judged, key=VERDICT_ORDER.index)
 
 
-def invalid_reasons(rows: list[Comparison]) -> list[str]:
+def invalid_reasons(rows: list[MetricVerdict]) -> list[str]:
     """``task:metric is <why>`` for every invalid row: what an ``invalid`` verdict names."""
     return [f"{r.task}:{r.metric} is {r.note}" for r in rows if r.verdict == "invalid"]

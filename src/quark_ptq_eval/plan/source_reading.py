@@ -25,11 +25,11 @@ CONVERTED_BIN_DIR = "source-safetensors"
 COMPLETE_MARK = ".staged-complete"  # written last: a staged dir without it is unfinished
 
 
-def source_format(analysis) -> dict:
+def source_format(analysis) -> dict[str, Any]:
     return getattr(analysis, "source_format", None) or {"name": UNQUANTIZED, "reading": DIRECT}
 
 
-def decide(analysis, engine: str, device: dict, workdir: Path) -> dict[str, Any]:
+def decide(analysis, engine: str, device: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """The plan's ``source_reading``: mode, reason, the dir the engine reads and the staging's disk cost."""
     fmt = source_format(analysis)
     model = analysis.model["model_path"]
@@ -65,14 +65,14 @@ def decide(analysis, engine: str, device: dict, workdir: Path) -> dict[str, Any]
                       f"shard by shard to {staged} after the execution gate: about {gb(disk)} on disk"}
 
 
-def _dequant_rule(fmt: dict) -> str:
+def _dequant_rule(fmt: dict[str, Any]) -> str:
     block = fmt.get("weight_block_size")
     if block:
         return f"each {block[0]}x{block[1]} block x its weight_scale_inv"
     return "each weight x its per-tensor/channel scale"
 
 
-def _check_file2file(device: dict, disk: int, how: str) -> None:
+def _check_file2file(device: dict[str, Any], disk: int, how: str) -> None:
     if device["device"] == "cpu":
         raise UsageError(
             "--engine file2file cannot read this FP8 release on this CPU host: Quark 0.13 recovers FP8 weights with "
@@ -94,7 +94,7 @@ def file2file_can_read(analysis, device: str) -> bool:
     return not (entry.file2file_needs_gpu and device == "cpu")
 
 
-def effective_source(plan: dict | None, model_path: Path | None) -> Path | None:
+def effective_source(plan: dict[str, Any] | None, model_path: Path | None) -> Path | None:
     """The source validation, the load check and Tier 1's baseline compare against: the staged
     BF16 (or converted) copy when the plan made one and it is complete, else the model dir.
     For other checks that want the dequantized source (e.g. a decode check in validate/)."""
@@ -106,12 +106,12 @@ def effective_source(plan: dict | None, model_path: Path | None) -> Path | None:
     return model_path
 
 
-def decision_row(reading: dict) -> dict:
+def decision_row(reading: dict[str, Any]) -> dict[str, Any]:
     value = reading["mode"] + (f" ({gb(reading['disk_bytes'])} on disk)" if reading.get("disk_bytes") else "")
     return {"decision": "source reading", "value": value, "reason": reading["reason"]}
 
 
-def disk_problem(reading: dict, fit: dict) -> list[dict]:
+def disk_problem(reading: dict[str, Any], fit: dict[str, Any]) -> list[dict[str, Any]]:
     """A staged copy larger than the free disk blocks the plan (added to ``fit``); its table row."""
     free = (fit.get("host") or {}).get("disk_free_bytes")
     need = int(reading.get("disk_bytes") or 0) + int(fit.get("output_bytes") or 0)
