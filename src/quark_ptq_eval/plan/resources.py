@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.sizes import GIB, gb  # noqa: F401 (gb: callers use resources.gb)
-
 from quark_ptq_eval.intake.formats import FORMATS
+
 # ---- measured scaling (bench/measure_memory.py on the CPU engine; see docs/planning.md) ----------
 BASE_BYTES = 1.40 * GIB  # python + torch + transformers + quark.torch imported, tokenizer loaded
 WEIGHT_FACTOR = 2.0  # peak / model bytes for plain PTQ: model, its quantized copy at freeze, export
@@ -37,7 +37,7 @@ F2F_RECOVERY_BYTES_PER_FP8_BYTE = 4.0  # an FP8 shard recovered to float32 befor
 
 
 # ---- what the model is made of -------------------------------------------------------------------
-def _arch(analysis) -> dict:
+def _arch(analysis) -> dict[str, Any]:
     return analysis.architecture
 
 
@@ -72,7 +72,7 @@ def bytes_per_param(analysis) -> float:
     return analysis.size["bytes"] / params if params and analysis.size.get("bytes") else 2.0
 
 
-def weight_bits(scheme: str, info: dict) -> float:
+def weight_bits(scheme: str, info: dict[str, Any]) -> float:
     """Stored bits per quantized weight, scales included (MX: one E8M0 per 32; NVFP4: one FP8 per 16)."""
     bits = float(info.get("weight_bits") or 16)
     if scheme.startswith(("mxfp", "mx", "amdfp4")):
@@ -85,7 +85,7 @@ def weight_bits(scheme: str, info: dict) -> float:
     return bits
 
 
-def output_bytes(analysis, scheme: str, info: dict) -> int:
+def output_bytes(analysis, scheme: str, info: dict[str, Any]) -> int:
     """The quantized checkpoint's size on disk: quantized linears at the scheme's bits + everything else
     as the engine writes it. With the source's header counts (intake/formats.py): the template's linears
     from their shapes, the rest at its bytes once read (FP8 layers left out are written dequantized to
@@ -104,7 +104,7 @@ def loaded_bytes(analysis) -> int:
 
 
 # ---- the engine ----------------------------------------------------------------------------------
-def calibration_activation_bytes(analysis, calibration: dict) -> int:
+def calibration_activation_bytes(analysis, calibration: dict[str, Any]) -> int:
     """Live tensors of one calibration forward (fp32): hidden states, MLP intermediates and logits."""
     a = _arch(analysis)
     tokens = calibration["batch_size"] * calibration["seq_len"]
@@ -112,13 +112,13 @@ def calibration_activation_bytes(analysis, calibration: dict) -> int:
     return tokens * width * 4
 
 
-def calibration_cache_bytes(analysis, calibration: dict) -> int:
+def calibration_cache_bytes(analysis, calibration: dict[str, Any]) -> int:
     """Every calibration sample's input to one decoder layer, as AWQ/GPTQ keep them (model dtype)."""
     h = _arch(analysis).get("hidden_size") or 0
     return int(calibration["num_samples"] * calibration["seq_len"] * h * bytes_per_param(analysis))
 
 
-def estimate_quantize(analysis, info: dict, algorithm: str | None, calibration: dict, device: str) -> dict:
+def estimate_quantize(analysis, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any], device: str) -> dict[str, Any]:
     """Peak host RAM (and GPU memory on a GPU device) of the engine for this plan, with its terms."""
     w = loaded_bytes(analysis)
     act = calibration_activation_bytes(analysis, calibration)
@@ -152,7 +152,7 @@ def largest_shard_bytes(analysis) -> int:
     return max(sizes) if sizes else (analysis.size["bytes"] or int(param_count(analysis) * 2))
 
 
-def estimate_file2file(analysis, device: str) -> dict:
+def estimate_file2file(analysis, device: str) -> dict[str, Any]:
     """Peak memory of Quark's file-to-file engine: start-up plus a multiple of the largest shard; an FP8
     source adds the shard's recovery buffer (Quark dequantizes FP8 weights to float32: 4 bytes a parameter)."""
     shard = largest_shard_bytes(analysis)
@@ -178,15 +178,15 @@ def engine_estimate(engine: str | None, analysis, info: dict[str, Any], algorith
     return estimate_quantize(analysis, info, algorithm, calibration, device)
 
 
-def _fits(est: dict, host: dict, device: dict) -> bool:
+def _fits(est: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> bool:
     ram = host["ram_bytes"]
     gpu = host["gpu_bytes_per_device"] * (host["gpu_count"] if device["multi_device"] else 1)
     return ((not ram or est["host_peak_bytes"] <= ram * HEADROOM)
             and (not est["gpu_peak_bytes"] or not gpu or est["gpu_peak_bytes"] <= gpu * HEADROOM))
 
 
-def engine_for_host(analysis, engine: str, why: str, requested: str, info: dict, algorithm: str | None,
-                    kv: str | None, calibration: dict, device: dict, env: dict) -> tuple[str, str]:
+def engine_for_host(analysis, engine: str, why: str, requested: str, info: dict[str, Any], algorithm: str | None,
+                    kv: str | None, calibration: dict[str, Any], device: dict[str, Any], env: dict[str, Any]) -> tuple[str, str]:
     """The plan's engine once this host's memory is known: file-to-file when the automatic choice's
     whole-model engine does not fit and file-to-file does and can serve the plan (docs/planning.md)."""
     from quark_ptq_eval.execute.engines import shard_engine
@@ -216,7 +216,7 @@ def engine_for_host(analysis, engine: str, why: str, requested: str, info: dict,
                          f"{gb(f2f['model_bytes'])}), and this scheme needs no calibration")
 
 
-def estimate_eval(analysis, out_bytes: int, baseline: bool = False, seq_len: int = 2048) -> dict:
+def estimate_eval(analysis, out_bytes: int, baseline: bool = False, seq_len: int = 2048) -> dict[str, Any]:
     """Tier 1 on the CPU: the quantized model held dequantized (its source size), the baseline when
     asked, and the logits of one batch (evaluate.tier_ppl caps a batch at EVAL_LOGIT_BUDGET elements)."""
     w = loaded_bytes(analysis)
@@ -238,7 +238,7 @@ def mem_available_bytes(meminfo: str | None = None) -> int | None:
     return int(m.group(1)) * 1024 if m else None
 
 
-def host_capacity(env: dict, output_dir: Path | None, meminfo: str | None = None) -> dict:
+def host_capacity(env: dict[str, Any], output_dir: Path | None, meminfo: str | None = None) -> dict[str, Any]:
     """RAM (the env_context's host_memory_gb), GPU memory (memory_gb x gpu_count) and free disk."""
     from quark_ptq_eval.context.preflight import free_gb
 
@@ -259,7 +259,7 @@ def kv_bytes_per_token(analysis, kv_scheme: str | None) -> int:
     return 2 * (a.get("num_hidden_layers") or 0) * kv * head_dim * (1 if kv_scheme else 2)
 
 
-def serving_fit(analysis, out_bytes: int, kv_scheme: str | None, memory_gb: float, budget: dict | None) -> dict:
+def serving_fit(analysis, out_bytes: int, kv_scheme: str | None, memory_gb: float, budget: dict[str, Any] | None) -> dict[str, Any]:
     """Weights + KV cache at the budget's context and batch on one device of ``memory_gb`` (vendor GB)."""
     budget = budget or {"devices": 1, "context": 4096, "batch": 1}
     kv = kv_bytes_per_token(analysis, kv_scheme) * budget["context"] * budget["batch"]
@@ -273,12 +273,12 @@ def serving_fit(analysis, out_bytes: int, kv_scheme: str | None, memory_gb: floa
 
 
 # ---- the plan checkpoint's verdict ---------------------------------------------------------------
-def assess(analysis, scheme: str, info: dict, algorithm: str | None, calibration: dict, device: dict,
-           host: dict, rerun: list[str], engine: str | None = None, kv: str | None = None) -> dict:
+def assess(analysis, scheme: str, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any], device: dict[str, Any],
+           host: dict[str, Any], rerun: list[str], engine: str | None = None, kv: str | None = None) -> dict[str, Any]:
     """Does this host hold the engine, the output and a Tier 1 evaluation? If not, what would."""
-    est = engine_estimate(engine, analysis, info, algorithm, calibration, device["device"])
     from quark_ptq_eval.execute.engines import holds_one_shard
 
+    est = engine_estimate(engine, analysis, info, algorithm, calibration, device["device"])
     out = output_bytes(analysis, scheme, info)
     ev = estimate_eval(analysis, out)
     ev["with_baseline_bytes"] = estimate_eval(analysis, out, baseline=True)["host_peak_bytes"]
@@ -300,7 +300,7 @@ def output_basis(analysis) -> str:
             "layers left out dequantized to BF16")
 
 
-def _problems(est: dict, out: int, ev: dict, host: dict, device: dict) -> list[dict]:
+def _problems(est: dict[str, Any], out: int, ev: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> list[dict[str, Any]]:
     problems = []
     ram, gpu = host["ram_bytes"], host["gpu_bytes_per_device"] * (host["gpu_count"] if device["multi_device"] else 1)
     if ram and est["host_peak_bytes"] > ram * HEADROOM:
@@ -326,10 +326,10 @@ def _problems(est: dict, out: int, ev: dict, host: dict, device: dict) -> list[d
     return problems
 
 
-def _proposals(analysis, info, algorithm, calibration, device, host, est, rerun) -> list[dict]:
+def _proposals(analysis, info, algorithm, calibration, device, host, est, rerun) -> list[dict[str, Any]]:
     """Concrete changes with their estimates: smaller calibration, no algorithm, GPUs, another host."""
     ram = host["ram_bytes"] or 0
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
 
     def variant(change: str, algo: str | None, **calib) -> None:
         e = estimate_quantize(analysis, info, algo, {**calibration, **calib}, device["device"])
@@ -356,7 +356,7 @@ def _proposals(analysis, info, algorithm, calibration, device, host, est, rerun)
     return out
 
 
-def _file2file_proposal(analysis, info, algorithm, kv, device, host) -> list[dict]:
+def _file2file_proposal(analysis, info, algorithm, kv, device, host) -> list[dict[str, Any]]:
     """Quark's file-to-file engine with its estimate, when it can serve this plan (a proposal must work)."""
     from quark_ptq_eval.execute.engines import shard_engine
     from quark_ptq_eval.plan.source_reading import file2file_can_read
@@ -384,7 +384,7 @@ def _file2file_proposal(analysis, info, algorithm, kv, device, host) -> list[dic
 
 
 def rerun_command(model: str, output_dir: Path | None, scheme: str, algorithm: str | None, kv: str | None,
-                  calibration: dict, target: str | None) -> list[str]:
+                  calibration: dict[str, Any], target: str | None) -> list[str]:
     """The `quark-ptq-eval run` command that reproduces this plan on a GPU host."""
     import shlex
 
@@ -402,7 +402,7 @@ def rerun_command(model: str, output_dir: Path | None, scheme: str, algorithm: s
     return [shlex.quote(a) for a in argv]
 
 
-def decision_rows(res: dict) -> list[dict]:
+def decision_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     """The plan table's rows for memory and disk, each with the basis of its number."""
     q, host = res["quantize"], res["host"]
     ram = f"of {gb(host['ram_bytes'])}" if host["ram_bytes"] else "(host RAM unknown)"
@@ -455,7 +455,7 @@ def hold_message(plan, execution_mode: str, approver, already_approved: bool) ->
             "to run it anyway")
 
 
-def serving_text(fit: dict, label: str, kv: str | None) -> str:
+def serving_text(fit: dict[str, Any], label: str, kv: str | None) -> str:
     what = (f"weights {gb(fit['weights_bytes'])} + {(kv or 'BF16').upper()} KV cache {gb(fit['kv_cache_bytes'])} "
             f"at {fit['context']} tokens x batch {fit['batch']} on {label}")
     if not fit["devices_needed"]:

@@ -24,7 +24,7 @@ from quark_ptq_eval.execute.engines.flags import tail_flags
 CHILD_MODULE = "quark_ptq_eval.execute.engines.file2file"
 
 
-def unsupported_reason(scheme_info: dict, algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
+def unsupported_reason(scheme_info: dict[str, Any], algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
     """Why file-to-file cannot serve this plan (it never runs the model), or None when it can."""
     if scheme_info.get("error") or not scheme_info.get("weight_dtypes"):
         return "the installed Quark cannot build this scheme's weight quantizer"
@@ -48,7 +48,7 @@ def refusal(why: str) -> UsageError:
                       "with no algorithm and no KV-cache scheme, or another --engine.")
 
 
-def supports(scheme_info: dict, algorithm: str | None = None, kv_cache_scheme: str | None = None) -> bool:
+def supports(scheme_info: dict[str, Any], algorithm: str | None = None, kv_cache_scheme: str | None = None) -> bool:
     return unsupported_reason(scheme_info, algorithm, kv_cache_scheme) is None
 
 
