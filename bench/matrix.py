@@ -1,15 +1,18 @@
 """The family x scheme matrix: every model type the installed Quark has a template for and the
 installed transformers can build offline, run through the recipe for each scheme column.
 
-Per cell: analyze -> plan (the plan refuses known limits up front) -> manifest -> the Quark-API
-engine -> validate -> reload with the evaluator's loader and Tier 1 perplexity with baseline on a
-few windows -> the share of matrix parameters actually quantized against the plan's promise.
-The steps are the project's own functions, driven in one process so ``import quark.torch``
-(~20 s) is paid once, not per cell (the pipeline would start one engine process per cell).
+Each cell is a run of the recipe itself (``pipeline.Recipe``): intake -> plan (the plan refuses
+known limits up front) -> manifest -> the Quark-API engine -> validate (load and decode checks) ->
+Tier 1 perplexity with baseline on a few windows, its checkpoints approved by name; then the share
+of matrix parameters actually quantized against the plan's promise. The recipe is given an
+in-process engine runner (``execute/in_process.py``), so ``import quark.torch`` (~20 s) is paid once
+per runner, not per cell. The ``fp8_release`` column starts from the family's instance converted to
+the DeepSeek FP8 block format (tests/fp8_release.py), which the plan reads through a dequantized
+BF16 staging copy.
 
     python bench/matrix.py [--families llama,mixtral] [--columns fp8,awq] [--out docs/families.md]
 
-Results are merged into ``<work>/results.json`` (reruns of a subset update their rows) and
+Results are merged into ``<work>/results-TAG.json`` (reruns of a subset update their rows) and
 ``docs/families.md`` is regenerated from them.
 """
 

@@ -189,22 +189,32 @@ def _line_end(text: str) -> int:
 @contextlib.contextmanager
 def noise_to_log(log_path: Path) -> Iterator[None]:
     """While a run works: third-party noise on stdout/stderr goes to ``log_path``."""
-    saved = sys.stdout, sys.stderr
     filters = NoiseFilter(sys.stdout, log_path), NoiseFilter(sys.stderr, log_path)
-    sys.stdout, sys.stderr = filters
-    # Libraries imported before the run hold the real streams in their logging handlers.
-    swapped = _swap_handler_streams({id(f.real): f for f in filters})
+    try:
+        with streams_to(*filters):
+            yield
+    finally:
+        for f in filters:
+            f.close_log()
+
+
+@contextlib.contextmanager
+def streams_to(out: Any, err: Any) -> Iterator[None]:
+    """Meanwhile sys.stdout / sys.stderr, and the logging handlers that write to them, are ``out`` / ``err``
+    (noise_to_log's filters; the in-process engine's log, execute/in_process.py)."""
+    saved = sys.stdout, sys.stderr
+    # Libraries imported before hold the real streams in their logging handlers.
+    swapped = _swap_handler_streams({id(saved[0]): out, id(saved[1]): err})
+    sys.stdout, sys.stderr = out, err
     try:
         yield
     finally:
         sys.stdout, sys.stderr = saved
         for handler, stream in swapped:
             handler.setStream(stream)
-        # Handlers created inside (transformers makes its own on first use) hold our filters: give
-        # them the real streams, or a later run's filter would not recognise them.
-        _swap_handler_streams({id(f): f.real for f in filters})
-        for f in filters:
-            f.close_log()
+        # Handlers created inside (transformers makes its own on first use) hold ours: give them the
+        # real streams, or a later run's filter would not recognise them.
+        _swap_handler_streams({id(out): saved[0], id(err): saved[1]})
 
 
 def _swap_handler_streams(streams: dict[int, Any]) -> list[tuple[logging.StreamHandler[Any], Any]]:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from quark_ptq_eval.base.ui import _swap_handler_streams
+from quark_ptq_eval.base.ui import streams_to
 from quark_ptq_eval.execute.runner import RunResult, run_command
 
 
@@ -73,7 +73,7 @@ class InProcessRunner:
         with open(log_path, "a", encoding="utf-8", errors="replace") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {argv} (in this process)\n")
             sink = _Sink(log, tail, echo, sys.stderr)
-            with _environment(env_extra), _output_to(sink):
+            with _environment(env_extra), streams_to(sink, sink):
                 returncode, interrupted = self._main(argv[2], argv[3:])
             sink.close()
         return RunResult(returncode, time.monotonic() - start, log_path, list(tail), interrupted)
@@ -106,18 +106,3 @@ def _environment(extra: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-@contextlib.contextmanager
-def _output_to(sink: _Sink) -> Iterator[None]:
-    """stdout, stderr and the logging handlers that write to them go to ``sink`` meanwhile."""
-    saved = sys.stdout, sys.stderr
-    swapped = _swap_handler_streams({id(saved[0]): sink, id(saved[1]): sink})
-    sys.stdout = sys.stderr = sink  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = saved
-        for handler, stream in swapped:
-            handler.setStream(stream)
-        _swap_handler_streams({id(sink): saved[1]})  # handlers the engine made meanwhile (transformers')
