@@ -152,7 +152,7 @@ def profile() -> list[tuple[str, float, float]]:
     import torch
 
     from quark_ptq_eval.evaluate import tier_ppl
-    from quark_ptq_eval.evaluate.loading import load_model
+    from quark_ptq_eval.validate.loading import load_model
 
     model_dir, corpus = build_assets()
     pieces: dict[str, float] = {}

@@ -13,8 +13,8 @@ from quark_ptq_eval.evaluate.baseline_cache import (
     cached_token_stats,
     tokenizer_fingerprint,
 )
-from quark_ptq_eval.evaluate.loading import load_model
 from quark_ptq_eval.evaluate.tier_ppl import token_stats, token_windows
+from quark_ptq_eval.validate.loading import load_model
 
 SEQ_LEN, WINDOWS = 128, 4
 

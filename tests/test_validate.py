@@ -341,12 +341,12 @@ def test_report_contract_markdown_and_atomic_write(tiny_llama, quantized, tmp_pa
     report = validate_model(tiny_llama, quantized("fp8"))
     contract = report.to_contract()
     jsonschema.validate(contract, json.loads(CONTRACT.read_text()))
-    assert contract["status"] == "success" and list(contract["checks"]) == [c.name for c in CHECKS]
+    assert contract["status"] == "success" and list(contract["checks"]) == [c.name for c in CHECKS.values()]
     md, js = report.write(tmp_path)
     assert (md.name, js.name) == ("validation_report.md", "validation_report.json")
     assert json.loads(js.read_text()) == json.loads(json.dumps(contract))
     text = md.read_text()
-    for title in [c.title for c in CHECKS] + ["Next actions"]:
+    for title in [c.title for c in CHECKS.values()] + ["Next actions"]:
         assert f"## {title}" in text
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 

@@ -346,12 +346,12 @@ def test_fold_units_follow_the_exports_scaling_layers():
 def test_report_sections_and_progress_come_from_the_registry(tiny_llama, quantized):
     calls = []
     report = validate_model(tiny_llama, quantized("int8"), progress=lambda c, d, t: calls.append((c, d, t)))
-    names = [c.name for c in CHECKS]
+    names = [c.name for c in CHECKS.values()]
     assert [c.name for c in report.checks] == names
     assert [(c, d, t) for c, d, t in calls if t == len(names)] == [(n, i + 1, len(names)) for i, n in enumerate(names)]
     md = report.to_markdown()
-    assert all(f"## {c.title}: " in md for c in CHECKS)
-    assert set(report.structural) == {c.name for c in CHECKS if c.structural}
+    assert all(f"## {c.title}: " in md for c in CHECKS.values())
+    assert set(report.structural) == {c.name for c in CHECKS.values() if c.structural}
 
 
 # --- 7. no false failures: algorithms that rewrite on purpose -------------------------------------------

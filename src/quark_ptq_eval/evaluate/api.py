@@ -25,7 +25,7 @@ from quark_ptq_eval.evaluate.options import EvalOptions
 from quark_ptq_eval.evaluate.reference import align_scale, merge_references, model_card_reference
 from quark_ptq_eval.evaluate.remedies import suggest_remedies
 from quark_ptq_eval.evaluate.tiers import TIERS, get_tier
-from quark_ptq_eval.evaluate.verdict import compare_all, overall_verdict
+from quark_ptq_eval.evaluate.verdict import TierEvidence, compare_all, overall_verdict
 from quark_ptq_eval.sensitivity.followup import sensitivity_followup
 
 BASELINE_FROM_SOURCE = "<source>"  # `--baseline` without a path: the source model of the run
@@ -98,7 +98,7 @@ def calibration_overlap(ctx: TierContext) -> dict[str, Any] | None:
     from quark_ptq_eval.evaluate.tier_ppl import eval_texts
 
     options = ctx.options
-    if options.tier != "ppl" or options.eval_data is None or not ctx.plan:
+    if not get_tier(options.tier).scores_text or options.eval_data is None or not ctx.plan:
         return None
     docs = eval_texts(options.eval_data, options.eval_text_limit)
     if Path(options.eval_data).suffix == ".txt":
@@ -144,9 +144,7 @@ def build_report(ctx: TierContext, outcome: TierOutcome, estimate, actual) -> Ev
         reference,
         outcome.directions,
         options.thresholds,
-        outcome.informational,
-        noise=outcome.details.get("noise"),
-        required=outcome.details.get("required"),
+        TierEvidence(outcome.informational, outcome.details.get("noise"), outcome.details.get("required")),
     )
     verdict = overall_verdict(comparisons)
     remedies = suggest_remedies(ctx.plan, _num_layers(ctx.model_dir)) if verdict in ("hurt", "watch") else []
@@ -198,7 +196,7 @@ def _settings(options: EvalOptions) -> dict[str, Any]:
 
 
 def _num_layers(model_dir: Path) -> int | None:
-    from quark_ptq_eval.evaluate.loading import read_config
+    from quark_ptq_eval.validate.loading import read_config
 
     try:
         return read_config(model_dir).get("num_hidden_layers")

@@ -208,7 +208,7 @@ class BaselineCache:
         import torch
         from safetensors.torch import save_file
 
-        from quark_ptq_eval.evaluate.loading import require_finite
+        from quark_ptq_eval.validate.loading import require_finite
 
         started, chunks = time.perf_counter(), []
         device = next(model.parameters()).device

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.options import concern, flag, nested
+from quark_ptq_eval.evaluate.tiers import DEFAULT_TIER
 
 DEFAULT_SEQ_LEN = 2048  # Tier 1's window when --seq-len is not given (Quark's ppl_eval default)
 LONG_RUN_S = 15 * 60  # above this the user is asked again before the tier starts
@@ -59,7 +60,7 @@ class EvalOptions:
     and --trust-remote-code (calibration): the eval versions are --eval-batch-size / --eval-device,
     and the standalone `eval` command also accepts the short names."""
 
-    tier: str = field(default="ppl", metadata=flag(
+    tier: str = field(default=DEFAULT_TIER, metadata=flag(
         "--eval-tier", "--tier", dest="eval_tier", choices=_tier_choices, help=_tier_help))
     trust_remote_code: bool = field(default=False, metadata=flag(
         "--trust-remote-code", action="store_true", standalone_only=True))

@@ -191,40 +191,55 @@ def _pct(value: float) -> str:
 
 
 def _details_section(report: EvalReport) -> list[str]:
+    """The tier's own section (its row's report_section), then the files it wrote."""
+    from quark_ptq_eval.base.registry import load
+    from quark_ptq_eval.evaluate.tiers import TIERS
+
+    tier = TIERS.get(report.tier)
+    lines: list[str] = load(tier.report_section)(report) if tier and tier.report_section else []
+    if report.artifacts:
+        lines += ["## Files", "", *[f"- {name}: `{path}`" for name, path in report.artifacts.items()], ""]
+    return lines
+
+
+def perplexity_section(report: EvalReport) -> list[str]:
+    """Tier 1: perplexity with its interval, KL and top-1 agreement, the paired per-window delta."""
+    details = report.details
+    if not isinstance(details.get("quantized"), dict) or "windows" not in details["quantized"]:
+        return []
+    lines = ["## Perplexity details", ""]
+    for label in ("quantized", "baseline"):
+        stats = details.get(label)
+        if stats:
+            lines.append(
+                f"- {label}: perplexity {_num(stats['perplexity'])} (95 % CI {_num(stats['perplexity_ci95_low'])}"
+                f"–{_num(stats['perplexity_ci95_high'])}; NLL {stats['mean_nll']:.6g} ± {stats['nll_stderr']:.3g} "
+                f"nats s.e. over windows), {stats['tokens']:,} scored tokens in {stats['windows']} windows"
+            )
+    if "kl" in details:
+        kl = details["kl"]
+        lines[2:2] = _agreement_table(kl, details.get("paired"))
+        lines.append(
+            f"- KL(baseline ‖ quantized) per token: mean {kl['kl_divergence']:.6g} ± {kl['kl_stderr']:.3g} s.e., "
+            f"p50 {kl['kl_p50']:.6g}, p90 {kl['kl_p90']:.6g}, p99 {kl['kl_p99']:.6g}, max {kl['kl_max']:.6g} nats"
+        )
+        lines.append(f"- top-1 agreement with the baseline: {100 * kl['top1_agreement']:.2f} %")
+    if "paired" in details:
+        paired = details["paired"]
+        lines.append(
+            f"- paired per-window NLL delta (quantized − baseline): {paired['delta_nll']:+.6g} nats, 95 % "
+            f"interval {paired['delta_nll_ci95_low']:+.6g} … {paired['delta_nll_ci95_high']:+.6g} "
+            f"({paired['noise'] or 'one window: no interval'}); perplexity ratio "
+            f"{_num(paired['perplexity_ratio'])}"
+        )
+    lines.append(f"- loader: {details.get('loader')}")
+    return [*lines, ""]
+
+
+def task_section(report: EvalReport) -> list[str]:
+    """Tier 2: lm-eval's standard errors and, with a baseline, the paired per-document tests."""
     details = report.details
     lines = []
-    if (
-        "quantized" in details
-        and isinstance(details["quantized"], dict)
-        and "windows" in details["quantized"]
-    ):
-        lines += ["## Perplexity details", ""]
-        for label in ("quantized", "baseline"):
-            stats = details.get(label)
-            if stats:
-                lines.append(
-                    f"- {label}: perplexity {_num(stats['perplexity'])} (95 % CI {_num(stats['perplexity_ci95_low'])}"
-                    f"–{_num(stats['perplexity_ci95_high'])}; NLL {stats['mean_nll']:.6g} ± {stats['nll_stderr']:.3g} "
-                    f"nats s.e. over windows), {stats['tokens']:,} scored tokens in {stats['windows']} windows"
-                )
-        if "kl" in details:
-            kl = details["kl"]
-            lines[2:2] = _agreement_table(kl, details.get("paired"))
-            lines.append(
-                f"- KL(baseline ‖ quantized) per token: mean {kl['kl_divergence']:.6g} ± {kl['kl_stderr']:.3g} s.e., "
-                f"p50 {kl['kl_p50']:.6g}, p90 {kl['kl_p90']:.6g}, p99 {kl['kl_p99']:.6g}, max {kl['kl_max']:.6g} nats"
-            )
-            lines.append(f"- top-1 agreement with the baseline: {100 * kl['top1_agreement']:.2f} %")
-        if "paired" in details:
-            paired = details["paired"]
-            lines.append(
-                f"- paired per-window NLL delta (quantized − baseline): {paired['delta_nll']:+.6g} nats, 95 % "
-                f"interval {paired['delta_nll_ci95_low']:+.6g} … {paired['delta_nll_ci95_high']:+.6g} "
-                f"({paired['noise'] or 'one window: no interval'}); perplexity ratio "
-                f"{_num(paired['perplexity_ratio'])}"
-            )
-        lines.append(f"- loader: {details.get('loader')}")
-        lines.append("")
     if "stderr" in details:
         lines += ["## Standard errors (lm-eval)", ""]
         for label, per_task in details["stderr"].items():
@@ -232,10 +247,12 @@ def _details_section(report: EvalReport) -> list[str]:
                 joined = ", ".join(f"{m} ± {_num(v)}" for m, v in metrics.items())
                 lines.append(f"- {label} {task}: {joined}")
         lines.append("")
-    lines += _paired_lines(details.get("paired_tests")) + _server_lines(details)
-    if report.artifacts:
-        lines += ["## Files", "", *[f"- {name}: `{path}`" for name, path in report.artifacts.items()], ""]
-    return lines
+    return lines + _paired_lines(details.get("paired_tests"))
+
+
+def server_section(report: EvalReport) -> list[str]:
+    """Tier 3: the task section, then the server's version and its exact commands."""
+    return task_section(report) + _server_lines(report.details)
 
 
 def _paired_lines(paired: dict[str, Any] | None) -> list[str]:

@@ -22,9 +22,9 @@ from quark_ptq_eval.base.context_window import model_context
 from quark_ptq_eval.base.errors import QpeError, UsageError
 from quark_ptq_eval.base.fsio import atomic_write_text
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
-from quark_ptq_eval.evaluate.loading import LoadedModel, load_model, model_size_bytes, require_finite
 from quark_ptq_eval.evaluate.tier_ppl import synchronize
 from quark_ptq_eval.evaluate.verdict import Z95
+from quark_ptq_eval.validate.loading import LoadedModel, load_model, model_size_bytes, require_finite
 
 SAMPLE_DOCS = 16  # documents per task tokenized to estimate request lengths
 DEFAULT_GEN_TOKS = 256  # lm-eval's own default generation budget

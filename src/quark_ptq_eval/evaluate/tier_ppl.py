@@ -22,8 +22,8 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import QpeError, UsageError
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
-from quark_ptq_eval.evaluate.loading import LoadedModel, load_model, require_finite
 from quark_ptq_eval.evaluate.verdict import BEYOND_NOISE, WITHIN_NOISE, Z95, safe_exp, safe_expm1
+from quark_ptq_eval.validate.loading import LoadedModel, load_model, require_finite
 
 TASK = "perplexity"
 LOGIT_BUDGET = 64 * 2**20  # logits elements per batch when --batch-size is not given

@@ -31,7 +31,7 @@ from quark_ptq_eval.evaluate.vllm_commands import (
 )
 from quark_ptq_eval.evaluate.vllm_detect import Environment, choose_runtime, detect_environment
 from quark_ptq_eval.evaluate.vllm_executor import Executor, execute_plan
-from quark_ptq_eval.evaluate.vllm_host import find_host_vllm
+from quark_ptq_eval.validate.vllm_host import find_host_vllm
 
 __all__ = ["CommandPlan", "Environment", "Executor", "ServedModel", "VllmPrepared", "choose_runtime",
            "detect_environment", "plan_commands", "prepare", "run"]
@@ -59,7 +59,7 @@ def prepare(ctx: TierContext, env: Environment | None = None) -> VllmPrepared:
     runtime = choose_runtime(env, ctx.options.vllm_runtime)
     plan = plan_commands(models, ctx.options, ctx.workdir, runtime, env)
     plan.notes += fit_notes
-    from quark_ptq_eval.evaluate.loading import model_size_bytes
+    from quark_ptq_eval.validate.loading import model_size_bytes
 
     size = sum(model_size_bytes(m.path) for m in models)
     where = ("ROCm: " + ", ".join(env.rocm_evidence) if env.rocm

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -36,45 +36,75 @@ class Tier:
     module: str | None  # runs the tier; None: nothing to run
     loads_model: bool  # runs the model in this process (so a pilot can time it)
     choice: str = ""  # a few words shown where the evaluation checkpoint stops for a choice
+    scores_text: bool = False  # scores a text (--eval-data, or the held-out part of the calibration text)
+    scores_tasks: bool = False  # scores lm-eval tasks (--tasks)
+    default: bool = False  # EvalOptions' tier when none is named
+    # "module:function" rendering this tier's details as report lines (report.py adds the generic ones)
+    report_section: str | None = None
 
 
-TIERS: dict[str, Tier] = {
-    t.name: t
-    for t in (
-        Tier(
-            "ppl",
-            "1",
-            "quick",
-            "token-level perplexity on wikitext-2 or a given text "
-            "(+ KL divergence and top-1 agreement against the baseline)",
-            "minutes",
-            "quark_ptq_eval.evaluate.tier_ppl",
-            True,
-            "perplexity, minutes",
-        ),
-        Tier(
-            "lm_eval",
-            "2",
-            "medium",
-            "lm-eval library task benchmarks, model loaded directly",
-            "can take hours on full benchmarks",
-            "quark_ptq_eval.evaluate.tier_lmeval",
-            True,
-            "task benchmarks, can take hours",
-        ),
-        Tier(
-            "vllm",
-            "3",
-            "full",
-            "vLLM server + lm-eval over its OpenAI endpoint (ROCm, or any host's vLLM named with --vllm-python)",
-            "fast on a ROCm GPU; without a vLLM the commands are recorded for later",
-            "quark_ptq_eval.evaluate.tier_vllm",
-            False,
-            "vLLM server (ROCm, or --vllm-python)",
-        ),
-        Tier("skip", "-", "skip", "no evaluation", "none", None, False),
-    )
-}
+TIERS: Registry[Tier] = Registry("evaluation tier", (
+    Tier(
+        "ppl",
+        "1",
+        "quick",
+        "token-level perplexity on wikitext-2 or a given text "
+        "(+ KL divergence and top-1 agreement against the baseline)",
+        "minutes",
+        "quark_ptq_eval.evaluate.tier_ppl",
+        True,
+        "perplexity, minutes",
+        scores_text=True,
+        default=True,
+        report_section="quark_ptq_eval.evaluate.report:perplexity_section",
+    ),
+    Tier(
+        "lm_eval",
+        "2",
+        "medium",
+        "lm-eval library task benchmarks, model loaded directly",
+        "can take hours on full benchmarks",
+        "quark_ptq_eval.evaluate.tier_lmeval",
+        True,
+        "task benchmarks, can take hours",
+        scores_tasks=True,
+        report_section="quark_ptq_eval.evaluate.report:task_section",
+    ),
+    Tier(
+        "vllm",
+        "3",
+        "full",
+        "vLLM server + lm-eval over its OpenAI endpoint (ROCm, or any host's vLLM named with --vllm-python)",
+        "fast on a ROCm GPU; without a vLLM the commands are recorded for later",
+        "quark_ptq_eval.evaluate.tier_vllm",
+        False,
+        "vLLM server (ROCm, or --vllm-python)",
+        scores_tasks=True,
+        report_section="quark_ptq_eval.evaluate.report:server_section",
+    ),
+    Tier("skip", "-", "skip", "no evaluation", "none", None, False),
+))
+DEFAULT_TIER: str = TIERS.where(lambda t: t.default)[0].name
+NO_EVALUATION: str = TIERS.where(lambda t: t.module is None)[0].name  # what --skip_evaluation means
+
+
+def text_tier() -> Tier:
+    """The tier that scores a text (compare's perplexity, the held-out calibration part)."""
+    return TIERS.where(lambda t: t.scores_text)[0]
+
+
+def task_tier() -> Tier:
+    """The tier that scores lm-eval tasks on the model in this process (compare --tasks)."""
+    return TIERS.where(lambda t: t.scores_tasks and t.loads_model)[0]
+
+
+def runs(name: str | None) -> bool:
+    """Whether the tier named runs anything (an unknown name is refused with the known ones)."""
+    return name is not None and TIERS[name].module is not None
+
+
+def scores_text(name: str | None) -> bool:
+    return name is not None and TIERS[name].scores_text
 
 
 def tier_checkpoint() -> tuple[str, str]:
@@ -86,7 +116,4 @@ def tier_checkpoint() -> tuple[str, str]:
 
 
 def get_tier(name: str) -> Tier:
-    try:
-        return TIERS[name]
-    except KeyError:
-        raise UsageError(f"Unknown evaluation tier {name!r}; choose one of: {', '.join(TIERS)}.") from None
+    return TIERS[name]  # an unknown name: UnknownEntry, a UsageError that lists the known ones

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.evaluate.vllm_detect import Environment
-from quark_ptq_eval.evaluate.vllm_host import HostVllm, lm_eval_command
-from quark_ptq_eval.evaluate.vllm_host import server_argv as host_server_argv
+from quark_ptq_eval.validate.vllm_host import HostVllm, lm_eval_command
+from quark_ptq_eval.validate.vllm_host import server_argv as host_server_argv
 
 DEFAULT_TASKS = ["gsm8k"]
 GENERATE_TASK_PREFIXES = (

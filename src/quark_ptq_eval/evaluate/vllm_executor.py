@@ -14,7 +14,7 @@ from typing import Any
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
 from quark_ptq_eval.evaluate.vllm_commands import CommandPlan, shell_line
-from quark_ptq_eval.evaluate.vllm_host import failure_reason, start_server, stop_group
+from quark_ptq_eval.validate.vllm_host import failure_reason, start_server, stop_group
 
 HEALTH_TIMEOUT_S = 1800  # large models take a long time to load and compile
 PORT_FREE_TIMEOUT_S = 120  # a stopped server releases its port once its workers have exited

@@ -94,14 +94,14 @@ def cross_check(ctx, windows, hf_nll: list[float], hf_seconds: float | None = No
     """Tier 1 with --vllm-python: the quantized model's windows scored again by that vLLM, compared with
     HF's. None without an explicit --vllm-python (an environment variable alone never starts a server
     here). A server that does not become healthy is a QpeError in one sentence, as in Tier 3."""
-    from quark_ptq_eval.evaluate.vllm_host import (
+    from quark_ptq_eval.validate.servecheck import free_port, wait_healthy
+    from quark_ptq_eval.validate.vllm_host import (
         failure_reason,
         find_host_vllm,
         server_argv,
         start_server,
         stop_group,
     )
-    from quark_ptq_eval.validate.servecheck import free_port, wait_healthy
 
     if ctx.options.vllm_python is None:
         return None

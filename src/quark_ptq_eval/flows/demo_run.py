@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from quark_ptq_eval.base.ui import noise_to_log
+from quark_ptq_eval.evaluate.tiers import text_tier
 from quark_ptq_eval.flows.cli import main as cli_main
 
 
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ["run", str(model), "-o", str(root / "tiny-llama-int8"), "--workdir", str(root / "run"),
             "--scheme", "int8", "--calib-data", str(corpus), "--num-calib-samples", "32", "--calib-seq-len", "256",
             # No --eval-data: Tier 1 scores the part of the corpus the plan holds out from calibration.
-            "--offline", "--yes", "--eval-tier", "ppl", "--seq-len", "256",
+            "--offline", "--yes", "--eval-tier", text_tier().name, "--seq-len", "256",
             "--baseline", "--overwrite", "--execution-mode", "batch_execute"]
     print("$ quark-ptq-eval " + " ".join(args), file=sys.stderr, flush=True)
     return cli_main(args)

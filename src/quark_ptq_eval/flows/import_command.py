@@ -17,6 +17,7 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.context.quark_cli import SUBCOMMAND
+from quark_ptq_eval.evaluate.tiers import NO_EVALUATION
 
 # quark-cli 0.13's own defaults for the calibration size: a pasted line that omits them ran with these.
 QUARK_CLI_DEFAULTS = {"--num_calib_data": "512", "--seq_len": "512"}
@@ -56,8 +57,8 @@ QUARK_CLI_FLAGS: tuple[Flag, ...] = (
     Flag(("--multi_device",), "--multi-device", "multi_device", {"action": "store_true", "default": None}),
     Flag(("--no_trust_remote_code",), "", "trust_remote_code",
          {"action": "store_const", "const": False, "default": None}),
-    Flag(("--skip_evaluation",), "--eval-tier skip", "eval_tier",
-         {"action": "store_const", "const": "skip", "default": None}, eval_only=True),
+    Flag(("--skip_evaluation",), f"--eval-tier {NO_EVALUATION}", "eval_tier",
+         {"action": "store_const", "const": NO_EVALUATION, "default": None}, eval_only=True),
 )
 # quark-cli flags that need no translation (same spelling) or cannot be honoured, with why.
 SAME_SPELLING = {"--device": "device"}

@@ -26,6 +26,7 @@ from quark_ptq_eval.base.state import RunState, WorkdirLock, digest
 from quark_ptq_eval.base.step_table import STEP_NAMES, STEPS, SUMMARY_FILE
 from quark_ptq_eval.base.ui import Reporter, noise_to_log
 from quark_ptq_eval.context import preflight
+from quark_ptq_eval.evaluate.tiers import runs, scores_text, text_tier
 from quark_ptq_eval.execute.runner import EngineRunner, run_command
 from quark_ptq_eval.plan import PlanRequest, make_plan
 
@@ -124,7 +125,7 @@ class Recipe:
                                output_dir=output_dir or Path(""), trust_remote_code=bool(opts.plan.get("trust_remote_code")))
         if ctx.offline and not offline:
             return self._run_locked(dataclasses.replace(opts, offline=True), stop_after)
-        if opts.eval_tier == "ppl" and tier1_lacks_text(opts.eval, ctx.offline) and not opts.plan.get("calib_data"):
+        if scores_text(opts.eval_tier) and tier1_lacks_text(opts.eval, ctx.offline) and not opts.plan.get("calib_data"):
             raise UsageError(TIER1_NO_TEXT)  # refused before any gate asks: no approval is wasted
         check_eval_window(opts.eval.get("seq_len"), model_path)  # a window beyond the context: refused now
         flow = self.flow = Flow(opts, ctx, load_catalog(), model_path, output_dir)
@@ -313,12 +314,12 @@ class Recipe:
         self._heldout_default(opts, plan)
         tier = opts.eval_tier or self._ask_tier(opts)
         self.gates.chosen("eval", tier)
-        if tier == "skip":
+        if not runs(tier):
             self.state.record_step("eval", "skipped")
             self.ui.info("Evaluation skipped.")
             return "skipped"
         self._say_heldout(tier, opts, plan)
-        if tier == "ppl" and tier1_lacks_text(opts.eval, opts.offline):
+        if scores_text(tier) and tier1_lacks_text(opts.eval, opts.offline):
             raise UsageError(TIER1_NO_TEXT)  # a calibration text too small to hold a part out
         fields = {f.name for f in dataclasses.fields(EvalOptions)}
         given = {k: v for k, v in opts.eval.items() if k in fields} | {"tier": tier}
@@ -336,12 +337,12 @@ class Recipe:
     def _heldout_default(self, opts: RunOptions, plan: dict) -> None:
         """One text given: Tier 1 scores the part of it the plan held out from calibration."""
         split = (plan.get("calibration") or {}).get("split")
-        if split and not opts.eval.get("eval_data") and opts.eval_tier in (None, "ppl"):
+        if split and not opts.eval.get("eval_data") and (opts.eval_tier is None or scores_text(opts.eval_tier)):
             opts.eval["eval_data"] = split["heldout_path"]
 
     def _say_heldout(self, tier: str, opts: RunOptions, plan: dict) -> None:
         split = (plan.get("calibration") or {}).get("split")
-        if tier == "ppl" and split and opts.eval.get("eval_data") == split["heldout_path"]:
+        if scores_text(tier) and split and opts.eval.get("eval_data") == split["heldout_path"]:
             self.ui.info(f"Tier 1 text: the held-out part of your calibration text ({split['heldout_documents']} of "
                          f"{split['documents']} documents, {split['rule']}), which calibration never saw.")
 
@@ -356,9 +357,9 @@ class Recipe:
                 self.ui.info(f"  {name:<8} {tier.method} ({tier.cost})")
         message, flag = tier_checkpoint()
         tier = self.gates.choose("eval", "Which evaluation tier?", tuple(TIERS), message, flag)
-        if tier == "ppl" and tier1_lacks_text(opts.eval, opts.offline):
+        if scores_text(tier) and tier1_lacks_text(opts.eval, opts.offline):
             opts.eval["eval_data"] = self._tier1_text(opts)  # ask now, before the baseline question
-        wanted = tier != "skip" and "baseline" not in opts.eval
+        wanted = runs(tier) and "baseline" not in opts.eval
         if wanted and self.gates.opt_in("baseline", {"tier": tier, "model": opts.model}, GATES["baseline"].reason):
             opts.eval["baseline"] = BASELINE_FROM_SOURCE
         return tier
@@ -367,7 +368,7 @@ class Recipe:
         answer = ask_tier1_text(self.gates, opts.plan.get("calib_data"))
         if answer is None:
             self.gates.stop("eval", f"Stopped at the evaluation checkpoint: {TIER1_NO_TEXT}",
-                            "--eval-tier ppl --eval-data FILE")
+                            f"--eval-tier {text_tier().name} --eval-data FILE")
         return answer
 
     # -- helpers ----------------------------------------------------------------------------
@@ -387,7 +388,7 @@ class Recipe:
 
 def _one_text_only(opts: RunOptions, offline: bool) -> bool:
     """Calibration text given and Tier 1 would have no other text: hold a part of it out."""
-    return bool(opts.plan.get("calib_data")) and opts.eval_tier in (None, "ppl") and \
+    return bool(opts.plan.get("calib_data")) and (opts.eval_tier is None or scores_text(opts.eval_tier)) and \
         tier1_lacks_text(opts.eval, offline)
 
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Target:
         return f"{self.label} ({self.arch}: native {'/'.join(x.upper() for x in f.native)}, {f.serving})"
 
 
-TARGETS: dict[str, Target] = {t.name: t for t in (
+TARGETS: Registry[Target] = Registry("deployment target", (
     Target("mi300x", "MI300X", "gfx942", 192),  # AMD Instinct MI300X data sheet: 192 GB HBM3
     Target("mi325x", "MI325X", "gfx942", 256),  # AMD Instinct MI325X data sheet: 256 GB HBM3E
     Target("mi350x", "MI350X", "gfx950", 288),  # AMD Instinct MI350X data sheet: 288 GB HBM3E
@@ -89,7 +89,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("l40s", "L40S", "sm_89", 48),  # NVIDIA L40S data sheet: 48 GB GDDR6
     Target("a100", "A100", "sm_80", 80),  # NVIDIA A100 80GB data sheet
     Target("cpu", "CPU", "x86_64", 0),  # memory: the serving host's RAM (not known here)
-)}
+))
 
 # Goal phrases -> target, most specific first (matched on the lower-cased goal).
 GOAL_TARGETS: tuple[tuple[str, str], ...] = (
@@ -114,9 +114,9 @@ def resolve_target(name: str | None, goal: str) -> tuple[Target | None, str]:
     """(target, how it was found) from ``--target`` or the goal text; (None, why) when neither names one."""
     if name:
         key = name.lower().strip()
-        target = TARGETS.get(key) or next((TARGETS[t] for p, t in GOAL_TARGETS if re.search(p, key)), None)
-        if target is None:
-            raise UsageError(f"Unknown deployment target {name!r}.", f"Known targets: {', '.join(TARGETS)}.")
+        # an unknown name ends in TARGETS[key]: UnknownEntry, a UsageError that lists the known targets
+        target = TARGETS.get(key) or next((TARGETS[t] for p, t in GOAL_TARGETS if re.search(p, key)), None) \
+            or TARGETS[key]
         return target, "--target"
     text = goal.lower()
     for pattern, key in GOAL_TARGETS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from quark_ptq_eval.base.registry import Registry
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.base.schemes import load_scheme_table
 from quark_ptq_eval.validate.auxfiles import check_aux
@@ -143,15 +144,21 @@ def tied_embeddings(config: dict[str, Any], source: dict[str, TensorInfo] | None
     return "lm_head.weight" not in names and any(n.endswith("embed_tokens.weight") for n in names)
 
 
-CHECKS: list[Check] = [
-    Check("layout", "Layout against the plan (safetensors headers, shapes)", run_layout, structural=True),
+CHECKS: Registry[Check] = Registry("validation check", (
+    Check("layout", "Layout against the plan (safetensors headers, shapes)", run_layout, structural=True,
+          module="quark_ptq_eval.validate.layout"),
     Check("index", "Shard index (model.safetensors.index.json)", check_index, structural=True),
-    Check("aux", "Auxiliary files and tokenizer behaviour", run_aux, structural=False),
-    Check("config", "config.json", run_config, structural=False),
-    Check("md5", "Byte identity of every tensor that must not change", run_bytes, structural=True),
+    Check("aux", "Auxiliary files and tokenizer behaviour", run_aux, structural=False,
+          next_action="Re-copy the missing or changed files from the source: `validate ... --approve fix`.",
+          fixable=True, module="quark_ptq_eval.validate.auxfiles"),
+    Check("config", "config.json", run_config, structural=False, module="quark_ptq_eval.validate.configdiff"),
+    Check("md5", "Byte identity of every tensor that must not change", run_bytes, structural=True,
+          module="quark_ptq_eval.validate.md5check"),
     Check("decode", "Quantized weights decode to the source within the scheme's rounding", check_decode,
           structural=True),
-    Check("calibration", "Activation scales set by calibration", check_calibration, structural=True),
+    Check("calibration", "Activation scales set by calibration", check_calibration, structural=True,
+          next_action="Quantize again with more or more varied calibration text (--num-calib-samples, "
+                      "--calib-data) so that every module, every MoE expert included, sees some."),
     Check("load", "Loads and runs (probe against the source)", check_load, structural=True),
     Check("serve", "vLLM serves it (advisory)", check_serving, structural=False, advisory=True),
-]
+))

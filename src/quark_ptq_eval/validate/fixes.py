@@ -35,7 +35,7 @@ class Fix:
 def propose_fixes(report: ValidationReport, source: Path, quantized: Path) -> list[Fix]:
     """One re-copy per auxiliary file that is missing or really changed (benign drift needs none)."""
     fixes = []
-    for finding in report.check("aux").failures:
+    for finding in (f for c in report.checks if c.fixable for f in c.failures):
         if (Path(source) / finding.subject).is_file():
             fixes.append(Fix(finding.subject, finding.message.rstrip(".")))
     return fixes

@@ -70,8 +70,8 @@ def check_load(ctx: ValidationContext) -> CheckResult:
 
 
 def _probe(ctx: ValidationContext, result: CheckResult) -> None:
-    from quark_ptq_eval.evaluate.loading import TRANSFORMERS, load_model, missing_weights_message
     from quark_ptq_eval.validate import experts, replay
+    from quark_ptq_eval.validate.loading import TRANSFORMERS, load_model, missing_weights_message
 
     trust = bool((ctx.plan or {}).get("trust_remote_code"))  # the user approved it in the plan, or not at all
     # The source first, its module inputs kept, then freed: one model in memory at a time.

@@ -1,7 +1,8 @@
 """The validation checks as one registry: each check is an object with a name, a title and ``run``.
 
-Progress counts, report section titles and which failures are structural (exit 4, stop) all
-come from :data:`CHECKS`, so adding a check is adding one entry here.
+Progress counts, report section titles, which failures are structural (exit 4, stop), the next
+action a failure advises and which failures the fix gate repairs all come from the rows of
+``checks.CHECKS`` (a :class:`Registry`), so adding a check is one module plus one row there.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class ValidationContext:
             from quark_ptq_eval.validate.tensor_names import align_source_names
 
             self.headers["source"] = align_source_names(src, out, self.src_config.get("model_type"))
+            from quark_ptq_eval.validate.legacy_exclusions import legacy_exclusions
+
+            self.exclude = [*self.exclude, *legacy_exclusions(src, self.headers["source"], self.exclude)]
 
     def tensors(self, side: str) -> dict[str, TensorInfo] | None:
         h = self.headers.get(side)
@@ -71,6 +75,13 @@ class Check:
     run: Callable[[ValidationContext], CheckResult]
     structural: bool  # a failure means the weights are wrong: stop, no fix offered
     advisory: bool = False  # its failures are reported ("warn") and never stop the run
+    next_action: str = ""  # what the report advises when it fails
+    fixable: bool = False  # its failing findings name files the fix gate re-copies from the source
+    module: str | None = None  # the module that implements it, when ``run`` is an adapter in checks.py
+
+    @property
+    def implemented_in(self) -> str:
+        return self.module or self.run.__module__
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:

@@ -52,6 +52,9 @@ class CheckResult:
     seconds: float = 0.0
     title: str = ""  # set from the registry by the runner
     advisory: bool = False  # set from the registry: its failures are reported ("warn"), the run goes on
+    structural: bool = False  # set from the registry: a failure means the weights are wrong
+    next_action: str = ""  # set from the registry: the advice when it fails
+    fixable: bool = False  # set from the registry: its failures are files the fix gate re-copies
 
     @property
     def failures(self) -> list[Finding]:
@@ -99,7 +102,7 @@ class ValidationReport:
     exclusions_from: str = "quantization_config"  # or "plan"
     applied_fixes: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    structural: tuple[str, ...] = ("layout", "md5")  # from the registry
+    structural: tuple[str, ...] = ()  # the registry's structural checks, as the runner ran them
     calibration: str | None = None  # the calibration actually used (the plan's count of the text)
 
     def check(self, name: str) -> CheckResult:
@@ -114,7 +117,7 @@ class ValidationReport:
 
     @property
     def structural_failure(self) -> bool:
-        return any(c.status == "fail" for c in self.checks if c.name in self.structural)
+        return any(c.status == "fail" for c in self.checks if c.structural or c.name in self.structural)
 
     @property
     def failures(self) -> list[tuple[str, Finding]]:
@@ -143,11 +146,7 @@ class ValidationReport:
         sides = {f.side for _, f in self.failures if f.side}
         if "environment" in sides:
             actions.append("Check the environment evidence above (paths, copies, transformers version).")
-        if any(c.name == "aux" and c.status == "fail" for c in self.checks):
-            actions.append("Re-copy the missing or changed files from the source: `validate ... --approve fix`.")
-        if any(c.name == "calibration" and c.status == "fail" for c in self.checks):
-            actions.append("Quantize again with more or more varied calibration text (--num-calib-samples, "
-                           "--calib-data) so that every module, every MoE expert included, sees some.")
+        actions += [c.next_action for c in self.checks if c.next_action and c.status == "fail"]
         return actions or ["Inspect the failures above, fix their cause and validate again."]
 
     def evidence(self) -> list[str]:
@@ -217,3 +216,4 @@ class ValidationReport:
             f"{len(self.failures)} mismatch(es), first: {first.subject}: {first.message}",
             f"See {REPORT_MD} for every mismatch and its likely cause.",
         )
+

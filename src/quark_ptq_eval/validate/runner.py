@@ -37,17 +37,18 @@ def validate_model(source: Path | None, quantized: Path, plan: dict[str, Any] | 
     ctx.read_headers()
     notify = progress or (lambda check, done, total: None)
     results = []
-    for i, check in enumerate(CHECKS, 1):
+    for i, check in enumerate(CHECKS.values(), 1):
         started = time.perf_counter()
         result = check.run(ctx)
         result.seconds, result.title, result.advisory = time.perf_counter() - started, check.title, check.advisory
+        result.structural, result.next_action, result.fixable = check.structural, check.next_action, check.fixable
         results.append(result)
         if check.structural and result.status == "fail":
             ctx.shared["structural_failed"] = True
         notify(check.name, i, len(CHECKS))
     return ValidationReport(source, quantized, results, exclude_patterns=ctx.exclude, exclusions_from=ctx.exclusions_from,
                             seconds=time.perf_counter() - t0,
-                            structural=tuple(c.name for c in CHECKS if c.structural))
+                            structural=tuple(c.name for c in CHECKS.values() if c.structural))
 
 
 def _existing_dir(path: Path | str | None, what: str) -> Path:

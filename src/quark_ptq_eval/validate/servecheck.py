@@ -25,7 +25,7 @@ MAX_MODEL_LEN = 2048  # the check needs the weights to load, not a long context:
 
 
 def check_serving(ctx: ValidationContext) -> CheckResult:
-    from quark_ptq_eval.evaluate.vllm_host import find_host_vllm
+    from quark_ptq_eval.validate.vllm_host import find_host_vllm
 
     result = CheckResult("serve")
     if ctx.shared.get("structural_failed"):
@@ -48,7 +48,7 @@ def check_serving(ctx: ValidationContext) -> CheckResult:
 
 def _serve(model: Path, host, result: CheckResult) -> None:
     """Start vLLM on the export, wait for health or its exit, stop it: served, or its reason."""
-    from quark_ptq_eval.evaluate.vllm_host import failure_reason, server_argv, start_server, stop_group
+    from quark_ptq_eval.validate.vllm_host import failure_reason, server_argv, start_server, stop_group
 
     port = free_port()
     log = _scratch_log(port)  # never inside the user's export

@@ -15,6 +15,7 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.evaluate.baseline_cache import BaselineCache, BaselineEntry, CacheKey
+from quark_ptq_eval.evaluate.tiers import text_tier
 from quark_ptq_eval.flows.compare.options import TIER1, CompareOptions
 
 CACHE_DIR = "baseline_cache"
@@ -66,8 +67,8 @@ class BaselineSource:
         return self.cache.load(self.key)
 
     def _build(self) -> None:
-        from quark_ptq_eval.evaluate.loading import load_model
         from quark_ptq_eval.evaluate.tier_ppl import auto_batch_size
+        from quark_ptq_eval.validate.loading import load_model
 
         loaded = load_model(self.source, self.opts.eval.device, bool(self.opts.plan.get("trust_remote_code")))
         vocab = loaded.model.get_output_embeddings().weight.shape[0]
@@ -98,13 +99,13 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     from quark_ptq_eval.evaluate import report as report_files
     from quark_ptq_eval.evaluate.api import build_report  # the evaluation's own report builder: same verdicts
     from quark_ptq_eval.evaluate.context import TierContext
-    from quark_ptq_eval.evaluate.loading import load_model
     from quark_ptq_eval.evaluate.tier_ppl import auto_batch_size, outcome_from, token_windows
+    from quark_ptq_eval.validate.loading import load_model
 
     entry = baseline.entry()
     base_tasks = baseline.tasks() if opts.eval.tasks else None  # before the scheme's model loads: one model at a time
     model_dir, workdir = comparison.output_dir(scheme), comparison.workdir(scheme)
-    options = EvalOptions(tier="ppl", baseline=baseline.source, **TIER1.values(opts.eval))
+    options = EvalOptions(tier=text_tier().name, baseline=baseline.source, **TIER1.values(opts.eval))
     started = time.perf_counter()
     quantized = load_model(model_dir, opts.eval.device, bool(opts.plan.get("trust_remote_code")))
     windows = token_windows(quantized.tokenizer, baseline.texts, opts.eval.seq_len, opts.eval.max_windows)
@@ -125,8 +126,7 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     plan = read_json(workdir / "quant_plan.json", "quantization plan")
     ctx = TierContext(model_dir, options, workdir, None, baseline.source, plan)
     report = build_report(ctx, outcome, None, time.perf_counter() - started)
-    report_files.write_all(report)
-    _record_eval(workdir, report)
+    report_files.write_all(report)  # the recipe running this as its Phase 3 records the step
     if base_tasks is not None:
         from quark_ptq_eval.flows.compare.tasks import score_scheme
 
@@ -140,8 +140,8 @@ def score_against_cache(model, windows, entry: BaselineEntry, batch_size: int):
     import torch
 
     from quark_ptq_eval.evaluate.baseline_cache import cached_token_stats
-    from quark_ptq_eval.evaluate.loading import require_finite
     from quark_ptq_eval.evaluate.tier_ppl import Accumulator
+    from quark_ptq_eval.validate.loading import require_finite
 
     acc, bounds, tail, device = Accumulator(), [], [], next(model.parameters()).device
     with torch.inference_mode():
@@ -162,12 +162,3 @@ def score_against_cache(model, windows, entry: BaselineEntry, batch_size: int):
             bounds.append(stats["kl_gap_bound"].reshape(-1).cpu())
             tail.append(stats["tail_mass"].reshape(-1).cpu())
     return acc, torch.cat(bounds), torch.cat(tail)
-
-
-def _record_eval(workdir: Path, report) -> None:
-    """The scheme's own run state says it was evaluated, as a `run` would."""
-    from quark_ptq_eval.base.state import RunState, WorkdirLock
-
-    with WorkdirLock(workdir):
-        state = RunState.load(workdir)
-        state.record_step("eval", "done", tier="ppl", report=str(report.report_path), baseline="cache")

@@ -22,6 +22,7 @@ from quark_ptq_eval.base.fsio import read_json, write_json
 from quark_ptq_eval.base.options import Part
 from quark_ptq_eval.base.state import digest
 from quark_ptq_eval.evaluate.options import EvalOptions
+from quark_ptq_eval.evaluate.tiers import task_tier
 from quark_ptq_eval.flows.compare.options import CompareOptions
 
 TASK_RUN = Part(EvalOptions, concerns=("compute", "tasks"))  # lm-eval's options: the tasks', on the Tier 1 device
@@ -31,7 +32,7 @@ CACHE_PREFIX = "lm_eval-"
 
 
 def eval_options(opts: CompareOptions) -> EvalOptions:
-    return EvalOptions(tier="lm_eval", trust_remote_code=bool(opts.plan.get("trust_remote_code")),
+    return EvalOptions(tier=task_tier().name, trust_remote_code=bool(opts.plan.get("trust_remote_code")),
                        **TASK_RUN.values(opts.eval))
 
 
@@ -71,8 +72,8 @@ def check(opts: CompareOptions) -> None:
 def baseline_tasks(cache_root: Path, opts: CompareOptions, source: Path, model_digest: str, log) -> dict:
     """The baseline's lm-eval results and per-document scores: read from the cache, or run once."""
     from quark_ptq_eval.evaluate.context import TierContext
-    from quark_ptq_eval.evaluate.loading import load_model
     from quark_ptq_eval.evaluate.tier_lmeval import evaluate_tasks, samples_path
+    from quark_ptq_eval.validate.loading import load_model
 
     where = cache_root / f"{CACHE_PREFIX}{cache_key(opts, model_digest)}"
     results_file = where / "lm_eval_results" / "baseline.json"
