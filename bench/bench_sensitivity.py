@@ -16,10 +16,10 @@ from pathlib import Path
 
 
 def _model(root: Path, layers: int) -> tuple[Path, Path]:
-    from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
+    from quark_ptq_eval.flows.demo import TinyShape, build_corpus, build_tiny_model
 
     corpus = build_corpus(root / "corpus.txt", max_chars=60_000)
-    return build_tiny_model(root / "model", corpus, layers=layers, train_steps=30), corpus
+    return build_tiny_model(root / "model", corpus, shape=TinyShape(layers=layers), train_steps=30), corpus
 
 
 def _scan(model: Path, corpus: Path, replay: bool, samples: int) -> tuple[float, dict]:

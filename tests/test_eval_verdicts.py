@@ -19,9 +19,11 @@ from quark_ptq_eval.evaluate.reference import model_card_reference, parse_refere
 from quark_ptq_eval.evaluate.verdict import (
     WITHIN_NOISE,
     Z95,
+    Observed,
+    TierEvidence,
     compare_all,
-    compare_metric,
     invalid_reasons,
+    judge_metric,
     overall_verdict,
 )
 
@@ -49,7 +51,8 @@ def test_a_missing_or_non_finite_metric_makes_the_whole_verdict_invalid(quantize
 
 
 def test_a_required_metric_that_never_came_back_is_invalid():
-    rows = compare_all({"a": {"acc": 0.5}}, None, {"a": {"acc": 0.5}}, {}, Thresholds(), required={"b": ["results"]})
+    rows = compare_all({"a": {"acc": 0.5}}, None, {"a": {"acc": 0.5}}, {}, Thresholds(),
+                       TierEvidence(required={"b": ["results"]}))
     assert overall_verdict(rows) == "invalid"
     assert invalid_reasons(rows) == ["b:results is missing from the quantized results"]
 
@@ -116,10 +119,10 @@ def test_invalid_report_names_the_metric(tmp_path):
 
 
 def test_an_overflowing_perplexity_or_kl_is_hurt_not_a_traceback():
-    row = compare_metric("perplexity", "perplexity", INF, 20.0, None, False, Thresholds(),
-                         {"paired_log_delta": 1e30, "paired_log_stderr": 1e28})
+    row = judge_metric("perplexity", "perplexity", Observed(INF, 20.0, None,
+                         {"paired_log_delta": 1e30, "paired_log_stderr": 1e28}), False, Thresholds())
     assert (row.verdict, row.degradation_pct, row.ci95_pct) == ("hurt", INF, (INF, INF))
-    kl = compare_metric("perplexity", "kl_divergence", 1e30, None, None, False, Thresholds(), {"stderr": 1e29})
+    kl = judge_metric("perplexity", "kl_divergence", Observed(1e30, None, None, {"stderr": 1e29}), False, Thresholds())
     assert kl.verdict == "hurt" and kl.degradation_pct == INF
 
 
@@ -157,32 +160,32 @@ def test_perplexity_stats_report_inf_with_the_finite_nll():
 def test_a_difference_within_the_paired_interval_is_within_noise_and_healthy_when_resolved():
     # perplexity 1 % worse, paired log-ratio interval +-0.5 %: resolved, within the healthy 2 %
     delta = math.log(1.01)
-    row = compare_metric("p", "perplexity", 10.1, 10.0, None, False, Thresholds(),
-                         {"paired_log_delta": delta, "paired_log_stderr": 0.005 / Z95})
+    row = judge_metric("p", "perplexity", Observed(10.1, 10.0, None,
+                         {"paired_log_delta": delta, "paired_log_stderr": 0.005 / Z95}), False, Thresholds())
     assert row.verdict == "healthy" and row.noise == "beyond noise"
     low, high = row.ci95_pct
     assert low == pytest.approx(100 * math.expm1(delta - 0.005)) and high == pytest.approx(100 * math.expm1(delta + 0.005))
-    row = compare_metric("p", "perplexity", 10.01, 10.0, None, False, Thresholds(),
-                         {"paired_log_delta": math.log(1.001), "paired_log_stderr": 0.003})
+    row = judge_metric("p", "perplexity", Observed(10.01, 10.0, None,
+                         {"paired_log_delta": math.log(1.001), "paired_log_stderr": 0.003}), False, Thresholds())
     assert row.verdict == "healthy" and row.noise == WITHIN_NOISE
 
 
 def test_a_noisy_difference_is_neither_healthy_nor_hurt():
     # 10 % worse but the interval holds 0: within noise, so "watch", not "hurt"
-    row = compare_metric("t", "acc", 0.45, 0.5, None, True, Thresholds(), {"stderr": 0.05, "baseline_stderr": 0.05})
+    row = judge_metric("t", "acc", Observed(0.45, 0.5, None, {"stderr": 0.05, "baseline_stderr": 0.05}), True, Thresholds())
     assert row.noise == WITHIN_NOISE and row.verdict == "watch" and "too little data to call it hurt" in row.note
     # equal scores, but an interval of +-28 %: too little data to call it healthy
-    row = compare_metric("t", "acc", 0.5, 0.5, None, True, Thresholds(), {"stderr": 0.05, "baseline_stderr": 0.05})
+    row = judge_metric("t", "acc", Observed(0.5, 0.5, None, {"stderr": 0.05, "baseline_stderr": 0.05}), True, Thresholds())
     assert row.verdict == "watch" and "too little data to call it healthy" in row.note
     # the same 10 % drop with small standard errors: beyond noise, hurt
-    row = compare_metric("t", "acc", 0.45, 0.5, None, True, Thresholds(), {"stderr": 0.002, "baseline_stderr": 0.002})
+    row = judge_metric("t", "acc", Observed(0.45, 0.5, None, {"stderr": 0.002, "baseline_stderr": 0.002}), True, Thresholds())
     assert row.noise == "beyond noise" and row.verdict == "hurt"
     half = 100 * Z95 * math.hypot(0.002, 0.002) / 0.5
     assert row.ci95_pct == pytest.approx((10 - half, 10 + half))
 
 
 def test_a_reference_comparison_uses_only_the_measured_noise():
-    row = compare_metric("t", "acc", 0.45, None, 0.5, True, Thresholds(), {"stderr": 0.002, "baseline_stderr": 0.5})
+    row = judge_metric("t", "acc", Observed(0.45, None, 0.5, {"stderr": 0.002, "baseline_stderr": 0.5}), True, Thresholds())
     half = 100 * Z95 * 0.002 / 0.5
     assert row.compared_to == "reference" and row.ci95_pct == pytest.approx((10 - half, 10 + half))
 

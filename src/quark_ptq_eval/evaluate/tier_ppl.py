@@ -340,7 +340,7 @@ def prepare(ctx: TierContext) -> PplPrepared:
     acc = Accumulator()
     pilot_batches, pilot_s, per_batch_s = _pilot(quantized, baseline, windows, batch_size, acc)
     clock.lap("pilot")
-    estimate = _estimate(ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_batches, acc)
+    estimate = _estimate(ctx, quantized, baseline, windows, PilotTiming(batch_size, pilot_batches, per_batch_s), acc)
     estimate.parts = clock.parts
     return PplPrepared(ctx, quantized, baseline, windows, batch_size, acc, estimate, pilot_s, pilot_batches,
                        window_note=window_note)
@@ -392,9 +392,17 @@ def _load_baseline(ctx: TierContext, texts: list[str], tokenizer) -> LoadedModel
     return baseline
 
 
-def _estimate(
-    ctx, quantized, baseline, windows, batch_size, per_batch_s, pilot_batches, prepared_acc
-) -> RuntimeEstimate:
+@dataclass(frozen=True)
+class PilotTiming:
+    """What the pilot measured: batches of up to ``batch_size`` windows, ``per_batch_s`` after warm-up."""
+
+    batch_size: int
+    batches: int
+    per_batch_s: float
+
+
+def _estimate(ctx, quantized, baseline, windows, pilot: PilotTiming, prepared_acc) -> RuntimeEstimate:
+    batch_size, pilot_batches, per_batch_s = pilot.batch_size, pilot.batches, pilot.per_batch_s
     n = windows.shape[0]
     remaining_batches = math.ceil(n / batch_size) - pilot_batches
     models = "quantized + baseline" if baseline else "quantized"

@@ -123,6 +123,27 @@ def _bad_value(value: float | None, higher_is_better: bool) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Observed:
+    """One metric as measured: the quantized model's value, the baseline's and a published reference
+    (None: not known), and the tier's noise estimate of it (standard errors, paired deltas)."""
+
+    value: float | None
+    baseline: float | None = None
+    reference: float | None = None
+    noise: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class TierEvidence:
+    """What a tier knows about its metrics beyond their values: those reported without a verdict,
+    each metric's noise (task -> metric -> noise) and the metrics it must have returned."""
+
+    informational: tuple[str, ...] = ("top1_agreement",)
+    noise: dict[str, dict[str, dict[str, Any]]] | None = None
+    required: dict[str, list[str]] | None = None
+
+
 def compare_metric(
     task: str,
     metric: str,
@@ -131,9 +152,16 @@ def compare_metric(
     reference: float | None,
     higher_is_better: bool,
     thresholds: Thresholds,
-    noise: dict[str, float] | None = None,
+) -> MetricVerdict:
+    """``judge_metric`` of a value measured without a noise estimate."""
+    return judge_metric(task, metric, Observed(value, baseline, reference), higher_is_better, thresholds)
+
+
+def judge_metric(
+    task: str, metric: str, observed: Observed, higher_is_better: bool, thresholds: Thresholds
 ) -> MetricVerdict:
     """The baseline (same settings, exact) wins over a reference (published, approximate)."""
+    value, baseline, reference, noise = observed.value, observed.baseline, observed.reference, observed.noise
     bad = _bad_value(value, higher_is_better)
     if bad:
         return _invalid(task, metric, math.nan if value is None else value, higher_is_better, bad)
@@ -206,17 +234,17 @@ def compare_all(
     reference: dict[str, dict[str, float]],
     directions: dict[str, dict[str, bool]],
     thresholds: Thresholds,
-    informational: tuple[str, ...] = ("top1_agreement",),
-    noise: dict[str, dict[str, dict[str, Any]]] | None = None,
-    required: dict[str, list[str]] | None = None,
+    evidence: TierEvidence | None = None,
 ) -> list[MetricVerdict]:
     """One comparison per metric of the quantized model, of the baseline, and of ``required``.
 
     A metric the baseline has (or the tier requires) but the quantized results lack is ``invalid``;
     ``informational`` metrics are reported without a verdict unless they are not finite.
     """
+    evidence = evidence or TierEvidence()
+    informational, noise = evidence.informational, evidence.noise
     rows = []
-    for task, metric, value in _metrics(quantized, baseline, required):
+    for task, metric, value in _metrics(quantized, baseline, evidence.required):
         higher = is_higher_better(metric, directions.get(task))
         if metric in informational:
             bad = _bad_value(value, higher) or (
@@ -230,15 +258,17 @@ def compare_all(
             continue
         published = reference.get(task, {})
         rows.append(
-            compare_metric(
+            judge_metric(
                 task,
                 metric,
-                value,
-                (baseline or {}).get(task, {}).get(metric),
-                published.get(metric, published.get(metric.split(",")[0])),
+                Observed(
+                    value,
+                    (baseline or {}).get(task, {}).get(metric),
+                    published.get(metric, published.get(metric.split(",")[0])),
+                    (noise or {}).get(task, {}).get(metric),
+                ),
                 higher,
                 thresholds,
-                (noise or {}).get(task, {}).get(metric),
             )
         )
     return rows

@@ -56,24 +56,35 @@ def build_manifest(quant_plan: QuantPlan, workdir: str | Path, *, offline: bool 
 
 
 def run(model: str | Path | None, output_dir: str | Path | None, *, workdir: str | Path = ".",
-        approver: Approver | None = None, stop_after: str | None = None, eval_tier: str | None = None,
-        eval_options: dict[str, Any] | None = None, offline: bool | None = None, overwrite: bool = False,
-        quiet: bool = True, **plan_request: Any) -> dict[str, Any]:
+        approver: Approver | None = None, stop_after: str | None = None, quiet: bool = True,
+        **options: Any) -> dict[str, Any]:
     """The whole recipe (or up to ``stop_after``: intake, plan, manifest, execute). Raises
-    ``CheckpointPending`` at a gate the approver refuses; call again to resume."""
-    from quark_ptq_eval.base.options import check_names
+    ``CheckpointPending`` at a gate the approver refuses; call again to resume. ``options``: the
+    RunOptions fields (eval_tier, offline, overwrite, no_load_check, ...), ``eval_options`` (a dict of
+    EvalOptions fields) and, every other keyword, a PlanRequest field (scheme, calib_data, ...)."""
     from quark_ptq_eval.base.ui import Reporter
+    from quark_ptq_eval.flows.pipeline import Recipe
+
+    recipe = Recipe(workdir, approver or FlagApprover(), Reporter(quiet=quiet))
+    return recipe.run(run_options(model, output_dir, options), stop_after=stop_after)
+
+
+def run_options(model: str | Path | None, output_dir: str | Path | None, options: dict[str, Any]) -> Any:
+    """RunOptions from ``run``'s keywords: each goes to the dataclass that declares it."""
+    from quark_ptq_eval.base.options import check_names
     from quark_ptq_eval.evaluate.options import EvalOptions
-    from quark_ptq_eval.flows.pipeline import Recipe, RunOptions
+    from quark_ptq_eval.flows.pipeline import RunOptions
     from quark_ptq_eval.plan.request import PlanRequest
 
-    check_names(PlanRequest, plan_request, "plan")
-    check_names(EvalOptions, eval_options or {}, "evaluation")
-    options = RunOptions(model=str(model) if model else None, output_dir=str(output_dir) if output_dir else None,
-                         plan=plan_request, overwrite=overwrite, eval_tier=eval_tier, eval=eval_options or {},
-                         offline=offline)
-    recipe = Recipe(workdir, approver or FlagApprover(), Reporter(quiet=quiet))
-    return recipe.run(options, stop_after=stop_after)
+    composed = {"model", "output_dir", "plan", "eval"}  # RunOptions fields built here, not given by keyword
+    own = {f.name for f in dataclasses.fields(RunOptions)} - composed
+    run_given = {k: v for k, v in options.items() if k in own}
+    eval_given = options.get("eval_options") or {}
+    plan_given = {k: v for k, v in options.items() if k not in own and k != "eval_options"}
+    check_names(PlanRequest, plan_given, "plan")
+    check_names(EvalOptions, eval_given, "evaluation")
+    return RunOptions(model=str(model) if model else None, output_dir=str(output_dir) if output_dir else None,
+                      plan=plan_given, eval=dict(eval_given), **run_given)
 
 
 def execute_plan(workdir: str | Path, *, approver: Approver | None = None, quiet: bool = True) -> dict[str, Any]:
@@ -90,12 +101,13 @@ def validate_model(source: str | Path, quantized: str | Path, quant_plan: QuantP
 
 def evaluate_model(model_dir: str | Path, workdir: str | Path = ".", *, approver: Approver | None = None,
              source_model: str | Path | None = None, **options: Any):
+    """``options``: EvalOptions fields (tier, eval_data, seq_len, baseline, thresholds, ...); an unknown one is refused."""
+    from quark_ptq_eval.base.options import build, check_names
     from quark_ptq_eval.evaluate import EvalOptions
     from quark_ptq_eval.evaluate import evaluate as _evaluate
 
-    fields = {f.name for f in dataclasses.fields(EvalOptions)}
-    return _evaluate(Path(model_dir), EvalOptions(**{k: v for k, v in options.items() if k in fields}),
-                     Path(workdir), approver or FlagApprover(),
+    check_names(EvalOptions, options, "evaluation")
+    return _evaluate(Path(model_dir), build(EvalOptions, options), Path(workdir), approver or FlagApprover(),
                      source_model=Path(source_model) if source_model else None)
 
 

@@ -12,6 +12,7 @@ import importlib
 import json
 import pkgutil
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 STDLIB_PACKAGES = (
@@ -69,13 +70,20 @@ ARCHITECTURES = {
 }
 
 
+@dataclass(frozen=True)
+class TinyShape:
+    """The tiny model's size: tokenizer vocabulary, hidden width, decoder layers."""
+
+    vocab_size: int = 512
+    hidden: int = 128
+    layers: int = 2
+
+
 def build_tiny_model(
     out_dir: str | Path,
     corpus: str | Path,
     arch: str = "llama",
-    vocab_size: int = 512,
-    hidden: int = 128,
-    layers: int = 2,
+    shape: TinyShape | None = None,
     train_steps: int = 150,
     seed: int = 0,
 ) -> Path:
@@ -84,6 +92,8 @@ def build_tiny_model(
     import transformers
     from tokenizers import ByteLevelBPETokenizer
 
+    shape = shape or TinyShape()
+    vocab_size, hidden, layers = shape.vocab_size, shape.hidden, shape.layers
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     text = Path(corpus).read_text(encoding="utf-8")
