@@ -2,7 +2,7 @@
 
 Headers and bytes can all be right while the model still cannot be used: a loader that leaves
 scales uninitialised, reads a packing differently, or does not find weights under the names it
-expects and initialises them at random. So the export is loaded (through ``evaluate/loading.py``:
+expects and initialises them at random. So the export is loaded (through ``validate/loading.py``:
 transformers' Quark integration, or Quark's importer for two-level scales and per-expert MoE
 linears), and a short probe runs through the source. The verdict comes from replaying each module
 on the source's own inputs (``replay.py``; MoE experts also one by one, each routed its own tokens,
