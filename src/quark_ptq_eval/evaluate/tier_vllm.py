@@ -30,7 +30,7 @@ from quark_ptq_eval.evaluate.vllm_commands import (
     shell_line,
 )
 from quark_ptq_eval.evaluate.vllm_detect import Environment, choose_runtime, detect_environment
-from quark_ptq_eval.evaluate.vllm_executor import Executor, execute_plan
+from quark_ptq_eval.evaluate.vllm_executor import Executor, run_command_plan
 from quark_ptq_eval.validate.vllm_host import find_host_vllm
 
 __all__ = ["CommandPlan", "Environment", "Executor", "ServedModel", "VllmPrepared", "choose_runtime",
@@ -94,7 +94,7 @@ def run(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutcome
     # Bound to the exact commands, container creation included: other commands ask again.
     as_gatekeeper(ctx.approver).require("eval", [c.argv for c in plan.all_commands()], summary,
                                         "to run these exact commands.")
-    return execute_plan(ctx, plan, executor or Executor(ctx.workdir), details, commands)
+    return run_command_plan(ctx, plan, executor or Executor(ctx.workdir), details, commands)
 
 
 def _deferred(prepared: VllmPrepared, details: dict[str, Any]) -> TierOutcome:

@@ -60,7 +60,7 @@ class Executor:
         stop_group(process)  # the server (or `docker exec`) and whatever it spawned, nothing else
 
 
-def execute_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, details: dict[str, Any],
+def run_command_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, details: dict[str, Any],
                  commands: list[dict[str, Any]]) -> TierOutcome:
     from quark_ptq_eval.evaluate.tier_lmeval import scores_from
 
