@@ -54,7 +54,8 @@ def _hub_config(model: str) -> dict[str, Any]:
     try:
         from huggingface_hub import hf_hub_download
 
-        return read_json(hf_hub_download(model, "config.json"), "config.json")
+        config: dict[str, Any] = read_json(hf_hub_download(model, "config.json"), "config.json")
+        return config
     except UsageError:
         raise
     except Exception as exc:  # noqa: BLE001 - hub errors come in many types
@@ -182,15 +183,16 @@ def _risks(cfg: dict[str, Any], text_cfg: dict[str, Any], template: bool, model_
 def analyze_model(model: str, *, offline: bool, catalog: dict[str, Any], trust_remote_code: bool = False) -> ModelAnalysis:
     path, source = resolve_model(model, offline)
     cfg = _load_config(model, path)
-    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    text_cfg: dict[str, Any] = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
     model_type = cfg["model_type"]
     tmpl = catalog["templates"].get(model_type) or catalog["templates"].get(text_cfg.get("model_type", ""))
     excludes = list(tmpl["exclude_layers"]) if tmpl else []
     tied = bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False)))
 
-    has_weights = bool(path and weight_files(path))
+    has_weights = path is not None and bool(weight_files(path))
     tensors = None
-    if has_weights:
+    size: dict[str, Any]
+    if path is not None and has_weights:
         tensors = read_model_headers(path)
         linears, nbytes, fused = _count_linears_from_headers(tensors)
         excluded = [m for m in linears if any(fnmatch.fnmatchcase(m, p) for p in excludes)]
@@ -202,7 +204,7 @@ def analyze_model(model: str, *, offline: bool, catalog: dict[str, Any], trust_r
     source_format = describe_source(cfg, tensors if has_weights else None, path, excludes)
     if source_format.get("params"):  # true counts: an FP8 byte is one parameter, scales are none
         size.update(params=source_format["params"], read_as_bytes=source_format["read_as_bytes"])
-    elif FORMATS[source_format["name"]].reading == CONVERT_BIN:
+    elif FORMATS[source_format["name"]].reading == CONVERT_BIN and path is not None:
         size.update(bytes=sum(f.stat().st_size for f in path.glob("pytorch_model*.bin")), method="pytorch_bin_files")
     risks = _risks(cfg, text_cfg, tmpl is not None, model_type, has_weights, source_format)
     if fused:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,7 @@ def read_as_bytes(info: TensorInfo, params: int | None = None) -> int:
     return 2 * (tensor_params(info) if params is None else params)
 
 
-def exclusion_matcher(excludes: list[str]):
+def exclusion_matcher(excludes: list[str]) -> Callable[[str], bool]:
     """One compiled regex for the template's fnmatch patterns (a real release has ~10^5 tensors)."""
     if not excludes:
         return lambda module: False
@@ -207,7 +208,7 @@ def exclusion_matcher(excludes: list[str]):
     return lambda module: rx.match(module) is not None
 
 
-def is_quantizable(info: TensorInfo, excluded) -> bool:
+def is_quantizable(info: TensorInfo, excluded: Callable[[str], bool]) -> bool:
     """A linear weight the template quantizes: 2-D ``*.weight`` (or fused 3-D experts), not an
     embedding or norm, not matched by the exclusions (as intake counts linears)."""
     name = info.name

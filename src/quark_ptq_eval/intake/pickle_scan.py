@@ -132,11 +132,12 @@ def _track(name: str, arg: object, top: list[str | None], memo: dict[int, str | 
     if name in _STRING_OPS:
         top.append(arg if isinstance(arg, str) else arg.decode("latin-1") if isinstance(arg, bytes) else None)
     elif name in ("GET", "BINGET", "LONG_BINGET"):
-        top.append(memo.get(int(arg)))  # type: ignore[arg-type]
+        top.append(memo.get(arg) if isinstance(arg, int) else None)  # arg: the memo index
     elif name == "MEMOIZE":
         memo[len(memo)] = top[-1] if top else None
     elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-        memo[int(arg)] = top[-1] if top else None  # type: ignore[arg-type]
+        if isinstance(arg, int):  # the memo index
+            memo[arg] = top[-1] if top else None
     elif name not in _NEUTRAL_OPS:
         top.clear()
 

@@ -14,6 +14,7 @@ from typing import Any
 from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
 from quark_ptq_eval.base.context_window import fit_window, read_model_config
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.base.textdata import check_text_source
 from quark_ptq_eval.execute.engines import choose_engine, get_engine
 from quark_ptq_eval.plan import resources, source_reading
@@ -22,6 +23,7 @@ from quark_ptq_eval.plan.family_limits import check_family_limits
 from quark_ptq_eval.plan.request import PlanRequest
 from quark_ptq_eval.plan.scheme_fit import fit_to_model
 from quark_ptq_eval.plan.targets import (
+    BudgetCheck,
     TargetContext,
     format_family,
     recommend_kv,
@@ -61,7 +63,7 @@ def _gpu(env: dict[str, Any]) -> tuple[str, str]:
 
 
 def _choose_scheme(req: PlanRequest, env: dict[str, Any], catalog: dict[str, Any], tc: TargetContext,
-                   fits=None) -> tuple[str, str]:
+                   fits: BudgetCheck | None = None) -> tuple[str, str]:
     if req.scheme:
         return req.scheme, "asked for explicitly"
     goal = req.goal.lower()
@@ -130,7 +132,7 @@ def _check_compatible(model_type: str, scheme: str, algorithm: str | None, kv: s
 def _calibration(req: PlanRequest, accelerator: str, model_config: dict[str, Any]) -> tuple[dict[str, Any], str]:
     samples = req.num_calib_samples or (128 if accelerator in ("cpu", "unknown") else 512)
     seq_len, clamped = fit_window(req.calib_seq_len, 512, model_config, "--calib-seq-len")
-    common = {"num_samples": samples, "seq_len": seq_len, "batch_size": req.batch_size}
+    common: dict[str, Any] = {"num_samples": samples, "seq_len": seq_len, "batch_size": req.batch_size}
     if clamped:
         common["seq_len_reason"] = clamped
     if req.calib_data:
@@ -161,16 +163,18 @@ def _choose_kv(req: PlanRequest, tc: TargetContext, catalog: dict[str, Any], ana
     return recommend_kv(tc, catalog, analysis.template.get("kv_layers") or [])
 
 
-def _budget_check(tc: TargetContext, analysis: ModelAnalysis, catalog: dict[str, Any], req: PlanRequest):
+def _budget_check(tc: TargetContext, analysis: ModelAnalysis, catalog: dict[str, Any],
+                  req: PlanRequest) -> BudgetCheck | None:
     """``fits(scheme) -> (ok, why)`` against a serving budget stated in the goal, or None."""
-    if not (tc.budget and tc.target):
+    target = tc.target
+    if not (tc.budget and target):
         return None
     kv = req.kv_cache_scheme or recommend_kv(tc, catalog, analysis.template.get("kv_layers") or [])[0]
 
     def fits(scheme: str) -> tuple[bool, str]:
         out = resources.output_bytes(analysis, scheme, catalog["scheme_info"].get(scheme, {}))
-        fit = resources.serving_fit(analysis, out, kv, tc.target.memory_gb, tc.budget)
-        return fit["fits_budget"], resources.serving_text(fit, tc.target.label, kv)
+        fit = resources.serving_fit(analysis, out, kv, target.memory_gb, tc.budget)
+        return fit["fits_budget"], resources.serving_text(fit, target.label, kv)
 
     return fits
 
@@ -210,7 +214,7 @@ def _target_and_fit(analysis: ModelAnalysis, tc: TargetContext, scheme: str, inf
                                         tc.target.memory_gb, tc.budget)
         target["serving_fit"] = serving
         stated = "from your goal" if tc.budget else "assumed: state one in the goal, e.g. 'fit one MI300X with 32k context'"
-        need = resources.gb(serving["weights_bytes"] + serving["kv_cache_bytes"])
+        need = gb(serving["weights_bytes"] + serving["kv_cache_bytes"])
         value = f"{serving['devices_needed']} x {tc.target.label}" if serving["devices_needed"] else f"{need} of RAM"
         rows.append({"decision": "serving fit", "value": value,
                      "reason": f"{resources.serving_text(serving, tc.target.label, kv)} (context and batch {stated})"})
@@ -235,7 +239,8 @@ def _exclusions(req: PlanRequest, analysis: ModelAnalysis) -> tuple[list[str], s
         f"Quark's {analysis.model_type} template defaults"
 
 
-def _fitting_scheme(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, catalog: dict[str, Any], tc) -> tuple[str, str]:
+def _fitting_scheme(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, catalog: dict[str, Any],
+                    tc: TargetContext) -> tuple[str, str]:
     """The scheme the request and target ask for, held against every quantized linear's group and
     block sizes: a planner's choice falls back to the nearest that fits, a named one is refused."""
     scheme, why = _choose_scheme(req, env, catalog, tc, _budget_check(tc, analysis, catalog, req))
@@ -276,7 +281,7 @@ def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, ca
     get_engine(engine).check_constraints(info, algorithm, device)
     reading = source_reading.decide(analysis, engine, device, Path(analysis_ref).parent)  # FP8 / .bin sources
     hw = f"{accelerator}{' ' + arch if arch else ''}"
-    decisions = [
+    decisions: list[dict[str, Any]] = [
         {"decision": "target", "value": tc.name, "reason": f"{tc.label}; {tc.source}; priority: {tc.priority}"},
         {"decision": "global_scheme", "value": scheme, "reason": _scheme_reason(scheme_why, tc, scheme)},
         {"decision": "algorithm", "value": algorithm, "reason": algo_why},

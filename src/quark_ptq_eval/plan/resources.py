@@ -12,10 +12,14 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.sizes import GIB, gb  # noqa: F401 (gb: callers use resources.gb)
 from quark_ptq_eval.intake.formats import FORMATS
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
+    from quark_ptq_eval.base.gates import Approver
 
 # ---- measured scaling (bench/measure_memory.py on the CPU engine; see docs/planning.md) ----------
 BASE_BYTES = 1.40 * GIB  # python + torch + transformers + quark.torch imported, tokenizer loaded
@@ -37,11 +41,11 @@ F2F_RECOVERY_BYTES_PER_FP8_BYTE = 4.0  # an FP8 shard recovered to float32 befor
 
 
 # ---- what the model is made of -------------------------------------------------------------------
-def _arch(analysis) -> dict[str, Any]:
+def _arch(analysis: ModelAnalysis) -> dict[str, Any]:
     return analysis.architecture
 
 
-def param_count(analysis) -> int:
+def param_count(analysis: ModelAnalysis) -> int:
     """Parameters from the safetensors headers, else from config.json (dense Llama-style formula)."""
     if analysis.size.get("params"):
         return int(analysis.size["params"])
@@ -51,7 +55,7 @@ def param_count(analysis) -> int:
     return quantizable_params(analysis) + embeds
 
 
-def quantizable_params(analysis) -> int:
+def quantizable_params(analysis: ModelAnalysis) -> int:
     """Parameters of the decoder's linear layers (what a scheme quantizes; lm_head is a template exclusion)."""
     a = _arch(analysis)
     h, layers = a.get("hidden_size") or 0, a.get("num_hidden_layers") or 0
@@ -67,7 +71,7 @@ def quantizable_params(analysis) -> int:
     return linear
 
 
-def bytes_per_param(analysis) -> float:
+def bytes_per_param(analysis: ModelAnalysis) -> float:
     params = param_count(analysis)
     return analysis.size["bytes"] / params if params and analysis.size.get("bytes") else 2.0
 
@@ -85,7 +89,7 @@ def weight_bits(scheme: str, info: dict[str, Any]) -> float:
     return bits
 
 
-def output_bytes(analysis, scheme: str, info: dict[str, Any]) -> int:
+def output_bytes(analysis: ModelAnalysis, scheme: str, info: dict[str, Any]) -> int:
     """The quantized checkpoint's size on disk: quantized linears at the scheme's bits + everything else
     as the engine writes it. With the source's header counts (intake/formats.py): the template's linears
     from their shapes, the rest at its bytes once read (FP8 layers left out are written dequantized to
@@ -98,27 +102,27 @@ def output_bytes(analysis, scheme: str, info: dict[str, Any]) -> int:
     return int(q * weight_bits(scheme, info) / 8 + rest * bytes_per_param(analysis))
 
 
-def loaded_bytes(analysis) -> int:
+def loaded_bytes(analysis: ModelAnalysis) -> int:
     """The model's bytes once read in its float dtype (an FP8 source is read as BF16, scales dropped)."""
     return int(analysis.size.get("read_as_bytes") or analysis.size["bytes"] or param_count(analysis) * 2)
 
 
 # ---- the engine ----------------------------------------------------------------------------------
-def calibration_activation_bytes(analysis, calibration: dict[str, Any]) -> int:
+def calibration_activation_bytes(analysis: ModelAnalysis, calibration: dict[str, Any]) -> int:
     """Live tensors of one calibration forward (fp32): hidden states, MLP intermediates and logits."""
     a = _arch(analysis)
     tokens = calibration["batch_size"] * calibration["seq_len"]
     width = 4 * (a.get("hidden_size") or 0) + 2 * (a.get("intermediate_size") or 0) + (a.get("vocab_size") or 0)
-    return tokens * width * 4
+    return int(tokens * width * 4)
 
 
-def calibration_cache_bytes(analysis, calibration: dict[str, Any]) -> int:
+def calibration_cache_bytes(analysis: ModelAnalysis, calibration: dict[str, Any]) -> int:
     """Every calibration sample's input to one decoder layer, as AWQ/GPTQ keep them (model dtype)."""
     h = _arch(analysis).get("hidden_size") or 0
     return int(calibration["num_samples"] * calibration["seq_len"] * h * bytes_per_param(analysis))
 
 
-def estimate_quantize(analysis, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any], device: str) -> dict[str, Any]:
+def estimate_quantize(analysis: ModelAnalysis, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any], device: str) -> dict[str, Any]:
     """Peak host RAM (and GPU memory on a GPU device) of the engine for this plan, with its terms."""
     w = loaded_bytes(analysis)
     act = calibration_activation_bytes(analysis, calibration)
@@ -139,7 +143,7 @@ def estimate_quantize(analysis, info: dict[str, Any], algorithm: str | None, cal
             "basis": "modelled (GPU not measured here)"}
 
 
-def largest_shard_bytes(analysis) -> int:
+def largest_shard_bytes(analysis: ModelAnalysis) -> int:
     """The biggest safetensors file of a local model (the file-to-file engine holds one at a time);
     the whole model when its files are not here to measure."""
     from quark_ptq_eval.base.safetensors_io import weight_files
@@ -152,14 +156,14 @@ def largest_shard_bytes(analysis) -> int:
     return max(sizes) if sizes else (analysis.size["bytes"] or int(param_count(analysis) * 2))
 
 
-def estimate_file2file(analysis, device: str) -> dict[str, Any]:
+def estimate_file2file(analysis: ModelAnalysis, device: str) -> dict[str, Any]:
     """Peak memory of Quark's file-to-file engine: start-up plus a multiple of the largest shard; an FP8
     source adds the shard's recovery buffer (Quark dequantizes FP8 weights to float32: 4 bytes a parameter)."""
     shard = largest_shard_bytes(analysis)
     work = F2F_SHARD_FACTOR * shard
     terms = {"start-up": F2F_BASE_BYTES, "largest shard": work}
     fmt = (getattr(analysis, "source_format", None) or {}).get("name")
-    if fmt in FORMATS and FORMATS[fmt].fp8_weights:
+    if isinstance(fmt, str) and fmt in FORMATS and FORMATS[fmt].fp8_weights:
         terms["FP8 recovery buffer"] = F2F_RECOVERY_BYTES_PER_FP8_BYTE * shard
         work += terms["FP8 recovery buffer"]
     if device == "cpu":
@@ -169,7 +173,7 @@ def estimate_file2file(analysis, device: str) -> dict[str, Any]:
             "terms": terms, "basis": "modelled (file-to-file on a GPU: not measured here)"}
 
 
-def engine_estimate(engine: str | None, analysis, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any],
+def engine_estimate(engine: str | None, analysis: ModelAnalysis, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any],
                     device: str) -> dict[str, Any]:
     from quark_ptq_eval.execute.engines import holds_one_shard
 
@@ -185,7 +189,7 @@ def _fits(est: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> 
             and (not est["gpu_peak_bytes"] or not gpu or est["gpu_peak_bytes"] <= gpu * HEADROOM))
 
 
-def engine_for_host(analysis, engine: str, why: str, requested: str, info: dict[str, Any], algorithm: str | None,
+def engine_for_host(analysis: ModelAnalysis, engine: str, why: str, requested: str, info: dict[str, Any], algorithm: str | None,
                     kv: str | None, calibration: dict[str, Any], device: dict[str, Any], env: dict[str, Any]) -> tuple[str, str]:
     """The plan's engine once this host's memory is known: file-to-file when the automatic choice's
     whole-model engine does not fit and file-to-file does and can serve the plan (docs/planning.md)."""
@@ -216,7 +220,7 @@ def engine_for_host(analysis, engine: str, why: str, requested: str, info: dict[
                          f"{gb(f2f['model_bytes'])}), and this scheme needs no calibration")
 
 
-def estimate_eval(analysis, out_bytes: int, baseline: bool = False, seq_len: int = 2048) -> dict[str, Any]:
+def estimate_eval(analysis: ModelAnalysis, out_bytes: int, baseline: bool = False, seq_len: int = 2048) -> dict[str, Any]:
     """Tier 1 on the CPU: the quantized model held dequantized (its source size), the baseline when
     asked, and the logits of one batch (evaluate.tier_ppl caps a batch at EVAL_LOGIT_BUDGET elements)."""
     w = loaded_bytes(analysis)
@@ -251,7 +255,7 @@ def host_capacity(env: dict[str, Any], output_dir: Path | None, meminfo: str | N
 
 
 # ---- the target ----------------------------------------------------------------------------------
-def kv_bytes_per_token(analysis, kv_scheme: str | None) -> int:
+def kv_bytes_per_token(analysis: ModelAnalysis, kv_scheme: str | None) -> int:
     a = _arch(analysis)
     heads = a.get("num_attention_heads") or 1
     kv = a.get("num_key_value_heads") or heads
@@ -259,7 +263,7 @@ def kv_bytes_per_token(analysis, kv_scheme: str | None) -> int:
     return 2 * (a.get("num_hidden_layers") or 0) * kv * head_dim * (1 if kv_scheme else 2)
 
 
-def serving_fit(analysis, out_bytes: int, kv_scheme: str | None, memory_gb: float, budget: dict[str, Any] | None) -> dict[str, Any]:
+def serving_fit(analysis: ModelAnalysis, out_bytes: int, kv_scheme: str | None, memory_gb: float, budget: dict[str, Any] | None) -> dict[str, Any]:
     """Weights + KV cache at the budget's context and batch on one device of ``memory_gb`` (vendor GB)."""
     budget = budget or {"devices": 1, "context": 4096, "batch": 1}
     kv = kv_bytes_per_token(analysis, kv_scheme) * budget["context"] * budget["batch"]
@@ -273,7 +277,7 @@ def serving_fit(analysis, out_bytes: int, kv_scheme: str | None, memory_gb: floa
 
 
 # ---- the plan checkpoint's verdict ---------------------------------------------------------------
-def assess(analysis, scheme: str, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any], device: dict[str, Any],
+def assess(analysis: ModelAnalysis, scheme: str, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any], device: dict[str, Any],
            host: dict[str, Any], rerun: list[str], engine: str | None = None, kv: str | None = None) -> dict[str, Any]:
     """Does this host hold the engine, the output and a Tier 1 evaluation? If not, what would."""
     from quark_ptq_eval.execute.engines import holds_one_shard
@@ -291,7 +295,7 @@ def assess(analysis, scheme: str, info: dict[str, Any], algorithm: str | None, c
             "fits": fits, "problems": problems, "proposals": proposals}
 
 
-def output_basis(analysis) -> str:
+def output_basis(analysis: ModelAnalysis | None) -> str:
     fmt = getattr(analysis, "source_format", None) or {}
     if fmt.get("quantizable_params") is None or not fmt.get("prequantized_tensors"):
         return "quantized linears at the scheme's bits (scales included), the rest in the source dtype"
@@ -326,12 +330,13 @@ def _problems(est: dict[str, Any], out: int, ev: dict[str, Any], host: dict[str,
     return problems
 
 
-def _proposals(analysis, info, algorithm, calibration, device, host, est, rerun) -> list[dict[str, Any]]:
+def _proposals(analysis: ModelAnalysis, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any],
+               device: dict[str, Any], host: dict[str, Any], est: dict[str, Any], rerun: list[str]) -> list[dict[str, Any]]:
     """Concrete changes with their estimates: smaller calibration, no algorithm, GPUs, another host."""
     ram = host["ram_bytes"] or 0
     out: list[dict[str, Any]] = []
 
-    def variant(change: str, algo: str | None, **calib) -> None:
+    def variant(change: str, algo: str | None, **calib: int) -> None:
         e = estimate_quantize(analysis, info, algo, {**calibration, **calib}, device["device"])
         if e["host_peak_bytes"] < 0.95 * est["host_peak_bytes"]:
             fits = "fits" if not ram or e["host_peak_bytes"] <= ram * HEADROOM else "still too much"
@@ -356,7 +361,8 @@ def _proposals(analysis, info, algorithm, calibration, device, host, est, rerun)
     return out
 
 
-def _file2file_proposal(analysis, info, algorithm, kv, device, host) -> list[dict[str, Any]]:
+def _file2file_proposal(analysis: ModelAnalysis, info: dict[str, Any], algorithm: str | None, kv: str | None,
+                        device: dict[str, Any], host: dict[str, Any]) -> list[dict[str, Any]]:
     """Quark's file-to-file engine with its estimate, when it can serve this plan (a proposal must work)."""
     from quark_ptq_eval.execute.engines import shard_engine
     from quark_ptq_eval.plan.source_reading import file2file_can_read
@@ -428,7 +434,7 @@ def decision_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def unfit_message(plan) -> str | None:
+def unfit_message(plan: QuantPlan) -> str | None:
     """One sentence for the plan checkpoint when this host cannot hold the plan (None when it can)."""
     res = getattr(plan, "resources", None) or {}
     blocking = [p["message"] for p in res.get("problems", []) if p.get("blocking")]
@@ -437,7 +443,7 @@ def unfit_message(plan) -> str | None:
     return "This host cannot hold this plan: " + "; ".join(blocking) + "."
 
 
-def hold_message(plan, execution_mode: str, approver, already_approved: bool) -> str | None:
+def hold_message(plan: QuantPlan, execution_mode: str, approver: Approver, already_approved: bool) -> str | None:
     """Why a run must stop at the plan checkpoint before anything runs, or None.
 
     A plan this host cannot hold is not approved by --yes: only by name (``--approve plan``), by a

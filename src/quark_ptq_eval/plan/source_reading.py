@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from quark_ptq_eval.base.artifacts import ModelAnalysis
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.intake.formats import CONVERT_BIN, DIRECT, FORMATS, REFUSED, STAGE_BF16, UNQUANTIZED
@@ -25,11 +26,12 @@ CONVERTED_BIN_DIR = "source-safetensors"
 COMPLETE_MARK = ".staged-complete"  # written last: a staged dir without it is unfinished
 
 
-def source_format(analysis) -> dict[str, Any]:
-    return getattr(analysis, "source_format", None) or {"name": UNQUANTIZED, "reading": DIRECT}
+def source_format(analysis: ModelAnalysis) -> dict[str, Any]:
+    fmt: dict[str, Any] = getattr(analysis, "source_format", None) or {"name": UNQUANTIZED, "reading": DIRECT}
+    return fmt
 
 
-def decide(analysis, engine: str, device: dict[str, Any], workdir: Path) -> dict[str, Any]:
+def decide(analysis: ModelAnalysis, engine: str, device: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """The plan's ``source_reading``: mode, reason, the dir the engine reads and the staging's disk cost."""
     fmt = source_format(analysis)
     model = analysis.model["model_path"]
@@ -86,7 +88,7 @@ def _check_file2file(device: dict[str, Any], disk: int, how: str) -> None:
                          "Drop --multi-device (one GPU, shard by shard), or leave out --engine file2file.")
 
 
-def file2file_can_read(analysis, device: str) -> bool:
+def file2file_can_read(analysis: ModelAnalysis, device: str) -> bool:
     """Whether Quark's file-to-file engine can read this source on this device (FP8 needs a GPU)."""
     entry = FORMATS[source_format(analysis)["name"]]
     if entry.reading in (REFUSED, CONVERT_BIN):

@@ -7,6 +7,7 @@ priority. Every reason names the target fact it rests on.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,7 +247,10 @@ def target_context(name: str | None, goal: str, env: dict[str, Any]) -> TargetCo
     return TargetContext(target, source, family, priority(goal), memory_budget(goal))
 
 
-def recommend_scheme(tc: TargetContext, catalog: dict[str, Any], fits=None) -> tuple[str, str] | None:
+BudgetCheck = Callable[[str], tuple[bool, str]]  # scheme -> (fits the goal's memory budget, why)
+
+
+def recommend_scheme(tc: TargetContext, catalog: dict[str, Any], fits: BudgetCheck | None = None) -> tuple[str, str] | None:
     """(scheme, reason) for the target and priority; ``fits(scheme) -> (ok, why)`` checks a memory budget."""
     fam = tc.family
     if fam is None:
