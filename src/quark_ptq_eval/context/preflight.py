@@ -185,7 +185,9 @@ LOW_DISK_GB = 20.0  # a 7-8 B model and its quantized copy
 
 
 @dataclass
-class Check:
+class HostCheck:
+    """One line of `quark-ptq-eval preflight`: a host capability, ready / missing / informational."""
+
     topic: str
     ok: bool | None  # True ready, False missing (with a fix), None informational
     status: str
@@ -196,7 +198,7 @@ class Check:
         return f"  {mark} {self.topic:<12} {self.status}" + (f"\n{'':18}{'fix' if self.ok is False else 'hint'}: {self.fix}" if self.fix else "")
 
 
-def host_checks(ctx: Contexts, workdir: Path, deep: bool = False) -> list[Check]:
+def host_checks(ctx: Contexts, workdir: Path, deep: bool = False) -> list[HostCheck]:
     """What this host can do, cheapest evidence first; ``deep`` also starts quark-cli and builds the catalog."""
     from quark_ptq_eval.base.first_use import torch_build
 
@@ -206,67 +208,67 @@ def host_checks(ctx: Contexts, workdir: Path, deep: bool = False) -> list[Check]
             _disk_check(workdir), _offline_check(ctx)]
 
 
-def _accelerator_check(ctx: Contexts, build: dict[str, Any] | None) -> Check:
+def _accelerator_check(ctx: Contexts, build: dict[str, Any] | None) -> HostCheck:
     hw = ctx.env["hardware"]
     if hw["accelerator"] in ("amd-rocm", "nvidia-cuda"):
-        return Check("accelerator", True, f"{hw['accelerator']}: {hw.get('gpu_count')} x {hw.get('gpu_model')} "
+        return HostCheck("accelerator", True, f"{hw['accelerator']}: {hw.get('gpu_count')} x {hw.get('gpu_model')} "
                                           f"({hw.get('gpu_arch')}, {hw.get('memory_gb')} GiB)")
     driver = "/dev/kfd" if Path("/dev/kfd").exists() else "/proc/driver/nvidia" if _gpu_driver_present() else None
     if driver:
-        return Check("accelerator", False, f"a GPU driver is present ({driver}) but torch sees no GPU",
+        return HostCheck("accelerator", False, f"a GPU driver is present ({driver}) but torch sees no GPU",
                      "install the torch build for that driver (ROCm or CUDA) from pytorch.org")
-    return Check("accelerator", None, f"CPU only ({hw['cpu_count']} cores, {hw['host_memory_gb']} GiB RAM): "
+    return HostCheck("accelerator", None, f"CPU only ({hw['cpu_count']} cores, {hw['host_memory_gb']} GiB RAM): "
                                       "quantizes with Quark's Python API; fine for small models")
 
 
-def _torch_check(build: dict[str, Any] | None) -> Check:
+def _torch_check(build: dict[str, Any] | None) -> HostCheck:
     if build is None:
-        return Check("torch", False, "not installed", "pip install torch (the build for your accelerator)")
+        return HostCheck("torch", False, "not installed", "pip install torch (the build for your accelerator)")
     kind = f"ROCm {build['hip']}" if build["hip"] else f"CUDA {build['cuda']}" if build["cuda"] else "CPU"
     tv, major_minor = _version("torchvision"), (build["version"] or "").split("+")[0].split(".")[:2]
     want = f"0.{int(major_minor[1]) + 15}" if len(major_minor) == 2 and major_minor[0] == "2" else None
     status = f"{build['version']} ({kind} build); torchvision {tv or 'absent'}"
     if Path("/dev/kfd").exists() and not build["hip"]:
-        return Check("torch", False, status + ": not a ROCm build on a ROCm host",
+        return HostCheck("torch", False, status + ": not a ROCm build on a ROCm host",
                      "pip install torch from https://download.pytorch.org/whl/rocm<version>")
     if want and (tv is None or not tv.startswith(want + ".")):
-        return Check("torch", False, status + f": quark-cli needs torchvision {want}.x with this torch",
+        return HostCheck("torch", False, status + f": quark-cli needs torchvision {want}.x with this torch",
                      f"pip install 'torchvision=={want}.*'")
-    return Check("torch", True, status)
+    return HostCheck("torch", True, status)
 
 
-def _quark_check(ctx: Contexts) -> Check:
+def _quark_check(ctx: Contexts) -> HostCheck:
     v = ctx.quark.get("quark_version")
     if not v:
-        return Check("amd-quark", False, "not installed", f"pip install 'amd-quark[cli]=={TESTED_QUARK}'")
+        return HostCheck("amd-quark", False, "not installed", f"pip install 'amd-quark[cli]=={TESTED_QUARK}'")
     if v != TESTED_QUARK:
-        return Check("amd-quark", None, f"{v} (tested with {TESTED_QUARK}; schemes are read from it)",
+        return HostCheck("amd-quark", None, f"{v} (tested with {TESTED_QUARK}; schemes are read from it)",
                      f"pip install 'amd-quark[cli]=={TESTED_QUARK}' for the tested engine")
-    return Check("amd-quark", True, f"{v} (the tested version)")
+    return HostCheck("amd-quark", True, f"{v} (the tested version)")
 
 
-def _quark_cli_check(ctx: Contexts, deep: bool) -> Check:
+def _quark_cli_check(ctx: Contexts, deep: bool) -> HostCheck:
     from quark_ptq_eval.base.errors import QpeError
     from quark_ptq_eval.context import quark_cli
 
     exe = ctx.quark["verification"].get("quark_cli")
     if not exe:
-        return Check("quark-cli", False, "not found", "pip install 'amd-quark[cli]' (the CPU path uses "
+        return HostCheck("quark-cli", False, "not found", "pip install 'amd-quark[cli]' (the CPU path uses "
                                                       "Quark's Python API and does not need it)")
     if deep:
         try:
             quark_cli._run_help()
-            return Check("quark-cli", True, f"{exe}: starts (`torch-llm-ptq --help` ran)")
+            return HostCheck("quark-cli", True, f"{exe}: starts (`torch-llm-ptq --help` ran)")
         except QpeError as exc:
-            return Check("quark-cli", False, f"{exe}: does not start ({exc.message})",
+            return HostCheck("quark-cli", False, f"{exe}: does not start ({exc.message})",
                          "most often torch and torchvision do not match: reinstall the matching pair")
     cached = Path(quark_cli.default_cache_dir()) / f"quark-cli-{quark_cli.SUBCOMMAND}-flags-{ctx.quark['quark_version']}.json"
     if cached.is_file():
-        return Check("quark-cli", True, f"{exe}: started before with this Quark (its --help is cached)")
-    return Check("quark-cli", None, f"{exe}: not started yet", "`quark-ptq-eval preflight --deep` starts it (30-60 s)")
+        return HostCheck("quark-cli", True, f"{exe}: started before with this Quark (its --help is cached)")
+    return HostCheck("quark-cli", None, f"{exe}: not started yet", "`quark-ptq-eval preflight --deep` starts it (30-60 s)")
 
 
-def _one_time_check(deep: bool) -> Check:
+def _one_time_check(deep: bool) -> HostCheck:
     from quark_ptq_eval.base import first_use
     from quark_ptq_eval.base.catalog import catalog_built, load_catalog
 
@@ -276,20 +278,20 @@ def _one_time_check(deep: bool) -> Check:
     pending = ([] if catalog_built() else [f"the capability catalog ({first_use.CATALOG_ESTIMATE})"]) + (
         [] if state == "built" else [f"Quark's kernel compile ({first_use.COMPILE_ESTIMATE})"])
     if not pending:
-        return Check("first use", True, f"paid: catalog cached, Quark kernels built ({where})")
-    return Check("first use", None, "still to pay, once: " + "; ".join(pending),
+        return HostCheck("first use", True, f"paid: catalog cached, Quark kernels built ({where})")
+    return HostCheck("first use", None, "still to pay, once: " + "; ".join(pending),
                  "`quark-ptq-eval preflight --deep` pays them now")
 
 
-def _lm_eval_check() -> Check:
+def _lm_eval_check() -> HostCheck:
     v = _version("lm_eval")
     if v:
-        return Check("Tier 2", True, f"lm-eval {v}")
-    return Check("Tier 2", False, "lm-eval is not installed (Tier 1 perplexity still works)",
+        return HostCheck("Tier 2", True, f"lm-eval {v}")
+    return HostCheck("Tier 2", False, "lm-eval is not installed (Tier 1 perplexity still works)",
                  "pip install 'quark-ptq-eval[eval]' (from a clone: pip install '.[eval]')")
 
 
-def _tier3_check(build: dict[str, Any] | None) -> Check:
+def _tier3_check(build: dict[str, Any] | None) -> HostCheck:
     from importlib import util
 
     evidence = [e for e, present in (("torch ROCm build", bool(build and build["hip"])), ("/dev/kfd", Path("/dev/kfd").exists()),
@@ -297,34 +299,34 @@ def _tier3_check(build: dict[str, Any] | None) -> Check:
                 if present]
     runtime = "docker" if shutil.which("docker") else "vllm" if util.find_spec("vllm") else None
     if evidence and runtime:
-        return Check("Tier 3", True, f"ROCm ({', '.join(evidence)}) with {runtime}")
+        return HostCheck("Tier 3", True, f"ROCm ({', '.join(evidence)}) with {runtime}")
     missing = "ROCm" if not evidence else "docker or vllm"
-    return Check("Tier 3", None, f"no {missing} here: Tier 3 writes its commands to run later on a ROCm host",
+    return HostCheck("Tier 3", None, f"no {missing} here: Tier 3 writes its commands to run later on a ROCm host",
                  "on a ROCm host with docker (or vllm installed) it runs for real")
 
 
-def _disk_check(workdir: Path) -> Check:
+def _disk_check(workdir: Path) -> HostCheck:
     free = free_gb(workdir)
     status = f"{free} GiB free in {workdir}" if free is not None else f"unknown for {workdir}"
     if free is not None and free < LOW_DISK_GB:
-        return Check("disk", False, status, f"a quantized model needs about its size again: free space or point "
+        return HostCheck("disk", False, status, f"a quantized model needs about its size again: free space or point "
                                             f"--workdir/-o at a disk with {LOW_DISK_GB:.0f}+ GiB")
-    return Check("disk", True, status)
+    return HostCheck("disk", True, status)
 
 
-def _offline_check(ctx: Contexts) -> Check:
+def _offline_check(ctx: Contexts) -> HostCheck:
     from quark_ptq_eval.base.first_use import wikitext_cached
 
     env = [k for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE") if os.environ.get(k) == "1"]
     wiki = "wikitext-2 cached" if wikitext_cached() else "wikitext-2 not cached"
     if ctx.offline or env:
         fix = "" if wikitext_cached() else "offline, give local text: --calib-data FILE and --eval-data FILE"
-        return Check("offline", None, f"yes ({', '.join(env) or '--offline'}): Hub ids and Hub datasets are "
+        return HostCheck("offline", None, f"yes ({', '.join(env) or '--offline'}): Hub ids and Hub datasets are "
                                       f"refused; {wiki}", fix)
-    return Check("offline", None, f"no: Hub ids and datasets may download (network not probed); {wiki}")
+    return HostCheck("offline", None, f"no: Hub ids and datasets may download (network not probed); {wiki}")
 
 
-def render_checks(checks: list[Check], workdir: Path) -> str:
+def render_checks(checks: list[HostCheck], workdir: Path) -> str:
     missing = sum(c.ok is False for c in checks)
     head = f"quark-ptq-eval preflight: what this host can do ({missing} missing piece(s))"
     return "\n".join([head, *(c.line() for c in checks), f"context files written to {workdir}"])
