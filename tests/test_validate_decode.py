@@ -77,3 +77,19 @@ def test_a_planted_fault_fails_validate_with_exit_4(tiny_llama, quantized, cli, 
     assert "[decode]" in result.err and "model.layers.0.self_attn.q_proj.weight" in result.err
     assert "output rows (5)" in result.err
     assert "QUARK-INFO" not in result.out + result.err
+
+
+def test_fused_expert_slices_stored_transposed_decode_and_a_fault_in_one_fails(tiny_model, quantized, cli, tmp_path):
+    """gpt-oss stores its experts fused, ``[E, in, out]``: each expert's slice is transposed against the
+    linear Quark exports (``[out, in]``). Decoded in its stored orientation, the healthy export passes
+    with every expert checked; a row negated in one expert's codes fails ``validate`` with exit 4."""
+    source, export = tiny_model("gpt_oss"), quantized("int8", arch="gpt_oss")
+    healthy = decode_export(source, export)
+    assert healthy.status == "pass", [f.line() for f in healthy.findings]
+    assert healthy.stats["checked"] == healthy.stats["quantized_weights"] > 16  # 16 expert slices among them
+    assert not [n for n in healthy.notes if n.startswith("not checked")], healthy.notes
+    module = "model.layers.0.mlp.experts.1.down_proj"
+    out, _ = _planted(tmp_path, export, "negate_row", module)
+    result = cli("validate", "--source", source, "--quantized", out, "--no-load-check", "--workdir", tmp_path / "wd")
+    assert result.rc == 4, result.err
+    assert f"{module}.weight" in result.err and f"output rows ({ROW})" in result.err, result.err

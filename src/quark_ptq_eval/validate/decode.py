@@ -143,8 +143,6 @@ def _cannot_decode(name: str, specs: list[dict[str, Any]], output: dict[str, Ten
         return "no source tensor of that name"
     if len(source[name].shape) != 2:
         return f"a {len(source[name].shape)}-D weight"
-    if source[name].transposed:  # rows would be read across the stored layout
-        return "its source is a fused-expert slice stored transposed (DBRX w2, gpt-oss)"
     if specs[0].get("qscheme") not in ("per_tensor", "per_channel", "per_group"):
         return f"qscheme {specs[0].get('qscheme')}"
     if f"{name[: -len('.weight')]}.weight_scale_2" in output:
@@ -199,8 +197,17 @@ def _outcomes(targets: list[Target], ctx: ValidationContext, result: CheckResult
                 continue
             yield one(target, fold)
         return
-    with ThreadPoolExecutor(max_workers=ctx.workers or default_workers()) as pool:
-        yield from pool.map(lambda t: one(t, None), sorted(targets, key=lambda t: -t.source.nbytes))
+    order = sorted(targets, key=lambda t: (str(t.source.file), t.source.start))  # the files front to back
+    workers = ctx.workers or default_workers()
+
+    def prefetching(i: int) -> tuple[Target, Fold | None, Comparison | Exception]:
+        if i + workers < len(order):  # the tensor this thread takes next: read while this one is compared
+            fmt.prefetch(order[i + workers].tensors())
+        return one(order[i], None)
+
+    fmt.prefetch([p for t in order[:workers] for p in t.tensors()])
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        yield from pool.map(prefetching, range(len(order)))
 
 
 def judge(target: Target, c: Comparison, bound: Bound, fold: Fold | None) -> list[Finding]:

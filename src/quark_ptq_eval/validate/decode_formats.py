@@ -15,8 +15,10 @@ Everything is returned in the weight's logical ``[out, in]`` orientation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,6 +69,14 @@ def read_array(info: TensorInfo) -> np.ndarray:
     return read_rows(info, 0, info.shape[0] if info.shape else 1)
 
 
+def read_weight(info: TensorInfo) -> np.ndarray:
+    """A 2-D weight as ``[out, in]``: a fused-expert slice stored ``[in, out]`` (``info.transposed``:
+    gpt-oss experts, DBRX ``w2``) is read in its stored order and transposed (a view)."""
+    if not info.transposed:
+        return read_array(info)
+    return read_array(dataclasses.replace(info, shape=tuple(reversed(info.shape)), transposed=False)).T
+
+
 def read_rows(info: TensorInfo, first: int, end: int) -> np.ndarray:
     """Rows ``first:end`` of a row-major tensor (a scalar: its one element), one sequential read."""
     import numpy as np
@@ -85,15 +95,56 @@ def read_rows(info: TensorInfo, first: int, end: int) -> np.ndarray:
     return data.reshape((end - first, *shape[1:]) if shape else ())
 
 
+def prefetch(infos: list[TensorInfo]) -> None:
+    """Ask the kernel to start reading these tensors now (``POSIX_FADV_WILLNEED``), so that their
+    reads overlap the arithmetic on the tensor before them; a hint: errors are ignored."""
+    advise = getattr(os, "posix_fadvise", None)
+    for info in infos:
+        if advise is None or info.nbytes <= 0:
+            return
+        try:
+            fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
+            continue
+        try:
+            advise(fd, info.start, info.nbytes, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 def as_float(info: TensorInfo, raw: np.ndarray) -> np.ndarray:
     """A float tensor's values as float32 (BF16 is the upper half of a float32)."""
     import numpy as np
 
     if info.dtype == "BF16":
         return (np.asarray(raw).astype(np.uint32) << 16).view(np.float32)
+    if info.dtype == "F16":
+        return half_to_float(np.asarray(raw).view(np.uint16))
     if info.dtype in NUMPY_FLOATS:
         return np.asarray(raw, dtype=np.float32)
     raise UnsupportedFormat(f"a {info.dtype} source weight (dequantize it to BF16/F32 first)")
+
+
+def half_to_float(bits: np.ndarray) -> np.ndarray:
+    """IEEE half-precision bits -> float32, exactly, in vectorized integer ops: ~2.5x faster than
+    numpy's scalar cast (the decode check's largest cost on F16 sources). The 15 magnitude bits
+    shifted into a float32's place read as the value times 2^-112, subnormals included."""
+    import numpy as np
+
+    word = bits.astype(np.uint32)
+    sign = (word & np.uint32(0x8000)) << np.uint32(16)
+    word &= np.uint32(0x7FFF)
+    word <<= np.uint32(13)
+    special = word >= np.uint32(0x0F800000)  # exponent all ones: inf or NaN
+    infinite = word[special] == np.uint32(0x0F800000) if special.any() else None
+    value = word.view(np.float32)
+    value *= np.float32(2.0 ** 112)
+    if infinite is not None:
+        value[special] = np.where(infinite, np.inf, np.nan)
+    word |= sign
+    return value
 
 
 HALF_FLOATS = ("BF16", "F16")
