@@ -35,7 +35,7 @@ from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
 from quark_ptq_eval.base.schemes import as_spec_list
 from quark_ptq_eval.validate import decode_formats as fmt
-from quark_ptq_eval.validate.decode_weights import Comparison, Fold, Target, compare
+from quark_ptq_eval.validate.decode_weights import Fold, RowErrors, Target, compare
 from quark_ptq_eval.validate.expectations import module_config
 from quark_ptq_eval.validate.folds import fold_groups, per_expert_folds
 from quark_ptq_eval.validate.md5check import default_workers
@@ -200,7 +200,7 @@ def _outcomes(targets: list[Target], ctx: ValidationContext, result: CheckResult
     order = sorted(targets, key=lambda t: (str(t.source.file), t.source.start))  # the files front to back
     workers = ctx.workers or default_workers()
 
-    def prefetching(i: int) -> tuple[Target, Fold | None, Comparison | Exception]:
+    def prefetching(i: int) -> tuple[Target, Fold | None, RowErrors | Exception]:
         if i + workers < len(order):  # the tensor this thread takes next: read while this one is compared
             fmt.prefetch(order[i + workers].tensors())
         return one(order[i], None)
@@ -210,7 +210,7 @@ def _outcomes(targets: list[Target], ctx: ValidationContext, result: CheckResult
         yield from pool.map(prefetching, range(len(order)))
 
 
-def judge(target: Target, c: Comparison, bound: Bound, fold: Fold | None) -> list[Finding]:
+def judge(target: Target, c: RowErrors, bound: Bound, fold: Fold | None) -> list[Finding]:
     """Findings for one tensor: rows with elements over the bound, and (GPTQ) rows off in gain or error."""
     import numpy as np
 

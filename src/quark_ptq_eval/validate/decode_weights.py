@@ -56,7 +56,7 @@ class Target:
 
 
 @dataclass
-class Comparison:
+class RowErrors:
     """Per-row figures of one tensor: what the bounds are checked against."""
 
     rows: int
@@ -142,7 +142,7 @@ def _per_row(values: np.ndarray, out: int, transposed: bool) -> np.ndarray:
 
 
 def compare(t: Target, limit: float, fold: Fold | None = None, rtn_reference: bool = False,
-            clipped: bool = False, row_stats: bool = False) -> Comparison:
+            clipped: bool = False, row_stats: bool = False) -> RowErrors:
     """Decode ``t`` and compare it with its source, row chunk by row chunk (see the module docstring);
     ``limit`` (steps) decides which rows and groups are listed as over. ``clipped``: the algorithm
     searched a clip range per group (AWQ), so a source value beyond it decodes to its group's extreme code.
@@ -157,7 +157,7 @@ def compare(t: Target, limit: float, fold: Fold | None = None, rtn_reference: bo
     if cols % scale.shape[1]:
         raise fmt.UnsupportedFormat(f"{scale.shape[1]} scale groups over {cols} columns")
     grid = fmt.grid(t.dtype)
-    result = Comparison(rows, cols, np.zeros(rows, np.float32), np.zeros(rows, np.int64))
+    result = RowErrors(rows, cols, np.zeros(rows, np.float32), np.zeros(rows, np.int64))
     sums = np.zeros((4, rows), np.float64)  # <w,w>, <w,w_hat>, ||w - w_hat||^2, ||w - rtn||^2
     source = fmt.read_weight(t.source)  # one sequential read; decoded a cache-sized chunk at a time
     step = max(1, CHUNK_ELEMENTS // max(cols, 1))
@@ -286,7 +286,7 @@ def _nearest(x: np.ndarray, grid: fmt.Grid) -> np.ndarray:
     return np.clip(np.where(x - lo <= hi - x, lo, hi), grid.lowest, grid.highest)
 
 
-def _record(result: Comparison, err: np.ndarray, r0: int, width: int, limit: float) -> None:
+def _record(result: RowErrors, err: np.ndarray, r0: int, width: int, limit: float) -> None:
     import numpy as np
 
     r1 = r0 + err.shape[0]
