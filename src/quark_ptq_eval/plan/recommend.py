@@ -16,7 +16,7 @@ from quark_ptq_eval.base.context_window import fit_window, read_model_config
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.base.textdata import check_text_source
-from quark_ptq_eval.execute.engines import choose_engine, get_engine
+from quark_ptq_eval.execute.engines import ENGINES, choose_engine, get_engine
 from quark_ptq_eval.plan import resources, source_reading
 from quark_ptq_eval.plan.calibration_check import check_calibration_text, source_note
 from quark_ptq_eval.plan.family_limits import check_family_limits
@@ -324,5 +324,6 @@ def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: dict[str, Any]
                       plan.layer_quant_config, analysis, catalog)
     fit_to_model(analysis.model["model_path"], plan.global_scheme, "", True, plan.layer_quant_config,
                  list(plan.exclude_layers), catalog["schemes"])
-    if plan.engine.get("name") == "quark-api" and plan.calibration.get("source") == "local_file":
+    engine = ENGINES.get(plan.engine.get("name") or "")
+    if engine is not None and engine.reads_text_file and plan.calibration.get("source") == "local_file":
         check_text_source(plan.calibration.get("path") or "", "calibration data")
