@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import TextIO
 
 from quark_ptq_eval.base.ui import streams_to
-from quark_ptq_eval.execute.runner import RunResult, run_command
+from quark_ptq_eval.execute.runner import LineSink, RunResult, run_command
 
 
 class _Sink:
     """sys.stdout / sys.stderr while the engine runs: every line to the log, the tail and the echo.
     Once closed, what still writes to it (a handler a library kept) goes to ``after`` instead."""
 
-    def __init__(self, log: TextIO, tail: deque[str], echo: TextIO | None, after: TextIO):
+    def __init__(self, log: TextIO, tail: deque[str], echo: LineSink | None, after: TextIO):
         self.log: TextIO | None = log
         self.tail, self.echo, self.after = tail, echo, after
         self._buf = ""
@@ -63,7 +63,7 @@ class InProcessRunner:
         self.last_error: BaseException | None = None
 
     def __call__(self, argv: list[str], env_extra: dict[str, str], log_path: Path, cwd: Path,
-                 echo: TextIO | None = None) -> RunResult:
+                 echo: LineSink | None = None) -> RunResult:
         self.last_error = None
         if len(argv) < 3 or argv[1] != "-m":
             return run_command(argv, env_extra, log_path, cwd, echo=echo)

@@ -14,6 +14,11 @@ import fnmatch
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 NON_WEIGHT_SKIP = ("config.json", "model.safetensors.index.json")
 # Weights in any format: the export holds its own (a source pickle is never carried into it).
@@ -44,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def calibration_batches(tokenizer, texts: list[str], seq_len: int, num: int, batch_size: int, device):
+def calibration_batches(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: int, num: int,
+                        batch_size: int, device: str | torch.device) -> list[torch.Tensor]:
     """Non-overlapping token windows of ``seq_len`` over the joined local text."""
     import torch
 
@@ -56,7 +62,7 @@ def calibration_batches(tokenizer, texts: list[str], seq_len: int, num: int, bat
     return [torch.stack(windows[i : i + batch_size]).to(device) for i in range(0, len(windows), batch_size)]
 
 
-def prepare_for_quantization(model) -> None:
+def prepare_for_quantization(model: torch.nn.Module) -> None:
     """As quark-cli does: fused 3-D expert parameters (transformers 5 MoE) become per-expert
     nn.Linear through Quark's module-replacement registry; without it experts stay in BF16.
     The sensitivity scan calls this too, so that it measures the model this engine quantizes."""
@@ -67,7 +73,7 @@ def prepare_for_quantization(model) -> None:
 
 def template_config(model_type: str, scheme: str, *, algorithm: list[str] | None = None,
                     kv_cache_scheme: str | None = None, layer_config: dict[str, str] | None = None,
-                    exclude_layers: list[str] | None = None):
+                    exclude_layers: list[str] | None = None) -> Any:  # a quark.torch Config (no stubs)
     """Quark's config for ``scheme`` from the model type's template (its exclusions unless given)."""
     from quark.torch import LLMTemplate
 

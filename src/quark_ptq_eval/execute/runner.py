@@ -12,10 +12,10 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from types import FrameType
+from typing import Any, NoReturn, Protocol
 
 from quark_ptq_eval.base.errors import Interrupted
 
@@ -29,8 +29,17 @@ class RunResult:
     interrupted: bool = False
 
 
-# (argv, extra environment, log path, working dir, echo) -> how the engine ended: run_command's signature
-EngineRunner = Callable[[list[str], dict[str, str], Path, Path, Any], RunResult]
+class LineSink(Protocol):
+    """Where the engine's lines are echoed: a text stream, or an EngineEcho."""
+
+    def write(self, line: str, /) -> object: ...
+
+
+class EngineRunner(Protocol):
+    """(argv, extra environment, log path, working dir, echo) -> how the engine ended: run_command's signature."""
+
+    def __call__(self, argv: list[str], env_extra: dict[str, str], log_path: Path, cwd: Path,
+                 echo: LineSink | None = ...) -> RunResult: ...
 
 
 def _die_with_parent() -> None:
@@ -82,7 +91,7 @@ class EngineEcho:
 
 
 def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd: Path,
-                echo: TextIO | None = sys.stderr) -> RunResult:
+                echo: LineSink | None = sys.stderr) -> RunResult:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **env_extra, "PYTHONUNBUFFERED": "1"}
     tail: deque[str] = deque(maxlen=200)
@@ -90,7 +99,7 @@ def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd:
     interrupted = False
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
-    def on_signal(signum, frame):  # noqa: ARG001
+    def on_signal(signum: int, frame: FrameType | None) -> NoReturn:  # noqa: ARG001
         raise KeyboardInterrupt
 
     with open(log_path, "a", encoding="utf-8", errors="replace") as log:

@@ -15,20 +15,24 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import read_json
 from quark_ptq_eval.base.safetensors_io import INDEX_NAME, weight_files
 from quark_ptq_eval.plan.source_reading import COMPLETE_MARK
 
+if TYPE_CHECKING:
+    import torch
+
 SCALE_NAMES = ("weight_scale_inv", "weight_scale")  # DeepSeek / HF fp8, compressed-tensors
 DROPPED = ("input_scale",)  # dynamic-activation releases may carry one; the BF16 copy has no use for it
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 
 
-def stage_source(reading: dict[str, Any], model_dir: Path, say=print) -> Path | None:
+def stage_source(reading: dict[str, Any], model_dir: Path, say: Callable[[str], None] = print) -> Path | None:
     """Make the staged copy the plan names (once: a complete copy is reused); returns its dir."""
     from quark_ptq_eval.base.safety import check_free_space
 
@@ -58,7 +62,7 @@ def stage_source(reading: dict[str, Any], model_dir: Path, say=print) -> Path | 
 
 
 # ---- FP8 -> BF16 ---------------------------------------------------------------------------------
-def dequantize_fp8(weight, scale, block: list[int] | None):
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: list[int] | None) -> torch.Tensor:
     """weight x scale as the release defines it: one scale per ``block`` tile, or per tensor/channel."""
     import torch
 
@@ -120,11 +124,12 @@ def _tensor_shards(shards: list[Path]) -> dict[str, Path]:
     return {n: s for s in shards for n in read_header(s).tensors}
 
 
-def _read(shard: Path, name: str):
+def _read(shard: Path, name: str) -> torch.Tensor:
     from safetensors import safe_open
 
     with safe_open(str(shard), "pt") as f:
-        return f.get_tensor(name)
+        tensor: torch.Tensor = f.get_tensor(name)
+        return tensor
 
 
 def _write_index(dst: Path, weight_map: dict[str, str]) -> None:

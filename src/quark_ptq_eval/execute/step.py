@@ -17,7 +17,7 @@ from quark_ptq_eval.base.ui import Reporter
 from quark_ptq_eval.execute.classify import classify_failure
 from quark_ptq_eval.execute.engines import get_engine
 from quark_ptq_eval.execute.inspect_output import inspect_output
-from quark_ptq_eval.execute.runner import EngineEcho, EngineRunner, raise_if_interrupted
+from quark_ptq_eval.execute.runner import EngineEcho, EngineRunner, RunResult, raise_if_interrupted
 from quark_ptq_eval.execute.staging import stage_source
 
 
@@ -62,7 +62,7 @@ def execute_manifest(recipe: ExecuteContext, manifest: RunManifest, analysis: Mo
     if done is not None:
         return done
     staging = _prepare(recipe, on_disk, analysis, output_dir, overwrite)
-    run = {"status": "running", "started_at": _now(), "command_digest": on_disk.command_digest}
+    run: dict[str, Any] = {"status": "running", "started_at": _now(), "command_digest": on_disk.command_digest}
     on_disk.runs.append(run)
     on_disk.write(recipe.workdir)
     recipe.state.record_step("execute", "running", command_digest=on_disk.command_digest)
@@ -122,7 +122,8 @@ def _prepare(recipe: ExecuteContext, on_disk: RunManifest, analysis: ModelAnalys
     return staging
 
 
-def _judge_run(recipe: ExecuteContext, on_disk: RunManifest, run: dict[str, Any], result, staging: Path) -> None:
+def _judge_run(recipe: ExecuteContext, on_disk: RunManifest, run: dict[str, Any], result: RunResult,
+               staging: Path) -> None:
     """Record how the engine ended; raise unless it exited 0 with a usable output."""
     facts = inspect_output(staging)
     run.update(finished_at=_now(), returncode=result.returncode, seconds=round(result.seconds, 1), log=str(result.log))
@@ -162,7 +163,7 @@ def _claim_output(recipe: ExecuteContext, output_dir: Path) -> None:
 _HELD: list[OutputClaim] = []
 
 
-def _run(recipe: ExecuteContext, manifest: RunManifest):
+def _run(recipe: ExecuteContext, manifest: RunManifest) -> RunResult:
     echo = None if recipe.ui.quiet else EngineEcho(recipe.ui)
     try:
         return recipe.engine_runner(manifest.command["argv"], manifest.command.get("env", {}),
@@ -172,7 +173,8 @@ def _run(recipe: ExecuteContext, manifest: RunManifest):
             echo.close()
 
 
-def _record(recipe: ExecuteContext, manifest: RunManifest, run: dict[str, Any], facts: dict[str, Any], status: str, **extra) -> None:
+def _record(recipe: ExecuteContext, manifest: RunManifest, run: dict[str, Any], facts: dict[str, Any], status: str,
+            **extra: Any) -> None:
     run["observed"] = {k: facts.get(k) for k in ("dir", "files", "shards", "size_bytes", "quant_method", "problems")}
     manifest.observed = run["observed"]
     manifest.write(recipe.workdir)

@@ -120,9 +120,10 @@ class Recipe:
             os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
         model_path, _ = resolve_model(opts.model, offline)
         output_dir = self._output_dir(opts, model_path) if opts.output_dir or stop_after != "intake" else None
-        ctx = preflight.gather(self.workdir, opts.contexts, goal=opts.plan.get("goal", ""), offline=opts.offline,
-                               execution_mode=opts.execution_mode, model=opts.model, model_path=model_path,
-                               output_dir=output_dir or Path(""), trust_remote_code=bool(opts.plan.get("trust_remote_code")))
+        ctx = preflight.gather(self.workdir, opts.contexts,
+                               preflight.SessionAsk(opts.plan.get("goal", ""), opts.offline, opts.execution_mode),
+                               preflight.WorkspaceAsk(opts.model, model_path, output_dir or Path(""),
+                                                      bool(opts.plan.get("trust_remote_code"))))
         if ctx.offline and not offline:
             return self._run_locked(dataclasses.replace(opts, offline=True), stop_after)
         if scores_text(opts.eval_tier) and tier1_lacks_text(opts.eval, ctx.offline) and not opts.plan.get("calib_data"):
