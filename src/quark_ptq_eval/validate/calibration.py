@@ -31,7 +31,7 @@ def check_calibration(ctx: ValidationContext) -> CheckResult:
     if (bad := unreadable_headers(ctx, "calibration")) is not None:
         return bad
     result = CheckResult("calibration")
-    scales = {n: t for n, t in ctx.headers["output"].items() if n.endswith(ACTIVATION_SCALES)}
+    scales = {n: t for n, t in ctx.readable("output").items() if n.endswith(ACTIVATION_SCALES)}
     result.stats["activation_scales"] = len(scales)
     check_kv_scales(ctx, result, _read_floats)  # the KV cache's scales: present, finite, positive (kvcache.py)
     if not scales:

@@ -37,7 +37,7 @@ def run_layout(ctx: ValidationContext) -> CheckResult:
     # Overrides missing from the export are the conformance findings' job once the plan has a scheme.
     overrides = {} if expectation.origin == "plan" else \
         {str(k): str(v) for k, v in ((ctx.plan or {}).get("layer_quant_config") or {}).items()}
-    inputs = LayoutInputs(ctx.headers["source"], ctx.headers["output"], expectation.qconfig, ctx.exclude, overrides,
+    inputs = LayoutInputs(ctx.readable("source"), ctx.readable("output"), expectation.qconfig, ctx.exclude, overrides,
                           export_has_qconfig=ctx.qconfig is not None, export_qconfig=ctx.qconfig)
     result = check_layout(inputs)
     result.findings[:0] = expectation.findings

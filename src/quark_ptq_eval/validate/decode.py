@@ -88,7 +88,7 @@ def check_decode(ctx: ValidationContext) -> CheckResult:
     if source is None:
         return result
     algos = set(algorithms(ctx.qconfig, ctx.plan))
-    targets, unchecked = find_targets(ctx.headers["output"], source, ctx.qconfig or {})
+    targets, unchecked = find_targets(ctx.readable("output"), source, ctx.qconfig or {})
     result.stats.update(quantized_weights=len(targets) + len(unchecked))
     if algos & ROTATING:
         result.notes.append(f"not checked: rotation ({', '.join(sorted(algos & ROTATING))}): each weight is the "
@@ -105,7 +105,7 @@ def _source_tensors(ctx: ValidationContext, result: CheckResult) -> dict[str, Te
     """The source weights: the source's own, or ``ctx.weights_source``'s (an FP8 release's dequantized copy)."""
     alternative = getattr(ctx, "weights_source", None)
     if alternative is None:
-        return ctx.headers["source"]
+        return ctx.readable("source")
     try:
         headers = read_model_headers(Path(alternative))
     except UnsafeInputError as exc:

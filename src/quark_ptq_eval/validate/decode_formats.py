@@ -20,7 +20,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 
@@ -53,15 +53,16 @@ class Grid:
         return float(self.values[-1])
 
 
-def _numpy_dtype(info: TensorInfo):
+def _numpy_dtype(info: TensorInfo) -> np.dtype[Any]:
     import numpy as np
 
-    dtype = {"I8": np.int8, "U8": np.uint8, "I32": np.int32, "U32": np.uint32, "I16": np.int16, "U16": np.uint16,
+    dtype: Any = {"I8": np.int8, "U8": np.uint8, "I32": np.int32, "U32": np.uint32, "I16": np.int16, "U16": np.uint16,
              "BF16": np.uint16, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8, "F8_E8M0": np.uint8, "I64": np.int64,
              **{k: np.dtype(v) for k, v in NUMPY_FLOATS.items()}}.get(info.dtype)
     if dtype is None:
         raise UnsupportedFormat(f"{info.dtype} tensors")
-    return np.dtype(dtype)
+    resolved: np.dtype[Any] = np.dtype(dtype)
+    return resolved
 
 
 def read_array(info: TensorInfo) -> np.ndarray:
@@ -243,4 +244,5 @@ def unpack_fp6(raw: np.ndarray) -> np.ndarray:
 def e8m0(raw: np.ndarray) -> np.ndarray:
     import numpy as np
 
-    return np.exp2(np.asarray(raw).astype(np.float32) - 127.0)
+    scales: np.ndarray = np.exp2(np.asarray(raw).astype(np.float32) - 127.0)
+    return scales

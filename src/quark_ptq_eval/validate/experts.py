@@ -19,24 +19,30 @@ scale Quark gives an observer that saw nothing (1.0), and under int8 its output 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.validate.folds import Unit
 from quark_ptq_eval.validate.replay import Capture, first_tensor, module_errors
+
+if TYPE_CHECKING:
+    import torch
 
 EXPERT_KEY = " (expert "  # a forced call's capture key: "<experts module> (expert <e>)"
 TOKENS_PER_EXPERT = 4  # judged per expert: one expert's fault is not averaged away by the others'
 
 
-def route_every_expert(model, captures: dict[str, Capture]) -> None:
+def route_every_expert(model: torch.nn.Module, captures: dict[str, Capture]) -> None:
     """Add one forced-routing capture per expert of each experts module the probe ran (``model``: the source)."""
     import torch
 
     modules = dict(model.named_modules())
     for name, cap in list(captures.items()):
         module = modules.get(name)
-        forced = None if module is None or cap.takes_weights else _forced_calls(module, cap)
-        for expert, args in forced or []:
+        if module is None or cap.takes_weights:
+            continue
+        forced = _forced_calls(module, cap) or []
+        index = _index_arg(cap.args)  # never None where calls were forced
+        for expert, args in forced:
             try:
                 with torch.no_grad():
                     out = first_tensor(module(*args, **cap.kwargs))
@@ -44,7 +50,7 @@ def route_every_expert(model, captures: dict[str, Capture]) -> None:
                 break
             if out is None:
                 break
-            routed = (int(cap.args[_index_arg(cap.args)].unique().numel()), len(forced)) if expert == 0 else None
+            routed = (int(cap.args[index].unique().numel()), len(forced)) if expert == 0 and index is not None else None
             captures[f"{name}{EXPERT_KEY}{expert})"] = Capture(args, cap.kwargs, out.detach().float().cpu(), cap.cls,
                                                                 False, routed=routed)
 
@@ -78,7 +84,7 @@ def _index_arg(args: tuple[Any, ...]) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
-def _forced_calls(module, cap: Capture) -> list[tuple[int, tuple[Any, ...]]] | None:
+def _forced_calls(module: torch.nn.Module, cap: Capture) -> list[tuple[int, tuple[Any, ...]]] | None:
     """Per expert e, the call's positional arguments on a few probe tokens with e in every row's first
     slot at weight 1 (the other slots, distinct experts, at weight 0)."""
     import torch

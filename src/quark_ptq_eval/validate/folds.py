@@ -16,6 +16,7 @@ fold it takes part in, read from the export's ``algo_config.scaling_layers``:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,7 @@ def fold_groups(qconfig: dict[str, Any] | None) -> list[tuple[str, list[str]]]:
 
 
 def fold_units(targets: list[str], groups: list[tuple[str, list[str]]], owners: set[str],
-               replayable) -> list[Unit]:
+               replayable: Callable[[str], bool]) -> list[Unit]:
     """One unit per target (deduplicated); ``replayable(name)`` says a module can be run alone."""
     units: list[Unit] = []
     for target in targets:
@@ -59,7 +60,8 @@ def fold_units(targets: list[str], groups: list[tuple[str, list[str]]], owners: 
     return units
 
 
-def _unit(target: str, groups: list[tuple[str, list[str]]], owners: set[str], replayable) -> Unit:
+def _unit(target: str, groups: list[tuple[str, list[str]]], owners: set[str],
+          replayable: Callable[[str], bool]) -> Unit:
     match = LAYER.match(target)
     if not match:
         return Unit(target)  # embeddings, lm_head: outside the decoder layers no scale is folded
@@ -89,7 +91,7 @@ def per_expert_folds(rel: str, groups: list[tuple[str, list[str]]]) -> list[tupl
     return out
 
 
-def _scope(rel: str, groups: list[tuple[str, list[str]]], is_linear) -> str:
+def _scope(rel: str, groups: list[tuple[str, list[str]]], is_linear: Callable[[str], bool]) -> str:
     """The smallest module holding ``rel`` and every linear it exchanges a folded scale with."""
     scope = rel
     while True:

@@ -12,7 +12,9 @@ calibration sets, and reading them costs a few bytes each.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.base.schemes import as_spec_list
@@ -20,16 +22,22 @@ from quark_ptq_eval.validate.expectations import activation_expectations
 from quark_ptq_eval.validate.registry import ValidationContext
 from quark_ptq_eval.validate.report import MAX_LISTED, CheckResult, Finding
 
+if TYPE_CHECKING:
+    import numpy as np
+
 MERGE_TOLERANCE = 1e-6  # relative: merged k/v scales are the same float
 
 
-def check_kv_scales(ctx: ValidationContext, result: CheckResult, read_floats) -> None:
+FloatReader = Callable[[TensorInfo, int], "np.ndarray | None"]  # (tensor, how many) -> its first values as floats
+
+
+def check_kv_scales(ctx: ValidationContext, result: CheckResult, read_floats: FloatReader) -> None:
     """Add the KV-scale findings, stats and the list of scales checked to the calibration ``result``."""
     qconfig = ctx.shared.get("expected_qconfig") or ctx.qconfig or {}
     patterns = {p: (cfg or {}).get("output_tensors") for p, cfg in (qconfig.get("kv_cache_quant_config") or {}).items()}
     if not patterns:  # no KV-cache scheme: nothing to list
         return
-    modules = _kv_modules(ctx.headers["source"], patterns)
+    modules = _kv_modules(ctx.readable("source"), patterns)
     scheme = (ctx.plan or {}).get("kv_cache_scheme") or "the export's"
     if not modules:
         result.findings.append(Finding("kv_cache_quant_config", f"names no layer of the model: {sorted(patterns)} "
@@ -37,7 +45,7 @@ def check_kv_scales(ctx: ValidationContext, result: CheckResult, read_floats) ->
         return
     values: dict[str, float] = {}
     for module, spec in modules.items():
-        finding = _check_one(module, spec, ctx.headers["output"], scheme, read_floats, values)
+        finding = _check_one(module, spec, ctx.readable("output"), scheme, read_floats, values)
         if finding is not None:
             result.findings.append(finding)
     if (ctx.qconfig or {}).get("export", {}).get("kv_cache_group"):
@@ -63,7 +71,7 @@ def _kv_modules(source: dict[str, TensorInfo], patterns: dict[str, object]) -> d
     return dict(sorted(out.items()))
 
 
-def _check_one(module: str, spec: object, output: dict[str, TensorInfo], scheme: str, read_floats,
+def _check_one(module: str, spec: object, output: dict[str, TensorInfo], scheme: str, read_floats: FloatReader,
                values: dict[str, float]) -> Finding | None:
     layer = module.rpartition(".")[0] or module
     expected = next((e for e in activation_expectations("output", spec) if e.suffix == "output_scale"), None)

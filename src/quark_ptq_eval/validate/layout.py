@@ -25,7 +25,7 @@ from quark_ptq_eval.validate.expectations import (
     module_config,
     weight_expectations,
 )
-from quark_ptq_eval.validate.report import CheckResult, Finding
+from quark_ptq_eval.validate.report import CheckResult, Finding, Side
 from quark_ptq_eval.validate.widening import is_lossless_widening, widening_note
 
 LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
@@ -236,7 +236,7 @@ def _same_header(module: str, suffix: str, src: TensorInfo, got: TensorInfo | No
         if is_lossless_widening(src, got):
             return [Finding(name, widening_note(src, got), benign=True,
                             evidence=f"{src.dtype} -> {got.dtype} {list(got.shape)}, values compared bit for bit")]
-        side = "environment" if got.shape == src.shape else "quark"
+        side: Side = "environment" if got.shape == src.shape else "quark"
         return [Finding(name, f"should keep the source header {src.dtype} {list(src.shape)} "
                               f"but is {got.dtype} {list(got.shape)}.", side=side,
                         evidence="same shape, other dtype: the model was loaded in another dtype"

@@ -61,9 +61,10 @@ def module_error_limit(qconfig: dict[str, Any] | None, plan: dict[str, Any] | No
     scaling = bool(set(algorithms(qconfig, plan)) & SCALING)
     table = {**HEALTHY, **HEALTHY_SCALING} if scaling else HEALTHY
     formats = weight_formats(qconfig)
-    if not formats or None in formats:
+    known = {f for f in formats if f is not None}
+    if not formats or len(known) < len(formats):
         return CEILING, "no measured limit for this weight format: the general limit"
-    worst = max(formats, key=lambda f: table[f])
+    worst = max(known, key=lambda f: table[f])
     limit = min(CEILING, round(table[worst] * MARGIN, 3))
     algo = " under AWQ/SmoothQuant" if scaling and worst in HEALTHY_SCALING else ""
     capped = f", capped at {CEILING}" if limit == CEILING else ""

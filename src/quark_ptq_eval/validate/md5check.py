@@ -16,13 +16,13 @@ import mmap
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.validate.expectations import matches
-from quark_ptq_eval.validate.report import CheckResult, Finding
+from quark_ptq_eval.validate.report import CheckResult, Finding, Side
 from quark_ptq_eval.validate.widening import is_lossless_widening, widening_note
 
 CHUNK_BYTES = 16 * 1024 * 1024  # one mapped window per side
@@ -100,10 +100,10 @@ class _Payload:
     def __enter__(self) -> _Payload:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         os.close(self.fd)
 
-    def chunks(self):
+    def chunks(self) -> Iterator[_Window]:
         self._read_ahead(self.info.start, min(self.window, self.info.nbytes))
         for offset in range(0, self.info.nbytes, self.window):
             start = self.info.start + offset
@@ -142,7 +142,7 @@ def _address(mm: mmap.mmap) -> int:
 
 
 @functools.cache
-def _memcmp():
+def _memcmp() -> Callable[[int, int, int], int] | None:
     """libc's ``memcmp``, or None where the C library cannot be loaded this way."""
     import ctypes
 
@@ -162,7 +162,7 @@ def _same(a: _Window, b: _Window) -> bool:
     return len(a) == len(b) and memcmp(a.address, b.address, len(a)) == 0
 
 
-def _digest_chunks(name: str, size: int, chunks) -> PairDigest:
+def _digest_chunks(name: str, size: int, chunks: Iterable[tuple[_Window, _Window]]) -> PairDigest:
     shared = hashlib.md5()
     diverged = None  # the output's own hash state, from the first differing chunk on
     first_diff: int | None = None
@@ -179,7 +179,7 @@ def _digest_chunks(name: str, size: int, chunks) -> PairDigest:
     return PairDigest(name, size, source_md5, diverged.hexdigest() if diverged else source_md5, first_diff)
 
 
-def _first_difference(a, b) -> int:
+def _first_difference(a: memoryview, b: memoryview) -> int:
     lo, hi = 0, len(a)
     va, vb = memoryview(a), memoryview(b)
     while hi - lo > 1:  # invariant: the first difference lies in [lo, hi)
@@ -233,8 +233,10 @@ def compare_tensors(source: dict[str, TensorInfo], output: dict[str, TensorInfo]
     return result
 
 
-def _comparable_pairs(names: list[str], source: dict[str, TensorInfo], output: dict[str, TensorInfo]):
-    pairs, findings = [], []
+def _comparable_pairs(names: list[str], source: dict[str, TensorInfo],
+                      output: dict[str, TensorInfo]) -> tuple[list[tuple[TensorInfo, TensorInfo]], list[Finding]]:
+    pairs: list[tuple[TensorInfo, TensorInfo]] = []
+    findings: list[Finding] = []
     for name in names:
         s, o = source[name], output.get(name)
         if o is None:
@@ -245,7 +247,7 @@ def _comparable_pairs(names: list[str], source: dict[str, TensorInfo], output: d
             findings.append(Finding(name, widening_note(s, o), benign=True,
                                     evidence=f"{s.dtype} -> {o.dtype}, values compared bit for bit"))
         elif (s.dtype, s.shape) != (o.dtype, o.shape):
-            side = "environment" if s.shape == o.shape else "quark"
+            side: Side = "environment" if s.shape == o.shape else "quark"
             findings.append(Finding(name, f"must be carried over unchanged but its header changed from {s.dtype} "
                                           f"{list(s.shape)} to {o.dtype} {list(o.shape)}.", side=side,
                                     evidence="same shape, other dtype: loaded in another dtype"
@@ -255,7 +257,8 @@ def _comparable_pairs(names: list[str], source: dict[str, TensorInfo], output: d
     return pairs, findings
 
 
-def _digest_all(pairs: list[tuple[TensorInfo, TensorInfo]], workers: int, progress: Progress | None):
+def _digest_all(pairs: list[tuple[TensorInfo, TensorInfo]], workers: int,
+                progress: Progress | None) -> list[PairDigest]:
     # Largest first, so one big tensor does not start last and leave the other workers idle.
     pairs = sorted(pairs, key=lambda p: -p[0].nbytes)
     total = sum(s.nbytes for s, _ in pairs)

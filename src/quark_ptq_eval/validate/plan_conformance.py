@@ -39,7 +39,7 @@ class PlanExpectation:
 def plan_expectation(plan: dict[str, Any] | None, out_qconfig: dict[str, Any] | None, table: dict[str, Any] | None) -> PlanExpectation:
     """The plan-derived quantization config, plus a finding per spec the export got wrong."""
     scheme = (plan or {}).get("global_scheme")
-    if not scheme:
+    if plan is None or not scheme:
         why = "no plan was given" if plan is None else "the plan names no global_scheme"
         return PlanExpectation(out_qconfig, "quantization_config",
                                notes=[f"{why}: tensors are held against the export's own quantization_config"])
@@ -177,7 +177,8 @@ def _compare_kv(plan: dict[str, Any], expected: dict[str, Any], out: dict[str, A
         return [Finding("quantization_config.kv_cache_quant_config", f"is empty, but the plan's KV-cache scheme "
                         f"{kv_scheme!r} quantizes the KV cache.", side="quark",
                         evidence=f"expected (plan): output quantizers on {sorted(want)}; found: none")]
-    spec = next(iter(want.values()), {}).get("output_tensors")
+    first: dict[str, Any] = next(iter(want.values()), {})
+    spec = first.get("output_tensors")
     findings = [Finding(f"quantization_config.kv_cache_quant_config[{p!r}]",
                         f"does not match the plan's KV-cache scheme {kv_scheme!r}: the plan needs {describe(spec)}, "
                         f"the export holds {describe((cfg or {}).get('output_tensors'))}.", side="quark")

@@ -56,14 +56,22 @@ class ValidationContext:
         if src is not None and out is not None:  # legacy checkpoint names (Mixtral's w1/w2/w3) -> the export's
             from quark_ptq_eval.validate.tensor_names import align_source_names
 
-            self.headers["source"] = align_source_names(src, out, self.src_config.get("model_type"))
+            aligned = align_source_names(src, out, self.src_config.get("model_type"))
+            self.headers["source"] = aligned
             from quark_ptq_eval.validate.legacy_exclusions import legacy_exclusions
 
-            self.exclude = [*self.exclude, *legacy_exclusions(src, self.headers["source"], self.exclude)]
+            self.exclude = [*self.exclude, *legacy_exclusions(src, aligned, self.exclude)]
 
     def tensors(self, side: str) -> dict[str, TensorInfo] | None:
         h = self.headers.get(side)
         return h if isinstance(h, dict) else None
+
+    def readable(self, side: str) -> dict[str, TensorInfo]:
+        """The parsed headers of ``side``, for a check past its ``unreadable_headers`` guard."""
+        h = self.headers[side]
+        if not isinstance(h, dict):
+            raise RuntimeError(f"the {side} headers are unreadable ({h}): the check's guard should have stopped it")
+        return h
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,12 @@ the parent hands its weights to) the nearest ancestor that qualifies is replayed
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from quark_ptq_eval.validate.folds import Unit
 
@@ -38,13 +42,13 @@ class Capture:
     routed: tuple[int, int] | None = None  # an every-expert call: (experts the probe routed, experts)
 
 
-def weight_owners(model) -> list[str]:
+def weight_owners(model: torch.nn.Module) -> list[str]:
     """Modules that hold a matrix (or expert stack) of their own: what a loader can get wrong."""
     return [name for name, module in model.named_modules()
             if name and any(p.ndim >= 2 for p in module.parameters(recurse=False))]
 
 
-def capture(model, ids) -> tuple[dict[str, Capture], list[str], Any]:
+def capture(model: torch.nn.Module, ids: torch.Tensor) -> tuple[dict[str, Capture], list[str], torch.Tensor]:
     """Run ``model`` once on ``ids`` recording the inputs and output of every module holding parameters
     and of the weight owners' ancestors; returns the captures, the owners' names and the logits."""
     import torch
@@ -57,8 +61,8 @@ def capture(model, ids) -> tuple[dict[str, Capture], list[str], Any]:
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     captures: dict[str, Capture] = {}
 
-    def hook(name: str):
-        def record(module, args, kwargs, output) -> None:
+    def hook(name: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        def record(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             out = first_tensor(output)
             if name in captures or out is None:
                 return
@@ -78,7 +82,7 @@ def capture(model, ids) -> tuple[dict[str, Capture], list[str], Any]:
     return captures, owners, logits
 
 
-def run_probe(model, ids):
+def run_probe(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The model's logits on ``ids`` without a KV cache (a cache object would be mutated by replays)."""
     import torch
 
@@ -87,7 +91,8 @@ def run_probe(model, ids):
             out = model(ids.to(_device(model)), use_cache=False)
         except TypeError:  # a remote-code forward without use_cache
             out = model(ids.to(_device(model)))
-    return out.logits.float().cpu()
+    logits: torch.Tensor = out.logits.float().cpu()
+    return logits
 
 
 def replay_targets(owners: list[str], captures: dict[str, Capture], exported: dict[str, Any]) -> list[str]:
@@ -144,7 +149,7 @@ def _relative(diff: float, scale: float) -> float:
     return 0.0 if diff == 0 else float("inf")
 
 
-def _run_unit(unit: Unit, captures: dict[str, Capture], exported: dict[str, Any]):
+def _run_unit(unit: Unit, captures: dict[str, Capture], exported: dict[str, Any]) -> torch.Tensor | None:
     cap, module = captures[unit.key], exported[unit.module]
     device = _device(module)
     args, kwargs = _to(cap.args, device), _to(cap.kwargs, device)
@@ -158,7 +163,7 @@ def _run_unit(unit: Unit, captures: dict[str, Capture], exported: dict[str, Any]
     return first_tensor(module(*args, **kwargs))
 
 
-def _hidden_state(args: tuple[Any, ...], kwargs: dict[str, Any]):
+def _hidden_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """A module call's hidden state: its first positional tensor, else ``hidden_states=``."""
     import torch
 
@@ -168,7 +173,8 @@ def _hidden_state(args: tuple[Any, ...], kwargs: dict[str, Any]):
     return current if isinstance(current, torch.Tensor) else None
 
 
-def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any],
+                 hidden: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The call's arguments with its hidden state replaced; None when it has none of that shape."""
     current = _hidden_state(args, kwargs)
     if current is None or current.shape != hidden.shape:
@@ -178,12 +184,12 @@ def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden) -> tuple
     return args, {**kwargs, "hidden_states": hidden}
 
 
-def _layer_input(cap: Capture):
+def _layer_input(cap: Capture) -> torch.Tensor | float:
     hidden = _hidden_state(cap.args, cap.kwargs)
     return hidden.float() if hidden is not None and hidden.shape == cap.output.shape else 0.0
 
 
-def first_tensor(value):
+def first_tensor(value: Any) -> torch.Tensor | None:  # a tensor, or the first inside a (nested) tuple/list/dict
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -195,7 +201,7 @@ def first_tensor(value):
     return None
 
 
-def replayable(cap: Capture | None, module) -> bool:
+def replayable(cap: Capture | None, module: torch.nn.Module | None) -> bool:
     import torch
 
     if cap is None or module is None or cap.takes_weights:
@@ -203,19 +209,19 @@ def replayable(cap: Capture | None, module) -> bool:
     return type(module) is cap.cls or issubclass(cap.cls, torch.nn.Linear | torch.nn.Embedding)
 
 
-def _callable(module) -> bool:
+def _callable(module: torch.nn.Module) -> bool:
     import torch
 
     return not isinstance(module, torch.nn.ModuleList | torch.nn.ModuleDict)
 
 
-def _device(module):
+def _device(module: torch.nn.Module) -> torch.device | str:
     for p in module.parameters():
         return p.device
     return "cpu"
 
 
-def _to(value, device, copy: bool = False):
+def _to(value: Any, device: torch.device | str, copy: bool = False) -> Any:
     """Tensors inside tuples/lists/dicts moved to ``device`` (copied: a later in-place op cannot reach them)."""
     import torch
 

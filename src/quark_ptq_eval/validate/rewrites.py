@@ -71,4 +71,4 @@ def _in_scaling_layers(name: str, scaled: set[str] | None) -> bool:
     if scaled is None:
         return any(fnmatchcase(module, p) for p in FALLBACK_SCALED)
     m = LAYER.match(module)
-    return bool(m) and m.group(2) in scaled
+    return m is not None and m.group(2) in scaled

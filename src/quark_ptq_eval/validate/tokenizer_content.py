@@ -118,7 +118,7 @@ def _chat_template_files(model_dir: Path, content: dict[str, Any]) -> None:
 
 def _special_ids(special: dict[str, Any], content: dict[str, Any]) -> dict[str, Any]:
     """Each special token's id, from the vocabulary or the added tokens."""
-    vocab = content.get("vocab") if isinstance(content.get("vocab"), dict) else {}
+    vocab: dict[str, Any] = content["vocab"] if isinstance(content.get("vocab"), dict) else {}
     added = {v[0]: int(k) for k, v in (content.get("added_tokens") or {}).items() if str(k).lstrip("-").isdigit()}
     ids: dict[str, Any] = {}
     for key, text in special.items():
