@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quark_ptq_eval.validate.configdiff import benign_reason, triage_json
+from quark_ptq_eval.validate.configdiff import JsonDiff, benign_reason, triage_json
 from quark_ptq_eval.validate.report import CheckResult, Finding
 from quark_ptq_eval.validate.tokenizer_content import (
     describe,
@@ -119,7 +119,7 @@ def _changed(source: Path, output: Path, rel: str, tokenizer_drift: list[str] | 
                    evidence="the output's copy was modified or replaced; the fix re-copies the source's")
 
 
-def _json_drift(a: Path, b: Path):
+def _json_drift(a: Path, b: Path) -> tuple[list[JsonDiff], list[JsonDiff]] | None:
     if a.suffix != ".json" or max(a.stat().st_size, b.stat().st_size) > MAX_JSON_BYTES:
         return None
     try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,11 +177,12 @@ def decode_targets(targets: list[Target], ctx: ValidationContext, result: CheckR
                             f"({worst[1]}); bound {bound.describe()}")
 
 
-def _outcomes(targets: list[Target], ctx: ValidationContext, result: CheckResult, algos: set[str], bound: Bound):
+def _outcomes(targets: list[Target], ctx: ValidationContext, result: CheckResult, algos: set[str],
+              bound: Bound) -> Iterator[tuple[Target, Fold | None, RowErrors | Exception]]:
     """(target, fold, comparison or the exception that stopped it), in order. Without folds the tensors
     are independent: a thread pool overlaps one tensor's reads with another's arithmetic (numpy releases
     the GIL); with folds a pair's first linear must come first, so they run in turn."""
-    def one(target: Target, fold: Fold | None):
+    def one(target: Target, fold: Fold | None) -> tuple[Target, Fold | None, RowErrors | Exception]:
         try:
             return target, fold, compare(target, bound.steps, fold, rtn_reference=bound.gain is not None,
                                          clipped="awq" in algos)
@@ -226,11 +228,11 @@ def judge(target: Target, c: RowErrors, bound: Bound, fold: Fold | None) -> list
                   f"{c.rows} output rows ({_ranges(rows)}){where}.", side="quark",
             evidence=f"bound: {bound.describe()}; worst: {float(c.worst_steps[row]):.3g} steps at row {row}, column "
                      f"{int(c.worst_col[row])}; decoded with {_format(target)}"))
-    if bound.gain is not None and c.gain is not None:
+    if bound.gain is not None and c.gain is not None and c.rtn_error is not None and c.rel_error is not None:
         with np.errstate(invalid="ignore"):
-            off = np.nonzero(~(np.abs(c.gain - 1) <= bound.gain) & (c.rtn_error > 0) | ~np.isfinite(c.gain))[0]
+            gain_off = np.nonzero(~(np.abs(c.gain - 1) <= bound.gain) & (c.rtn_error > 0) | ~np.isfinite(c.gain))[0]
             ratio = np.where(c.rtn_error > 0, c.rel_error / c.rtn_error, 0.0)
-        off = sorted(set(off.tolist()) | set(np.nonzero(~(ratio <= bound.error_ratio))[0].tolist()))
+        off = sorted(set(gain_off.tolist()) | set(np.nonzero(~(ratio <= bound.error_ratio))[0].tolist()))
         if off:
             row = off[0]
             findings.append(Finding(
@@ -358,6 +360,7 @@ class FoldFinder:
         if module not in self.row_scales:
             target = self.targets[module]
             c = compare(target, math.inf, Fold(cols) if cols is not None else None, row_stats=True)
+            assert c.gain is not None and c.rel_error is not None  # row_stats=True computes both
             with np.errstate(divide="ignore", invalid="ignore"):
                 s = (1.0 / c.gain).astype(np.float32)
                 # decoded = gain * source + residual: the gain's relative standard error over the row
@@ -386,13 +389,14 @@ def _to_columns(per_row: np.ndarray, columns: int, config: dict[str, Any]) -> np
 
     if len(per_row) == columns:
         return per_row
-    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    cfg: dict[str, Any] = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     heads = int(cfg.get("num_attention_heads") or 0)
     head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads if heads else 0))
     if not head_dim or columns % len(per_row) or columns != heads * head_dim:
         raise fmt.UnsupportedFormat(f"a fold of {len(per_row)} channels into {columns} columns")
     c = np.arange(columns)
-    return per_row[(c // head_dim) // (columns // len(per_row)) * head_dim + c % head_dim]
+    spread: np.ndarray = per_row[(c // head_dim) // (columns // len(per_row)) * head_dim + c % head_dim]
+    return spread
 
 
 def _unfoldable_rows(target: Target, scale: np.ndarray) -> list[Finding]:

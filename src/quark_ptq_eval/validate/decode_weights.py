@@ -19,6 +19,8 @@ from quark_ptq_eval.validate import decode_formats as fmt
 if TYPE_CHECKING:
     import numpy as np
 
+    Array = np.ndarray  # for a method whose local ``np`` is the lazily imported module
+
 # Rows decoded at once: float32 work arrays of this many elements stay in the core's cache (1 MiB)
 # and are reused by the allocator; at 4 Mi elements each new array page-faults, ~2.5x the CPU.
 CHUNK_ELEMENTS = 1 << 18
@@ -102,7 +104,8 @@ def values_of(t: Target, code_rows: np.ndarray) -> np.ndarray:
     import numpy as np
 
     if t.dtype in fmt.MINIFLOATS:
-        return fmt.minifloat_table(t.dtype)[code_rows]
+        values: np.ndarray = fmt.minifloat_table(t.dtype)[code_rows]
+        return values
     return code_rows.astype(np.float32)
 
 
@@ -125,7 +128,7 @@ def scales(t: Target, out: int) -> tuple[np.ndarray, np.ndarray]:
             zero = _per_row(fmt.as_float(t.zero_point, zraw), out, transposed=t.grouped)
         else:
             zero = _per_row(np.asarray(zraw).astype(np.float32), out, transposed=t.grouped)
-    if zero.shape != scale.shape:
+    if t.zero_point is not None and zero.shape != scale.shape:
         raise fmt.UnsupportedFormat(f"a zero point of shape {list(t.zero_point.shape)} for scales {list(scale.shape)}")
     return scale, zero
 
@@ -205,13 +208,14 @@ class _Chunk:
 
     def dequantized(self, grid_values: np.ndarray) -> np.ndarray:
         shaped = grid_values.reshape(self.rows, self.groups, self.width) - self.zero[:, :, None]
-        return (shaped * self.scale[:, :, None]).reshape(self.rows, -1)
+        dequantized: np.ndarray = (shaped * self.scale[:, :, None]).reshape(self.rows, -1)
+        return dequantized
 
     def errors(self, grid: fmt.Grid, limit: float) -> np.ndarray:
         """|x - v| in steps. Fast: ints step 1, floats the smaller gap beside v (never larger than the
         exact error); the exact rule (``_steps``) only where that reads over half a step."""
         np = self._np
-        err = np.subtract(self.x, self.v)
+        err: Array = np.subtract(self.x, self.v)
         np.abs(err, out=err)
         if not grid.integer:
             err *= fmt.inverse_min_gap(self.t.dtype)[self.codes]
@@ -280,7 +284,8 @@ def _nearest(x: np.ndarray, grid: fmt.Grid) -> np.ndarray:
     import numpy as np
 
     if grid.integer:
-        return np.clip(np.rint(x), grid.lowest, grid.highest)
+        rounded: np.ndarray = np.clip(np.rint(x), grid.lowest, grid.highest)
+        return rounded
     idx = np.clip(np.searchsorted(grid.values, x), 1, len(grid.values) - 1)
     lo, hi = grid.values[idx - 1], grid.values[idx]
     return np.clip(np.where(x - lo <= hi - x, lo, hi), grid.lowest, grid.highest)
@@ -297,7 +302,7 @@ def _record(result: RowErrors, err: np.ndarray, r0: int, width: int, limit: floa
         result.over[r0 + int(row)] = [int(g) for g in groups]
 
 
-def _accumulate(sums: np.ndarray, r0: int, r1: int, w: np.ndarray, w_hat: np.ndarray, rtn) -> None:
+def _accumulate(sums: np.ndarray, r0: int, r1: int, w: np.ndarray, w_hat: np.ndarray, rtn: np.ndarray | None) -> None:
     import numpy as np
 
     with np.errstate(invalid="ignore", over="ignore"):

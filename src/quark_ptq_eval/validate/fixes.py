@@ -62,7 +62,7 @@ def apply_fixes(fixes: list[Fix], source: Path, quantized: Path, approver: Appro
 
 
 def fix_and_revalidate(report: ValidationReport, approver: Approver, plan: dict[str, Any] | None = None,
-                       **validate_kwargs) -> ValidationReport:
+                       **validate_kwargs: Any) -> ValidationReport:
     """Apply the proposed fixes (on approval) and validate again; the new report lists them."""
     fixes = propose_fixes(report, report.source, report.quantized)
     if not fixes:

@@ -20,11 +20,17 @@ from __future__ import annotations
 import gc
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.validate.registry import ValidationContext, read_config
 from quark_ptq_eval.validate.report import CheckResult, Finding
+
+if TYPE_CHECKING:
+    import torch
+
+    from quark_ptq_eval.validate.folds import Unit
+    from quark_ptq_eval.validate.replay import Capture
 
 # Plain English and code (what the demo model was trained on), long enough for ~60 positions.
 PROBE = ("Return the number of items in the container. If the argument is a string, the result is the "
@@ -98,7 +104,8 @@ def _probe(ctx: ValidationContext, result: CheckResult) -> None:
         _judge_agreement(got, want, ids.shape[1], loader, result, decisive=not errors)
 
 
-def _units(ctx: ValidationContext, owners, captures, exported, result: CheckResult):
+def _units(ctx: ValidationContext, owners: list[str], captures: dict[str, Capture], exported: dict[str, Any],
+           result: CheckResult) -> list[Unit]:
     """What to replay: each module; under AWQ/SmoothQuant the smallest unit holding its folded scales
     (folds.py); nothing where the algorithm rotated the residual stream (only the whole model is
     equivalent: greedy agreement judges)."""
@@ -130,7 +137,7 @@ def _units(ctx: ValidationContext, owners, captures, exported, result: CheckResu
     return units
 
 
-def _logits_finite(got, loader: str, result: CheckResult) -> bool:
+def _logits_finite(got: torch.Tensor, loader: str, result: CheckResult) -> bool:
     import torch
 
     finite = torch.isfinite(got)
@@ -168,7 +175,8 @@ def _judge_modules(errors: dict[str, float], owners: int, loader: str, result: C
         result.notes.append(f"{len(over) - MAX_LISTED} more modules over the limit")
 
 
-def _judge_agreement(got, want, positions: int, loader: str, result: CheckResult, decisive: bool) -> None:
+def _judge_agreement(got: torch.Tensor, want: torch.Tensor, positions: int, loader: str, result: CheckResult,
+                     decisive: bool) -> None:
     agreement = float((got.argmax(-1) == want.argmax(-1)).float().mean())
     result.stats["greedy_agreement"] = round(agreement, 4)
     role = f"threshold {AGREEMENT_THRESHOLD:.0%}" if decisive else "informational: the module replay judges"

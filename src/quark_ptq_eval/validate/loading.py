@@ -13,9 +13,12 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError, UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 TRANSFORMERS = "transformers"
 QUARK = "quark"
@@ -45,7 +48,8 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     if not config_path.is_file():
         raise UsageError(f"{model_dir} has no config.json: it is not a Hugging Face model directory.")
     try:
-        return json.loads(config_path.read_text(encoding="utf-8"))
+        config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
+        return config
     except (OSError, json.JSONDecodeError) as exc:
         raise UsageError(f"{config_path} cannot be read as JSON ({exc}).") from None
 
@@ -161,23 +165,26 @@ def missing_weights_message(model_dir: Path, loader: str, missing: tuple[str, ..
             f"and initialised them at random ({shown}): the loaded model is not what its files hold.")
 
 
-def _load_with_transformers(model_dir: Path, device: str, trust_remote_code: bool):
+def _load_with_transformers(model_dir: Path, device: str, trust_remote_code: bool) -> tuple[torch.nn.Module, tuple[str, ...]]:
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(
+    # (model, loading info) with output_loading_info=True, which transformers' annotation does not say
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype="auto", trust_remote_code=trust_remote_code, output_loading_info=True
     )
+    model, info = loaded
     return model.to(device), tuple(sorted(info.get("missing_keys") or ()))
 
 
-def _load_with_quark(model_dir: Path, device: str, trust_remote_code: bool):
+def _load_with_quark(model_dir: Path, device: str, trust_remote_code: bool) -> tuple[torch.nn.Module, tuple[str, ...]]:
     """Quark's importer; it reports nothing about missing weights (the load check's replay sees them)."""
     from quark.torch import import_model_from_safetensors
 
-    def load(attention: str):
-        return import_model_from_safetensors(
+    def load(attention: str) -> torch.nn.Module:
+        model: torch.nn.Module = import_model_from_safetensors(
             None, str(model_dir), trust_remote_code=trust_remote_code, attn_implementation=attention, device=device
         )
+        return model
 
     try:
         return load("sdpa"), ()
@@ -187,7 +194,7 @@ def _load_with_quark(model_dir: Path, device: str, trust_remote_code: bool):
     return load("eager"), ()
 
 
-def require_finite(logits, what: str) -> None:
+def require_finite(logits: torch.Tensor, what: str) -> None:
     """Refuse to report a number computed from NaN/inf logits."""
     import torch
 

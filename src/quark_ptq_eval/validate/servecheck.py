@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.validate.registry import ValidationContext
 from quark_ptq_eval.validate.report import CheckResult, Finding
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.validate.vllm_host import HostVllm
 
 SERVE_TIMEOUT_S = 600.0  # a tiny model is healthy in 20-25 s on 2 CPU cores; large ones load for minutes
 MAX_MODEL_LEN = 2048  # the check needs the weights to load, not a long context: keeps the KV cache small
@@ -46,7 +50,7 @@ def check_serving(ctx: ValidationContext) -> CheckResult:
     return result
 
 
-def _serve(model: Path, host, result: CheckResult) -> None:
+def _serve(model: Path, host: HostVllm, result: CheckResult) -> None:
     """Start vLLM on the export, wait for health or its exit, stop it: served, or its reason."""
     from quark_ptq_eval.validate.vllm_host import failure_reason, server_argv, start_server, stop_group
 
@@ -79,7 +83,7 @@ def _scratch_log(port: int) -> Path:
     return Path(tempfile.gettempdir()) / f"quark-ptq-eval-serve-check-{port}.log"
 
 
-def wait_healthy(process, port: int, timeout_s: float) -> bool:
+def wait_healthy(process: subprocess.Popen[bytes], port: int, timeout_s: float) -> bool:
     """Until /health answers (True), the server exits or the time is up (False)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
@@ -97,7 +101,8 @@ def free_port() -> int:
     """A port nothing listens on now (the OS picks it): never someone else's server."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def _against_classes(qconfig: dict[str, Any] | None, result: CheckResult) -> None:

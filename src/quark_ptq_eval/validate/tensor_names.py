@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
+
+from quark_ptq_eval.base.safetensors_io import TensorInfo
 
 # (legacy pattern, export name) pairs, applied in order to a source tensor name.
 LEGACY_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
@@ -55,7 +58,7 @@ def align_source_names(source: dict[str, Any], output: dict[str, Any], model_typ
     return renamed
 
 
-def _transformers_renamer(model_type: str):
+def _transformers_renamer(model_type: str) -> Callable[[str], str] | None:
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
@@ -66,8 +69,8 @@ def _transformers_renamer(model_type: str):
     return (lambda n: rename_source_key(n, rules, [])[0]) if rules else None
 
 
-def _align(source: dict[str, Any], output: dict[str, Any], pre) -> dict[str, Any]:
-    renamed = {}
+def _align(source: dict[str, Any], output: dict[str, Any], pre: Callable[[str], str]) -> dict[str, Any]:
+    renamed: dict[str, Any] = {}
     for name, info in source.items():
         split = _split_fused_expert(name, info, output) or _split_granite_moe(name, info, output)
         if split:
@@ -84,7 +87,7 @@ def _align(source: dict[str, Any], output: dict[str, Any], pre) -> dict[str, Any
 _FUSED = re.compile(r"^(?P<experts>.*\.experts(?:\.mlp)?)\.(?P<proj>[a-z0-9_]+?)(?P<bias>_bias)?$")
 
 
-def _split_fused_expert(name: str, info, output: dict[str, Any]) -> dict[str, Any] | None:
+def _split_fused_expert(name: str, info: TensorInfo, output: dict[str, Any]) -> dict[str, Any] | None:
     """A fused expert tensor on disk (gpt-oss ``experts.gate_up_proj`` [E, in, out], DBRX
     ``experts.mlp.w1`` [E*I, H]) -> ``experts.<e>.<proj>.weight`` per expert, as Quark exports it:
     equal slices of the leading dimension, exact byte ranges of the same tensor."""
@@ -92,7 +95,7 @@ def _split_fused_expert(name: str, info, output: dict[str, Any]) -> dict[str, An
     if not m or len(info.shape) < 2 or name in output:
         return None
     role = "bias" if m["bias"] else "weight"
-    names = []
+    names: list[str] = []
     while f"{m['experts']}.{len(names)}.{m['proj']}.{role}" in output:
         names.append(f"{m['experts']}.{len(names)}.{m['proj']}.{role}")
     if not names or info.shape[0] % len(names):
@@ -111,7 +114,7 @@ def _split_fused_expert(name: str, info, output: dict[str, Any]) -> dict[str, An
 _GRANITE = re.compile(r"^(?P<moe>.*\.block_sparse_moe)\.(?P<which>input|output)_linear\.weight$")
 
 
-def _split_granite_moe(name: str, info, output: dict[str, Any]) -> dict[str, Any] | None:
+def _split_granite_moe(name: str, info: TensorInfo, output: dict[str, Any]) -> dict[str, Any] | None:
     """Granite MoE: ``input_linear`` [E, 2I, H] holds gate then up rows, ``output_linear`` [E, H, I]
     the down projection; Quark exports ``experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``."""
     m = _GRANITE.match(name)
