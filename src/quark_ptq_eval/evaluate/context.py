@@ -70,7 +70,7 @@ class RuntimeEstimate:
 
     def summary(self) -> str:
         total = self.total_s
-        if total is None:
+        if total is None or self.seconds is None:
             when = "nothing runs on this host"
         else:
             spent = ", ".join(f"{k} {v:.1f} s" for k, v in self.parts.items() if v >= 0.05)

@@ -6,12 +6,17 @@ import math
 import shlex
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.fsio import atomic_write_text, write_json, write_png
 from quark_ptq_eval.evaluate.context import SPAN, format_duration
 from quark_ptq_eval.evaluate.eval_report import REPORT_NAME, RESULTS_NAME, EvalReport  # noqa: F401 (names kept importable here)
 from quark_ptq_eval.evaluate.verdict import invalid_reasons
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from quark_ptq_eval.evaluate.context import RuntimeEstimate
 
 CHART_NAME = "eval_chart.png"
 RESULTS_SCHEMA = "quark-ptq-eval/eval_results/1"
@@ -29,7 +34,7 @@ def write_all(report: EvalReport, timed_from: float | None = None) -> None:
 
 
 def results_document(report: EvalReport) -> dict[str, Any]:
-    doc = {
+    doc: dict[str, Any] = {
         "schema": RESULTS_SCHEMA,
         "tier": report.tier,
         "model": str(report.model_dir),
@@ -55,7 +60,8 @@ def results_document(report: EvalReport) -> dict[str, Any]:
     )
     if report.sensitivity is not None:  # the plan's scan proposal: predicted vs measured KL
         doc["sensitivity"] = report.sensitivity
-    return json_safe(doc)
+    safe: dict[str, Any] = json_safe(doc)
+    return safe
 
 
 def runtime_document(report: EvalReport) -> dict[str, Any]:
@@ -71,7 +77,7 @@ def runtime_document(report: EvalReport) -> dict[str, Any]:
     }
 
 
-def json_safe(value):
+def json_safe(value: Any) -> Any:  # any JSON-able value, nested
     """NaN is not JSON: write null instead."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -153,9 +159,9 @@ def _settings_section(report: EvalReport) -> list[str]:
     ]
 
 
-def _estimated(estimate) -> str:
+def _estimated(estimate: RuntimeEstimate) -> str:
     total = estimate.total_s
-    if total is None:
+    if total is None or estimate.seconds is None:
         return "-"
     return (
         f"{format_duration(total)} ({total:.1f} s: {estimate.elapsed_s:.1f} s measured before the "
@@ -308,7 +314,7 @@ def _deferred_section(report: EvalReport) -> list[str]:
     return [*lines, "```", ""]
 
 
-def _num(value) -> str:
+def _num(value: float | None) -> str:
     if value is None:
         return "-"
     if isinstance(value, float) and not math.isfinite(value):
@@ -393,7 +399,7 @@ def _distribution_chart(report: EvalReport, path: Path) -> Path:
     return path
 
 
-def _kl_panel(ax, hist: dict[str, Any], kl: dict[str, Any]) -> None:
+def _kl_panel(ax: Axes, hist: dict[str, Any], kl: dict[str, Any]) -> None:
     if hist["counts"]:
         ax.stairs(hist["counts"], hist["edges"], fill=True, color="#5b9bd5")
         ax.set_xscale("log")

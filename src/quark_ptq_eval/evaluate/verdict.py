@@ -165,10 +165,11 @@ def judge_metric(
     bad = _bad_value(value, higher_is_better)
     if bad:
         return _invalid(task, metric, math.nan if value is None else value, higher_is_better, bad)
+    assert value is not None  # _bad_value said why a missing value cannot be judged
     if metric in IDEAL_VALUES:
         # KL is 0 for the baseline itself: exp(KL) is the factor by which the quantized model's
         # perplexity on text drawn from the baseline exceeds the baseline's own.
-        worse = 100.0 * safe_expm1(value)
+        worse: float | None = 100.0 * safe_expm1(value)
         interval = _ideal_interval(value, noise)
         verdict, label, note = judge(worse, interval, thresholds)
         return MetricVerdict(
@@ -251,8 +252,9 @@ def compare_all(
                 None if value is None or math.isfinite(value) else "not finite"
             )
             rows.append(
-                _invalid(task, metric, math.nan if value is None else value, higher, bad)
-                if bad
+                _invalid(task, metric, math.nan if value is None else value, higher,
+                         bad or "missing from the quantized results")
+                if bad or value is None
                 else MetricVerdict(task, metric, value, None, None, True, None, "info")
             )
             continue
@@ -274,13 +276,15 @@ def compare_all(
     return rows
 
 
-def _metrics(quantized, baseline, required):
+def _metrics(quantized: dict[str, dict[str, float]], baseline: dict[str, dict[str, float]] | None,
+             required: dict[str, list[str]] | None) -> list[tuple[str, str, float | None]]:
     """(task, metric, quantized value or None) over the union of what was measured and required."""
     seen: dict[tuple[str, str], float | None] = {}
     for task, metrics in quantized.items():
         for metric, value in metrics.items():
             seen[(task, metric)] = value
-    for source in (baseline or {}, {t: dict.fromkeys(ms) for t, ms in (required or {}).items()}):
+    sources: tuple[dict[str, Any], ...] = (baseline or {}, {t: dict.fromkeys(ms) for t, ms in (required or {}).items()})
+    for source in sources:
         for task, metrics in source.items():
             for metric in metrics:
                 seen.setdefault((task, metric), None)
