@@ -31,13 +31,18 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import write_json
 from quark_ptq_eval.base.state import digest
 from quark_ptq_eval.evaluate.tier_ppl import ROW_CHUNK_ELEMENTS  # one bound on the float64 rows held at once
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 CACHE_FORMAT = "quark-ptq-eval/baseline_cache/1"
 DEFAULT_TOP_K = 64
@@ -90,7 +95,7 @@ def model_digest(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """What tokenization depends on, independent of how the files were serialised."""
     specials = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
     return digest({"vocab": sorted(tokenizer.get_vocab().items()), "specials": specials})
@@ -103,7 +108,7 @@ def data_hash(texts: list[str]) -> str:
 # ---------------------------------------------------------------- scoring
 
 
-def baseline_token_stats(logits, labels, top_k: int) -> dict[str, Any]:
+def baseline_token_stats(logits: torch.Tensor, labels: torch.Tensor, top_k: int) -> dict[str, Any]:
     """Per token ``[B, T]``: the baseline's NLL and log tail mass, and its top-K log-probs/ids ``[B, T, K]``."""
     import torch
 
@@ -129,7 +134,8 @@ def baseline_token_stats(logits, labels, top_k: int) -> dict[str, Any]:
     }
 
 
-def cached_token_stats(logits, labels, topk_logp, topk_ids, log_tail, base_nll) -> dict[str, Any]:
+def cached_token_stats(logits: torch.Tensor, labels: torch.Tensor, topk_logp: torch.Tensor, topk_ids: torch.Tensor,
+                       log_tail: torch.Tensor, base_nll: torch.Tensor) -> dict[str, Any]:
     """A scheme's per-token NLL, and against the cached baseline: its NLL, KL (cached), top-1 match and
     the bound on the KL's gap to the full-logit KL (module docstring). All ``[B, T]``, float64."""
     import torch
@@ -176,7 +182,8 @@ class BaselineCache:
         self.writes = 0
         self.hits = 0
 
-    def key_for(self, source: Path, tokenizer, texts: list[str], windows, top_k: int) -> CacheKey:
+    def key_for(self, source: Path, tokenizer: PreTrainedTokenizerBase, texts: list[str], windows: torch.Tensor,
+                top_k: int) -> CacheKey:
         return CacheKey(model_digest(source), tokenizer_fingerprint(tokenizer), data_hash(texts),
                         int(windows.shape[1]), int(windows.shape[0]), int(top_k))
 
@@ -188,7 +195,7 @@ class BaselineCache:
         if not meta.is_file() or not (self.path_for(key) / TENSORS_FILE).is_file():
             return False
         try:
-            return json.loads(meta.read_text(encoding="utf-8")).get("key") == asdict(key)
+            return bool(json.loads(meta.read_text(encoding="utf-8")).get("key") == asdict(key))
         except (OSError, ValueError):
             return False  # a damaged entry is rebuilt
 
@@ -203,7 +210,8 @@ class BaselineCache:
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
         return BaselineEntry(key, path, t["ids"], t["nll"], t["topk_logp"], t["topk_ids"], t["log_tail"], meta)
 
-    def build(self, key: CacheKey, model, windows, batch_size: int, source: Path, log=print) -> Path:
+    def build(self, key: CacheKey, model: torch.nn.Module, windows: torch.Tensor, batch_size: int, source: Path,
+              log: Callable[[str], None] = print) -> Path:
         """Score ``windows`` with the baseline ``model`` and store the result (atomically)."""
         import torch
         from safetensors.torch import save_file
@@ -235,7 +243,7 @@ class BaselineCache:
         return path
 
 
-def full_logits_bytes(key: CacheKey, model) -> int:
+def full_logits_bytes(key: CacheKey, model: PreTrainedModel) -> int:
     """What storing the baseline's full float32 logits for the same windows would take."""
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab: int = model.get_output_embeddings().weight.shape[0]
     return key.windows * (key.seq_len - 1) * vocab * 4

@@ -18,12 +18,16 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError, UsageError
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
 from quark_ptq_eval.evaluate.verdict import BEYOND_NOISE, WITHIN_NOISE, Z95, safe_exp, safe_expm1
 from quark_ptq_eval.validate.loading import LoadedModel, load_model, require_finite
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 TASK = "perplexity"
 LOGIT_BUDGET = 64 * 2**20  # logits elements per batch when --batch-size is not given
@@ -59,9 +63,10 @@ def _wikitext2_test() -> list[str]:
         ) from None
 
 
-def token_windows(tokenizer, texts: list[str], seq_len: int, max_windows: int | None = None):
+def token_windows(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: int,
+                  max_windows: int | None = None) -> torch.Tensor:
     """``[n, seq_len]`` non-overlapping windows of the joined text (Quark's tokenization)."""
-    ids = tokenizer("\n\n".join(texts), return_tensors="pt", verbose=False).input_ids[0]
+    ids: torch.Tensor = tokenizer("\n\n".join(texts), return_tensors="pt", verbose=False).input_ids[0]
     count = ids.numel() // seq_len
     if max_windows:
         count = min(count, max_windows)
@@ -100,7 +105,8 @@ class Accumulator:
     windows: int = 0
 
 
-def score_batch(model, batch, acc: Accumulator, baseline=None) -> None:
+def score_batch(model: torch.nn.Module, batch: torch.Tensor, acc: Accumulator,
+                baseline: torch.nn.Module | None = None) -> None:
     """Score one batch of windows; with ``baseline``, also the same windows under it (one pass)."""
     import torch
 
@@ -127,11 +133,12 @@ def score_batch(model, batch, acc: Accumulator, baseline=None) -> None:
     acc.windows += batch.shape[0]
 
 
-def _device_of(model) -> Any:
+def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def token_stats(logits, labels, base_logits=None) -> dict[str, Any]:
+def token_stats(logits: torch.Tensor, labels: torch.Tensor,
+                base_logits: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-token NLL (and with a baseline: its NLL, KL(baseline || quantized), top-1 match), ``[B, T]``.
 
     Log space in float64, in row chunks: finite logits of any size (a broken model's 1e30) give
@@ -165,7 +172,7 @@ def token_stats(logits, labels, base_logits=None) -> dict[str, Any]:
     return {k: torch.cat(v).view(labels.shape) for k, v in parts.items() if v}
 
 
-def fast_nll(logits, labels):
+def fast_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
     """Per-token NLL ``[B, T]`` (float64 values) as ``logsumexp - logits[label]`` in float32, in row
     chunks; None when a value is not finite that way (the caller redoes it in float64).
 
@@ -331,12 +338,14 @@ def prepare(ctx: TierContext) -> PplPrepared:
         f"loaded {ctx.model_dir} with the {quantized.loader} loader in {quantized.load_s:.1f} s ({quantized.loader_reason})"
     )
     clock.lap("load")
-    windows = token_windows(quantized.tokenizer, texts, options.seq_len, options.max_windows)
+    seq_len = options.seq_len
+    assert seq_len is not None  # fit_eval_window set it
+    windows = token_windows(quantized.tokenizer, texts, seq_len, options.max_windows)
     clock.lap("tokenize")
     baseline = _load_baseline(ctx, texts, quantized.tokenizer) if options.baseline else None
     clock.lap("baseline load")
     vocab = quantized.model.get_output_embeddings().weight.shape[0]
-    batch_size = options.batch_size or auto_batch_size(options.seq_len, vocab, quantized.device)
+    batch_size = options.batch_size or auto_batch_size(seq_len, vocab, quantized.device)
     acc = Accumulator()
     pilot_batches, pilot_s, per_batch_s = _pilot(quantized, baseline, windows, batch_size, acc)
     clock.lap("pilot")
@@ -361,7 +370,8 @@ def fit_eval_window(ctx: TierContext) -> str | None:
     return f"Tier 1 window of {seq_len} tokens: {note}." if note else None
 
 
-def _pilot(quantized, baseline, windows, batch_size: int, acc: Accumulator) -> tuple[int, float, float]:
+def _pilot(quantized: LoadedModel, baseline: LoadedModel | None, windows: torch.Tensor, batch_size: int,
+           acc: Accumulator) -> tuple[int, float, float]:
     """Score up to two batches: batch 0 warms up (first-call allocations, kernel selection), batch 1,
     when there is one, is timed. Returns (batches, their seconds, seconds of the last)."""
     pilot_batches, pilot_s, per_batch_s = min(2, math.ceil(windows.shape[0] / batch_size)), 0.0, 0.0
@@ -380,7 +390,8 @@ def _pilot(quantized, baseline, windows, batch_size: int, acc: Accumulator) -> t
     return pilot_batches, pilot_s, per_batch_s
 
 
-def _load_baseline(ctx: TierContext, texts: list[str], tokenizer) -> LoadedModel:
+def _load_baseline(ctx: TierContext, texts: list[str], tokenizer: PreTrainedTokenizerBase) -> LoadedModel:
+    assert ctx.options.baseline is not None  # only called with --baseline
     baseline = load_model(ctx.options.baseline, ctx.options.device, ctx.options.trust_remote_code)
     ctx.log(f"loaded baseline {ctx.options.baseline} in {baseline.load_s:.1f} s")
     sample = "\n\n".join(texts)[:20000]
@@ -401,7 +412,8 @@ class PilotTiming:
     per_batch_s: float
 
 
-def _estimate(ctx, quantized, baseline, windows, pilot: PilotTiming, prepared_acc) -> RuntimeEstimate:
+def _estimate(ctx: TierContext, quantized: LoadedModel, baseline: LoadedModel | None, windows: torch.Tensor,
+              pilot: PilotTiming, prepared_acc: Accumulator) -> RuntimeEstimate:
     batch_size, pilot_batches, per_batch_s = pilot.batch_size, pilot.batches, pilot.per_batch_s
     n = windows.shape[0]
     remaining_batches = math.ceil(n / batch_size) - pilot_batches
@@ -411,7 +423,7 @@ def _estimate(ctx, quantized, baseline, windows, pilot: PilotTiming, prepared_ac
         seconds=per_batch_s * remaining_batches,
         hardware=hardware_description(quantized.device),
         model_bytes=quantized.size_bytes + (baseline.size_bytes if baseline else 0),
-        data=f"{n * ctx.options.seq_len:,} tokens in {n} windows of {ctx.options.seq_len}",
+        data=f"{n * windows.shape[1]:,} tokens in {n} windows of {windows.shape[1]}",
         basis=(
             f"pilot: {pilot_batches} batch(es) of up to {batch_size} window(s) on the {models} model(s), "
             f"{per_batch_s:.2f} s per batch after warm-up; {remaining_batches} batch(es) left"
@@ -460,7 +472,9 @@ def run(prepared: PplPrepared) -> TierOutcome:
             ctx.progress("perplexity batches", index + 1, total)
         elif index % 10 == 0 or index == total - 1:
             ctx.log(f"perplexity: batch {index + 1}/{total}")
-    outcome = outcome_from(acc, ctx.options.seq_len, prepared)
+    seq_len = ctx.options.seq_len
+    assert seq_len is not None  # fit_eval_window set it
+    outcome = outcome_from(acc, seq_len, prepared)
     _vllm_cross_check(prepared, outcome, time.perf_counter() - scoring_started + prepared.pilot_s)
     return outcome
 
@@ -513,5 +527,5 @@ def outcome_from(acc: Accumulator, seq_len: int, prepared: PplPrepared) -> TierO
         directions={TASK: {"perplexity": False, "kl_divergence": False, "top1_agreement": True}},
         details=details,
         informational=("top1_agreement",),
-        notes=[prepared.window_note] if getattr(prepared, "window_note", None) else [],
+        notes=[note] if (note := getattr(prepared, "window_note", None)) else [],
     )

@@ -21,7 +21,7 @@ from quark_ptq_eval.plan import resources, source_reading
 from quark_ptq_eval.plan.calibration_check import check_calibration_text, source_note
 from quark_ptq_eval.plan.family_limits import check_family_limits
 from quark_ptq_eval.plan.request import PlanRequest
-from quark_ptq_eval.plan.scheme_fit import fit_to_model
+from quark_ptq_eval.plan.scheme_fit import SchemeChoice, fit_to_model
 from quark_ptq_eval.plan.targets import (
     BudgetCheck,
     TargetContext,
@@ -203,10 +203,10 @@ def _calibration_size(req: PlanRequest, calibration: dict[str, Any], info: dict[
     return "quark-cli's default sample count"
 
 
-def _target_and_fit(analysis: ModelAnalysis, tc: TargetContext, scheme: str, info: dict[str, Any], algorithm: str | None,
-                    kv: str | None, calibration: dict[str, Any], device: dict[str, Any], env: dict[str, Any], output_dir: Path,
+def _target_and_fit(work: resources.Workload, tc: TargetContext, env: dict[str, Any], output_dir: Path,
                     engine: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The plan's ``target`` (with its serving fit) and ``resources`` (this host's fit, with table rows)."""
+    analysis, scheme, info, algorithm, kv = work.analysis, work.scheme, work.info, work.algorithm, work.kv
     target = {**tc.to_dict(), "warnings": scheme_warnings(tc, scheme, kv)}
     rows = []
     if tc.target is not None:
@@ -219,9 +219,9 @@ def _target_and_fit(analysis: ModelAnalysis, tc: TargetContext, scheme: str, inf
         rows.append({"decision": "serving fit", "value": value,
                      "reason": f"{resources.serving_text(serving, tc.target.label, kv)} (context and batch {stated})"})
     host = resources.host_capacity(env, output_dir)
-    rerun = resources.rerun_command(analysis.model["model_path"], output_dir, scheme, algorithm, kv, calibration,
+    rerun = resources.rerun_command(analysis.model["model_path"], output_dir, scheme, algorithm, kv, work.calibration,
                                     tc.target.name if tc.target else None)
-    fit = resources.assess(analysis, scheme, info, algorithm, calibration, device, host, rerun, engine=engine, kv=kv)
+    fit = resources.assess(work, host, rerun, engine=engine)
     fit["rows"] = rows + resources.decision_rows(fit)
     return target, fit
 
@@ -244,8 +244,8 @@ def _fitting_scheme(analysis: ModelAnalysis, env: dict[str, Any], req: PlanReque
     """The scheme the request and target ask for, held against every quantized linear's group and
     block sizes: a planner's choice falls back to the nearest that fits, a named one is refused."""
     scheme, why = _choose_scheme(req, env, catalog, tc, _budget_check(tc, analysis, catalog, req))
-    return fit_to_model(analysis.model["model_path"], scheme, why, bool(req.scheme), req.layer_quant_config,
-                        _exclusions(req, analysis)[0], catalog["schemes"], target_fallbacks(tc))
+    return fit_to_model(analysis.model["model_path"], SchemeChoice(scheme, why, bool(req.scheme), target_fallbacks(tc)),
+                        req.layer_quant_config, _exclusions(req, analysis)[0], catalog["schemes"])
 
 
 def _plan_calibration(req: PlanRequest, analysis: ModelAnalysis, analysis_ref: Path, accelerator: str,
@@ -276,8 +276,8 @@ def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, ca
     device = _device(req, env, analysis.size["bytes"])
     # The engines registry decides (execute/engines/): its automatic choice and its constraints.
     engine, engine_why = choose_engine(req.engine, accelerator, calibration, device["device"] == "cpu")
-    engine, engine_why = resources.engine_for_host(analysis, engine, engine_why, req.engine, info, algorithm, kv,
-                                                   calibration, device, env)  # file2file when the model does not fit
+    work = resources.Workload(analysis, scheme, info, algorithm, calibration, device, kv)
+    engine, engine_why = resources.engine_for_host(work, engine, engine_why, req.engine, env)  # file2file when too big
     get_engine(engine).check_constraints(info, algorithm, device)
     reading = source_reading.decide(analysis, engine, device, Path(analysis_ref).parent)  # FP8 / .bin sources
     hw = f"{accelerator}{' ' + arch if arch else ''}"
@@ -302,8 +302,7 @@ def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, ca
         {"decision": "evaluation_intent", "value": req.evaluation_intent, "reason": "Phase 3 asks before running"},
         {"decision": "output format", "value": "Hugging Face safetensors (Quark format)", "reason": "what vLLM/transformers load"},
     ]
-    target, fit = _target_and_fit(analysis, tc, scheme, info, algorithm, kv, calibration, device, env, output_dir,
-                                  engine)
+    target, fit = _target_and_fit(work, tc, env, output_dir, engine)
     decisions += [{"decision": "warning", "value": scheme, "reason": w} for w in target["warnings"]]
     decisions += fit.pop("rows") + source_reading.disk_problem(reading, fit)
     plan = QuantPlan(
@@ -322,7 +321,7 @@ def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: dict[str, Any]
     """Re-check a (hand-edited) plan against the installed Quark, as make_plan does."""
     _check_compatible(analysis.model_type, plan.global_scheme, plan.algorithm, plan.kv_cache_scheme,
                       plan.layer_quant_config, analysis, catalog)
-    fit_to_model(analysis.model["model_path"], plan.global_scheme, "", True, plan.layer_quant_config,
+    fit_to_model(analysis.model["model_path"], SchemeChoice(plan.global_scheme), plan.layer_quant_config,
                  list(plan.exclude_layers), catalog["schemes"])
     engine = ENGINES.get(plan.engine.get("name") or "")
     if engine is not None and engine.reads_text_file and plan.calibration.get("source") == "local_file":

@@ -21,6 +21,21 @@ if TYPE_CHECKING:
     from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
     from quark_ptq_eval.base.gates import Approver
 
+
+@dataclass(frozen=True)
+class Workload:
+    """What the engine is asked to do: the model (its analysis), the scheme and its catalog ``info``,
+    the algorithm, the calibration, the device strategy ({"device", "multi_device"}) and the KV scheme."""
+
+    analysis: ModelAnalysis
+    scheme: str
+    info: dict[str, Any]
+    algorithm: str | None
+    calibration: dict[str, Any]
+    device: dict[str, Any] = field(default_factory=lambda: {"device": "cpu", "multi_device": False})
+    kv: str | None = None
+
+
 # ---- measured scaling (bench/measure_memory.py on the CPU engine; see docs/planning.md) ----------
 BASE_BYTES = 1.40 * GIB  # python + torch + transformers + quark.torch imported, tokenizer loaded
 WEIGHT_FACTOR = 2.0  # peak / model bytes for plain PTQ: model, its quantized copy at freeze, export
@@ -189,11 +204,13 @@ def _fits(est: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> 
             and (not est["gpu_peak_bytes"] or not gpu or est["gpu_peak_bytes"] <= gpu * HEADROOM))
 
 
-def engine_for_host(analysis: ModelAnalysis, engine: str, why: str, requested: str, info: dict[str, Any], algorithm: str | None,
-                    kv: str | None, calibration: dict[str, Any], device: dict[str, Any], env: dict[str, Any]) -> tuple[str, str]:
+def engine_for_host(work: Workload, engine: str, why: str, requested: str, env: dict[str, Any]) -> tuple[str, str]:
     """The plan's engine once this host's memory is known: file-to-file when the automatic choice's
     whole-model engine does not fit and file-to-file does and can serve the plan (docs/planning.md)."""
     from quark_ptq_eval.execute.engines import shard_engine
+
+    analysis, info, algorithm, kv, device = work.analysis, work.info, work.algorithm, work.kv, work.device
+    calibration = work.calibration
 
     shard = shard_engine()
     if shard is not None and requested == shard.name:
@@ -277,10 +294,12 @@ def serving_fit(analysis: ModelAnalysis, out_bytes: int, kv_scheme: str | None, 
 
 
 # ---- the plan checkpoint's verdict ---------------------------------------------------------------
-def assess(analysis: ModelAnalysis, scheme: str, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any], device: dict[str, Any],
-           host: dict[str, Any], rerun: list[str], engine: str | None = None, kv: str | None = None) -> dict[str, Any]:
+def assess(work: Workload, host: dict[str, Any], rerun: list[str], engine: str | None = None) -> dict[str, Any]:
     """Does this host hold the engine, the output and a Tier 1 evaluation? If not, what would."""
     from quark_ptq_eval.execute.engines import holds_one_shard
+
+    analysis, scheme, info, algorithm, device = work.analysis, work.scheme, work.info, work.algorithm, work.device
+    calibration = work.calibration
 
     est = engine_estimate(engine, analysis, info, algorithm, calibration, device["device"])
     out = output_bytes(analysis, scheme, info)
@@ -330,9 +349,9 @@ def _problems(est: dict[str, Any], out: int, ev: dict[str, Any], host: dict[str,
     return problems
 
 
-def _proposals(analysis: ModelAnalysis, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any],
-               device: dict[str, Any], host: dict[str, Any], est: dict[str, Any], rerun: list[str]) -> list[dict[str, Any]]:
+def _proposals(work: Workload, host: dict[str, Any], est: dict[str, Any], rerun: list[str]) -> list[dict[str, Any]]:
     """Concrete changes with their estimates: smaller calibration, no algorithm, GPUs, another host."""
+    analysis, info, algorithm, calibration, device = work.analysis, work.info, work.algorithm, work.calibration, work.device
     ram = host["ram_bytes"] or 0
     out: list[dict[str, Any]] = []
 
@@ -361,11 +380,12 @@ def _proposals(analysis: ModelAnalysis, info: dict[str, Any], algorithm: str | N
     return out
 
 
-def _file2file_proposal(analysis: ModelAnalysis, info: dict[str, Any], algorithm: str | None, kv: str | None,
-                        device: dict[str, Any], host: dict[str, Any]) -> list[dict[str, Any]]:
+def _file2file_proposal(work: Workload, host: dict[str, Any]) -> list[dict[str, Any]]:
     """Quark's file-to-file engine with its estimate, when it can serve this plan (a proposal must work)."""
     from quark_ptq_eval.execute.engines import shard_engine
     from quark_ptq_eval.plan.source_reading import file2file_can_read
+
+    analysis, info, algorithm, kv, device = work.analysis, work.info, work.algorithm, work.kv, work.device
 
     shard, no_kv = shard_engine(), ""
     if shard is None:
@@ -453,9 +473,7 @@ def hold_message(plan: QuantPlan, execution_mode: str, approver: Approver, alrea
     unfit = unfit_message(plan) or short_message(plan.calibration)  # less calibration text than planned, too
     if unfit is None or execution_mode == "plan_only" or already_approved:
         return None
-    named = "plan" in getattr(approver, "approved", ())
-    asks_someone = getattr(approver, "interactive", False) or hasattr(approver, "callback")  # they see the table
-    if named or asks_someone:
+    if approver.weighs("plan"):  # named, or someone who sees the table answers
         return None
     return (f"{unfit} Change the plan as its table proposes, or approve it by name (--approve plan) "
             "to run it anyway")

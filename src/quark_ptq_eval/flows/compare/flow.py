@@ -44,6 +44,9 @@ class _Delegate:
     def __call__(self, gate: Gate, summary: str) -> bool:
         return gate.name in self.granted or self.user(gate, summary)
 
+    def weighs(self, gate: str) -> bool:
+        return gate in self.granted or self.user.weighs(gate)
+
 
 class Comparison:
     def __init__(self, root: str | Path, approver: Approver, reporter: Reporter | None = None,
