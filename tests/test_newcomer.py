@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from quark_ptq_eval.base import first_use
+from quark_ptq_eval.evaluate import tier1_text
 from quark_ptq_eval.flows.cli import build_parser, main
 from quark_ptq_eval.flows.import_command import (
     NOT_TRANSLATED,
@@ -207,9 +208,9 @@ def test_ask_tier1_text_offers_an_existing_default(corpus, tmp_path, capsys):
             return answer or default
 
     person = Person(["/no/such/file.txt", ""])
-    assert first_use.ask_tier1_text(person, str(corpus)) == str(corpus.resolve())
+    assert tier1_text.ask_tier1_text(person, str(corpus)) == str(corpus.resolve())
     assert person.asked[0][1] == str(corpus) and "does not exist" in capsys.readouterr().err
-    assert first_use.ask_tier1_text(Person([""]), str(tmp_path / "missing.txt")) is None  # no default that exists
+    assert tier1_text.ask_tier1_text(Person([""]), str(tmp_path / "missing.txt")) is None  # no default that exists
 
 
 @pytest.mark.slow

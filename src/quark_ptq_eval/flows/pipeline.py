@@ -18,7 +18,6 @@ from typing import Any
 from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan, RunManifest
 from quark_ptq_eval.base.catalog import load_catalog
 from quark_ptq_eval.base.errors import CheckpointPending, UsageError
-from quark_ptq_eval.base.first_use import TIER1_NO_TEXT, ask_tier1_text, tier1_lacks_text
 from quark_ptq_eval.base.fsio import write_json
 from quark_ptq_eval.base.gates import GATES, Approver, Gatekeeper
 from quark_ptq_eval.base.options import flag
@@ -26,6 +25,7 @@ from quark_ptq_eval.base.state import RunState, WorkdirLock, digest
 from quark_ptq_eval.base.step_table import STEP_NAMES, STEPS, SUMMARY_FILE
 from quark_ptq_eval.base.ui import Reporter, noise_to_log
 from quark_ptq_eval.context import preflight
+from quark_ptq_eval.evaluate.tier1_text import TIER1_NO_TEXT, ask_tier1_text, tier1_lacks_text
 from quark_ptq_eval.evaluate.tiers import runs, scores_text, text_tier
 from quark_ptq_eval.execute.runner import EngineRunner, run_command
 from quark_ptq_eval.plan import PlanRequest, make_plan

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -307,9 +308,9 @@ def assess(work: Workload, host: dict[str, Any], rerun: list[str], engine: str |
     ev["with_baseline_bytes"] = estimate_eval(analysis, out, baseline=True)["host_peak_bytes"]
     problems = _problems(est, out, ev, host, device)
     fits = not any(p["blocking"] for p in problems)
-    proposals = [] if fits else _proposals(analysis, info, algorithm, calibration, device, host, est, rerun)
+    proposals = [] if fits else _proposals(work, host, est, rerun)
     if not fits and not holds_one_shard(engine):
-        proposals[-1:-1] = _file2file_proposal(analysis, info, algorithm, kv, device, host)
+        proposals[-1:-1] = _file2file_proposal(work, host)
     return {"quantize": est, "evaluate": ev, "output_bytes": out, "host": host, "output_basis": output_basis(analysis),
             "fits": fits, "problems": problems, "proposals": proposals}
 
