@@ -212,7 +212,7 @@ def quiet(fn):
 
 def bench_md5(source: Path, twin: Path, workers: int | None, repeat: int) -> list[dict]:
     from quark_ptq_eval.base.safetensors_io import read_model_headers
-    from quark_ptq_eval.validate.md5check import compare_tensors, excluded_candidates
+    from quark_ptq_eval.validate.md5check import Sampling, compare_tensors, excluded_candidates
 
     qv = load_quark_helper()
     src_h, out_h = read_model_headers(source), read_model_headers(twin)
@@ -220,7 +220,7 @@ def bench_md5(source: Path, twin: Path, workers: int | None, repeat: int) -> lis
     nbytes = sum(src_h[n].nbytes for n in names)
     ranges = [(h[n].file, h[n].start, h[n].end) for n in names for h in (src_h, out_h)]
     res = interleaved({
-        "ours": lambda: compare_tensors(src_h, out_h, names, workers=workers),
+        "ours": lambda: compare_tensors(src_h, out_h, names, sampling=Sampling(workers=workers)),
         "quark": quiet(lambda: qv.check_non_quantized_tensors_md5_unchanged(
             source, twin, {"exclude": UNCHANGED, "max_samples": len(names)})),
         "read": lambda: read_ranges_once(ranges),

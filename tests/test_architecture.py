@@ -81,6 +81,56 @@ def test_no_function_over_60_lines():
     assert long == []
 
 
+def _parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Parameters as a caller sees them: every named one, *args and **kwargs one each; self/cls not."""
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    if names and names[0] in ("self", "cls"):
+        names = names[1:]
+    return len(names) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def test_no_function_takes_more_than_7_parameters():
+    wide = []
+    for f in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _parameter_count(node) > 7:
+                wide.append(f"{f.relative_to(SRC)}:{node.lineno} {node.name} ({_parameter_count(node)})")
+    assert wide == [], "group the parameters of a concern into a dataclass"
+    sample = ast.parse("def f(self, a, b, *c, d, e=1, **f): pass\ndef g(a, b, c, d, e, f, g, h): pass").body
+    assert [_parameter_count(n) for n in sample] == [6, 8]
+
+
+def test_compare_takes_its_options_from_the_per_concern_dataclasses():
+    import argparse
+    import dataclasses
+
+    from quark_ptq_eval.base.options import flag_dest, flagged_fields
+    from quark_ptq_eval.evaluate.options import EvalOptions
+    from quark_ptq_eval.flows.cli import build_parser
+    from quark_ptq_eval.flows.compare import compare
+    from quark_ptq_eval.flows.compare import options as copts
+    from quark_ptq_eval.plan.request import CHOICE, PlanRequest
+
+    parser = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["compare"]
+    dests = {a.dest for a in parser._actions}
+    assert copts.keywords() <= dests  # the Python API's keywords are the command's flags
+    plan = {flag_dest(f, spec) for f, spec in flagged_fields(PlanRequest) if f.metadata.get("concern") != CHOICE}
+    assert plan <= copts.keywords() and not {"scheme", "sensitivity"} & dests
+    tier = {flag_dest(f, spec) for f, spec in flagged_fields(EvalOptions) if f.metadata.get("concern")}
+    assert tier <= copts.keywords() and {"eval_batch_size", "eval_device", "tasks"} <= tier
+    assert not {"eval_tier", "baseline", "vllm_port"} & dests  # compare decides its tiers and its baseline
+    # no EvalOptions field declared again on CompareOptions: it holds an EvalOptions
+    assert not {f.name for f in dataclasses.fields(copts.CompareOptions)} & {f.name for f in dataclasses.fields(EvalOptions)}
+    opts = copts.options_from("m", "int8, fp8", "out", {"batch_size": 4, "eval_batch_size": 2, "eval_device": "cpu",
+                                                        "tasks": "arc_easy,gsm8k", "max_kl": 0.1, "seq_len": 64})
+    assert (opts.schemes, opts.plan, opts.max_kl) == (["int8", "fp8"], {"batch_size": 4}, 0.1)
+    assert (opts.eval.batch_size, opts.eval.device, opts.eval.tasks, opts.eval.seq_len) == (2, "cpu", ["arc_easy", "gsm8k"], 64)
+    assert copts.CompareOptions(**opts.to_state()).eval == opts.eval  # the state file round-trips
+    with pytest.raises(TypeError, match="unexpected keyword argument.*schem"):
+        compare("m", ["int8"], "out", schem="fp8")
+
+
 def test_each_option_is_declared_once_on_its_dataclass_and_feeds_parser_and_api():
     import argparse
     import dataclasses

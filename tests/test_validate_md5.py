@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
-from quark_ptq_eval.validate.md5check import check_md5, digest_pair, excluded_candidates, sample
+from quark_ptq_eval.validate.md5check import Sampling, check_md5, digest_pair, excluded_candidates, sample
 
 
 def tensor(path: Path, payload: bytes, prefix: bytes = b"", name: str = "t") -> TensorInfo:
@@ -73,8 +73,8 @@ def test_many_pairs_across_threads_agree_with_one_thread(tmp_path):
         bad = i % 5 == 0
         output[name] = tensor(tmp_path / f"o{i}", payload[:-1] + b"\0" if bad else payload, name=name)
     calls = []
-    parallel = check_md5(source, output, ["m*"], workers=4, progress=lambda *a: calls.append(a))
-    serial = check_md5(source, output, ["m*"], workers=1)
+    parallel = check_md5(source, output, ["m*"], sampling=Sampling(workers=4, progress=lambda *a: calls.append(a)))
+    serial = check_md5(source, output, ["m*"], sampling=Sampling(workers=1))
     assert [f.subject for f in parallel.failures] == [f.subject for f in serial.failures] == ["m0.weight", "m10.weight", "m5.weight"]
     assert parallel.stats["identical"] == serial.stats["identical"] == 9
     assert parallel.stats["differing_md5"] == serial.stats["differing_md5"] and len(parallel.stats["differing_md5"]) == 3

@@ -57,6 +57,12 @@ class Approver(Protocol):
 
     def __call__(self, gate: Gate, summary: str) -> bool: ...
 
+    def weighs(self, gate: str) -> bool:
+        """Whether a yes to ``gate`` is given with its content in view (the gate named, a person at
+        the terminal, a tool handed the summary) rather than by a blanket --yes: a plan this host
+        cannot hold is approved only so."""
+        ...
+
 
 @runtime_checkable
 class Chooser(Protocol):
@@ -87,6 +93,9 @@ class FlagApprover:
             return True
         return self.all_gates and gate.name not in ("overwrite", "baseline")
 
+    def weighs(self, gate: str) -> bool:
+        return gate in self.approved  # named by --approve; --yes alone weighs nothing
+
 
 class TerminalApprover(FlagApprover):
     """Asks on the terminal for gates not already approved by flags."""
@@ -102,6 +111,9 @@ class TerminalApprover(FlagApprover):
         except EOFError:
             return False
         return answer in ("y", "yes")
+
+    def weighs(self, gate: str) -> bool:
+        return True  # the person answering sees the gate's table
 
 
     def choose(self, question: str, choices: tuple[str, ...]) -> str | None:
@@ -133,6 +145,9 @@ class CallbackApprover:
 
     def __call__(self, gate: Gate, summary: str) -> bool:
         return bool(self.callback(gate, summary))
+
+    def weighs(self, gate: str) -> bool:
+        return True  # the callback is handed the gate's summary
 
 
 class Gatekeeper:

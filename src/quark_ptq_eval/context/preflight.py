@@ -143,13 +143,32 @@ def session(goal: str, offline: bool, execution_mode: str, workdir: Path) -> dic
             "open_questions": []}
 
 
-def gather(workdir: Path, given: dict[str, str | None], *, goal: str, offline: bool | None,
-           execution_mode: str | None, model: str, model_path: Path | None, output_dir: Path,
-           trust_remote_code: bool) -> Contexts:
+@dataclass(frozen=True)
+class SessionAsk:
+    """What the session context records of the user's request (None: not given, the file's or the default)."""
+
+    goal: str = ""
+    offline: bool | None = None
+    execution_mode: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkspaceAsk:
+    """What the workspace context records: the model (as given and as found), the output, remote code."""
+
+    model: str
+    model_path: Path | None
+    output_dir: Path
+    trust_remote_code: bool = False
+
+
+def gather(workdir: Path, given: dict[str, str | None], asked: SessionAsk, place: WorkspaceAsk) -> Contexts:
     """Load the contexts given as files; produce (and write to ``workdir``) the others."""
     loaded = {k: load_context(k, p) for k, p in given.items() if p}
     env = loaded.get("env_context") or _reuse(workdir, "env_context") or detect_env()
-    sess = loaded.get("session_context") or session(goal, bool(offline), execution_mode or "batch_execute", workdir)
+    offline, execution_mode = asked.offline, asked.execution_mode
+    sess = loaded.get("session_context") or session(asked.goal, bool(offline), execution_mode or "batch_execute",
+                                                    workdir)
     constraints = sess.setdefault("constraints", {})
     if offline is not None:
         constraints["offline"] = offline
@@ -157,7 +176,8 @@ def gather(workdir: Path, given: dict[str, str | None], *, goal: str, offline: b
         constraints["execution_mode"] = execution_mode
     ctx = Contexts(
         session=sess, env=env,
-        workspace=loaded.get("workspace_context") or workspace(model, model_path, output_dir, trust_remote_code),
+        workspace=loaded.get("workspace_context") or workspace(place.model, place.model_path, place.output_dir,
+                                                               place.trust_remote_code),
         pytorch=loaded.get("pytorch_install_result") or detect_pytorch(env),
         quark=loaded.get("quark_install_result") or detect_quark(),
     )

@@ -204,9 +204,9 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     ctx = preflight.gather(args.workdir.resolve(), {k: getattr(args, k) for k in preflight.CONTEXT_KINDS},
-                           goal="", offline=args.offline, execution_mode=args.execution_mode,
-                           model=args.model or "", model_path=Path(args.model).resolve() if args.model else None,
-                           output_dir=Path(args.output_dir or "").resolve(), trust_remote_code=False)
+                           preflight.SessionAsk("", args.offline, args.execution_mode),
+                           preflight.WorkspaceAsk(args.model or "", Path(args.model).resolve() if args.model else None,
+                                                  Path(args.output_dir or "").resolve()))
     checks = preflight.host_checks(ctx, args.workdir.resolve(), deep=args.deep)
     data = {"env_context": ctx.env, "pytorch_install_result": ctx.pytorch, "quark_install_result": ctx.quark,
             "checks": [dataclasses.asdict(c) for c in checks]}

@@ -126,15 +126,26 @@ def check_overrides(overrides: dict[str, str], shapes: dict[str, tuple[int, int]
         fit_scheme(scheme, "asked for explicitly", True, matched, table, known)
 
 
-def fit_to_model(model_path: str, scheme: str, why: str, user_named: bool, overrides: dict[str, str],
-                 excludes: list[str], known: list[str], fallbacks: tuple[str, ...] = ()) -> tuple[str, str]:
+@dataclass(frozen=True)
+class SchemeChoice:
+    """The scheme chosen, why, whether the user named it (a named one is refused, never replaced) and
+    the schemes a planner's choice may fall back to, nearest first."""
+
+    scheme: str
+    why: str = ""
+    user_named: bool = True
+    fallbacks: tuple[str, ...] = ()
+
+
+def fit_to_model(model_path: str, choice: SchemeChoice, overrides: dict[str, str], excludes: list[str],
+                 known: list[str]) -> tuple[str, str]:
     """The plan step's check: overrides against the linears they match, the global scheme against the rest."""
     from quark_ptq_eval.base.schemes import load_scheme_table
 
     shapes = linear_shapes(model_path, excludes)
     if not shapes:
-        return scheme, why  # no local headers: nothing to hold the groups against
+        return choice.scheme, choice.why  # no local headers: nothing to hold the groups against
     table = load_scheme_table()
     check_overrides(overrides, shapes, table, known)
     rest = {m: s for m, s in shapes.items() if not any(fnmatchcase(m, p) for p in overrides)}
-    return fit_scheme(scheme, why, user_named, rest, table, known, fallbacks)
+    return fit_scheme(choice.scheme, choice.why, choice.user_named, rest, table, known, choice.fallbacks)

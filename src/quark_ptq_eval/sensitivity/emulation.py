@@ -38,11 +38,11 @@ def check_scheme_runs(model_dir: Path, scheme: str, exclude: list[str] | None,
     do not divide a linear it quantizes (Quark's observer would fail there, as the engine's would)."""
     from quark_ptq_eval.base.catalog import load_catalog
     from quark_ptq_eval.base.fsio import read_json
-    from quark_ptq_eval.plan.scheme_fit import fit_to_model
+    from quark_ptq_eval.plan.scheme_fit import SchemeChoice, fit_to_model
 
     catalog = load_catalog()
     model_type = (read_json(Path(model_dir) / "config.json", "model config") or {}).get("model_type")
     template = (catalog.get("templates") or {}).get(model_type) or {}
     excludes = list(exclude) if exclude is not None else list(template.get("exclude_layers") or [])
-    fit_to_model(str(model_dir), scheme, "asked for explicitly", True, dict(layer_config or {}), excludes,
+    fit_to_model(str(model_dir), SchemeChoice(scheme, "asked for explicitly"), dict(layer_config or {}), excludes,
                  list(catalog.get("schemes") or []))

@@ -114,7 +114,7 @@ def propose(result: dict[str, Any], max_kl: float, measure: Callable[[set[str]],
     if rechecks:
         chosen = rechecks[-1]["units"]
     kept_rows = [n for u in chosen for n in units[u]]
-    return _proposal(result, max_kl, kept_rows, chosen, whole, predicted, measured, rechecks)
+    return _proposal(result, max_kl, kept_rows, chosen, KlEstimates(whole, predicted, measured), rechecks)
 
 
 def _patterns(rows: dict[str, Any], names: list[str]) -> list[str]:
@@ -140,7 +140,18 @@ def _recheck(chosen, order, patterns_of, max_kl, measure, known: dict[str, Any])
         chosen.append(left[0])
 
 
-def _proposal(result, max_kl, kept_rows, chosen, whole, predicted, measured, rechecks) -> Proposal:
+@dataclass(frozen=True)
+class KlEstimates:
+    """The whole-model KL, the KL predicted with the chosen units kept, and as measured (None: not re-measured)."""
+
+    whole: float
+    predicted: float
+    measured: float | None
+
+
+def _proposal(result: dict[str, Any], max_kl: float, kept_rows: list[str], chosen: list[str], kl: KlEstimates,
+              rechecks: list[dict[str, Any]]) -> Proposal:
+    whole, predicted, measured = kl.whole, kl.predicted, kl.measured
     rows = {r["layer"]: r for r in result["layers"]}
     kept = sum(rows[n]["params"] for n in kept_rows)
     exclude = _patterns(rows, kept_rows)

@@ -19,7 +19,13 @@ from quark_ptq_eval.validate.decode import check_decode
 from quark_ptq_eval.validate.index import check_index
 from quark_ptq_eval.validate.layout import LayoutInputs, check_layout, layer_count
 from quark_ptq_eval.validate.loadcheck import check_load
-from quark_ptq_eval.validate.md5check import compare_pair, compare_tensors, excluded_candidates, sample
+from quark_ptq_eval.validate.md5check import (
+    Sampling,
+    compare_pair,
+    compare_tensors,
+    excluded_candidates,
+    sample,
+)
 from quark_ptq_eval.validate.plan_conformance import plan_expectation
 from quark_ptq_eval.validate.registry import Check, ValidationContext, unreadable_headers
 from quark_ptq_eval.validate.report import CheckResult, Finding
@@ -43,8 +49,8 @@ def run_layout(ctx: ValidationContext) -> CheckResult:
     result.findings[:0] = expectation.findings
     result.notes[:0] = expectation.notes
     result.stats["expectations_from"] = expectation.origin
-    ctx.shared["quantized_modules"] = inputs.quantized_modules
-    ctx.shared["expected_qconfig"] = expectation.qconfig  # the KV-scale check's patterns (kvcache.py)
+    ctx.shared.quantized_modules = inputs.quantized_modules
+    ctx.shared.expected_qconfig = expectation.qconfig  # the KV-scale check's patterns (kvcache.py)
     return result
 
 
@@ -62,12 +68,12 @@ def run_bytes(ctx: ValidationContext) -> CheckResult:
     source, output = ctx.headers["source"], ctx.headers["output"]
     if not isinstance(source, dict) or not isinstance(output, dict):
         return _bytes_unreadable(ctx)
-    quantized = ctx.shared.get("quantized_modules", set())
+    quantized = ctx.shared.quantized_modules
     must = [n for n in source if not (n.endswith(".weight") and n.rpartition(".")[0] in quantized)]
     rewritten = rewritten_by(must, ctx.qconfig, ctx.plan)
     keep = [n for n in must if n not in rewritten]
-    result = compare_tensors(source, output, keep, max_samples=ctx.max_samples, seed=ctx.seed, workers=ctx.workers,
-                             progress=ctx.progress, result=CheckResult("md5"))
+    sampling = Sampling(ctx.max_samples, ctx.seed, ctx.workers, ctx.progress)
+    result = compare_tensors(source, output, keep, sampling=sampling, result=CheckResult("md5"))
     checked = set(result.stats["checked_names"])
     excluded = excluded_candidates(source, ctx.exclude, tied_embeddings(ctx.src_config, source))
     result.stats["excluded_checked"] = len(checked & set(excluded))

@@ -33,7 +33,7 @@ FloatReader = Callable[[TensorInfo, int], "np.ndarray | None"]  # (tensor, how m
 
 def check_kv_scales(ctx: ValidationContext, result: CheckResult, read_floats: FloatReader) -> None:
     """Add the KV-scale findings, stats and the list of scales checked to the calibration ``result``."""
-    qconfig = ctx.shared.get("expected_qconfig") or ctx.qconfig or {}
+    qconfig = ctx.shared.expected_qconfig or ctx.qconfig or {}
     patterns = {p: (cfg or {}).get("output_tensors") for p, cfg in (qconfig.get("kv_cache_quant_config") or {}).items()}
     if not patterns:  # no KV-cache scheme: nothing to list
         return

@@ -50,16 +50,22 @@ def load_check_alone(source: Path, quantized: Path, plan: dict[str, Any] | None 
     return check_load(ctx)
 
 
+def _error_limit(ctx: ValidationContext) -> tuple[float, str]:
+    """(limit, why) of the module replay, set when the check starts."""
+    assert ctx.shared.module_error_limit is not None
+    return ctx.shared.module_error_limit
+
+
 def check_load(ctx: ValidationContext) -> CheckResult:
     result = CheckResult("load")
     from quark_ptq_eval.validate.loadlimits import module_error_limit
 
-    ctx.shared["module_error_limit"] = module_error_limit(ctx.qconfig, ctx.plan)
+    ctx.shared.module_error_limit = module_error_limit(ctx.qconfig, ctx.plan)
     if not ctx.load_check:
         result.skipped_reason = ("not requested (--no-load-check, or load_check=False in the API): the export was "
                                  "not loaded or run")
         return result
-    if ctx.shared.get("structural_failed"):
+    if ctx.shared.structural_failed:
         result.skipped_reason = "a structural check failed: loading weights known to be wrong proves nothing"
         return result
     try:
@@ -100,7 +106,7 @@ def _probe(ctx: ValidationContext, result: CheckResult) -> None:
     errors = replay.module_errors(_units(ctx, owners, captures, exported, result), captures, exported)
     del out, exported
     if _logits_finite(got, loader, result):
-        _judge_modules(errors, len(owners), loader, result, ctx.shared["module_error_limit"])
+        _judge_modules(errors, len(owners), loader, result, _error_limit(ctx))
         _judge_agreement(got, want, ids.shape[1], loader, result, decisive=not errors)
 
 
@@ -121,7 +127,7 @@ def _units(ctx: ValidationContext, owners: list[str], captures: dict[str, Captur
         return []
     targets = replay.replay_targets(owners, captures, exported)
     if not algos & SCALING:
-        forced = every_expert_units(captures, exported, ctx.shared["module_error_limit"][0])
+        forced = every_expert_units(captures, exported, _error_limit(ctx)[0])
         if forced:
             routed, total = coverage(captures)
             result.stats.update(experts=total, experts_routed_by_probe=routed)

@@ -198,9 +198,19 @@ def _safe_digest(src: TensorInfo, out: TensorInfo) -> PairDigest:
         return PairDigest(src.name, src.nbytes, "", "", None, error=str(exc))
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How many tensors to compare (``max_samples``, drawn with ``seed``; None: all), on how many
+    threads, reporting bytes compared to ``progress``."""
+
+    max_samples: int | None = None
+    seed: int = 0
+    workers: int | None = None
+    progress: Progress | None = None
+
+
 def check_md5(source: dict[str, TensorInfo], output: dict[str, TensorInfo], exclude: list[str], *,
-              tied_embeddings: bool = False, max_samples: int | None = None, seed: int = 0,
-              workers: int | None = None, progress: Progress | None = None) -> CheckResult:
+              tied_embeddings: bool = False, sampling: Sampling | None = None) -> CheckResult:
     """Byte identity of the excluded tensors only (what Quark's own MD5 helper checks)."""
     candidates = excluded_candidates(source, exclude, tied_embeddings)
     if not candidates:
@@ -208,20 +218,20 @@ def check_md5(source: dict[str, TensorInfo], output: dict[str, TensorInfo], excl
         result.skipped_reason = ("no tensor is excluded from quantization" if not exclude else
                                  f"no source tensor matches the exclusions {exclude}")
         return result
-    return compare_tensors(source, output, candidates, max_samples=max_samples, seed=seed, workers=workers,
-                           progress=progress)
+    return compare_tensors(source, output, candidates, sampling=sampling)
 
 
 def compare_tensors(source: dict[str, TensorInfo], output: dict[str, TensorInfo], candidates: list[str], *,
-                    max_samples: int | None = None, seed: int = 0, workers: int | None = None,
-                    progress: Progress | None = None, result: CheckResult | None = None) -> CheckResult:
+                    sampling: Sampling | None = None, result: CheckResult | None = None) -> CheckResult:
     """Compare ``candidates`` (source names) byte for byte; one finding per missing or differing tensor."""
     result = result or CheckResult("md5")
-    checked = sample(candidates, max_samples, seed)
+    sampling = sampling or Sampling()
+    seed, progress = sampling.seed, sampling.progress
+    checked = sample(candidates, sampling.max_samples, seed)
     pairs, findings = _comparable_pairs(checked, source, output)
     result.findings += findings
     t0 = time.perf_counter()
-    digests = _digest_all(pairs, workers or default_workers(), progress)
+    digests = _digest_all(pairs, sampling.workers or default_workers(), progress)
     result.findings += [f for d in digests if (f := _finding(d, source[d.name], output[d.name]))]
     result.stats.update(candidates=len(candidates), checked=len(checked),
                         bytes_compared=sum(d.nbytes for d in digests) * 2, identical=sum(d.identical for d in digests))

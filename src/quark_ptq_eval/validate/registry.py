@@ -21,6 +21,16 @@ Progress = Callable[[str, int, int], None]
 
 
 @dataclass
+class Handoffs:
+    """What one check hands to a later one (in ``checks.CHECKS`` order), typed."""
+
+    quantized_modules: set[str] = field(default_factory=set)  # layout: modules the plan quantizes (bytes check)
+    expected_qconfig: dict[str, Any] | None = None  # plan conformance: the expected qconfig (KV-scale check)
+    module_error_limit: tuple[float, str] | None = None  # load check: (limit, why) of its module replay
+    structural_failed: bool = False  # a structural check failed: the load and serving checks do not run
+
+
+@dataclass
 class ValidationContext:
     """Everything the checks share: the two model dirs, the plan, configs and parsed headers."""
 
@@ -38,7 +48,7 @@ class ValidationContext:
     exclude: list[str] = field(default_factory=list)
     exclusions_from: str = "default"
     headers: dict[str, dict[str, TensorInfo] | str] = field(default_factory=dict)
-    shared: dict[str, Any] = field(default_factory=dict)  # results one check hands to a later one
+    shared: Handoffs = field(default_factory=Handoffs)  # results one check hands to a later one
     weights_source: Path | None = None  # where the decode check reads source weights (an FP8 release's BF16 copy)
 
     @property

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,25 +15,40 @@ from quark_ptq_eval.validate.report import ValidationReport
 DEFAULT_EXCLUDE = ["lm_head"]
 
 
-def validate_model(source: Path | None, quantized: Path, plan: dict[str, Any] | None = None, *, max_samples: int | None = None,
-                   seed: int = 0, workers: int | None = None, progress: Progress | None = None,
-                   load_check: bool = False, vllm_python: Path | None = None) -> ValidationReport:
+@dataclass(frozen=True)
+class ValidateOptions:
+    """How to validate. ``max_samples`` / ``seed``: the tensors compared byte for byte (None: all),
+    on ``workers`` threads; ``progress(check, done, total)`` is called as checks finish and as tensor
+    bytes are compared. ``load_check`` adds the load-and-run check (imports torch and transformers;
+    seconds on a small model; without it the report says it was skipped). ``vllm_python`` names the
+    serving check's vLLM interpreter (servecheck.py)."""
+
+    max_samples: int | None = None
+    seed: int = 0
+    workers: int | None = None
+    progress: Progress | None = None
+    load_check: bool = False
+    vllm_python: Path | None = None
+
+
+def validate_model(source: Path | None, quantized: Path, plan: dict[str, Any] | None = None,
+                   options: ValidateOptions | None = None, **given: Any) -> ValidationReport:
     """Validate ``quantized`` against ``source`` (and ``plan`` when given); never raises on a mismatch.
 
-    ``progress(check, done, total)`` is called as checks finish and as tensor bytes are compared.
-    ``load_check`` adds the load-and-run check (imports torch and transformers; seconds on a small
-    model); without it the report says it was skipped. ``vllm_python`` names the serving check's vLLM
-    interpreter (servecheck.py). Raises :class:`UsageError` only for
-    unusable arguments (a directory that does not exist).
+    ``given``: ValidateOptions fields by keyword (``load_check=True``, ``max_samples=8``, ...), over
+    ``options``. Raises :class:`UsageError` only for unusable arguments (a directory that does not exist).
     """
     from quark_ptq_eval.validate.checks import CHECKS
 
     t0 = time.perf_counter()
+    opts = dataclasses.replace(options or ValidateOptions(), **given)
     source, quantized = _existing_dir(source, "source model"), _existing_dir(quantized, "quantized model")
-    if max_samples is not None and max_samples < 1:
-        raise UsageError(f"--max-samples must be at least 1, not {max_samples}.")
-    ctx = ValidationContext(source, quantized, plan, max_samples=max_samples, seed=seed, workers=workers,
-                            load_check=load_check, vllm_python=vllm_python, progress=progress)
+    if opts.max_samples is not None and opts.max_samples < 1:
+        raise UsageError(f"--max-samples must be at least 1, not {opts.max_samples}.")
+    progress = opts.progress
+    ctx = ValidationContext(source, quantized, plan, max_samples=opts.max_samples, seed=opts.seed,
+                            workers=opts.workers, load_check=opts.load_check, vllm_python=opts.vllm_python,
+                            progress=progress)
     ctx.src_config, ctx.out_config = read_config(source), read_config(quantized)
     ctx.exclude, ctx.exclusions_from = _exclusions(plan, ctx.qconfig)
     ctx.read_headers()
@@ -39,12 +56,12 @@ def validate_model(source: Path | None, quantized: Path, plan: dict[str, Any] | 
     results = []
     for i, check in enumerate(CHECKS.values(), 1):
         started = time.perf_counter()
-        result = check.run(ctx)
+        result = check.execute(ctx)
         result.seconds, result.title, result.advisory = time.perf_counter() - started, check.title, check.advisory
         result.structural, result.next_action, result.fixable = check.structural, check.next_action, check.fixable
         results.append(result)
         if check.structural and result.status == "fail":
-            ctx.shared["structural_failed"] = True
+            ctx.shared.structural_failed = True
         notify(check.name, i, len(CHECKS))
     return ValidationReport(source, quantized, results, exclude_patterns=ctx.exclude, exclusions_from=ctx.exclusions_from,
                             seconds=time.perf_counter() - t0,

@@ -32,7 +32,7 @@ def check_serving(ctx: ValidationContext) -> CheckResult:
     from quark_ptq_eval.validate.vllm_host import find_host_vllm
 
     result = CheckResult("serve")
-    if ctx.shared.get("structural_failed"):
+    if ctx.shared.structural_failed:
         result.skipped_reason = "a structural check failed: serving weights known to be wrong proves nothing"
         return result
     try:
