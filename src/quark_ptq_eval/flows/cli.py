@@ -113,7 +113,7 @@ def _add_recipe_commands(add) -> None:
 
 def _add_tool_commands(add) -> None:
     """Commands around the recipe: import a quark-cli line, compare schemes, scan sensitivity, status."""
-    from quark_ptq_eval.flows.compare.cli import add_compare_arguments
+    from quark_ptq_eval.flows.compare.command import add_compare_arguments
     from quark_ptq_eval.sensitivity.cli import add_sensitivity_arguments
 
     p = add("import-command", "Translate a pasted `quark-cli torch-llm-ptq ...` line into our plan and show "
@@ -247,7 +247,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from quark_ptq_eval.flows.compare.cli import cmd_compare
+    from quark_ptq_eval.flows.compare.command import cmd_compare
 
     return cmd_compare(args, _approver(args))
 
