@@ -10,7 +10,7 @@ from typing import Any
 
 from quark_ptq_eval.base.calibration_text import OPTIMISTIC
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.base.gates import as_gatekeeper
+from quark_ptq_eval.base.gates import Approver, Gatekeeper, as_gatekeeper
 from quark_ptq_eval.evaluate import report as report_files
 from quark_ptq_eval.evaluate.context import (
     RuntimeEstimate,
@@ -35,7 +35,7 @@ def evaluate(
     model_dir: Path,
     options: EvalOptions,
     workdir: Path,
-    approver,
+    approver: Approver | Gatekeeper,
     *,
     source_model: Path | None = None,
     plan: dict[str, Any] | None = None,
@@ -86,7 +86,7 @@ def estimate_runtime(
         return RuntimeEstimate(tier.name, 0.0, "-", 0, "none", "skipped: nothing runs")
     with tempfile.TemporaryDirectory(prefix="qpe-estimate-") as scratch:
         ctx = TierContext(Path(model_dir), options, Path(scratch), None, source_model, None)
-        estimate = tier_module(tier).prepare(ctx).estimate
+        estimate: RuntimeEstimate = tier_module(tier).prepare(ctx).estimate
         estimate.elapsed_s = time.perf_counter() - ctx.started  # the same span evaluate() announces
         return estimate
 
@@ -118,7 +118,7 @@ def _resolve_baseline(options: EvalOptions, source_model: Path | None) -> EvalOp
     return dataclasses.replace(options, baseline=Path(source_model))
 
 
-def _confirm_if_long(estimate: RuntimeEstimate, tier: str, approver) -> None:
+def _confirm_if_long(estimate: RuntimeEstimate, tier: str, approver: Approver | Gatekeeper) -> None:
     if not estimate.long:
         return
     t = get_tier(tier)
@@ -130,7 +130,8 @@ def _confirm_if_long(estimate: RuntimeEstimate, tier: str, approver) -> None:
     as_gatekeeper(approver).require("eval", estimate.as_dict(), summary, advice)
 
 
-def build_report(ctx: TierContext, outcome: TierOutcome, estimate, actual) -> EvalReport:
+def build_report(ctx: TierContext, outcome: TierOutcome, estimate: RuntimeEstimate | None,
+                 actual: float | None) -> EvalReport:
     """A tier's outcome as the evaluation's report: reference merged, verdicts, remedies. Public for
     callers that score a model themselves (compare scores against a cached baseline) and want the
     same verdicts and files as `evaluate`."""

@@ -30,8 +30,8 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -210,7 +210,7 @@ class BaselineCache:
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
         return BaselineEntry(key, path, t["ids"], t["nll"], t["topk_logp"], t["topk_ids"], t["log_tail"], meta)
 
-    def build(self, key: CacheKey, model: torch.nn.Module, windows: torch.Tensor, batch_size: int, source: Path,
+    def build(self, key: CacheKey, model: PreTrainedModel, windows: torch.Tensor, batch_size: int, source: Path,
               log: Callable[[str], None] = print) -> Path:
         """Score ``windows`` with the baseline ``model`` and store the result (atomically)."""
         import torch

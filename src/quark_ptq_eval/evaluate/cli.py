@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from quark_ptq_eval.base.errors import ExitCode, UsageError
 from quark_ptq_eval.base.gates import Gatekeeper
 from quark_ptq_eval.base.options import add_flags, given
 from quark_ptq_eval.base.ui import noise_to_log
 from quark_ptq_eval.evaluate.tiers import tier_checkpoint
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.base.gates import Approver
+    from quark_ptq_eval.evaluate.options import EvalOptions
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> None:
@@ -31,7 +36,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser, standalone: bool = True)
     add_flags(g, EvalOptions, standalone=standalone, skip=["tier"])
 
 
-def eval_options_from_args(args: argparse.Namespace, explicit_only: bool = False):
+@overload
+def eval_options_from_args(args: argparse.Namespace, explicit_only: Literal[False] = ...) -> EvalOptions: ...
+@overload
+def eval_options_from_args(args: argparse.Namespace, explicit_only: Literal[True]) -> dict[str, Any]: ...
+def eval_options_from_args(args: argparse.Namespace, explicit_only: bool = False) -> EvalOptions | dict[str, Any]:
     """EvalOptions from parsed args; ``explicit_only``: a dict of the fields actually given (for `run`)."""
     from quark_ptq_eval.evaluate.options import EvalOptions
 
@@ -39,7 +48,7 @@ def eval_options_from_args(args: argparse.Namespace, explicit_only: bool = False
     return explicit if explicit_only else EvalOptions(**explicit)
 
 
-def cmd_eval(args: argparse.Namespace, approver) -> int:
+def cmd_eval(args: argparse.Namespace, approver: Approver) -> int:
     """`quark-ptq-eval eval --model OUT --tier ...`: one tier on its own."""
     from quark_ptq_eval.evaluate.api import evaluate
 

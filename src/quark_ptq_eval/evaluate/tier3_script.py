@@ -12,6 +12,7 @@ import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quark_ptq_eval.base.fsio import atomic_write_text
 from quark_ptq_eval.evaluate.vllm_commands import (
@@ -23,6 +24,9 @@ from quark_ptq_eval.evaluate.vllm_commands import (
     pid_file_for,
     server_argv,
 )
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.evaluate.options import EvalOptions
 
 SCRIPT_NAME = "tier3_deferred.sh"
 
@@ -129,7 +133,7 @@ class ServerRun:
     evaluate: PlannedCommand
 
 
-def server_runs(plan: CommandPlan, models: list[ServedModel], options, workdir: Path) -> list[ServerRun]:
+def server_runs(plan: CommandPlan, models: list[ServedModel], options: EvalOptions, workdir: Path) -> list[ServerRun]:
     workdir = workdir.resolve()
     runs = []
     for model in models:
@@ -201,7 +205,7 @@ def render_script(plan: CommandPlan, runs: list[ServerRun], port: int, workdir: 
     return "\n".join(lines)
 
 
-def write_script(plan: CommandPlan, models: list[ServedModel], options, workdir: Path) -> tuple[Path, list[PlannedCommand]]:
+def write_script(plan: CommandPlan, models: list[ServedModel], options: EvalOptions, workdir: Path) -> tuple[Path, list[PlannedCommand]]:
     """Write ``tier3_deferred.sh`` (executable) into ``workdir``; return it and its steps."""
     runs = server_runs(plan, models, options, workdir)
     path = atomic_write_text(Path(workdir) / SCRIPT_NAME, render_script(plan, runs, options.vllm_port, workdir))

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.context_window import model_context
 from quark_ptq_eval.base.errors import QpeError, UsageError
@@ -25,6 +25,11 @@ from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOu
 from quark_ptq_eval.evaluate.tier_ppl import synchronize
 from quark_ptq_eval.evaluate.verdict import Z95
 from quark_ptq_eval.validate.loading import LoadedModel, load_model, model_size_bytes, require_finite
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from quark_ptq_eval.evaluate.options import EvalOptions
 
 SAMPLE_DOCS = 16  # documents per task tokenized to estimate request lengths
 DEFAULT_GEN_TOKS = 256  # lm-eval's own default generation budget
@@ -51,7 +56,7 @@ class LmEvalPrepared:
     pilot_s: float
 
 
-def _import_lm_eval():
+def _import_lm_eval() -> tuple[Any, Any]:  # (the lm_eval module, its TaskManager class): no stubs
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -60,14 +65,14 @@ def _import_lm_eval():
     return lm_eval, TaskManager
 
 
-def task_manager(include_path: Path | None):
+def task_manager(include_path: Path | None) -> Any:  # an lm_eval TaskManager
     _, TaskManager = _import_lm_eval()
     if include_path is not None and not Path(include_path).is_dir():
         raise UsageError(f"--include-path {include_path} is not a directory of lm-eval task YAMLs.")
     return TaskManager(include_path=str(include_path) if include_path else None)
 
 
-def check_tasks(manager, tasks: list[str]) -> list[str]:
+def check_tasks(manager: Any, tasks: list[str]) -> list[str]:
     if not tasks:
         raise UsageError(
             "Tier 2 needs --tasks, e.g. --tasks arc_easy,hellaswag (or a local task with --include-path)."
@@ -80,7 +85,7 @@ def check_tasks(manager, tasks: list[str]) -> list[str]:
     return tasks
 
 
-def load_task_objects(manager, tasks: list[str]) -> dict[str, Any]:
+def load_task_objects(manager: Any, tasks: list[str]) -> dict[str, Any]:
     from lm_eval.tasks import get_task_dict
 
     try:
@@ -102,7 +107,7 @@ def _flatten(task_dict: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def count_workload(task_objects: dict[str, Any], tokenizer, options) -> Workload:
+def count_workload(task_objects: dict[str, Any], tokenizer: PreTrainedTokenizerBase, options: EvalOptions) -> Workload:
     workload = Workload()
     for name, task in task_objects.items():
         try:
@@ -112,7 +117,8 @@ def count_workload(task_objects: dict[str, Any], tokenizer, options) -> Workload
     return workload
 
 
-def _count_task(name: str, task, tokenizer, options, workload: Workload) -> None:
+def _count_task(name: str, task: Any, tokenizer: PreTrainedTokenizerBase, options: EvalOptions,
+                workload: Workload) -> None:
     docs = list(task.eval_docs)
     limit = options.limit
     n = (
@@ -126,7 +132,9 @@ def _count_task(name: str, task, tokenizer, options, workload: Workload) -> None
         return
     shots = options.num_fewshot if options.num_fewshot is not None else (task.config.num_fewshot or 0)
     output_type = task.OUTPUT_TYPE
-    lengths, choices, gen = [], [], 0
+    lengths: list[float] = []
+    choices: list[int] = []
+    gen = 0
     for doc in sample:
         if output_type == "loglikelihood_rolling":
             lengths.append(_tokens(tokenizer, task.doc_to_target(doc)))
@@ -146,7 +154,7 @@ def _count_task(name: str, task, tokenizer, options, workload: Workload) -> None
         workload.generated_tokens += n * int(gen)
 
 
-def _tokens(tokenizer, text: Any) -> int:
+def _tokens(tokenizer: PreTrainedTokenizerBase, text: Any) -> int:
     if isinstance(text, list):
         text = text[0] if text else ""
     return len(tokenizer(str(text)).input_ids) if text else 0
@@ -191,7 +199,7 @@ def _clock(device: str) -> float:
     return time.perf_counter()
 
 
-def resolution_warning(workload: Workload, options) -> str | None:
+def resolution_warning(workload: Workload, options: EvalOptions) -> str | None:
     """Said at the checkpoint when --limit leaves too few documents to resolve the healthy threshold.
 
     A 0/1 score near 50 % has a per-document standard deviation of half its mean, so its relative
@@ -296,7 +304,8 @@ def evaluate_tasks(loaded: LoadedModel, ctx: TierContext, task_names: list[str],
     atomic_write_text(path, json.dumps(results, indent=2, default=str))  # lm-eval's own document, kept whole
     atomic_write_text(samples_path(ctx.workdir, label), json.dumps(samples, indent=1))
     results["per_sample"] = samples
-    return results
+    document: dict[str, Any] = results
+    return document
 
 
 def samples_path(workdir: Path, label: str) -> Path:
@@ -366,8 +375,8 @@ def paired_tests(baseline: dict[str, Any], quantized: dict[str, Any], directions
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for task, metrics in quantized.items():
         for metric, ours in metrics.items():
-            theirs = (baseline.get(task) or {}).get(metric)
-            docs = sorted(set(ours) & set(theirs or {}), key=lambda d: (len(d), d))
+            theirs = (baseline.get(task) or {}).get(metric) or {}
+            docs = sorted(set(ours) & set(theirs), key=lambda d: (len(d), d))
             if not docs:
                 continue
             q, b = [ours[d] for d in docs], [theirs[d] for d in docs]
@@ -421,7 +430,9 @@ def _git_hash(log_path: Path) -> str | None:
 
 def scores_from(results: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """({task: {metric: value}}, {task: {metric: stderr}}, {task: {metric: higher_is_better}})."""
-    scores, stderrs, directions = {}, {}, {}
+    scores: dict[str, Any] = {}
+    stderrs: dict[str, Any] = {}
+    directions: dict[str, Any] = {}
     for task, metrics in results["results"].items():
         better = (results.get("higher_is_better") or {}).get(task, {})
         for key, value in metrics.items():

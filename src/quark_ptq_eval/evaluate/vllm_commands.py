@@ -11,11 +11,14 @@ import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.evaluate.vllm_detect import Environment
 from quark_ptq_eval.validate.vllm_host import HostVllm, lm_eval_command
 from quark_ptq_eval.validate.vllm_host import server_argv as host_server_argv
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.evaluate.options import EvalOptions
 
 DEFAULT_TASKS = ["gsm8k"]
 GENERATE_TASK_PREFIXES = (
@@ -97,7 +100,8 @@ def model_traits(model_dir: Path) -> dict[str, Any]:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        return data
     except (OSError, json.JSONDecodeError):
         return {}
 
@@ -153,7 +157,7 @@ def _baseline_devices(path: Path, fit: dict[str, Any], kv: str | None) -> int:
     from quark_ptq_eval.plan.resources import HEADROOM
 
     need = sum(f.stat().st_size for f in path.glob("*.safetensors")) + fit["kv_cache_bytes"] * (2 if kv else 1)
-    devices = max(1, math.ceil(need / (fit["device_memory_gb"] * 1e9 * HEADROOM)))
+    devices: int = max(1, math.ceil(need / (fit["device_memory_gb"] * 1e9 * HEADROOM)))
     return 1 << (devices - 1).bit_length()  # tensor parallelism goes in powers of two, as in the plan
 
 
@@ -164,7 +168,7 @@ def container_name(model_dir: Path) -> str:
 
 def plan_commands(
     models: list[ServedModel],
-    options,
+    options: EvalOptions,
     workdir: Path,
     runtime: str,
     env: Environment,
@@ -212,7 +216,7 @@ def plan_commands(
     return plan
 
 
-def _plan_setup(plan: CommandPlan, name: str, options, models: list[ServedModel], workdir: Path,
+def _plan_setup(plan: CommandPlan, name: str, options: EvalOptions, models: list[ServedModel], workdir: Path,
                 env: Environment) -> None:
     """The holder container (created, or reused) and lm-eval's API extra inside it."""
     if plan.create_container:
@@ -270,7 +274,7 @@ def holder_container_argv(name: str, image: str, models: list[ServedModel], work
     return argv
 
 
-def server_argv(model: ServedModel, options, host: HostVllm | None = None) -> list[str]:
+def server_argv(model: ServedModel, options: EvalOptions, host: HostVllm | None = None) -> list[str]:
     """The bare ``vllm serve`` line (``host``: that interpreter's server module), with the plan's tensor
     parallelism and KV-cache dtype."""
     if host is not None:
@@ -289,7 +293,7 @@ def server_argv(model: ServedModel, options, host: HostVllm | None = None) -> li
     return serve
 
 
-def serve_argv(model: ServedModel, options, runtime: str, container: str, workdir: Path,
+def serve_argv(model: ServedModel, options: EvalOptions, runtime: str, container: str, workdir: Path,
                host: HostVllm | None = None) -> list[str]:
     serve = server_argv(model, options, host if runtime == "host" else None)
     if runtime == "host":
@@ -321,7 +325,7 @@ def health_argv(port: int) -> list[str]:
     ]
 
 
-def lm_eval_argv(model: ServedModel, options, runtime: str, container: str, output: Path,
+def lm_eval_argv(model: ServedModel, options: EvalOptions, runtime: str, container: str, output: Path,
                  ours: bool = False) -> list[str]:
     """``ours``: lm-eval from this environment (a named host vLLM lives in another), tokenizing locally."""
     traits = model_traits(model.path)

@@ -9,12 +9,15 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
 from quark_ptq_eval.evaluate.vllm_commands import CommandPlan, shell_line
 from quark_ptq_eval.validate.vllm_host import failure_reason, start_server, stop_group
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.evaluate.options import EvalOptions
 
 HEALTH_TIMEOUT_S = 1800  # large models take a long time to load and compile
 PORT_FREE_TIMEOUT_S = 120  # a stopped server releases its port once its workers have exited
@@ -47,7 +50,7 @@ class Executor:
     def healthy(self, port: int) -> bool:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                return response.status == 200
+                return bool(response.status == 200)
         except OSError:
             return False
 
@@ -100,7 +103,8 @@ def run_command_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, de
         if container_id:  # only a container this run created, addressed by its id
             for verb in ("stop", "rm"):
                 executor.run(["docker", verb, container_id], timeout=120, check=False)
-            plan.container_id_file.unlink(missing_ok=True)  # our own record of it; the next run needs the name
+            if plan.container_id_file is not None:  # our own record of it; the next run needs the name
+                plan.container_id_file.unlink(missing_ok=True)
     return TierOutcome(
         quantized=scores.get("quantized", {}),
         baseline=scores.get("baseline"),
@@ -139,7 +143,7 @@ def _wait_port_free(executor: Executor, port: int, label: str, timeout_s: float)
         time.sleep(1)
 
 
-def _wait_healthy(executor: Executor, process, label: str, log_path: Path, options) -> None:
+def _wait_healthy(executor: Executor, process: subprocess.Popen[bytes], label: str, log_path: Path, options: EvalOptions) -> None:
     """Until the server answers /health; else one sentence: its own reason when it exited, the timeout
     when it did not (the caller stops it either way)."""
     timeout_s = getattr(options, "vllm_health_timeout_s", HEALTH_TIMEOUT_S)
@@ -181,7 +185,8 @@ def samples_of_this_run(output: Path, before: dict[Path, int]) -> dict[str, Any]
 def results_of_this_run(output: Path, before: dict[Path, int]) -> dict[str, Any]:
     """The newest results file lm_eval wrote after ``before`` was taken: a file an earlier run
     left in the same directory is never read as this run's scores."""
-    return json.loads(_fresh_results(output, before).read_text(encoding="utf-8"))
+    results: dict[str, Any] = json.loads(_fresh_results(output, before).read_text(encoding="utf-8"))
+    return results
 
 
 def _fresh_results(output: Path, before: dict[Path, int]) -> Path:

@@ -16,9 +16,14 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError
+
+if TYPE_CHECKING:
+    import torch
+
+    from quark_ptq_eval.evaluate.context import TierContext
 
 # Relative perplexity difference above which the two backends are said to disagree. vLLM runs its
 # own kernels on the same weights; on the demo model's int8 export the two differ by +0.04 % over 32
@@ -65,10 +70,11 @@ def window_nll(base_url: str, model: str, window: list[int], timeout_s: float = 
     if len(logprobs) != len(window) - 1 or any(v is None for v in logprobs):
         raise QpeError(f"The vLLM server at {base_url} returned {len(logprobs)} prompt log-probabilities for a "
                        f"{len(window)}-token window; it must echo one per prompt token.")
-    return -sum(logprobs) / len(logprobs)
+    nll: float = -sum(logprobs) / len(logprobs)
+    return nll
 
 
-def vllm_window_nlls(base_url: str, model: str, windows) -> tuple[list[float], float]:
+def vllm_window_nlls(base_url: str, model: str, windows: torch.Tensor) -> tuple[list[float], float]:
     """Per-window mean NLL from vLLM, in window order, and the seconds it took."""
     rows = [list(map(int, w)) for w in windows.tolist()]
     started = time.perf_counter()
@@ -90,7 +96,8 @@ def compare(hf_nll: list[float], vllm_nll: list[float], tolerance_pct: float = A
                              seconds.get("hf_seconds"), seconds.get("vllm_seconds"))
 
 
-def cross_check(ctx, windows, hf_nll: list[float], hf_seconds: float | None = None) -> BackendComparison | None:
+def cross_check(ctx: TierContext, windows: torch.Tensor, hf_nll: list[float],
+                hf_seconds: float | None = None) -> BackendComparison | None:
     """Tier 1 with --vllm-python: the quantized model's windows scored again by that vLLM, compared with
     HF's. None without an explicit --vllm-python (an environment variable alone never starts a server
     here). A server that does not become healthy is a QpeError in one sentence, as in Tier 3."""
@@ -106,6 +113,7 @@ def cross_check(ctx, windows, hf_nll: list[float], hf_seconds: float | None = No
     if ctx.options.vllm_python is None:
         return None
     host = find_host_vllm(ctx.options.vllm_python)
+    assert host is not None  # named: found, or UsageError
     port = free_port()
     # the window and the one token generated after it (a window as long as the model's context is refused)
     argv = server_argv(host, ctx.model_dir, port, "tier1") + ["--max-model-len", str(windows.shape[1] + 1)]
