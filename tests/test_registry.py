@@ -5,6 +5,12 @@ the package (a dummy engine, tier, check and source format run through the recip
 from __future__ import annotations
 
 import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +103,7 @@ def _registered() -> dict[str, list[tuple[str, set[str]]]]:
     for t in TIERS.values():
         rows.setdefault(t.name, []).append(("tier", {t.module} if t.module else set()))
     for c in CHECKS.values():
-        rows.setdefault(c.name, []).append(("check", {c.implemented_in, c.run.__module__}))
+        rows.setdefault(c.name, []).append(("check", {c.implemented_in} | ({c.run.__module__} if callable(c.run) else set())))
     for f in FORMATS.values():
         rows.setdefault(f.name, []).append(("format", {f.detector.partition(":")[0]}))
     for g in TARGETS.values():
@@ -162,8 +168,29 @@ def registry_names_outside_their_entries(root: Path) -> list[str]:
     return found
 
 
+def registry_enums_in_schemas(root: Path) -> list[str]:
+    """Schema enums that list a registry's names: contracts.own_schema fills those from the rows."""
+    rows, found = _registered(), []
+
+    def walk(node: object, where: str) -> None:
+        if isinstance(node, dict):
+            enum = node.get("enum")
+            if isinstance(enum, list) and any(isinstance(v, str) and v in rows and v not in HOMONYMS for v in enum):
+                found.append(f"{where}: enum {enum}")
+            for key, value in node.items():
+                walk(value, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{where}/{i}")
+
+    for path in sorted(root.rglob("*.json")):
+        walk(json.loads(path.read_text(encoding="utf-8")), str(path.relative_to(root.parent)))
+    return found
+
+
 def test_no_registry_name_is_written_outside_its_entry_and_the_tables():
     assert registry_names_outside_their_entries(PACKAGE) == []
+    assert registry_enums_in_schemas(PACKAGE) == []
 
 
 def test_the_name_scan_finds_a_name_planted_outside_its_entry(tmp_path):
@@ -177,3 +204,157 @@ def test_the_name_scan_finds_a_name_planted_outside_its_entry(tmp_path):
     found = registry_names_outside_their_entries(planted)
     assert sorted(f.split(": ", 1)[1] for f in found) == ["check 'md5'", "engine 'file2file'", "tier 'ppl'",
                                                           "tier 'vllm'"]  # device == "cpu" is not the target
+    (planted / "flows" / "x.schema.json").write_text('{"properties": {"name": {"enum": ["float", "fp8_block"]}}}')
+    assert registry_enums_in_schemas(planted) == ["quark_ptq_eval/flows/x.schema.json/properties/name: enum "
+                                                  "['float', 'fp8_block']"]
+
+
+# ---- docs/extending.md for real: one module plus one row each, in a copy of the package ------------------
+ENGINE_MODULE = '''"""Engine ``quark-api-copy``: the quark-api engine under its own name (the extension test's engine)."""
+
+from quark_ptq_eval.execute.engines.quark_api import QuarkApiEngine
+
+
+class QuarkApiCopyEngine(QuarkApiEngine):
+    name = "quark-api-copy"
+
+    def auto_reason(self, accelerator: str, calibration: dict, device_is_cpu: bool) -> str | None:
+        return None  # only when asked for
+
+
+ENGINE = QuarkApiCopyEngine()
+'''
+TIER_MODULE = '''"""Tier ``census``: counts the export's tensors and bytes from its safetensors headers."""
+
+import time
+from dataclasses import dataclass
+
+from quark_ptq_eval.base.safetensors_io import read_model_headers
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome
+
+
+@dataclass
+class Prepared:
+    ctx: TierContext
+    estimate: RuntimeEstimate
+
+
+def prepare(ctx: TierContext) -> Prepared:
+    started = time.perf_counter()
+    headers = read_model_headers(ctx.model_dir)  # the pilot: the whole work, timed
+    size = sum(t.nbytes for t in headers.values())
+    return Prepared(ctx, RuntimeEstimate(tier="census", seconds=time.perf_counter() - started, hardware="this host",
+                                         model_bytes=size, data=f"{len(headers)} tensor headers",
+                                         basis="one read of the headers"))
+
+
+def run(prepared: Prepared) -> TierOutcome:
+    headers = read_model_headers(prepared.ctx.model_dir)
+    quantized = sum(1 for name in headers if name.endswith("weight_scale"))
+    scores = {"census": {"tensors": float(len(headers)), "scaled_weights": float(quantized)}}
+    return TierOutcome(quantized=scores, directions={"census": {"tensors": True, "scaled_weights": True}},
+                       details={"census": {"tensors": len(headers), "scaled_weights": quantized}},
+                       informational=("tensors", "scaled_weights"))
+
+
+def section(report) -> list[str]:
+    census = report.details["census"]
+    return ["## Tensor census", "", f"- {census['tensors']} tensors, {census['scaled_weights']} with a weight scale", ""]
+'''
+CHECK_MODULE = '''"""Check ``census``: the export holds at least as many tensors as the source (scales added)."""
+
+from quark_ptq_eval.validate.registry import ValidationContext, unreadable_headers
+from quark_ptq_eval.validate.report import CheckResult, Finding
+
+
+def check_census(ctx: ValidationContext) -> CheckResult:
+    if (bad := unreadable_headers(ctx, "census")) is not None:
+        return bad
+    result = CheckResult("census")
+    source, output = ctx.tensors("source") or {}, ctx.tensors("output") or {}
+    result.stats.update(source_tensors=len(source), export_tensors=len(output))
+    if len(output) < len(source):
+        result.findings.append(Finding("export", "holds fewer tensors than the source.", side="quark"))
+    result.notes.append(f"census: {len(source)} source tensors, {len(output)} in the export")
+    return result
+'''
+FORMAT_MODULE = '''"""Source format ``census_marked``: an unquantized checkpoint whose config.json carries a marker."""
+
+from quark_ptq_eval.intake.formats import SourceEvidence
+
+
+def is_marked(e: SourceEvidence) -> bool:
+    return not e.qc and bool(e.config.get("census_marked"))
+'''
+EXTENSIONS = (  # (module path, its text, the table file, the table's name, its row, the row it goes before)
+    ("execute/engines/quark_api_copy.py", ENGINE_MODULE, "execute/engines/__init__.py", "ENGINES",
+     'EngineEntry("quark-api-copy", "quark_ptq_eval.execute.engines.quark_api_copy", "quark-api again", '
+     'reads_text_file=True),', None),
+    ("evaluate/tier_census.py", TIER_MODULE, "evaluate/tiers.py", "TIERS",
+     'Tier("census", "c", "census", "tensor census of the export", "seconds", "quark_ptq_eval.evaluate.tier_census", '
+     'False, "tensor census", report_section="quark_ptq_eval.evaluate.tier_census:section"),', None),
+    ("validate/census.py", CHECK_MODULE, "validate/checks.py", "CHECKS",
+     'Check("census", "Tensor census (extension)", "quark_ptq_eval.validate.census:check_census", structural=False),',
+     None),
+    ("intake/census_format.py", FORMAT_MODULE, "intake/formats.py", "FORMATS",
+     'SourceFormat("census_marked", "BF16 safetensors marked for the census", DIRECT, "reads it as it is", '
+     '"quark_ptq_eval.intake.census_format:is_marked"),', 'SourceFormat("float",'),
+)
+
+
+def add_row(table: Path, name: str, row: str, before: str | None) -> None:
+    """One registration: ``row`` into the ``name = Registry(...)`` table, at its end or before ``before``."""
+    text = table.read_text(encoding="utf-8")
+    start = text.index(f"{name}: Registry[")
+    at = text.index(before, start) if before else text.index("\n))", start) + 1
+    line_start = text.rindex("\n", 0, at) + 1 if before else at
+    table.write_text(text[:line_start] + "    " + row + "\n" + text[line_start:], encoding="utf-8")
+
+
+def extended_package(root: Path) -> Path:
+    """A copy of the package with the four extensions: per extension one new module and one row."""
+    copy = root / "quark_ptq_eval"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for module, text, table, name, row, before in EXTENSIONS:
+        assert not (copy / module).exists()
+        (copy / module).write_text(text, encoding="utf-8")
+        add_row(copy / table, name, row, before)
+    return root
+
+
+@pytest.mark.slow
+def test_a_new_engine_tier_check_and_source_format_are_one_module_and_one_row_each(tiny_llama, corpus, tmp_path):
+    pkg = extended_package(tmp_path / "pkg")
+    original = {p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py")}
+    changed = [p.relative_to(pkg / "quark_ptq_eval") for p in (pkg / "quark_ptq_eval").rglob("*.py")
+               if p.relative_to(pkg / "quark_ptq_eval") not in original
+               or p.read_bytes() != (PACKAGE / p.relative_to(pkg / "quark_ptq_eval")).read_bytes()]
+    assert len(changed) == 8  # 4 new modules + 4 tables, one row each
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "census_marked": True}, indent=2))
+    wd, out = tmp_path / "work", tmp_path / "out"
+    argv = [sys.executable, "-m", "quark_ptq_eval", "run", str(model), "-o", str(out), "--workdir", str(wd),
+            "--calib-data", str(corpus), "--num-calib-samples", "8", "--calib-seq-len", "64", "--offline",
+            "--scheme", "int8", "--engine", "quark-api-copy", "--eval-tier", "census", "--no-load-check", "--yes",
+            "--json"]
+    started = time.monotonic()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "PYTHONPATH": str(pkg)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(f"extended recipe: {time.monotonic() - started:.1f} s")
+    assert json.loads(proc.stdout)["status"] == "done"
+    analysis = json.loads((wd / "model_analysis.json").read_text())
+    assert analysis["source_format"]["name"] == "census_marked"
+    plan = json.loads((wd / "quant_plan.json").read_text())
+    assert plan["engine"]["name"] == "quark-api-copy" and plan["source_reading"]["mode"] == "direct"
+    assert "BF16 safetensors marked for the census: read as they are" in plan["source_reading"]["reason"]
+    assert (out / "model.safetensors").is_file()  # the delegated engine wrote a real export
+    validation = (wd / "validation_report.md").read_text()
+    assert "## Tensor census (extension): " in validation and "census: " in validation
+    contract = json.loads((wd / "validation_report.json").read_text())
+    census = contract["checks"]["census"]
+    assert census["status"] == "pass" and census["stats"]["export_tensors"] > census["stats"]["source_tensors"]
+    report = (wd / "eval_report.md").read_text()
+    assert "tier census" in report and "## Tensor census" in report and "with a weight scale" in report

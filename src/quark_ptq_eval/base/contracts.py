@@ -49,6 +49,8 @@ def own_schema(kind: str) -> dict[str, Any] | None:
 
 def _with_registries(kind: str, schema: dict[str, Any]) -> dict[str, Any]:
     """Enums that a registry owns are filled in here, never typed into the schema files."""
+    if kind == "model_analysis":
+        return _with_source_formats(schema)
     if kind != "quant_plan":
         return schema
     from quark_ptq_eval.execute.engines import ENGINE_NAMES
@@ -57,6 +59,15 @@ def _with_registries(kind: str, schema: dict[str, Any]) -> dict[str, Any]:
     name = {**engine["properties"]["name"], "enum": list(ENGINE_NAMES)}
     engine = {**engine, "properties": {**engine["properties"], "name": name}}
     return {**schema, "properties": {**schema["properties"], "engine": engine}}
+
+
+def _with_source_formats(schema: dict[str, Any]) -> dict[str, Any]:
+    from quark_ptq_eval.intake.formats import FORMATS
+
+    fmt = schema["properties"]["source_format"]
+    name = {**fmt["properties"]["name"], "enum": list(FORMATS)}
+    fmt = {**fmt, "properties": {**fmt["properties"], "name": name}}
+    return {**schema, "properties": {**schema["properties"], "source_format": fmt}}
 
 
 def schema_errors(kind: str, data: object) -> list[str]:

@@ -38,6 +38,7 @@ class SourceEvidence:
     method: str  # quantization_config.quant_method, lower-cased ("" without one)
     tensors: dict[str, TensorInfo]
     model_dir: Path | None
+    config: dict  # the whole config.json (a format may be marked there)
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def has_bin_weights(model_dir: Path | None) -> bool:
 def detect(config: dict[str, Any], tensors: dict[str, TensorInfo] | None, model_dir: Path | None) -> SourceFormat:
     """The format of a source from its config.json, its headers and, without headers, its files."""
     qc = quant_config(config)
-    evidence = SourceEvidence(qc, str(qc.get("quant_method", "")).lower() if qc else "", tensors or {}, model_dir)
+    evidence = SourceEvidence(qc, str(qc.get("quant_method", "")).lower() if qc else "", tensors or {}, model_dir, config)
     for fmt in FORMATS.values():
         if load(fmt.detector)(evidence):
             return fmt

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UnsafeInputError
+from quark_ptq_eval.base.registry import load
 from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
 from quark_ptq_eval.validate.report import CheckResult, Finding
 
@@ -90,7 +91,7 @@ class Check:
 
     name: str
     title: str
-    run: Callable[[ValidationContext], CheckResult]
+    run: Callable[[ValidationContext], CheckResult] | str  # or "module:function", imported when it runs
     structural: bool  # a failure means the weights are wrong: stop, no fix offered
     advisory: bool = False  # its failures are reported ("warn") and never stop the run
     next_action: str = ""  # what the report advises when it fails
@@ -99,7 +100,11 @@ class Check:
 
     @property
     def implemented_in(self) -> str:
-        return self.module or self.run.__module__
+        return self.module or (self.run.partition(":")[0] if isinstance(self.run, str) else self.run.__module__)
+
+    def execute(self, ctx: ValidationContext) -> CheckResult:
+        run: Callable[[ValidationContext], CheckResult] = load(self.run) if isinstance(self.run, str) else self.run
+        return run(ctx)
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
