@@ -14,8 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from quark_ptq_eval.base.catalog import cache_dir
-from quark_ptq_eval.base.fsio import read_json, write_json
+from quark_ptq_eval.base.fsio import cache_dir, read_json, write_json
 
 # Bump when what a scan measures changes: old entries then stop matching.
 # 2: the engine's preparation (MoE experts per expert), expert units, pinned routing, quantized share.
@@ -28,7 +27,7 @@ def tokens_digest(windows: list[list[int]]) -> str:
 
 def scan_key(model: str, scheme: str, exclude: list[str] | None, data: str, device: str,
              layer_config: dict[str, str] | None = None, expert_units: str = "group") -> str:
-    spec = {"model": model, "scheme": scheme, "exclude": exclude, "data": data, "device": device,
+    spec: dict[str, Any] = {"model": model, "scheme": scheme, "exclude": exclude, "data": data, "device": device,
             "method": METHOD_VERSION, "expert_units": expert_units}
     if layer_config:  # only when set, so that the keys of scans without overrides stay as they were
         spec["layer_config"] = layer_config
@@ -48,7 +47,8 @@ class ScanCache:
         if not self.final.exists():
             return None
         try:
-            return read_json(self.final, "sensitivity cache entry")
+            entry: dict[str, Any] = read_json(self.final, "sensitivity cache entry")
+            return entry
         except Exception:  # noqa: BLE001 - a damaged entry is re-measured, never trusted
             return None
 

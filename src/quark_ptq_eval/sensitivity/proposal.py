@@ -64,7 +64,7 @@ class Proposal:
             return (f"sensitivity scan: the whole model quantized measures KL {self.whole_model_kl:.4g}, "
                     f"within the budget {self.max_kl:.4g}: no exclusion needed")
         state = "meets" if self.met else "does NOT meet"
-        if self.layer_quant_config:
+        if self.layer_quant_config and self.wider is not None:
             w = self.wider
             return (f"sensitivity scan: keeping {len(self.exclude)} layer(s) at {w['scheme']} brings the measured KL "
                     f"from {self.whole_model_kl:.4g} to {w['measured_kl']:.4g} (budget {self.max_kl:.4g}) for "
@@ -121,7 +121,9 @@ def _patterns(rows: dict[str, Any], names: list[str]) -> list[str]:
     return sorted(rows[n].get("pattern", n) for n in names)
 
 
-def _recheck(chosen, order, patterns_of, max_kl, measure, known: dict[str, Any]) -> tuple[float | None, list[dict[str, Any]]]:
+def _recheck(chosen: list[str], order: list[str], patterns_of: Callable[[list[str]], list[str]], max_kl: float,
+             measure: Callable[[set[str]], float] | None,
+             known: dict[str, Any]) -> tuple[float | None, list[dict[str, Any]]]:
     if not chosen:
         return None, []
     rechecks: list[dict[str, Any]] = []

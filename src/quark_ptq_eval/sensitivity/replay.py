@@ -9,8 +9,13 @@ scan falls back to full forward passes: slower, never wrong.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 REPLAY_TOLERANCE = 1e-3  # max |log-prob difference| between replay and the real forward
 
@@ -33,7 +38,7 @@ class Decoder:
         return int(name[len(self.prefix) + 1 :].split(".")[0])
 
 
-def find_decoder(model) -> Decoder | None:
+def find_decoder(model: PreTrainedModel) -> Decoder | None:
     from torch import nn
 
     n_layers = getattr(model.config, "num_hidden_layers", None)
@@ -45,19 +50,19 @@ def find_decoder(model) -> Decoder | None:
     return None
 
 
-def capture_inputs(decoder: Decoder, model, batches: list[Any]) -> list[Any]:
+def capture_inputs(decoder: Decoder, model: torch.nn.Module, batches: list[Any]) -> list[Any]:
     """Run the reference pass, recording each block's inputs; return float32 log-probs per batch."""
     import torch
 
     decoder.inputs = [[] for _ in decoder.blocks]
 
-    def hook(index: int):
-        def record(_module, args, kwargs):
+    def hook(index: int) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def record(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             kept = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
             decoder.inputs[index].append((args, kept))
         return record
 
-    def record_final(_module, _args, output):
+    def record_final(_module: torch.nn.Module, _args: tuple[Any, ...], output: Any) -> None:
         decoder.final.append(output[0] if isinstance(output, tuple) else output)
 
     decoder.final = []
@@ -71,11 +76,11 @@ def capture_inputs(decoder: Decoder, model, batches: list[Any]) -> list[Any]:
             h.remove()
 
 
-def log_probs(logits):
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().log_softmax(-1)
 
 
-def replay(decoder: Decoder, start: int, batch_index: int):
+def replay(decoder: Decoder, start: int, batch_index: int) -> torch.Tensor:
     """Log-probs of one batch, running blocks ``start``.. on the recorded input of block ``start``."""
     import torch
 
@@ -92,6 +97,7 @@ def replay(decoder: Decoder, start: int, batch_index: int):
             hidden = out[0] if isinstance(out, tuple) else out
         if decoder.norm is not None:
             hidden = decoder.norm(hidden)
+        assert decoder.head is not None  # replay_matches refused a decoder without a head
         return log_probs(decoder.head(hidden))
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.options import flag
 from quark_ptq_eval.evaluate.baseline_cache import (
@@ -28,6 +28,10 @@ from quark_ptq_eval.evaluate.baseline_cache import (
 from quark_ptq_eval.sensitivity.cache import METHOD_VERSION, ScanCache, scan_key, tokens_digest
 from quark_ptq_eval.sensitivity.replay import Decoder, capture_inputs, find_decoder, replay, replay_matches
 from quark_ptq_eval.sensitivity.units import EXPERT_UNITS, Routing, Unit, measurement_units, module_type
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 ESTIMATE_AFTER = 2  # layers timed before the whole scan's time is estimated
 Progress = Callable[[str], None]
@@ -128,7 +132,7 @@ def scan(opts: ScanOptions, progress: Progress = print) -> tuple[dict[str, Any],
     return {**result, "cache_hit": False}, session
 
 
-def _tokenizer(opts: ScanOptions):
+def _tokenizer(opts: ScanOptions) -> PreTrainedTokenizerBase:
     import transformers
     from transformers import AutoTokenizer
 
@@ -191,7 +195,7 @@ def _block(session: Session, name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _params(module) -> int:
+def _params(module: torch.nn.Module) -> int:
     weight = getattr(module, "weight", None)
     return int(weight.numel()) if weight is not None else 0
 
@@ -211,9 +215,9 @@ def open_session(opts: ScanOptions, batches: list[Any]) -> Session:
     from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
         opts.model_dir, dtype="auto", trust_remote_code=opts.trust_remote_code
-    ).to(opts.device).eval()
+    ).to(opts.device).eval()  # type: ignore[arg-type]  # transformers' decorated .to() reads as unbound to mypy
     prepare_for_quantization(model)  # the engine's step: per-expert linears, as the export holds them
     routing = Routing()
     decoder, reference = _reference_pass(model, batches, routing, opts.replay)
@@ -236,7 +240,7 @@ def open_session(opts: ScanOptions, batches: list[Any]) -> Session:
     return session
 
 
-def _reference_pass(model, batches: list[Any], routing: Routing, use_replay: bool) -> tuple[Decoder | None, list[Any]]:
+def _reference_pass(model: PreTrainedModel, batches: list[Any], routing: Routing, use_replay: bool) -> tuple[Decoder | None, list[Any]]:
     """Reference log-probs (nothing quantized), each block's inputs and each MoE layer's routing."""
     decoder = find_decoder(model)
     routing.record(model)
@@ -249,7 +253,7 @@ def _reference_pass(model, batches: list[Any], routing: Routing, use_replay: boo
     return decoder, reference
 
 
-def quantized_share(model, layers: dict[str, Any]) -> dict[str, Any]:
+def quantized_share(model: torch.nn.Module, layers: dict[str, Any]) -> dict[str, Any]:
     """Weight parameters quantized / all matrix parameters, counted as the validator counts the export's
     headers: every weight of two or more dimensions except embeddings (routers and lm_head included)."""
     from quark_ptq_eval.base.schemes import is_embedding
@@ -281,7 +285,7 @@ UNREACHED_TREATMENT = ("an expert no calibration token reached is quantized like
                        "it is listed here, and the proposal, which ranks by KL, leaves it at the scheme")
 
 
-def _full_pass(model, batches: list[Any]) -> list[Any]:
+def _full_pass(model: torch.nn.Module, batches: list[Any]) -> list[Any]:
     import torch
 
     from quark_ptq_eval.sensitivity.replay import log_probs
@@ -290,7 +294,7 @@ def _full_pass(model, batches: list[Any]) -> list[Any]:
         return [log_probs(model(b, use_cache=False).logits) for b in batches]
 
 
-def _quantized_layers(model) -> dict[str, dict[str, Any]]:
+def _quantized_layers(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """Every module Quark attached a quantizer to, with its quantizers flattened (lists unrolled)."""
     from quark.torch.quantization.nn.modules.mixin import QuantMixin
 
@@ -298,7 +302,7 @@ def _quantized_layers(model) -> dict[str, dict[str, Any]]:
     for name, module in model.named_modules():
         if not isinstance(module, QuantMixin):
             continue
-        found = []
+        found: list[Any] = []
         for attr in ("_weight_quantizer", "_input_quantizer", "_output_quantizer", "_bias_quantizer"):
             q = getattr(module, attr, None)
             if q is not None:
@@ -332,7 +336,7 @@ def measure_kl(session: Session, quantized: set[str], pinned: bool = False) -> f
         with torch.no_grad():
             for i, (batch, ref) in enumerate(zip(session.batches, session.reference, strict=True)):
                 session.routing.batch = i
-                got = replay(session.decoder, start, i) if start is not None else \
+                got = replay(session.decoder, start, i) if start is not None and session.decoder is not None else \
                     _full_pass(session.model, [batch])[0]
                 total += float((ref.exp() * (ref - got)).sum(-1).double().sum())
                 tokens += ref.shape[0] * ref.shape[1]

@@ -18,9 +18,17 @@ further down; whole-model and combination measurements route live, as the real m
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# A forward pre-hook with kwargs: (module, args, kwargs) -> replacement (args, kwargs), or None to keep them
+PreHookWithKwargs = Callable[["torch.nn.Module", tuple[Any, ...], dict[str, Any]],
+                             "tuple[tuple[Any, ...], dict[str, Any]] | None"]
 
 EXPERT_UNITS = ("group", "expert", "projection")
 ROUTED = re.compile(r"^(?P<moe>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
@@ -82,7 +90,7 @@ class Routing:
         self.batch = 0
         self._handles: list[Any] = []
 
-    def record(self, model) -> None:
+    def record(self, model: torch.nn.Module) -> None:
         """Hooks that record the routing of every experts module during the next forward passes."""
         for name, module in _experts_modules(model):
             self.recorded[name] = []
@@ -94,7 +102,7 @@ class Routing:
             h.remove()
         self._handles = []
 
-    def pin(self, model) -> None:
+    def pin(self, model: torch.nn.Module) -> None:
         """Hooks (kept for the session) that substitute the recorded routing while ``pinned`` is set."""
         for name, module in _experts_modules(model):
             if self.recorded.get(name):
@@ -113,14 +121,15 @@ class Routing:
             counts[name] = total.tolist()
         return counts
 
-    def _recorder(self, name: str):
-        def hook(_module, args, kwargs):
+    def _recorder(self, name: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             index, weights = _routing_args(args, kwargs)
             self.recorded[name].append((index.detach().clone(), weights.detach().clone()))
         return hook
 
-    def _substitute(self, name: str):
-        def hook(_module, args, kwargs):
+    def _substitute(self, name: str) -> PreHookWithKwargs:
+        def hook(_module: torch.nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
             if not self.pinned:
                 return None
             index, weights = self.recorded[name][self.batch]
@@ -130,7 +139,7 @@ class Routing:
         return hook
 
 
-def _experts_modules(model) -> list[tuple[str, Any]]:
+def _experts_modules(model: torch.nn.Module) -> list[tuple[str, Any]]:
     """Quark's per-expert replacements (``QuarkExperts``: forward(hidden, top_k_index, top_k_weights))."""
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "num_experts") and hasattr(m, "_apply_gate")]
 
