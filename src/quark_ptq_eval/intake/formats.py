@@ -38,7 +38,7 @@ class SourceEvidence:
     method: str  # quantization_config.quant_method, lower-cased ("" without one)
     tensors: dict[str, TensorInfo]
     model_dir: Path | None
-    config: dict  # the whole config.json (a format may be marked there)
+    config: dict[str, Any]  # the whole config.json (a format may be marked there)
 
 
 @dataclass(frozen=True)

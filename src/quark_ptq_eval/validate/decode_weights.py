@@ -225,7 +225,8 @@ class _Chunk:
             if self.t.source.dtype in fmt.HALF_FLOATS:  # Quark may divide in the model's dtype: either is exact
                 x = fmt.round_to(self.t.source.dtype, self.quotient[suspect]) + self.spread(self.zero)[suspect]
                 err[suspect] = np.minimum(err[suspect], _steps(x, self.v[suspect], grid))
-        return err
+        steps: Array = err  # (err *= ... made it Any to mypy)
+        return steps
 
 
 def _over(err: np.ndarray, limit: float) -> tuple[np.ndarray, np.ndarray] | None:
