@@ -212,7 +212,7 @@ def quiet(fn):
 
 def bench_md5(source: Path, twin: Path, workers: int | None, repeat: int) -> list[dict]:
     from quark_ptq_eval.base.safetensors_io import read_model_headers
-    from quark_ptq_eval.validate.md5check import Sampling, compare_tensors, excluded_candidates
+    from quark_ptq_eval.validate.byte_identity import Sampling, compare_tensors, excluded_candidates
 
     qv = load_quark_helper()
     src_h, out_h = read_model_headers(source), read_model_headers(twin)

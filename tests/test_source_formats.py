@@ -184,7 +184,7 @@ def test_a_lossless_widening_is_benign_and_a_changed_value_is_not(tmp_path):
     from safetensors.torch import save_file
 
     from quark_ptq_eval.base.safetensors_io import read_header
-    from quark_ptq_eval.validate.md5check import compare_tensors
+    from quark_ptq_eval.validate.byte_identity import compare_tensors
 
     bias = torch.randn(64).to(torch.bfloat16)
     save_file({"m.e_score_correction_bias": bias}, tmp_path / "src.safetensors")

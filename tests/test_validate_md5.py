@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
-from quark_ptq_eval.validate.md5check import Sampling, check_md5, digest_pair, excluded_candidates, sample
+from quark_ptq_eval.validate.byte_identity import (
+    Sampling,
+    check_excluded_bytes,
+    digest_pair,
+    excluded_candidates,
+    sample,
+)
 
 
 def tensor(path: Path, payload: bytes, prefix: bytes = b"", name: str = "t") -> TensorInfo:
@@ -41,7 +47,7 @@ def test_a_short_file_is_a_read_error_not_a_crash(tmp_path):
     src = tensor(tmp_path / "a", payload, prefix=b"p" * 100)
     out = TensorInfo("t", "U8", (20_000,), tmp_path / "b", 100, 20_100)
     (tmp_path / "b").write_bytes(b"p" * 100 + payload[:15_000])
-    result = check_md5({"t": src}, {"t": out}, ["t"])
+    result = check_excluded_bytes({"t": src}, {"t": out}, ["t"])
     [finding] = result.failures
     assert finding.side == "environment" and "ends before the end of tensor 't'" in finding.message
 
@@ -73,8 +79,8 @@ def test_many_pairs_across_threads_agree_with_one_thread(tmp_path):
         bad = i % 5 == 0
         output[name] = tensor(tmp_path / f"o{i}", payload[:-1] + b"\0" if bad else payload, name=name)
     calls = []
-    parallel = check_md5(source, output, ["m*"], sampling=Sampling(workers=4, progress=lambda *a: calls.append(a)))
-    serial = check_md5(source, output, ["m*"], sampling=Sampling(workers=1))
+    parallel = check_excluded_bytes(source, output, ["m*"], sampling=Sampling(workers=4, progress=lambda *a: calls.append(a)))
+    serial = check_excluded_bytes(source, output, ["m*"], sampling=Sampling(workers=1))
     assert [f.subject for f in parallel.failures] == [f.subject for f in serial.failures] == ["m0.weight", "m10.weight", "m5.weight"]
     assert parallel.stats["identical"] == serial.stats["identical"] == 9
     assert parallel.stats["differing_md5"] == serial.stats["differing_md5"] and len(parallel.stats["differing_md5"]) == 3
@@ -83,14 +89,14 @@ def test_many_pairs_across_threads_agree_with_one_thread(tmp_path):
 
 def test_nothing_excluded_skips_the_check(tmp_path):
     src = tensor(tmp_path / "a", b"abc")
-    assert check_md5({"t": src}, {"t": src}, []).status == "skipped"
-    assert "no source tensor matches" in check_md5({"t": src}, {"t": src}, ["lm_head"]).skipped_reason
+    assert check_excluded_bytes({"t": src}, {"t": src}, []).status == "skipped"
+    assert "no source tensor matches" in check_excluded_bytes({"t": src}, {"t": src}, ["lm_head"]).skipped_reason
 
 
 def test_without_libc_memcmp_the_comparison_still_holds(tmp_path, monkeypatch):
-    from quark_ptq_eval.validate import md5check
+    from quark_ptq_eval.validate import byte_identity
 
-    monkeypatch.setattr(md5check, "_memcmp", lambda: None)
+    monkeypatch.setattr(byte_identity, "_memcmp", lambda: None)
     payload = random.Random(4).randbytes(5000)
     src = tensor(tmp_path / "a", payload)
     assert digest_pair(src, tensor(tmp_path / "b", payload), chunk_bytes=1024).identical

@@ -13,19 +13,19 @@ from quark_ptq_eval.base.registry import Registry
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.base.schemes import load_scheme_table
 from quark_ptq_eval.validate.auxfiles import check_aux
-from quark_ptq_eval.validate.calibration import check_calibration
-from quark_ptq_eval.validate.configdiff import ConfigContext, check_config
-from quark_ptq_eval.validate.decode import check_decode
-from quark_ptq_eval.validate.index import check_index
-from quark_ptq_eval.validate.layout import LayoutInputs, check_layout, layer_count
-from quark_ptq_eval.validate.loadcheck import check_load
-from quark_ptq_eval.validate.md5check import (
+from quark_ptq_eval.validate.byte_identity import (
     Sampling,
     compare_pair,
     compare_tensors,
     excluded_candidates,
     sample,
 )
+from quark_ptq_eval.validate.calibration import check_calibration
+from quark_ptq_eval.validate.configdiff import ConfigContext, check_config
+from quark_ptq_eval.validate.decode import check_decode
+from quark_ptq_eval.validate.index import check_index
+from quark_ptq_eval.validate.layout import LayoutInputs, check_layout, layer_count
+from quark_ptq_eval.validate.loadcheck import check_load
 from quark_ptq_eval.validate.plan_conformance import plan_expectation
 from quark_ptq_eval.validate.registry import Check, ValidationContext, unreadable_headers
 from quark_ptq_eval.validate.report import CheckResult, Finding
@@ -159,7 +159,7 @@ CHECKS: Registry[Check] = Registry("validation check", (
           fixable=True, module="quark_ptq_eval.validate.auxfiles"),
     Check("config", "config.json", run_config, structural=False, module="quark_ptq_eval.validate.configdiff"),
     Check("md5", "Byte identity of every tensor that must not change", run_bytes, structural=True,
-          module="quark_ptq_eval.validate.md5check"),
+          module="quark_ptq_eval.validate.byte_identity"),
     Check("decode", "Quantized weights decode to the source within the scheme's rounding", check_decode,
           structural=True),
     Check("calibration", "Activation scales set by calibration", check_calibration, structural=True,

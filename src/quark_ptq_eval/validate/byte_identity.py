@@ -209,7 +209,7 @@ class Sampling:
     progress: Progress | None = None
 
 
-def check_md5(source: dict[str, TensorInfo], output: dict[str, TensorInfo], exclude: list[str], *,
+def check_excluded_bytes(source: dict[str, TensorInfo], output: dict[str, TensorInfo], exclude: list[str], *,
               tied_embeddings: bool = False, sampling: Sampling | None = None) -> CheckResult:
     """Byte identity of the excluded tensors only (what Quark's own MD5 helper checks)."""
     candidates = excluded_candidates(source, exclude, tied_embeddings)
