@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from quark_ptq_eval.base.errors import QpeError, UsageError
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
@@ -493,7 +493,25 @@ def _vllm_cross_check(prepared: PplPrepared, outcome: TierOutcome, hf_seconds: f
         outcome.notes.append(result.sentence())
 
 
-def outcome_from(acc: Accumulator, seq_len: int, prepared: PplPrepared) -> TierOutcome:
+class NamedLoader(Protocol):
+    @property
+    def loader(self) -> str: ...
+    @property
+    def loader_reason(self) -> str: ...
+
+
+class ScoredRun(Protocol):
+    """What outcome_from reads of a prepared run: PplPrepared, or compare's scoring against a cached baseline."""
+
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def quantized(self) -> NamedLoader: ...
+    @property
+    def baseline(self) -> NamedLoader | None: ...
+
+
+def outcome_from(acc: Accumulator, seq_len: int, prepared: ScoredRun) -> TierOutcome:
     stats = perplexity_stats(acc.window_nll, seq_len - 1)
     quantized = {TASK: {"perplexity": stats["perplexity"]}}
     details: dict[str, Any] = {

@@ -155,8 +155,8 @@ def _run_options(args: argparse.Namespace):
         plan["calib_data"] = _absolute(plan["calib_data"])
     eval_opts = eval_options_from_args(args, explicit_only=True) if hasattr(args, "eval_tier") else {}
     # Stored in run_state.json for `resume` (possibly from another directory): JSON, absolute paths.
-    eval_opts = {k: _absolute(v) if isinstance(v, Path) else dataclasses.asdict(v) if dataclasses.is_dataclass(v)
-                 else v for k, v in eval_opts.items()}
+    eval_opts = {k: _absolute(v) if isinstance(v, Path) else dataclasses.asdict(v)
+                 if dataclasses.is_dataclass(v) and not isinstance(v, type) else v for k, v in eval_opts.items()}
     model = getattr(args, "model", None)
     return RunOptions(
         model=_absolute(model) if model and Path(model).exists() else model,

@@ -56,7 +56,7 @@ def _value(action: argparse.Action) -> str:
         return " ".join(action.metavar)
     else:
         name = action.metavar or (action.dest if not action.option_strings else action.dest.upper())
-    return {"?": f"[{name}]", "*": f"[{name} ...]", "+": f"{name} [{name} ...]"}.get(action.nargs, name)
+    return {"?": f"[{name}]", "*": f"[{name} ...]", "+": f"{name} [{name} ...]"}.get(str(action.nargs), name)
 
 
 def _default(action: argparse.Action) -> str:

@@ -55,7 +55,7 @@ def _liveness(workdir: Path, state: RunState) -> dict | None:
         record = read_holder((workdir / LOCK_FILE).read_text(encoding="utf-8", errors="replace"))
     except OSError:
         record = None
-    if holder_alive(record):
+    if record is not None and holder_alive(record):
         return {"state": "running", "continue": None,
                 "line": f"  running: {running[0]} (pid {record['pid']}, started {record.get('started_at', '?')})"}
     return {"state": "interrupted", "continue": f"quark-ptq-eval resume --workdir {shlex.quote(str(workdir))}",

@@ -31,6 +31,7 @@ class BaselineSource:
         from quark_ptq_eval.evaluate.tier_ppl import eval_texts, token_windows
         from quark_ptq_eval.intake import resolve_model
 
+        assert opts.model, "compare() refuses a comparison without a model"
         source, _ = resolve_model(opts.model, bool(opts.offline))
         if source is None:
             raise UsageError(f"The baseline {opts.model} is not available as local files.",
@@ -39,6 +40,7 @@ class BaselineSource:
         self.opts, self.log = opts, comparison.ui.info
         self.texts = eval_texts(opts.eval.eval_data, opts.eval.eval_text_limit)
         tokenizer = AutoTokenizer.from_pretrained(self.source, trust_remote_code=bool(opts.plan.get("trust_remote_code")))
+        assert opts.eval.seq_len is not None  # CompareOptions sets one window for every scheme
         self.windows = token_windows(tokenizer, self.texts, opts.eval.seq_len, opts.eval.max_windows)
         self.cache = comparison.cache = BaselineCache(comparison.root / CACHE_DIR)
         self.key: CacheKey = self.cache.key_for(self.source, tokenizer, self.texts, self.windows, opts.top_k)
@@ -72,7 +74,7 @@ class BaselineSource:
 
         loaded = load_model(self.source, self.opts.eval.device, bool(self.opts.plan.get("trust_remote_code")))
         vocab = loaded.model.get_output_embeddings().weight.shape[0]
-        batch = self.opts.eval.batch_size or auto_batch_size(self.opts.eval.seq_len, vocab, loaded.device)
+        batch = self.opts.eval.batch_size or auto_batch_size(self.windows.shape[1], vocab, loaded.device)
         self.log(f"baseline: evaluating {self.source} once ({self.windows.shape[0]} windows) into the cache")
         self.cache.build(self.key, loaded.model, self.windows, batch, self.source, log=self.log)
 
@@ -108,15 +110,17 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     options = EvalOptions(tier=text_tier().name, baseline=baseline.source, **TIER1.values(opts.eval))
     started = time.perf_counter()
     quantized = load_model(model_dir, opts.eval.device, bool(opts.plan.get("trust_remote_code")))
-    windows = token_windows(quantized.tokenizer, baseline.texts, opts.eval.seq_len, opts.eval.max_windows)
+    seq_len = opts.eval.seq_len
+    assert seq_len is not None  # CompareOptions sets one window for every scheme
+    windows = token_windows(quantized.tokenizer, baseline.texts, seq_len, opts.eval.max_windows)
     if tuple(windows.shape) != tuple(entry.ids.shape) or not bool((windows == entry.ids).all()):
         raise UsageError(f"{model_dir} tokenizes the evaluation text differently from the baseline; "
                          "per-token KL needs the same tokenizer.")
     vocab = quantized.model.get_output_embeddings().weight.shape[0]
-    batch = opts.eval.batch_size or auto_batch_size(opts.eval.seq_len, vocab, quantized.device)
+    batch = opts.eval.batch_size or auto_batch_size(seq_len, vocab, quantized.device)
     acc, bounds, tail = score_against_cache(quantized.model, windows, entry, batch)
     prepared = _Prepared(batch, quantized, _Loaded(f"baseline cache {entry.key.id}", ""))
-    outcome = outcome_from(acc, opts.eval.seq_len, prepared)
+    outcome = outcome_from(acc, seq_len, prepared)
     outcome.details["kl"]["kl_cache_gap_bound_mean"] = float(bounds.mean())
     outcome.details["kl"]["kl_cache_gap_bound_max"] = float(bounds.max())
     outcome.details["kl"]["baseline_tail_mass_mean"] = float(tail.mean())

@@ -79,15 +79,15 @@ class Comparison:
         analysis = self._intake(opts)
         if opts.eval.tasks:
             self._check_tasks(opts)
-        plans = self._each(opts, "plan", {"intake"})
-        plans = {s: QuantPlan.load(self.workdir(s)) for s in plans}
+        planned = self._each(opts, "plan", {"intake"})
+        plans = {s: QuantPlan.load(self.workdir(s)) for s in planned}
         totals = estimate_totals(analysis, plans, opts)
         self.ui.table("Plans", combined_plan_table(plans, totals), ("scheme", "bits/weight", "output", "time",
                                                                     "algorithm", "calibration"))
         self.ui.info(totals["text"])
         self.gates.require("plan", {s: p.digest for s, p in plans.items()}, totals["text"])
-        manifests = self._each(opts, "manifest", {"intake", "plan"}, only=list(plans))
-        manifests = {s: RunManifest.load(self.workdir(s)) for s in manifests}
+        manifested = self._each(opts, "manifest", {"intake", "plan"}, only=list(plans))
+        manifests = {s: RunManifest.load(self.workdir(s)) for s in manifested}
         shown = "\n".join(f"[{s}] {m.command['shell']}" for s, m in manifests.items())
         self.ui.info(f"Commands, one per scheme:\n{shown}\nthen validate and Tier 1 against the baseline, "
                      "evaluated once and cached")
@@ -107,6 +107,7 @@ class Comparison:
         from quark_ptq_eval.intake.analyze import describe
 
         self.ui.headline("Compare · intake (once for every scheme)")
+        assert opts.model, "compare() refuses a comparison without a model"
         analysis = analyze_model(opts.model, offline=bool(opts.offline), catalog=load_catalog(),
                                  trust_remote_code=bool(opts.plan.get("trust_remote_code")))
         analysis.write(self.root)

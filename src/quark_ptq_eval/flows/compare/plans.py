@@ -21,6 +21,7 @@ import math
 import time
 from typing import Any
 
+from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.flows.compare.options import CompareOptions
 from quark_ptq_eval.plan import resources
 
@@ -59,7 +60,7 @@ def measured_rate(analysis, device: str) -> float:
 
 
 def _timings_path():
-    from quark_ptq_eval.base.catalog import cache_dir
+    from quark_ptq_eval.base.fsio import cache_dir
 
     return cache_dir() / TIMINGS_FILE
 
@@ -141,8 +142,8 @@ def estimate_totals(analysis, plans: dict, opts: CompareOptions) -> dict[str, An
     import_s = min((r["seconds"] for r in history if r.get("device") == kind), default=ENGINE_STARTUP_S)
     seconds = sum(e["quantize_s"] + e["eval_s"] for e in per.values()) + baseline_s + import_s
     disk = sum(e["output_bytes"] for e in per.values()) + cache
-    text = (f"{len(plans)} schemes: about {_duration(seconds)} in all and about {resources.gb(disk)} of disk "
-            f"({resources.gb(cache)} of it the baseline cache, evaluated once). {_basis_text(per, rate, history)}")
+    text = (f"{len(plans)} schemes: about {_duration(seconds)} in all and about {gb(disk)} of disk "
+            f"({gb(cache)} of it the baseline cache, evaluated once). {_basis_text(per, rate, history)}")
     return {"schemes": per, "baseline_s": baseline_s, "import_s": import_s, "seconds": seconds, "disk_bytes": disk,
             "cache_bytes": cache, "rate_flops": rate, "text": text}
 
@@ -165,11 +166,11 @@ def _basis_text(per: dict, rate: float, history: list[dict]) -> str:
 
 
 def combined_plan_table(plans: dict, totals: dict) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for scheme, plan in plans.items():
         est = totals["schemes"][scheme]
         calib = plan.calibration
-        rows.append((scheme, f"{est['bits_per_weight']:.2f}", resources.gb(est["output_bytes"]),
+        rows.append((scheme, f"{est['bits_per_weight']:.2f}", gb(est["output_bytes"]),
                      _duration(est["quantize_s"] + est["eval_s"]), plan.algorithm or "-",
                      f"{calib.get('path') or calib.get('dataset')}: {calib.get('num_samples')} x "
                      f"{calib.get('seq_len')}"))

@@ -93,7 +93,8 @@ def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, An
     cache = baseline.cache
     meta_path = cache.path_for(baseline.key) / "meta.json"
     meta = read_json(meta_path, "baseline cache") if meta_path.is_file() else {}
-    doc = {
+    fronts = {"kl_mean": pareto_front(rows, "kl_mean"), "perplexity": pareto_front(rows, "perplexity")}
+    doc: dict[str, Any] = {
         "schema": SCHEMA, "model": opts.model, "source_bytes": source_bytes, "source_params": params,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": {"eval_data": str(ev.eval_data or "wikitext-2-raw-v1 test"), "seq_len": ev.seq_len,
@@ -101,7 +102,7 @@ def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, An
                      "algorithm": opts.plan.get("algorithm"), "tasks": list(ev.tasks), "limit": ev.limit,
                      "num_fewshot": ev.num_fewshot},
         "budget": budget, "schemes": rows, "recommendation": rec,
-        "pareto_front": {"kl_mean": pareto_front(rows, "kl_mean"), "perplexity": pareto_front(rows, "perplexity")},
+        "pareto_front": fronts,
         "baseline_cache": {"key": baseline.key.id, "path": str(cache.path_for(baseline.key)),
                            "bytes": meta.get("bytes"), "full_logits_bytes": meta.get("full_logits_bytes"),
                            "built_seconds": meta.get("seconds"), "writes_this_run": cache.writes,
@@ -109,7 +110,7 @@ def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, An
     }
     from quark_ptq_eval.flows.compare.chart import write_pareto_chart
 
-    chart = write_pareto_chart(rows, doc["pareto_front"], root / CHART_NAME)
+    chart = write_pareto_chart(rows, fronts, root / CHART_NAME)
     doc["artifacts"] = {"report": str(root / REPORT_NAME), "json": str(root / JSON_NAME),
                         "chart": str(chart) if chart else None}
     write_json(root / JSON_NAME, json_safe(doc))
