@@ -35,11 +35,14 @@ def plan_quantization(analysis: ModelAnalysis, output_dir: str | Path, *, env_co
     """``request`` takes PlanRequest fields: goal, scheme, algorithm, calib_data, exclude_layers, ..."""
     from quark_ptq_eval.base.catalog import load_catalog
     from quark_ptq_eval.context.preflight import detect_env
+    from quark_ptq_eval.flows.plan_scan import with_sensitivity_scan
     from quark_ptq_eval.plan import PlanRequest, make_plan
 
     wd = Path(workdir or ".")
-    result = make_plan(analysis, env_context or detect_env(), PlanRequest(**request), load_catalog(),
+    req = PlanRequest(**request)
+    result = make_plan(analysis, env_context or detect_env(), req, load_catalog(),
                        ModelAnalysis.path_in(wd).resolve(), Path(output_dir).resolve())
+    result = with_sensitivity_scan(result, req, wd.resolve())
     if workdir is not None:
         result.write(workdir)
     return result

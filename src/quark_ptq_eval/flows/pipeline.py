@@ -28,6 +28,7 @@ from quark_ptq_eval.context import preflight
 from quark_ptq_eval.evaluate.tier1_text import TIER1_NO_TEXT, ask_tier1_text, tier1_lacks_text
 from quark_ptq_eval.evaluate.tiers import runs, scores_text, text_tier
 from quark_ptq_eval.execute.runner import EngineRunner, run_command
+from quark_ptq_eval.flows.plan_scan import with_sensitivity_scan
 from quark_ptq_eval.plan import PlanRequest, make_plan
 
 RUN_LOG = "run.log"  # in-process library output of a run (the engine's own is engine.log)
@@ -179,6 +180,7 @@ class Recipe:
                               hold_out_eval=self._hold_out(flow))
             plan = make_plan(analysis, flow.ctx.env, req, flow.catalog, ModelAnalysis.path_in(self.workdir),
                              flow.output_dir)
+            plan = with_sensitivity_scan(plan, req, self.workdir)  # --sensitivity: the flow runs the scan
         plan.requires_confirmation = not self.state.is_approved("plan", plan.digest)
         plan.write(self.workdir)
         self.ui.table("Quantization plan", [(d["decision"], _short(d["value"]), d["reason"]) for d in plan.decisions],

@@ -32,7 +32,6 @@ from quark_ptq_eval.plan.targets import (
     target_context,
     target_fallbacks,
 )
-from quark_ptq_eval.sensitivity.plan_hook import apply_sensitivity
 
 # Goal phrases -> scheme, most specific first. Matched on the lower-cased goal.
 GOAL_SCHEMES: tuple[tuple[str, str], ...] = (
@@ -314,7 +313,7 @@ def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, ca
         requires_confirmation=True, output_dir=str(output_dir), target=target, resources=fit,
         source_reading=reading,
     )
-    return apply_sensitivity(plan, req, Path(analysis_ref).parent)
+    return plan
 
 
 def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: dict[str, Any]) -> None:

@@ -55,7 +55,7 @@ class PlanRequest:
     evaluation_intent: str = field(default="smoke", metadata=flag("--eval-intent", choices=("none", "smoke", "full")))
     offline: bool = False  # its flag is a run-control option (cli._common): it applies to every step
     hold_out_eval: bool = False  # set by the run: split off a held-out part of the text for Tier 1
-    sensitivity: bool = field(default=False, metadata=flag(  # the scan at plan time (sensitivity/plan_hook.py)
+    sensitivity: bool = field(default=False, metadata=flag(  # the flow's scan at plan time (flows/plan_scan.py)
         "--sensitivity", action="store_true",
         help="run the sensitivity scan at plan time and propose layers to keep unquantized") | concern(CHOICE))
     max_kl: float | None = field(default=None, metadata=flag(

@@ -1,0 +1,61 @@
+"""`--sensitivity` at plan time: the flow runs the scan on the plan's choices, then the plan takes
+its result (plan/scan_decision.py), approved at checkpoint 2 like any decision.
+
+Giving ``--sensitivity`` is the user's explicit yes to read the model and run the scan now (it
+writes only its cache and the sensitivity_report.* files in the work dir).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from quark_ptq_eval.base.artifacts import QuantPlan
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.plan.request import PlanRequest
+from quark_ptq_eval.plan.scan_decision import ScanResult, take_scan_result
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.sensitivity.proposal import Proposal
+
+
+def with_sensitivity_scan(plan: QuantPlan, req: PlanRequest, workdir: Path) -> QuantPlan:
+    """``plan`` with the scan's proposal as a decision when ``req.sensitivity`` is set, else as it is."""
+    if not req.sensitivity:
+        return plan
+    return take_scan_result(plan, run_plan_scan(plan, req.max_kl, workdir))
+
+
+def run_plan_scan(plan: QuantPlan, max_kl: float | None, workdir: Path) -> ScanResult:
+    """The scan of the plan's model under its scheme, exclusions and device, on its calibration text."""
+    from quark_ptq_eval.sensitivity import ScanOptions, run_sensitivity
+
+    model_dir = Path(plan.model["model_path"])
+    if not (model_dir / "config.json").exists():
+        raise UsageError(f"--sensitivity needs a local model directory; {model_dir} is not one.",
+                         "Download the model first, or plan without --sensitivity.")
+    calib = plan.calibration.get("path") or _demo_corpus(workdir)
+    opts = ScanOptions(model_dir=model_dir, scheme=plan.global_scheme, calib_data=Path(calib),
+                       exclude=list(plan.exclude_layers), device=plan.device_strategy.get("device", "cpu"),
+                       trust_remote_code=plan.trust_remote_code)
+    done = run_sensitivity(opts, workdir, max_kl)
+    return _scan_result(done["proposal"], str(done["reports"]["md"]))
+
+
+def _scan_result(proposal: Proposal, report: str) -> ScanResult:
+    """The proposal as the plan reads it."""
+    wider = proposal.wider or {}  # the same layers at a wider scheme, measured
+    return ScanResult(
+        kept_unquantized=list(proposal.kept_unquantized), layer_quant_config=dict(proposal.layer_quant_config),
+        reason=proposal.reason, report=report, predicted_kl=proposal.predicted_kl,
+        # the re-measured KL of what the plan now holds (the wider-scheme combination when it was chosen)
+        measured_kl=wider["measured_kl"] if proposal.layer_quant_config else proposal.measured_kl,
+        whole_model_kl=proposal.whole_model_kl, max_kl=proposal.max_kl, extra_bytes=proposal.extra_bytes,
+        wider_extra_bytes=wider.get("extra_bytes"))
+
+
+def _demo_corpus(workdir: Path) -> Path:
+    from quark_ptq_eval.flows.demo import build_corpus
+
+    path = workdir / "sensitivity_corpus.txt"
+    return path if path.exists() else build_corpus(path)
