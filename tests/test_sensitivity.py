@@ -196,8 +196,8 @@ def test_eval_report_shows_predicted_against_measured_kl(sens_plan, tiny_llama, 
     prediction with the KL Tier 1 measured; a plan made for another output is not used."""
     from quark_ptq_eval.base.gates import FlagApprover
     from quark_ptq_eval.evaluate import EvalOptions, evaluate
+    from quark_ptq_eval.evaluate.scan_followup import sensitivity_followup
     from quark_ptq_eval.execute import quark_api_engine
-    from quark_ptq_eval.sensitivity.followup import sensitivity_followup
 
     root, plan = sens_plan
     assert quark_api_engine.main(["--model_dir", str(tiny_llama), "--output_dir", str(root / "out"), "--quant_scheme",

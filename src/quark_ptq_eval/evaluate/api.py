@@ -24,9 +24,9 @@ from quark_ptq_eval.evaluate.eval_report import EvalReport
 from quark_ptq_eval.evaluate.options import EvalOptions
 from quark_ptq_eval.evaluate.reference import align_scale, merge_references, model_card_reference
 from quark_ptq_eval.evaluate.remedies import suggest_remedies
+from quark_ptq_eval.evaluate.scan_followup import sensitivity_followup
 from quark_ptq_eval.evaluate.tiers import TIERS, get_tier
 from quark_ptq_eval.evaluate.verdict import TierEvidence, compare_all, overall_verdict
-from quark_ptq_eval.sensitivity.followup import sensitivity_followup
 
 BASELINE_FROM_SOURCE = "<source>"  # `--baseline` without a path: the source model of the run
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quark_ptq_eval.sensitivity import sensitivity_remedy
+from quark_ptq_eval.evaluate.scan_followup import sensitivity_remedy
 
 # A wider format to fall back to, per scheme family (first match on the scheme name wins).
 WIDER_FORMAT = (

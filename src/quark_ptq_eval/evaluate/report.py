@@ -101,7 +101,7 @@ def markdown(report: EvalReport) -> str:
     lines += _settings_section(report)
     lines += _scores_section(report)
     lines += _details_section(report)
-    from quark_ptq_eval.sensitivity.followup import followup_markdown
+    from quark_ptq_eval.evaluate.scan_followup import followup_markdown
 
     lines += followup_markdown(report.sensitivity)
     if report.remedies:

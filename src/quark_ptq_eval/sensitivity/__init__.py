@@ -9,13 +9,13 @@ See docs/sensitivity.md.
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Callable
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.evaluate.scan_followup import scan_command
 from quark_ptq_eval.sensitivity.cache import ScanCache
 from quark_ptq_eval.sensitivity.emulation import check_scheme_runs
 from quark_ptq_eval.sensitivity.proposal import Proposal, default_max_kl, propose
@@ -23,29 +23,7 @@ from quark_ptq_eval.sensitivity.report import write_reports
 from quark_ptq_eval.sensitivity.scan import ScanOptions, measure_kl, open_session, scan
 from quark_ptq_eval.sensitivity.wider import try_wider, wider_scheme
 
-__all__ = ["Proposal", "ScanOptions", "default_max_kl", "propose", "run_sensitivity", "scan_command",
-           "sensitivity_remedy"]
-
-
-def scan_command(model: str | Path, scheme: str, calib_data: str | Path | None, out_dir: str | Path | None = None) -> str:
-    """The command a user runs for a scan (shown by the remedies and the plan)."""
-    argv = ["quark-ptq-eval", "sensitivity", str(model), "--scheme", scheme]
-    if calib_data:
-        argv += ["--calib-data", str(calib_data)]
-    if out_dir:
-        argv += ["--out", str(out_dir)]
-    return shlex.join(argv)
-
-
-def sensitivity_remedy(plan: dict[str, Any]) -> list[str]:
-    """The remedy line for a hurt verdict: measure which layers the scheme hurts, with the command."""
-    model = (plan.get("model") or {}).get("model_path")
-    scheme = plan.get("global_scheme") or plan.get("scheme")
-    if not model or not scheme:
-        return []
-    calib = (plan.get("calibration") or {}).get("path")
-    return [f"Find the layers {scheme} hurts most and the exclusions that buy the accuracy back: "
-            f"{scan_command(model, scheme, calib)} (or re-plan with --sensitivity)."]
+__all__ = ["Proposal", "ScanOptions", "default_max_kl", "propose", "run_sensitivity"]
 
 
 def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = None,

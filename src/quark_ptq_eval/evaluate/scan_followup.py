@@ -1,4 +1,5 @@
-"""After execution: the scan's predicted KL for the chosen exclusions next to Tier 1's measured KL.
+"""The evaluation's follow-up on a sensitivity scan: the remedy that names the scan's command, and,
+after execution, the scan's predicted KL for the chosen exclusions next to Tier 1's measured KL.
 
 When quant_plan.json (in the evaluation's work dir, planned for the model evaluated) carries a
 ``sensitivity`` decision, the evaluation report shows what the scan predicted for the layers kept
@@ -11,10 +12,32 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
 PLAN_NAME = "quant_plan.json"
+
+
+def scan_command(model: str | Path, scheme: str, calib_data: str | Path | None, out_dir: str | Path | None = None) -> str:
+    """The command a user runs for a scan (shown by the remedies and the plan)."""
+    argv = ["quark-ptq-eval", "sensitivity", str(model), "--scheme", scheme]
+    if calib_data:
+        argv += ["--calib-data", str(calib_data)]
+    if out_dir:
+        argv += ["--out", str(out_dir)]
+    return shlex.join(argv)
+
+
+def sensitivity_remedy(plan: dict[str, Any]) -> list[str]:
+    """The remedy line for a hurt verdict: measure which layers the scheme hurts, with the command."""
+    model = (plan.get("model") or {}).get("model_path")
+    scheme = plan.get("global_scheme") or plan.get("scheme")
+    if not model or not scheme:
+        return []
+    calib = (plan.get("calibration") or {}).get("path")
+    return [f"Find the layers {scheme} hurts most and the exclusions that buy the accuracy back: "
+            f"{scan_command(model, scheme, calib)} (or re-plan with --sensitivity)."]
 
 
 def sensitivity_followup(workdir: Path, model_dir: Path, details: dict[str, Any],
