@@ -51,7 +51,7 @@ def independent_kl(model_dir: Path, corpus: Path, quantized: set[str], layer_con
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quark_ptq_eval.base.textdata import load_texts
-    from quark_ptq_eval.execute.quark_api_engine import calibration_batches
+    from quark_ptq_eval.execute.quark_api_parts import calibration_batches
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     batches = calibration_batches(tok, load_texts(corpus), SEQ, SAMPLES, 1, "cpu")

@@ -14,11 +14,12 @@ import fnmatch
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    import torch
-    from transformers import PreTrainedTokenizerBase
+from quark_ptq_eval.execute.quark_api_parts import (
+    calibration_batches,
+    prepare_for_quantization,
+    template_config,
+)
 
 NON_WEIGHT_SKIP = ("config.json", "model.safetensors.index.json")
 # Weights in any format: the export holds its own (a source pickle is never carried into it).
@@ -47,38 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_calib_data", type=int, default=128)
     p.add_argument("--trust_remote_code", action="store_true")
     return p
-
-
-def calibration_batches(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: int, num: int,
-                        batch_size: int, device: str | torch.device) -> list[torch.Tensor]:
-    """Non-overlapping token windows of ``seq_len`` over the joined local text."""
-    import torch
-
-    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0]
-    windows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)][:num]
-    if not windows:  # text shorter than one window: calibrate on what there is
-        windows = [ids]
-    print(f"[quark-ptq-eval] calibration: {len(windows)} samples x {len(windows[0])} tokens", flush=True)
-    return [torch.stack(windows[i : i + batch_size]).to(device) for i in range(0, len(windows), batch_size)]
-
-
-def prepare_for_quantization(model: torch.nn.Module) -> None:
-    """As quark-cli does: fused 3-D expert parameters (transformers 5 MoE) become per-expert
-    nn.Linear through Quark's module-replacement registry; without it experts stay in BF16.
-    The sensitivity scan calls this too, so that it measures the model this engine quantizes."""
-    from quark.torch.utils.llm.model_preparation import preprocess_for_quantization
-
-    preprocess_for_quantization(model)
-
-
-def template_config(model_type: str, scheme: str, *, algorithm: list[str] | None = None,
-                    kv_cache_scheme: str | None = None, layer_config: dict[str, str] | None = None,
-                    exclude_layers: list[str] | None = None) -> Any:  # a quark.torch Config (no stubs)
-    """Quark's config for ``scheme`` from the model type's template (its exclusions unless given)."""
-    from quark.torch import LLMTemplate
-
-    return LLMTemplate.get(model_type).get_config(scheme=scheme, algorithm=algorithm, kv_cache_scheme=kv_cache_scheme,
-                                                  layer_config=layer_config or {}, exclude_layers=exclude_layers)
 
 
 def copy_non_weight_files(src: Path, dst: Path) -> None:

@@ -63,7 +63,7 @@ def _batches(opts: ScanOptions) -> list[Any]:
     from transformers import AutoTokenizer
 
     from quark_ptq_eval.base.textdata import load_texts
-    from quark_ptq_eval.execute.quark_api_engine import calibration_batches
+    from quark_ptq_eval.execute.quark_api_parts import calibration_batches
 
     tokenizer = AutoTokenizer.from_pretrained(opts.model_dir, trust_remote_code=opts.trust_remote_code)
     return calibration_batches(tokenizer, load_texts(opts.calib_data), opts.seq_len, opts.num_samples, 1, opts.device)

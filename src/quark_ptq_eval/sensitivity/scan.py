@@ -89,7 +89,7 @@ def scan(opts: ScanOptions, progress: Progress = print) -> tuple[dict[str, Any],
     """The scan result (cached or measured: per-layer KL plus the whole-model KL) and, when it was
     measured now, the live session (for re-measuring combinations without quantizing again)."""
     from quark_ptq_eval.base.textdata import load_texts
-    from quark_ptq_eval.execute.quark_api_engine import calibration_batches
+    from quark_ptq_eval.execute.quark_api_parts import calibration_batches
 
     tokenizer = _tokenizer(opts)
     texts = load_texts(opts.calib_data)
@@ -207,7 +207,7 @@ def open_session(opts: ScanOptions, batches: list[Any]) -> Session:
     import transformers
 
     from quark_ptq_eval.base.quark_import import import_quark_torch
-    from quark_ptq_eval.execute.quark_api_engine import prepare_for_quantization, template_config
+    from quark_ptq_eval.execute.quark_api_parts import prepare_for_quantization, template_config
     from quark_ptq_eval.sensitivity.emulation import use_cpu_emulation
 
     import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)

@@ -1,0 +1,43 @@
+"""The pieces of Quark's public API that the quark-api engine child (execute/quark_api_engine.py)
+and the sensitivity scan both run, so that the scan measures the model the engine quantizes:
+calibration windows over local text, the MoE preparation quark-cli does, the template's config."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+
+def calibration_batches(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: int, num: int,
+                        batch_size: int, device: str | torch.device) -> list[torch.Tensor]:
+    """Non-overlapping token windows of ``seq_len`` over the joined local text."""
+    import torch
+
+    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0]
+    windows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)][:num]
+    if not windows:  # text shorter than one window: calibrate on what there is
+        windows = [ids]
+    print(f"[quark-ptq-eval] calibration: {len(windows)} samples x {len(windows[0])} tokens", flush=True)
+    return [torch.stack(windows[i : i + batch_size]).to(device) for i in range(0, len(windows), batch_size)]
+
+
+def prepare_for_quantization(model: torch.nn.Module) -> None:
+    """As quark-cli does: fused 3-D expert parameters (transformers 5 MoE) become per-expert
+    nn.Linear through Quark's module-replacement registry; without it experts stay in BF16.
+    The sensitivity scan calls this too, so that it measures the model this engine quantizes."""
+    from quark.torch.utils.llm.model_preparation import preprocess_for_quantization
+
+    preprocess_for_quantization(model)
+
+
+def template_config(model_type: str, scheme: str, *, algorithm: list[str] | None = None,
+                    kv_cache_scheme: str | None = None, layer_config: dict[str, str] | None = None,
+                    exclude_layers: list[str] | None = None) -> Any:  # a quark.torch Config (no stubs)
+    """Quark's config for ``scheme`` from the model type's template (its exclusions unless given)."""
+    from quark.torch import LLMTemplate
+
+    return LLMTemplate.get(model_type).get_config(scheme=scheme, algorithm=algorithm, kv_cache_scheme=kv_cache_scheme,
+                                                  layer_config=layer_config or {}, exclude_layers=exclude_layers)
