@@ -114,7 +114,7 @@ def _add_recipe_commands(add) -> None:
 def _add_tool_commands(add) -> None:
     """Commands around the recipe: import a quark-cli line, compare schemes, scan sensitivity, status."""
     from quark_ptq_eval.flows.compare.command import add_compare_arguments
-    from quark_ptq_eval.sensitivity.cli import add_sensitivity_arguments
+    from quark_ptq_eval.flows.sensitivity_command import add_sensitivity_arguments
 
     p = add("import-command", "Translate a pasted `quark-cli torch-llm-ptq ...` line into our plan and show "
                               "it for approval (a plan_only run).")
@@ -253,7 +253,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_sensitivity(args: argparse.Namespace) -> int:
-    from quark_ptq_eval.sensitivity.cli import cmd_sensitivity
+    from quark_ptq_eval.flows.sensitivity_command import cmd_sensitivity
 
     return cmd_sensitivity(args)
 
