@@ -2,9 +2,9 @@
 
 The FP8 releases are made here from the families' BF16 instances by tests/fp8_release.py, in the
 release format exactly (F8_E4M3 weights, 128x128 ``weight_scale_inv`` blocks, quantization_config).
-Real runs (marked slow, one model per scheme): deepseek_v3's release -> mxfp4 and the trained qwen3's
-release -> int8 with calibration, each with Tier 1 against the dequantized release; the .bin-only
-llama -> int8. minimax_m2's release goes through intake, plan and the exact staging.
+Real runs (marked slow): the releases of deepseek_v3, the trained qwen3 and minimax_m2 -> mxfp4 and
+-> int8 with calibration, each validated and with Tier 1 against the dequantized release; the
+.bin-only llama -> int8.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from families import build_family  # noqa: E402
 from fp8_release import to_bin_only, to_fp8_release  # noqa: E402
+from mxfp4_release import to_mxfp4_release  # noqa: E402
 
 from quark_ptq_eval.base.gates import FlagApprover  # noqa: E402
 from quark_ptq_eval.base.safetensors_io import read_model_headers  # noqa: E402
@@ -101,6 +102,22 @@ def test_the_staged_copy_is_the_release_dequantized_exactly(release, tmp_path):
             assert torch.equal(t, src[name]) and t.dtype == src[name].dtype  # untouched (the F32 bias stays F32)
     config = json.loads((tmp_path / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3", "minimax_m2"])
+def test_file2file_is_refused_by_the_plan_step_on_a_cpu_host_with_the_staging_alternative(release, catalog,
+                                                                                         tmp_path, family):
+    from quark_ptq_eval.base.errors import UsageError
+    from quark_ptq_eval.plan.source_reading import decide
+
+    _, fp8 = release(family)
+    a = analyze_model(str(fp8), offline=True, catalog=catalog)
+    with pytest.raises(UsageError) as exc:
+        decide(a, "file2file", {"device": "cpu"}, tmp_path)
+    assert "Triton kernel that needs a GPU" in exc.value.message
+    assert "Leave out --engine" in exc.value.hint and "exact BF16 staging copy" in exc.value.hint
+    assert "128x128 block x its weight_scale_inv" in exc.value.hint
+    assert not any(tmp_path.iterdir())  # nothing created
 
 
 def test_file2file_on_an_fp8_release_is_refused_at_the_plan_on_a_cpu_host(cli, release, corpus, tmp_path):
@@ -235,22 +252,60 @@ def _layout_stats(report: dict) -> dict:
     return report["checks"]["layout"]["stats"]
 
 
+@pytest.fixture(scope="module")
+def release_run(release, corpus, eval_text, tmp_path_factory):
+    """``release_run("minimax_m2", "int8")``: the FP8 release run through the whole recipe once (then reused)."""
+    runs: dict[tuple[str, str], dict] = {}
+
+    def get(family: str, scheme: str) -> dict:
+        if (family, scheme) not in runs:
+            _, fp8 = release(family)
+            runs[family, scheme] = _run_release(fp8, tmp_path_factory.mktemp(f"{family}-{scheme}"), scheme, corpus,
+                                                eval_text)
+        return runs[family, scheme]
+
+    return get
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "scheme"), [("deepseek_v3", "mxfp4"), ("qwen3", "int8")])
-def test_an_fp8_release_is_quantized_validated_and_evaluated_on_this_cpu(release, corpus, eval_text, tmp_path,
-                                                                         family, scheme):
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3", "minimax_m2"])
+@pytest.mark.parametrize("scheme", ["mxfp4", "int8"])
+def test_an_fp8_release_is_quantized_validated_and_evaluated_on_this_cpu(release, release_run, family, scheme):
     _, fp8 = release(family)
-    r = _run_release(fp8, tmp_path, scheme, corpus, eval_text)
+    r = release_run(family, scheme)
     staged = r["wd"] / "source-bf16"
+    assert r["summary"]["status"] == "done"  # what the CLI exits 0 on
     assert r["plan"]["source_reading"]["mode"] == "stage_bf16" and (staged / ".staged-complete").is_file()
-    assert r["summary"]["validation"] == "success", r["report"]
+    assert r["plan"]["calibration"] and "8 samples of 64 tokens" in r["summary"]["calibration"]
+    assert r["summary"]["validation"] == "success", r["report"]  # no benign finding either (minimax_m2's router)
     assert r["report"]["source_model_dir"] == str(staged)  # validated against the dequantized release
     layout = _layout_stats(r["report"])
     assert layout["quantized_share"] == layout["expected_share"] > 0.3
     results = json.loads((r["wd"] / "eval_results.json").read_text())
-    assert str(staged) in json.dumps(results)  # Tier 1's baseline is the release, as dequantized
-    assert r["summary"]["evaluation"] is not None
+    assert results["source_model"] == results["settings"]["baseline"] == str(staged)  # Tier 1's baseline: the release
+    ppl = results["quantized"]["perplexity"]["perplexity"], results["baseline"]["perplexity"]["perplexity"]
+    assert all(math.isfinite(p) and p > 1 for p in ppl) and results["verdict"] in ("healthy", "watch", "hurt")
+    assert r["summary"]["evaluation"]["tier"] == "ppl"
     assert any(staged.glob("*.safetensors")) and (fp8 / "model.safetensors").is_file()  # the release is kept
+
+
+@pytest.mark.slow
+def test_a_router_the_template_excludes_by_its_legacy_name_is_held_byte_identical(release_run, tmp_path,
+                                                                                  scale_in_file):
+    """Quark's minimax_m2 template excludes ``*block_sparse_moe.gate*``; transformers 5 loads the block as
+    ``mlp``: the router stays excluded under the export's name, so a changed router fails (it was a
+    benign "left in BF16" finding before, and a corrupted router passed)."""
+    from quark_ptq_eval.validate.runner import validate_model
+
+    r = release_run("minimax_m2", "int8")
+    assert "*block_sparse_moe.gate*" in r["plan"]["exclude_layers"] and "*mlp.gate*" in r["report"]["exclude_patterns"]
+    planted = tmp_path / "planted"
+    shutil.copytree(r["out"], planted)
+    scale_in_file(planted, "model.layers.1.mlp.gate.weight", 1.5)
+    report = validate_model(r["wd"] / "source-bf16", planted, r["plan"])
+    assert report.status == "failed"
+    assert [f.subject for _, f in report.failures] == ["model.layers.1.mlp.gate.weight"]
+    assert report.check("md5").status == "fail"
 
 
 @pytest.mark.slow
@@ -258,7 +313,78 @@ def test_a_bin_only_source_is_converted_and_validated_against_the_copy(tiny_llam
     model = to_bin_only(tiny_llama, tmp_path / "bin-only")
     r = _run_release(model, tmp_path, "int8", corpus, None)
     converted = r["wd"] / "source-safetensors"
-    assert r["plan"]["source_reading"]["mode"] == "convert_bin"
+    assert r["summary"]["status"] == "done" and r["plan"]["source_reading"]["mode"] == "convert_bin"
     assert r["summary"]["validation"] == "success", r["report"]
     assert r["report"]["source_model_dir"] == str(converted) and (converted / "model.safetensors").is_file()
     assert _layout_stats(r["report"])["quantized_share"] > 0.3
+
+
+# ---- gpt-oss MXFP4 releases ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt_oss_release(tiny_model, tmp_path_factory) -> tuple[Path, Path]:
+    """(the tiny BF16 gpt-oss from GptOssConfig, its MXFP4 release in gpt-oss's own layout)."""
+    bf16 = tiny_model("gpt_oss")
+    return bf16, to_mxfp4_release(bf16, tmp_path_factory.mktemp("gpt-oss") / "gpt_oss-mxfp4")
+
+
+def test_an_mxfp4_release_is_staged_exactly_as_transformers_dequantizes_it(gpt_oss_release, catalog, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from quark_ptq_eval.execute.staging import dequantize_mxfp4_checkpoint
+
+    bf16, mx = gpt_oss_release
+    src, orig = load_file(mx / "model.safetensors"), load_file(bf16 / "model.safetensors")
+    blocks = [n.removesuffix("_blocks") for n in src if n.endswith("_blocks")]
+    assert len(blocks) == 4 and src[blocks[0] + "_blocks"].dtype == torch.uint8
+    for name in blocks:  # the test's conversion round-trips through transformers' own dequantization
+        theirs = convert_moe_packed_tensors(src[name + "_blocks"].clone(), src[name + "_scales"].clone())
+        err = (theirs.float() - orig[name].float()).norm() / orig[name].float().norm()
+        assert theirs.shape == orig[name].shape and err < 0.2, (name, err)  # MXFP4 rounding (~11 % here)
+    dequantize_mxfp4_checkpoint(mx, tmp_path)
+    staged = load_file(tmp_path / "model.safetensors")
+    assert set(staged) == set(orig)  # blocks + scales -> the BF16 tensor, under the model's own names
+    for name, t in staged.items():
+        if name in blocks:
+            theirs = convert_moe_packed_tensors(src[name + "_blocks"].clone(), src[name + "_scales"].clone())
+            assert t.dtype == torch.bfloat16 and torch.equal(t, theirs), name
+        else:
+            assert torch.equal(t, src[name]) and t.dtype == src[name].dtype
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    a, same = (analyze_model(str(d), offline=True, catalog=catalog) for d in (mx, bf16))
+    fmt = a.source_format
+    assert (fmt["name"], fmt["reading"]) == ("mxfp4", "stage_bf16")
+    assert fmt["params"] == same.size["params"]  # two parameters a byte of blocks, scales none
+    assert fmt["quantizable_params"] == same.source_format["quantizable_params"]
+    assert fmt["read_as_bytes"] == sum(t.nbytes for t in read_model_headers(bf16).values())
+
+
+def test_file2file_on_an_mxfp4_release_is_refused_with_the_staging_alternative(gpt_oss_release, catalog, tmp_path):
+    from quark_ptq_eval.base.errors import UsageError
+    from quark_ptq_eval.plan.source_reading import decide, file2file_can_read
+
+    a = analyze_model(str(gpt_oss_release[1]), offline=True, catalog=catalog)
+    for device in ("cpu", "cuda"):  # Quark 0.13 does not read the gpt-oss layout on any device
+        with pytest.raises(UsageError) as exc:
+            decide(a, "file2file", {"device": device}, tmp_path)
+        assert "DeepSeek-V4 MXFP4 layout only" in exc.value.message and "staging copy" in exc.value.hint
+        assert not file2file_can_read(a, device)
+    reading = decide(a, "quark-api", {"device": "cpu"}, tmp_path)
+    assert reading["mode"] == "stage_bf16" and reading["disk_bytes"] == a.source_format["read_as_bytes"]
+    assert "E2M1" in reading["reason"] and not any(tmp_path.iterdir())  # planned, nothing created
+
+
+@pytest.mark.slow
+def test_an_mxfp4_release_is_quantized_validated_and_evaluated_on_this_cpu(gpt_oss_release, corpus, eval_text,
+                                                                          tmp_path):
+    r = _run_release(gpt_oss_release[1], tmp_path, "int8", corpus, eval_text)
+    staged = r["wd"] / "source-bf16"
+    assert r["summary"]["status"] == "done" and r["plan"]["source_reading"]["mode"] == "stage_bf16"
+    assert r["summary"]["validation"] == "success", r["report"]
+    assert r["report"]["source_model_dir"] == str(staged)
+    layout = _layout_stats(r["report"])
+    assert layout["quantized_share"] == layout["expected_share"] > 0.3
+    results = json.loads((r["wd"] / "eval_results.json").read_text())
+    assert results["settings"]["baseline"] == str(staged)
+    assert math.isfinite(results["quantized"]["perplexity"]["perplexity"])

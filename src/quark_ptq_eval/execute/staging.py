@@ -3,6 +3,9 @@
 - an FP8 release -> an exact BF16 copy: every F8_E4M3 weight times its scale as the format defines
   it (each ``[b0, b1]`` block x its ``weight_scale_inv`` entry, or a per-tensor/channel scale),
   computed in float32 and rounded once to BF16; every other tensor copied as it is;
+- a gpt-oss MXFP4 release -> an exact BF16 copy: every ``*_blocks`` E2M1 code (two a byte, low
+  nibble first) x 2^(its block of 32's E8M0 ``*_scales`` byte - 127), as transformers' gpt-oss
+  integration dequantizes it (exact in BF16), stored as transformers holds it ([E, in, out]);
 - ``pytorch_model.bin`` -> safetensors, read with ``torch.load(weights_only=True)`` after the
   pickle scan of intake (intake/pickle_scan.py) has refused anything that is not tensor data.
 
@@ -50,6 +53,9 @@ def stage_source(reading: dict[str, Any], model_dir: Path, say: Callable[[str], 
     if mode == "convert_bin":
         say(f"[quark-ptq-eval] converting pytorch_model.bin to safetensors in {dst}")
         convert_bin(model_dir, tmp)
+    elif reading.get("format") == "mxfp4":
+        say(f"[quark-ptq-eval] writing the exact BF16 copy of the MXFP4 release to {dst} (shard by shard)")
+        dequantize_mxfp4_checkpoint(model_dir, tmp)
     else:
         say(f"[quark-ptq-eval] writing the exact BF16 copy of the FP8 release to {dst} (shard by shard)")
         dequantize_fp8_checkpoint(model_dir, tmp)
@@ -109,6 +115,11 @@ def dequantize_fp8_checkpoint(src: Path, dst: Path) -> None:
         save_file(out, str(dst / shard.name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(out, shard.name))
         del out
+    _finish_bf16_copy(src, dst, config, weight_map)
+
+
+def _finish_bf16_copy(src: Path, dst: Path, config: dict[str, Any], weight_map: dict[str, str]) -> None:
+    """The index (when the release has one) and config.json without its ``quantization_config``."""
     if (src / INDEX_NAME).is_file():
         _write_index(dst, weight_map)
     config.pop("quantization_config", None)
@@ -136,6 +147,63 @@ def _write_index(dst: Path, weight_map: dict[str, str]) -> None:
     total = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
     (dst / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2),
                                   encoding="utf-8")
+
+
+# ---- MXFP4 (gpt-oss) -> BF16 ---------------------------------------------------------------------
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MX_ROWS_PER_CHUNK = 1 << 16  # blocks of 32 decoded at a time: bounds the float32 temporaries (8 MiB)
+
+
+def dequantize_mxfp4(blocks: Any, scales: Any) -> Any:
+    """gpt-oss expert blocks [E, out, in/32, 16] (E2M1 codes, two a byte, low nibble first) x
+    2^(E8M0 scale - 127) per block of 32 -> the BF16 tensor transformers holds: [E, in, out]."""
+    import torch
+
+    if blocks.dim() != 4 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise UsageError(f"MXFP4 blocks of shape {list(blocks.shape)} with scales {list(scales.shape)} are not the "
+                         "gpt-oss expert layout ([E, out, in/32, 16] and [E, out, in/32]).",
+                         "Check the release's files: only gpt-oss-style expert blocks are read here.")
+    *lead, groups, half = blocks.shape
+    codes = blocks.reshape(-1, half)
+    exponents = scales.reshape(-1, 1).to(torch.int32) - 127
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    out = torch.empty(codes.shape[0], 2 * half, dtype=torch.bfloat16)
+    for r0 in range(0, codes.shape[0], MX_ROWS_PER_CHUNK):
+        chunk = codes[r0:r0 + MX_ROWS_PER_CHUNK].to(torch.int64)
+        values = torch.empty(chunk.shape[0], 2 * half, dtype=torch.float32)
+        values[:, 0::2], values[:, 1::2] = lut[chunk & 0x0F], lut[chunk >> 4]
+        out[r0:r0 + chunk.shape[0]] = torch.ldexp(values, exponents[r0:r0 + chunk.shape[0]])  # exact in BF16
+    return out.reshape(*lead, groups * 2 * half).transpose(-1, -2).contiguous()
+
+
+def dequantize_mxfp4_checkpoint(src: Path, dst: Path) -> None:
+    """Each ``<name>_blocks`` + ``<name>_scales`` pair -> ``<name>`` in BF16, shard by shard; the rest as stored."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = read_json(src / "config.json", "model config")
+    shards = weight_files(src)
+    where = _tensor_shards(shards)
+    weight_map: dict[str, str] = {}
+    for shard in shards:
+        out = {}
+        with safe_open(str(shard), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in where:
+                    continue  # read with its blocks
+                tensor = f.get_tensor(name)
+                if name.endswith("_blocks"):
+                    scale = name.removesuffix("_blocks") + "_scales"
+                    if scale not in where:
+                        raise UsageError(f"The MXFP4 release has {name} but no {scale}.",
+                                         "Check the release's files: a shard may be missing or truncated.")
+                    s = f.get_tensor(scale) if where[scale] == shard else _read(where[scale], scale)
+                    name, tensor = name.removesuffix("_blocks"), dequantize_mxfp4(tensor, s)
+                out[name] = tensor
+        save_file(out, str(dst / shard.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, shard.name))
+        del out
+    _finish_bf16_copy(src, dst, config, weight_map)
 
 
 # ---- pytorch_model.bin -> safetensors ------------------------------------------------------------

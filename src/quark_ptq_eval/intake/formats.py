@@ -49,6 +49,7 @@ class SourceFormat:
     file2file: str  # what Quark 0.13's file-to-file engine does with it
     detector: str  # "module:function": function(SourceEvidence) -> bool; the first row that answers wins
     file2file_needs_gpu: bool = False
+    file2file_reads: bool = True  # False: Quark's file-to-file engine cannot read this layout at all
     refusal: str = ""  # for REFUSED: what is wrong and what to start from
     risk: str = ""  # the analysis's risk line for this format ("" = none)
     fp8_weights: bool = False  # FP8 weights an engine recovers (4 bytes a parameter while it does)
@@ -82,11 +83,13 @@ FORMATS: Registry[SourceFormat] = Registry("source format", (
                  refusal="this compressed-tensors format is not staged here; run on a GPU host with "
                          "--engine file2file (Quark decompresses it shard by shard), or start from the model "
                          "it was compressed from"),
-    SourceFormat("mxfp4", "MXFP4 weights (gpt-oss *_blocks / *_scales)", REFUSED,
+    SourceFormat("mxfp4", "MXFP4 weights (gpt-oss *_blocks / *_scales)", STAGE_BF16,
                  "does not read the gpt-oss *_blocks/*_scales layout (Quark 0.13 recovers the DeepSeek-V4 MXFP4 "
-                 "layout only)", _here("mxfp4_blocks"),
-                 refusal="re-quantizing gpt-oss MXFP4 weights needs them dequantized first; load it with "
-                         "transformers' Mxfp4Config(dequantize=True), save it as BF16 and start from that copy"),
+                 "layout only)", _here("mxfp4_blocks"), file2file_reads=False,
+                 risk="MXFP4 release (gpt-oss: experts in E2M1 blocks of 32 with E8M0 scales): the plan reads it "
+                      "through an exact BF16 staging copy (each E2M1 value x 2^(its block's scale - 127), as "
+                      "transformers dequantizes it) in the work dir; re-quantizing MXFP4 weights adds the new "
+                      "scheme's rounding to theirs."),
     SourceFormat("int4", "4-bit integer weights (GPTQ / AWQ / bitsandbytes)", REFUSED,
                  "does not read it", _here("four_bit_integers"),
                  refusal="re-quantizing 4-bit integer weights compounds their rounding error; start from the "
@@ -213,7 +216,8 @@ def is_quantizable(info: TensorInfo, excluded: Callable[[str], bool]) -> bool:
     """A linear weight the template quantizes: 2-D ``*.weight`` (or fused 3-D experts), not an
     embedding or norm, not matched by the exclusions (as intake counts linears)."""
     name = info.name
-    if not ((name.endswith(".weight") and len(info.shape) == 2) or (len(info.shape) == 3 and ".experts." in name)):
+    fused = (len(info.shape) == 3 or name.endswith("_blocks")) and ".experts." in name  # MXFP4 blocks are 4-D
+    if not ((name.endswith(".weight") and len(info.shape) == 2) or fused):
         return False
     return not any(h in name for h in NON_LINEAR_HINTS) and not excluded(name.rpartition(".")[0])
 

@@ -2,8 +2,10 @@
 
 - ``direct``: BF16/FP16/FP32 safetensors, read as they are;
 - ``file2file_native``: Quark's file-to-file engine on a GPU host recovers FP8 blocks itself;
-- ``stage_bf16``: an exact BF16 copy (each block x its scale) in the work dir, for CPU hosts and
-  calibrated schemes; written shard by shard after the execution gate (execute/staging.py);
+- ``stage_bf16``: an exact BF16 copy (each FP8 block x its scale; each MXFP4 code x its block's
+  power of two) in the work dir, for CPU hosts and calibrated schemes (and every gpt-oss MXFP4
+  source: Quark's file-to-file engine does not read that layout); written shard by shard after the
+  execution gate (execute/staging.py);
 - ``convert_bin``: ``pytorch_model.bin`` converted to safetensors in the work dir, after the gate;
 - refused (a UsageError): what is wrong and what would work.
 
@@ -19,7 +21,15 @@ from typing import Any
 from quark_ptq_eval.base.artifacts import ModelAnalysis
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import gb
-from quark_ptq_eval.intake.formats import CONVERT_BIN, DIRECT, FORMATS, REFUSED, STAGE_BF16, UNQUANTIZED
+from quark_ptq_eval.intake.formats import (
+    CONVERT_BIN,
+    DIRECT,
+    FORMATS,
+    REFUSED,
+    STAGE_BF16,
+    UNQUANTIZED,
+    SourceFormat,
+)
 
 STAGED_BF16_DIR = "source-bf16"  # in the work dir
 CONVERTED_BIN_DIR = "source-safetensors"
@@ -56,25 +66,37 @@ def decide(analysis: ModelAnalysis, engine: str, device: dict[str, Any], workdir
     from quark_ptq_eval.execute.engines import ENGINES
 
     if engine in ENGINES and ENGINES[engine].reads_fp8_source:
-        _check_file2file(device, disk, how)
+        _check_file2file(entry, device, disk, how)
         return {**base, "mode": "file2file_native", "source_dir": staged, "disk_bytes": disk,
                 "reason": f"Quark's file-to-file engine recovers the FP8 weights itself on the GPU, shard by shard; "
                           f"validation and the baseline read an exact BF16 copy ({how}) written to {staged} after "
                           f"the execution gate (about {gb(disk)} on disk)"}
     return {**base, "mode": "stage_bf16", "source_dir": staged, "engine_reads": staged, "disk_bytes": disk,
             "reason": f"{entry.summary}: the {engine} engine loads the model with transformers, which cannot load "
-                      f"FP8 checkpoints here, and calibration needs the model; an exact BF16 copy ({how}) is written "
+                      f"{_unloadable(fmt)}, and calibration needs the model; an exact BF16 copy ({how}) is written "
                       f"shard by shard to {staged} after the execution gate: about {gb(disk)} on disk"}
 
 
+def _unloadable(fmt: dict[str, Any]) -> str:
+    if fmt["name"] == "mxfp4":
+        return "MXFP4 experts on a CPU (only its Triton kernels or a dequantizing load) for Quark to quantize"
+    return "FP8 checkpoints here"
+
+
 def _dequant_rule(fmt: dict[str, Any]) -> str:
+    if fmt["name"] == "mxfp4":
+        return "each E2M1 code, two a byte low nibble first, x 2^(its block of 32's E8M0 scale - 127)"
     block = fmt.get("weight_block_size")
     if block:
         return f"each {block[0]}x{block[1]} block x its weight_scale_inv"
     return "each weight x its per-tensor/channel scale"
 
 
-def _check_file2file(device: dict[str, Any], disk: int, how: str) -> None:
+def _check_file2file(entry: SourceFormat, device: dict[str, Any], disk: int, how: str) -> None:
+    if not entry.file2file_reads:
+        raise UsageError(f"--engine file2file cannot read this source: Quark 0.13's file-to-file engine {entry.file2file}.",
+                         f"Leave out --engine: the plan then reads it through an exact BF16 staging copy ({how}, about "
+                         f"{gb(disk)} in the work dir) with the quark-api engine.")
     if device["device"] == "cpu":
         raise UsageError(
             "--engine file2file cannot read this FP8 release on this CPU host: Quark 0.13 recovers FP8 weights with "
@@ -91,7 +113,7 @@ def _check_file2file(device: dict[str, Any], disk: int, how: str) -> None:
 def file2file_can_read(analysis: ModelAnalysis, device: str) -> bool:
     """Whether Quark's file-to-file engine can read this source on this device (FP8 needs a GPU)."""
     entry = FORMATS[source_format(analysis)["name"]]
-    if entry.reading in (REFUSED, CONVERT_BIN):
+    if entry.reading in (REFUSED, CONVERT_BIN) or not entry.file2file_reads:
         return False
     return not (entry.file2file_needs_gpu and device == "cpu")
 
