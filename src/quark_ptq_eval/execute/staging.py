@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import read_json
+from quark_ptq_eval.base.registry import load
 from quark_ptq_eval.base.safetensors_io import INDEX_NAME, weight_files
+from quark_ptq_eval.intake.formats import FORMATS
 from quark_ptq_eval.plan.source_reading import COMPLETE_MARK
 
 if TYPE_CHECKING:
@@ -53,12 +55,10 @@ def stage_source(reading: dict[str, Any], model_dir: Path, say: Callable[[str], 
     if mode == "convert_bin":
         say(f"[quark-ptq-eval] converting pytorch_model.bin to safetensors in {dst}")
         convert_bin(model_dir, tmp)
-    elif reading.get("format") == "mxfp4":
-        say(f"[quark-ptq-eval] writing the exact BF16 copy of the MXFP4 release to {dst} (shard by shard)")
-        dequantize_mxfp4_checkpoint(model_dir, tmp)
     else:
-        say(f"[quark-ptq-eval] writing the exact BF16 copy of the FP8 release to {dst} (shard by shard)")
-        dequantize_fp8_checkpoint(model_dir, tmp)
+        fmt = FORMATS[reading.get("format") or ""]  # a STAGE_BF16 row: its own copy function and label
+        say(f"[quark-ptq-eval] writing the exact BF16 copy of the {fmt.release} release to {dst} (shard by shard)")
+        load(fmt.stage_copy)(model_dir, tmp)
     _copy_other_files(model_dir, tmp)
     (tmp / COMPLETE_MARK).write_text(json.dumps({"from": str(model_dir), "mode": mode}) + "\n", encoding="utf-8")
     if dst.exists():

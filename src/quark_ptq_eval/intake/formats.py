@@ -53,6 +53,12 @@ class SourceFormat:
     refusal: str = ""  # for REFUSED: what is wrong and what to start from
     risk: str = ""  # the analysis's risk line for this format ("" = none)
     fp8_weights: bool = False  # FP8 weights an engine recovers (4 bytes a parameter while it does)
+    # STAGE_BF16 rows: the release's label in messages, "module:function(src, dst)" writing the exact BF16
+    # copy, the rule it widens each weight by ("" : from the block size) and what transformers cannot load
+    release: str = ""
+    stage_copy: str = ""
+    stage_rule: str = ""
+    unloadable: str = "FP8 checkpoints here"
 
 
 def _here(function: str) -> str:
@@ -69,13 +75,15 @@ FORMATS: Registry[SourceFormat] = Registry("source format", (
     SourceFormat("float", "BF16/FP16/FP32 safetensors", DIRECT, "reads it as it is", _here("no_quantization")),
     SourceFormat("fp8_block", "FP8 (E4M3) weights with one F32 scale per block (weight_scale_inv), DeepSeek style",
                  STAGE_BF16, "recovers the FP8 blocks itself, shard by shard, with a Triton kernel (GPU only)",
-                 _here("fp8_blocks"), file2file_needs_gpu=True, fp8_weights=True,
+                 _here("fp8_blocks"), file2file_needs_gpu=True, fp8_weights=True, release="FP8",
+                 stage_copy="quark_ptq_eval.execute.staging:dequantize_fp8_checkpoint",
                  risk="FP8 block release (the authors' own format): a normal starting point. The plan reads it "
                       "through Quark's file-to-file engine on a GPU host, or through an exact BF16 staging copy "
                       "(each block x its scale) in the work dir for CPU hosts and calibrated schemes."),
     SourceFormat("fp8_tensor", "FP8 (E4M3) weights with a per-tensor or per-channel F32 scale", STAGE_BF16,
                  "recovers FP8 sources with a Triton kernel (GPU only)", _here("fp8_per_tensor"),
-                 file2file_needs_gpu=True, fp8_weights=True,
+                 file2file_needs_gpu=True, fp8_weights=True, release="FP8",
+                 stage_copy="quark_ptq_eval.execute.staging:dequantize_fp8_checkpoint",
                  risk="FP8 per-tensor/channel release: a normal starting point, read through an exact BF16 "
                       "staging copy (weight x its scale) or Quark's file-to-file engine on a GPU host."),
     SourceFormat("compressed_tensors", "compressed-tensors (llm-compressor) checkpoint", REFUSED,
@@ -85,7 +93,11 @@ FORMATS: Registry[SourceFormat] = Registry("source format", (
                          "it was compressed from"),
     SourceFormat("mxfp4", "MXFP4 weights (gpt-oss *_blocks / *_scales)", STAGE_BF16,
                  "does not read the gpt-oss *_blocks/*_scales layout (Quark 0.13 recovers the DeepSeek-V4 MXFP4 "
-                 "layout only)", _here("mxfp4_blocks"), file2file_reads=False,
+                 "layout only)", _here("mxfp4_blocks"), file2file_reads=False, release="MXFP4",
+                 stage_copy="quark_ptq_eval.execute.staging:dequantize_mxfp4_checkpoint",
+                 stage_rule="each E2M1 code, two a byte low nibble first, x 2^(its block of 32's E8M0 scale - 127)",
+                 unloadable="MXFP4 experts on a CPU (only its Triton kernels or a dequantizing load) for Quark to "
+                            "quantize",
                  risk="MXFP4 release (gpt-oss: experts in E2M1 blocks of 32 with E8M0 scales): the plan reads it "
                       "through an exact BF16 staging copy (each E2M1 value x 2^(its block's scale - 127), as "
                       "transformers dequantizes it) in the work dir; re-quantizing MXFP4 weights adds the new "

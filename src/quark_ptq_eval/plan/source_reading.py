@@ -73,19 +73,13 @@ def decide(analysis: ModelAnalysis, engine: str, device: dict[str, Any], workdir
                           f"the execution gate (about {gb(disk)} on disk)"}
     return {**base, "mode": "stage_bf16", "source_dir": staged, "engine_reads": staged, "disk_bytes": disk,
             "reason": f"{entry.summary}: the {engine} engine loads the model with transformers, which cannot load "
-                      f"{_unloadable(fmt)}, and calibration needs the model; an exact BF16 copy ({how}) is written "
+                      f"{entry.unloadable}, and calibration needs the model; an exact BF16 copy ({how}) is written "
                       f"shard by shard to {staged} after the execution gate: about {gb(disk)} on disk"}
 
 
-def _unloadable(fmt: dict[str, Any]) -> str:
-    if fmt["name"] == "mxfp4":
-        return "MXFP4 experts on a CPU (only its Triton kernels or a dequantizing load) for Quark to quantize"
-    return "FP8 checkpoints here"
-
-
 def _dequant_rule(fmt: dict[str, Any]) -> str:
-    if fmt["name"] == "mxfp4":
-        return "each E2M1 code, two a byte low nibble first, x 2^(its block of 32's E8M0 scale - 127)"
+    if FORMATS[fmt["name"]].stage_rule:
+        return FORMATS[fmt["name"]].stage_rule
     block = fmt.get("weight_block_size")
     if block:
         return f"each {block[0]}x{block[1]} block x its weight_scale_inv"
