@@ -418,6 +418,8 @@ def _unfoldable_rows(target: Target, scale: np.ndarray) -> list[Finding]:
 def _float_slack(ctx: ValidationContext, target: Target) -> float:
     """Per unit |x|: in a BF16 model a fold passes through up to three roundings of 2^-9 each (the
     scale, the scaled weight, the divided norm; F16 2^-12, F32 2^-25): 2^-6 leaves a margin of 2.7x
-    (healthy random-weight BF16 SmoothQuant exports read up to 0.62 step with 2^-8)."""
-    dtypes = {t.dtype for n, t in (ctx.tensors("output") or {}).items() if n.endswith("norm.weight")}
+    (healthy random-weight BF16 SmoothQuant exports read up to 0.62 step with 2^-8). The model's float
+    dtype is read from its 1-D tensors (norms and biases, whatever their names: GPT-J's are ``ln_1``)."""
+    dtypes = {t.dtype for n, t in (ctx.tensors("output") or {}).items()
+              if len(t.shape) == 1 and "scale" not in n and "zero_point" not in n}
     return 2.0 ** -6 if "BF16" in dtypes else 2.0 ** -9 if "F16" in dtypes else 2.0 ** -22
