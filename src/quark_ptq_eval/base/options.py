@@ -150,7 +150,7 @@ def json_values(values: dict[str, Any]) -> dict[str, Any]:
     def plain(value: Any) -> Any:
         if isinstance(value, os.PathLike):
             return os.path.abspath(os.path.expanduser(os.fspath(value)))
-        return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value  # type: ignore[arg-type]
+        return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
 
     return {k: plain(v) for k, v in values.items()}
 

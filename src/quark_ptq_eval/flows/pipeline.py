@@ -77,6 +77,12 @@ class Flow:
     output_dir: Path | None
     parts: dict[str, Any] = field(default_factory=dict)  # Step.part -> what the step produced
 
+    def output(self) -> Path:
+        """The output dir, which every step after intake has (only an intake-only run has none)."""
+        if self.output_dir is None:
+            raise RuntimeError("a step after intake ran without an output dir")
+        return self.output_dir
+
 
 class Recipe:
     def __init__(self, workdir: str | Path, approver: Approver, reporter: Reporter | None = None,
@@ -119,6 +125,7 @@ class Recipe:
         offline = bool(opts.offline)
         if offline:
             os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        assert opts.model, "run() refuses a run without a model"
         model_path, _ = resolve_model(opts.model, offline)
         output_dir = self._output_dir(opts, model_path) if opts.output_dir or stop_after != "intake" else None
         ctx = preflight.gather(self.workdir, opts.contexts,
@@ -157,6 +164,7 @@ class Recipe:
         from quark_ptq_eval.intake import analyze_model
         from quark_ptq_eval.intake.analyze import describe
 
+        assert flow.opts.model, "run() refuses a run without a model"
         analysis = analyze_model(flow.opts.model, offline=flow.ctx.offline, catalog=flow.catalog,
                                  trust_remote_code=bool(flow.opts.plan.get("trust_remote_code")))
         previous = self._load_quietly(ModelAnalysis)
@@ -179,7 +187,7 @@ class Recipe:
             req = PlanRequest(**{k: v for k, v in flow.opts.plan.items() if k in fields}, offline=flow.ctx.offline,
                               hold_out_eval=self._hold_out(flow))
             plan = make_plan(analysis, flow.ctx.env, req, flow.catalog, ModelAnalysis.path_in(self.workdir),
-                             flow.output_dir)
+                             flow.output())
             plan = with_sensitivity_scan(plan, req, self.workdir)  # --sensitivity: the flow runs the scan
         plan.requires_confirmation = not self.state.is_approved("plan", plan.digest)
         plan.write(self.workdir)
@@ -228,7 +236,7 @@ class Recipe:
     def step_manifest(self, flow: Flow) -> RunManifest:
         from quark_ptq_eval.manifest import build_manifest
 
-        plan, output_dir = flow.parts["plan"], flow.output_dir
+        plan, output_dir = flow.parts["plan"], flow.output()
         plan.requires_confirmation = False  # checkpoint 2 approved it
         plan.write(self.workdir)
         manifest = build_manifest(plan, self.workdir, output_dir, offline=flow.ctx.offline)
@@ -252,7 +260,7 @@ class Recipe:
     def step_execute(self, flow: Flow) -> dict:
         from quark_ptq_eval.execute.step import execute_manifest
 
-        return execute_manifest(self, flow.parts["manifest"], flow.parts["analysis"], flow.output_dir,
+        return execute_manifest(self, flow.parts["manifest"], flow.parts["analysis"], flow.output(),
                                 flow.opts.overwrite)
 
     def step_validate(self, flow: Flow):
@@ -260,7 +268,7 @@ class Recipe:
 
         plan = flow.parts["plan"].to_dict()  # an FP8 / .bin source is compared through its staged copy
         self.vllm_python = flow.opts.eval.get("vllm_python")  # the serving check's vLLM, as Tier 3's
-        return self._validate(effective_source(plan, flow.model_path), flow.output_dir, plan,
+        return self._validate(effective_source(plan, flow.model_path), flow.output(), plan,
                               load_check=not flow.opts.no_load_check)
 
     def step_eval(self, flow: Flow):
@@ -269,17 +277,18 @@ class Recipe:
         plan = flow.parts["plan"].to_dict()  # Tier 1's baseline: the staged BF16 copy of an FP8 release
         source = effective_source(plan, flow.model_path)
         if self.evaluator is not None:
-            report = self.evaluator(flow.output_dir, source, plan)
+            report = self.evaluator(flow.output(), source, plan)
             self.state.record_step("eval", "done", tier=report.tier, report=str(report.report_path))
             return report
-        return self._evaluate(flow.opts, source, flow.output_dir, plan)
+        return self._evaluate(flow.opts, source, flow.output(), plan)
 
     def _validate(self, source: Path | None, output_dir: Path, plan: dict, load_check: bool = True):
         from quark_ptq_eval.validate import apply_fixes, propose_fixes
 
         report = self._checked(source, output_dir, plan, load_check)
-        fixes = propose_fixes(report, source, output_dir) if report.status == "failed" else []
-        if fixes:
+        # the fixes re-copy files from the source: none without a local one (a Hub id's run)
+        fixes = propose_fixes(report, source, output_dir) if report.status == "failed" and source is not None else []
+        if fixes and source is not None:
             report.write(self.workdir)  # the failing report stays readable while we wait for approval
             summary = "\n".join(f"- {f.describe()}" for f in fixes)
             self.ui.info(f"Validation found problems with a safe fix:\n{summary}")
@@ -356,8 +365,8 @@ class Recipe:
         from quark_ptq_eval.evaluate.tiers import tier_checkpoint
 
         if self.gates.can_choose:
-            for name, tier in TIERS.items():
-                self.ui.info(f"  {name:<8} {tier.method} ({tier.cost})")
+            for name, entry in TIERS.items():
+                self.ui.info(f"  {name:<8} {entry.method} ({entry.cost})")
         message, flag = tier_checkpoint()
         tier = self.gates.choose("eval", "Which evaluation tier?", tuple(TIERS), message, flag)
         if scores_text(tier) and tier1_lacks_text(opts.eval, opts.offline):
