@@ -15,8 +15,8 @@ from quark_ptq_eval.base.gates import FlagApprover, Gatekeeper
 from quark_ptq_eval.base.state import RunState
 from quark_ptq_eval.base.step_table import STEP_NAMES, STEPS
 from quark_ptq_eval.evaluate.tiers import TIERS, tier_checkpoint
-from quark_ptq_eval.execute.engines import ENGINE_NAMES, choose_engine, get_engine
 from quark_ptq_eval.flows.status import describe_status
+from quark_ptq_eval.plan.engines import ENGINE_NAMES, choose_engine, get_engine
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "quark_ptq_eval"
 
@@ -118,28 +118,12 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_not_even_under_type_checking():
     graph = _module_graph()
-    assert "quark_ptq_eval.execute.engines" in graph and graph["quark_ptq_eval.manifest.build"]
+    assert "quark_ptq_eval.plan.engines" in graph and graph["quark_ptq_eval.manifest.build"]
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
-
-
-# Imports against the order that are still being moved (the engine table below the plan, the schema
-# enums filled without the base importing a step). Exact: one fixed, or one more, fails the test.
-NOT_YET_MOVED = {
-    ("quark_ptq_eval.base.contracts", "quark_ptq_eval.execute.engines"),
-    ("quark_ptq_eval.base.contracts", "quark_ptq_eval.intake.formats"),
-    ("quark_ptq_eval.manifest.build", "quark_ptq_eval.execute.engines"),
-    ("quark_ptq_eval.plan.recommend", "quark_ptq_eval.execute.engines"),
-    ("quark_ptq_eval.plan.request", "quark_ptq_eval.execute.engines"),
-    ("quark_ptq_eval.plan.resources", "quark_ptq_eval.execute.engines"),
-    ("quark_ptq_eval.plan.source_reading", "quark_ptq_eval.execute.engines"),
-}
 
 
 def test_every_import_follows_the_layer_order():
     statements = _import_statements()
-    pending = {(m, t) for m, _, t in statements if (m, t) in NOT_YET_MOVED}
-    assert pending == NOT_YET_MOVED, f"moved since: {sorted(NOT_YET_MOVED - pending)}; drop them from NOT_YET_MOVED"
-    statements = [s for s in statements if (s[0], s[2]) not in NOT_YET_MOVED]
     assert {_layer(m) for m, _, _ in statements} >= set(LAYERS)  # every layer was read
     # the rule itself: a step importing a flow, and the base importing a step, are refused
     assert _against_layers([("quark_ptq_eval.plan.x", "plan/x.py:1", "quark_ptq_eval.flows.api"),
@@ -149,7 +133,7 @@ def test_every_import_follows_the_layer_order():
 
 
 def test_no_import_cycle_between_packages():
-    statements = [s for s in _import_statements() if (s[0], s[2]) not in NOT_YET_MOVED]
+    statements = _import_statements()
     planted = [("quark_ptq_eval.plan.x", "plan/x.py:1", "quark_ptq_eval.execute.y"),
                ("quark_ptq_eval.execute.y", "execute/y.py:1", "quark_ptq_eval.plan.z")]
     assert len(_package_cycle(planted)) == 2  # the rule itself: plan -> execute -> plan is a cycle

@@ -22,7 +22,7 @@ import pytest
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.textdata import split_plain_text
 from quark_ptq_eval.context import quark_cli
-from quark_ptq_eval.execute.calib_cache import (
+from quark_ptq_eval.plan.engines.calib_cache import (
     CALIBRATION_DATASETS,
     prepare_offline_calibration,
     read_documents,

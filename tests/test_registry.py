@@ -52,8 +52,8 @@ def test_registry_keeps_order_and_refuses_unknown_names_and_collisions():
 
 def test_every_extension_point_is_a_registry_with_the_same_errors():
     from quark_ptq_eval.evaluate.tiers import TIERS
-    from quark_ptq_eval.execute.engines import ENGINES
     from quark_ptq_eval.intake.formats import FORMATS
+    from quark_ptq_eval.plan.engines import ENGINES
     from quark_ptq_eval.plan.targets import TARGETS, resolve_target
     from quark_ptq_eval.validate.checks import CHECKS
 
@@ -91,8 +91,8 @@ def _registered() -> dict[str, list[tuple[str, set[str]]]]:
     """name -> [(kind, modules that own it)] for every row of the five registries."""
     from quark_ptq_eval.base.registry import load as load_ref
     from quark_ptq_eval.evaluate.tiers import TIERS
-    from quark_ptq_eval.execute.engines import ENGINES
     from quark_ptq_eval.intake.formats import FORMATS
+    from quark_ptq_eval.plan.engines import ENGINES
     from quark_ptq_eval.plan.targets import TARGETS
     from quark_ptq_eval.validate.checks import CHECKS
 
@@ -112,7 +112,7 @@ def _registered() -> dict[str, list[tuple[str, set[str]]]]:
 
 
 # The tables themselves: the rows and the code that reads them by row (not by name).
-TABLES = {"quark_ptq_eval.execute.engines", "quark_ptq_eval.evaluate.tiers", "quark_ptq_eval.validate.checks",
+TABLES = {"quark_ptq_eval.plan.engines", "quark_ptq_eval.evaluate.tiers", "quark_ptq_eval.validate.checks",
           "quark_ptq_eval.intake.formats", "quark_ptq_eval.plan.targets"}
 
 
@@ -212,7 +212,7 @@ def test_the_name_scan_finds_a_name_planted_outside_its_entry(tmp_path):
 # ---- docs/extending.md for real: one module plus one row each, in a copy of the package ------------------
 ENGINE_MODULE = '''"""Engine ``quark-api-copy``: the quark-api engine under its own name (the extension test's engine)."""
 
-from quark_ptq_eval.execute.engines.quark_api import QuarkApiEngine
+from quark_ptq_eval.plan.engines.quark_api import QuarkApiEngine
 
 
 class QuarkApiCopyEngine(QuarkApiEngine):
@@ -287,8 +287,8 @@ def is_marked(e: SourceEvidence) -> bool:
     return not e.qc and bool(e.config.get("census_marked"))
 '''
 EXTENSIONS = (  # (module path, its text, the table file, the table's name, its row, the row it goes before)
-    ("execute/engines/quark_api_copy.py", ENGINE_MODULE, "execute/engines/__init__.py", "ENGINES",
-     'EngineEntry("quark-api-copy", "quark_ptq_eval.execute.engines.quark_api_copy", "quark-api again", '
+    ("plan/engines/quark_api_copy.py", ENGINE_MODULE, "plan/engines/__init__.py", "ENGINES",
+     'EngineEntry("quark-api-copy", "quark_ptq_eval.plan.engines.quark_api_copy", "quark-api again", '
      'reads_text_file=True),', None),
     ("evaluate/tier_census.py", TIER_MODULE, "evaluate/tiers.py", "TIERS",
      'Tier("census", "c", "census", "tensor census of the export", "seconds", "quark_ptq_eval.evaluate.tier_census", '

@@ -47,25 +47,33 @@ def own_schema(kind: str) -> dict[str, Any] | None:
     return _with_registries(kind, _schema(p)) if p.exists() else None
 
 
+# The registries live in the steps that own them (above the base): named here as a registry row names
+# its module, and read only when a schema is filled in.
+ENGINE_TABLE = "quark_ptq_eval.plan.engines:ENGINES"
+SOURCE_FORMAT_TABLE = "quark_ptq_eval.intake.formats:FORMATS"
+
+
+def _registry_names(table: str) -> tuple[str, ...]:
+    from quark_ptq_eval.base.registry import load
+
+    return tuple(load(table))
+
+
 def _with_registries(kind: str, schema: dict[str, Any]) -> dict[str, Any]:
     """Enums that a registry owns are filled in here, never typed into the schema files."""
     if kind == "model_analysis":
         return _with_source_formats(schema)
     if kind != "quant_plan":
         return schema
-    from quark_ptq_eval.execute.engines import ENGINE_NAMES
-
     engine = schema["properties"]["engine"]
-    name = {**engine["properties"]["name"], "enum": list(ENGINE_NAMES)}
+    name = {**engine["properties"]["name"], "enum": list(_registry_names(ENGINE_TABLE))}
     engine = {**engine, "properties": {**engine["properties"], "name": name}}
     return {**schema, "properties": {**schema["properties"], "engine": engine}}
 
 
 def _with_source_formats(schema: dict[str, Any]) -> dict[str, Any]:
-    from quark_ptq_eval.intake.formats import FORMATS
-
     fmt = schema["properties"]["source_format"]
-    name = {**fmt["properties"]["name"], "enum": list(FORMATS)}
+    name = {**fmt["properties"]["name"], "enum": list(_registry_names(SOURCE_FORMAT_TABLE))}
     fmt = {**fmt, "properties": {**fmt["properties"], "name": name}}
     return {**schema, "properties": {**schema["properties"], "source_format": fmt}}
 

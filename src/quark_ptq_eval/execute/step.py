@@ -15,10 +15,10 @@ from quark_ptq_eval.base.safety import check_free_space, is_nonempty_dir
 from quark_ptq_eval.base.state import RunState, digest
 from quark_ptq_eval.base.ui import Reporter
 from quark_ptq_eval.execute.classify import classify_failure
-from quark_ptq_eval.execute.engines import get_engine
 from quark_ptq_eval.execute.inspect_output import inspect_output
 from quark_ptq_eval.execute.runner import EngineEcho, EngineRunner, RunResult, raise_if_interrupted
 from quark_ptq_eval.execute.staging import stage_source
+from quark_ptq_eval.plan.engines import get_engine
 
 
 class ExecuteContext(Protocol):

@@ -1,6 +1,6 @@
 """Build the run manifest: the exact engine command (argument list, absolute paths, no shell).
 
-The engines (execute/engines/, all real Quark) share one flag vocabulary (quark-cli's). The
+The engines (plan/engines/, all real Quark) share one flag vocabulary (quark-cli's). The
 engine writes into a staging directory next to the output; the output appears only once the
 result is verified.
 """
@@ -16,7 +16,7 @@ from quark_ptq_eval.base.calibration_text import describe_used
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import GATES, PIPELINE_GATES
 from quark_ptq_eval.base.step_table import STEPS, SUMMARY_FILE
-from quark_ptq_eval.execute.engines import Engine, get_engine
+from quark_ptq_eval.plan.engines import Engine, get_engine
 
 WORKFLOW = "quark-torch-llm-ptq-eval"
 

@@ -16,9 +16,9 @@ from quark_ptq_eval.base.context_window import fit_window, read_model_config
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.base.textdata import check_text_source
-from quark_ptq_eval.execute.engines import ENGINES, choose_engine, get_engine
 from quark_ptq_eval.plan import resources, source_reading
 from quark_ptq_eval.plan.calibration_check import check_calibration_text, source_note
+from quark_ptq_eval.plan.engines import ENGINES, choose_engine, get_engine
 from quark_ptq_eval.plan.family_limits import check_family_limits
 from quark_ptq_eval.plan.request import PlanRequest
 from quark_ptq_eval.plan.scheme_fit import SchemeChoice, fit_to_model
@@ -273,7 +273,7 @@ def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, ca
     calibration, calib_why, calib_size, calib_size_why = _plan_calibration(req, analysis, analysis_ref, accelerator,
                                                                            info, algorithm, kv)
     device = _device(req, env, analysis.size["bytes"])
-    # The engines registry decides (execute/engines/): its automatic choice and its constraints.
+    # The engines registry decides (plan/engines/): its automatic choice and its constraints.
     engine, engine_why = choose_engine(req.engine, accelerator, calibration, device["device"] == "cpu")
     work = resources.Workload(analysis, scheme, info, algorithm, calibration, device, kv)
     engine, engine_why = resources.engine_for_host(work, engine, engine_why, req.engine, env)  # file2file when too big

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from quark_ptq_eval.base.options import concern, flag
-from quark_ptq_eval.execute.engines import ENGINE_NAMES
+from quark_ptq_eval.plan.engines import ENGINE_NAMES
 
 CHOICE = "choice"  # the options that settle one plan's scheme and kept layers (compare settles them itself)
 

@@ -191,7 +191,7 @@ def estimate_file2file(analysis: ModelAnalysis, device: str) -> dict[str, Any]:
 
 def engine_estimate(engine: str | None, analysis: ModelAnalysis, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any],
                     device: str) -> dict[str, Any]:
-    from quark_ptq_eval.execute.engines import holds_one_shard
+    from quark_ptq_eval.plan.engines import holds_one_shard
 
     if holds_one_shard(engine):
         return estimate_file2file(analysis, device)
@@ -208,7 +208,7 @@ def _fits(est: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> 
 def engine_for_host(work: Workload, engine: str, why: str, requested: str, env: dict[str, Any]) -> tuple[str, str]:
     """The plan's engine once this host's memory is known: file-to-file when the automatic choice's
     whole-model engine does not fit and file-to-file does and can serve the plan (docs/planning.md)."""
-    from quark_ptq_eval.execute.engines import shard_engine
+    from quark_ptq_eval.plan.engines import shard_engine
 
     analysis, info, algorithm, kv, device = work.analysis, work.info, work.algorithm, work.kv, work.device
     calibration = work.calibration
@@ -297,7 +297,7 @@ def serving_fit(analysis: ModelAnalysis, out_bytes: int, kv_scheme: str | None, 
 # ---- the plan checkpoint's verdict ---------------------------------------------------------------
 def assess(work: Workload, host: dict[str, Any], rerun: list[str], engine: str | None = None) -> dict[str, Any]:
     """Does this host hold the engine, the output and a Tier 1 evaluation? If not, what would."""
-    from quark_ptq_eval.execute.engines import holds_one_shard
+    from quark_ptq_eval.plan.engines import holds_one_shard
 
     analysis, scheme, info, algorithm, device = work.analysis, work.scheme, work.info, work.algorithm, work.device
     calibration = work.calibration
@@ -383,7 +383,7 @@ def _proposals(work: Workload, host: dict[str, Any], est: dict[str, Any], rerun:
 
 def _file2file_proposal(work: Workload, host: dict[str, Any]) -> list[dict[str, Any]]:
     """Quark's file-to-file engine with its estimate, when it can serve this plan (a proposal must work)."""
-    from quark_ptq_eval.execute.engines import shard_engine
+    from quark_ptq_eval.plan.engines import shard_engine
     from quark_ptq_eval.plan.source_reading import file2file_can_read
 
     analysis, info, algorithm, kv, device = work.analysis, work.info, work.algorithm, work.kv, work.device

@@ -63,7 +63,7 @@ def decide(analysis: ModelAnalysis, engine: str, device: dict[str, Any], workdir
     staged = str(Path(workdir) / STAGED_BF16_DIR)
     disk = int(fmt.get("read_as_bytes") or 2 * int(analysis.size.get("params") or 0))
     how = _dequant_rule(fmt)
-    from quark_ptq_eval.execute.engines import ENGINES
+    from quark_ptq_eval.plan.engines import ENGINES
 
     if engine in ENGINES and ENGINES[engine].reads_fp8_source:
         _check_file2file(entry, device, disk, how)

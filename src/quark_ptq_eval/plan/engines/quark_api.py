@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from quark_ptq_eval.execute.engines.flags import head_flags, tail_flags
+from quark_ptq_eval.plan.engines.flags import head_flags, tail_flags
 
 CHILD_MODULE = "quark_ptq_eval.execute.quark_api_engine"  # the child entry point
 

@@ -1,7 +1,7 @@
 """Engine ``quark-cli``: ``quark-cli torch-llm-ptq``, Quark's public CLI (``amd-quark[cli]``).
 
 Offline it calibrates from a private datasets cache that serves the user's text under the
-dataset id it asks for (see execute/calib_cache.py); on a CPU-only host it only survives
+dataset id it asks for (see plan/engines/calib_cache.py); on a CPU-only host it only survives
 weight-only / dynamic-activation schemes with --multi-device (measured on 0.13).
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.context.quark_cli import SUBCOMMAND, find_quark_cli
-from quark_ptq_eval.execute.engines.flags import head_flags, tail_flags
+from quark_ptq_eval.plan.engines.flags import head_flags, tail_flags
 
 CALIB_CACHE_DIR = "calib_cache"  # under the work dir
 
@@ -56,7 +56,7 @@ class QuarkCliEngine:
     def env(self, plan: Any, workdir: Path) -> dict[str, str]:
         if plan.calibration["source"] != "local_file":
             return {}
-        from quark_ptq_eval.execute.calib_cache import offline_env
+        from quark_ptq_eval.plan.engines.calib_cache import offline_env
 
         return offline_env(workdir / CALIB_CACHE_DIR)
 
@@ -64,7 +64,7 @@ class QuarkCliEngine:
         cache = manifest.command.get("env", {}).get("HF_DATASETS_CACHE")
         if not cache:
             return
-        from quark_ptq_eval.execute.calib_cache import prepare_offline_calibration
+        from quark_ptq_eval.plan.engines.calib_cache import prepare_offline_calibration
 
         calib = manifest.inputs.get("calibration")
         if not calib or not Path(calib).exists():
