@@ -100,7 +100,8 @@ def followup_markdown(follow: dict[str, Any] | None) -> list[str]:
 
 def _read_plan(workdir: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((workdir / PLAN_NAME).read_text(encoding="utf-8"))
+        plan: dict[str, Any] = json.loads((workdir / PLAN_NAME).read_text(encoding="utf-8"))
+        return plan
     except (OSError, ValueError):
         return None
 
