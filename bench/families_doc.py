@@ -99,7 +99,8 @@ def write_doc(path: Path, data: dict[str, Any], skipped: dict[str, str], setup: 
         "",
         "A cell is **ok** when the engine ran, validation passed (the load check included: every module of "
         "the export, replayed on the source's inputs, within its limit; no weight left at random by the "
-        "loader), the perplexity is finite and the share of "
+        "loader; and the decode check: every quantized weight decoded within its bound of its source), the "
+        "perplexity is finite and the share of "
         "matrix parameters (linear and expert weights; embeddings and norms left out) stored quantized in "
         "the export matches the share the plan promised (all but its exclusions). The percentage is that "
         "measured share, read from the safetensors headers. Columns: "
