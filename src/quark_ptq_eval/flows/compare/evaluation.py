@@ -175,4 +175,4 @@ def _record_eval(workdir: Path, report: Any) -> None:
 
     with WorkdirLock(workdir):
         state = RunState.load(workdir)
-        state.record_step("eval", "done", tier="ppl", report=str(report.report_path), baseline="cache")
+        state.record_step("eval", "done", tier=report.tier, report=str(report.report_path), baseline="cache")
