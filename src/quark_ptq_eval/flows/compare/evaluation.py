@@ -130,8 +130,7 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     plan = read_json(workdir / "quant_plan.json", "quantization plan")
     ctx = TierContext(model_dir, options, workdir, None, baseline.source, plan)
     report = build_report(ctx, outcome, None, time.perf_counter() - started)
-    report_files.write_all(report)
-    _record_eval(workdir, report)
+    report_files.write_all(report)  # the recipe running this as its Phase 3 records the step
     if base_tasks is not None:
         from quark_ptq_eval.flows.compare.tasks import score_scheme
 
@@ -168,11 +167,3 @@ def score_against_cache(model, windows, entry: BaselineEntry, batch_size: int):
             tail.append(stats["tail_mass"].reshape(-1).cpu())
     return acc, torch.cat(bounds), torch.cat(tail)
 
-
-def _record_eval(workdir: Path, report: Any) -> None:
-    """The scheme's own run state says it was evaluated, as a `run` would."""
-    from quark_ptq_eval.base.state import RunState, WorkdirLock
-
-    with WorkdirLock(workdir):
-        state = RunState.load(workdir)
-        state.record_step("eval", "done", tier=report.tier, report=str(report.report_path), baseline="cache")

@@ -157,9 +157,11 @@ class Comparison:
             return
         self.ui.headline(f"Compare · {scheme}: quantize → validate → evaluate")
         runs_before = len(self._engine_runs(scheme))
+        # the recipe's own steps to the end; its Phase 3 is Tier 1 against the baseline cached once
+        recipe = self._recipe(opts, scheme, {"intake", "plan", "execute"}, quiet=self.ui.quiet)
+        recipe.evaluator = lambda output_dir, source, plan: evaluate_scheme(self, opts, scheme, baseline)
         try:
-            self._recipe(opts, scheme, {"intake", "plan", "execute"}, quiet=self.ui.quiet).run(
-                self._run_options(opts, scheme), "validate")
+            recipe.run(self._run_options(opts, scheme))
         except CheckpointPending as exc:
             self._relay(scheme, exc)
         except QpeError as exc:
@@ -167,11 +169,8 @@ class Comparison:
             return
         finally:
             self._record_timing(scheme, runs_before)
-        try:
-            report = evaluate_scheme(self, opts, scheme, baseline)
-        except QpeError as exc:
-            self._failed(scheme, "eval", exc)
-            return
+        assert recipe.flow is not None  # the run went through every step
+        report = recipe.flow.parts["evaluation"]
         self.state.record_step(f"scheme:{scheme}", "evaluated", cache_key=baseline.key.id,
                                tasks_key=baseline.tasks_key, verdict=report.verdict, report=str(report.report_path))
         self.ui.info(f"{scheme}: {report.one_line()}")
@@ -215,7 +214,7 @@ class Comparison:
 
     def _failed_step(self, scheme: str) -> str:
         steps = RunState.load(self.workdir(scheme)).steps
-        for name in ("validate", "execute", "manifest", "plan"):
+        for name in ("eval", "validate", "execute", "manifest", "plan"):
             if steps.get(name, {}).get("status") in ("failed", "interrupted"):
                 return name
         return "quantize"
