@@ -42,7 +42,7 @@ class BaselineSource:
         tokenizer = AutoTokenizer.from_pretrained(self.source, trust_remote_code=bool(opts.plan.get("trust_remote_code")))
         assert opts.eval.seq_len is not None  # CompareOptions sets one window for every scheme
         self.windows = token_windows(tokenizer, self.texts, opts.eval.seq_len, opts.eval.max_windows)
-        self.cache = comparison.cache = BaselineCache(comparison.root / CACHE_DIR)
+        self.cache = BaselineCache(comparison.root / CACHE_DIR)
         self.key: CacheKey = self.cache.key_for(self.source, tokenizer, self.texts, self.windows, opts.top_k)
         self._tasks: dict | None = None
 

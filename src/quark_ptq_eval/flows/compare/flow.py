@@ -57,7 +57,6 @@ class Comparison:
         self.progress = progress or (lambda event, scheme: None)
         self.state: RunState
         self.gates: Gatekeeper
-        self.cache = None  # evaluate.baseline_cache.BaselineCache, once the comparison evaluates
 
     def run(self, options: CompareOptions) -> dict[str, Any]:
         self.root.mkdir(parents=True, exist_ok=True)
