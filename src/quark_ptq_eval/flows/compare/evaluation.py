@@ -94,9 +94,9 @@ class _Prepared:
     baseline: _Loaded
 
 
-def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: BaselineSource):
-    """Score the scheme's quantized model against the cached baseline; write its eval report."""
-    from quark_ptq_eval.base.fsio import read_json
+def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: BaselineSource, plan: dict):
+    """Score the scheme's quantized model against the cached baseline; write its eval report.
+    ``plan``: the scheme's quant plan, as its recipe holds it."""
     from quark_ptq_eval.evaluate import EvalOptions
     from quark_ptq_eval.evaluate import report as report_files
     from quark_ptq_eval.evaluate.api import build_report  # the evaluation's own report builder: same verdicts
@@ -127,7 +127,6 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     outcome.details["baseline_cache"] = {"key": entry.key.id, "top_k": entry.key.top_k, "path": str(entry.path),
                                          "method": "KL against the cached top-K + tail mass (a lower bound; "
                                                    "the gap to the full-logit KL is at most the stated bound)"}
-    plan = read_json(workdir / "quant_plan.json", "quantization plan")
     ctx = TierContext(model_dir, options, workdir, None, baseline.source, plan)
     report = build_report(ctx, outcome, None, time.perf_counter() - started)
     report_files.write_all(report)  # the recipe running this as its Phase 3 records the step

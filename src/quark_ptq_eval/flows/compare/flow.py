@@ -158,7 +158,7 @@ class Comparison:
         runs_before = len(self._engine_runs(scheme))
         # the recipe's own steps to the end; its Phase 3 is Tier 1 against the baseline cached once
         recipe = self._recipe(opts, scheme, {"intake", "plan", "execute"}, quiet=self.ui.quiet)
-        recipe.evaluator = lambda output_dir, source, plan: evaluate_scheme(self, opts, scheme, baseline)
+        recipe.evaluator = lambda output_dir, source, plan: evaluate_scheme(self, opts, scheme, baseline, plan)
         try:
             recipe.run(self._run_options(opts, scheme))
         except CheckpointPending as exc:
