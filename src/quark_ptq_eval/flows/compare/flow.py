@@ -39,7 +39,6 @@ class _Delegate:
     def __init__(self, user: Approver, granted: set[str]):
         self.user, self.granted = user, set(granted)
         self.interactive = bool(getattr(user, "interactive", False))
-        self.approved = self.granted | set(getattr(user, "approved", ()))  # plan.resources reads names
 
     def __call__(self, gate: Gate, summary: str) -> bool:
         return gate.name in self.granted or self.user(gate, summary)
