@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,41 +85,47 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: list[int] |
     return (w * s).to(torch.bfloat16)
 
 
-def _scale_name(name: str, names: set[str]) -> str | None:
+def _scale_name(name: str, names: Container[str]) -> str | None:
     module = name.rpartition(".")[0]
     return next((f"{module}.{s}" for s in SCALE_NAMES if f"{module}.{s}" in names), None)
 
 
 def dequantize_fp8_checkpoint(src: Path, dst: Path) -> None:
+    config = read_json(src / "config.json", "model config")
+    block = (config.get("quantization_config") or {}).get("weight_block_size")
+
+    def convert(f: Any, shard: Path, where: dict[str, Path]) -> dict[str, Any]:
+        out = {}
+        for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            if name.rpartition(".")[2] in (*SCALE_NAMES, *DROPPED):
+                continue
+            t = f.get_tensor(name)
+            scale = _scale_name(name, where) if str(t.dtype).removeprefix("torch.") in FP8_DTYPES else None
+            if scale:  # the scale may sit in another shard than its weight
+                s = f.get_tensor(scale) if where[scale] == shard else _read(where[scale], scale)
+                t = dequantize_fp8(t, s, block)
+            out[name] = t
+        return out
+
+    _write_bf16_copy(src, dst, config, convert)
+
+
+def _write_bf16_copy(src: Path, dst: Path, config: dict[str, Any],
+                     convert: Callable[[Any, Path, dict[str, Path]], dict[str, Any]]) -> None:
+    """Each shard through ``convert(open shard, shard, tensor -> shard)`` into ``dst`` under its name, then
+    the index (when the release has one) and config.json without its ``quantization_config``."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    config = read_json(src / "config.json", "model config")
-    block = (config.get("quantization_config") or {}).get("weight_block_size")
     shards = weight_files(src)
     where = _tensor_shards(shards)
-    names = set(where)
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for shard in shards:
-        out = {}
         with safe_open(str(shard), "pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if name.rpartition(".")[2] in (*SCALE_NAMES, *DROPPED):
-                    continue
-                t = f.get_tensor(name)
-                scale = _scale_name(name, names) if str(t.dtype).removeprefix("torch.") in FP8_DTYPES else None
-                if scale:  # the scale may sit in another shard than its weight
-                    s = f.get_tensor(scale) if where[scale] == shard else _read(where[scale], scale)
-                    t = dequantize_fp8(t, s, block)
-                out[name] = t
+            out = convert(f, shard, where)
         save_file(out, str(dst / shard.name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(out, shard.name))
         del out
-    _finish_bf16_copy(src, dst, config, weight_map)
-
-
-def _finish_bf16_copy(src: Path, dst: Path, config: dict[str, Any], weight_map: dict[str, str]) -> None:
-    """The index (when the release has one) and config.json without its ``quantization_config``."""
     if (src / INDEX_NAME).is_file():
         _write_index(dst, weight_map)
     config.pop("quantization_config", None)
@@ -178,32 +184,24 @@ def dequantize_mxfp4(blocks: Any, scales: Any) -> Any:
 
 def dequantize_mxfp4_checkpoint(src: Path, dst: Path) -> None:
     """Each ``<name>_blocks`` + ``<name>_scales`` pair -> ``<name>`` in BF16, shard by shard; the rest as stored."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
-    config = read_json(src / "config.json", "model config")
-    shards = weight_files(src)
-    where = _tensor_shards(shards)
-    weight_map: dict[str, str] = {}
-    for shard in shards:
+    def convert(f: Any, shard: Path, where: dict[str, Path]) -> dict[str, Any]:
         out = {}
-        with safe_open(str(shard), "pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in where:
-                    continue  # read with its blocks
-                tensor = f.get_tensor(name)
-                if name.endswith("_blocks"):
-                    scale = name.removesuffix("_blocks") + "_scales"
-                    if scale not in where:
-                        raise UsageError(f"The MXFP4 release has {name} but no {scale}.",
-                                         "Check the release's files: a shard may be missing or truncated.")
-                    s = f.get_tensor(scale) if where[scale] == shard else _read(where[scale], scale)
-                    name, tensor = name.removesuffix("_blocks"), dequantize_mxfp4(tensor, s)
-                out[name] = tensor
-        save_file(out, str(dst / shard.name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(out, shard.name))
-        del out
-    _finish_bf16_copy(src, dst, config, weight_map)
+        for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in where:
+                continue  # read with its blocks
+            tensor = f.get_tensor(name)
+            if name.endswith("_blocks"):
+                scale = name.removesuffix("_blocks") + "_scales"
+                if scale not in where:
+                    raise UsageError(f"The MXFP4 release has {name} but no {scale}.",
+                                     "Check the release's files: a shard may be missing or truncated.")
+                s = f.get_tensor(scale) if where[scale] == shard else _read(where[scale], scale)
+                name, tensor = name.removesuffix("_blocks"), dequantize_mxfp4(tensor, s)
+            out[name] = tensor
+        return out
+
+    _write_bf16_copy(src, dst, read_json(src / "config.json", "model config"), convert)
 
 
 # ---- pytorch_model.bin -> safetensors ------------------------------------------------------------
