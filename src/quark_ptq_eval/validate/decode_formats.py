@@ -100,9 +100,11 @@ def prefetch(infos: list[TensorInfo]) -> None:
     """Ask the kernel to start reading these tensors now (``POSIX_FADV_WILLNEED``), so that their
     reads overlap the arithmetic on the tensor before them; a hint: errors are ignored."""
     advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
     for info in infos:
-        if advise is None or info.nbytes <= 0:
-            return
+        if info.nbytes <= 0:
+            continue
         try:
             fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except OSError:
