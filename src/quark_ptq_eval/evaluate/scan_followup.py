@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-PLAN_NAME = "quant_plan.json"
+from quark_ptq_eval.base.artifacts import QuantPlan
 
 
 def scan_command(model: str | Path, scheme: str, calib_data: str | Path | None, out_dir: str | Path | None = None) -> str:
@@ -100,7 +100,7 @@ def followup_markdown(follow: dict[str, Any] | None) -> list[str]:
 
 def _read_plan(workdir: Path) -> dict[str, Any] | None:
     try:
-        plan: dict[str, Any] = json.loads((workdir / PLAN_NAME).read_text(encoding="utf-8"))
+        plan: dict[str, Any] = json.loads((workdir / QuantPlan.FILENAME).read_text(encoding="utf-8"))
         return plan
     except (OSError, ValueError):
         return None
