@@ -45,10 +45,6 @@ def refusal(why: str) -> UsageError:
                       "with no algorithm and no KV-cache scheme, or another --engine.")
 
 
-def supports(scheme_info: dict[str, Any], algorithm: str | None = None, kv_cache_scheme: str | None = None) -> bool:
-    return unsupported_reason(scheme_info, algorithm, kv_cache_scheme) is None
-
-
 class File2FileEngine:
     name = "file2file"
 
