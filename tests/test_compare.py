@@ -48,7 +48,7 @@ def compared(tiny_llama, corpus, eval_text, tmp_path_factory):
     root = tmp_path_factory.mktemp("compare") / "out"
     kwargs = dict(calib_data=str(corpus), num_calib_samples=8, calib_seq_len=64, eval_data=eval_text,
                   seq_len=SEQ_LEN, max_windows=WINDOWS, eval_device="cpu", top_k=16, offline=True,
-                  tasks=[TASK], include_path=TASKS_DIR, limit=TASK_DOCS)
+                  tasks=[TASK], include_path=TASKS_DIR, limit=TASK_DOCS, goal="smallest model")
     stops = []
     for approve in (["intake"], ["plan"]):
         with pytest.raises(CheckpointPending) as exc:
@@ -187,7 +187,9 @@ def test_recommendation_on_the_measured_numbers(compared):
     by_task = recommend(measured, {"max_task_drop_pct": max(drops[1], 0.0) + 1.0})
     assert by_task["scheme"] == "int4_wo_128" and "task-score drop" in by_task["reason"]
     assert pareto_front(measured, "kl_mean") == ["int4_wo_128", "int8"]
-    assert compared["doc"]["recommendation"] == recommend(measured, compared["doc"]["budget"])
+    rec = compared["doc"]["recommendation"]  # the goal's priority, read as the plan reads it
+    assert rec["priority"] == "size" and rec["reason"].startswith("Smallest model (the goal's priority)")
+    assert rec == recommend(measured, compared["doc"]["budget"], "size")
 
 
 def test_cli_compare_stops_at_the_shared_intake_checkpoint(cli, tiny_llama, corpus, tmp_path):

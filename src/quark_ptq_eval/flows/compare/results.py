@@ -14,6 +14,7 @@ from quark_ptq_eval.evaluate.report import json_safe
 from quark_ptq_eval.evaluate.verdict import BEYOND_NOISE
 from quark_ptq_eval.flows.compare.options import CompareOptions
 from quark_ptq_eval.flows.compare.recommend import pareto_front, recommend
+from quark_ptq_eval.plan.targets import priority
 
 SCHEMA = "quark-ptq-eval/comparison/1"
 JSON_NAME, REPORT_NAME, CHART_NAME = "comparison.json", "comparison_report.md", "comparison_pareto.png"
@@ -44,6 +45,7 @@ def scheme_row(comparison, scheme: str, source_bytes: int, params: int) -> dict[
     if out.is_dir() and _bytes(out):
         size = _bytes(out)
         row.update(size_bytes=size, compression_ratio=source_bytes / size, bits_per_weight=8 * size / params)
+        row.update(_serving_fields(comparison, wd, size))
     results = wd / "eval_results.json"
     if record.get("status") == "evaluated" and results.is_file():
         row.update(_eval_fields(read_json(results, "evaluation results")))
@@ -53,6 +55,22 @@ def scheme_row(comparison, scheme: str, source_bytes: int, params: int) -> dict[
             row["tasks"] = read_rows(wd)
             row["task_drop_pct"] = worst_drop(row["tasks"])
     return row
+
+
+def _serving_fields(comparison, wd: Path, size: int) -> dict[str, Any]:
+    """Whether the measured export fits the goal's serving budget ("fit one MI300X with 32k context"),
+    as the plan sized it (plan/resources.py serving_fit), when the goal states one."""
+    from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
+    from quark_ptq_eval.plan import resources
+
+    plan = QuantPlan.load(wd) if QuantPlan.path_in(wd).exists() else None
+    target = plan.target if plan else {}
+    if plan is None or not (target.get("budget") and target.get("memory_gb")):
+        return {}
+    fit = resources.serving_fit(ModelAnalysis.load(comparison.root), size, plan.kv_cache_scheme, target["memory_gb"],
+                                target["budget"])
+    return {"fits_serving_budget": fit["fits_budget"],
+            "serving_fit_text": resources.serving_text(fit, target.get("label") or target.get("name"), plan.kv_cache_scheme)}
 
 
 def _manifest_runs(wd: Path) -> list[dict]:
@@ -89,7 +107,7 @@ def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, An
     source_bytes, params = _bytes(source), _source_params(source)
     rows = [scheme_row(comparison, s, source_bytes, params) for s in opts.schemes]
     budget, ev = opts.budget, opts.eval
-    rec = recommend(rows, budget)
+    rec = recommend(rows, budget, priority(str(opts.plan.get("goal") or "")))  # the goal's, as the plan reads it
     cache = baseline.cache
     meta_path = cache.path_for(baseline.key) / "meta.json"
     meta = read_json(meta_path, "baseline cache") if meta_path.is_file() else {}
