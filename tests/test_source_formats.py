@@ -388,3 +388,66 @@ def test_an_mxfp4_release_is_quantized_validated_and_evaluated_on_this_cpu(gpt_o
     results = json.loads((r["wd"] / "eval_results.json").read_text())
     assert results["settings"]["baseline"] == str(staged)
     assert math.isfinite(results["quantized"]["perplexity"]["perplexity"])
+
+
+# ---- packed and scaled sources: counts, sizes and labels from the real layout ---------------------
+def test_a_gptq_release_is_counted_from_its_packed_layout_before_it_is_refused(tiny_model, catalog, tmp_path):
+    from packed_release import to_gptq_release
+
+    from quark_ptq_eval.intake.analyze import describe
+
+    bf16 = tiny_model("llama")
+    gptq = to_gptq_release(bf16, tmp_path / "gptq")
+    assert any(n.endswith(".qweight") and t.dtype == "I32" for n, t in read_model_headers(gptq).items())
+    a, same = (analyze_model(str(d), offline=True, catalog=catalog) for d in (gptq, bf16))
+    fmt, targets = a.source_format, a.quantization_targets
+    assert fmt["name"] == "int4" and fmt["reading"] == "refused" and a.risks[0]["severity"] == "high"
+    assert targets["linear_layer_count"] == same.quantization_targets["linear_layer_count"] == 15  # 14 + lm_head
+    assert targets["quantized_by_default"] == same.quantization_targets["quantized_by_default"]
+    assert fmt["params"] == same.source_format["params"]  # eight 4-bit codes an int32; scales, zeros, g_idx none
+    assert fmt["quantizable_params"] == same.source_format["quantizable_params"]
+    assert fmt["read_as_bytes"] == 2 * fmt["params"]  # read as BF16: the F16 rest as stored, codes widened
+    size = dict(describe(a))["size"]
+    assert f"{fmt['params']:,} parameters" in size and size.startswith(f"{a.size['bytes'] / 2**20:.1f} MiB")
+
+
+def test_scale_labels_come_from_the_real_dtypes(tiny_model, release, catalog, tmp_path):
+    from packed_release import to_ct_fp8_release
+
+    from quark_ptq_eval.plan.source_reading import decide
+
+    ct = to_ct_fp8_release(tiny_model("llama"), tmp_path / "ct-fp8")
+    assert {t.dtype for n, t in read_model_headers(ct).items() if n.endswith("weight_scale")} == {"BF16"}
+    a = analyze_model(str(ct), offline=True, catalog=catalog)
+    assert a.source_format["name"] == "fp8_tensor"
+    assert a.source_format["summary"] == "FP8 (E4M3) weights with a per-channel BF16 scale"
+    reading = decide(a, "quark-api", {"device": "cpu"}, tmp_path / "wd")
+    assert reading["reason"].startswith("FP8 (E4M3) weights with a per-channel BF16 scale: ") and "F32" not in reading["reason"]
+    block = analyze_model(str(release("qwen3")[1]), offline=True, catalog=catalog).source_format
+    assert block["summary"].startswith("FP8 (E4M3) weights with one F32 scale per block")  # the releases' own F32
+
+
+def test_an_mxfp4_plan_names_its_own_format_and_its_experts_are_fitted(gpt_oss_release, release, catalog):
+    from quark_ptq_eval.plan import resources
+    from quark_ptq_eval.plan.scheme_fit import SchemeChoice, fit_to_model, linear_shapes, misfits
+
+    bf16, mx = gpt_oss_release
+    a = analyze_model(str(mx), offline=True, catalog=catalog)
+    basis = resources.output_basis(a)
+    assert "MXFP4 layers left out" in basis and "FP8" not in basis
+    assert "FP8 layers left out" in resources.output_basis(analyze_model(str(release("qwen3")[1]), offline=True,
+                                                                         catalog=catalog))
+    # every expert matrix of the 4-D blocks, (out, in) as Quark splits them: the BF16 model's, read transposed
+    config = json.loads((bf16 / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    excludes = a.template["exclude_layers"]
+    shapes = linear_shapes(str(mx), excludes)
+    assert shapes == linear_shapes(str(bf16), excludes)
+    experts = {m: s for m, s in shapes.items() if ".experts." in m}
+    assert len(experts) == 3 * config["num_local_experts"] * config["num_hidden_layers"]
+    assert {s for m, s in experts.items() if m.endswith(("gate_proj", "up_proj"))} == {(inter, hidden)}
+    assert {s for m, s in experts.items() if m.endswith("down_proj")} == {(hidden, inter)}
+    wide = {"weight": {"dtype": "int4", "qscheme": "per_group", "group_size": inter}}  # divides down_proj's in only
+    assert {b.module.rpartition(".")[2] for b in misfits(wide, experts)} == {"gate_proj", "up_proj"}
+    known = list(catalog["schemes"])
+    assert fit_to_model(str(mx), SchemeChoice("int4_wo_128"), {}, excludes, known)[0] == "int4_wo_128"

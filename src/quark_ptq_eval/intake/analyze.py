@@ -17,7 +17,7 @@ from quark_ptq_eval.base.artifacts import ModelAnalysis
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import read_json
 from quark_ptq_eval.base.safetensors_io import read_model_headers, weight_files
-from quark_ptq_eval.intake.formats import CONVERT_BIN, FORMATS, REFUSED, describe_source
+from quark_ptq_eval.intake.formats import CONVERT_BIN, FORMATS, REFUSED, describe_source, is_packed
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -122,7 +122,7 @@ def _count_linears_from_headers(tensors: dict[str, Any]) -> tuple[list[str], int
     for n, t in tensors.items():
         if any(h in n for h in NON_LINEAR_HINTS):
             continue
-        if n.endswith(".weight") and len(t.shape) == 2:
+        if (n.endswith(".weight") or is_packed(n)) and len(t.shape) == 2:  # a GPTQ qweight is its linear's
             linears.append(_module_of(n))
         elif len(t.shape) == 3 and ".experts." in n:
             fused += 1
@@ -164,7 +164,8 @@ def _risks(cfg: dict[str, Any], text_cfg: dict[str, Any], template: bool, model_
             "Review the code; pass --trust-remote-code only if you trust it. Nothing runs it otherwise.")
     fmt = FORMATS[source_format["name"]]
     if fmt.reading == REFUSED:
-        add("high", f"The weights are {fmt.summary} ({source_format.get('quant_method') or 'unknown method'}).",
+        add("high", f"The weights are {source_format.get('summary') or fmt.summary} "
+                    f"({source_format.get('quant_method') or 'unknown method'}).",
             fmt.refusal[0].upper() + fmt.refusal[1:] + ".")
     elif fmt.risk:
         add("low", fmt.risk, "Nothing to do: the plan shows how the source is read and what the staging costs.")
@@ -252,8 +253,17 @@ def describe(analysis: ModelAnalysis) -> list[tuple[str, Any]]:
         ("Quark template", "yes" if analysis.template["available"] else "NO"),
         ("default exclusions", ", ".join(analysis.template["exclude_layers"]) or "(none)"),
         ("quantizable linears", f"{t['linear_layer_count']} ({t['linear_count_method']})"),
-        ("size", f"{analysis.size['bytes'] / 2**20:.1f} MiB ({analysis.size['method']})"),
+        ("size", _size_text(analysis)),
         ("status", analysis.analysis_status),
     ]
 
 
+
+
+def _size_text(analysis: ModelAnalysis) -> str:
+    """Bytes on disk; for a pre-quantized source also its true parameter count and its size read as BF16."""
+    size, fmt = analysis.size, analysis.source_format or {}
+    text = f"{size['bytes'] / 2**20:.1f} MiB ({size['method']})"
+    if fmt.get("prequantized_tensors") and size.get("params"):
+        text += f"; {size['params']:,} parameters, {size['read_as_bytes'] / 2**20:.1f} MiB read as BF16"
+    return text

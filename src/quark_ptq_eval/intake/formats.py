@@ -4,8 +4,9 @@ Each row says how the recipe reads such a source (``reading``), what Quark's fil
 does with it, and, when it is refused, what to start from instead. :func:`describe_source` turns
 config.json and the safetensors headers (never payloads) into the analysis's ``source_format``:
 the format, its true parameter count from header shapes (an FP8 byte is one parameter, an MXFP4
-byte two, scale tensors none), the parameters the template quantizes, and the bytes the model
-takes once read as BF16 (what a staged copy, a CPU load and an engine's "the rest" hold).
+byte two, a packed int32 ``qweight`` of 4-bit codes eight, scale tensors none), the parameters the
+template quantizes, and the bytes the model takes once read as BF16 (what a staged copy, a CPU load
+and an engine's "the rest" hold), and its label with the scales' real dtypes and granularity.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ from quark_ptq_eval.base.safetensors_io import TensorInfo
 # Readings: how the recipe reads the source before an engine sees it (plan/source_reading.py decides).
 DIRECT, STAGE_BF16, CONVERT_BIN, REFUSED = "direct", "stage_bf16", "convert_bin", "refused"
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "_scales", "weight_zero_point", "qzeros",
-                  "scales", "g_idx")
+                  "scales", "g_idx", "weight_shape")  # weight_shape: a packed weight's [out, in] (compressed-tensors)
 FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+# Packed integer weights: each element holds (its dtype's bits / the format's bits) codes of one linear
+# (GPTQ / AWQ ``qweight`` I32, compressed-tensors pack-quantized ``weight_packed`` I32).
+PACKED_LEAVES = ("qweight", "weight_packed")
+WORD_BITS = {"I32": 32, "U32": 32, "I64": 64, "I16": 16, "U16": 16, "I8": 8, "U8": 8}
 NON_LINEAR_HINTS = ("embed", "norm", "wte", "wpe", "rotary")  # as intake/analyze.py
 BIN_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -44,7 +49,7 @@ class SourceEvidence:
 @dataclass(frozen=True)
 class SourceFormat:
     name: str
-    summary: str
+    summary: str  # without headers; ``label`` once they are read ({granularity}, {dtype}: the scales' own)
     reading: str  # DIRECT, STAGE_BF16, CONVERT_BIN or REFUSED
     file2file: str  # what Quark 0.13's file-to-file engine does with it
     detector: str  # "module:function": function(SourceEvidence) -> bool; the first row that answers wins
@@ -59,6 +64,7 @@ class SourceFormat:
     stage_copy: str = ""
     stage_rule: str = ""
     unloadable: str = "FP8 checkpoints here"
+    label: str = ""
 
 
 def _here(function: str) -> str:
@@ -73,17 +79,19 @@ FORMATS: Registry[SourceFormat] = Registry("source format", (
                       "(torch.load(weights_only=True), after the execution gate) and validates against that copy; "
                       "the counts here come from config.json until then."),
     SourceFormat("float", "BF16/FP16/FP32 safetensors", DIRECT, "reads it as it is", _here("no_quantization")),
-    SourceFormat("fp8_block", "FP8 (E4M3) weights with one F32 scale per block (weight_scale_inv), DeepSeek style",
+    SourceFormat("fp8_block", "FP8 (E4M3) weights with one scale per block (weight_scale_inv), DeepSeek style",
                  STAGE_BF16, "recovers the FP8 blocks itself, shard by shard, with a Triton kernel (GPU only)",
                  _here("fp8_blocks"), file2file_needs_gpu=True, fp8_weights=True, release="FP8",
                  stage_copy="quark_ptq_eval.execute.staging:dequantize_fp8_checkpoint",
+                 label="FP8 (E4M3) weights with one {dtype} scale per block (weight_scale_inv), DeepSeek style",
                  risk="FP8 block release (the authors' own format): a normal starting point. The plan reads it "
                       "through Quark's file-to-file engine on a GPU host, or through an exact BF16 staging copy "
                       "(each block x its scale) in the work dir for CPU hosts and calibrated schemes."),
-    SourceFormat("fp8_tensor", "FP8 (E4M3) weights with a per-tensor or per-channel F32 scale", STAGE_BF16,
+    SourceFormat("fp8_tensor", "FP8 (E4M3) weights with a per-tensor or per-channel scale", STAGE_BF16,
                  "recovers FP8 sources with a Triton kernel (GPU only)", _here("fp8_per_tensor"),
                  file2file_needs_gpu=True, fp8_weights=True, release="FP8",
                  stage_copy="quark_ptq_eval.execute.staging:dequantize_fp8_checkpoint",
+                 label="FP8 (E4M3) weights with a {granularity} {dtype} scale",
                  risk="FP8 per-tensor/channel release: a normal starting point, read through an exact BF16 "
                       "staging copy (weight x its scale) or Quark's file-to-file engine on a GPU host."),
     SourceFormat("compressed_tensors", "compressed-tensors (llm-compressor) checkpoint", REFUSED,
@@ -199,11 +207,26 @@ def is_scale(name: str) -> bool:
     return suffix in SCALE_SUFFIXES or suffix.endswith("_scales")
 
 
-def tensor_params(info: TensorInfo) -> int:
-    """Parameters a tensor holds: its elements; two per byte of packed FP4 blocks; none for a scale."""
+def is_packed(name: str) -> bool:
+    return name.rpartition(".")[2] in PACKED_LEAVES
+
+
+def packed_bits(qc: dict[str, Any]) -> int:
+    """Bits a code of a packed integer weight: ``bits`` (GPTQ / AWQ), the weights' ``num_bits``
+    (compressed-tensors), else 4."""
+    weights = [g["weights"] for g in _ct_groups(qc) if isinstance(g.get("weights"), dict)]
+    bits = qc.get("bits") or next((w.get("num_bits") for w in weights), None)
+    return bits if isinstance(bits, int) and 0 < bits <= 8 else 4
+
+
+def tensor_params(info: TensorInfo, bits: int = 4) -> int:
+    """Parameters a tensor holds: its elements; two per byte of packed FP4 blocks; word bits / ``bits``
+    per element of a packed integer weight; none for a scale."""
     if is_scale(info.name):
         return 0
     n = math.prod(info.shape)
+    if is_packed(info.name):
+        return n * WORD_BITS.get(info.dtype, 8) // bits
     return 2 * n if info.name.endswith("_blocks") else n
 
 
@@ -229,7 +252,8 @@ def is_quantizable(info: TensorInfo, excluded: Callable[[str], bool]) -> bool:
     embedding or norm, not matched by the exclusions (as intake counts linears)."""
     name = info.name
     fused = (len(info.shape) == 3 or name.endswith("_blocks")) and ".experts." in name  # MXFP4 blocks are 4-D
-    if not ((name.endswith(".weight") and len(info.shape) == 2) or fused):
+    linear = (name.endswith(".weight") or is_packed(name)) and len(info.shape) == 2
+    if not (linear or fused):
         return False
     return not any(h in name for h in NON_LINEAR_HINTS) and not excluded(name.rpartition(".")[0])
 
@@ -239,7 +263,7 @@ def describe_source(config: dict[str, Any], tensors: dict[str, TensorInfo] | Non
     """The analysis's ``source_format``: the format, how it is read, its true counts from the headers."""
     fmt = detect(config, tensors, model_dir)
     qc = quant_config(config)
-    record: dict[str, Any] = {"name": fmt.name, "summary": fmt.summary, "reading": fmt.reading,
+    record: dict[str, Any] = {"name": fmt.name, "summary": label(fmt, tensors), "reading": fmt.reading,
                               "quant_method": qc.get("quant_method"), "file2file": fmt.file2file,
                               "file2file_needs_gpu": fmt.file2file_needs_gpu}
     if fmt.refusal:
@@ -248,10 +272,10 @@ def describe_source(config: dict[str, Any], tensors: dict[str, TensorInfo] | Non
         record["weight_block_size"] = list(qc["weight_block_size"])
     if not tensors:
         return record
-    excluded = exclusion_matcher(excludes)
+    excluded, bits = exclusion_matcher(excludes), packed_bits(qc)
     params = quantizable = read = read_quantizable = prequantized = 0
     for t in tensors.values():  # one pass: a real release has ~10^5 tensors
-        n = tensor_params(t)
+        n = tensor_params(t, bits)
         b = read_as_bytes(t, n)
         params, read = params + n, read + b
         if n and t.dtype not in FLOAT_BYTES:
@@ -261,3 +285,21 @@ def describe_source(config: dict[str, Any], tensors: dict[str, TensorInfo] | Non
     record.update(params=params, quantizable_params=quantizable, read_as_bytes=read,
                   rest_read_as_bytes=read - read_quantizable, prequantized_tensors=prequantized)
     return record
+
+
+def label(fmt: SourceFormat, tensors: dict[str, TensorInfo] | None) -> str:
+    """The format's label with what its headers say of the scales ("per-channel BF16"), or its summary."""
+    if not (fmt.label and tensors):
+        return fmt.summary
+    kinds: dict[str, None] = {}
+    dtypes: dict[str, None] = {}
+    for t in tensors.values():
+        scale = tensors.get(t.name + "_scale_inv") or tensors.get(t.name + "_scale")
+        if scale is None or not t.dtype.startswith("F8"):
+            continue
+        n, rows = math.prod(scale.shape), t.shape[0] if t.shape else 1
+        kinds[("per-tensor" if n == 1 else "per-channel" if n == rows else "per-block")] = None
+        dtypes[scale.dtype] = None
+    if not dtypes:
+        return fmt.summary
+    return fmt.label.format(granularity="/".join(kinds), dtype="/".join(dtypes))

@@ -320,8 +320,14 @@ def output_basis(analysis: ModelAnalysis | None) -> str:
     if fmt.get("quantizable_params") is None or not fmt.get("prequantized_tensors"):
         return "quantized linears at the scheme's bits (scales included), the rest in the source dtype"
     return (f"{fmt['quantizable_params']:,} parameters of the template's linears (header shapes) at the scheme's "
-            f"bits, scales included; the rest ({gb(fmt['rest_read_as_bytes'])}) as both engines write it: FP8 "
-            "layers left out dequantized to BF16")
+            f"bits, scales included; the rest ({gb(fmt['rest_read_as_bytes'])}) as both engines write it: "
+            f"{_release(fmt)} layers left out dequantized to BF16")
+
+
+def _release(fmt: dict[str, Any]) -> str:
+    """The source's own format, as messages name it ("FP8", "MXFP4")."""
+    name = fmt.get("name") or ""
+    return (FORMATS[name].release if name in FORMATS else "") or "pre-quantized"
 
 
 def _problems(est: dict[str, Any], out: int, ev: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> list[dict[str, Any]]:

@@ -6,7 +6,8 @@ row into ``[-1, group_size]`` and fails otherwise, after the engine has started)
 integer per-group weight also packs its zero points along the output dimension,
 ``qparams_per_item`` to an int32 (``quark/torch/utils/pack.py``: ``out // 8`` for int4), which its
 importer infers by floor division. Both are read here from the safetensors headers, per linear,
-every MoE expert of a fused 3-D tensor included, so the plan knows before anything runs.
+every MoE expert of a fused 3-D tensor (either orientation) or of 4-D MXFP4 blocks included, so the
+plan knows before anything runs.
 
 A scheme the planner chose (from the target, the priority or a format word in the goal) that does
 not fit is replaced by the nearest one that does (same spec, a smaller group: ``int4_wo_128`` ->
@@ -23,9 +24,11 @@ from typing import Any
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.safetensors_io import read_model_headers, weight_files
 from quark_ptq_eval.base.schemes import as_spec_list, dtype_bits, is_embedding, is_integer, meaning
+from quark_ptq_eval.intake.formats import is_scale
 
 ROLES = ("weight", "input_tensors")  # the specs that split the input dimension
 NON_LINEAR = ("norm", "rotary")  # as intake counts linears; embeddings by name (is_embedding)
+SCALES = ("_scale", "_scale_inv")  # fused experts' scales (``gate_up_proj_scale_inv``), besides intake's
 
 
 @dataclass(frozen=True)
@@ -40,19 +43,33 @@ def linear_shapes(model_path: str, excludes: list[str]) -> dict[str, tuple[int, 
     """(out, in) of every linear the plan quantizes, from the headers; fused experts one per expert."""
     if not weight_files(model_path):
         return {}
+    tensors = read_model_headers(model_path)
     shapes: dict[str, tuple[int, int]] = {}
-    for name, info in read_model_headers(model_path).items():
+    for name, info in tensors.items():
         module, _, leaf = name.rpartition(".")
-        if any(h in name for h in NON_LINEAR) or is_embedding(module):
-            continue
+        if any(h in name for h in NON_LINEAR) or is_embedding(module) or is_scale(name) or leaf.endswith(SCALES):
+            continue  # a scale's dims are not its weight's (MXFP4 *_scales [E, out, in/32])
         if leaf == "weight" and len(info.shape) == 2:
             shapes[module] = (info.shape[0], info.shape[1])
-        elif len(info.shape) == 3 and ".experts" in name:  # transformers 5: [E, out, in], named as Quark splits them
-            n, rows, cols = info.shape
+        elif ".experts" in name and (matrix := _expert_matrix(name, info.shape, tensors)):
+            leaf, rows, cols = matrix[0].rpartition(".")[2], *matrix[1:]
             projs = ("gate_proj", "up_proj") if "gate_up" in leaf else (leaf.removesuffix("_weight"),)
-            for e in range(n):
+            for e in range(info.shape[0]):  # named as Quark's preprocessing splits them
                 shapes.update({f"{module}.{e}.{p}": (rows // len(projs), cols) for p in projs})
     return {m: s for m, s in shapes.items() if not any(fnmatchcase(m, p) for p in excludes)}
+
+
+def _expert_matrix(name: str, shape: tuple[int, ...], tensors: dict[str, Any]) -> tuple[str, int, int] | None:
+    """(tensor name, out, in) of each expert's matrix in a fused expert tensor: transformers 5's [E, out, in];
+    [E, in, out] where the family stores it transposed (gpt-oss: its ``<name>_bias`` [E, out] says so);
+    gpt-oss MXFP4 ``<name>_blocks`` [E, out, in/32, 16] (two E2M1 codes a byte)."""
+    if len(shape) == 4 and name.endswith("_blocks"):
+        return name.removesuffix("_blocks"), shape[1], shape[2] * shape[3] * 2
+    if len(shape) != 3 or name.endswith("_bias"):
+        return None
+    bias = tensors.get(name + "_bias")
+    transposed = bias is not None and bias.shape[-1] == shape[2] != shape[1]
+    return (name, shape[2], shape[1]) if transposed else (name, shape[1], shape[2])
 
 
 def misfits(layer_spec: dict[str, Any], shapes: dict[str, tuple[int, int]]) -> list[Misfit]:

@@ -47,11 +47,11 @@ def decide(analysis: ModelAnalysis, engine: str, device: dict[str, Any], workdir
     model = analysis.model["model_path"]
     entry = FORMATS[fmt["name"]]
     if fmt["reading"] == REFUSED:
-        raise UsageError(f"This source cannot be quantized here: its weights are {entry.summary}.",
+        raise UsageError(f"This source cannot be quantized here: its weights are {fmt.get('summary') or entry.summary}.",
                          entry.refusal[0].upper() + entry.refusal[1:] + ".")
     base = {"format": fmt["name"], "source_dir": model, "engine_reads": model, "disk_bytes": 0}
     if fmt["reading"] == DIRECT:
-        return {**base, "mode": "direct", "reason": f"{entry.summary}: read as they are"}
+        return {**base, "mode": "direct", "reason": f"{fmt.get('summary') or entry.summary}: read as they are"}
     if fmt["reading"] == CONVERT_BIN:
         staged = str(Path(workdir) / CONVERTED_BIN_DIR)
         disk = int(analysis.size.get("bytes") or 0)
@@ -72,7 +72,7 @@ def decide(analysis: ModelAnalysis, engine: str, device: dict[str, Any], workdir
                           f"validation and the baseline read an exact BF16 copy ({how}) written to {staged} after "
                           f"the execution gate (about {gb(disk)} on disk)"}
     return {**base, "mode": "stage_bf16", "source_dir": staged, "engine_reads": staged, "disk_bytes": disk,
-            "reason": f"{entry.summary}: the {engine} engine loads the model with transformers, which cannot load "
+            "reason": f"{fmt.get('summary') or entry.summary}: the {engine} engine loads the model with transformers, which cannot load "
                       f"{entry.unloadable}, and calibration needs the model; an exact BF16 copy ({how}) is written "
                       f"shard by shard to {staged} after the execution gate: about {gb(disk)} on disk"}
 

@@ -70,7 +70,7 @@ def _serving_fields(comparison, wd: Path, size: int) -> dict[str, Any]:
     fit = resources.serving_fit(ModelAnalysis.load(comparison.root), size, plan.kv_cache_scheme, target["memory_gb"],
                                 target["budget"])
     return {"fits_serving_budget": fit["fits_budget"],
-            "serving_fit_text": resources.serving_text(fit, target.get("label") or target.get("name"), plan.kv_cache_scheme)}
+            "serving_fit_text": resources.serving_text(fit, str(target.get("label") or target.get("name")), plan.kv_cache_scheme)}
 
 
 def _manifest_runs(wd: Path) -> list[dict]:
