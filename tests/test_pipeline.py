@@ -248,9 +248,10 @@ def test_real_quark_cli_engine_through_the_pipeline(cli, tiny_llama, corpus, tmp
     assert "torch-llm-ptq" in manifest and "HF_DATASETS_CACHE" in manifest
     assert json.loads(res.out)["validation"] in ("success", "partial")
     assert (out / "model.safetensors").exists()
-    # quark-cli's export drops the source README.md: validation finds it and --yes approved the re-copy
+    # the source's README.md is the base model's card: never re-copied as a fix; the export's is our card
     report = json.loads((wd / "validation_report.json").read_text())
-    assert any("README.md" in str(fix) for fix in report.get("applied_fixes", [])), report.get("applied_fixes")
+    assert not any("README.md" in str(fix) for fix in report.get("applied_fixes", [])), report.get("applied_fixes")
+    assert "quark-ptq-eval" in (out / "README.md").read_text() and "int4_wo_128" in (out / "README.md").read_text()
 
 
 def test_quark_cli_on_cpu_refuses_static_schemes_before_running(cli, tiny_llama, corpus, tmp_path):
