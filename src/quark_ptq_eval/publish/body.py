@@ -20,15 +20,18 @@ def card_body(facts: RunFacts, repo_id: str) -> str:
 def _title(facts: RunFacts, repo_id: str) -> list[str]:
     plan, quark = facts.plan, facts.versions.get("quark") or "?"
     base = facts.base.hub_id or facts.base.path
+    done = ["made", *(["validated"] if facts.validation else []),
+            *(["evaluated"] if facts.evaluation and facts.evaluation.get("quantized") else [])]
+    how = ", ".join(done[:-1]) + f" and {done[-1]}" if len(done) > 1 else done[0]
     return [f"# {repo_id}", "",
-            f"`{plan.global_scheme}` quantization of `{base}` with AMD Quark {quark}, made, validated and "
-            "evaluated by quark-ptq-eval. Every statement below comes from the run's artifacts."]
+            f"`{plan.global_scheme}` quantization of `{base}` with AMD Quark {quark}, {how} by quark-ptq-eval. "
+            "Every statement below comes from the run's artifacts."]
 
 
 def _base(facts: RunFacts) -> list[str]:
     base = facts.base
     if base.hub_id:
-        who = f"[{base.hub_id}](https://huggingface.co/{base.hub_id}) (Hub id from {base.hub_id_from})"
+        who = f"[{base.hub_id}](https://huggingface.co/{base.hub_id}) (Hub id: {base.hub_id_from})"
     else:
         who = f"`{base.path}` (no Hub id known: {base.hub_id_from})"
     lines = ["## Base model", "", f"- base model: {who}", f"- license: `{base.license}` ({base.license_from})"]

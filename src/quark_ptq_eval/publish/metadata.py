@@ -10,6 +10,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCardData
 
+from quark_ptq_eval.evaluate.tiers import TIERS
 from quark_ptq_eval.publish.facts import RunFacts
 
 LIBRARY = "transformers"  # transformers' Quark integration loads the export (and vLLM serves it)
@@ -69,7 +70,8 @@ def eval_results(facts: RunFacts) -> list[EvalResult]:
 def dataset_of(ev: dict[str, Any], task: str) -> tuple[str, str]:
     """(type, name) of what a task scored: Tier 1's text (a local file by its name), else the lm-eval task."""
     data = (ev.get("settings") or {}).get("eval_data")
-    if ev.get("tier") != "ppl" or not data:
+    scores_text = ev.get("tier") in TIERS.names() and TIERS[ev["tier"]].scores_text
+    if not scores_text or not data:
         return task, task
     path = Path(str(data))
     return (path.stem, f"{path.name} (local text)") if path.is_absolute() else (str(data), str(data))

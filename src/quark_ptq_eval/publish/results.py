@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+from quark_ptq_eval.evaluate.tiers import TIERS
 from quark_ptq_eval.publish.base_card import json_or_empty
 from quark_ptq_eval.publish.facts import RunFacts
 
@@ -22,8 +23,9 @@ def evaluation_section(facts: RunFacts) -> list[str]:
         return [*head, f"Tier `{ev.get('tier')}` was not run on this host (verdict `{ev.get('verdict')}`): "
                        "no results. This card states none."]
     qualifier = f", {ev['verdict_qualifier']}" if ev.get("verdict_qualifier") else ""
-    lines = [*head, f"Tier `{ev.get('tier')}` ({_settings(ev)}); verdict **{ev.get('verdict')}**{qualifier} "
-                    "(`eval_results.json`).", "",
+    tier = TIERS[ev["tier"]] if ev.get("tier") in TIERS.names() else None
+    what = f"Tier {tier.number} (`{tier.name}`: {tier.method})" if tier else f"Tier `{ev.get('tier')}`"
+    lines = [*head, f"{what}; {_settings(ev)}; verdict **{ev.get('verdict')}**{qualifier} (`eval_results.json`).", "",
              "| task | metric | this model | compared with | change | 95 % CI of the change | noise | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [_delta_row(d) for d in ev.get("deltas") or []]
@@ -64,7 +66,7 @@ def _num(value: Any) -> str:
 
 def serving_section(facts: RunFacts, repo_id: str) -> list[str]:
     lines = ["## Serving", ""]
-    check = ((facts.validation or {}).get("checks") or {}).get("serve") or {}
+    check = ((facts.validation or {}).get("checks") or {}).get(serving_check()) or {}
     argv = (check.get("stats") or {}).get("argv")
     if argv:
         stats = check["stats"]
@@ -78,6 +80,14 @@ def serving_section(facts: RunFacts, repo_id: str) -> list[str]:
     planned = plan_serve_line(facts, repo_id)
     lines += ["", "For the plan's target:", "", "```bash", planned, "```", "", *_target(facts)]
     return lines
+
+
+def serving_check() -> str:
+    """The name of the validation check that starts vLLM on the export (its row in validate/checks.py)."""
+    from quark_ptq_eval.validate.checks import CHECKS
+    from quark_ptq_eval.validate.servecheck import check_serving
+
+    return next(c.name for c in CHECKS.where(lambda c: c.run is check_serving))
 
 
 def serve_line(argv: list[str], repo_id: str) -> str:
