@@ -36,8 +36,10 @@ def _base(facts: RunFacts) -> list[str]:
         who = f"`{base.path}` (no Hub id known: {base.hub_id_from})"
     lines = ["## Base model", "", f"- base model: {who}", f"- license: `{base.license}` ({base.license_from})"]
     if base.card:
-        lines.append(f"- the base model's own card: {base.link} (its licence, language, datasets and tags are carried "
-                     "over; its text and results describe the base model, not this one, and are not copied)")
+        carried = [*base.carried, *(["tags"] if base.tags else [])]
+        what = f"its {', '.join(carried)} carried over" if carried else "it states no metadata to carry over"
+        lines.append(f"- the base model's own card: {base.link} ({what}; its text and results describe the base "
+                     "model, not this one, and are not copied)")
     else:
         lines.append("- the base model has no card of its own (no README.md)")
     return lines
