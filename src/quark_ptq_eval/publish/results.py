@@ -71,7 +71,8 @@ def serving_section(facts: RunFacts, repo_id: str) -> list[str]:
     if argv:
         stats = check["stats"]
         outcome = "served it (healthy)" if stats.get("served") else "did not serve it"
-        lines += [f"The serving check ({stats.get('vllm', 'vLLM')}) {outcome} with:", "", "```bash",
+        lines += [f"The serving check ({stats.get('vllm', 'vLLM')}) {outcome}. Its command as a `vllm serve` line "
+                  "(less the local port, host and served name of that one start):", "", "```bash",
                   serve_line(argv, repo_id), "```"]
         lines += [f"- {f.get('message')}" for f in check.get("findings") or []]
     else:
