@@ -199,3 +199,16 @@ def test_cli_compare_stops_at_the_shared_intake_checkpoint(cli, tiny_llama, corp
     assert "checkpoint 1 (intake)" in res.err and "quark-ptq-eval compare -o" in res.err
     assert "Traceback" not in res.err and not (tmp_path / "out" / "work").exists()
     assert json.loads((tmp_path / "out" / "run_state.json").read_text())["options"]["schemes"] == ["int8", "fp8"]
+
+
+def test_the_chosen_scheme_alone_gets_a_card_that_says_why(compared):
+    from test_model_card import assert_card_matches
+
+    root, doc = compared["root"], compared["doc"]
+    chosen = doc["recommendation"]["scheme"]
+    assert chosen is not None, doc["recommendation"]
+    card = assert_card_matches(root / "models" / chosen, root / "work" / chosen)
+    assert "## Chosen by a comparison" in card.text and doc["recommendation"]["reason"] in card.text
+    assert doc["model_card"] == str(root / "models" / chosen / "README.md") and chosen in doc["upload"]
+    others = [s for s in ("int8", "int4_wo_128") if s != chosen]
+    assert not any((root / "models" / s / "README.md").exists() for s in others)  # their recipes ran --card none

@@ -82,6 +82,8 @@ def test_run_engine_file2file_writes_a_validated_export(tiny_llama, corpus, tmp_
     manifest = (wd / "run_manifest.yaml").read_text()
     assert "quark_ptq_eval.execute.engines.file2file" in manifest and "--num_calib_data" not in manifest
     assert "peak RSS" in (wd / "logs" / "engine.log").read_text()
-    assert (out / "README.md").read_bytes() == (tiny_llama / "README.md").read_bytes()  # Quark skips it; we carry it
+    card = (out / "README.md").read_text()  # the export's own card, not the base model's copied
+    assert card != (tiny_llama / "README.md").read_text() and "Not evaluated: evaluation was skipped" in card
+    assert "## Evaluation" in card and "model-index" not in card  # no results section invented
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qconfig["global_quant_config"]["weight"]["dtype"] == "fp4"

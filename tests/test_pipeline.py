@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_model_card import assert_card_matches
 
 from quark_ptq_eval.base.state import WorkdirLock
 
@@ -64,6 +65,16 @@ def test_each_approval_advances_exactly_one_gate(cli, tiny_llama, corpus, tmp_pa
         assert name in summary["artifacts"]
     st = status(cli, wd)
     assert st["waiting_for"] is None and st["steps"]["execute"]["status"] == "succeeded"
+    # the card says the run did not evaluate; after a later `eval`, `card` writes it again with the results
+    card = (out / "README.md").read_text()
+    assert summary["artifacts"]["model_card"] == str(out / "README.md") and "Not evaluated: evaluation was skipped" in card
+    assert summary["upload"] == f"hf upload out {out} ." and "model-index" not in card
+    res = cli("eval", "--model", out, "--source", tiny_llama, "--tier", "ppl", "--eval-data", corpus, "--seq-len", "64",
+              "--max-windows", "8", "--baseline", "--workdir", wd, "--yes")
+    assert res.rc == 0, res.err[-2000:]
+    res = cli("card", out, "--workdir", wd, "--repo-id", "me/tiny-int8")
+    assert res.rc == 0 and "hf upload me/tiny-int8" in res.out, res.err
+    assert_card_matches(out, wd)
 
 
 def test_changed_decision_goes_back_to_the_plan_and_keeps_the_analysis(cli, tiny_llama, corpus, tmp_path):
@@ -134,11 +145,13 @@ def test_non_empty_output_needs_overwrite_and_is_set_aside_not_deleted(cli, tiny
     assert res.rc == 2 and "is not empty" in res.err and "--overwrite" in res.err
     assert (out / "precious.txt").read_text() == "mine"
     res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8", "--yes", "--overwrite", "--eval-tier", "skip",
-                        "--no-load-check"))
+                        "--no-load-check", "--card", "none"))
     assert res.rc == 0, res.err
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("out.set-aside-")]
     assert len(aside) == 1 and (aside[0] / "precious.txt").read_text() == "mine"
     assert (out / "model.safetensors").exists()
+    assert not (out / "README.md").exists()  # --card none: no card, and no copy of the base model's either
+    assert status(cli, wd)["steps"]["card"]["status"] == "none"
 
 
 def test_missing_model_and_too_little_disk(cli, corpus, tmp_path):
@@ -248,9 +261,10 @@ def test_real_quark_cli_engine_through_the_pipeline(cli, tiny_llama, corpus, tmp
     assert "torch-llm-ptq" in manifest and "HF_DATASETS_CACHE" in manifest
     assert json.loads(res.out)["validation"] in ("success", "partial")
     assert (out / "model.safetensors").exists()
-    # quark-cli's export drops the source README.md: validation finds it and --yes approved the re-copy
+    # the source's README.md is the base model's card: never re-copied as a fix; the export's is our card
     report = json.loads((wd / "validation_report.json").read_text())
-    assert any("README.md" in str(fix) for fix in report.get("applied_fixes", [])), report.get("applied_fixes")
+    assert not any("README.md" in str(fix) for fix in report.get("applied_fixes", [])), report.get("applied_fixes")
+    assert "quark-ptq-eval" in (out / "README.md").read_text() and "int4_wo_128" in (out / "README.md").read_text()
 
 
 def test_quark_cli_on_cpu_refuses_static_schemes_before_running(cli, tiny_llama, corpus, tmp_path):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_model_card import assert_card_matches
 from test_plan_targets import cpu_env, header_only_llama
 from test_validate_plan import failures, plan_for, run_cli
 
@@ -59,6 +60,8 @@ def test_readme_goal_runs_green_and_the_report_lists_the_kv_scales(cli, tiny_lla
     assert "KV-cache scales checked" in (wd / "validation_report.md").read_text()
     verdict = json.loads((wd / "eval_results.json").read_text())["verdict"]
     assert verdict in ("healthy", "watch"), verdict
+    card = assert_card_matches(out, wd)  # the KV-cache scheme, the exclusions and the target's serving line
+    assert "--kv-cache-dtype fp8" in card.text and "MI300X" in card.text
     # The docs' goal and the balanced MI300X / H100 goals plan the same export: validated against each plan.
     for i, goal in enumerate((DEMO_GOALS[1], "for MI300X", "for H100")):
         other = _plan(catalog, tmp_path, corpus, tiny_llama, goal)

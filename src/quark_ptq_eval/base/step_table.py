@@ -38,6 +38,7 @@ STEPS: tuple[Step, ...] = (
          ("validation_report.md", "validation_report.json"), timing="phase2_validate", manifest_step="validate"),
     Step("eval", "Phase 3 — evaluate", "step_eval", "evaluation", ("eval_report.md", "eval_results.json"),
          timing="phase3_eval"),
+    Step("card", "Publish — model card", "step_card", "card"),  # README.md in the export (publish/)
 )
 STEP_NAMES: tuple[str, ...] = tuple(s.name for s in STEPS)
 SUMMARY_FILE = "run_summary.json"

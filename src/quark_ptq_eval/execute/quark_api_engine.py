@@ -4,7 +4,8 @@
 calibrates only from fixed Hub dataset ids (fails offline). This module takes the same flags
 plus ``--calib_data PATH`` and drives the same public API the CLI uses (``LLMTemplate``,
 ``ModelQuantizer``, ``export_safetensors``, and ``preprocess_for_quantization`` for MoE experts), on any device, with local calibration text.
-Non-weight files of the source are copied byte for byte, so the output has no tokenizer drift.
+Non-weight files of the source are copied byte for byte, so the output has no tokenizer drift (all but
+the base model's README.md: the export's card is written by the recipe's last step).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from quark_ptq_eval.execute.quark_api_parts import (
     template_config,
 )
 
-NON_WEIGHT_SKIP = ("config.json", "model.safetensors.index.json")
+# README.md is the base model's card: the export gets a card of its own (publish/), never the base's copy
+NON_WEIGHT_SKIP = ("config.json", "model.safetensors.index.json", "README.md")
 # Weights in any format: the export holds its own (a source pickle is never carried into it).
 NOT_CARRIED = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.onnx", "*.msgpack", "*.index.json")
 

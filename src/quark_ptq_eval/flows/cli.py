@@ -104,7 +104,7 @@ def _add_recipe_commands(add) -> None:
                        ("resume", "Continue the run in --workdir from where it stopped.")):
         p = add(name, text)
         _run_args(p, model_required=name == "run")
-        add_flags(p, RunOptions, only=["no_load_check"])
+        add_flags(p, RunOptions, only=["no_load_check", "card"])
         _plan_args(p)
         add_eval_arguments(p, standalone=False)
         add_hidden_aliases(p, with_eval=True)
@@ -112,7 +112,7 @@ def _add_recipe_commands(add) -> None:
 
 
 def _add_tool_commands(add) -> None:
-    """Commands around the recipe: import a quark-cli line, compare schemes, scan sensitivity, status."""
+    """Commands around the recipe: import a quark-cli line, compare schemes, scan sensitivity, the card, status."""
     from quark_ptq_eval.flows.compare.command import add_compare_arguments
     from quark_ptq_eval.flows.sensitivity_command import add_sensitivity_arguments
 
@@ -127,6 +127,9 @@ def _add_tool_commands(add) -> None:
     add_compare_arguments(p)
     p = add("sensitivity", "Measure how much quantizing each layer alone hurts; propose layers to keep unquantized.")
     add_sensitivity_arguments(p)
+    from quark_ptq_eval.publish.cli import add_card_arguments
+
+    add_card_arguments(add("card", "Write the export's model card (README.md) again from its run's artifacts."))
     p = add("status", "Show where the run in --workdir stands.")
     p.add_argument("--workdir", type=Path, default=Path("."))
     p.add_argument("--json", action="store_true")
@@ -188,6 +191,8 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
         ui.table("Summary", summary_rows(summary))
         if summary["stopped_after"]:
             ui.info(f"Done: {summary['stopped_after']} step finished; artifacts in {summary['workdir']}.")
+        if summary.get("upload"):
+            ui.info(f"To publish it on the Hugging Face Hub (not run): {summary['upload']}")
     return ExitCode.OK
 
 
@@ -252,6 +257,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return cmd_compare(args, _approver(args))
 
 
+def _cmd_card(args: argparse.Namespace) -> int:
+    from quark_ptq_eval.publish.cli import cmd_card
+
+    return cmd_card(args)
+
+
 def _cmd_sensitivity(args: argparse.Namespace) -> int:
     from quark_ptq_eval.flows.sensitivity_command import cmd_sensitivity
 
@@ -259,7 +270,7 @@ def _cmd_sensitivity(args: argparse.Namespace) -> int:
 
 
 HANDLERS = {"sensitivity": _cmd_sensitivity, "status": _cmd_status, "preflight": _cmd_preflight, "validate": _cmd_validate, "eval": _cmd_eval,
-            "compare": _cmd_compare}
+            "compare": _cmd_compare, "card": _cmd_card}
 HANDLERS["import-command"] = _cmd_import_command
 
 

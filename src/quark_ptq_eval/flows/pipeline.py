@@ -28,8 +28,10 @@ from quark_ptq_eval.context import preflight
 from quark_ptq_eval.evaluate.tier1_text import TIER1_NO_TEXT, ask_tier1_text, tier1_lacks_text
 from quark_ptq_eval.evaluate.tiers import runs, scores_text, text_tier
 from quark_ptq_eval.execute.runner import EngineRunner, run_command
+from quark_ptq_eval.flows.card_step import step_card
 from quark_ptq_eval.flows.plan_scan import with_sensitivity_scan
 from quark_ptq_eval.plan import PlanRequest, make_plan
+from quark_ptq_eval.publish import CARD_CHOICES
 
 RUN_LOG = "run.log"  # in-process library output of a run (the engine's own is engine.log)
 # (output dir, source as compared, plan) -> the evaluation report: Phase 3 given by the caller
@@ -53,6 +55,9 @@ class RunOptions:
         "--no-load-check", action="store_true",
         help="validation skips loading the export and running a probe through it (models too large for this "
              "host); the report says it was skipped"))
+    card: str | None = field(default=None, metadata=flag(
+        "--card", choices=CARD_CHOICES, help="the export's model card (README.md) at the end of the run: write "
+                                             "(default) or none (no card, and no README.md of the base model)"))
 
     def merged_over(self, stored: dict[str, Any]) -> RunOptions:
         """These options, with anything not given now taken from a stored earlier run."""
@@ -281,6 +286,8 @@ class Recipe:
             self.state.record_step("eval", "done", tier=report.tier, report=str(report.report_path))
             return report
         return self._evaluate(flow.opts, source, flow.output(), plan)
+
+    step_card = step_card  # Publish: the model card from every phase's artifacts (flows/card_step.py)
 
     def _validate(self, source: Path | None, output_dir: Path, plan: dict, load_check: bool = True):
         from quark_ptq_eval.validate import apply_fixes, propose_fixes

@@ -7,6 +7,7 @@ from typing import Any
 
 from quark_ptq_eval.base.calibration_text import describe_used
 from quark_ptq_eval.base.step_table import STEP_NAMES, artifact_files
+from quark_ptq_eval.publish import upload_command
 
 
 def _dir_bytes(path: Path) -> int | None:
@@ -25,6 +26,8 @@ def build_summary(wd: Path, model: str | None, output_dir: str | None, timings: 
     artifacts = {name: str(wd / name) for name in artifact_files() if (wd / name).exists()}
     if out is not None and out.is_dir():
         artifacts["quantized_model"] = str(out)
+    if parts.get("card"):
+        artifacts["model_card"] = str(parts["card"])
     return {
         "status": "stopped" if stopped_at else "done",
         "stopped_after": stopped_at,
@@ -39,6 +42,8 @@ def build_summary(wd: Path, model: str | None, output_dir: str | None, timings: 
         "evaluation": _eval_summary(evaluation),
         "artifacts": artifacts,
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        # the line that publishes the export: printed last, never run
+        "upload": upload_command(out) if out is not None and out.is_dir() and stopped_at is None else None,
     }
 
 

@@ -4,7 +4,9 @@ Files are compared by SHA-256 (size only above ``max_hash_bytes``). A changed fi
 drift when it still means the same thing: a tokenizer re-saved with the same vocabulary,
 merges, added and special tokens and chat template, or a JSON file that differs only by
 version stamps and renamed keys. Files the export writes itself (weights, index,
-``config.json``) are left to the other checks.
+``config.json``) are left to the other checks; the top-level ``README.md`` is the model card,
+ours on the export's side (written by the recipe's last step) and the base model's on the
+source's: neither is compared, so the card is never reported as drift nor "fixed" back.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from quark_ptq_eval.validate.tokenizer_content import (
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.ckpt", "*.gguf", "*.msgpack", "*.onnx", "*.pb", "*.pt", "*.pth",
                    "config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+OWN_FILES = ("README.md",)  # top-level files each side holds about itself (the model card)
 IGNORED_DIRS = frozenset({".git", "__pycache__", ".ipynb_checkpoints", ".cache", ".venv", "node_modules"})
 MAX_HASH_BYTES = 256 * 1024 * 1024
 MAX_JSON_BYTES = 64 * 1024 * 1024
@@ -45,7 +48,7 @@ def auxiliary_files(model_dir: Path) -> list[str]:
     files = []
     for path in sorted(model_dir.rglob("*")):
         rel = path.relative_to(model_dir)
-        if any(part in IGNORED_DIRS for part in rel.parts) or not path.is_file():
+        if any(part in IGNORED_DIRS for part in rel.parts) or not path.is_file() or rel.as_posix() in OWN_FILES:
             continue
         if not any(fnmatch.fnmatchcase(rel.name, p) or fnmatch.fnmatchcase(rel.as_posix(), p) for p in WEIGHT_PATTERNS):
             files.append(rel.as_posix())

@@ -1,8 +1,9 @@
 """Safe fixes for real failures, applied only on approval of the ``fix`` gate, then re-validated.
 
 The only fix is re-copying a missing or changed auxiliary file (tokenizer, generation config,
-README, ...) from the source. Files the Quark export wrote (weights, index, ``config.json``)
-and Quark's own package are never touched: those failures need a new export.
+licence, ...) from the source (never its README.md: the export's card is its own, see
+auxfiles.OWN_FILES). Files the Quark export wrote (weights, index, ``config.json``) and Quark's
+own package are never touched: those failures need a new export.
 """
 
 from __future__ import annotations

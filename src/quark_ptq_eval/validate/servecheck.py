@@ -64,7 +64,7 @@ def _serve(model: Path, host: HostVllm, result: CheckResult) -> None:
     finally:
         stop_group(process)
     seconds = time.perf_counter() - started
-    result.stats.update(served=healthy, vllm=host.describe(), seconds_to_healthy=round(seconds, 1))
+    result.stats.update(served=healthy, vllm=host.describe(), seconds_to_healthy=round(seconds, 1), argv=argv)
     result.notes.append(f"command: {' '.join(argv)}")
     if healthy:
         result.notes.append(f"served by {host.distribution} {host.version}: healthy after {seconds:.0f} s")

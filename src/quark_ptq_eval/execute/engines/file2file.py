@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         pretrained_model_path=str(model_dir), save_path=args.output_dir, device=_devices(args.device, args.multi_device))
     out = Path(args.output_dir)
     if (out / "config.json").is_file():  # Quark returns without output for inputs it skips (it logs why)
-        copy_non_weight_files(model_dir, out)  # Quark skips README files; carry every one, as quark-api does
+        copy_non_weight_files(model_dir, out)  # the source's other files, as quark-api carries them (no README.md)
         kept = keep_exclusions(out, list(config.exclude or []))
         if kept:
             print(f"[quark-ptq-eval] kept excluded (no tensor of their own, e.g. a tied lm_head): {', '.join(kept)}",

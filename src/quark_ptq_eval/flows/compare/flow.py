@@ -94,9 +94,12 @@ class Comparison:
         for scheme in opts.schemes:
             if scheme in manifests:
                 self._scheme(opts, scheme, baseline)
+        from quark_ptq_eval.flows.compare.card import card_for_chosen
         from quark_ptq_eval.flows.compare.results import write_comparison
 
-        return write_comparison(self, opts, baseline)
+        doc = write_comparison(self, opts, baseline)
+        card_for_chosen(self, doc)  # the chosen scheme's card, after every scheme's evaluation
+        return doc
 
     # -- the steps --------------------------------------------------------------------------
     def _intake(self, opts: CompareOptions) -> ModelAnalysis:
@@ -208,7 +211,8 @@ class Comparison:
         from quark_ptq_eval.flows.pipeline import RunOptions
 
         return RunOptions(model=opts.model, output_dir=str(self.output_dir(scheme)),
-                          plan={**opts.plan, "scheme": scheme}, overwrite=opts.overwrite, offline=opts.offline)
+                          plan={**opts.plan, "scheme": scheme}, overwrite=opts.overwrite, offline=opts.offline,
+                          card="none")  # the comparison writes the card of the scheme it chooses
 
     def _failed_step(self, scheme: str) -> str:
         steps = RunState.load(self.workdir(scheme)).steps
