@@ -198,6 +198,10 @@ def test_run_yes_produces_a_model_transformers_reloads(cli, tiny_model, corpus, 
     manifest = (wd / "run_manifest.yaml").read_text()
     assert "status: succeeded" in manifest
     assert not Path(str(out) + ".partial").exists()
+    from quark_ptq_eval.base.fsio import umask_mode  # the child's umask is this process's
+
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == dict.fromkeys(
+        (p.name for p in out.iterdir()), umask_mode()), "the export's files get the umask's mode, not 0600"
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int4_wo_128", "mxfp4"])

@@ -158,6 +158,7 @@ def _hub_snapshot(model: Path, hub: Path) -> Path:
 def test_hf_snapshot_with_a_link_inside_the_model_quantizes_into_regular_files(tiny_llama, corpus, catalog,
                                                                                 tmp_path):
     from quark_ptq_eval.execute import quark_api_engine
+    from quark_ptq_eval.execute.file_modes import apply_umask
     from quark_ptq_eval.execute.inspect_output import inspect_output
     from quark_ptq_eval.intake import analyze_model
     from quark_ptq_eval.validate.auxfiles import check_aux
@@ -170,6 +171,7 @@ def test_hf_snapshot_with_a_link_inside_the_model_quantizes_into_regular_files(t
     out = tmp_path / "out"
     assert quark_api_engine.main(["--model_dir", str(snapshot), "--output_dir", str(out), "--quant_scheme", "int8",
                                   "--calib_data", str(corpus), "--num_calib_data", "4", "--seq_len", "64"]) == 0
+    apply_umask(out)  # as the execute step does after the engine
     facts = inspect_output(out)
     assert facts["ok"], facts["problems"]
     entries = list(out.rglob("*"))

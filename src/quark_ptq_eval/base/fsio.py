@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -49,7 +50,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; artifacts get the usual mode
+        os.chmod(tmp, umask_mode())  # mkstemp makes 0600; artifacts get the usual mode
         os.replace(tmp, path)
         _fsync_dir(path.parent)  # the rename itself survives a power loss
     except OSError as exc:
@@ -61,10 +62,20 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     return path
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def current_umask() -> int:
+    """This process's umask: read from /proc where it says (never changed), else set and put back."""
+    with contextlib.suppress(OSError):
+        found = re.search(r"^Umask:\s*([0-7]+)", Path("/proc/self/status").read_text(), re.MULTILINE)
+        if found:
+            return int(found.group(1), 8)
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def umask_mode(is_dir: bool = False, umask: int | None = None) -> int:
+    """The mode ``cp`` gives a new file (0666 & ~umask) or folder (0777 & ~umask)."""
+    return (0o777 if is_dir else 0o666) & ~(current_umask() if umask is None else umask)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import read_json
 from quark_ptq_eval.base.safetensors_io import read_model_headers, weight_files
+from quark_ptq_eval.execute.file_modes import mode_problems
 from quark_ptq_eval.intake.model_files import not_regular
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -22,6 +23,7 @@ def inspect_output(out: Path) -> dict[str, Any]:
     files = sorted(p.name for p in out.iterdir() if p.is_file())
     facts["files"] = files
     facts["problems"] += not_regular(out)  # an export holds regular files only: no link leads out of it
+    facts["problems"] += mode_problems(out)  # readable as the umask gives, by a server running as another user
     facts["size_bytes"] = sum((out / f).stat().st_size for f in files)
     try:
         shards = weight_files(out)

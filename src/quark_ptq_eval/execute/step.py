@@ -15,6 +15,7 @@ from quark_ptq_eval.base.safety import check_free_space, is_nonempty_dir
 from quark_ptq_eval.base.state import RunState, digest
 from quark_ptq_eval.base.ui import Reporter
 from quark_ptq_eval.execute.classify import classify_failure
+from quark_ptq_eval.execute.file_modes import apply_umask
 from quark_ptq_eval.execute.inspect_output import inspect_output
 from quark_ptq_eval.execute.runner import EngineEcho, EngineRunner, RunResult, raise_if_interrupted
 from quark_ptq_eval.execute.staging import stage_source
@@ -73,6 +74,8 @@ def execute_manifest(recipe: ExecuteContext, manifest: RunManifest, analysis: Mo
         _record(recipe, on_disk, run, inspect_output(staging), "failed")
         raise EngineFailed(f"The engine could not be started: {exc.strerror or exc} ({on_disk.command['argv'][0]}).",
                            "Check the installation with `quark-ptq-eval preflight`.") from None
+    if staging.is_dir():
+        apply_umask(staging)  # the libraries write 0600: readable by a server running as another user, as cp gives
     _judge_run(recipe, on_disk, run, result, staging)
     rename_no_replace(staging, output_dir)
     facts = inspect_output(output_dir)
@@ -91,6 +94,8 @@ def _already_verified(recipe: ExecuteContext, on_disk: RunManifest, output_dir: 
     previous = recipe.state.steps.get("execute", {})
     if (previous.get("status") == "succeeded" and previous.get("command_digest") == on_disk.command_digest
             and previous.get("output_dir") == str(output_dir)):
+        if output_dir.is_dir():
+            apply_umask(output_dir)  # an output verified before its modes were set (an older run)
         facts = inspect_output(output_dir)
         if facts.get("ok"):
             recipe.ui.info(f"Already executed and verified: {output_dir}")

@@ -207,6 +207,11 @@ def is_scale(name: str) -> bool:
     return suffix in SCALE_SUFFIXES or suffix.endswith("_scales")
 
 
+def release_of(name: str | None) -> str:
+    """The source format as messages name it ("FP8", "MXFP4"; "pre-quantized" for a row without a label)."""
+    return (FORMATS[name].release if name and name in FORMATS else "") or "pre-quantized"
+
+
 def is_packed(name: str) -> bool:
     return name.rpartition(".")[2] in PACKED_LEAVES
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.sizes import GIB, gb  # noqa: F401 (gb: callers use resources.gb)
-from quark_ptq_eval.intake.formats import FORMATS
+from quark_ptq_eval.intake.formats import FORMATS, release_of
 
 if TYPE_CHECKING:
     from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
@@ -321,13 +321,7 @@ def output_basis(analysis: ModelAnalysis | None) -> str:
         return "quantized linears at the scheme's bits (scales included), the rest in the source dtype"
     return (f"{fmt['quantizable_params']:,} parameters of the template's linears (header shapes) at the scheme's "
             f"bits, scales included; the rest ({gb(fmt['rest_read_as_bytes'])}) as both engines write it: "
-            f"{_release(fmt)} layers left out dequantized to BF16")
-
-
-def _release(fmt: dict[str, Any]) -> str:
-    """The source's own format, as messages name it ("FP8", "MXFP4")."""
-    name = fmt.get("name") or ""
-    return (FORMATS[name].release if name in FORMATS else "") or "pre-quantized"
+            f"{release_of(fmt.get('name'))} layers left out dequantized to BF16")
 
 
 def _problems(est: dict[str, Any], out: int, ev: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UnsafeInputError
+from quark_ptq_eval.base.fsio import umask_mode
 from quark_ptq_eval.base.gates import Approver, require
 from quark_ptq_eval.validate.report import ValidationReport
 from quark_ptq_eval.validate.runner import validate_model
@@ -94,6 +95,7 @@ def _copy_atomic(src: Path, dst: Path) -> None:
     os.close(fd)
     try:
         shutil.copy2(src, tmp)
+        os.chmod(tmp, umask_mode())  # the export's mode (execute/file_modes.py), not the source file's
         os.replace(tmp, dst)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
