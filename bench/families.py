@@ -49,8 +49,6 @@ _GEMMA4_TEXT = {"num_hidden_layers": 2, "hidden_size": HIDDEN, "num_attention_he
 CONSTRUCT: dict[str, dict[str, Any]] = {"gemma4": {"text_config": _GEMMA4_TEXT},
                                         "gemma4_unified": {"text_config": _GEMMA4_TEXT}}
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-# Families whose modelling code mixes float32 buffers into bf16 matmuls: built in float32.
-FLOAT32_FAMILIES = frozenset({"deepseek_v4"})
 
 
 def shrink(cfg: Any, vocab_size: int, token_ids: dict | None = None, seen: set[int] | None = None) -> None:
@@ -124,8 +122,8 @@ def build_family(model_type: str, out_dir: Path, tokenizer_dir: Path, seed: int 
     config = AutoConfig.for_model(model_type, **copy.deepcopy(CONSTRUCT.get(model_type, {})))
     shrink(config, len(tokenizer), {k: getattr(tokenizer, k) for k in TOKEN_KEYS})
     torch.manual_seed(seed)
-    dtype = torch.float32 if model_type in FLOAT32_FAMILIES else torch.bfloat16
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+    # BF16, the dtype the families' releases use (DeepSeek-V4's float32 norms included: base/float32_modules.py)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16)
     model.eval()
     _keep_fp32(model)
     out_dir = Path(out_dir)
