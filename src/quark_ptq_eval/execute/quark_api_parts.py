@@ -60,7 +60,7 @@ def loaded_exclusions(model: torch.nn.Module, model_dir: str | PathLike[str],
 
     from quark_ptq_eval.base.legacy_exclusions import loaded_name_exclusions
 
-    model_type = model.config.model_type  # type: ignore[union-attr]  # a transformers model's config
+    model_type = str(model.config.model_type)  # type: ignore[union-attr]  # a transformers model's config
     if exclude_layers is not None:
         given = list(exclude_layers)
     else:
