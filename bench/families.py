@@ -49,8 +49,6 @@ _GEMMA4_TEXT = {"num_hidden_layers": 2, "hidden_size": HIDDEN, "num_attention_he
 CONSTRUCT: dict[str, dict[str, Any]] = {"gemma4": {"text_config": _GEMMA4_TEXT},
                                         "gemma4_unified": {"text_config": _GEMMA4_TEXT}}
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-# Families whose modelling code mixes float32 buffers into bf16 matmuls: built in float32.
-FLOAT32_FAMILIES = frozenset({"deepseek_v4"})
 
 
 def shrink(cfg: Any, vocab_size: int, token_ids: dict | None = None, seen: set[int] | None = None) -> None:
@@ -115,6 +113,22 @@ def _shrink_layer_lists(cfg: Any) -> None:
             setattr(cfg, key, [])
 
 
+# Values a config class derives when it reads config.json (DeepSeek-V4: qk_rope_head_dim = head_dim x
+# partial_rotary_factor, a runtime-only attribute): a shrunk value would be saved and then read back as another.
+DERIVED_ON_LOAD = ("qk_rope_head_dim",)
+
+
+def _as_read_back(cfg: Any) -> None:
+    """Set the derived values to what every loader of the saved config.json will read back."""
+    try:
+        back = type(cfg).from_dict(cfg.to_dict())
+    except Exception:  # noqa: BLE001 - a class that cannot round-trip its own dict derives nothing we fix
+        return
+    for key in DERIVED_ON_LOAD:
+        if key in vars(cfg) and getattr(back, key, None) != getattr(cfg, key):
+            setattr(cfg, key, getattr(back, key))
+
+
 def build_family(model_type: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """Save a tiny random ``model_type`` model with the demo tokenizer to ``out_dir``."""
     import torch
@@ -123,11 +137,13 @@ def build_family(model_type: str, out_dir: Path, tokenizer_dir: Path, seed: int 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = AutoConfig.for_model(model_type, **copy.deepcopy(CONSTRUCT.get(model_type, {})))
     shrink(config, len(tokenizer), {k: getattr(tokenizer, k) for k in TOKEN_KEYS})
+    _as_read_back(config)
     torch.manual_seed(seed)
-    dtype = torch.float32 if model_type in FLOAT32_FAMILIES else torch.bfloat16
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+    # BF16, the dtype the families' releases use (DeepSeek-V4's float32 norms included: base/float32_modules.py)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16)
     model.eval()
     _keep_fp32(model)
+    _hash_routes(model, seed)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -147,3 +163,19 @@ def _keep_fp32(model) -> None:
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if any(k in name for k in keep) and tensor.is_floating_point():
                 tensor.data = tensor.data.float()
+
+
+def _hash_routes(model, seed: int) -> None:
+    """Hash-routed MoE layers (DeepSeek-V4's first ones) pick experts from a token -> experts table the
+    checkpoint carries; transformers initialises it to zeros (every token to expert 0, the other experts
+    never calibrated), which no release ships: filled as a release's is, each token to distinct experts."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            table = getattr(module, "tid2eid", None)
+            if isinstance(table, torch.Tensor) and table.dim() == 2:
+                experts = int(getattr(module, "num_experts", table.max() + 1))
+                rows = [torch.randperm(experts, generator=gen)[: table.shape[1]] for _ in range(table.shape[0])]
+                table.copy_(torch.stack(rows))

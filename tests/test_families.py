@@ -83,6 +83,32 @@ def test_the_fp8_release_column_goes_through_the_recipe_via_the_staged_copy(setu
     assert cell.share_measured >= cell.share_promised - 0.005 > 0.3
 
 
+def _payload(info) -> bytes:
+    with open(info.file, "rb") as f:
+        f.seek(info.start)
+        return f.read(info.nbytes)
+
+
+def test_a_bf16_deepseek_v4_quantizes_and_keeps_its_lm_head_byte_identical(setup):
+    """Issue 31: DeepSeek-V4 in BF16, the dtype its releases use, with the norms transformers keeps in float32:
+    int8 through the recipe calibrates (the float32 norms hand BF16 to the linears they feed), the template's
+    ``head`` exclusion reaches Quark as the loaded ``lm_head``, validation succeeds, lm_head is the source's bytes."""
+    model_dir = _family(setup, "deepseek_v4")
+    src = read_model_headers(model_dir)
+    assert src["head.weight"].dtype == "BF16" and src["model.layers.0.attn.q_norm.weight"].dtype == "F32"
+    cell = run_cell(setup, "deepseek_v4", model_dir, "int8")
+    assert cell.outcome == "green", f"{cell.stage} ({cell.cause}): {cell.message}"
+    work = cell_dir(setup, "deepseek_v4", "int8") / "work"
+    assert json.loads((work / "run_summary.json").read_text())["validation"] == "success"
+    out = read_model_headers(export_dir(setup, "deepseek_v4", "int8"))
+    assert [n for n in out if n.startswith("lm_head.")] == ["lm_head.weight"]  # no scale: not quantized
+    assert _payload(out["lm_head.weight"]) == _payload(src["head.weight"])
+    assert out["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == "I8"  # what the template quantizes is
+    log = (work / "logs" / "engine.log").read_text()
+    assert "lm_head" in log.split("exclusions in the loaded model's names:")[1].splitlines()[0]
+    assert "keeps in float32 hand a float32 output back" in log
+
+
 def test_an_engine_that_raises_in_process_fails_as_a_child_would(tmp_path):
     """The in-process runner's contract is the child process's: exit 1, the traceback in the log's tail
     (the failure classifier reads its frames), the exception kept; the environment as it was."""

@@ -33,12 +33,17 @@ RULES: tuple[Rule, ...] = (
        "Check the model directory loads with transformers on this device; offline, pass --calib-data and a local model."),
     _r("compatibility", r"not supported|Unsupported|KeyError: '.*model_type|does not recognize this architecture|"
        r"no template", "Pick a scheme/model type the installed Quark supports (see `quark-ptq-eval plan --help`)."),
+    _r("dtype", r"expected m1 and m2 to have the same dtype|must have the same dtype|expected scalar type \w+ but found|"
+       r"Input type \(\w+\) and (weight|bias) type",
+       "A layer got inputs in another dtype than its weights (the model's code mixes float32 and BF16 tensors): "
+       "it is the modelling code, not a quantization choice, so {instead} will not change it; report the log "
+       "with the model type."),
     _r("configuration", r"error: (argument|unrecognized)|invalid choice|Invalid --|ValueError: .*(scheme|layer|exclude)",
        "Fix the plan value named in the evidence and re-approve the plan."),
     _r("export", r"export|safetensors_rust|No space left|Disk quota|File too large|Errno 28|Errno 27",
        "Free disk space at the output location (or choose another -o) and re-run."),
     _r("quantization", r"quantiz|calibrat|observer|\bnan\b|\binf\b|^\w*(Error|Exception)\b",
-       "Retry without the algorithm, with more calibration samples, or exclude the failing layer."),
+       "{Instead}, with more calibration samples, or exclude the failing layer."),
 )
 
 
@@ -82,7 +87,30 @@ def classify_by_frame(log_lines: list[str], returncode: int) -> dict[str, Any] |
             "proposal": proposal, "returncode": returncode, "package": package}
 
 
-def classify_failure(log_lines: list[str], returncode: int) -> dict[str, Any]:
+def asked_of(argv: list[str]) -> dict[str, str | None]:
+    """The scheme and algorithm an engine command asks for (quark-cli's flags, which every engine takes)."""
+    def flag(name: str) -> str | None:
+        return argv[argv.index(name) + 1] if name in argv[:-1] else None
+
+    return {"scheme": flag("--quant_scheme"), "algorithm": flag("--quant_algo")}
+
+
+def _instead(asked: dict[str, str | None] | None) -> str:
+    """The retry a proposal names: without the algorithm that was asked, else with another scheme."""
+    asked = asked or {}
+    if asked.get("algorithm"):
+        return f"retry without the algorithm {asked['algorithm']}"
+    return f"retry with another scheme than {asked['scheme']}" if asked.get("scheme") else "retry with another scheme"
+
+
+def _proposal(rule: Rule, asked: dict[str, str | None] | None) -> str:
+    instead = _instead(asked)
+    return rule.proposal.format(instead=instead, Instead=instead[:1].upper() + instead[1:])
+
+
+def classify_failure(log_lines: list[str], returncode: int,
+                     asked: dict[str, str | None] | None = None) -> dict[str, Any]:
+    """``asked``: the scheme and algorithm of the command (``asked_of``), which the proposal names."""
     # The traceback header says nothing; the exception lines and messages are the evidence.
     evidence_pool = [ln for ln in log_lines if ln.strip() and not ln.startswith("Traceback (most recent")]
     if returncode in (-9, 137):
@@ -97,6 +125,7 @@ def classify_failure(log_lines: list[str], returncode: int) -> dict[str, Any]:
     for rule in RULES:
         hits = [ln.strip() for ln in evidence_pool if rule.pattern.search(ln)]
         if hits:
-            return {"cause": rule.cause, "evidence": hits[-5:], "proposal": rule.proposal, "returncode": returncode}
+            return {"cause": rule.cause, "evidence": hits[-5:], "proposal": _proposal(rule, asked),
+                    "returncode": returncode}
     return {"cause": "unknown", "evidence": evidence_pool[-5:], "returncode": returncode,
             "proposal": "Read the full log; re-run after fixing the first error it shows."}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from quark_ptq_eval.execute.quark_api_parts import (
     calibration_batches,
+    loaded_exclusions,
     prepare_for_quantization,
     template_config,
 )
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         algorithm=args.quant_algo.split(",") if args.quant_algo else None,
         kv_cache_scheme=args.kv_cache_dtype,
         layer_config=dict(args.layer_quant_scheme or []),
-        exclude_layers=args.exclude_layers,
+        exclude_layers=loaded_exclusions(model, args.model_dir, args.exclude_layers),
     )
     print("[quark-ptq-eval] quantizing", flush=True)
     quantizer = ModelQuantizer(config)

@@ -1,9 +1,11 @@
 """The pieces of Quark's public API that the quark-api engine child (execute/quark_api_engine.py)
 and the sensitivity scan both run, so that the scan measures the model the engine quantizes:
-calibration windows over local text, the MoE preparation quark-cli does, the template's config."""
+calibration windows over local text, the MoE preparation quark-cli does, the template's config and
+its exclusions in the loaded model's names."""
 
 from __future__ import annotations
 
+from os import PathLike
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -27,10 +29,16 @@ def calibration_batches(tokenizer: PreTrainedTokenizerBase, texts: list[str], se
 def prepare_for_quantization(model: torch.nn.Module) -> None:
     """As quark-cli does: fused 3-D expert parameters (transformers 5 MoE) become per-expert
     nn.Linear through Quark's module-replacement registry; without it experts stay in BF16.
-    The sensitivity scan calls this too, so that it measures the model this engine quantizes."""
+    Modules kept in float32 return the model's dtype (base/float32_modules.py), or calibration
+    stops at the first BF16 linear they feed. The sensitivity scan calls this too, so that it
+    measures the model this engine quantizes."""
     from quark.torch.utils.llm.model_preparation import preprocess_for_quantization
 
+    from quark_ptq_eval.base.float32_modules import describe, keep_float32_modules_in_model_dtype
+
     preprocess_for_quantization(model)
+    if kept := keep_float32_modules_in_model_dtype(model):  # DeepSeek-V4's float32 norms in a BF16 model
+        print(f"[quark-ptq-eval] {describe(kept)}", flush=True)
 
 
 def template_config(model_type: str, scheme: str, *, algorithm: list[str] | None = None,
@@ -41,3 +49,26 @@ def template_config(model_type: str, scheme: str, *, algorithm: list[str] | None
 
     return LLMTemplate.get(model_type).get_config(scheme=scheme, algorithm=algorithm, kv_cache_scheme=kv_cache_scheme,
                                                   layer_config=layer_config or {}, exclude_layers=exclude_layers)
+
+
+def loaded_exclusions(model: torch.nn.Module, model_dir: str | PathLike[str],
+                      exclude_layers: list[str] | None) -> list[str] | None:
+    """The exclusions (given, else the template's), plus each module they name under the checkpoint's
+    tensor names (DeepSeek-V4's ``head``) named under the loaded model's (``lm_head``): Quark matches
+    patterns against the loaded names only (base/legacy_exclusions.py). None: the template's, unchanged."""
+    from quark.torch import LLMTemplate
+
+    from quark_ptq_eval.base.legacy_exclusions import loaded_name_exclusions
+
+    model_type = str(model.config.model_type)  # type: ignore[union-attr]  # a transformers model's config
+    if exclude_layers is not None:
+        given = list(exclude_layers)
+    else:
+        template = LLMTemplate.get(model_type).exclude_layers_name or []
+        given = [template] if isinstance(template, str) else list(template)
+    added = loaded_name_exclusions(model_dir, model_type, given, model.state_dict().keys())
+    if not added:
+        return exclude_layers
+    print(f"[quark-ptq-eval] exclusions in the loaded model's names: {', '.join(added)} added for "
+          f"{', '.join(given)} (the checkpoint's names)", flush=True)
+    return [*given, *added]

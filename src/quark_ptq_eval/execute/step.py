@@ -14,7 +14,7 @@ from quark_ptq_eval.base.gates import Gatekeeper
 from quark_ptq_eval.base.safety import check_free_space, is_nonempty_dir
 from quark_ptq_eval.base.state import RunState, digest
 from quark_ptq_eval.base.ui import Reporter
-from quark_ptq_eval.execute.classify import classify_failure
+from quark_ptq_eval.execute.classify import asked_of, classify_failure
 from quark_ptq_eval.execute.file_modes import apply_umask
 from quark_ptq_eval.execute.inspect_output import inspect_output
 from quark_ptq_eval.execute.runner import EngineEcho, EngineRunner, RunResult, raise_if_interrupted
@@ -137,7 +137,7 @@ def _judge_run(recipe: ExecuteContext, on_disk: RunManifest, run: dict[str, Any]
         _record(recipe, on_disk, run, facts, "interrupted")
         raise_if_interrupted(result)
     if result.returncode != 0 or not facts.get("ok"):
-        failure = classify_failure(result.tail, result.returncode)
+        failure = classify_failure(result.tail, result.returncode, asked_of(on_disk.command["argv"]))
         run.update(status="failed", failure=failure)
         _record(recipe, on_disk, run, facts, "failed")
         why = f"exit code {result.returncode}" if result.returncode else _no_output_why(facts, result.tail)

@@ -207,7 +207,11 @@ def open_session(opts: ScanOptions, batches: list[Any]) -> Session:
     import transformers
 
     from quark_ptq_eval.base.quark_import import import_quark_torch
-    from quark_ptq_eval.execute.quark_api_parts import prepare_for_quantization, template_config
+    from quark_ptq_eval.execute.quark_api_parts import (
+        loaded_exclusions,
+        prepare_for_quantization,
+        template_config,
+    )
     from quark_ptq_eval.sensitivity.emulation import use_cpu_emulation
 
     import_quark_torch()  # Quark's scan of transformers answered from our cache (quark_import.py)
@@ -222,7 +226,7 @@ def open_session(opts: ScanOptions, batches: list[Any]) -> Session:
     routing = Routing()
     decoder, reference = _reference_pass(model, batches, routing, opts.replay)
     config = template_config(model.config.model_type, opts.scheme, layer_config=opts.layer_config,
-                             exclude_layers=opts.exclude)
+                             exclude_layers=loaded_exclusions(model, opts.model_dir, opts.exclude))
     with torch.no_grad():
         model = ModelQuantizer(config).quantize_model(model, batches)
     if str(opts.device).startswith("cpu"):

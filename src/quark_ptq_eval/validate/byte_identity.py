@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.validate.expectations import matches
-from quark_ptq_eval.validate.report import CheckResult, Finding, Side
-from quark_ptq_eval.validate.widening import is_lossless_widening, widening_note
+from quark_ptq_eval.validate.report import CheckResult, Finding
+from quark_ptq_eval.validate.widening import header_change, is_lossless_widening, widening_note
 
 CHUNK_BYTES = 16 * 1024 * 1024  # one mapped window per side
 DEFAULT_MAX_WORKERS = 4
@@ -257,11 +257,10 @@ def _comparable_pairs(names: list[str], source: dict[str, TensorInfo],
             findings.append(Finding(name, widening_note(s, o), benign=True,
                                     evidence=f"{s.dtype} -> {o.dtype}, values compared bit for bit"))
         elif (s.dtype, s.shape) != (o.dtype, o.shape):
-            side: Side = "environment" if s.shape == o.shape else "quark"
+            side, evidence = header_change(s, o)
             findings.append(Finding(name, f"must be carried over unchanged but its header changed from {s.dtype} "
                                           f"{list(s.shape)} to {o.dtype} {list(o.shape)}.", side=side,
-                                    evidence="same shape, other dtype: loaded in another dtype"
-                                    if side == "environment" else ""))
+                                    evidence=evidence))
         else:
             pairs.append((s, o))
     return pairs, findings

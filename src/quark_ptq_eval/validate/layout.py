@@ -25,8 +25,8 @@ from quark_ptq_eval.validate.expectations import (
     module_config,
     weight_expectations,
 )
-from quark_ptq_eval.validate.report import CheckResult, Finding, Side
-from quark_ptq_eval.validate.widening import is_lossless_widening, widening_note
+from quark_ptq_eval.validate.report import CheckResult, Finding
+from quark_ptq_eval.validate.widening import header_change, is_lossless_widening, widening_note
 
 LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
@@ -236,11 +236,9 @@ def _same_header(module: str, suffix: str, src: TensorInfo, got: TensorInfo | No
         if is_lossless_widening(src, got):
             return [Finding(name, widening_note(src, got), benign=True,
                             evidence=f"{src.dtype} -> {got.dtype} {list(got.shape)}, values compared bit for bit")]
-        side: Side = "environment" if got.shape == src.shape else "quark"
+        side, evidence = header_change(src, got)
         return [Finding(name, f"should keep the source header {src.dtype} {list(src.shape)} "
-                              f"but is {got.dtype} {list(got.shape)}.", side=side,
-                        evidence="same shape, other dtype: the model was loaded in another dtype"
-                        if side == "environment" else "")]
+                              f"but is {got.dtype} {list(got.shape)}.", side=side, evidence=evidence)]
     return []
 
 

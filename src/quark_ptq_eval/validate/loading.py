@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError, UsageError
+from quark_ptq_eval.base.float32_modules import keep_float32_modules_in_model_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -142,6 +143,7 @@ def load_model(
             f"Could not load {model_dir} with the {chosen} loader: {exc}".rstrip(".") + "."
         ) from exc
     model.eval()
+    keep_float32_modules_in_model_dtype(model)  # DeepSeek-V4's float32 norms, as the engine ran them
     if missing and not allow_missing:
         raise QpeError(missing_weights_message(model_dir, chosen, missing),
                        "Validate the export (its load check names the loader and the weights); a Quark export "

@@ -65,11 +65,11 @@ class ValidationContext:
                 self.headers[side] = exc.message
         src, out = self.tensors("source"), self.tensors("output")
         if src is not None and out is not None:  # legacy checkpoint names (Mixtral's w1/w2/w3) -> the export's
-            from quark_ptq_eval.validate.tensor_names import align_source_names
+            from quark_ptq_eval.base.tensor_names import align_source_names
 
             aligned = align_source_names(src, out, self.src_config.get("model_type"))
             self.headers["source"] = aligned
-            from quark_ptq_eval.validate.legacy_exclusions import legacy_exclusions
+            from quark_ptq_eval.base.legacy_exclusions import legacy_exclusions
 
             self.exclude = [*self.exclude, *legacy_exclusions(src, aligned, self.exclude)]
 

@@ -9,9 +9,11 @@ bit; this module checks that on the payloads (bounded: small tensors only, as th
 from __future__ import annotations
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
+from quark_ptq_eval.validate.report import Side
 
 WIDENINGS = {("BF16", "F32"), ("F16", "F32")}
 MAX_BYTES = 64 * 2**20  # biases and norms, never a weight matrix
+FLOAT_DTYPES = frozenset({"BF16", "F16", "F32", "F64"})
 
 
 def _payload(info: TensorInfo) -> bytes:
@@ -40,3 +42,12 @@ def is_lossless_widening(src: TensorInfo, out: TensorInfo) -> bool:
 def widening_note(src: TensorInfo, out: TensorInfo) -> str:
     return (f"written as {out.dtype} where the source has {src.dtype}, every value equal: a lossless widening "
             "(the model keeps this tensor in float32)")
+
+
+def header_change(src: TensorInfo, out: TensorInfo) -> tuple[Side, str]:
+    """(side, evidence) of a tensor that should have kept its header and did not, one rule for every
+    check: a float tensor of the same shape in another float dtype was loaded in another dtype (the
+    environment); one stored in integer or FP8 codes, or reshaped (packed), was quantized by Quark."""
+    if src.shape == out.shape and src.dtype in FLOAT_DTYPES and out.dtype in FLOAT_DTYPES:
+        return "environment", "same shape, other float dtype: the model was loaded in another dtype"
+    return "quark", f"stored as {out.dtype} {list(out.shape)}: quantized codes, not the source's {src.dtype} values"

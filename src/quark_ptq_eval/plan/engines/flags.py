@@ -14,7 +14,8 @@ def head_flags(plan: Any, model_dir: Path, out: Path) -> list[str]:
             "--num_calib_data", str(cal["num_samples"])]
 
 
-def tail_flags(plan: Any) -> list[str]:
+def tail_flags(plan: Any, loaded_names: list[str] | None = None) -> list[str]:
+    """``loaded_names``: exclusions added in the loaded model's names (base/legacy_exclusions.py)."""
     argv: list[str] = []
     for pattern, scheme in plan.layer_quant_config.items():
         argv += ["--layer_quant_scheme", pattern, scheme]
@@ -25,5 +26,5 @@ def tail_flags(plan: Any) -> list[str]:
     if plan.exclude_layers or plan.exclude_source == "user":
         # Always spelled out, so the command is exactly the plan (also a hand-corrected one).
         # An empty list disables all exclusions: the plan only allows that with --no-exclusions.
-        argv += ["--exclude_layers", *plan.exclude_layers]
+        argv += ["--exclude_layers", *plan.exclude_layers, *(loaded_names or [])]
     return argv

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.legacy_exclusions import loaded_name_exclusions
 from quark_ptq_eval.context.quark_cli import SUBCOMMAND, find_quark_cli
 from quark_ptq_eval.plan.engines.flags import head_flags, tail_flags
 
@@ -51,7 +52,10 @@ class QuarkCliEngine:
             argv.append("--multi_device")
         if not plan.trust_remote_code:
             argv.append("--no_trust_remote_code")  # quark-cli trusts remote code unless told not to
-        return [*argv, *tail_flags(plan), "--skip_evaluation"]
+        # quark-cli matches the patterns against the loaded model's names: the template's checkpoint
+        # names (DeepSeek-V4's ``head``) are added in transformers' (``lm_head``), as the quark-api child does
+        loaded = loaded_name_exclusions(plan.model["model_path"], plan.model["model_type"], list(plan.exclude_layers))
+        return [*argv, *tail_flags(plan, loaded), "--skip_evaluation"]
 
     def env(self, plan: Any, workdir: Path) -> dict[str, str]:
         if plan.calibration["source"] != "local_file":

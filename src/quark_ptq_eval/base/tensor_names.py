@@ -11,6 +11,7 @@ tensor: source names are aliased to the export's before the checks compare them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +59,13 @@ def align_source_names(source: dict[str, Any], output: dict[str, Any], model_typ
     return renamed
 
 
+def loaded_name(name: str, model_type: str) -> str:
+    """The name transformers loads the checkpoint tensor ``name`` under (its renaming rules only)."""
+    rename = _transformers_renamer(model_type)
+    return rename(name) if rename is not None else name
+
+
+@functools.cache  # one rule table per model type and process
 def _transformers_renamer(model_type: str) -> Callable[[str], str] | None:
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping

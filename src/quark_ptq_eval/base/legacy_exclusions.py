@@ -1,4 +1,5 @@
-"""Exclusion patterns written against a checkpoint's legacy names, applied to the export's names.
+"""Exclusion patterns written against a checkpoint's tensor names, applied to the names transformers
+loads the model under (the names Quark matches patterns against and exports).
 
 Quark 0.13's minimax_m2 template excludes the router as ``*block_sparse_moe.gate*``: the name the
 family's checkpoints use (transformers 5 saves it so too). transformers 5 loads that block as
@@ -7,13 +8,23 @@ family's checkpoints use (transformers 5 saves it so too). transformers 5 loads 
 plan quantizes, and validation reported every minimax_m2 export "partial" (router left in BF16).
 The template means the router: a source module a pattern matched under its own name stays
 excluded under the export's, so it is counted as excluded and held byte-identical (md5) instead.
+
+DeepSeek-V4 is the same case before the export: its template excludes ``head`` (and ``*ffn.gate*``),
+the checkpoint's names; transformers loads them as ``lm_head`` (``mlp.gate``), so Quark quantized
+the lm_head the template keeps. One mapping serves both sides: validation applies it to the
+export's names (validate/registry.py), the engines to the loaded model's before Quark sees the
+patterns (``loaded_name_exclusions``: the quark-api child from the model it holds, the quark-cli
+plan from transformers' renaming rules).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from fnmatch import fnmatchcase
+from os import PathLike
 
-from quark_ptq_eval.base.safetensors_io import TensorInfo
+from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
+from quark_ptq_eval.base.tensor_names import align_source_names, loaded_name
 
 
 def _module(name: str) -> str:
@@ -56,3 +67,15 @@ def legacy_exclusions(raw: dict[str, TensorInfo], aligned: dict[str, TensorInfo]
         rewritten = _renamed_pattern(hit, old_module, new_module)
         added.append(rewritten if rewritten and fnmatchcase(new_module, rewritten) else new_module)
     return added
+
+
+def loaded_name_exclusions(model_dir: str | PathLike[str], model_type: str, patterns: list[str],
+                           loaded: Iterable[str] | None = None) -> list[str]:
+    """Patterns to add to ``patterns`` so that every module they name under ``model_dir``'s tensor
+    names stays excluded under its loaded name: the ``loaded`` model's tensor names, or (without the
+    model) the names transformers' renaming rules for ``model_type`` give the checkpoint's."""
+    if not patterns:
+        return []
+    raw = read_model_headers(model_dir)
+    names = set(loaded) if loaded is not None else {loaded_name(n, model_type) for n in raw}
+    return legacy_exclusions(raw, align_source_names(raw, dict.fromkeys(names), model_type), patterns)
