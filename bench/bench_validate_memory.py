@@ -6,9 +6,11 @@ Quark writes of it (``F8_E4M3`` weights, per-tensor ``weight_scale`` and ``input
 excluded): the scales are real non-zero values written into the holes, everything else reads as
 zeros, so every check (the decode check decoding every weight against its source included) runs
 in full on data that is right. Then ``quark-ptq-eval validate --no-load-check`` (the load check
-loads the model: not on this host) runs in a child under ``/usr/bin/time -v``: its wall time, peak
-RSS (the child's maximum resident set) and the bytes the decode check reads, per worker count.
-Printed with the load average before and after each run (the host is shared).
+loads the model: not on this host) runs in a child: its wall and CPU time, peak RSS (the child's
+maximum resident set, from ``wait4``) and seconds per GB the decode check reads, per worker count,
+printed with the load average before and after each run (the host is shared). ``--limit-s`` stops
+a run that would take too long (the 405 B case: ~1.2 TB read) and projects its wall time from the
+share of the decode check's bytes read by then (``/proc/PID/io``).
 
     .venv/bin/python bench/bench_validate_memory.py [--work DIR] [--case 13b --case 70b ...] [--workers 1 2 4]
 """
@@ -20,6 +22,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -115,21 +118,56 @@ def build(name: str, work: Path) -> tuple[Path, Path, int]:
     return source, export, decoded
 
 
-def run_validate(source: Path, export: Path, workers: int | None, work: Path) -> dict:
-    argv = ["/usr/bin/time", "-v", sys.executable, "-m", "quark_ptq_eval", "validate", "--source", str(source),
-            "--quantized", str(export), "--no-load-check", "--workdir", str(work / "wd")]
+def _read_bytes(pid: int) -> int:
+    """Bytes the child has read through read(2)/preadv(2) so far (the decode check's reads; the md5
+    check maps its windows, so they do not count here)."""
+    try:
+        text = Path(f"/proc/{pid}/io").read_text()
+    except OSError:
+        return 0
+    match = re.search(r"^rchar: (\d+)", text, re.M)
+    return int(match.group(1)) if match else 0
+
+
+def run_validate(source: Path, export: Path, workers: int | None, work: Path, decode_bytes: int,
+                 limit_s: float | None) -> dict:
+    """One ``validate`` child: wall, CPU and peak RSS (``wait4``'s ``ru_maxrss``); with ``limit_s``
+    stopped there, with the share of the decode check's bytes read by then and the wall time projected."""
+    argv = [sys.executable, "-m", "quark_ptq_eval", "validate", "--source", str(source), "--quantized", str(export),
+            "--no-load-check", "--workdir", str(work / "wd")]
     if workers:
         argv += ["--workers", str(workers)]
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    wall = time.perf_counter() - t0
-    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
-    cpu = sum(float(m) for m in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", proc.stderr))
-    if proc.returncode or not rss:
-        raise SystemExit(f"validate failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_mib": int(rss.group(1)) // 1024,
-            "verdict": proc.stdout.strip().splitlines()[0], "load": [round(load, 2), round(os.getloadavg()[0], 2)]}
+    logs = work / "validate-child.log"
+    with open(logs, "w+") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        read, stopped, status, usage = 0, False, 0, None
+        while usage is None:
+            pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                usage = rusage
+                break
+            read = max(read, _read_bytes(proc.pid))
+            if limit_s is not None and time.perf_counter() - t0 > limit_s and not stopped:
+                proc.send_signal(signal.SIGTERM)
+                stopped = True
+            time.sleep(0.5)
+        wall = time.perf_counter() - t0
+        log.seek(0)
+        out = log.read()
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+    if not stopped and proc.returncode:
+        raise SystemExit(f"validate failed ({proc.returncode}):\n{out[-3000:]}")
+    row = {"wall_s": round(wall, 1), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+           "peak_rss_mib": usage.ru_maxrss // 1024, "load": [round(load, 2), round(os.getloadavg()[0], 2)]}
+    if stopped:
+        share = min(1.0, read / decode_bytes)
+        row.update(verdict=f"stopped after {limit_s:g} s", decode_share_read=round(share, 4),
+                   projected_wall_s=round(wall / share) if share else None)
+    else:
+        row["verdict"] = next(line for line in out.splitlines() if line.startswith("Validation"))
+    return row
 
 
 def main() -> None:
@@ -137,15 +175,17 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--case", choices=sorted(CASES), action="append")
     p.add_argument("--workers", type=int, nargs="+", default=[0], help="worker counts to run (0: the default)")
+    p.add_argument("--limit-s", type=float, default=None,
+                   help="stop each run after this many seconds and project its wall time from the bytes read")
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="validate-memory-"))
     for name in args.case or ["13b"]:
         source, export, decoded = build(name, work)
         read_gb = decoded * 3 / 1e9  # each FP8 code (1 byte) and its BF16 source (2 bytes)
         for workers in args.workers:
-            r = run_validate(source, export, workers or None, work)
+            r = run_validate(source, export, workers or None, work, int(read_gb * 1e9), args.limit_s)
             r.update(case=name, workers=workers or "default", decoded_elements=decoded, decode_read_gb=round(read_gb, 1),
-                     s_per_gb=round(r["wall_s"] / read_gb, 2))
+                     s_per_gb=round((r.get("projected_wall_s") or r["wall_s"]) / read_gb, 2))
             print(json.dumps(r), flush=True)
 
 

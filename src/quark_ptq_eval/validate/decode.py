@@ -46,10 +46,11 @@ from quark_ptq_eval.validate.rewrites import ROTATING, SCALING, algorithms
 
 
 def decode_export(source: Path, quantized: Path, plan: dict[str, Any] | None = None,
-                  weights_source: Path | None = None) -> CheckResult:
+                  weights_source: Path | None = None, workers: int | None = None) -> CheckResult:
     """The decode check alone on one export (``weights_source``: read source weights there instead,
-    e.g. a dequantized BF16 copy of an FP8 release); never raises on a mismatch."""
-    ctx = ValidationContext(Path(source), Path(quantized), plan, weights_source=weights_source)
+    e.g. a dequantized BF16 copy of an FP8 release; ``workers``: threads, default as ``validate``'s);
+    never raises on a mismatch."""
+    ctx = ValidationContext(Path(source), Path(quantized), plan, weights_source=weights_source, workers=workers)
     ctx.src_config, ctx.out_config = read_config(ctx.source), read_config(ctx.quantized)
     ctx.read_headers()
     return check_decode(ctx)

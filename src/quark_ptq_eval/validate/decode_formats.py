@@ -239,11 +239,13 @@ def unpack_int4(raw: np.ndarray, signed: bool, reorder: bool) -> np.ndarray:
     import numpy as np
 
     words = np.asarray(raw).view(np.uint32)
-    nibbles = (words[..., None] >> np.arange(0, 32, 4, dtype=np.uint32)) & 0xF  # [in, out/8, 8], by shift
     order = REORDER if reorder else tuple(range(8))
-    codes = nibbles[..., np.argsort(order)].reshape(words.shape[0], -1).astype(np.int8)
+    codes = np.empty((*words.shape, 8), np.int8)  # one byte per code: no [in, out/8, 8] uint32 temporaries
+    for i, element in enumerate(order):
+        codes[..., element] = (words >> np.uint32(4 * i)) & np.uint32(0xF)
+    codes = codes.reshape(words.shape[0], -1)
     if signed:
-        codes = np.where(codes >= 8, codes - 16, codes).astype(np.int8)
+        codes[codes >= 8] -= 16
     return codes.T
 
 
