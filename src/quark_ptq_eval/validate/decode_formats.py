@@ -96,6 +96,28 @@ def read_rows(info: TensorInfo, first: int, end: int) -> np.ndarray:
     return data.reshape((end - first, *shape[1:]) if shape else ())
 
 
+def read_box(info: TensorInfo, shape: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int]) -> np.ndarray:
+    """Elements ``[r0:r1, c0:c1]`` of a tensor stored row-major as ``shape``, read through the file:
+    whole rows in one read; a narrower box one read per row (never the rows' whole span, which may
+    be the whole tensor)."""
+    import numpy as np
+
+    (r0, r1), (c0, c1) = rows, cols
+    if (c0, c1) == (0, shape[1]):
+        return read_rows(dataclasses.replace(info, shape=shape, transposed=False), r0, r1)
+    dtype = _numpy_dtype(info)
+    out = np.empty((r1 - r0, c1 - c0), dtype=dtype)
+    width, row_bytes = (c1 - c0) * dtype.itemsize, shape[1] * dtype.itemsize
+    with open(info.file, "rb", buffering=0) as fh:
+        fd = fh.fileno()
+        flat = memoryview(out.reshape(-1).view(np.uint8).data)
+        for i in range(r1 - r0):
+            offset = info.start + (r0 + i) * row_bytes + c0 * dtype.itemsize
+            if os.preadv(fd, [flat[i * width: (i + 1) * width]], offset) != width:
+                raise UnsupportedFormat(f"{info.file.name} ends inside tensor {info.name}")
+    return out
+
+
 def prefetch(infos: list[TensorInfo]) -> None:
     """Ask the kernel to start reading these tensors now (``POSIX_FADV_WILLNEED``), so that their
     reads overlap the arithmetic on the tensor before them; a hint: errors are ignored."""
@@ -217,11 +239,13 @@ def unpack_int4(raw: np.ndarray, signed: bool, reorder: bool) -> np.ndarray:
     import numpy as np
 
     words = np.asarray(raw).view(np.uint32)
-    nibbles = (words[..., None] >> np.arange(0, 32, 4, dtype=np.uint32)) & 0xF  # [in, out/8, 8], by shift
     order = REORDER if reorder else tuple(range(8))
-    codes = nibbles[..., np.argsort(order)].reshape(words.shape[0], -1).astype(np.int8)
+    codes = np.empty((*words.shape, 8), np.int8)  # one byte per code: no [in, out/8, 8] uint32 temporaries
+    for i, element in enumerate(order):
+        codes[..., element] = (words >> np.uint32(4 * i)) & np.uint32(0xF)
+    codes = codes.reshape(words.shape[0], -1)
     if signed:
-        codes = np.where(codes >= 8, codes - 16, codes).astype(np.int8)
+        codes[codes >= 8] -= 16
     return codes.T
 
 

@@ -1,4 +1,4 @@
-"""One quantized weight decoded against its source, in grid units, row chunk by row chunk.
+"""One quantized weight decoded against its source, in grid units, tile by tile (decode_blocks.py).
 
 ``x`` is where the source weight falls on the code grid (``w / scale + zero_point``); ``v`` is the
 code the export stores. Round-to-nearest puts ``v`` on a grid point nearest ``x``: the error
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.validate import decode_formats as fmt
+from quark_ptq_eval.validate.decode_blocks import Tile, TileReader
 
 if TYPE_CHECKING:
     import numpy as np
@@ -69,6 +70,27 @@ class RowErrors:
     gain: np.ndarray | None = None  # per row: least-squares gain of the decoded row on the source's
     rel_error: np.ndarray | None = None  # per row: ||w - w_hat|| / ||w||
     rtn_error: np.ndarray | None = None  # per row: the same for round-to-nearest with the export's scales
+    zero_scale: dict[int, list[int]] = field(default_factory=dict)  # row -> groups: scale 0, source not 0
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Steps per unit |x| a fold's own uncertainty allows: ``sigmas * (rows[:, None] + cols) + slack``,
+    built a box at a time (whole, it would be a float copy of the weight)."""
+
+    rows: np.ndarray | None  # per output row (relative standard error), or none
+    cols: np.ndarray | None  # per input column, or none
+    sigmas: float
+    slack: float
+
+    def box(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        import numpy as np
+
+        base = np.zeros((r1 - r0, 1), np.float32) if self.rows is None else self.rows[r0:r1, None]
+        if self.cols is not None:
+            base = base + self.cols[None, c0:c1]
+        box: np.ndarray = self.sigmas * base + self.slack
+        return box
 
 
 @dataclass(frozen=True)
@@ -77,27 +99,8 @@ class Fold:
 
     cols: np.ndarray | None = None
     rows: np.ndarray | None = None
-    tolerance: np.ndarray | None = None  # [rows or 1, cols or 1], steps per unit |x|: the fold's own uncertainty
+    tolerance: Tolerance | None = None  # the fold's own uncertainty
     origin: str = ""  # where the scale was read, for messages
-
-
-def codes(t: Target) -> np.ndarray:
-    """The stored codes as grid values ``[out, in]`` (ints: the integers; floats: their values)."""
-    import numpy as np
-
-    raw = fmt.read_array(t.weight)
-    dtype = t.dtype
-    if dtype in ("int4", "uint4") and t.weight.dtype == "I32":
-        return fmt.unpack_int4(raw, dtype == "int4", t.reorder)
-    if dtype in ("int8", "uint8"):
-        return np.asarray(raw).T if t.grouped else np.asarray(raw)
-    if dtype.startswith("fp8") and t.weight.dtype.startswith("F8"):
-        return np.asarray(raw)  # code bits; values via the table
-    if dtype == "fp4" and t.weight.dtype == "U8":
-        return fmt.unpack_fp4(raw)
-    if dtype.startswith("fp6") and t.weight.dtype == "U8":
-        return fmt.unpack_fp6(raw)
-    raise fmt.UnsupportedFormat(f"{dtype} stored as {t.weight.dtype}")
 
 
 def values_of(t: Target, code_rows: np.ndarray) -> np.ndarray:
@@ -109,80 +112,80 @@ def values_of(t: Target, code_rows: np.ndarray) -> np.ndarray:
     return code_rows.astype(np.float32)
 
 
-def scales(t: Target, out: int) -> tuple[np.ndarray, np.ndarray]:
-    """(scale, zero point) as ``[out, groups]`` float32 (one group per row where not grouped)."""
-    import numpy as np
-
-    raw = fmt.read_array(t.scale)
-    if t.spec.get("scale_format") not in (None, "e8m0") or (t.scale.dtype not in fmt.NUMPY_FLOATS and t.scale.dtype
-                                                            not in ("BF16", "U8", "F8_E8M0")):
-        raise fmt.UnsupportedFormat(f"{t.spec.get('scale_format') or t.scale.dtype} scales")
-    scale = fmt.e8m0(raw) if t.spec.get("scale_format") == "e8m0" else fmt.as_float(t.scale, raw)
-    scale = _per_row(scale, out, transposed=t.grouped and not t.dtype.startswith("fp"))
-    zero = np.zeros_like(scale)
-    if t.zero_point is not None and not t.dtype.startswith("fp"):
-        zraw = fmt.read_array(t.zero_point)
-        if t.zero_point.dtype == "I32" and t.dtype in ("int4", "uint4") and zraw.ndim == 2:
-            zero = fmt.unpack_int4(zraw, t.dtype == "int4", t.reorder).astype(np.float32)[: out]
-        elif t.zero_point.dtype in fmt.NUMPY_FLOATS or t.zero_point.dtype == "BF16":
-            zero = _per_row(fmt.as_float(t.zero_point, zraw), out, transposed=t.grouped)
-        else:
-            zero = _per_row(np.asarray(zraw).astype(np.float32), out, transposed=t.grouped)
-    if t.zero_point is not None and zero.shape != scale.shape:
-        raise fmt.UnsupportedFormat(f"a zero point of shape {list(t.zero_point.shape)} for scales {list(scale.shape)}")
-    return scale, zero
-
-
-def _per_row(values: np.ndarray, out: int, transposed: bool) -> np.ndarray:
-    import numpy as np
-
-    values = np.asarray(values, dtype=np.float32)
-    if values.ndim == 0 or values.size == 1:
-        return np.full((out, 1), float(values.reshape(-1)[0]), dtype=np.float32)
-    if values.ndim == 1:
-        return values.reshape(out, 1)
-    return np.ascontiguousarray(values.T if transposed else values)
-
-
 def compare(t: Target, limit: float, fold: Fold | None = None, rtn_reference: bool = False,
             clipped: bool = False, row_stats: bool = False) -> RowErrors:
-    """Decode ``t`` and compare it with its source, row chunk by row chunk (see the module docstring);
-    ``limit`` (steps) decides which rows and groups are listed as over. ``clipped``: the algorithm
-    searched a clip range per group (AWQ), so a source value beyond it decodes to its group's extreme code.
-    ``row_stats`` (implied by ``rtn_reference``): also each row's gain and error."""
+    """Decode ``t`` and compare it with its source, a tile at a time read through the file and a
+    cache-sized chunk of it at a time decoded (see the module docstring); ``limit`` (steps) decides
+    which rows and groups are listed as over. ``clipped``: the algorithm searched a clip range per
+    group (AWQ), so a source value beyond it decodes to its group's extreme code. ``row_stats``
+    (implied by ``rtn_reference``): also each row's gain and error. Numeric warnings (a zero scale
+    divides by zero) are never printed: what they mean is in the result (``zero_scale``, ``over``)."""
     import numpy as np
 
-    code_all = codes(t)
-    rows, cols = t.source.shape
-    if code_all.shape != (rows, cols):
-        raise fmt.UnsupportedFormat(f"codes of shape {list(code_all.shape)} for a source of {[rows, cols]}")
-    scale, zero = scales(t, rows)
-    if cols % scale.shape[1]:
-        raise fmt.UnsupportedFormat(f"{scale.shape[1]} scale groups over {cols} columns")
+    reader = TileReader(t)
+    rows, cols = reader.rows, reader.cols
     grid = fmt.grid(t.dtype)
     result = RowErrors(rows, cols, np.zeros(rows, np.float32), np.zeros(rows, np.int64))
     sums = np.zeros((4, rows), np.float64)  # <w,w>, <w,w_hat>, ||w - w_hat||^2, ||w - rtn||^2
-    source = fmt.read_weight(t.source)  # one sequential read; decoded a cache-sized chunk at a time
-    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        w = _folded(fmt.as_float(t.source, source[r0:r1]), fold, r0, r1)
-        chunk = _Chunk(t, w, scale[r0:r1], zero[r0:r1], code_all[r0:r1])
-        err = chunk.errors(grid, limit)
-        if clipped:
-            err = _within_clip(err, chunk.x, chunk.v, chunk.spread(zero[r0:r1]), chunk.width)
-        if fold is not None and fold.tolerance is not None:
-            tol = fold.tolerance[r0:r1] if fold.tolerance.shape[0] > 1 else fold.tolerance
-            err = np.maximum(err - tol * np.abs(chunk.x), 0.0)
-        _record(result, err, r0, chunk.width, limit)
-        if row_stats or rtn_reference:
-            rtn = chunk.dequantized(_nearest(chunk.x, grid)) if rtn_reference else None
-            _accumulate(sums, r0, r1, w, chunk.dequantized(chunk.v), rtn)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for tile in reader.tiles():
+            step = max(1, CHUNK_ELEMENTS // max(tile.c1 - tile.c0, 1))
+            for a in range(0, tile.r1 - tile.r0, step):
+                b = min(tile.r1 - tile.r0, a + step)
+                _compare_chunk(t, tile, (a, b), _Options(limit, fold, rtn_reference, clipped, row_stats, grid),
+                               result, sums)
         result.gain = sums[1] / sums[0]
         result.rel_error = np.sqrt(sums[2] / sums[0])
         result.rtn_error = np.sqrt(sums[3] / sums[0]) if rtn_reference else None
     return result
+
+
+@dataclass(frozen=True)
+class _Options:
+    limit: float
+    fold: Fold | None
+    rtn_reference: bool
+    clipped: bool
+    row_stats: bool
+    grid: fmt.Grid
+
+
+def _compare_chunk(t: Target, tile: Tile, span: tuple[int, int], o: _Options, result: RowErrors,
+                   sums: np.ndarray) -> None:
+    """Rows ``span`` of one tile (relative to it) judged, and their sums accumulated."""
+    import numpy as np
+
+    a, b = span
+    r0, r1, c0, c1 = tile.r0 + a, tile.r0 + b, tile.c0, tile.c1
+    w = _folded(fmt.as_float(t.source, tile.w[a:b]), o.fold, r0, r1, c0, c1)
+    zero = tile.zero[a:b]
+    chunk = _Chunk(t, w, tile.scale[a:b], zero, tile.codes[a:b])
+    err = chunk.errors(o.grid, o.limit)
+    if o.clipped:
+        err = _within_clip(err, chunk.x, chunk.v, chunk.spread(zero), chunk.width)
+    if o.fold is not None and o.fold.tolerance is not None:
+        err = np.maximum(err - o.fold.tolerance.box(r0, r1, c0, c1) * np.abs(chunk.x), 0.0)
+    if chunk.dead is not None:
+        err = _zero_scales(result, chunk, w, err, r0, c0)
+    _record(result, err, r0, c0, chunk.width, o.limit)
+    if o.row_stats or o.rtn_reference:
+        rtn = chunk.dequantized(_nearest(chunk.x, o.grid)) if o.rtn_reference else None
+        _accumulate(sums, r0, r1, w, chunk.dequantized(chunk.v), rtn)
+
+
+def _zero_scales(result: RowErrors, chunk: _Chunk, w: np.ndarray, err: np.ndarray, r0: int, c0: int) -> np.ndarray:
+    """Elements under a zero scale decode to 0 whatever their (finite) code: right where the source
+    is 0 (all-zero rows, pruned or padded), a ``zero_scale`` finding where it is not (not also 'over')."""
+    import numpy as np
+
+    assert chunk.dead is not None
+    dead = chunk.spread(chunk.dead)
+    err = np.where(dead, np.where(np.isfinite(chunk.v), 0.0, np.inf), err).astype(np.float32)
+    alive = (dead & (w != 0)).reshape(chunk.rows, chunk.groups, chunk.width).any(axis=2)
+    for row in np.flatnonzero(alive.any(axis=1)):
+        groups = np.flatnonzero(alive[row]) + c0 // chunk.width
+        result.zero_scale.setdefault(r0 + int(row), []).extend(int(g) for g in groups)
+    return err
 
 
 class _Chunk:
@@ -201,6 +204,7 @@ class _Chunk:
             x = x + zero[:, :, None]
         self.x = x.reshape(self.rows, cols)
         self.v = values_of(t, code_rows)
+        self.dead = None if scale.all() else scale == 0  # [rows, groups]: w / 0 is no position on the grid
         self._np = np
 
     def spread(self, per_group: np.ndarray) -> np.ndarray:
@@ -242,11 +246,11 @@ def _over(err: np.ndarray, limit: float) -> tuple[np.ndarray, np.ndarray] | None
     return rows[r], c
 
 
-def _folded(w: np.ndarray, fold: Fold | None, r0: int, r1: int) -> np.ndarray:
+def _folded(w: np.ndarray, fold: Fold | None, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
     if fold is None:
         return w
     if fold.cols is not None:
-        w = w * fold.cols[None, :]
+        w = w * fold.cols[None, c0:c1]
     if fold.rows is not None:
         w = w / fold.rows[r0:r1, None]
     return w
@@ -292,25 +296,34 @@ def _nearest(x: np.ndarray, grid: fmt.Grid) -> np.ndarray:
     return np.clip(np.where(x - lo <= hi - x, lo, hi), grid.lowest, grid.highest)
 
 
-def _record(result: RowErrors, err: np.ndarray, r0: int, width: int, limit: float) -> None:
+def _record(result: RowErrors, err: np.ndarray, r0: int, c0: int, width: int, limit: float) -> None:
+    """Each row's worst element and its groups over ``limit``; a tile right of the first (``c0``)
+    replaces a row's worst only where larger, so the first of equal maxima stays (as ``argmax``)."""
     import numpy as np
 
     r1 = r0 + err.shape[0]
-    result.worst_col[r0:r1] = np.argmax(err, axis=1)
-    result.worst_steps[r0:r1] = err[np.arange(err.shape[0]), result.worst_col[r0:r1]]
-    for row in np.nonzero(result.worst_steps[r0:r1] > limit)[0]:
-        groups = np.nonzero((err[row] > limit).reshape(-1, width).any(axis=1))[0]
-        result.over[r0 + int(row)] = [int(g) for g in groups]
+    col = np.argmax(err, axis=1)
+    worst = err[np.arange(err.shape[0]), col]
+    if c0 == 0:
+        result.worst_col[r0:r1], result.worst_steps[r0:r1] = col, worst
+    else:
+        held = result.worst_steps[r0:r1]
+        better = (worst > held) | (np.isnan(worst) & ~np.isnan(held))
+        result.worst_col[r0:r1][better] = col[better] + c0
+        held[better] = worst[better]
+    for row in np.nonzero(worst > limit)[0]:
+        groups = np.nonzero((err[row] > limit).reshape(-1, width).any(axis=1))[0] + c0 // width
+        result.over.setdefault(r0 + int(row), []).extend(int(g) for g in groups)
 
 
 def _accumulate(sums: np.ndarray, r0: int, r1: int, w: np.ndarray, w_hat: np.ndarray, rtn: np.ndarray | None) -> None:
     import numpy as np
 
-    with np.errstate(invalid="ignore", over="ignore"):
-        sums[0, r0:r1] = np.einsum("ij,ij->i", w, w, dtype=np.float64)
-        sums[1, r0:r1] = np.einsum("ij,ij->i", w, w_hat, dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):  # a tile right of the first adds to its rows' sums
+        sums[0, r0:r1] += np.einsum("ij,ij->i", w, w, dtype=np.float64)
+        sums[1, r0:r1] += np.einsum("ij,ij->i", w, w_hat, dtype=np.float64)
         diff = w - w_hat
-        sums[2, r0:r1] = np.einsum("ij,ij->i", diff, diff, dtype=np.float64)
+        sums[2, r0:r1] += np.einsum("ij,ij->i", diff, diff, dtype=np.float64)
         if rtn is not None:
             diff = w - rtn
-            sums[3, r0:r1] = np.einsum("ij,ij->i", diff, diff, dtype=np.float64)
+            sums[3, r0:r1] += np.einsum("ij,ij->i", diff, diff, dtype=np.float64)
