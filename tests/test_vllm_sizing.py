@@ -152,3 +152,20 @@ def test_tier3_estimate_shows_each_sized_argument_with_its_reason_and_the_report
     monkeypatch.setattr(vs, "host_memory", lambda: free(2))  # less than vLLM's own runtime: refused, not started
     with pytest.raises(vs.ServerDoesNotFit, match="vLLM cannot start on this host now"):
         t3.prepare(ctx, env=env)
+
+
+def test_the_serving_check_is_sized_the_same_way_and_a_host_without_room_is_one_finding(tmp_path, monkeypatch):
+    from test_eval_vllm import fake_model
+
+    from quark_ptq_eval.validate import servecheck
+    from quark_ptq_eval.validate.report import CheckResult
+
+    model = fake_model(tmp_path, "q", max_pos=4096)
+    monkeypatch.setattr(vs, "host_memory", lambda: free(6))
+    sizing = vs.sized_for(model, True, (), context=servecheck.MAX_MODEL_LEN, context_origin="check")
+    assert flags(sizing)["--max-model-len"] == ("2048",) and "--kv-cache-memory-bytes" in flags(sizing)
+    monkeypatch.setattr(vs, "host_memory", lambda: free(2))
+    result = CheckResult("serve")
+    servecheck._serve(model, CPU_VLLM, result)  # refused before a server is started (/venv/bin/python: none)
+    assert result.stats["served"] is False and len(result.findings) == 1
+    assert result.findings[0].message.startswith("not started: vLLM cannot start on this host now: one 2048-token")
