@@ -59,6 +59,7 @@ class RuntimeEstimate:
     elapsed_s: float = 0.0  # measured, from the approval to this estimate
     finish_s: float = 0.0  # predicted: statistics, chart and report files
     parts: dict[str, float] = field(default_factory=dict)  # measured pieces of elapsed_s
+    settings: list[str] = field(default_factory=list)  # chosen for this run, each with its reason (Tier 3's server)
 
     @property
     def long(self) -> bool:
@@ -85,6 +86,7 @@ class RuntimeEstimate:
             f"  hardware: {self.hardware}",
             f"  measured: {self.basis}",
         ]
+        lines += [f"  {line}" for line in self.settings]
         if self.warning:
             lines.append(f"  warning: {self.warning}")
         return "\n".join(lines)
@@ -102,6 +104,7 @@ class RuntimeEstimate:
             "data": self.data,
             "basis": self.basis,
             "warning": self.warning,
+            "settings": list(self.settings),
             "long": self.long,
         }
 

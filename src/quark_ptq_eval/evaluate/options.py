@@ -111,6 +111,10 @@ class EvalOptions:
     vllm_health_timeout_s: float = field(default=1800.0, metadata=flag(
         "--vllm-health-timeout", type=float, metavar="SECONDS",
         help="Tier 3: give up on a server not healthy after this long (default 1800)"))
+    vllm_args: list[str] = field(default_factory=list, metadata=flag(  # over the sized ones (validate/vllm_sizing.py)
+        "--vllm-arg", action="append", metavar="ARG",
+        help="an argument for every vLLM server this run starts (repeatable; with '=': "
+             "--vllm-arg=--max-model-len=512); it replaces the sized argument of the same flag"))
 
     def __post_init__(self) -> None:
         if self.seq_len is not None and self.seq_len < 2:
@@ -125,6 +129,10 @@ class EvalOptions:
             self.include_path = Path(self.include_path)
         if self.vllm_python is not None:
             self.vllm_python = Path(self.vllm_python)
+        self.vllm_args = [self.vllm_args] if isinstance(self.vllm_args, str) else list(self.vllm_args)
+        from quark_ptq_eval.validate.vllm_sizing import parse_user_args
+
+        parse_user_args(self.vllm_args)  # a value that is no vLLM flag is refused now, before anything runs
         if not self.vllm_health_timeout_s > 0:
             raise UsageError(f"--vllm-health-timeout must be a positive number of seconds, not {self.vllm_health_timeout_s}.")
         for task, metrics in self.reference.items():

@@ -77,13 +77,15 @@ def prepare(ctx: TierContext, env: Environment | None = None) -> VllmPrepared:
                "no pilot: the server's speed is only known once it runs; on a ROCm GPU this tier is the fastest"),
         warning=None if env.runnable else "This host has no ROCm: nothing will run; the commands are recorded.",
         threshold_s=ctx.options.confirm_above_s,
+        settings=[f"vLLM {label} server: {line}" for label, sizing in plan.sizing.items() for line in sizing.lines()],
     )
     return VllmPrepared(ctx, env, plan, models, estimate)
 
 
 def run(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutcome:
     ctx, plan = prepared.ctx, prepared.plan
-    details = {"environment": prepared.env.as_dict(), "runtime": plan.runtime, "container": plan.container}
+    details = {"environment": prepared.env.as_dict(), "runtime": plan.runtime, "container": plan.container,
+               "server_args": {label: sizing.as_dict() for label, sizing in plan.sizing.items()}}
     if prepared.env.host_vllm:
         details["vllm"] = prepared.env.host_vllm.as_dict()  # the server's distribution and exact version
     if not prepared.env.runnable:
@@ -94,7 +96,9 @@ def run(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutcome
     # Bound to the exact commands, container creation included: other commands ask again.
     as_gatekeeper(ctx.approver).require("eval", [c.argv for c in plan.all_commands()], summary,
                                         "to run these exact commands.")
-    return run_command_plan(ctx, plan, executor or Executor(ctx.workdir), details, commands)
+    outcome = run_command_plan(ctx, plan, executor or Executor(ctx.workdir), details, commands)
+    outcome.notes += prepared.estimate.settings  # each server argument with its reason, in the report
+    return outcome
 
 
 def _deferred(prepared: VllmPrepared, details: dict[str, Any]) -> TierOutcome:
@@ -115,6 +119,7 @@ def _deferred(prepared: VllmPrepared, details: dict[str, Any]) -> TierOutcome:
             "evaluates it, stops it and waits for its port before the next model, and stops what it "
             "started on any exit. The same commands are listed below.",
             *plan.notes,
+            *prepared.estimate.settings,
         ],
         artifacts={"Tier 3 script": str(script)},
     )

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from quark_ptq_eval.evaluate.vllm_detect import Environment
 from quark_ptq_eval.validate.vllm_host import HostVllm, lm_eval_command
 from quark_ptq_eval.validate.vllm_host import server_argv as host_server_argv
+from quark_ptq_eval.validate.vllm_sizing import ServerArg, ServerSizing, sized_for
 
 if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.options import EvalOptions
@@ -38,6 +39,7 @@ GENERATE_TASK_PREFIXES = (
 )
 REASONING_GEN_TOKS = 32768
 VLLM_KV_DTYPES = {"fp8": "fp8"}  # Quark's KV-cache scheme -> vLLM's --kv-cache-dtype
+LM_EVAL_CONCURRENT = 32  # requests lm-eval keeps in flight: the sequences a server's KV cache is sized for
 
 
 @dataclass
@@ -58,6 +60,7 @@ class ServedModel:
     tensor_parallel: int | None = None  # devices from the plan's serving fit; None: vLLM's default
     kv_cache_dtype: str | None = None  # "fp8" where the plan quantized the KV cache
     max_model_len: int | None = None  # the context the user's serving budget states
+    reasons: dict[str, str] = field(default_factory=dict)  # vLLM flag -> why the plan sets it
 
 
 @dataclass
@@ -75,6 +78,7 @@ class CommandPlan:
     # `docker run --cidfile` writes the id the moment the container exists: an interrupt before `run`
     # printed it still leaves cleanup something to address
     container_id_file: Path | None = None
+    sizing: dict[str, ServerSizing] = field(default_factory=dict)  # label -> its server's arguments and why
 
     def all_commands(self) -> list[PlannedCommand]:
         return [*self.setup, *(c for cmds in self.per_model.values() for c in cmds), *self.teardown]
@@ -132,10 +136,13 @@ def served_models(model_dir: Path, baseline: Path | None, plan: dict[str, Any] |
     kv = VLLM_KV_DTYPES.get(plan.get("kv_cache_scheme") or "")
     tp = fit.get("devices_needed") or None
     context = fit.get("context") if target.get("budget") else None  # served at the context the goal states
-    models = [ServedModel("quantized", Path(model_dir).resolve(), "quantized", tp, kv, context)]
+    why = {"--max-model-len": "the context your goal states", "--kv-cache-dtype": "the plan quantized the KV cache "
+           f"({plan.get('kv_cache_scheme')}): vLLM reads the export's KV scales only then",
+           "--tensor-parallel-size": f"the plan's serving fit on {target.get('label')}"}
+    models = [ServedModel("quantized", Path(model_dir).resolve(), "quantized", tp, kv, context, why)]
     if baseline is not None:  # the unquantized source, KV cache in the model dtype
         models.append(ServedModel("baseline", Path(baseline).resolve(), "baseline",
-                                  _baseline_devices(Path(baseline), fit, kv) if tp else None, None, context))
+                                  _baseline_devices(Path(baseline), fit, kv) if tp else None, None, context, why))
     notes = []
     if tp:
         gib = (fit["weights_bytes"] + fit["kv_cache_bytes"]) / 2**30
@@ -190,10 +197,12 @@ def plan_commands(
     for model in models:
         out = workdir / "lm_eval_vllm" / model.label
         plan.output_dirs[model.label] = out
+        host = env.host_vllm if runtime == "host" else None
+        plan.sizing[model.label] = server_sizing(model, options, host)  # this host's memory, read now
         plan.per_model[model.label] = [
             PlannedCommand(
                 f"serve the {model.label} model",
-                serve_argv(model, options, runtime, name, workdir, env.host_vllm),
+                serve_argv(model, options, runtime, name, workdir, host, plan.sizing[model.label]),
                 background=True,
             ),
             PlannedCommand("wait until the server is healthy", health_argv(options.vllm_port)),
@@ -274,28 +283,31 @@ def holder_container_argv(name: str, image: str, models: list[ServedModel], work
     return argv
 
 
-def server_argv(model: ServedModel, options: EvalOptions, host: HostVllm | None = None) -> list[str]:
-    """The bare ``vllm serve`` line (``host``: that interpreter's server module), with the plan's tensor
-    parallelism and KV-cache dtype."""
-    if host is not None:
-        serve = host_server_argv(host, model.path, options.vllm_port, model.served_name)
-    else:
-        serve = ["vllm", "serve", str(model.path.resolve()), "--port", str(options.vllm_port),
-                 "--served-model-name", model.served_name]
-    if model.tensor_parallel:
-        serve += ["--tensor-parallel-size", str(model.tensor_parallel)]
-    if model.kv_cache_dtype:
-        serve += ["--kv-cache-dtype", model.kv_cache_dtype]  # vLLM reads the export's KV scales only then
-    if model.max_model_len:
-        serve += ["--max-model-len", str(model.max_model_len)]
+def server_sizing(model: ServedModel, options: EvalOptions, host: HostVllm | None = None) -> ServerSizing:
+    """The model's server arguments and their reasons (validate/vllm_sizing.py, as the serving check):
+    the plan's, on a CPU vLLM (``host``) this host's free memory now, the user's --vllm-arg over them."""
+    plan = [ServerArg(f, (str(v),), model.reasons.get(f, ""), "plan") for f, v in
+            (("--tensor-parallel-size", model.tensor_parallel), ("--kv-cache-dtype", model.kv_cache_dtype)) if v]
     if options.trust_remote_code:
-        serve.append("--trust-remote-code")
-    return serve
+        plan.append(ServerArg("--trust-remote-code", (), "you passed --trust-remote-code", "user"))
+    return sized_for(model.path, bool(host and host.cpu), options.vllm_args, model.kv_cache_dtype,
+                     sequences=LM_EVAL_CONCURRENT, context=model.max_model_len, plan_args=tuple(plan),
+                     context_reason=model.reasons.get("--max-model-len", ""))
+
+
+def server_argv(model: ServedModel, options: EvalOptions, host: HostVllm | None = None,
+                sizing: ServerSizing | None = None) -> list[str]:
+    """The bare ``vllm serve`` line (``host``: that interpreter's server module) with ``sizing``'s arguments."""
+    sizing = sizing or server_sizing(model, options, host)
+    if host is not None:
+        return host_server_argv(host, model.path, options.vllm_port, model.served_name, sizing)
+    return ["vllm", "serve", str(model.path.resolve()), "--port", str(options.vllm_port),
+            "--served-model-name", model.served_name, *sizing.argv()]
 
 
 def serve_argv(model: ServedModel, options: EvalOptions, runtime: str, container: str, workdir: Path,
-               host: HostVllm | None = None) -> list[str]:
-    serve = server_argv(model, options, host if runtime == "host" else None)
+               host: HostVllm | None = None, sizing: ServerSizing | None = None) -> list[str]:
+    serve = server_argv(model, options, host if runtime == "host" else None, sizing)
     if runtime == "host":
         return serve
     return ["docker", "exec", container, "sh", "-c", launch_line(serve, pid_file_for(workdir, model))]
@@ -335,7 +347,7 @@ def lm_eval_argv(model: ServedModel, options: EvalOptions, runtime: str, contain
     model_args = [
         f"model={model.served_name}",
         f"base_url=http://127.0.0.1:{options.vllm_port}/v1/{endpoint}",
-        "num_concurrent=32",
+        f"num_concurrent={LM_EVAL_CONCURRENT}",
         "max_retries=5",
         "timeout=1800",
         "tokenized_requests=False",

@@ -109,6 +109,7 @@ def cross_check(ctx: TierContext, windows: torch.Tensor, hf_nll: list[float],
         start_server,
         stop_group,
     )
+    from quark_ptq_eval.validate.vllm_sizing import sized_for
 
     if ctx.options.vllm_python is None:
         return None
@@ -116,7 +117,10 @@ def cross_check(ctx: TierContext, windows: torch.Tensor, hf_nll: list[float],
     assert host is not None  # named: found, or UsageError
     port = free_port()
     # the window and the one token generated after it (a window as long as the model's context is refused)
-    argv = server_argv(host, ctx.model_dir, port, "tier1") + ["--max-model-len", str(windows.shape[1] + 1)]
+    sizing = sized_for(ctx.model_dir, host.cpu, ctx.options.vllm_args, sequences=CONCURRENT_REQUESTS,
+                       context=windows.shape[1] + 1, context_origin="check",
+                       context_reason="Tier 1's window and the one token generated after it")
+    argv = server_argv(host, ctx.model_dir, port, "tier1", sizing)
     log = ctx.workdir / "logs" / "vllm_tier1.log"
     ctx.log(f"HF vs vLLM: scoring the same {windows.shape[0]} windows with {shlex.join(argv)}")
     process = start_server(argv, log)

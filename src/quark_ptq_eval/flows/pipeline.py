@@ -273,6 +273,7 @@ class Recipe:
 
         plan = flow.parts["plan"].to_dict()  # an FP8 / .bin source is compared through its staged copy
         self.vllm_python = flow.opts.eval.get("vllm_python")  # the serving check's vLLM, as Tier 3's
+        self.vllm_args = tuple(flow.opts.eval.get("vllm_args") or ())  # and the user's server arguments
         return self._validate(effective_source(plan, flow.model_path), flow.output(), plan,
                               load_check=not flow.opts.no_load_check)
 
@@ -323,7 +324,8 @@ class Recipe:
 
         try:
             return validate_model(source, output_dir, plan, load_check=load_check, progress=progress,
-                                  vllm_python=getattr(self, "vllm_python", None))
+                                  vllm_python=getattr(self, "vllm_python", None),
+                                  vllm_args=getattr(self, "vllm_args", ()))
         finally:
             self.ui.end_progress()
 

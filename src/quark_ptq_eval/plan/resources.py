@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quark_ptq_eval.base.sizes import GIB, gb  # noqa: F401 (gb: callers use resources.gb)
+from quark_ptq_eval.base.sizes import GIB, gb, kv_bytes_per_token_of  # noqa: F401 (gb: callers use resources.gb)
 from quark_ptq_eval.intake.formats import FORMATS, release_of
 
 if TYPE_CHECKING:
@@ -274,11 +274,7 @@ def host_capacity(env: dict[str, Any], output_dir: Path | None, meminfo: str | N
 
 # ---- the target ----------------------------------------------------------------------------------
 def kv_bytes_per_token(analysis: ModelAnalysis, kv_scheme: str | None) -> int:
-    a = _arch(analysis)
-    heads = a.get("num_attention_heads") or 1
-    kv = a.get("num_key_value_heads") or heads
-    head_dim = (a.get("hidden_size") or 0) // heads
-    return 2 * (a.get("num_hidden_layers") or 0) * kv * head_dim * (1 if kv_scheme else 2)
+    return kv_bytes_per_token_of(_arch(analysis), kv_scheme)  # the formula vLLM's sizing shares
 
 
 def serving_fit(analysis: ModelAnalysis, out_bytes: int, kv_scheme: str | None, memory_gb: float, budget: dict[str, Any] | None) -> dict[str, Any]:

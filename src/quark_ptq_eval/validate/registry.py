@@ -43,6 +43,7 @@ class ValidationContext:
     workers: int | None = None
     load_check: bool = False
     vllm_python: Path | None = None  # the serving check's vLLM (None: $QUARK_PTQ_EVAL_VLLM_PYTHON, if set)
+    vllm_args: tuple[str, ...] = ()  # the user's --vllm-arg values, over the sized ones (vllm_sizing.py)
     progress: Progress | None = None
     src_config: dict[str, Any] = field(default_factory=dict)
     out_config: dict[str, Any] = field(default_factory=dict)

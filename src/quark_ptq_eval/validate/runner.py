@@ -21,7 +21,8 @@ class ValidateOptions:
     on ``workers`` threads; ``progress(check, done, total)`` is called as checks finish and as tensor
     bytes are compared. ``load_check`` adds the load-and-run check (imports torch and transformers;
     seconds on a small model; without it the report says it was skipped). ``vllm_python`` names the
-    serving check's vLLM interpreter (servecheck.py)."""
+    serving check's vLLM interpreter (servecheck.py), ``vllm_args`` the user's server arguments over
+    the sized ones (vllm_sizing.py)."""
 
     max_samples: int | None = None
     seed: int = 0
@@ -29,6 +30,7 @@ class ValidateOptions:
     progress: Progress | None = None
     load_check: bool = False
     vllm_python: Path | None = None
+    vllm_args: tuple[str, ...] = ()
 
 
 def validate_model(source: Path | None, quantized: Path, plan: dict[str, Any] | None = None,
@@ -48,7 +50,7 @@ def validate_model(source: Path | None, quantized: Path, plan: dict[str, Any] | 
     progress = opts.progress
     ctx = ValidationContext(source, quantized, plan, max_samples=opts.max_samples, seed=opts.seed,
                             workers=opts.workers, load_check=opts.load_check, vllm_python=opts.vllm_python,
-                            progress=progress)
+                            vllm_args=tuple(opts.vllm_args), progress=progress)
     ctx.src_config, ctx.out_config = read_config(source), read_config(quantized)
     ctx.exclude, ctx.exclusions_from = _exclusions(plan, ctx.qconfig)
     ctx.read_headers()

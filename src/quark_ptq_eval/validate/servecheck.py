@@ -41,7 +41,7 @@ def check_serving(ctx: ValidationContext) -> CheckResult:
         result.findings.append(Finding("vllm", exc.message, side="environment"))
         return result
     if host is not None:
-        _serve(ctx.quantized, host, result)
+        _serve(ctx.quantized, host, result, ctx.vllm_args)
     elif importlib.util.find_spec("vllm") is not None:
         _against_classes(ctx.qconfig, result)
     else:
@@ -50,13 +50,24 @@ def check_serving(ctx: ValidationContext) -> CheckResult:
     return result
 
 
-def _serve(model: Path, host: HostVllm, result: CheckResult) -> None:
-    """Start vLLM on the export, wait for health or its exit, stop it: served, or its reason."""
+def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[str, ...] = ()) -> None:
+    """Start vLLM on the export (sized as Tier 3 sizes it), wait for health or its exit, stop it:
+    served, or its reason."""
     from quark_ptq_eval.validate.vllm_host import failure_reason, server_argv, start_server, stop_group
+    from quark_ptq_eval.validate.vllm_sizing import ServerDoesNotFit, sized_for
 
+    try:
+        sizing = sized_for(model, host.cpu, vllm_args, context=MAX_MODEL_LEN, context_origin="check",
+                           context_reason="the check needs the weights to load, not a long context")
+    except ServerDoesNotFit as exc:
+        result.stats.update(served=False, vllm=host.describe())
+        result.findings.append(Finding("serving", f"not started: {exc.message}", side="environment"))
+        return
     port = free_port()
     log = _scratch_log(port)  # never inside the user's export
-    argv = server_argv(host, model, port, "serve-check") + ["--max-model-len", str(MAX_MODEL_LEN)]
+    argv = server_argv(host, model, port, "serve-check", sizing)
+    result.stats["server_args"] = sizing.as_dict()
+    result.notes += [f"server argument {line}" for line in sizing.lines()]
     started = time.perf_counter()
     process = start_server(argv, log)
     try:

@@ -17,9 +17,12 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import UsageError
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.validate.vllm_sizing import ServerSizing
 
 ENV_VAR = "QUARK_PTQ_EVAL_VLLM_PYTHON"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -84,13 +87,15 @@ def find_host_vllm(named: str | Path | None = None) -> HostVllm | None:
     return HostVllm(str(Path(python).absolute()), facts["distribution"], facts["version"])
 
 
-def server_argv(host: HostVllm, model_path: Path, port: int, served_name: str) -> list[str]:
-    """The server's own command: the module, not the console script (see the module docstring)."""
-    argv = [host.python, "-m", SERVER_MODULE, "--model", str(Path(model_path).resolve()), "--port", str(port),
-            "--host", "127.0.0.1", "--served-model-name", served_name]
-    if host.cpu:
-        argv.append("--enforce-eager")  # no graph capture on CPU: it only costs start-up time there
-    return argv
+def server_argv(host: HostVllm, model_path: Path, port: int, served_name: str,
+                sizing: ServerSizing | None = None) -> list[str]:
+    """The server's own command: the module, not the console script (see the module docstring), with
+    the arguments ``sizing`` chose (vllm_sizing.py; default: sized for this model on this host now)."""
+    from quark_ptq_eval.validate.vllm_sizing import sized_for
+
+    sizing = sizing or sized_for(Path(model_path), host.cpu)
+    return [host.python, "-m", SERVER_MODULE, "--model", str(Path(model_path).resolve()), "--port", str(port),
+            "--host", "127.0.0.1", "--served-model-name", served_name, *sizing.argv()]
 
 
 def lm_eval_command() -> list[str]:
