@@ -239,7 +239,9 @@ def perplexity_section(report: EvalReport) -> list[str]:
             f"{_num(paired['perplexity_ratio'])}"
         )
     lines.append(f"- loader: {details.get('loader')}")
-    return [*lines, ""]
+    from quark_ptq_eval.evaluate.kld_report import kld_report_lines
+
+    return [*lines, "", *kld_report_lines(details.get("kld_report"))]
 
 
 def task_section(report: EvalReport) -> list[str]:
@@ -373,7 +375,9 @@ def _distribution_chart(report: EvalReport, path: Path) -> Path:
 
     details = report.details
     deltas, paired = details["distribution"]["window_nll_delta"], details["paired"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.6))
+    dp_hist = details["distribution"].get("token_dp_histogram")
+    fig, axes = plt.subplots(1, 3 if dp_hist else 2, figsize=(14.4 if dp_hist else 9.6, 3.6))
+    left, right = axes[0], axes[1]
     finite = [d for d in deltas if math.isfinite(d)]
     left.hist(finite, bins=min(40, max(5, len(finite) // 4)), color="#5b9bd5")
     left.axvline(0.0, color="#7f7f7f", linewidth=1, label="no change")
@@ -386,7 +390,11 @@ def _distribution_chart(report: EvalReport, path: Path) -> Path:
     left.set_ylabel("windows", fontsize=8)
     left.legend(fontsize=7)
     _kl_panel(right, details["distribution"]["token_kl_histogram"], details["kl"])
-    for ax in (left, right):
+    if dp_hist:
+        from quark_ptq_eval.evaluate.kld_report import dp_panel
+
+        dp_panel(axes[2], dp_hist, details.get("kld_report") or {})
+    for ax in axes:
         ax.tick_params(labelsize=8)
     kl = details["kl"]
     fig.suptitle(

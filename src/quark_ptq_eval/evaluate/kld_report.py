@@ -1,0 +1,67 @@
+"""The Tier 1 report's llama.cpp-style block and the chart's Δp panel: the figures of llama.cpp's
+``perplexity --kl-divergence`` report (ppl_stats.llama_cpp_stats) laid out as it prints them, so a
+Quark export's numbers sit beside a GGUF quant's."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+_KLD_ROWS = (("Maximum KLD", "kld_max"), ("99.9%   KLD", "kld_p99_9"), ("99.0%   KLD", "kld_p99"),
+             ("95.0%   KLD", "kld_p95"), ("90.0%   KLD", "kld_p90"), ("Median  KLD", "kld_median"),
+             ("10.0%   KLD", "kld_p10"), (" 5.0%   KLD", "kld_p5"), (" 1.0%   KLD", "kld_p1"),
+             (" 0.1%   KLD", "kld_p0_1"), ("Minimum KLD", "kld_min"))
+_DP_ROWS = (("Maximum Δp", "dp_max"), ("99.9%   Δp", "dp_p99_9"), ("99.0%   Δp", "dp_p99"), ("95.0%   Δp", "dp_p95"),
+            ("90.0%   Δp", "dp_p90"), ("75.0%   Δp", "dp_p75"), ("Median  Δp", "dp_median"), ("25.0%   Δp", "dp_p25"),
+            ("10.0%   Δp", "dp_p10"), (" 5.0%   Δp", "dp_p5"), (" 1.0%   Δp", "dp_p1"), (" 0.1%   Δp", "dp_p0_1"),
+            ("Minimum Δp", "dp_min"))
+
+
+def kld_report_lines(r: dict[str, Any] | None) -> list[str]:
+    """The markdown block (a fenced text block in llama.cpp's layout), or nothing without a baseline."""
+    if not r:
+        return []
+    def pm(key: str, width: int = 10, digits: int = 6) -> str:
+        return f"{_f(r[key], width, digits)} ± {_f(r[key + '_unc'], width, digits)}"
+    text = [
+        "====== Perplexity statistics ======",
+        f"Mean PPL(Q)                   : {pm('ppl_q')}",
+        f"Mean PPL(base)                : {pm('ppl_base')}",
+        f"Cor(ln(PPL(Q)), ln(PPL(base))): {_f(100 * r['cor_ln_ppl'], 6, 2)}%",
+        f"Mean ln(PPL(Q)/PPL(base))     : {pm('ln_ppl_ratio')}",
+        f"Mean PPL(Q)/PPL(base)         : {pm('ppl_ratio')}",
+        f"Mean PPL(Q)-PPL(base)         : {pm('ppl_diff')}",
+        "",
+        "====== KL divergence statistics ======",
+        f"Mean    KLD: {pm('kld_mean')}",
+        *[f"{label}: {_f(r[key], 10, 6)}" for label, key in _KLD_ROWS],
+        "",
+        "====== Token probability statistics ======",
+        f"Mean    Δp: {_f(100 * r['dp_mean'], 6, 3)} ± {_f(100 * r['dp_mean_unc'], 5, 3)} %",
+        *[f"{label}: {_f(100 * r[key], 6, 3)}%" for label, key in _DP_ROWS],
+        f"RMS Δp    : {_f(100 * r['dp_rms'], 6, 3)} ± {_f(100 * r['dp_rms_unc'], 5, 3)} %",
+        f"Same top p: {_f(100 * r['same_top_p'], 6, 3)} ± {_f(100 * r['same_top_p_unc'], 5, 3)} %",
+    ]
+    return ["### llama.cpp-style KL-divergence statistics", "",
+            f"Over {r['tokens']:,} scored tokens. {r.get('definitions', '')}", "", "```text", *text, "```", ""]
+
+
+def _f(value: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:{width}.{digits}f}"
+
+
+def dp_panel(ax: Axes, hist: dict[str, Any], r: dict[str, Any]) -> None:
+    """Per-token Δp = p_Q(label) − p_base(label), in percent, with its mean and 1 %/99 % lines."""
+    edges = [100 * e for e in hist["edges"]]
+    ax.stairs(hist["counts"], edges, fill=True, color="#5b9bd5")
+    ax.set_yscale("log")
+    for key, color, name in (("dp_mean", "#d9534f", "mean"), ("dp_p1", "#2f6f3f", "1 %"), ("dp_p99", "#2f6f3f", "99 %")):
+        if key in r:
+            ax.axvline(100 * r[key], color=color, linewidth=1.2, label=f"{name} {100 * r[key]:+.3g} %")
+    ax.legend(fontsize=7)
+    rms = f", RMS {100 * r['dp_rms']:.3g} %" if "dp_rms" in r else ""
+    ax.set_title(f"per-token Δp = p_Q(token) − p_base(token){rms}", fontsize=9)
+    ax.set_xlabel("percentage points", fontsize=8)
+    ax.set_ylabel("tokens", fontsize=8)
