@@ -1,13 +1,21 @@
-"""The Tier 1 report's llama.cpp-style block and the chart's Δp panel: the figures of llama.cpp's
+"""The Tier 1 report's llama.cpp-style block and its distribution chart (per-window ΔNLL, per-token
+KL and Δp): the figures of llama.cpp's
 ``perplexity --kl-divergence`` report (ppl_stats.llama_cpp_stats) laid out as it prints them, so a
 Quark export's numbers sit beside a GGUF quant's."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
+from quark_ptq_eval.base.fsio import write_png
+
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from matplotlib.axes import Axes
+
+    from quark_ptq_eval.evaluate.eval_report import EvalReport
 
 _KLD_ROWS = (("Maximum KLD", "kld_max"), ("99.9%   KLD", "kld_p99_9"), ("99.0%   KLD", "kld_p99"),
              ("95.0%   KLD", "kld_p95"), ("90.0%   KLD", "kld_p90"), ("Median  KLD", "kld_median"),
@@ -64,4 +72,62 @@ def dp_panel(ax: Axes, hist: dict[str, Any], r: dict[str, Any]) -> None:
     rms = f", RMS {100 * r['dp_rms']:.3g} %" if "dp_rms" in r else ""
     ax.set_title(f"per-token Δp = p_Q(token) − p_base(token){rms}", fontsize=9)
     ax.set_xlabel("percentage points", fontsize=8)
+    ax.set_ylabel("tokens", fontsize=8)
+
+
+def distribution_chart(report: EvalReport, path: Path) -> Path:
+    """Left: how the quantized model's per-window NLL differs from the baseline's (0 = no change),
+    with the paired mean and its 95 % interval. Right: the per-token KL on a log axis, p50 and p99."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    from quark_ptq_eval.evaluate.report import _num as num
+
+    details = report.details
+    deltas, paired = details["distribution"]["window_nll_delta"], details["paired"]
+    dp_hist = details["distribution"].get("token_dp_histogram")
+    fig, axes = plt.subplots(1, 3 if dp_hist else 2, figsize=(14.4 if dp_hist else 9.6, 3.6))
+    left, right = axes[0], axes[1]
+    finite = [d for d in deltas if math.isfinite(d)]
+    left.hist(finite, bins=min(40, max(5, len(finite) // 4)), color="#5b9bd5")
+    left.axvline(0.0, color="#7f7f7f", linewidth=1, label="no change")
+    if math.isfinite(paired["delta_nll"]):
+        left.axvline(paired["delta_nll"], color="#d9534f", linewidth=1.5, label=f"mean {paired['delta_nll']:+.4g}")
+        left.axvspan(paired["delta_nll_ci95_low"], paired["delta_nll_ci95_high"], color="#d9534f", alpha=0.15,
+                     label="95 % interval")
+    left.set_title(f"per-window NLL delta, quantized − baseline ({len(deltas)} windows)", fontsize=9)
+    left.set_xlabel("nats per token", fontsize=8)
+    left.set_ylabel("windows", fontsize=8)
+    left.legend(fontsize=7)
+    kl_panel(right, details["distribution"]["token_kl_histogram"], details["kl"])
+    if dp_hist:
+        dp_panel(axes[2], dp_hist, details.get("kld_report") or {})
+    for ax in axes:
+        ax.tick_params(labelsize=8)
+    kl = details["kl"]
+    fig.suptitle(
+        f"Tier {report.tier}: verdict {report.verdict} — perplexity {num(details['quantized']['perplexity'])} vs "
+        f"{num(details['baseline']['perplexity'])}, top-1 agreement {100 * kl['top1_agreement']:.2f} %",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    write_png(fig, path)
+    return path
+
+
+def kl_panel(ax: Axes, hist: dict[str, Any], kl: dict[str, Any]) -> None:
+    if hist["counts"]:
+        ax.stairs(hist["counts"], hist["edges"], fill=True, color="#5b9bd5")
+        ax.set_xscale("log")
+        for name, color in (("kl_p50", "#2f6f3f"), ("kl_p99", "#d9534f")):
+            if kl[name] > 0:
+                ax.axvline(kl[name], color=color, linewidth=1.5, label=f"{name[3:]} {kl[name]:.3g}")
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "KL is 0 at every token", ha="center", va="center", transform=ax.transAxes)
+    zero = f"; {hist['zero']:,} tokens at 0" if hist["zero"] else ""
+    ax.set_title(f"per-token KL(baseline ‖ quantized), mean {kl['kl_divergence']:.3g}{zero}", fontsize=9)
+    ax.set_xlabel("nats", fontsize=8)
     ax.set_ylabel("tokens", fontsize=8)
