@@ -135,3 +135,28 @@ def test_a_cache_of_the_previous_format_is_recomputed_never_read(tiny_llama, tmp
     assert not cache.has(key)
     reason = cache.stale_reason(key)
     assert reason and "baseline_cache/1" in reason and CACHE_FORMAT in reason and "recomputing" in reason
+
+
+def test_the_pair_kernel_equals_the_float64_log_softmax_and_falls_back_where_exp_overflows():
+    import torch
+
+    from quark_ptq_eval.base.errors import QpeError
+    from quark_ptq_eval.evaluate.ppl_kernels import pair_stats, token_stats
+
+    generator = torch.Generator().manual_seed(0)
+    q = 4 * torch.randn(2, 300, 97, generator=generator)  # 300 rows: several row blocks per window
+    b = q + 0.05 * torch.randn(q.shape, generator=generator)
+    labels = torch.randint(0, 97, (2, 300), generator=generator)
+    fast, slow = pair_stats(q, labels, b), token_stats(q, labels, b)
+    for name in ("nll", "base_nll"):
+        torch.testing.assert_close(fast[name], slow[name], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fast["kl"], slow["kl"], rtol=1e-9, atol=1e-15)
+    assert bool((fast["top1"] == slow["top1"]).all())
+    huge = q.clone()
+    huge[0, 3, 5] = 1e30  # exp overflows: the max-shifted float64 path answers, finite
+    out = pair_stats(huge, labels, b)
+    assert bool(torch.isfinite(out["kl"]).all()) and out["kl"][0, 3] > 1e29
+    broken = q.clone()
+    broken[1, 7, 2] = float("nan")
+    with pytest.raises(QpeError, match="non-finite logits"):
+        pair_stats(broken, labels, b)
