@@ -56,6 +56,16 @@ def kld_report_lines(r: dict[str, Any] | None) -> list[str]:
             f"Over {r['tokens']:,} scored tokens. {r.get('definitions', '')}", "", "```text", *text, "```", ""]
 
 
+def num(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # nan / inf / -inf: say what it is, never hide it
+    if abs(value) >= 1e9:
+        return f"{value:.4g}"
+    return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.1f}"
+
+
 def _f(value: float | None, width: int, digits: int) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:{width}.{digits}f}"
 
@@ -83,7 +93,6 @@ def distribution_chart(report: EvalReport, path: Path) -> Path:
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 
-    from quark_ptq_eval.evaluate.report import _num as num
 
     details = report.details
     deltas, paired = details["distribution"]["window_nll_delta"], details["paired"]

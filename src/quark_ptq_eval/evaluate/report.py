@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from quark_ptq_eval.base.fsio import atomic_write_text, write_json, write_png
 from quark_ptq_eval.evaluate.context import SPAN, format_duration
 from quark_ptq_eval.evaluate.eval_report import REPORT_NAME, RESULTS_NAME, EvalReport  # noqa: F401 (names kept importable here)
+from quark_ptq_eval.evaluate.kld_report import num as _num
 from quark_ptq_eval.evaluate.verdict import invalid_reasons
 
 if TYPE_CHECKING:
@@ -312,16 +313,6 @@ def _deferred_section(report: EvalReport) -> list[str]:
         lines.append(f"# {command['purpose']}")
         lines.append(shlex.join(command["argv"]))
     return [*lines, "```", ""]
-
-
-def _num(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # nan / inf / -inf: say what it is, never hide it
-    if abs(value) >= 1e9:
-        return f"{value:.4g}"
-    return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.1f}"
 
 
 def _cell(text: str) -> str:

@@ -52,6 +52,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 TASK = "perplexity"
+__all__ = [  # what other modules, the tests and the benches import from here
+    "CPU_TOKENS_PER_BATCH", "FINISH_S", "LOGIT_BUDGET", "MAX_AUTO_BATCH", "ROW_CHUNK_ELEMENTS", "TASK", "Accumulator",
+    "Clock", "PilotTiming", "PplPrepared", "auto_batch_size", "distribution", "eval_texts", "fast_nll",
+    "fit_eval_window", "kl_stats", "llama_cpp_stats", "mean_and_stderr", "outcome_from", "paired_delta",
+    "pair_stats", "perplexity_stats", "pilot", "prepare", "require_finite", "resolution_pct", "run",
+    "score_batch", "sorted_values", "synchronize", "token_stats", "token_windows",
+]
 KLD_REPORT_DEFINITIONS = (
     "llama.cpp perplexity --kl-divergence's statistics (tools/perplexity/perplexity.cpp) over every scored "
     "token of these windows: ± are its per-token uncertainties (tokens taken as independent); dp = "
