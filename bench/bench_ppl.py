@@ -7,7 +7,8 @@ are outside the timed region (lm-eval's own re-tokenization of the text is insid
 are interleaved, five rounds (one with ``--quick``); the ratio is of the medians, the best-of
 ratio is printed next to it. ``--profile`` instead times the pieces of one Tier 1 run with a
 baseline (tokenization, model load, forward, NLL, baseline forward, KL) on the same model and text.
-Run: ``python bench/bench_ppl.py [--quick | --profile]``.
+``--rss TOKENS`` runs Tier 1 with a baseline over that many tokens and prints the peak RSS.
+Run: ``python bench/bench_ppl.py [--quick | --profile | --rss TOKENS]``.
 """
 
 from __future__ import annotations
@@ -148,7 +149,10 @@ def run(quick: bool) -> list[dict]:
 
 
 def profile() -> list[tuple[str, float, float]]:
-    """One Tier 1 run with a baseline (the model against itself), its pieces timed apart."""
+    """One Tier 1 run with a baseline (the tiny model against a copy of itself with its weights
+    perturbed by 1 %, so the KL is not 0), its pieces timed apart; the scoring as it is now (one
+    pass: pair kernel + streamed statistics) and as it was before issue 34 (finite checks of both
+    logits + float64 log-softmax token_stats) on the same logits."""
     import torch
 
     from quark_ptq_eval.evaluate import tier_ppl
@@ -165,28 +169,90 @@ def profile() -> list[tuple[str, float, float]]:
 
     quantized = timed("model load (quantized)", lambda: load_model(model_dir, "cpu"))
     baseline = timed("model load (baseline)", lambda: load_model(model_dir, "cpu"))
+    _perturb(quantized.model)
     text = corpus.read_text(encoding="utf-8")[:120_000]
     windows = timed("tokenization", lambda: tier_ppl.token_windows(quantized.tokenizer, [text], SEQ_LEN))
+    acc = tier_ppl.Accumulator()
     with torch.inference_mode():
         for window in windows.split(1):
             logits = timed("forward (quantized)", lambda w=window: quantized.model(w).logits[:, :-1])
-            timed("finite check", lambda lg=logits: tier_ppl.require_finite(lg, "model"))
-            labels = window[:, 1:]
-            timed("NLL alone (float32 logsumexp)", lambda lg=logits, lb=labels: tier_ppl.fast_nll(lg, lb))
             base = timed("forward (baseline)", lambda w=window: baseline.model(w).logits[:, :-1])
-            timed("NLL x2 + KL + top-1 (float64)", lambda lg=logits, b=base, lb=labels: tier_ppl.token_stats(lg, lb, b))
-    total = sum(pieces.values())
-    return [(k, v, 100 * v / total) for k, v in pieces.items()] + [("total", total, 100.0)]
+            labels = window[:, 1:]
+            timed(SCORING_NOW, lambda lg=logits, b=base, lb=labels: acc.add(tier_ppl.pair_stats(lg, lb, b), 1))
+            timed(SCORING_BEFORE, lambda lg=logits, b=base, lb=labels: _before(lg, lb, b))
+    timed("statistics (llama.cpp report, percentiles)", lambda: tier_ppl.outcome_from(acc, SEQ_LEN, _Scored()))
+    total = sum(v for k, v in pieces.items() if k != SCORING_BEFORE)
+    return [(k, v, 100 * v / total) for k, v in pieces.items()] + [("total (without the 'before' row)", total, 100.0)]
+
+
+SCORING_NOW = "scoring now (pair kernel + statistics)"
+SCORING_BEFORE = "scoring before issue 34 (finite x2 + float64)"
+
+
+def _before(logits, labels, base) -> None:
+    from quark_ptq_eval.evaluate import tier_ppl
+
+    tier_ppl.require_finite(logits, "model")
+    tier_ppl.require_finite(base, "baseline")
+    tier_ppl.token_stats(logits, labels, base)
+
+
+def _perturb(model) -> None:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + 0.01 * torch.randn(p.shape, generator=generator))
+
+
+class _Scored:
+    batch_size = 1
+    quantized = SimpleNamespace(loader="hf", loader_reason="bench")
+    baseline = SimpleNamespace(loader="hf", loader_reason="bench")
+
+
+def peak_rss(tokens: int) -> tuple[int, float]:
+    """Tier 1 with a baseline over ``tokens`` tokens (the corpus repeated), statistics included;
+    returns (scored tokens, peak RSS in MiB of this process)."""
+    import resource
+
+    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.validate.loading import load_model
+
+    model_dir, corpus = build_assets()
+    quantized, baseline = load_model(model_dir, "cpu"), load_model(model_dir, "cpu")
+    _perturb(quantized.model)
+    text = corpus.read_text(encoding="utf-8")
+    ids = tier_ppl.token_windows(quantized.tokenizer, [text], SEQ_LEN).reshape(-1)
+    ids = ids.repeat(math.ceil(tokens / ids.numel()))[: (tokens // SEQ_LEN) * SEQ_LEN].view(-1, SEQ_LEN)
+    acc = tier_ppl.Accumulator()
+    for window in ids.split(1):
+        tier_ppl.score_batch(quantized.model, window, acc, baseline.model)
+    outcome = tier_ppl.outcome_from(acc, SEQ_LEN, _Scored())
+    return outcome.details["kld_report"]["tokens"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="less text, one repetition")
     parser.add_argument("--profile", action="store_true", help="where one Tier 1 run's time goes")
+    parser.add_argument("--rss", type=int, metavar="TOKENS", help="peak RSS of Tier 1 with a baseline over TOKENS")
     args = parser.parse_args(argv)
+    load = "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    if args.rss:
+        scored, mib = peak_rss(args.rss)
+        print(f"tier1 peak RSS: {scored:,} scored tokens, {mib:.1f} MiB ({load})")
+        return
     if args.profile:
-        for piece, seconds, share in profile():
-            print(f"tier1 profile: {piece:<38} {seconds:8.3f} s  {share:5.1f} %")
+        rows = profile()
+        for piece, seconds, share in rows:
+            print(f"tier1 profile: {piece:<46} {seconds:8.3f} s  {share:5.1f} %")
+        t = {k: v for k, v, _ in rows}
+        forwards = t["forward (quantized)"] + t["forward (baseline)"]
+        now = t[SCORING_NOW] + t["statistics (llama.cpp report, percentiles)"]
+        print(f"tier1 scoring overhead over the two forwards: now {100 * now / forwards:.1f} %, "
+              f"before issue 34 {100 * t[SCORING_BEFORE] / forwards:.1f} % ({load})")
         return
     for row in run(args.quick):
         print(

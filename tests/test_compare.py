@@ -115,6 +115,7 @@ def test_report_has_every_column_and_matches_a_separate_evaluation(compared, tin
     assert rows(doc)["int4_wo_128"]["size_bytes"] < rows(doc)["int8"]["size_bytes"]
     report = (root / "comparison_report.md").read_text()
     assert "Recommendation" in report and all(s in report for s in SCHEMES)
+    assert "## llama.cpp-style statistics" in report and "same top p" in report
     assert (root / "comparison_pareto.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((root / "comparison.json").read_text())["recommendation"] == doc["recommendation"]
 
@@ -128,6 +129,11 @@ def test_report_has_every_column_and_matches_a_separate_evaluation(compared, tin
         assert math.isclose(alone.details["quantized"]["perplexity"], ours["perplexity"], rel_tol=1e-4)
         assert math.isclose(alone.details["baseline"]["perplexity"], ours["baseline_perplexity"], rel_tol=1e-4)
         full_kl = alone.details["kl"]["kl_divergence"]
+        # llama.cpp's figures that the cache keeps exactly (NLLs, argmax) agree with the full-baseline run
+        exact, cached = alone.details["kld_report"], ours["kld_report"]
+        assert cached["ppl_ratio"] == pytest.approx(exact["ppl_ratio"], rel=1e-4)
+        assert cached["same_top_p"] == pytest.approx(exact["same_top_p"], abs=1e-3)
+        assert cached["kld_mean"] <= exact["kld_mean"] * (1 + 1e-6)  # the cached KL is a lower bound
         assert ours["kl_mean"] - 1e-6 <= full_kl <= ours["kl_mean"] + ours["kl_cache_gap_bound_mean"] + 1e-6
 
 

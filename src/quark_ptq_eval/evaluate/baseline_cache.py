@@ -20,7 +20,9 @@ probability is at most ``m = min(p_K, r)`` (p_K the K-th largest baseline probab
 which is computable from the cache and the scheme's full logits: it is reported per token
 (``kl_cache_gap_bound``) next to the KL. It is a worst case over every tail the baseline could
 have: tight when r is small, loose when much mass lies outside the top K (raise K then); the
-tail mass itself is reported too. Top-1 agreement and both NLLs are exact.
+tail mass itself is reported too. Top-1 agreement, both NLLs and so Δp (llama.cpp's token
+probability statistics) are exact; the cache keeps the baseline's argmax (``top1``) by the same
+first-maximum rule as Tier 1's live scoring.
 """
 
 from __future__ import annotations
@@ -38,13 +40,17 @@ from typing import TYPE_CHECKING, Any
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import write_json
 from quark_ptq_eval.base.state import digest
-from quark_ptq_eval.evaluate.tier_ppl import ROW_CHUNK_ELEMENTS  # one bound on the float64 rows held at once
+from quark_ptq_eval.evaluate.ppl_kernels import (
+    ROW_CHUNK_ELEMENTS,  # one bound on the float64 rows held at once
+)
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-CACHE_FORMAT = "quark-ptq-eval/baseline_cache/1"
+# 2: adds ``top1`` (the first argmax of the float32 logits, Tier 1's own top-1 rule, for llama.cpp's
+# "same top p"). An entry of another format is rebuilt, never read (``stale_reason``).
+CACHE_FORMAT = "quark-ptq-eval/baseline_cache/2"
 DEFAULT_TOP_K = 64
 META_FILE = "meta.json"
 TENSORS_FILE = "baseline.safetensors"
@@ -77,6 +83,7 @@ class BaselineEntry:
     topk_ids: Any
     log_tail: Any
     meta: dict[str, Any]
+    top1: Any = None
 
 
 # ---------------------------------------------------------------- the key
@@ -115,10 +122,11 @@ def baseline_token_stats(logits: torch.Tensor, labels: torch.Tensor, top_k: int)
     vocab = logits.shape[-1]
     k = min(top_k, vocab)
     rows, flat = logits.reshape(-1, vocab), labels.reshape(-1, 1)
-    parts: dict[str, list[Any]] = {"nll": [], "topk_logp": [], "topk_ids": [], "log_tail": []}
+    parts: dict[str, list[Any]] = {"nll": [], "topk_logp": [], "topk_ids": [], "log_tail": [], "top1": []}
     step = max(1, ROW_CHUNK_ELEMENTS // vocab)
     for start in range(0, rows.shape[0], step):
         sl = slice(start, start + step)
+        parts["top1"].append(rows[sl].argmax(-1).int())  # first maximum, as tier_ppl's live scoring
         log_p = torch.log_softmax(rows[sl].double(), dim=-1)
         values, ids = log_p.topk(k, dim=-1)
         parts["nll"].append(-log_p.gather(1, flat[sl]).squeeze(1))
@@ -131,11 +139,13 @@ def baseline_token_stats(logits: torch.Tensor, labels: torch.Tensor, top_k: int)
         "topk_logp": torch.cat(parts["topk_logp"]).view(*shape, k),
         "topk_ids": torch.cat(parts["topk_ids"]).view(*shape, k),
         "log_tail": torch.cat(parts["log_tail"]).view(shape),
+        "top1": torch.cat(parts["top1"]).view(shape),
     }
 
 
 def cached_token_stats(logits: torch.Tensor, labels: torch.Tensor, topk_logp: torch.Tensor, topk_ids: torch.Tensor,
-                       log_tail: torch.Tensor, base_nll: torch.Tensor) -> dict[str, Any]:
+                       log_tail: torch.Tensor, base_nll: torch.Tensor,
+                       base_top1: torch.Tensor | None = None) -> dict[str, Any]:
     """A scheme's per-token NLL, and against the cached baseline: its NLL, KL (cached), top-1 match and
     the bound on the KL's gap to the full-logit KL (module docstring). All ``[B, T]``, float64."""
     import torch
@@ -145,6 +155,7 @@ def cached_token_stats(logits: torch.Tensor, labels: torch.Tensor, topk_logp: to
     rows, flat = logits.reshape(-1, vocab), labels.reshape(-1, 1)
     lp_all, ids_all = topk_logp.reshape(-1, topk_logp.shape[-1]).double(), topk_ids.reshape(-1, topk_ids.shape[-1])
     lr_all = log_tail.reshape(-1).double()
+    top_all = (topk_ids[..., 0] if base_top1 is None else base_top1).reshape(-1).long()
     step = max(1, ROW_CHUNK_ELEMENTS // vocab)
     parts: dict[str, list[Any]] = {"nll": [], "kl": [], "top1": [], "kl_gap_bound": [], "tail_mass": []}
     for start in range(0, rows.shape[0], step):
@@ -164,7 +175,7 @@ def cached_token_stats(logits: torch.Tensor, labels: torch.Tensor, topk_logp: to
         log_m = torch.minimum(lp[:, -1], lr)
         bound = torch.where(r > 0, r * (log_m + lq_tail - lr - lq_min), 0.0)
         parts["kl_gap_bound"].append(bound.clamp_min(0.0).nan_to_num(0.0))  # no tail (K = vocab): no gap
-        parts["top1"].append(log_q.argmax(-1) == ids[:, 0])
+        parts["top1"].append(rows[sl].argmax(-1) == top_all[sl])
     out = {k: torch.cat(v).view(shape) for k, v in parts.items()}
     out["base_nll"] = base_nll.to(out["nll"].device).double()
     return out
@@ -191,13 +202,26 @@ class BaselineCache:
         return self.root / key.id
 
     def has(self, key: CacheKey) -> bool:
+        meta = self._meta(key)
+        return bool(meta and meta.get("key") == asdict(key) and meta.get("format") == CACHE_FORMAT)
+
+    def stale_reason(self, key: CacheKey) -> str | None:
+        """Why an entry stored under ``key`` is not used (an older format), or None."""
+        meta = self._meta(key)
+        if meta and meta.get("key") == asdict(key) and meta.get("format") != CACHE_FORMAT:
+            return (f"the cached baseline {key.id} was written in format {meta.get('format')!r}, which lacks what "
+                    f"Tier 1's statistics now need ({CACHE_FORMAT}): recomputing it")
+        return None
+
+    def _meta(self, key: CacheKey) -> dict[str, Any] | None:
         meta = self.path_for(key) / META_FILE
         if not meta.is_file() or not (self.path_for(key) / TENSORS_FILE).is_file():
-            return False
+            return None
         try:
-            return bool(json.loads(meta.read_text(encoding="utf-8")).get("key") == asdict(key))
+            loaded = json.loads(meta.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            return False  # a damaged entry is rebuilt
+            return None  # a damaged entry is rebuilt
+        return loaded if isinstance(loaded, dict) else None
 
     def load(self, key: CacheKey) -> BaselineEntry:
         from safetensors.torch import load_file
@@ -208,7 +232,8 @@ class BaselineCache:
         t = load_file(str(path / TENSORS_FILE))
         self.hits += 1
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
-        return BaselineEntry(key, path, t["ids"], t["nll"], t["topk_logp"], t["topk_ids"], t["log_tail"], meta)
+        return BaselineEntry(key, path, t["ids"], t["nll"], t["topk_logp"], t["topk_ids"], t["log_tail"], meta,
+                             t["top1"])
 
     def build(self, key: CacheKey, model: PreTrainedModel, windows: torch.Tensor, batch_size: int, source: Path,
               log: Callable[[str], None] = print) -> Path:

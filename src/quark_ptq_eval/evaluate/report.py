@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any
 from quark_ptq_eval.base.fsio import atomic_write_text, write_json, write_png
 from quark_ptq_eval.evaluate.context import SPAN, format_duration
 from quark_ptq_eval.evaluate.eval_report import REPORT_NAME, RESULTS_NAME, EvalReport  # noqa: F401 (names kept importable here)
+from quark_ptq_eval.evaluate.kld_report import num as _num
 from quark_ptq_eval.evaluate.verdict import invalid_reasons
 
 if TYPE_CHECKING:
-    from matplotlib.axes import Axes
-
     from quark_ptq_eval.evaluate.context import RuntimeEstimate
 
 CHART_NAME = "eval_chart.png"
@@ -111,7 +110,7 @@ def markdown(report: EvalReport) -> str:
     if report.notes:
         lines += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
     if report.chart_path:
-        caption = "per-window NLL delta and per-token KL" if "distribution" in report.details else "quantized vs baseline"
+        caption = "per-window NLL delta, per-token KL and Δp" if "distribution" in report.details else "quantized vs baseline"
         lines += ["## Chart", "", f"![{caption}]({report.chart_path.name})", ""]
     return "\n".join(lines)
 
@@ -239,7 +238,9 @@ def perplexity_section(report: EvalReport) -> list[str]:
             f"{_num(paired['perplexity_ratio'])}"
         )
     lines.append(f"- loader: {details.get('loader')}")
-    return [*lines, ""]
+    from quark_ptq_eval.evaluate.kld_report import kld_report_lines
+
+    return [*lines, "", *kld_report_lines(details.get("kld_report"))]
 
 
 def task_section(report: EvalReport) -> list[str]:
@@ -314,16 +315,6 @@ def _deferred_section(report: EvalReport) -> list[str]:
     return [*lines, "```", ""]
 
 
-def _num(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # nan / inf / -inf: say what it is, never hide it
-    if abs(value) >= 1e9:
-        return f"{value:.4g}"
-    return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.1f}"
-
-
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -332,7 +323,9 @@ def write_chart(report: EvalReport, path: Path) -> Path | None:
     """Tier 1 with a baseline: the per-window NLL deltas and the per-token KL as distributions.
     Otherwise one small panel per metric: quantized next to baseline (or reference)."""
     if (report.details.get("distribution") or {}).get("window_nll_delta"):
-        return _distribution_chart(report, path)
+        from quark_ptq_eval.evaluate.kld_report import distribution_chart
+
+        return distribution_chart(report, path)
     rows = [c for c in report.comparisons if c.verdict != "info" and math.isfinite(c.value)]
     if not rows:
         return None
@@ -361,55 +354,3 @@ def write_chart(report: EvalReport, path: Path) -> Path | None:
     fig.tight_layout()
     write_png(fig, path)
     return path
-
-
-def _distribution_chart(report: EvalReport, path: Path) -> Path:
-    """Left: how the quantized model's per-window NLL differs from the baseline's (0 = no change),
-    with the paired mean and its 95 % interval. Right: the per-token KL on a log axis, p50 and p99."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
-
-    details = report.details
-    deltas, paired = details["distribution"]["window_nll_delta"], details["paired"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.6))
-    finite = [d for d in deltas if math.isfinite(d)]
-    left.hist(finite, bins=min(40, max(5, len(finite) // 4)), color="#5b9bd5")
-    left.axvline(0.0, color="#7f7f7f", linewidth=1, label="no change")
-    if math.isfinite(paired["delta_nll"]):
-        left.axvline(paired["delta_nll"], color="#d9534f", linewidth=1.5, label=f"mean {paired['delta_nll']:+.4g}")
-        left.axvspan(paired["delta_nll_ci95_low"], paired["delta_nll_ci95_high"], color="#d9534f", alpha=0.15,
-                     label="95 % interval")
-    left.set_title(f"per-window NLL delta, quantized − baseline ({len(deltas)} windows)", fontsize=9)
-    left.set_xlabel("nats per token", fontsize=8)
-    left.set_ylabel("windows", fontsize=8)
-    left.legend(fontsize=7)
-    _kl_panel(right, details["distribution"]["token_kl_histogram"], details["kl"])
-    for ax in (left, right):
-        ax.tick_params(labelsize=8)
-    kl = details["kl"]
-    fig.suptitle(
-        f"Tier {report.tier}: verdict {report.verdict} — perplexity {_num(details['quantized']['perplexity'])} vs "
-        f"{_num(details['baseline']['perplexity'])}, top-1 agreement {100 * kl['top1_agreement']:.2f} %",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    write_png(fig, path)
-    return path
-
-
-def _kl_panel(ax: Axes, hist: dict[str, Any], kl: dict[str, Any]) -> None:
-    if hist["counts"]:
-        ax.stairs(hist["counts"], hist["edges"], fill=True, color="#5b9bd5")
-        ax.set_xscale("log")
-        for name, color in (("kl_p50", "#2f6f3f"), ("kl_p99", "#d9534f")):
-            if kl[name] > 0:
-                ax.axvline(kl[name], color=color, linewidth=1.5, label=f"{name[3:]} {kl[name]:.3g}")
-        ax.legend(fontsize=7)
-    else:
-        ax.text(0.5, 0.5, "KL is 0 at every token", ha="center", va="center", transform=ax.transAxes)
-    zero = f"; {hist['zero']:,} tokens at 0" if hist["zero"] else ""
-    ax.set_title(f"per-token KL(baseline ‖ quantized), mean {kl['kl_divergence']:.3g}{zero}", fontsize=9)
-    ax.set_xlabel("nats", fontsize=8)
-    ax.set_ylabel("tokens", fontsize=8)

@@ -63,6 +63,9 @@ class BaselineSource:
 
     def entry(self) -> BaselineEntry:
         if not self.cache.has(self.key):
+            stale = self.cache.stale_reason(self.key)
+            if stale:
+                self.log(f"baseline: {stale}")
             self._build()
         else:
             self.log(f"baseline: cache hit {self.key.id}")
@@ -154,15 +157,9 @@ def score_against_cache(model, windows, entry: BaselineEntry, batch_size: int):
             logits = model(batch).logits[:, :-1]
             require_finite(logits, "The quantized model")
             stats = cached_token_stats(logits, batch[:, 1:], entry.topk_logp[sl].to(device),
-                                       entry.topk_ids[sl].to(device), entry.log_tail[sl].to(device), entry.nll[sl])
-            acc.window_nll.extend(stats["nll"].mean(dim=1).tolist())
-            acc.base_window_nll.extend(stats["base_nll"].mean(dim=1).tolist())
-            acc.window_kl.extend(stats["kl"].mean(dim=1).tolist())
-            acc.kl_values.append(stats["kl"].reshape(-1).cpu())
-            acc.top1_matches += int(stats["top1"].sum())
-            acc.tokens += stats["nll"].numel()
-            acc.windows += batch.shape[0]
+                                       entry.topk_ids[sl].to(device), entry.log_tail[sl].to(device), entry.nll[sl],
+                                       entry.top1[sl].to(device))
+            acc.add(stats, batch.shape[0])
             bounds.append(stats["kl_gap_bound"].reshape(-1).cpu())
             tail.append(stats["tail_mass"].reshape(-1).cpu())
     return acc, torch.cat(bounds), torch.cat(tail)
-

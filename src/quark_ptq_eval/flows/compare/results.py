@@ -99,6 +99,7 @@ def _eval_fields(doc: dict) -> dict[str, Any]:
         "baseline_tail_mass_mean": kl.get("baseline_tail_mass_mean"),
         "top1_agreement": kl.get("top1_agreement"), "verdict": doc.get("verdict"),
         "windows": q.get("windows"), "tokens": q.get("tokens"),
+        "kld_report": {k: v for k, v in (d.get("kld_report") or {}).items() if k != "definitions"} or None,
     }
 
 
@@ -190,6 +191,7 @@ def markdown(doc: dict) -> str:
     lines += ["", f"Pareto front (size vs mean KL): {', '.join(doc['pareto_front']['kl_mean']) or '-'}; "
                   f"(size vs perplexity): {', '.join(doc['pareto_front']['perplexity']) or '-'}.",
               f"Chart: {doc['artifacts']['chart'] or 'not drawn (no evaluated scheme)'}", ""]
+    lines += _llama_cpp_lines(doc)
     lines += _task_lines(doc)
     failed = [r for r in doc["schemes"] if r["status"] == "failed"]
     if failed:
@@ -214,6 +216,29 @@ def markdown(doc: dict) -> str:
               f"of full float32 logits; this run built it {c['writes_this_run']}× and read it "
               f"{c['hits_this_run']}×.", ""]
     return "\n".join(lines)
+
+
+def _pm(r: dict, key: str, scale: float = 1.0, suffix: str = "") -> str:
+    value, unc = r.get(key), r.get(f"{key}_unc")
+    return "-" if value is None else f"{_fmt(scale * value)} ± {_fmt(None if unc is None else scale * unc)}{suffix}"
+
+
+def _llama_cpp_lines(doc: dict) -> list[str]:
+    """llama.cpp's KL-divergence report figures per scheme (evaluate/ppl_stats.py has the definitions)."""
+    rows = [(r["scheme"], r["kld_report"]) for r in doc["schemes"] if r.get("kld_report")]
+    if not rows:
+        return []
+    lines = ["## llama.cpp-style statistics (`perplexity --kl-divergence` definitions)", "",
+             "Over every scored token; ± are llama.cpp's per-token uncertainties. KLD here is from the cached "
+             "top-K baseline (a lower bound, see below); Δp and same top p are exact.", "",
+             "| scheme | PPL(Q)/PPL(base) | Cor(ln PPL) | KLD mean | KLD 99.9 % | KLD median | Δp mean | Δp 1 % / 99 % | "
+             "RMS Δp | same top p |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for scheme, r in rows:
+        lines.append(f"| {scheme} | {_pm(r, 'ppl_ratio')} | {_fmt(r.get('cor_ln_ppl'), 'pct')} | {_pm(r, 'kld_mean')} | "
+                     f"{_fmt(r.get('kld_p99_9'))} | {_fmt(r.get('kld_median'))} | {_pm(r, 'dp_mean', 100, ' %')} | "
+                     f"{_fmt(100 * r['dp_p1'])} / {_fmt(100 * r['dp_p99'])} % | {_pm(r, 'dp_rms', 100, ' %')} | "
+                     f"{_pm(r, 'same_top_p', 100, ' %')} |")
+    return [*lines, ""]
 
 
 def _task_lines(doc: dict) -> list[str]:
