@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import re
 import shutil
 import time
@@ -102,6 +103,9 @@ def _already_verified(recipe: ExecuteContext, on_disk: RunManifest, output_dir: 
         facts = inspect_output(output_dir)
         if facts.get("ok"):
             recipe.ui.info(f"Already executed and verified: {output_dir}")
+            if previous.get("status") != "succeeded":  # adopted from the manifest: the state says so again
+                recipe.state.record_step("execute", "succeeded", command_digest=on_disk.command_digest,
+                                         output_dir=str(output_dir))
             return facts
     return None
 
@@ -145,8 +149,9 @@ def _judge_run(recipe: ExecuteContext, on_disk: RunManifest, run: dict[str, Any]
                                              "proposal": "Free disk space at the output location, then resume."})
         _record(recipe, on_disk, run, facts, "failed")
         shutil.rmtree(staging, ignore_errors=True)  # this run's own (made exclusively), half-written: its space back
-        raise DiskFullError(f"The engine could not write the export into {staging}: {full[-1]}; the partial export "
-                            "was removed.", space_hint(staging.parent, needed, _errno_of(full[-1])))
+        err = _errno_of(full[-1])  # the engine's own line stays in the manifest's failure evidence
+        raise DiskFullError(f"The engine could not write the export into {staging}: {os.strerror(err)}; the partial "
+                            "export was removed.", space_hint(staging.parent, needed, err))
     if result.returncode != 0 or not facts.get("ok"):
         failure = classify_failure(result.tail, result.returncode)
         run.update(status="failed", failure=failure)
