@@ -69,6 +69,7 @@ class Trial:
     instant: float
     kills: list[dict] = field(default_factory=list)  # {at, phase}
     resumes: int = 0
+    restarts: int = 0  # `run` again: killed before its first state write, `resume` finds no run
     stops: list[dict] = field(default_factory=list)  # {rc, status}
     mismatches: list[str] = field(default_factory=list)
     set_aside: int = 0
@@ -265,7 +266,7 @@ def run_trial(number: int, ref: Reference, model: Path, corpus: Path, where: Pat
     trial, t0 = Trial(number, round(rng.uniform(0, ref.seconds), 2)), time.monotonic()
     proc, at = start(demo_args(model, corpus, out, wd), log), trial.instant
     overwrite: list[str] = []
-    while True:
+    while True:  # after a restart `at` is None: the run goes to its end (or the next check)
         if strike(proc, at):
             trial.kills.append({"at": at, "phase": phase_of(wd)})
             trial.mismatches += status_problems(wd, finished=False)
@@ -274,6 +275,14 @@ def run_trial(number: int, ref: Reference, model: Path, corpus: Path, where: Pat
         elif proc.returncode == 3 and not overwrite:  # a staging dir left by the kill: set aside with approval
             overwrite = ["--overwrite"]
             trial.stops.append({"rc": 3, "problems": status_problems(wd, finished=False)})
+            trial.mismatches += trial.stops[-1]["problems"]
+        elif proc.returncode == 2 and not (wd / STATE_FILE).exists():
+            # killed before the run recorded anything: resume rightly knows no run; the user runs it again
+            trial.stops.append({"rc": 2, "problems": status_problems(wd, finished=False)})
+            trial.mismatches += trial.stops[-1]["problems"]
+            trial.restarts += 1
+            proc, at = start(demo_args(model, corpus, out, wd), log), None
+            continue
         else:
             trial.mismatches.append(f"a run ended with exit {proc.returncode}; see {log}")
             break
@@ -332,12 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         trial = run_trial(n, ref, model, corpus, root / "trials" / f"{n:03d}", rng, args.rekill, args.max_kills)
         trials.append(trial)
         kills = ", ".join(f"{k['at']:.1f} s ({k['phase']})" for k in trial.kills) or "none (ended first)"
-        print(f"trial {n:3d}: instant {trial.instant:6.1f} s; kills: {kills}; resumes {trial.resumes}; "
+        print(f"trial {n:3d}: instant {trial.instant:6.1f} s; kills: {kills}; resumes {trial.resumes}; restarts {trial.restarts}; "
               f"set aside {trial.set_aside}; {trial.seconds:.0f} s; load {os.getloadavg()[0]:.2f}; "
               f"{'OK' if not trial.mismatches else 'MISMATCH: ' + ' | '.join(trial.mismatches)}", flush=True)
     summary = {"reference_seconds": round(ref.seconds, 1), "clean_runs_identical": deterministic, "trials": len(trials),
                "killed_trials": sum(1 for t in trials if t.kills), "kills": sum(len(t.kills) for t in trials),
-               "resumes": sum(t.resumes for t in trials), "mismatches": sum(1 for t in trials if t.mismatches),
+               "resumes": sum(t.resumes for t in trials), "restarts": sum(t.restarts for t in trials), "mismatches": sum(1 for t in trials if t.mismatches),
                "set_aside": sum(t.set_aside for t in trials), "seed": args.seed,
                "phases": _count(k["phase"] for t in trials for k in t.kills), "load_end": os.getloadavg(),
                "instants": [t.instant for t in trials], "detail": [asdict(t) for t in trials]}

@@ -279,3 +279,16 @@ def test_a_read_only_work_dir_or_output_is_refused_before_anything_runs(cli, tmp
         assert "read-only file system" in res.err or "not writable" in res.err
         assert list(ro.iterdir()) == []
         assert not (wd / "model_analysis.json").exists() and not out.exists()
+
+
+def test_taking_the_work_dir_lock_sweeps_the_temporaries_a_killed_writer_left(tmp_path):
+    from quark_ptq_eval.base.state import WorkdirLock
+
+    left = [tmp_path / ".run_state.json.k3x_9q0a.tmp", tmp_path / "calibration_split" / ".calibration.jsonl.ab12cd34.tmp"]
+    kept = [tmp_path / "notes.tmp", tmp_path / ".notes.tmp", tmp_path / "a" / "b" / ".deep.ab12cd34.tmp"]
+    for p in left + kept:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("half")
+    with WorkdirLock(tmp_path):
+        assert [p for p in left if p.exists()] == []
+    assert all(p.read_text() == "half" for p in kept)  # not ours, or deeper than an artifact's folder
