@@ -128,7 +128,7 @@ def test_file_size_limit_while_writing_a_report(tmp_path):
     result = json.loads(proc.stdout)
     needed = len(("# report\n" + "line of a long report\n" * 10_000).encode())
     assert result["message"] == f"Could not write {report}: File too large ({needed} bytes needed)."
-    assert "Free some space" in result["hint"] and result["code"] == ExitCode.FAILED
+    assert result["hint"].startswith("Lift the file-size limit (ulimit -f; now 4096 bytes)") and result["code"] == ExitCode.FAILED
     assert report.read_text() == "# the previous, complete report\n"
     assert leftovers(tmp_path) == []
 

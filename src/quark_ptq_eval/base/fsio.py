@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -88,14 +89,46 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _write_error(path: Path, exc: OSError, size: int) -> QpeError:
-    """One sentence naming the file (and, when space ran out, the space needed)."""
+    """One sentence naming the file (and, when space ran out, the space needed and where to free it)."""
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-        return DiskFullError(
-            f"Could not write {path}: {os.strerror(exc.errno)} ({size} bytes needed).",
-            "Free some space or choose another work directory, then re-run.",
-        )
+        return DiskFullError(f"Could not write {path}: {os.strerror(exc.errno)} ({size} bytes needed).",
+                             space_hint(path.parent, size, exc.errno))
     return QpeError(f"Could not write {path}: {exc.strerror or exc}.",
                     "Check that the directory is writable and its file system healthy, then re-run.")
+
+
+def space_hint(directory: Path, size: int, err: int | None) -> str:
+    """What to free (or lift) so that a write of ``size`` bytes into ``directory`` succeeds."""
+    if err == errno.EFBIG:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
+        return (f"Lift the file-size limit (ulimit -f; now {shown}) above {size} bytes, then re-run: "
+                "a recipe run continues with `quark-ptq-eval resume`.")
+    return (f"Free some space: at least {size} bytes on the file system holding {directory} "
+            f"({_free(directory)} free now), then re-run: a recipe run continues with `quark-ptq-eval resume`.")
+
+
+def _free(directory: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(directory).free} bytes"
+    except OSError:
+        return "unknown"
+
+
+def sweep_temporaries(directory: Path) -> list[Path]:
+    """Remove the hidden temporaries ``atomic_write_bytes`` leaves when killed mid-write. Call it
+    only while holding the directory's lock: a live writer's temporary must not vanish."""
+    removed = []
+    for tmp in [*directory.glob(".*.tmp"), *directory.glob("*/.*.tmp")]:  # next to the artifacts they replace
+        if _TEMPORARY.fullmatch(tmp.name) and tmp.is_file() and not tmp.is_symlink():
+            _unlink_quietly(tmp)
+            removed.append(tmp)
+    return removed
+
+
+_TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")  # mkstemp(prefix=".NAME.", suffix=".tmp")
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:

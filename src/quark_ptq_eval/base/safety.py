@@ -42,10 +42,28 @@ def check_output_target(output: Path, model_dir: Path | None, workdir: Path) -> 
     anchor = _first_existing(out.parent)
     if not anchor.is_dir():
         raise UsageError(f"Cannot create the output directory {out}: {anchor} is a file.", "Choose a directory path.")
-    if not os.access(anchor, os.W_OK | os.X_OK) or os.statvfs(anchor).f_flag & os.ST_RDONLY:
-        raise UsageError(f"Cannot create the output directory {out}: {anchor} is not writable.",
-                         "Choose a location you can write to.")
+    if not writable(anchor):
+        raise UsageError(f"Cannot create the output directory {out}: {anchor} is {_why_not(anchor)}.",
+                         "Choose a location you can write to, or make it writable, then re-run.")
     return out
+
+
+def check_workdir(workdir: Path) -> None:
+    """A work dir (or the folder it would be made in) that cannot be written is refused before
+    anything is read or run: every step records its artifact there."""
+    anchor = _first_existing(workdir)
+    if anchor.is_dir() and not writable(anchor):
+        which = "it" if anchor == workdir else f"{anchor}, where it would be created,"
+        raise UsageError(f"Cannot use the work directory {workdir}: {which} is {_why_not(anchor)}.",
+                         "Choose another --workdir, or make it writable, then re-run.")
+
+
+def writable(directory: Path) -> bool:
+    return os.access(directory, os.W_OK | os.X_OK) and not os.statvfs(directory).f_flag & os.ST_RDONLY
+
+
+def _why_not(directory: Path) -> str:
+    return "on a read-only file system" if os.statvfs(directory).f_flag & os.ST_RDONLY else "not writable"
 
 
 def is_nonempty_dir(path: Path) -> bool:

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from quark_ptq_eval.base.claims import holder_record, open_lock_file, read_holder
-from quark_ptq_eval.base.errors import WorkdirLocked
-from quark_ptq_eval.base.fsio import read_json, write_json
+from quark_ptq_eval.base.errors import UsageError, WorkdirLocked
+from quark_ptq_eval.base.fsio import read_json, sweep_temporaries, write_json
+from quark_ptq_eval.base.safety import check_workdir
 
 STATE_FILE = "run_state.json"
 LOCK_FILE = ".quark-ptq-eval.lock"
@@ -45,9 +46,13 @@ class RunState:
         path = workdir / STATE_FILE
         if not path.exists():
             return cls(workdir)
-        data = read_json(path, "run state")
-        if not isinstance(data, dict):
-            data = {}
+        try:
+            data = read_json(path, "run state")
+        except UsageError as exc:  # torn or truncated: say so, and what is safe, never start over silently
+            raise damaged_state(exc.message.rstrip(".")) from None
+        problem = _shape_problem(data)
+        if problem:
+            raise damaged_state(f"The run state {path} is damaged: {problem}")
         return cls(
             workdir,
             options=dict(data.get("options") or {}),
@@ -84,6 +89,32 @@ class RunState:
         self.save()
 
 
+def damaged_state(what: str) -> UsageError:
+    return UsageError(
+        f"{what}; nothing was run.",
+        "It is written atomically, so a crash does not tear it: something else truncated or edited it. Restore it "
+        "from a backup, or move it aside and start again with `quark-ptq-eval run` and the original arguments "
+        "(finished artifacts are checked again; an existing output is only replaced with --overwrite).")
+
+
+_SHAPE = {"options": dict, "approvals": dict, "steps": dict, "waiting_for": str, "pending": dict}
+
+
+def _shape_problem(data: Any) -> str | None:
+    """What in a parsed run state has the wrong type (a hand edit, a foreign file), or None."""
+    if not isinstance(data, dict):
+        return f"it holds a JSON {type(data).__name__}, not an object"
+    for key, kind in _SHAPE.items():
+        if data.get(key) is not None and not isinstance(data[key], kind):
+            return f"{key} is a {type(data[key]).__name__}, not a {kind.__name__}"
+    for name, step in (data.get("steps") or {}).items():
+        if not isinstance(step, dict) or not isinstance(step.get("status"), str):
+            return f"step {name!r} has no status"
+    if not all(isinstance(v, str) for v in (data.get("approvals") or {}).values()):
+        return "an approval is not a digest"
+    return None
+
+
 class WorkdirLock:
     """Exclusive lock on a work dir. The kernel drops it when its holder dies, so a lock file
     left by a killed run is stale by construction and is simply taken over."""
@@ -93,6 +124,7 @@ class WorkdirLock:
         self._fh: TextIO | None = None
 
     def __enter__(self) -> WorkdirLock:
+        check_workdir(self.path.parent)  # read-only: refused now, not when the first artifact is written
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fh = os.fdopen(open_lock_file(self.path), "r+")
         try:
@@ -112,6 +144,7 @@ class WorkdirLock:
         fh.write(json.dumps(holder_record(self.path.parent)))  # pid + start time: `status` tells a dead holder
         fh.flush()
         self._fh = fh
+        sweep_temporaries(self.path.parent)  # a killed holder's half-written temporaries: ours to remove now
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.base.fsio import write_json
+from quark_ptq_eval.base.fsio import atomic_write_bytes, write_json
 from quark_ptq_eval.base.state import digest
 from quark_ptq_eval.evaluate.ppl_kernels import (
     ROW_CHUNK_ELEMENTS,  # one bound on the float64 rows held at once
@@ -239,7 +238,7 @@ class BaselineCache:
               log: Callable[[str], None] = print) -> Path:
         """Score ``windows`` with the baseline ``model`` and store the result (atomically)."""
         import torch
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         from quark_ptq_eval.validate.loading import require_finite
 
@@ -254,10 +253,8 @@ class BaselineCache:
         tensors = {k: torch.cat([c[k] for c in chunks]).contiguous() for k in chunks[0]}
         tensors["ids"] = windows.to(torch.int64).contiguous()
         path = self.path_for(key)
-        path.mkdir(parents=True, exist_ok=True)
-        tmp = path / f".{TENSORS_FILE}.{os.getpid()}.tmp"
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path / TENSORS_FILE)
+        # fsio's writer: fsynced and renamed, and a full disk is one sentence naming the file, no temporary left
+        atomic_write_bytes(path / TENSORS_FILE, save(tensors))
         seconds = time.perf_counter() - started
         write_json(path / META_FILE, {"format": CACHE_FORMAT, "key": asdict(key), "source_model": str(source),
                                       "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -10,6 +13,7 @@ from typing import Any, Protocol
 from quark_ptq_eval.base.artifacts import ModelAnalysis, RunManifest
 from quark_ptq_eval.base.claims import OutputClaim, make_staging, rename_no_replace
 from quark_ptq_eval.base.errors import QpeError, UsageError
+from quark_ptq_eval.base.fsio import DiskFullError, space_hint
 from quark_ptq_eval.base.gates import Gatekeeper
 from quark_ptq_eval.base.safety import check_free_space, is_nonempty_dir
 from quark_ptq_eval.base.state import RunState, digest
@@ -76,7 +80,7 @@ def execute_manifest(recipe: ExecuteContext, manifest: RunManifest, analysis: Mo
                            "Check the installation with `quark-ptq-eval preflight`.") from None
     if staging.is_dir():
         apply_umask(staging)  # the libraries write 0600: readable by a server running as another user, as cp gives
-    _judge_run(recipe, on_disk, run, result, staging)
+    _judge_run(recipe, on_disk, run, result, staging, estimated_output_bytes(analysis))
     rename_no_replace(staging, output_dir)
     facts = inspect_output(output_dir)
     run["status"] = "succeeded"
@@ -92,13 +96,21 @@ def execute_manifest(recipe: ExecuteContext, manifest: RunManifest, analysis: Mo
 def _already_verified(recipe: ExecuteContext, on_disk: RunManifest, output_dir: Path) -> dict[str, Any] | None:
     """The facts of this exact command's verified output, when a resumed run already made it."""
     previous = recipe.state.steps.get("execute", {})
+    last = on_disk.runs[-1] if on_disk.runs else {}
+    # The state says so, or, when recording it failed (a full disk, a kill), the manifest written just before.
     if (previous.get("status") == "succeeded" and previous.get("command_digest") == on_disk.command_digest
-            and previous.get("output_dir") == str(output_dir)):
+            and previous.get("output_dir") == str(output_dir)) or (
+            last.get("status") == "succeeded" and last.get("command_digest") == on_disk.command_digest
+            and on_disk.outputs.get("quantized_model_dir") == str(output_dir)):
+        _claim_output(recipe, output_dir)  # a killed run's stale claim is taken over, and removed at the end
         if output_dir.is_dir():
             apply_umask(output_dir)  # an output verified before its modes were set (an older run)
         facts = inspect_output(output_dir)
         if facts.get("ok"):
             recipe.ui.info(f"Already executed and verified: {output_dir}")
+            if previous.get("status") != "succeeded":  # adopted from the manifest: the state says so again
+                recipe.state.record_step("execute", "succeeded", command_digest=on_disk.command_digest,
+                                         output_dir=str(output_dir))
             return facts
     return None
 
@@ -128,7 +140,7 @@ def _prepare(recipe: ExecuteContext, on_disk: RunManifest, analysis: ModelAnalys
 
 
 def _judge_run(recipe: ExecuteContext, on_disk: RunManifest, run: dict[str, Any], result: RunResult,
-               staging: Path) -> None:
+               staging: Path, needed: int) -> None:
     """Record how the engine ended; raise unless it exited 0 with a usable output."""
     facts = inspect_output(staging)
     run.update(finished_at=_now(), returncode=result.returncode, seconds=round(result.seconds, 1), log=str(result.log))
@@ -136,6 +148,15 @@ def _judge_run(recipe: ExecuteContext, on_disk: RunManifest, run: dict[str, Any]
         run["status"] = "interrupted"
         _record(recipe, on_disk, run, facts, "interrupted")
         raise_if_interrupted(result)
+    full = [ln.strip() for ln in result.tail if OUT_OF_SPACE.search(ln)] if result.returncode != 0 else []
+    if full:
+        run.update(status="failed", failure={"cause": "export", "evidence": full[-2:], "returncode": result.returncode,
+                                             "proposal": "Free disk space at the output location, then resume."})
+        _record(recipe, on_disk, run, facts, "failed")
+        shutil.rmtree(staging, ignore_errors=True)  # this run's own (made exclusively), half-written: its space back
+        err = _errno_of(full[-1])  # the engine's own line stays in the manifest's failure evidence
+        raise DiskFullError(f"The engine could not write the export into {staging}: {os.strerror(err)}; the partial "
+                            "export was removed.", space_hint(staging.parent, needed, err))
     if result.returncode != 0 or not facts.get("ok"):
         failure = classify_failure(result.tail, result.returncode, asked_of(on_disk.command["argv"]))
         run.update(status="failed", failure=failure)
@@ -145,6 +166,14 @@ def _judge_run(recipe: ExecuteContext, on_disk: RunManifest, run: dict[str, Any]
             f"The engine failed ({failure['cause']}: {why}); evidence: {' | '.join(failure['evidence'][-2:]) or 'none'}.",
             f"Suggested change: {failure['proposal']} Full log: {result.log}",
         )
+
+
+OUT_OF_SPACE = re.compile(r"No space left on device|File too large|Disk quota exceeded|Errno (28|27|122)\b|"
+                          r"os error (28|27|122)\b")
+
+
+def _errno_of(line: str) -> int:
+    return errno.EFBIG if re.search(r"File too large|\b27\b", line) else errno.ENOSPC
 
 
 def _no_output_why(facts: dict[str, Any], tail: list[str]) -> str:

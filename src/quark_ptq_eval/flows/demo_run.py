@@ -24,13 +24,18 @@ def main(argv: list[str] | None = None) -> int:
             build_tiny_model(model, corpus)
         print(f"  built in {time.monotonic() - t:.0f} s (library output: {root / 'logs' / 'build.log'})",
               file=sys.stderr)
-    args = ["run", str(model), "-o", str(root / "tiny-llama-int8"), "--workdir", str(root / "run"),
+    args = demo_args(model, corpus, root / "tiny-llama-int8", root / "run")
+    print("$ quark-ptq-eval " + " ".join(args), file=sys.stderr, flush=True)
+    return cli_main(args)
+
+
+def demo_args(model: Path, corpus: Path, output: Path, workdir: Path) -> list[str]:
+    """The demo's `run` arguments (the crash campaign, bench/crash_campaign.py, runs exactly these)."""
+    return ["run", str(model), "-o", str(output), "--workdir", str(workdir),
             "--scheme", "int8", "--calib-data", str(corpus), "--num-calib-samples", "32", "--calib-seq-len", "256",
             # No --eval-data: Tier 1 scores the part of the corpus the plan holds out from calibration.
             "--offline", "--yes", "--eval-tier", text_tier().name, "--seq-len", "256",
             "--baseline", "--overwrite", "--execution-mode", "batch_execute"]
-    print("$ quark-ptq-eval " + " ".join(args), file=sys.stderr, flush=True)
-    return cli_main(args)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,6 @@ class Recipe:
     def run(self, options: RunOptions, stop_after: str | None = None) -> dict[str, Any]:
         if stop_after is not None and stop_after not in STEP_NAMES:
             raise UsageError(f"Unknown step {stop_after!r} to stop after.", f"Choose one of: {', '.join(STEP_NAMES)}.")
-        self.workdir.mkdir(parents=True, exist_ok=True)
         with WorkdirLock(self.workdir), contextlib.ExitStack() as self.claims:  # claims: the output's lock
             self.state = RunState.load(self.workdir)
             resume = f"quark-ptq-eval resume --workdir {shlex.quote(str(self.workdir))}"

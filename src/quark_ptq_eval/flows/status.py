@@ -34,7 +34,7 @@ def describe_status(workdir: Path) -> dict:
         nxt = live["continue"]
         if nxt:
             lines.append(f"  continue with: {nxt}")
-    elif state.waiting_for:
+    elif state.waiting_for in GATES:
         gate = GATES[state.waiting_for]
         lines.append(f"  waiting at checkpoint {gate.number} ({gate.name}): {gate.question}")
         nxt = (state.pending or {}).get("continue") or _continue_command(workdir, gate.name)
