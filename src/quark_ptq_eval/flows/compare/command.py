@@ -29,6 +29,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--approve", default="", metavar="GATES", help="comma-separated approvals: intake,plan,execute,result,...")
     g.add_argument("--yes", "-y", action="store_true", help="approve every gate except overwrite and baseline")
     RUN_PART.add_flags(g)
+    g.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                   help="run each scheme as a Ray task on the cluster at ADDRESS (default auto: the one `ray start` "
+                        "brought up; local: start one on this host); needs the [ray] extra")
     g.add_argument("--json", action="store_true", help="print comparison.json on stdout")
     g.add_argument("--quiet", "-q", action="store_true")
 
@@ -40,7 +43,7 @@ def cmd_compare(args: argparse.Namespace, approver: Approver) -> int:
     given = {k: getattr(args, k) for k in keywords() if getattr(args, k, None) is not None}
     with noise_to_log(Path(args.out_root).resolve() / "logs" / "compare.log"):  # library chatter: the log
         result = compare(args.model, args.schemes, args.out_root, approver=approver, quiet=args.quiet or args.json,
-                         **given)
+                         ray=args.ray, **given)
     if args.json:
         print(json.dumps(result, indent=2))
     return ExitCode.OK
