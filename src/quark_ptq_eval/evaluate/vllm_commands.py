@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.evaluate.vllm_detect import Environment
+from quark_ptq_eval.evaluate.vllm_multinode import parallel_args
 from quark_ptq_eval.validate.vllm_host import HostVllm, lm_eval_command
 from quark_ptq_eval.validate.vllm_host import server_argv as host_server_argv
 
@@ -282,8 +283,7 @@ def server_argv(model: ServedModel, options: EvalOptions, host: HostVllm | None 
     else:
         serve = ["vllm", "serve", str(model.path.resolve()), "--port", str(options.vllm_port),
                  "--served-model-name", model.served_name]
-    if model.tensor_parallel:
-        serve += ["--tensor-parallel-size", str(model.tensor_parallel)]
+    serve += parallel_args(model.tensor_parallel)  # beyond one node: pipeline parallel over Ray (vllm_multinode)
     if model.kv_cache_dtype:
         serve += ["--kv-cache-dtype", model.kv_cache_dtype]  # vLLM reads the export's KV scales only then
     if model.max_model_len:
