@@ -142,7 +142,7 @@ def served_models(model_dir: Path, baseline: Path | None, plan: dict[str, Any] |
         gib = (fit["weights_bytes"] + fit["kv_cache_bytes"]) / 2**30
         notes.append(f"Serving fit from the plan: the quantized model needs {tp} x {target.get('label')} "
                      f"({gib:.1f} GiB of weights and KV cache at {fit['context']} tokens x batch {fit['batch']}): "
-                     + ", ".join(f"{m.label} --tensor-parallel-size {m.tensor_parallel}" for m in models)
+                     + ", ".join(f"{m.label} {shlex.join(parallel_args(m.tensor_parallel))}" for m in models)
                      + (f"; --max-model-len {context}, the context your goal states." if context else "."))
     elif not plan:
         notes.append("No quantization plan with this evaluation: vLLM's defaults (one device, KV cache in the "

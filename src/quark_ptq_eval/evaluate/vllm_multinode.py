@@ -83,10 +83,9 @@ def bring_up_lines(layout: Layout, port: int = RAY_PORT) -> list[str]:
 
 def gpu_check_lines(layout: Layout) -> list[str]:
     """Script lines: stop before any server starts when the Ray cluster has fewer GPUs than the layout."""
-    probe = "python -c " + shlex.quote("import ray; ray.init(address='auto'); "
-                                       "print(int(ray.cluster_resources().get('GPU', 0)))")
+    code = 'import ray; ray.init(address="auto"); print(int(ray.cluster_resources().get("GPU", 0)))'
     return [
-        f'RAY_GPUS="$(run_in {shlex.quote(probe)} || echo 0)"',
+        f'RAY_GPUS="$(run_in python3 -c {shlex.quote(code)} || echo 0)"',
         f'if [ "${{RAY_GPUS:-0}}" -lt {layout.devices} ]; then',
         f'  say "the Ray cluster has ${{RAY_GPUS:-0}} GPUs; this server needs {layout.devices} '
         f'({layout.nodes} nodes of {layout.tensor_parallel}): bring the nodes up (see above) and re-run."',

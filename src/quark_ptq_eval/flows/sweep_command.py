@@ -16,11 +16,10 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                                            "and options (compare's, by keyword: calib_data, eval_data, ...)")
     p.add_argument("-o", "--output-root", dest="out_root", type=Path, required=True,
                    help="one comparison directory per model (and goal) under it, and the summary table")
-    p.add_argument("--approve", default="", metavar="GATES", help="comma-separated approvals: intake,plan,execute,result,...")
-    p.add_argument("--yes", "-y", action="store_true", help="approve every gate except overwrite and baseline")
-    p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
-                   help="run every comparison's cells as Ray tasks on the cluster at ADDRESS (default auto; local: "
-                        "start one on this host)")
+    from quark_ptq_eval.flows.compare.command import add_gate_flags, add_ray_flag
+
+    add_gate_flags(p)
+    add_ray_flag(p, "every comparison's cells, each")
     p.add_argument("--json", action="store_true", help="print sweep_summary.json on stdout")
     p.add_argument("--quiet", "-q", action="store_true")
 

@@ -47,7 +47,8 @@ POLL_S = 1.0
 class RayComparison(Comparison):
     def __init__(self, root, approver, reporter=None, progress=None, address: str = "auto"):
         super().__init__(root, approver, reporter, progress)
-        self.address, self.cells = address, {}  # scheme -> what the cluster did with its cell
+        self.address = address
+        self.cells: dict[str, dict[str, Any]] = {}  # scheme -> what the cluster did with its cell
         self.cluster_address: str | None = None
 
     def _run_schemes(self, opts: CompareOptions, schemes: list[str], baseline) -> None:
