@@ -146,7 +146,7 @@ def test_a_cell_on_a_lost_node_completes_on_the_head_retried_with_a_clean_export
 
 # --- sweep: two tiny families x two schemes, one cell with a planted validator fault ----------------------
 @pytest.fixture(scope="module")
-def swept(ray_cluster, ray_compared, tiny_model, corpus, compare_eval_text, tmp_path_factory):
+def swept(ray_cluster, cli, tiny_model, corpus, compare_eval_text, tmp_path_factory):
     from quark_ptq_eval.flows.sweep import sweep
 
     here = tmp_path_factory.mktemp("sweep")
@@ -162,12 +162,15 @@ def swept(ray_cluster, ray_compared, tiny_model, corpus, compare_eval_text, tmp_
         sweep(grid, out, approver=FlagApprover(["intake", "plan"]), ray="auto")
     manifest = out / "qwen3" / "work" / "int8" / "run_manifest.yaml"
     doc = yaml.safe_load(manifest.read_text())
-    argv = doc["steps"][3]["argv"]
-    argv[argv.index("--quant_scheme") + 1] = "int4_wo_128"  # the planted fault: not the plan's scheme
-    doc["steps"][3]["command"] = " ".join(argv)
+    for command in (doc["command"], doc["steps"][3]):  # the planted fault: not the plan's scheme, approved as shown
+        argv = command["argv"]
+        argv[argv.index("--quant_scheme") + 1] = "int4_wo_128"
+        command["shell" if "shell" in command else "command"] = " ".join(argv)
     manifest.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
-    summary = sweep(grid, out, approver=FlagApprover(["execute", "result"]), ray="auto")
-    return {"out": out, "summary": summary, "first": first.value}
+    # the second call from the command line: another driver process, joining the cluster by its address
+    res = cli("sweep", grid, "-o", out, "--approve", "execute,result", f"--ray={ray_cluster.cluster.address}", "--json")
+    assert res.rc == 0, res.err
+    return {"out": out, "summary": json.loads(res.out), "first": first.value, "err": res.err}
 
 
 def test_sweep_runs_every_cell_once_and_a_planted_fault_fails_only_its_cell(swept):
@@ -182,6 +185,7 @@ def test_sweep_runs_every_cell_once_and_a_planted_fault_fails_only_its_cell(swep
     for key, row in by.items():
         if key != ("qwen3", "int8"):
             assert row["status"] == "evaluated" and row["kl_mean"] is not None, key
+    assert "Traceback" not in swept["err"]
     table = (swept["out"] / "sweep_summary.md").read_text()
     assert "| qwen3 | - | int8 | failed at validate:" in table and table.count("| evaluated |") == 3
     for model in ("llama", "qwen3"):
