@@ -96,10 +96,10 @@ def sweep(grid: str | Path | Grid, out_root: str | Path, *, approver: Approver |
         for goal in given.goals:
             name = label + (f"-{_label(goal)}" if goal else "")
             entry: dict[str, Any] = {"model": label, "goal": goal or None, "root": str(root / name)}
-            options = {**given.options, **({"goal": goal} if goal else {})}
+            options = {**given.options, **({"goal": goal} if goal else {}), **({"ray": ray} if ray else {})}
             try:
                 doc = compare(model, given.schemes, root / name, approver=approver or FlagApprover(), quiet=quiet,
-                              ray=ray, progress=progress, **options)
+                              progress=progress, **options)
                 entry.update(status="done", report=doc["artifacts"]["report"], schemes=doc["schemes"],
                              recommendation=doc["recommendation"].get("scheme"), cluster=doc.get("cluster"))
             except CheckpointPending as exc:

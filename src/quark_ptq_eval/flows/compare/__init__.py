@@ -19,27 +19,27 @@ from quark_ptq_eval.flows.compare.options import CompareOptions
 
 def compare(model: str | Path | None, schemes: list[str] | str | None, out_root: str | Path, *,
             approver: Approver | None = None, quiet: bool = True,
-            progress: Callable[[str, str], None] | None = None, ray: str | None = None,
-            **options: Any) -> dict[str, Any]:
+            progress: Callable[[str, str], None] | None = None, **options: Any) -> dict[str, Any]:
     """Run (or resume) the comparison in ``out_root``; returns comparison.json's content. Raises
     ``CheckpointPending`` at a gate the approver refuses: call again (same ``out_root``) to go on.
     ``options`` are the command's options by their flag's dest (``options.keywords()``): the PlanRequest
     fields every scheme shares (algorithm, calib_data, ...), the Tier 1 options (eval_data, seq_len,
     max_windows, eval_batch_size, eval_device), ``tasks`` and the other lm-eval options for Tier 2,
-    ``top_k``, the budget (max_kl, max_ppl_increase_pct, max_task_drop_pct), offline and overwrite.
+    ``top_k``, the budget (max_kl, max_ppl_increase_pct, max_task_drop_pct), offline, overwrite and
     ``ray``: run each scheme as a Ray task on the cluster at this address (``"auto"``, ``"local"`` to
     start one here, or ``HOST:PORT``); a driver already connected (``ray.init``) keeps its cluster."""
     from quark_ptq_eval.base.ui import Reporter
     from quark_ptq_eval.flows.compare.flow import Comparison
     from quark_ptq_eval.flows.compare.options import options_from
 
-    if ray is not None:
-        from quark_ptq_eval.flows.compare.on_ray import compare_on_ray
-
-        return compare_on_ray(model, schemes, out_root, address=ray, approver=approver or FlagApprover(),
-                              reporter=Reporter(quiet=quiet), progress=progress, options=options)
     opts = options_from(model, schemes, out_root, options)
-    comparison = Comparison(out_root, approver or FlagApprover(), Reporter(quiet=quiet), progress)
+    if opts.ray is not None:
+        from quark_ptq_eval.flows.compare.on_ray import RayComparison
+
+        comparison: Comparison = RayComparison(out_root, approver or FlagApprover(), Reporter(quiet=quiet), progress,
+                                               opts.ray)
+    else:
+        comparison = Comparison(out_root, approver or FlagApprover(), Reporter(quiet=quiet), progress)
     return comparison.run(opts)
 
 

@@ -27,8 +27,7 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     BUDGET_PART.add_flags(p.add_argument_group("recommendation (accuracy budget)"))
     g = p.add_argument_group("run control")
     add_gate_flags(g)
-    RUN_PART.add_flags(g)
-    add_ray_flag(g, "each scheme")
+    RUN_PART.add_flags(g)  # --overwrite, --offline, --ray
     g.add_argument("--json", action="store_true", help="print comparison.json on stdout")
     g.add_argument("--quiet", "-q", action="store_true")
 
@@ -40,10 +39,9 @@ def add_gate_flags(g) -> None:
 
 
 def add_ray_flag(g, what: str) -> None:
-    g.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
-                   help=f"run {what} as a Ray task on the cluster at ADDRESS (default auto: the one `ray start` "
-                        "brought up; local: start one on this host; write --ray=ADDRESS before a positional "
-                        "argument); needs the [ray] extra")
+    from quark_ptq_eval.flows.compare.options import RAY_HELP
+
+    g.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS", help=RAY_HELP.format(what=what))
 
 
 def cmd_compare(args: argparse.Namespace, approver: Approver) -> int:
@@ -53,7 +51,7 @@ def cmd_compare(args: argparse.Namespace, approver: Approver) -> int:
     given = {k: getattr(args, k) for k in keywords() if getattr(args, k, None) is not None}
     with noise_to_log(Path(args.out_root).resolve() / "logs" / "compare.log"):  # library chatter: the log
         result = compare(args.model, args.schemes, args.out_root, approver=approver, quiet=args.quiet or args.json,
-                         ray=args.ray, **given)
+                         **given)
     if args.json:
         print(json.dumps(result, indent=2))
     return ExitCode.OK

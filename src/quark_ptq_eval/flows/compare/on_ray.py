@@ -16,7 +16,9 @@ as failed, never retried, and the other cells go on.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +65,15 @@ class RayComparison(Comparison):
         self._baseline_once(opts, baseline)
         self.ui.headline(f"Compare · {len(todo)} cells on Ray ({len(nodes)} nodes at {self.cluster_address})")
         token = uuid.uuid4().hex
-        results = self._dispatch(opts, todo, demands, token)
-        pending = [s for s in todo if self._record(s, results[s], demands[s], token, baseline)]
+        pending: list[tuple[str, str]] = []
+
+        def finished(scheme: str, result: dict[str, Any]) -> None:  # recorded as each cell ends
+            if self._record(scheme, result, demands[scheme], token, baseline):
+                pending.append((scheme, result.get("error") or "waiting for approval"))
+
+        self._dispatch(opts, todo, demands, token, finished)
         if pending:
-            self._relay(pending[0], CheckpointPending(results[pending[0]].get("error") or "waiting for approval"))
+            self._relay(pending[0][0], CheckpointPending(pending[0][1]))
 
     def _baseline_once(self, opts: CompareOptions, baseline) -> None:
         """The cache built here before any cell starts: every cell reads it, none builds it."""
@@ -75,17 +82,24 @@ class RayComparison(Comparison):
         if opts.eval.tasks:
             baseline.tasks()
 
-    def _dispatch(self, opts: CompareOptions, todo: list[str], demands: dict[str, Demand],
-                  token: str) -> dict[str, dict[str, Any]]:
+    def _dispatch(self, opts: CompareOptions, todo: list[str], demands: dict[str, Demand], token: str,
+                  finished: Callable[[str, dict[str, Any]], None]) -> None:
         ray = import_ray()
         cell = ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)(run_cell)
         approved = tuple(sorted(getattr(self.approver, "approved", ())))
         all_gates = bool(getattr(self.approver, "all_gates", False))
         refs = {s: cell.options(**demands[s].options(), name=f"compare:{s}").remote(
             CellSpec(str(self.root), opts.to_state(), s, approved, all_gates, token)) for s in todo}
-        return self._watch(refs, demands, token)
+        try:
+            self._watch(refs, demands, token, finished)
+        except BaseException:  # Ctrl-C (or a failing driver): no cell goes on writing behind its back
+            for ref in refs.values():
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref, force=True)
+            raise
 
-    def _watch(self, refs: dict[str, Any], demands: dict[str, Demand], token: str) -> dict[str, dict[str, Any]]:
+    def _watch(self, refs: dict[str, Any], demands: dict[str, Demand], token: str,
+               finished: Callable[[str, dict[str, Any]], None]) -> None:
         """Wait for every cell, printing one progress line per cell whenever it changes."""
         ray = import_ray()
         results: dict[str, dict[str, Any]] = {}
@@ -96,11 +110,15 @@ class RayComparison(Comparison):
             for scheme, ref in refs.items():
                 if scheme not in results and ref in ready:
                     results[scheme] = self._outcome(scheme, ref)
-                line = self._line(scheme, demands[scheme], token, results.get(scheme))
-                if shown.get(scheme) != line:
-                    shown[scheme] = line
-                    self.ui.info(line)
-        return results
+                    self._show(scheme, self._line(scheme, demands[scheme], token, results[scheme]), shown)
+                    finished(scheme, results[scheme])
+                elif scheme not in results:
+                    self._show(scheme, self._line(scheme, demands[scheme], token, None), shown)
+
+    def _show(self, scheme: str, line: str, shown: dict[str, str]) -> None:
+        if shown.get(scheme) != line:
+            shown[scheme] = line
+            self.ui.info(line)
 
     def _outcome(self, scheme: str, ref: Any) -> dict[str, Any]:
         ray = import_ray()
@@ -196,11 +214,4 @@ def _current_step(workdir: Path) -> str:
     return "starting"
 
 
-def compare_on_ray(model, schemes, out_root, *, address: str, approver, reporter, progress, options) -> dict[str, Any]:
-    from quark_ptq_eval.flows.compare.options import options_from
-
-    opts = options_from(model, schemes, out_root, options)
-    return RayComparison(out_root, approver, reporter, progress, address).run(opts)
-
-
-__all__ = ["MAX_RETRIES", "RayComparison", "cluster_section", "compare_on_ray"]
+__all__ = ["MAX_RETRIES", "RayComparison", "cluster_section"]
