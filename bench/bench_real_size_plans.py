@@ -32,25 +32,36 @@ BLOCK = 128
 # ---- the published shapes ------------------------------------------------------------------------
 def deepseek_v3() -> tuple[dict, list[tuple[str, str, list[int]]], int]:
     """DeepSeek-V3 / R1 as released (FP8 blocks, 61 layers + the MTP layer 61, 163 shards)."""
-    h, inter, moe, experts, vocab, heads = 7168, 18432, 2048, 256, 129280, 128
+    return mla_moe(experts=256, heads=128, vocab=129280, dense=3, mtp=True, fp8_blocks=True, shards=163)
+
+
+def mla_moe(experts: int, heads: int, vocab: int, dense: int, mtp: bool, fp8_blocks: bool,
+            shards: int) -> tuple[dict, list[tuple[str, str, list[int]]], int]:
+    """DeepSeek-V3's architecture (MLA + MoE, 61 layers, hidden 7168, experts of 2048): its releases
+    (``fp8_blocks``: FP8 linears with 128x128 block scales) and its relatives (Kimi-K2, in BF16)."""
+    h, inter, moe = 7168, 18432, 2048
     config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": h,
               "intermediate_size": inter, "moe_intermediate_size": moe, "n_routed_experts": experts,
-              "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "num_hidden_layers": 61,
+              "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": dense, "num_hidden_layers": 61,
               "num_attention_heads": heads, "num_key_value_heads": heads, "q_lora_rank": 1536, "kv_lora_rank": 512,
               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": vocab,
-              "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-              "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                      "weight_block_size": [BLOCK, BLOCK]}}
+              "num_nextn_predict_layers": int(mtp), "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    if fp8_blocks:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [BLOCK, BLOCK]}
     t: list[tuple[str, str, list[int]]] = [("model.embed_tokens.weight", BF16, [vocab, h])]
 
     def fp8(name: str, out: int, inp: int) -> None:
+        if not fp8_blocks:
+            t.append((f"{name}.weight", BF16, [out, inp]))
+            return
         t.append((f"{name}.weight", F8, [out, inp]))
         t.append((f"{name}.weight_scale_inv", F32, [math.ceil(out / BLOCK), math.ceil(inp / BLOCK)]))
 
     def mlp(p: str, i: int) -> None:
         fp8(f"{p}.gate_proj", i, h), fp8(f"{p}.up_proj", i, h), fp8(f"{p}.down_proj", h, i)
 
-    for n in range(62):
+    for n in range(61 + int(mtp)):
         p = f"model.layers.{n}"
         t += [(f"{p}.input_layernorm.weight", BF16, [h]), (f"{p}.post_attention_layernorm.weight", BF16, [h]),
               (f"{p}.self_attn.q_a_layernorm.weight", BF16, [1536]),
@@ -58,20 +69,21 @@ def deepseek_v3() -> tuple[dict, list[tuple[str, str, list[int]]], int]:
         fp8(f"{p}.self_attn.q_a_proj", 1536, h), fp8(f"{p}.self_attn.q_b_proj", heads * 192, 1536)
         fp8(f"{p}.self_attn.kv_a_proj_with_mqa", 576, h), fp8(f"{p}.self_attn.kv_b_proj", heads * 256, 512)
         fp8(f"{p}.self_attn.o_proj", h, heads * 128)
-        if n < 3:
+        if n < dense:
             mlp(f"{p}.mlp", inter)
             continue
         t += [(f"{p}.mlp.gate.weight", BF16, [experts, h]), (f"{p}.mlp.gate.e_score_correction_bias", F32, [experts])]
         for e in range(experts):
             mlp(f"{p}.mlp.experts.{e}", moe)
         mlp(f"{p}.mlp.shared_experts", moe)
-    mtp = "model.layers.61"  # the multi-token-prediction module the release ships with layer 61
-    t += [(f"{mtp}.embed_tokens.weight", BF16, [vocab, h]), (f"{mtp}.enorm.weight", BF16, [h]),
-          (f"{mtp}.hnorm.weight", BF16, [h]), (f"{mtp}.shared_head.norm.weight", BF16, [h]),
-          (f"{mtp}.shared_head.head.weight", BF16, [vocab, h])]
-    fp8(f"{mtp}.eh_proj", h, 2 * h)
+    if mtp:
+        m = "model.layers.61"  # the multi-token-prediction module the release ships with layer 61
+        t += [(f"{m}.embed_tokens.weight", BF16, [vocab, h]), (f"{m}.enorm.weight", BF16, [h]),
+              (f"{m}.hnorm.weight", BF16, [h]), (f"{m}.shared_head.norm.weight", BF16, [h]),
+              (f"{m}.shared_head.head.weight", BF16, [vocab, h])]
+        fp8(f"{m}.eh_proj", h, 2 * h)
     t += [("model.norm.weight", BF16, [h]), ("lm_head.weight", BF16, [vocab, h])]
-    return config, t, 163
+    return config, t, shards
 
 
 def llama_405b() -> tuple[dict, list[tuple[str, str, list[int]]], int]:

@@ -38,6 +38,7 @@ from matrix import (  # noqa: E402
 # dense, tied embeddings, fused QKV, MoE with fused experts, MLA (+ MoE)
 FAMILIES = ("llama", "gemma2", "phi3", "qwen3_moe", "deepseek_v3")
 PRIORITIES = ("accuracy", "speed", "size", "balanced")
+MULTINODE_RESULTS = "plan-multinode.json"  # the multi-node serving cells (--multinode)
 GOAL_WORDS = {"accuracy": "accuracy first", "speed": "fastest", "size": "smallest", "balanced": ""}
 
 
@@ -116,8 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--tag", default="main", help="results file plan-results-TAG.json (parallel runners use distinct tags)")
     p.add_argument("--doc-only", action="store_true", help="only regenerate the doc from every plan-results-*.json")
+    p.add_argument("--multinode", action="store_true",
+                   help="only the multi-node serving cells (plan_matrix_multinode.py: BF16 baselines wider than a node)")
     args = p.parse_args(argv)
     work = offline_workdir(args.work)
+    if args.multinode:
+        from plan_matrix_multinode import run_cells
+
+        rows = run_cells(work / "multinode")
+        (work / MULTINODE_RESULTS).write_text(json.dumps(rows, indent=1))
+        for r in rows:
+            log(f"{r['cell']}: {r['outcome']} " + "; ".join(f"{k} {v['layout']}" for k, v in r["servers"].items()))
+        return 0 if all(r["outcome"] == "green" for r in rows) else 1
     if args.doc_only:
         write_targets_doc(Path(args.out), merged_results(work), prepare(work, args.calib_samples, args.windows))
         return 0
@@ -155,6 +166,20 @@ def merged_results(work: Path) -> dict:
             "wall_s": sum(c.get("seconds", 0.0) for c in part["cells"].values()), "interrupted": True}]
     data["runs"].sort(key=lambda r: r["when"])
     return data
+
+
+def _multinode_lines(path: Path) -> list[str]:
+    """The multi-node serving cells' table (plan_matrix.py --multinode), when they have run."""
+    if not path.is_file():
+        return []
+    lines = ["## Multi-node serving (Tier 3 over Ray)", "",
+             "BF16 baselines at real size (sparse checkpoints) with an fp8 plan for the target; Tier 3's own "
+             "command planning sizes each server (`bench/plan_matrix_multinode.py`).", "",
+             "| cell | parameters | server | layout | outcome |", "|---|---|---|---|---|"]
+    for r in json.loads(path.read_text()):
+        for label, s in r["servers"].items():
+            lines.append(f"| {r['cell']} | {r['params'] / 1e9:.0f} B | {label} | {s['layout']} | {r['outcome']} |")
+    return lines + [""]
 
 
 def _cell_text(row: dict) -> str:
@@ -195,6 +220,7 @@ def write_targets_doc(path: Path, data: dict, setup: Setup) -> None:
                 lines.append(f"| {TARGETS[target].label} | " + " | ".join(_cell_text(r) if r else "-" for r in row)
                              + " |")
         lines.append("")
+    lines += _multinode_lines(setup.work / MULTINODE_RESULTS)
     lines += ["## Refusals, fallbacks and failures", ""]
     notes = [c for c in cells if c["outcome"] != "green" or " instead of " in c.get("why", "")]
     lines += [f"- **{c['family']} / {c['target']} / {c['priority']}** (`{c['goal']}`): {c['outcome']}"

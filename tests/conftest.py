@@ -151,3 +151,53 @@ def cli():
         return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def compare_eval_text(corpus, tmp_path_factory) -> Path:
+    from compare_setup import write_eval_text
+
+    return write_eval_text(corpus, tmp_path_factory.mktemp("compare-eval") / "eval.txt")
+
+
+@pytest.fixture(scope="session")
+def compared(tiny_llama, corpus, compare_eval_text, tmp_path_factory):
+    """The local comparison of compare_setup.SCHEMES (test_compare.py checks it, test_compare_ray.py
+    compares a Ray comparison of the same schemes with it): one run for the session."""
+    from compare_setup import run_local_compare
+
+    return run_local_compare(tiny_llama, corpus, compare_eval_text, tmp_path_factory.mktemp("compare") / "out")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One real Ray cluster for the whole test run (ray.cluster_utils.Cluster): a head and a second
+    node on this host, 1 CPU and an 80 MB object store each, all on loopback (RECIPE "Known facts").
+    A test that removes the second node adds a new one before it ends (``ray_cluster.restore()``)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray.cluster_utils import Cluster
+
+    node_args = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}
+    cluster = Cluster(initialize_head=True, connect=True, head_node_args=node_args)
+    handle = RayTestCluster(cluster, node_args)
+    handle.restore()
+    yield handle
+    import ray
+
+    ray.shutdown()
+    cluster.shutdown()
+
+
+class RayTestCluster:
+    def __init__(self, cluster, node_args: dict):
+        self.cluster, self.node_args, self.second = cluster, node_args, None
+
+    def restore(self) -> None:
+        """A second node again (after a test removed it)."""
+        if self.second is None or self.second not in self.cluster.list_all_nodes():
+            self.second = self.cluster.add_node(**self.node_args)
+            self.cluster.wait_for_nodes()
+
+    @property
+    def second_id(self) -> str:
+        return self.second.node_id

@@ -24,6 +24,7 @@ from quark_ptq_eval.evaluate.vllm_commands import (
     pid_file_for,
     server_argv,
 )
+from quark_ptq_eval.evaluate.vllm_multinode import script_block
 
 if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.options import EvalOptions
@@ -190,6 +191,7 @@ def render_script(plan: CommandPlan, runs: list[ServerRun], port: int, workdir: 
         lines.append(f"# {step.purpose}")
         created = plan.create_container and step is plan.setup[0]
         lines.append(f"CONTAINER_ID=$({shlex.join(step.argv)})" if created else shlex.join(step.argv))
+    lines += script_block([run.model.tensor_parallel for run in runs])  # a server wider than one node: Ray
     for run in runs:
         lines += [
             "",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.evaluate.vllm_detect import Environment
+from quark_ptq_eval.evaluate.vllm_multinode import parallel_args
 from quark_ptq_eval.validate.vllm_host import HostVllm, lm_eval_command
 from quark_ptq_eval.validate.vllm_host import server_argv as host_server_argv
 from quark_ptq_eval.validate.vllm_sizing import ServerArg, ServerSizing, sized_for
@@ -148,7 +149,7 @@ def served_models(model_dir: Path, baseline: Path | None, plan: dict[str, Any] |
         gib = (fit["weights_bytes"] + fit["kv_cache_bytes"]) / 2**30
         notes.append(f"Serving fit from the plan: the quantized model needs {tp} x {target.get('label')} "
                      f"({gib:.1f} GiB of weights and KV cache at {fit['context']} tokens x batch {fit['batch']}): "
-                     + ", ".join(f"{m.label} --tensor-parallel-size {m.tensor_parallel}" for m in models)
+                     + ", ".join(f"{m.label} {shlex.join(parallel_args(m.tensor_parallel))}" for m in models)
                      + (f"; --max-model-len {context}, the context your goal states." if context else "."))
     elif not plan:
         notes.append("No quantization plan with this evaluation: vLLM's defaults (one device, KV cache in the "
@@ -286,13 +287,20 @@ def holder_container_argv(name: str, image: str, models: list[ServedModel], work
 def server_sizing(model: ServedModel, options: EvalOptions, host: HostVllm | None = None) -> ServerSizing:
     """The model's server arguments and their reasons (validate/vllm_sizing.py, as the serving check):
     the plan's, on a CPU vLLM (``host``) this host's free memory now, the user's --vllm-arg over them."""
-    plan = [ServerArg(f, (str(v),), model.reasons.get(f, ""), "plan") for f, v in
-            (("--tensor-parallel-size", model.tensor_parallel), ("--kv-cache-dtype", model.kv_cache_dtype)) if v]
+    plan = [ServerArg(flag, (value,), model.reasons.get(flag, "beyond one node: pipeline parallel over Ray"), "plan")
+            for flag, value in _pairs(parallel_args(model.tensor_parallel))]  # vllm_multinode sizes the layout
+    if model.kv_cache_dtype:  # vLLM reads the export's KV scales only then
+        plan.append(ServerArg("--kv-cache-dtype", (model.kv_cache_dtype,), model.reasons.get("--kv-cache-dtype", ""),
+                              "plan"))
     if options.trust_remote_code:
         plan.append(ServerArg("--trust-remote-code", (), "you passed --trust-remote-code", "user"))
     return sized_for(model.path, bool(host and host.cpu), options.vllm_args, model.kv_cache_dtype,
                      sequences=LM_EVAL_CONCURRENT, context=model.max_model_len, plan_args=tuple(plan),
                      context_reason=model.reasons.get("--max-model-len", ""))
+
+
+def _pairs(argv: list[str]) -> list[tuple[str, str]]:
+    return list(zip(argv[::2], argv[1::2], strict=True))
 
 
 def server_argv(model: ServedModel, options: EvalOptions, host: HostVllm | None = None,

@@ -115,6 +115,7 @@ def _add_tool_commands(add) -> None:
     """Commands around the recipe: import a quark-cli line, compare schemes, scan sensitivity, the card, status."""
     from quark_ptq_eval.flows.compare.command import add_compare_arguments
     from quark_ptq_eval.flows.sensitivity_command import add_sensitivity_arguments
+    from quark_ptq_eval.flows.sweep_command import add_sweep_arguments
 
     p = add("import-command", "Translate a pasted `quark-cli torch-llm-ptq ...` line into our plan and show "
                               "it for approval (a plan_only run).")
@@ -125,6 +126,9 @@ def _add_tool_commands(add) -> None:
     _common(p)
     p = add("compare", "Compare schemes in one run: one intake, the plans approved together, one report.")
     add_compare_arguments(p)
+    p = add("sweep", "Compare schemes on several models (models x schemes x goals from a YAML/JSON grid): one "
+                     "comparison each, one summary table.")
+    add_sweep_arguments(p)
     p = add("sensitivity", "Measure how much quantizing each layer alone hurts; propose layers to keep unquantized.")
     add_sensitivity_arguments(p)
     from quark_ptq_eval.publish.cli import add_card_arguments
@@ -272,6 +276,15 @@ def _cmd_sensitivity(args: argparse.Namespace) -> int:
 HANDLERS = {"sensitivity": _cmd_sensitivity, "status": _cmd_status, "preflight": _cmd_preflight, "validate": _cmd_validate, "eval": _cmd_eval,
             "compare": _cmd_compare, "card": _cmd_card}
 HANDLERS["import-command"] = _cmd_import_command
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from quark_ptq_eval.flows.sweep_command import cmd_sweep
+
+    return cmd_sweep(args, _approver(args))
+
+
+HANDLERS["sweep"] = _cmd_sweep
 
 
 def _terminate(signum, frame):  # noqa: ARG001

@@ -25,13 +25,21 @@ def compare(model: str | Path | None, schemes: list[str] | str | None, out_root:
     ``options`` are the command's options by their flag's dest (``options.keywords()``): the PlanRequest
     fields every scheme shares (algorithm, calib_data, ...), the Tier 1 options (eval_data, seq_len,
     max_windows, eval_batch_size, eval_device), ``tasks`` and the other lm-eval options for Tier 2,
-    ``top_k``, the budget (max_kl, max_ppl_increase_pct, max_task_drop_pct), offline and overwrite."""
+    ``top_k``, the budget (max_kl, max_ppl_increase_pct, max_task_drop_pct), offline, overwrite and
+    ``ray``: run each scheme as a Ray task on the cluster at this address (``"auto"``, ``"local"`` to
+    start one here, or ``HOST:PORT``); a driver already connected (``ray.init``) keeps its cluster."""
     from quark_ptq_eval.base.ui import Reporter
     from quark_ptq_eval.flows.compare.flow import Comparison
     from quark_ptq_eval.flows.compare.options import options_from
 
     opts = options_from(model, schemes, out_root, options)
-    comparison = Comparison(out_root, approver or FlagApprover(), Reporter(quiet=quiet), progress)
+    if opts.ray is not None:
+        from quark_ptq_eval.flows.compare.on_ray import RayComparison
+
+        comparison: Comparison = RayComparison(out_root, approver or FlagApprover(), Reporter(quiet=quiet), progress,
+                                               opts.ray)
+    else:
+        comparison = Comparison(out_root, approver or FlagApprover(), Reporter(quiet=quiet), progress)
     return comparison.run(opts)
 
 

@@ -26,11 +26,22 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     TASKS.add_flags(p.add_argument_group("task scores (Tier 2: lm-eval per scheme, paired tests against the baseline)"))
     BUDGET_PART.add_flags(p.add_argument_group("recommendation (accuracy budget)"))
     g = p.add_argument_group("run control")
-    g.add_argument("--approve", default="", metavar="GATES", help="comma-separated approvals: intake,plan,execute,result,...")
-    g.add_argument("--yes", "-y", action="store_true", help="approve every gate except overwrite and baseline")
-    RUN_PART.add_flags(g)
+    add_gate_flags(g)
+    RUN_PART.add_flags(g)  # --overwrite, --offline, --ray
     g.add_argument("--json", action="store_true", help="print comparison.json on stdout")
     g.add_argument("--quiet", "-q", action="store_true")
+
+
+def add_gate_flags(g) -> None:
+    """--approve and --yes: the gates answered by name (compare, sweep)."""
+    g.add_argument("--approve", default="", metavar="GATES", help="comma-separated approvals: intake,plan,execute,result,...")
+    g.add_argument("--yes", "-y", action="store_true", help="approve every gate except overwrite and baseline")
+
+
+def add_ray_flag(g, what: str) -> None:
+    from quark_ptq_eval.flows.compare.options import RAY_HELP
+
+    g.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS", help=RAY_HELP.format(what=what))
 
 
 def cmd_compare(args: argparse.Namespace, approver: Approver) -> int:

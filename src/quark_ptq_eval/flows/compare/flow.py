@@ -91,9 +91,7 @@ class Comparison:
                      "evaluated once and cached")
         self.gates.require("execute", {s: m.command_digest for s, m in manifests.items()}, shown)
         baseline = BaselineSource(self, opts)
-        for scheme in opts.schemes:
-            if scheme in manifests:
-                self._scheme(opts, scheme, baseline)
+        self._run_schemes(opts, [s for s in opts.schemes if s in manifests], baseline)
         from quark_ptq_eval.flows.compare.card import card_for_chosen
         from quark_ptq_eval.flows.compare.results import write_comparison
 
@@ -146,15 +144,26 @@ class Comparison:
                              "Fix the schemes named above and re-run.")
         return ok
 
-    def _scheme(self, opts: CompareOptions, scheme: str, baseline) -> None:
-        from quark_ptq_eval.flows.compare.evaluation import evaluate_scheme
+    def _run_schemes(self, opts: CompareOptions, schemes: list[str], baseline) -> None:
+        """Each scheme's recipe to its end, one after another (on_ray.py: as Ray tasks)."""
+        for scheme in schemes:
+            self._scheme(opts, scheme, baseline)
 
+    def _is_current(self, scheme: str, baseline) -> bool:
+        """Evaluated before against this baseline (and task list): skipped, and said so."""
         record = self.state.steps.get(f"scheme:{scheme}", {})
         if record.get("status") == "evaluated" and record.get("cache_key") == baseline.key.id \
                 and record.get("tasks_key") == baseline.tasks_key \
                 and (self.workdir(scheme) / "eval_results.json").is_file():
             self.ui.info(f"{scheme}: already quantized, validated and evaluated; skipped.")
             self.progress("skipped", scheme)
+            return True
+        return False
+
+    def _scheme(self, opts: CompareOptions, scheme: str, baseline) -> None:
+        from quark_ptq_eval.flows.compare.evaluation import evaluate_scheme
+
+        if self._is_current(scheme, baseline):
             return
         self.ui.headline(f"Compare · {scheme}: quantize → validate → evaluate")
         runs_before = len(self._engine_runs(scheme))

@@ -25,6 +25,9 @@ from quark_ptq_eval.plan.request import CHOICE, PlanRequest
 
 DEFAULT_MAX_PPL_INCREASE_PCT = 2.0  # the healthy threshold of a single run's verdict
 BUDGET, CACHE, RUN = "budget", "cache", "run"  # the concerns of the comparison's own options
+RAY_HELP = ("run {what} as a Ray task on the cluster at ADDRESS (default auto: the one `ray start` brought up; "
+            "local: start one on this host; write --ray=ADDRESS before a positional argument); needs the [ray] extra")
+NOT_STORED = ("ray",)
 
 
 @dataclass
@@ -48,6 +51,9 @@ class CompareOptions:
     overwrite: bool = field(default=False, metadata=flag("--overwrite", action="store_true") | concern(RUN))
     offline: bool | None = field(default=None, metadata=flag(
         "--offline", action="store_true", help=OFFLINE_HELP) | concern(RUN))
+    # Where this call runs, not what the comparison is: never stored, so a resume runs where it is told to.
+    ray: str | None = field(default=None, metadata=flag(
+        "--ray", nargs="?", const="auto", metavar="ADDRESS", help=RAY_HELP.format(what="each scheme")) | concern(RUN))
 
     def __post_init__(self) -> None:
         if isinstance(self.eval, dict):
@@ -57,7 +63,8 @@ class CompareOptions:
 
     def to_state(self) -> dict[str, Any]:
         """These options as the state file holds them (JSON: absolute paths)."""
-        return {**dataclasses.asdict(self), "eval": json_values(dataclasses.asdict(self.eval))}
+        stored = {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_STORED}
+        return {**stored, "eval": json_values(dataclasses.asdict(self.eval))}
 
     def merged_over(self, stored: dict[str, Any]) -> CompareOptions:
         """These options, with anything left at its default taken from a stored earlier comparison."""

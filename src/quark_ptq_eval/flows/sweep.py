@@ -1,0 +1,146 @@
+"""`quark-ptq-eval sweep GRID`: models x schemes (x goals) from a YAML or JSON file, one comparison
+per model (and goal), each through compare's own flow (locally, or its cells as Ray tasks with
+``--ray``), one report per comparison and one summary table.
+
+    models: {llama: ./tiny-llama, qwen3: ./tiny-qwen3}   # or a list of paths
+    schemes: [int8, int4_wo_128]
+    goals: ["accuracy first"]                             # optional: one comparison per goal
+    options: {calib_data: calib.txt, eval_data: eval.txt, max_windows: 8}   # compare's keywords
+
+Relative paths in the grid are read from the grid file's folder. Every grid cell is a recipe run
+like any other: its gates approved by name (``--approve``), its output claimed. A comparison that
+stops at a gate does not stop the others; the sweep then exits at that checkpoint (3) with the
+command that continues it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quark_ptq_eval.base.errors import CheckpointPending, QpeError, UsageError
+from quark_ptq_eval.base.fsio import atomic_write_text, write_json
+from quark_ptq_eval.base.gates import Approver, FlagApprover
+
+SUMMARY_JSON, SUMMARY_MD = "sweep_summary.json", "sweep_summary.md"
+PATH_OPTIONS = ("calib_data", "eval_data", "include_path")
+
+
+@dataclass(frozen=True)
+class Grid:
+    models: dict[str, str]  # label -> local model directory
+    schemes: list[str]
+    goals: list[str]  # [""]: no goal given
+    options: dict[str, Any]
+
+
+def _label(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "model"
+
+
+def _read(path: Path) -> Any:
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"Cannot read the sweep grid {path}: {exc.strerror or exc}.") from None
+    try:
+        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise UsageError(f"The sweep grid {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
+                         f"{str(exc).splitlines()[0]}.") from None
+
+
+def load_grid(path: str | Path) -> Grid:
+    from quark_ptq_eval.flows.compare.options import keywords
+
+    path = Path(path).expanduser().resolve()
+    doc = _read(path)
+    if not isinstance(doc, dict) or not doc.get("models") or not doc.get("schemes"):
+        raise UsageError(f"The sweep grid {path} needs `models` and `schemes`.",
+                         "See `quark-ptq-eval sweep --help` for the grid's form.")
+    models = doc["models"]
+    if isinstance(models, list):
+        models = {_label(Path(str(m)).name): m for m in models}
+    here = path.parent
+    models = {_label(str(k)): str((here / str(v)).resolve()) for k, v in models.items()}
+    schemes = doc["schemes"].split(",") if isinstance(doc["schemes"], str) else [str(s) for s in doc["schemes"]]
+    options = dict(doc.get("options") or {})
+    unknown = set(options) - keywords()
+    if unknown:
+        raise UsageError(f"Unknown option(s) in the sweep grid {path}: {', '.join(sorted(unknown))}.",
+                         f"A grid takes compare's options: {', '.join(sorted(keywords()))}.")
+    for key in PATH_OPTIONS:
+        if options.get(key):
+            options[key] = str((here / str(options[key])).resolve())
+    goals = [str(g) for g in doc.get("goals") or []] or [""]
+    return Grid(models, [s.strip() for s in schemes if s.strip()], goals, options)
+
+
+def sweep(grid: str | Path | Grid, out_root: str | Path, *, approver: Approver | None = None, quiet: bool = True,
+          ray: str | None = None, progress: Callable[[str, str], None] | None = None) -> dict[str, Any]:
+    """Every comparison of the grid (resumed where it stopped); returns sweep_summary.json's content.
+    Raises ``CheckpointPending`` after the last comparison when any of them waits at a gate."""
+    from quark_ptq_eval.flows.compare import compare
+
+    given = grid if isinstance(grid, Grid) else load_grid(grid)
+    root = Path(out_root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for label, model in given.models.items():
+        for goal in given.goals:
+            name = label + (f"-{_label(goal)}" if goal else "")
+            entry: dict[str, Any] = {"model": label, "goal": goal or None, "root": str(root / name)}
+            options = {**given.options, **({"goal": goal} if goal else {}), **({"ray": ray} if ray else {})}
+            try:
+                doc = compare(model, given.schemes, root / name, approver=approver or FlagApprover(), quiet=quiet,
+                              progress=progress, **options)
+                entry.update(status="done", report=doc["artifacts"]["report"], schemes=doc["schemes"],
+                             recommendation=doc["recommendation"].get("scheme"), cluster=doc.get("cluster"))
+            except CheckpointPending as exc:
+                entry.update(status="waiting", message=exc.message, hint=exc.hint)
+            except QpeError as exc:
+                entry.update(status="failed", message=exc.message, hint=exc.hint)
+            entries.append(entry)
+    summary = {"schema": "quark-ptq-eval/sweep/1", "schemes": given.schemes, "comparisons": entries}
+    write_json(root / SUMMARY_JSON, summary)
+    atomic_write_text(root / SUMMARY_MD, summary_markdown(summary))
+    waiting = [e for e in entries if e["status"] == "waiting"]
+    if waiting:
+        raise CheckpointPending(f"{len(waiting)} of the sweep's {len(entries)} comparisons wait at a checkpoint "
+                                f"({'; '.join(e['message'] for e in waiting)}).",
+                                f"Approve and re-run the sweep: quark-ptq-eval sweep GRID -o {root} --approve GATES "
+                                f"(their reports so far: {root / SUMMARY_MD}).")
+    return summary
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    lines = ["# Sweep summary", "", "| model | goal | scheme | status | size MiB | bits/weight | ppl +% | KL mean | "
+             "node | recommended |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in summary["comparisons"]:
+        if e["status"] != "done":
+            lines.append(f"| {e['model']} | {e['goal'] or '-'} | - | {e['status']}: {e['message']} | | | | | | |")
+            continue
+        cells = (e.get("cluster") or {}).get("cells", {})
+        for r in e["schemes"]:
+            status = r["status"] if r["status"] != "failed" else f"failed at {r.get('failed_step')}: {r.get('error')}"
+            cell = cells.get(r["scheme"], {})
+            node = (cell.get("node") or "-") + (" (retried)" if cell.get("retried") else "")
+            size = r.get("size_bytes") / 2**20 if r.get("size_bytes") else None
+            lines.append(f"| {e['model']} | {e['goal'] or '-'} | {r['scheme']} | {status} | {_num(size, '.2f')} | "
+                         f"{_num(r.get('bits_per_weight'), '.2f')} | {_num(r.get('ppl_increase_pct'), '.2f')} | "
+                         f"{_num(r.get('kl_mean'), '.4f')} | {node} | "
+                         f"{'yes' if e['recommendation'] == r['scheme'] else ''} |")
+    lines += ["", "One report per comparison:", ""]
+    lines += [f"- {e['model']}{' / ' + e['goal'] if e['goal'] else ''}: {e.get('report') or e['root']}"
+              for e in summary["comparisons"]]
+    return "\n".join(lines) + "\n"

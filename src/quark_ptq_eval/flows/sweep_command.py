@@ -1,0 +1,34 @@
+"""`quark-ptq-eval sweep`: its arguments and its command (cheap to import: no torch, no ray here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from quark_ptq_eval.base.errors import ExitCode
+from quark_ptq_eval.base.gates import Approver
+from quark_ptq_eval.base.ui import noise_to_log
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("grid", type=Path, help="YAML or JSON: models (paths, or label: path), schemes, optional goals, "
+                                           "and options (compare's, by keyword: calib_data, eval_data, ...)")
+    p.add_argument("-o", "--output-root", dest="out_root", type=Path, required=True,
+                   help="one comparison directory per model (and goal) under it, and the summary table")
+    from quark_ptq_eval.flows.compare.command import add_gate_flags, add_ray_flag
+
+    add_gate_flags(p)
+    add_ray_flag(p, "every comparison's cells, each")
+    p.add_argument("--json", action="store_true", help="print sweep_summary.json on stdout")
+    p.add_argument("--quiet", "-q", action="store_true")
+
+
+def cmd_sweep(args: argparse.Namespace, approver: Approver) -> int:
+    from quark_ptq_eval.flows.sweep import sweep
+
+    with noise_to_log(Path(args.out_root).resolve() / "logs" / "sweep.log"):
+        summary = sweep(args.grid, args.out_root, approver=approver, quiet=args.quiet or args.json, ray=args.ray)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    return ExitCode.OK
