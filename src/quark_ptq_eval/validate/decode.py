@@ -36,9 +36,10 @@ from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
 from quark_ptq_eval.base.schemes import as_spec_list
 from quark_ptq_eval.validate import decode_formats as fmt
 from quark_ptq_eval.validate.byte_identity import default_workers
+from quark_ptq_eval.validate.decode_blocks import Target
 from quark_ptq_eval.validate.decode_folds import FoldFinder
 from quark_ptq_eval.validate.decode_judge import MAX_ROWS_LISTED, Bound, bound_for, judge
-from quark_ptq_eval.validate.decode_weights import Fold, RowErrors, Target, compare
+from quark_ptq_eval.validate.decode_weights import Fold, RowErrors, compare
 from quark_ptq_eval.validate.expectations import module_config
 from quark_ptq_eval.validate.registry import ValidationContext, read_config, unreadable_headers
 from quark_ptq_eval.validate.report import CheckResult, Finding

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.validate import decode_formats as fmt
@@ -21,10 +21,38 @@ from quark_ptq_eval.validate import decode_formats as fmt
 if TYPE_CHECKING:
     import numpy as np
 
-    from quark_ptq_eval.validate.decode_weights import Target
-
 TILE_ELEMENTS = 1 << 22  # per tensor and read (8 MiB of a BF16 source); decoded CHUNK_ELEMENTS at a time
 COLUMN_TILE = 2048  # a tile's columns where a transposed tensor of a grouped weight is read by groups
+
+
+@dataclass(frozen=True)
+class Target:
+    """A quantized weight and what decodes it: its spec (one level) and the tensors it needs."""
+
+    module: str
+    weight: TensorInfo
+    scale: TensorInfo
+    zero_point: TensorInfo | None
+    source: TensorInfo
+    spec: dict[str, Any]
+    reorder: bool  # export.pack_method == "reorder" (int4 nibble order)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.spec.get("dtype"))
+
+    @property
+    def grouped(self) -> bool:
+        return self.spec.get("qscheme") == "per_group"
+
+    @property
+    def group_size(self) -> int:
+        return int(self.spec.get("group_size") or 0) if self.grouped else 0
+
+    def tensors(self) -> list[TensorInfo]:
+        """Everything decoding this weight reads, in file order."""
+        parts = [self.weight, self.scale, self.zero_point, self.source]
+        return sorted((p for p in parts if p is not None), key=lambda p: (str(p.file), p.start))
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.validate import decode_formats as fmt
+from quark_ptq_eval.validate.decode_blocks import Target
 from quark_ptq_eval.validate.decode_judge import format_of, ranges
-from quark_ptq_eval.validate.decode_weights import Fold, Target, Tolerance, compare
+from quark_ptq_eval.validate.decode_weights import Fold, Tolerance, compare
 from quark_ptq_eval.validate.folds import fold_groups, per_expert_folds
 from quark_ptq_eval.validate.registry import ValidationContext
 from quark_ptq_eval.validate.report import CheckResult, Finding

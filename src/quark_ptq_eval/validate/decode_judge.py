@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quark_ptq_eval.validate.decode_weights import Fold, RowErrors, Target
+from quark_ptq_eval.validate.decode_blocks import Target
+from quark_ptq_eval.validate.decode_weights import Fold, RowErrors
 from quark_ptq_eval.validate.report import Finding
 
 RTN_SLACK = 1e-3  # steps: float32 rounding of w / scale (+ zero point); measured worst 0.5000005

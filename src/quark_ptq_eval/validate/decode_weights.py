@@ -11,11 +11,10 @@ round-to-nearest format is held to 0.5 step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.validate import decode_formats as fmt
-from quark_ptq_eval.validate.decode_blocks import Tile, TileReader
+from quark_ptq_eval.validate.decode_blocks import Target, Tile, TileReader
 
 if TYPE_CHECKING:
     import numpy as np
@@ -26,36 +25,6 @@ if TYPE_CHECKING:
 # and are reused by the allocator; at 4 Mi elements each new array page-faults, ~2.5x the CPU.
 CHUNK_ELEMENTS = 1 << 18
 MIN_CLIP = 0.55  # Quark's AWQ clip search (awq.py _compute_best_clip): max_val down to 1 - 9/20 of the group's
-
-
-@dataclass(frozen=True)
-class Target:
-    """A quantized weight and what decodes it: its spec (one level) and the tensors it needs."""
-
-    module: str
-    weight: TensorInfo
-    scale: TensorInfo
-    zero_point: TensorInfo | None
-    source: TensorInfo
-    spec: dict[str, Any]
-    reorder: bool  # export.pack_method == "reorder" (int4 nibble order)
-
-    @property
-    def dtype(self) -> str:
-        return str(self.spec.get("dtype"))
-
-    @property
-    def grouped(self) -> bool:
-        return self.spec.get("qscheme") == "per_group"
-
-    @property
-    def group_size(self) -> int:
-        return int(self.spec.get("group_size") or 0) if self.grouped else 0
-
-    def tensors(self) -> list[TensorInfo]:
-        """Everything decoding this weight reads, in file order."""
-        parts = [self.weight, self.scale, self.zero_point, self.source]
-        return sorted((p for p in parts if p is not None), key=lambda p: (str(p.file), p.start))
 
 
 @dataclass
