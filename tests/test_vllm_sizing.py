@@ -169,3 +169,18 @@ def test_the_serving_check_is_sized_the_same_way_and_a_host_without_room_is_one_
     servecheck._serve(model, CPU_VLLM, result)  # refused before a server is started (/venv/bin/python: none)
     assert result.stats["served"] is False and len(result.findings) == 1
     assert result.findings[0].message.startswith("not started: vLLM cannot start on this host now: one 2048-token")
+
+
+def test_runs_vllm_args_reach_the_serving_check(tmp_path, monkeypatch):
+    """`run --vllm-arg` (the API's eval_options={"vllm_args": ...}) goes to the serving check as to Tier 3."""
+    from quark_ptq_eval.flows.api import run_options
+    from quark_ptq_eval.validate import servecheck, vllm_host
+    from quark_ptq_eval.validate.registry import ValidationContext
+
+    opts = run_options("m", tmp_path / "o", {"eval_options": {"vllm_args": ["--max-num-seqs=4"]}})
+    seen = []
+    monkeypatch.setattr(vllm_host, "find_host_vllm", lambda named: CPU_VLLM)
+    monkeypatch.setattr(servecheck, "_serve", lambda model, host, result, args=(): seen.append(args))
+    ctx = ValidationContext(tmp_path, tmp_path, None, vllm_args=tuple(opts.eval["vllm_args"]))
+    servecheck.check_serving(ctx)
+    assert seen == [("--max-num-seqs=4",)]

@@ -143,7 +143,9 @@ def served_models(model_dir: Path, baseline: Path | None, plan: dict[str, Any] |
     models = [ServedModel("quantized", Path(model_dir).resolve(), "quantized", tp, kv, context, why)]
     if baseline is not None:  # the unquantized source, KV cache in the model dtype
         models.append(ServedModel("baseline", Path(baseline).resolve(), "baseline",
-                                  _baseline_devices(Path(baseline), fit, kv) if tp else None, None, context, why))
+                                  _baseline_devices(Path(baseline), fit, kv) if tp else None, None, context,
+                                  why | {"--tensor-parallel-size": "the baseline's weights on disk and a model-dtype "
+                                         f"KV cache on {target.get('label')}, sized as the plan's serving fit"}))
     notes = []
     if tp:
         gib = (fit["weights_bytes"] + fit["kv_cache_bytes"]) / 2**30
