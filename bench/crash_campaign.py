@@ -48,7 +48,7 @@ from quark_ptq_eval.base.state import LOCK_FILE, STATE_FILE  # noqa: E402
 from quark_ptq_eval.base.step_table import STEP_NAMES  # noqa: E402
 from quark_ptq_eval.flows.demo_run import demo_args  # noqa: E402
 
-FINISHED = ("done", "succeeded", "success", "skipped")
+FINISHED = ("done", "succeeded", "success", "skipped", "written", "none")  # "written"/"none": the card step
 WORK_ARTIFACTS_SKIPPED = ("logs", LOCK_FILE)  # logs differ by design; the lock is checked on its own
 
 

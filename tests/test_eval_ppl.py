@@ -309,7 +309,7 @@ def test_kl_quantiles_distribution_chart_and_estimate_span_in_the_report(tiny_ll
     hist = details["distribution"]["token_kl_histogram"]
     assert sum(hist["counts"]) + hist["zero"] == details["quantized"]["tokens"] == 8 * (SEQ_LEN - 1)
     assert hist["edges"][0] <= kl["kl_p50"] and hist["edges"][-1] >= kl["kl_max"] * (1 - 1e-9)
-    assert "per-window NLL delta and per-token KL" in text
+    assert "per-window NLL delta, per-token KL and Δp" in text
     assert (tmp_path / "eval_chart.png").read_bytes()[:4] == b"\x89PNG"
     runtime, estimate = results["runtime"], results["runtime"]["estimate"]
     assert runtime["span"] == estimate["span"] == "from the tier's approval to the report written"

@@ -88,9 +88,12 @@ def quark_verdicts(qv, source: Path, out: Path, report: ValidationReport) -> dic
     md5 = qv.check_non_quantized_tensors_md5_unchanged(
         source, out, {"exclude": report.exclude_patterns, "max_samples": 1000, "random_seed": 0})
     return {
-        "aux_ok": aux["ok"],
-        "aux_missing": set(aux["missing_files"]),
-        "aux_changed": {m["path"] for m in aux["mismatched_files"]},
+        # README.md is the export's own model card (issue 35), never the base model's: Quark's validator
+        # expects the base card copied, ours leaves it out on both sides
+        "aux_ok": not (set(aux["missing_files"]) - {"README.md"})
+        and not ({m["path"] for m in aux["mismatched_files"]} - {"README.md"}) and aux["ok"] is not None,
+        "aux_missing": set(aux["missing_files"]) - {"README.md"},
+        "aux_changed": {m["path"] for m in aux["mismatched_files"]} - {"README.md"},
         "config_ok": config["ok"],
         "config_paths": {m.split(":")[0] for m in config["mismatches"] if "value mismatch" in m},
         "md5_ok": md5["ok"],
