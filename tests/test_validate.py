@@ -352,12 +352,12 @@ def test_report_contract_markdown_and_atomic_write(tiny_llama, quantized, tmp_pa
 
 
 def test_failed_report_validates_against_the_contract(tiny_llama, int8_copy):
-    (int8_copy / "README.md").write_text("edited\n")
+    (int8_copy / "generation_config.json").unlink()  # README.md is the export's own card: not an aux copy
     report = validate_model(tiny_llama, int8_copy)
     contract = report.to_contract()
     jsonschema.validate(contract, json.loads(CONTRACT.read_text()))
     assert contract["status"] == "failed"
-    assert any("README.md" in line for line in contract["evidence"])
+    assert any("generation_config.json" in line for line in contract["evidence"])
 
 
 def test_max_samples_draws_a_seeded_subset(tiny_llama, quantized):
