@@ -308,13 +308,11 @@ def run_trial(number: int, ref: Reference, model: Path, corpus: Path, where: Pat
 
 
 def prepare(root: Path) -> tuple[Path, Path]:
-    from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
+    """The model and corpus of ``make demo``: the sensitivity bench's builder, not a second copy."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_sensitivity_effect import demo_model
 
-    corpus, model = root / "corpus.txt", root / "tiny-llama"
-    if not (model / "config.json").exists():
-        build_corpus(corpus)
-        build_tiny_model(model, corpus)
-    return model, corpus
+    return demo_model(root)
 
 
 def main(argv: list[str] | None = None) -> int:
