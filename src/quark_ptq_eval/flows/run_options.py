@@ -55,7 +55,7 @@ class RunOptions:
 
     def to_state(self) -> dict[str, Any]:
         """These options as run_state.json holds them: the plan and evaluation fields given, as JSON."""
-        stored = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in COMPOSED[-2:]}
+        stored = {k: v for k, v in vars(self).items() if k not in COMPOSED[-2:]}  # the fields, in order
         return {**stored, "contexts": dict(self.contexts), "plan": _given_json(self.plan, self.plan_given),
                 "eval": _given_json(self.eval, self.eval_given)}
 
@@ -89,8 +89,8 @@ def _typed(cls: type[OptionsT], given: OptionsT | dict[str, Any], names: tuple[s
     from a ``cls`` (its ``names``, else the fields that differ from the defaults)."""
     if isinstance(given, cls):
         if not names:
-            default = cls()
-            names = tuple(f.name for f in dataclasses.fields(cls) if getattr(given, f.name) != getattr(default, f.name))
+            default = vars(cls())
+            names = tuple(k for k, v in vars(given).items() if v != default[k])
         return given, names
     assert isinstance(given, dict), f"{cls.__name__} or a dict of its fields, not {type(given).__name__}"
     known = {f.name for f in dataclasses.fields(cls)}
@@ -105,7 +105,8 @@ def _given_json(options: PlanRequest | EvalOptions, names: tuple[str, ...]) -> d
             return os.fspath(value)
         return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
 
-    return {name: plain(getattr(options, name)) for name in names}
+    values = vars(options)
+    return {name: plain(values[name]) for name in names}
 
 
 def run_options(model: str | Path | None, output_dir: str | Path | None, options: dict[str, Any]) -> RunOptions:
