@@ -181,6 +181,6 @@ def test_runs_vllm_args_reach_the_serving_check(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(vllm_host, "find_host_vllm", lambda named: CPU_VLLM)
     monkeypatch.setattr(servecheck, "_serve", lambda model, host, result, args=(): seen.append(args))
-    ctx = ValidationContext(tmp_path, tmp_path, None, vllm_args=tuple(opts.eval["vllm_args"]))
+    ctx = ValidationContext(tmp_path, tmp_path, None, vllm_args=tuple(opts.eval.vllm_args))
     servecheck.check_serving(ctx)
     assert seen == [("--max-num-seqs=4",)]
