@@ -22,13 +22,11 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_orchestration import ENV, our_cli, timed, warm_catalog  # noqa: E402
+from bench.bench_orchestration import ENV, our_cli, timed, warm_catalog
 
 SCHEMES = ["fp8", "int8", "int4_wo_128", "mxfp4"]
 PPL_RTOL = 1e-4

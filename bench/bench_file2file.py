@@ -28,8 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure_memory import ENV, SHAPES, build_random_llama, tokenizer_and_corpus  # noqa: E402
+from bench.measure_memory import ENV, SHAPES, build_random_llama, tokenizer_and_corpus
 
 
 def rss_bytes(pid: int) -> int:

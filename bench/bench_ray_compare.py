@@ -26,9 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_compare import SCHEMES, shared_flags  # noqa: E402
-from bench_orchestration import our_cli, timed, warm_catalog  # noqa: E402
+from bench.bench_compare import SCHEMES, shared_flags
+from bench.bench_orchestration import our_cli, timed, warm_catalog
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}
 

@@ -29,9 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_real_size_plans import BF16, F8, F32, llama_405b, write_sparse  # noqa: E402
+from bench.bench_real_size_plans import BF16, F8, F32, llama_405b, write_sparse
 
 FP8_SPEC = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False, "symmetric": True, "ch_axis": None,
             "group_size": None, "scale_format": None, "scale_type": "float", "observer_cls": "PerTensorMinMaxObserver",

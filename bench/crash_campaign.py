@@ -309,8 +309,7 @@ def run_trial(number: int, ref: Reference, model: Path, corpus: Path, where: Pat
 
 def prepare(root: Path) -> tuple[Path, Path]:
     """The model and corpus of ``make demo``: the sensitivity bench's builder, not a second copy."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_sensitivity_effect import demo_model
+    from bench.bench_sensitivity_effect import demo_model
 
     return demo_model(root)
 

@@ -61,7 +61,7 @@ def _run_text(run: dict) -> str:
 
 def write_doc(path: Path, data: dict[str, Any], skipped: dict[str, str], setup: Any) -> None:
     cells = data["cells"]
-    from matrix import COLUMNS  # the matrix's column order, whichever runner ran a column first
+    from bench.matrix import COLUMNS  # the matrix's column order, whichever runner ran a column first
 
     order = list(COLUMNS)
     columns = sorted({c["column"] for c in cells.values()}, key=lambda c: (order.index(c) if c in order else len(order), c))

@@ -33,10 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))
-from families import build_family  # noqa: E402
-from fp8_release import to_fp8_release  # noqa: E402
+from tests.fixtures.families import build_family
+from tests.fixtures.fp8_release import to_fp8_release
 
 ROOT = Path(__file__).resolve().parents[1]
 # column -> (scheme, algorithm)
@@ -503,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = offline_workdir(args.work)
     if args.doc_only:
-        from families_doc import write_doc
+        from bench.families_doc import write_doc
 
         setup = prepare(work, args.calib_samples, args.windows)
         write_doc(Path(args.out), all_results(work), families_available(setup.catalog)[1], setup)
@@ -529,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             "columns": columns, "cells": len(cells), "wall_s": round(wall, 1), "per_cell_s": round(per_cell, 1),
             "import_s": round(import_s, 1)}
     merge_results(results, cells, meta)
-    from families_doc import write_doc
+    from bench.families_doc import write_doc
 
     write_doc(Path(args.out), all_results(work), skipped, setup)
     return 0 if all(c.outcome != "failed" for c in cells) else 1

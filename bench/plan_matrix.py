@@ -21,8 +21,7 @@ from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matrix import (  # noqa: E402
+from bench.matrix import (
     ROOT,
     Cell,
     Setup,
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = offline_workdir(args.work)
     if args.multinode:
-        from plan_matrix_multinode import run_cells
+        from bench.plan_matrix_multinode import run_cells
 
         rows = run_cells(work / "multinode")
         (work / MULTINODE_RESULTS).write_text(json.dumps(rows, indent=1))

@@ -22,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_real_size_plans import BF16, F8, deepseek_v3, mla_moe, write_sparse  # noqa: E402
+from bench.bench_real_size_plans import BF16, F8, deepseek_v3, mla_moe, write_sparse
 
 
 def bf16_release(shapes):
