@@ -14,7 +14,7 @@ interleaved (ours, read, ours, ...), medians:
 Wall and CPU seconds of both, and the host's load average around the runs: on a shared host the
 wall ratio also measures the load, the CPU seconds do not. ``ratio`` is peer time / our time.
 
-Run: ``python bench/bench_decode.py [--size-gb 2] [--repeat 3]`` (``make bench`` runs it with the defaults).
+Run: ``python -m bench.bench_decode [--size-gb 2] [--repeat 3]`` (``make bench`` runs it with the defaults).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Cases:
   beside the other jobs of a 24 GB host), 4 windows of 128 tokens, one window per batch (two
   pilot batches, two predicted). A few minutes on 2 cores.
 
-Run: ``python bench/bench_estimates.py [--cases demo,1b] [--demo DIR] [--big DIR]``.
+Run: ``python -m bench.bench_estimates [--cases demo,1b] [--demo DIR] [--big DIR]``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ The ratio is peer / ours (above 1: the cluster run is faster). Ray's own cost sh
 beside it: the cluster's bring-up (not in either time), and the per-cell overhead, the cells' wall
 time on Ray (attempt start to end, read from the work dirs) against the same scheme's share locally.
 Both runs' comparison.json must agree (perplexity and KL per scheme, equal to 1e-9 relative).
-Run: ``python bench/bench_ray_compare.py [--max-windows N]``.
+Run: ``python -m bench.bench_ray_compare [--max-windows N]``.
 """
 
 from __future__ import annotations

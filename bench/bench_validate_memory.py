@@ -12,7 +12,7 @@ printed with the load average before and after each run (the host is shared). ``
 a run that would take too long (the 405 B case: ~1.2 TB read) and projects its wall time from the
 share of the decode check's bytes read by then (``/proc/PID/io``).
 
-    .venv/bin/python bench/bench_validate_memory.py [--work DIR] [--case 13b --case 70b ...] [--workers 1 2 4]
+    .venv/bin/python -m bench.bench_validate_memory [--work DIR] [--case 13b --case 70b ...] [--workers 1 2 4]
 """
 
 from __future__ import annotations

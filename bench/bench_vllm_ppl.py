@@ -2,7 +2,7 @@
 tier_ppl.score_batch) and through a vLLM server's prompt log-probabilities (evaluate/vllm_ppl.py),
 with the difference against the stated tolerance and the time of each (load / start-up, scoring).
 
-Run: ``python bench/bench_vllm_ppl.py --model EXPORT [--vllm-python .venv-vllm/bin/python]``;
+Run: ``python -m bench.bench_vllm_ppl --model EXPORT [--vllm-python .venv-vllm/bin/python]``;
 without --model the demo model's int8 export is built (demo assets, Quark's API engine).
 """
 

@@ -19,7 +19,7 @@ A trial covers the code paths from its kill instant onwards as a user's resume m
 steps are redone or skipped by the recipe itself, never by this script. Trials whose instant falls
 after the run has ended count as "not killed".
 
-    heavy .venv/bin/python bench/crash_campaign.py --trials 50 --seed 1
+    heavy .venv/bin/python -m bench.crash_campaign --trials 50 --seed 1
 """
 
 from __future__ import annotations

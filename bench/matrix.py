@@ -7,10 +7,10 @@ Tier 1 perplexity with baseline on a few windows, its checkpoints approved by na
 of matrix parameters actually quantized against the plan's promise. The recipe is given an
 in-process engine runner (``execute/in_process.py``), so ``import quark.torch`` (~20 s) is paid once
 per runner, not per cell. The ``fp8_release`` column starts from the family's instance converted to
-the DeepSeek FP8 block format (tests/fp8_release.py), which the plan reads through a dequantized
+the DeepSeek FP8 block format (tests/fixtures/fp8_release.py), which the plan reads through a dequantized
 BF16 staging copy.
 
-    python bench/matrix.py [--families llama,mixtral] [--columns fp8,awq] [--out docs/families.md]
+    python -m bench.matrix [--families llama,mixtral] [--columns fp8,awq] [--out docs/families.md]
 
 Results are merged into ``<work>/results-TAG.json`` (reruns of a subset update their rows) and
 ``docs/families.md`` is regenerated from them.
@@ -43,7 +43,7 @@ COLUMNS: dict[str, tuple[str, str | None]] = {
     "mxfp4": ("mxfp4", None), "awq": ("int4_wo_32", "awq"), "fp8_release": ("mxfp4", None),
 }
 # columns whose source is the family's instance as an FP8 block release (DeepSeek's format,
-# tests/fp8_release.py): the recipe's plan reads it through a dequantized BF16 staging copy
+# tests/fixtures/fp8_release.py): the recipe's plan reads it through a dequantized BF16 staging copy
 FP8_RELEASE_COLUMNS = ("fp8_release",)
 NON_MATRIX = ("embed", "norm", "wte", "wpe", "rotary", "conv")
 FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}

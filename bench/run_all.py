@@ -5,7 +5,7 @@ Each module exposes ``run(quick: bool) -> list[dict]`` with rows {"benchmark", "
 becomes one error row and the others still run. ``ratio`` is peer time / our time everywhere
 (above 1: we are faster). All rows are also written to ``.bench/results.json`` (gitignored); with ``--only`` the
 other modules' previous rows there are kept.
-Run: ``python bench/run_all.py [--quick] [--only NAME ...]``.
+Run: ``python -m bench.run_all [--quick] [--only NAME ...]``.
 """
 
 from __future__ import annotations

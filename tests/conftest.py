@@ -41,7 +41,7 @@ def corpus(assets) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(assets, corpus):
     """``tiny_model("llama")`` / ``tiny_model("qwen3")``: path of a trained tiny checkpoint; any other
-    transformers model type (``"qwen3_moe"``): a tiny random instance of that family (bench/families.py).
+    transformers model type (``"qwen3_moe"``): a tiny random instance of that family (tests/fixtures/families.py).
     Treat it as read-only: copy it (``copy_model``) before planting faults."""
     from quark_ptq_eval.flows.demo import ARCHITECTURES, build_tiny_model
 
