@@ -8,7 +8,7 @@ are interleaved, five rounds (one with ``--quick``); the ratio is of the medians
 ratio is printed next to it. ``--profile`` instead times the pieces of one Tier 1 run with a
 baseline (tokenization, model load, forward, NLL, baseline forward, KL) on the same model and text.
 ``--rss TOKENS`` runs Tier 1 with a baseline over that many tokens and prints the peak RSS.
-Run: ``python bench/bench_ppl.py [--quick | --profile | --rss TOKENS]``.
+Run: ``python -m bench.bench_ppl [--quick | --profile | --rss TOKENS]``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ The ratio is peer / ours (above 1: the cluster run is faster). Ray's own cost sh
 beside it: the cluster's bring-up (not in either time), and the per-cell overhead, the cells' wall
 time on Ray (attempt start to end, read from the work dirs) against the same scheme's share locally.
 Both runs' comparison.json must agree (perplexity and KL per scheme, equal to 1e-9 relative).
-Run: ``python bench/bench_ray_compare.py [--max-windows N]``.
+Run: ``python -m bench.bench_ray_compare [--max-windows N]``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_compare import SCHEMES, shared_flags  # noqa: E402
-from bench_orchestration import ENV, our_cli, timed, warm_catalog  # noqa: E402
+from bench.bench_compare import SCHEMES, shared_flags
+from bench.bench_orchestration import ENV, our_cli, timed, warm_catalog
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}
 
