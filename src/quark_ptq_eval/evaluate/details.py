@@ -55,7 +55,7 @@ def noise_of(value: Mapping[str, Mapping[str, Any]] | None) -> Noise | None:
 
 
 def _plain(value: Any) -> Any:
-    if hasattr(value, "as_dict") and dataclasses.is_dataclass(value):
+    if isinstance(value, MetricNoise | TierDetails):
         return value.as_dict()
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
