@@ -358,3 +358,168 @@ def test_a_new_engine_tier_check_and_source_format_are_one_module_and_one_row_ea
     assert census["status"] == "pass" and census["stats"]["export_tensors"] > census["stats"]["source_tensors"]
     report = (wd / "eval_report.md").read_text()
     assert "tier census" in report and "## Tensor census" in report and "with a weight scale" in report
+
+
+# ---- the tier contract, checked when a row is registered -------------------------------------------------
+def test_a_tier_row_that_lacks_the_contract_is_refused_when_registered():
+    from quark_ptq_eval.base.registry import InvalidEntry
+    from quark_ptq_eval.evaluate.tiers import TIERS, Tier, check_tier
+
+    tiers = Registry("evaluation tier", entry_type=Tier, check=check_tier)
+    row = TIERS["ppl"]
+    tiers.register(row)  # a shipped row keeps the contract
+    cases = {  # a row lacking one part -> what the refusal names
+        "no_run": (Tier("no_run", "x", "t", "m", "c", "quark_ptq_eval.evaluate.kld_report", True,
+                        report_section="quark_ptq_eval.evaluate.kld_report:kld_report_lines"),
+                   "its module quark_ptq_eval.evaluate.kld_report defines no prepare, run"),
+        "no_section": (Tier("no_section", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_lmeval", True),
+                       "it names no report_section"),
+        "bad_section": (Tier("bad_section", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_lmeval", True,
+                             report_section="quark_ptq_eval.evaluate.tier_lmeval:no_such_section"),
+                        "its report_section quark_ptq_eval.evaluate.tier_lmeval defines no no_such_section"),
+        "bad_options": (Tier("bad_options", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_lmeval", True,
+                             report_section="quark_ptq_eval.evaluate.tier_lmeval:section",
+                             options="quark_ptq_eval.evaluate.tier_lmeval:NoOptions"),
+                        "its options quark_ptq_eval.evaluate.tier_lmeval defines no NoOptions"),
+        "missing": (Tier("missing", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_nowhere", True,
+                         report_section="quark_ptq_eval.evaluate.tier_nowhere:section"),
+                    "its module quark_ptq_eval.evaluate.tier_nowhere does not exist"),
+        "text": (Tier("text", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_lmeval", True, scores_text=True,
+                      report_section="quark_ptq_eval.evaluate.tier_lmeval:section"),
+                 "defines no eval_texts, token_windows, auto_batch_size, new_accumulator, text_outcome"),
+        "idle": (Tier("idle", "-", "t", "m", "c", None, False, report_section="a.b:c"),
+                 "it runs nothing (no module) but sets report_section"),
+    }
+    for name, (bad, why) in cases.items():
+        with pytest.raises(InvalidEntry, match="is refused: ") as refused:
+            tiers.register(bad)
+        assert why in str(refused.value) and f"The evaluation tier {name!r}" in str(refused.value)
+        assert "docs/extending.md" in str(refused.value)
+    with pytest.raises(InvalidEntry, match="must be a Tier, not Row"):
+        tiers.register(Row("row"))
+    assert tiers.names() == ("ppl",)  # nothing refused was added
+
+
+# ---- docs/extending.md: a tier with its own option, one module and one row ----------------------------
+OPTION_TIER_MODULE = '''"""Tier ``pattern``: counts the export's tensors whose name matches --census-pattern (its own option)."""
+
+import fnmatch
+import time
+from dataclasses import dataclass, field
+
+from quark_ptq_eval.base.options import flag
+from quark_ptq_eval.base.safetensors_io import read_model_headers
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome
+
+
+@dataclass
+class PatternOptions:
+    census_pattern: str = field(default="*", metadata=flag(
+        "--census-pattern", metavar="GLOB", help="tier pattern: count the tensors whose name matches GLOB"))
+
+
+@dataclass
+class Prepared:
+    ctx: TierContext
+    options: PatternOptions
+    estimate: RuntimeEstimate
+
+
+def prepare(ctx: TierContext) -> Prepared:
+    started = time.perf_counter()
+    headers = read_model_headers(ctx.model_dir)
+    return Prepared(ctx, ctx.options.of(PatternOptions),
+                    RuntimeEstimate(tier="pattern", seconds=time.perf_counter() - started, hardware="this host",
+                                    model_bytes=sum(t.nbytes for t in headers.values()),
+                                    data=f"{len(headers)} tensor headers", basis="one read of the headers"))
+
+
+def run(prepared: Prepared) -> TierOutcome:
+    pattern = prepared.options.census_pattern
+    matching = [name for name in read_model_headers(prepared.ctx.model_dir) if fnmatch.fnmatch(name, pattern)]
+    return TierOutcome(quantized={"pattern": {"matching": float(len(matching))}},
+                       directions={"pattern": {"matching": True}}, informational=("matching",),
+                       details={"pattern": pattern, "matching": len(matching)})
+
+
+def section(report) -> list[str]:
+    return ["## Pattern census", "", f"- {report.details['matching']} tensors match `{report.details['pattern']}`", ""]
+'''
+OPTION_TIER = ("evaluate/tier_pattern.py", OPTION_TIER_MODULE, "evaluate/tiers.py", "TIERS",
+               'Tier("pattern", "p", "pattern", "tensors matching a glob", "seconds", '
+               '"quark_ptq_eval.evaluate.tier_pattern", False, "pattern census", '
+               'report_section="quark_ptq_eval.evaluate.tier_pattern:section", '
+               'options="quark_ptq_eval.evaluate.tier_pattern:PatternOptions"),', None)
+
+
+def option_tier_package(root: Path) -> Path:
+    """A copy of the package with the pattern tier: one new module and one row, nothing else."""
+    copy = root / "quark_ptq_eval"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    module, text, table, name, row, before = OPTION_TIER
+    (copy / module).write_text(text, encoding="utf-8")
+    add_row(copy / table, name, row, before)
+    changed = sorted(str(p.relative_to(copy)) for p in copy.rglob("*.py")
+                     if not (PACKAGE / p.relative_to(copy)).is_file()
+                     or p.read_bytes() != (PACKAGE / p.relative_to(copy)).read_bytes())
+    assert changed == ["evaluate/tier_pattern.py", "evaluate/tiers.py"]
+    return root
+
+
+def _matching(model: Path, pattern: str) -> int:
+    import fnmatch
+
+    from quark_ptq_eval.base.safetensors_io import read_model_headers
+
+    return sum(1 for name in read_model_headers(model) if fnmatch.fnmatch(name, pattern))
+
+
+def test_a_tier_with_its_own_option_is_one_module_and_one_row(tiny_llama, tmp_path):
+    import difflib
+
+    pkg = option_tier_package(tmp_path / "pkg")
+    env = {**os.environ, "PYTHONPATH": str(pkg)}
+    docs = tmp_path / "cli.md"  # what `make docs` runs, on the extended package
+    subprocess.run([sys.executable, "-m", "quark_ptq_eval.flows.docs_gen", str(docs)], env=env, check=True,
+                   capture_output=True)
+    original = (SRC.parent / "docs" / "cli.md").read_text(encoding="utf-8").splitlines()
+    diff = [d for d in difflib.ndiff(original, docs.read_text(encoding="utf-8").splitlines()) if d[:1] in "+-"]
+    removed = [d[2:] for d in diff if d.startswith("- ")]
+    added = [d[2:] for d in diff if d.startswith("+ ")]
+    # the flag's line on `run`, `resume` and `eval`; --eval-tier's choices and help gain the tier, nothing else
+    assert sum(line.startswith("| `--census-pattern` `GLOB` |") for line in added) == 3
+    assert removed and all(line.startswith("| `--eval-tier`") for line in removed)
+    for line in removed:
+        assert line.replace("skip}`", "skip,pattern}`").replace(
+            " (none) |", " (none); pattern: tier p, tensors matching a glob (seconds) |") in added
+    assert len(added) == 3 + len(removed)
+    work = tmp_path / "eval"
+    work.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval", "eval", "--model", str(tiny_llama), "--tier",
+                           "pattern", "--census-pattern", "*q_proj*"], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((work / "eval_results.json").read_text())
+    expected = _matching(tiny_llama, "*q_proj*")
+    assert expected > 0 and results["quantized"] == {"pattern": {"matching": float(expected)}}
+    assert results["settings"]["census_pattern"] == "*q_proj*" and results["details"]["pattern"] == "*q_proj*"
+    assert f"- {expected} tensors match `*q_proj*`" in (work / "eval_report.md").read_text()
+
+
+@pytest.mark.slow
+def test_run_takes_the_new_tiers_option_through_the_recipe(tiny_llama, corpus, tmp_path):
+    pkg = option_tier_package(tmp_path / "pkg")
+    wd, out = tmp_path / "work", tmp_path / "out"
+    argv = [sys.executable, "-m", "quark_ptq_eval", "run", str(tiny_llama), "-o", str(out), "--workdir", str(wd),
+            "--calib-data", str(corpus), "--num-calib-samples", "8", "--calib-seq-len", "64", "--offline",
+            "--scheme", "int8", "--eval-tier", "pattern", "--census-pattern", "*weight_scale", "--no-load-check",
+            "--yes", "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "PYTHONPATH": str(pkg)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["status"] == "done"
+    results = json.loads((wd / "eval_results.json").read_text())
+    expected = _matching(out, "*weight_scale")
+    assert expected > 0 and results["quantized"] == {"pattern": {"matching": float(expected)}}
+    assert results["settings"]["census_pattern"] == "*weight_scale"
+    assert "## Pattern census" in (wd / "eval_report.md").read_text()

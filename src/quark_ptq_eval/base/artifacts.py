@@ -100,6 +100,55 @@ class ModelAnalysis(Artifact):
         return model_type
 
 
+# Ids of the decisions code looks up (plan.decision(id)); a row's label is what the plan table shows
+# and quant_plan.json writes as "decision", free to change. A row of no listed id has its label as id.
+DECISION_LABELS: dict[str, str] = {
+    "target": "target", "global_scheme": "global_scheme", "algorithm": "algorithm",
+    "kv_cache_scheme": "kv_cache_scheme", "exclude_layers": "exclude_layers",
+    "layer_quant_config": "layer_quant_config", "calibration": "calibration",
+    "calibration_size": "calibration size", "device": "device", "engine": "engine",
+    "trust_remote_code": "trust_remote_code", "evaluation_intent": "evaluation_intent",
+    "output_format": "output format", "warning": "warning", "sensitivity": "sensitivity",
+    "serving_fit": "serving fit", "source_reading": "source reading",
+}
+_DECISION_IDS = {label: decision_id for decision_id, label in DECISION_LABELS.items()}
+_ROW_KEYS = ("decision", "value", "reason")
+
+
+@dataclass
+class Decision:
+    """One row of the plan's decision table: found by its ``id``, shown (and written to
+    quant_plan.json as ``"decision"``) by its ``label``, with its value, why, and the further keys a
+    row may carry (the sensitivity scan's figures). ``row["value"]`` reads the row as written."""
+
+    id: str
+    value: Any
+    reason: str
+    label: str = ""  # "": DECISION_LABELS' for the id
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.label = self.label or DECISION_LABELS.get(self.id, self.id)
+
+    @classmethod
+    def of(cls, row: Decision | dict[str, Any]) -> Decision:
+        """A decision from itself or from the row quant_plan.json holds."""
+        if isinstance(row, Decision):
+            return row
+        label = row["decision"]
+        return cls(_DECISION_IDS.get(label, label), row.get("value"), row.get("reason", ""), label,
+                   {k: v for k, v in row.items() if k not in _ROW_KEYS})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"decision": self.label, "value": self.value, "reason": self.reason, **self.extra}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.as_dict()[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.as_dict().get(key, default)
+
+
 @dataclass
 class QuantPlan(Artifact):
     FILENAME: ClassVar[str] = "quant_plan.json"
@@ -120,12 +169,25 @@ class QuantPlan(Artifact):
     engine: dict[str, Any]
     trust_remote_code: bool
     evaluation_intent: str
-    decisions: list[dict[str, Any]]
+    decisions: list[Decision]  # a row given as the dict quant_plan.json holds is read as its Decision
     requires_confirmation: bool = True
     output_dir: str = ""
     target: dict[str, Any] = field(default_factory=dict)  # where it will be served (plan/targets.py)
     resources: dict[str, Any] = field(default_factory=dict)  # what this host must hold (plan/resources.py)
     source_reading: dict[str, Any] = field(default_factory=dict)  # how the source is read (plan/source_reading.py)
+
+    def __post_init__(self) -> None:
+        self.decisions = [Decision.of(d) for d in self.decisions]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["decisions"] = [Decision.of(d).as_dict() for d in self.decisions]  # the rows as written
+        return data
+
+    def decision(self, decision_id: str) -> Decision | None:
+        """The first decision of that id (None: the plan made none)."""
+        self.decisions = [Decision.of(d) for d in self.decisions]  # a row appended as a dict, too
+        return next((d for d in self.decisions if d.id == decision_id), None)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any
 _KEY = "cli"
 _NESTED = "cli_nested"  # a field holding another dataclass whose fields carry flags (e.g. thresholds)
 _CONCERN = "concern"  # the concern an option belongs to (see ``concern``)
+_EXTENSIONS = "cli_extensions"  # a dict field holding the options of dataclasses declared elsewhere (see ``extensions``)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,13 @@ def flag(*names: str, help: str | Callable[[], str] | None = None, dest: str | N
 def nested(cls: type) -> dict[str, type]:
     """Field metadata: the field is a ``cls`` built from ``cls``'s own flags, added at this position."""
     return {_NESTED: cls}
+
+
+def extensions(classes: Callable[[], Iterable[type]]) -> dict[str, Callable[[], Iterable[type]]]:
+    """Field metadata: the field is a dict (field name -> value) of the options given of the dataclasses
+    ``classes()`` returns (each field declaring its flag), added at this position: options that
+    extensions declare themselves (an evaluation tier's own), read only when a parser is built."""
+    return {_EXTENSIONS: classes}
 
 
 def concern(name: str) -> dict[str, str]:
@@ -100,6 +108,8 @@ def add_flags(group: argparse._ActionsContainer, cls: type, *, standalone: bool 
         if _NESTED in field.metadata:
             add_flags(group, field.metadata[_NESTED], standalone=standalone)
             continue
+        for extension in field.metadata.get(_EXTENSIONS, list)():
+            add_flags(group, extension, standalone=standalone)
         spec = field.metadata.get(_KEY)
         if spec is None or (spec.standalone_only and not standalone):
             continue
@@ -124,6 +134,9 @@ def given(cls: type, args: argparse.Namespace, *, only: Iterable[str] | None = N
             if inner:
                 values[field.name] = field.metadata[_NESTED](**inner)
             continue
+        extended = {k: v for cls_ in field.metadata.get(_EXTENSIONS, list)() for k, v in given(cls_, args).items()}
+        if extended:
+            values[field.name] = extended
         spec = field.metadata.get(_KEY)
         if spec is None:
             continue

@@ -93,12 +93,12 @@ def calibration_overlap(ctx: TierContext) -> dict[str, Any] | None:
     """Tier 1 text that overlaps the plan's calibration text (calibration_text.OVERLAP_RULE), said now."""
     from quark_ptq_eval.base.calibration_text import overlap
     from quark_ptq_eval.base.textdata import split_plain_text
-    from quark_ptq_eval.evaluate.tier_ppl import eval_texts
+    from quark_ptq_eval.evaluate.context import text_scorer
 
     options = ctx.options
     if not get_tier(options.tier).scores_text or options.eval_data is None or not ctx.plan:
         return None
-    docs = eval_texts(options.eval_data, options.eval_text_limit)
+    docs = text_scorer().eval_texts(options.eval_data, options.eval_text_limit)
     if Path(options.eval_data).suffix == ".txt":
         docs = split_plain_text("\n".join(docs))
     found = overlap(ctx.plan.get("calibration") or {}, Path(options.eval_data), docs)
@@ -143,9 +143,10 @@ def build_report(ctx: TierContext, outcome: TierOutcome, estimate: RuntimeEstima
         reference,
         outcome.directions,
         options.thresholds,
-        TierEvidence(outcome.informational, outcome.details.get("noise"), outcome.details.get("required")),
+        TierEvidence(outcome.informational, outcome.details.noise_evidence(), outcome.details.required_evidence()),
     )
     verdict = overall_verdict(comparisons)
+    details = outcome.details.as_dict()  # the report holds them as eval_results.json writes them
     remedies = suggest_remedies(ctx.plan, _num_layers(ctx.model_dir)) if verdict in ("hurt", "watch") else []
     return EvalReport(
         tier=options.tier,
@@ -162,14 +163,12 @@ def build_report(ctx: TierContext, outcome: TierOutcome, estimate: RuntimeEstima
         remedies=remedies,
         estimate=estimate,
         actual_s=actual,
-        details=outcome.details,
+        details=details,
         deferred_commands=outcome.deferred_commands,
         notes=notes,
         artifacts=outcome.artifacts,
-        sensitivity=sensitivity_followup(ctx.workdir, ctx.model_dir, outcome.details, ctx.plan),
+        sensitivity=sensitivity_followup(ctx.workdir, ctx.model_dir, details, ctx.plan),
     )
-
-
 
 
 def _settings(options: EvalOptions) -> dict[str, Any]:
@@ -191,6 +190,7 @@ def _settings(options: EvalOptions) -> dict[str, Any]:
     values = {k: getattr(options, k) for k in keep}
     values["eval_data"] = str(options.eval_data) if options.eval_data else "wikitext-2-raw-v1 test"
     values["healthy_pct"], values["hurt_pct"] = options.thresholds.healthy_pct, options.thresholds.hurt_pct
+    values.update(options.tier_options)  # a tier's own options, as given (none: nothing added)
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in values.items() if v not in (None, [], "")}
 
 

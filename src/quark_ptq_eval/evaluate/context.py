@@ -8,11 +8,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.registry import InvalidEntry
+from quark_ptq_eval.evaluate.details import TierDetails, details_of
 from quark_ptq_eval.evaluate.options import EvalOptions
-from quark_ptq_eval.evaluate.tiers import Tier
+from quark_ptq_eval.evaluate.tiers import RUNNER_CONTRACT, Tier
 
 Scores = dict[str, dict[str, float]]  # task -> metric -> value
 
@@ -114,11 +116,14 @@ class TierOutcome:
     quantized: Scores
     baseline: Scores | None = None
     directions: dict[str, dict[str, bool]] = field(default_factory=dict)  # task -> metric -> higher is better
-    details: dict[str, Any] = field(default_factory=dict)
+    details: TierDetails = field(default_factory=TierDetails)  # the tier's own type (details.py); a dict is kept as given
     informational: tuple[str, ...] = ()  # metrics reported without a verdict
     deferred_commands: list[dict[str, Any]] = field(default_factory=list)  # Tier 3 off ROCm
     notes: list[str] = field(default_factory=list)
     artifacts: dict[str, str] = field(default_factory=dict)  # name -> path of files written
+
+    def __post_init__(self) -> None:
+        self.details = details_of(self.details)
 
 
 def format_duration(seconds: float) -> str:
@@ -142,16 +147,70 @@ def hardware_description(device: str) -> str:
     return f"CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads (torch {torch.__version__})"
 
 
-class TierRunner(Protocol):
-    """A tier module (the contract in tiers.py), as :func:`tier_module` returns it."""
+@dataclass(frozen=True)
+class ScoredText:
+    """A text scored window by window, as the text tier turns it into its outcome (``text_outcome``):
+    its statistics, the window and batch, how each model was loaded and what compare adds (the
+    cached baseline's KL bounds and the cache it read)."""
 
-    def prepare(self, ctx: TierContext) -> Any: ...
+    acc: Any  # the text tier's accumulator (new_accumulator()), filled batch by batch
+    seq_len: int
+    batch_size: int
+    loader: str  # the quantized model's loader, with its reason
+    baseline_loader: str | None = None  # None: no baseline
+    window_note: str | None = None  # why the default window was clamped
+    kl_extra: dict[str, float] = field(default_factory=dict)  # added to the KL summary
+    baseline_cache: dict[str, Any] | None = None
+
+
+@runtime_checkable
+class TextScorer(Protocol):
+    """What the tier that scores a text offers compare and the calibration-overlap check (tiers.TEXT_SCORER)."""
+
+    def eval_texts(self, path: Path | None, limit: int | None) -> list[str]: ...
+
+    def token_windows(self, tokenizer: Any, texts: list[str], seq_len: int, max_windows: int | None) -> Any: ...
+
+    def auto_batch_size(self, seq_len: int, vocab: int, device: str) -> int: ...
+
+    def new_accumulator(self) -> Any: ...
+
+    def text_outcome(self, scored: ScoredText) -> TierOutcome: ...
+
+
+class Prepared(Protocol):
+    """What a tier's ``prepare`` returns: whatever its ``run`` needs, and the pilot's estimate."""
+
+    @property
+    def estimate(self) -> RuntimeEstimate: ...
+
+
+@runtime_checkable
+class TierRunner(Protocol):
+    """What runs a tier (the contract in tiers.py): its module, or any object with these two."""
+
+    def prepare(self, ctx: TierContext) -> Prepared: ...
 
     def run(self, prepared: Any) -> TierOutcome: ...
 
 
 def tier_module(tier: Tier) -> TierRunner:
-    """The module that runs ``tier`` (imported only now: its dependencies are heavy)."""
+    """The module that runs ``tier`` (imported only now: its dependencies are heavy), checked
+    again against the contract its row was registered with."""
     if tier.module is None:
         raise UsageError(f"Tier {tier.name!r} runs nothing.")
-    return importlib.import_module(tier.module)
+    runner = importlib.import_module(tier.module)
+    if not isinstance(runner, TierRunner):
+        raise InvalidEntry(f"Tier {tier.name!r}: {tier.module} does not keep the tier contract ({RUNNER_CONTRACT}).")
+    return runner
+
+
+def text_scorer() -> TextScorer:
+    """The module of the tier that scores a text (tiers.text_tier()), as compare scores through it."""
+    from quark_ptq_eval.evaluate.tiers import TEXT_SCORER, text_tier
+
+    tier = text_tier()
+    scorer = tier_module(tier)
+    if not isinstance(scorer, TextScorer):
+        raise InvalidEntry(f"Tier {tier.name!r} scores a text but {tier.module} lacks {', '.join(TEXT_SCORER)}.")
+    return scorer

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.base.options import concern, flag, nested
+from quark_ptq_eval.base.options import concern, extensions, flag, nested
 from quark_ptq_eval.evaluate.tiers import DEFAULT_TIER
+
+T = TypeVar("T")
 
 DEFAULT_SEQ_LEN = 2048  # Tier 1's window when --seq-len is not given (Quark's ppl_eval default)
 LONG_RUN_S = 15 * 60  # above this the user is asked again before the tier starts
@@ -25,6 +29,14 @@ def _tier_help() -> str:
     from quark_ptq_eval.evaluate.tiers import TIERS
 
     return "; ".join(f"{t.name}: tier {t.number}, {t.method} ({t.cost})" for t in TIERS.values())
+
+
+def _tier_option_classes() -> list[type]:
+    """The options dataclasses the tiers declare (their rows' ``options``): imported when a parser is built."""
+    from quark_ptq_eval.base.registry import load
+    from quark_ptq_eval.evaluate.tiers import TIERS
+
+    return [load(t.options) for t in TIERS.values() if t.options]
 
 
 def _task_list(text: str | list[str]) -> list[str]:
@@ -116,6 +128,13 @@ class EvalOptions:
         "--vllm-arg", action="append", metavar="ARG",
         help="an argument for every vLLM server this run starts (repeatable; with '=': "
              "--vllm-arg=--max-model-len=512); it replaces the sized argument of the same flag"))
+    # the options a tier declares itself (its row's `options`), as given: field name -> value; read with of()
+    tier_options: dict[str, Any] = field(default_factory=dict, metadata=extensions(_tier_option_classes))
+
+    def of(self, cls: type[T]) -> T:
+        """A tier's own options (``cls``, its row's ``options`` dataclass): the ones given, the rest defaults."""
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in self.tier_options.items() if k in names})
 
     def __post_init__(self) -> None:
         if self.seq_len is not None and self.seq_len < 2:

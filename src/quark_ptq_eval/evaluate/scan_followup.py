@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from quark_ptq_eval.base.artifacts import QuantPlan
+from quark_ptq_eval.base.artifacts import Decision, QuantPlan
 
 
 def scan_command(model: str | Path, scheme: str, calib_data: str | Path | None, out_dir: str | Path | None = None) -> str:
@@ -45,7 +45,7 @@ def sensitivity_followup(workdir: Path, model_dir: Path, details: dict[str, Any]
     """The predicted-vs-measured record, or None when the plan made no sensitivity decision.
     ``plan``: the run's plan when the caller has it; else the work dir's quant_plan.json."""
     plan = _for_model(plan if plan is not None else _read_plan(Path(workdir)), Path(model_dir))
-    row = next((d for d in (plan or {}).get("decisions", []) if d.get("decision") == "sensitivity"), None)
+    row = next((d for d in (plan or {}).get("decisions", []) if Decision.of(d).id == "sensitivity"), None)
     if row is None:
         return None
     kl = details.get("kl") if isinstance(details.get("kl"), dict) else None

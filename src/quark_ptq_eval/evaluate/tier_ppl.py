@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from quark_ptq_eval.base.errors import QpeError, UsageError
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, ScoredText, TierContext, TierOutcome
+from quark_ptq_eval.evaluate.details import MetricNoise, PerplexityDetails
+from quark_ptq_eval.evaluate.kld_report import kld_report_lines
+from quark_ptq_eval.evaluate.kld_report import num as _num
 from quark_ptq_eval.evaluate.ppl_data import (  # noqa: F401 - re-exported
     CPU_TOKENS_PER_BATCH,
     LOGIT_BUDGET,
@@ -51,13 +54,15 @@ from quark_ptq_eval.validate.loading import LoadedModel, load_model, require_fin
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from quark_ptq_eval.evaluate.eval_report import EvalReport
+
 TASK = "perplexity"
 __all__ = [  # what other modules, the tests and the benches import from here
     "CPU_TOKENS_PER_BATCH", "FINISH_S", "LOGIT_BUDGET", "MAX_AUTO_BATCH", "ROW_CHUNK_ELEMENTS", "TASK", "Accumulator",
     "Clock", "PilotTiming", "PplPrepared", "auto_batch_size", "distribution", "eval_texts", "fast_nll",
-    "fit_eval_window", "kl_stats", "llama_cpp_stats", "mean_and_stderr", "outcome_from", "paired_delta",
-    "pair_stats", "perplexity_stats", "pilot", "prepare", "require_finite", "resolution_pct", "run",
-    "score_batch", "sorted_values", "synchronize", "token_stats", "token_windows",
+    "fit_eval_window", "kl_stats", "llama_cpp_stats", "mean_and_stderr", "new_accumulator", "outcome_from",
+    "paired_delta", "pair_stats", "perplexity_stats", "pilot", "prepare", "require_finite", "resolution_pct", "run",
+    "score_batch", "section", "sorted_values", "synchronize", "text_outcome", "token_stats", "token_windows",
 ]
 KLD_REPORT_DEFINITIONS = (
     "llama.cpp perplexity --kl-divergence's statistics (tools/perplexity/perplexity.cpp) over every scored "
@@ -172,7 +177,8 @@ def _vllm_cross_check(prepared: PplPrepared, outcome: TierOutcome, hf_seconds: f
         outcome.notes.append(f"HF vs vLLM was not checked: {exc.message}")
         return
     if result is not None:
-        outcome.details["hf_vs_vllm"] = result.as_dict()
+        assert isinstance(outcome.details, PerplexityDetails)  # text_outcome's
+        outcome.details.hf_vs_vllm = result.as_dict()
         outcome.notes.append(result.sentence())
 
 
@@ -195,41 +201,96 @@ class ScoredRun(Protocol):
 
 
 def outcome_from(acc: Accumulator, seq_len: int, prepared: ScoredRun) -> TierOutcome:
+    """The outcome of a prepared run's accumulated windows (text_outcome of what it names)."""
+    base = prepared.baseline
+    return text_outcome(ScoredText(acc, seq_len, prepared.batch_size,
+                                   f"{prepared.quantized.loader} ({prepared.quantized.loader_reason})",
+                                   base.loader if base is not None else None,
+                                   getattr(prepared, "window_note", None)))
+
+
+def new_accumulator() -> Accumulator:
+    """An empty accumulator for ScoredText (compare fills it from its cached baseline)."""
+    return Accumulator()
+
+
+def text_outcome(scored: ScoredText) -> TierOutcome:
+    """Perplexity (and with a baseline KL, top-1 and the paired delta) with its evidence for the verdict."""
+    acc, seq_len = scored.acc, scored.seq_len
     stats = perplexity_stats(acc.window_nll, seq_len - 1)
     quantized = {TASK: {"perplexity": stats["perplexity"]}}
-    details: dict[str, Any] = {
-        "quantized": stats,
-        "seq_len": seq_len,
-        "batch_size": prepared.batch_size,
-        "loader": f"{prepared.quantized.loader} ({prepared.quantized.loader_reason})",
-        "method": "non-overlapping windows, mean next-token NLL (Quark ppl_eval's averaging)",
-    }
+    details = PerplexityDetails(stats, seq_len, scored.batch_size, scored.loader,
+                                "non-overlapping windows, mean next-token NLL (Quark ppl_eval's averaging)")
     # Sampling noise for the verdict: log(perplexity) is the mean NLL, so its standard error is the NLL's.
-    noise: dict[str, dict[str, Any]] = {"perplexity": {"log_stderr": stats["nll_stderr"]}}
+    noise = {"perplexity": MetricNoise(log_stderr=stats["nll_stderr"])}
     baseline = None
-    if prepared.baseline is not None:
+    if scored.baseline_loader is not None:
         base_stats = perplexity_stats(acc.base_window_nll, seq_len - 1)
         kl_sorted, dp_sorted = sorted_values(acc.kl_values), sorted_values(acc.dp_values)
-        kl, paired = kl_stats(acc, kl_sorted), paired_delta(acc)
+        kl, paired = kl_stats(acc, kl_sorted) | scored.kl_extra, paired_delta(acc)
         quantized[TASK].update({"kl_divergence": kl["kl_divergence"], "top1_agreement": kl["top1_agreement"]})
         baseline = {TASK: {"perplexity": base_stats["perplexity"]}}
-        report: dict[str, Any] = {**llama_cpp_stats(acc, kl_sorted, dp_sorted), "definitions": KLD_REPORT_DEFINITIONS}
-        details.update(baseline=base_stats, kl=kl, paired=paired, kld_report=report,
-                       distribution=distribution(acc, kl_sorted=kl_sorted, dp_sorted=dp_sorted))
-        details["loader"] += f"; baseline: {prepared.baseline.loader}"
-        noise["perplexity"].update(
-            baseline_log_stderr=base_stats["nll_stderr"],
-            paired_log_delta=paired["delta_nll"],
-            paired_log_stderr=paired["delta_nll_stderr"],
-        )
-        noise["kl_divergence"] = {"stderr": kl["kl_stderr"]}
-    details["noise"] = {TASK: noise}
-    details["required"] = {TASK: list(quantized[TASK])}
+        details.baseline, details.kl, details.paired = base_stats, kl, paired
+        details.kld_report = {**llama_cpp_stats(acc, kl_sorted, dp_sorted), "definitions": KLD_REPORT_DEFINITIONS}
+        details.distribution = distribution(acc, kl_sorted=kl_sorted, dp_sorted=dp_sorted)
+        details.loader += f"; baseline: {scored.baseline_loader}"
+        noise["perplexity"] = MetricNoise(log_stderr=stats["nll_stderr"], baseline_log_stderr=base_stats["nll_stderr"],
+                                          paired_log_delta=paired["delta_nll"], paired_log_stderr=paired["delta_nll_stderr"])
+        noise["kl_divergence"] = MetricNoise(stderr=kl["kl_stderr"])
+    details.noise, details.required = {TASK: noise}, {TASK: list(quantized[TASK])}
+    details.baseline_cache = scored.baseline_cache
     return TierOutcome(
         quantized=quantized,
         baseline=baseline,
         directions={TASK: {"perplexity": False, "kl_divergence": False, "top1_agreement": True}},
         details=details,
         informational=("top1_agreement",),
-        notes=[note] if (note := getattr(prepared, "window_note", None)) else [],
+        notes=[scored.window_note] if scored.window_note else [],
     )
+
+
+def section(report: EvalReport) -> list[str]:
+    """The report's Tier 1 section: perplexity with its interval, KL and top-1 agreement, the paired
+    per-window delta, llama.cpp's KL-divergence block."""
+    details = report.details
+    if not isinstance(details.get("quantized"), dict) or "windows" not in details["quantized"]:
+        return []
+    lines = ["## Perplexity details", ""]
+    for label in ("quantized", "baseline"):
+        stats = details.get(label)
+        if stats:
+            lines.append(
+                f"- {label}: perplexity {_num(stats['perplexity'])} (95 % CI {_num(stats['perplexity_ci95_low'])}"
+                f"–{_num(stats['perplexity_ci95_high'])}; NLL {stats['mean_nll']:.6g} ± {stats['nll_stderr']:.3g} "
+                f"nats s.e. over windows), {stats['tokens']:,} scored tokens in {stats['windows']} windows"
+            )
+    if "kl" in details:
+        kl = details["kl"]
+        lines[2:2] = _agreement_table(kl, details.get("paired"))
+        lines.append(
+            f"- KL(baseline ‖ quantized) per token: mean {kl['kl_divergence']:.6g} ± {kl['kl_stderr']:.3g} s.e., "
+            f"p50 {kl['kl_p50']:.6g}, p90 {kl['kl_p90']:.6g}, p99 {kl['kl_p99']:.6g}, max {kl['kl_max']:.6g} nats"
+        )
+        lines.append(f"- top-1 agreement with the baseline: {100 * kl['top1_agreement']:.2f} %")
+    if "paired" in details:
+        paired = details["paired"]
+        lines.append(
+            f"- paired per-window NLL delta (quantized − baseline): {paired['delta_nll']:+.6g} nats, 95 % "
+            f"interval {paired['delta_nll_ci95_low']:+.6g} … {paired['delta_nll_ci95_high']:+.6g} "
+            f"({paired['noise'] or 'one window: no interval'}); perplexity ratio "
+            f"{_num(paired['perplexity_ratio'])}"
+        )
+    lines.append(f"- loader: {details.get('loader')}")
+    return [*lines, "", *kld_report_lines(details.get("kld_report"))]
+
+
+def _agreement_table(kl: dict[str, Any], paired: dict[str, Any] | None) -> list[str]:
+    """KL quantiles and top-1 agreement at a glance (the bullets below say the same in words)."""
+    delta = "-" if not paired else f"{paired['delta_nll']:+.4g} ± {paired['delta_nll_stderr']:.2g}"
+    return [
+        "| KL mean | KL p50 | KL p99 | KL max | top-1 agreement | paired ΔNLL (nats, ± s.e.) |",
+        "|---:|---:|---:|---:|---:|---:|",
+        f"| {kl['kl_divergence']:.4g} | {kl['kl_p50']:.4g} | {kl['kl_p99']:.4g} | {kl['kl_max']:.4g} | "
+        f"{100 * kl['top1_agreement']:.2f} % | {delta} |",
+        "",
+    ]

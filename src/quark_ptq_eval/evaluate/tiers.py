@@ -4,26 +4,32 @@ Adding a tier is one row here plus one module that keeps the contract below (see
 docs/extending.md). Nothing else names tiers: ``--eval-tier`` choices, the checkpoint's message,
 its continue command and the report's title are derived from this table.
 
-The contract of a tier module (:class:`context.TierRunner`, loaded by ``context.tier_module``):
+The contract of a tier (checked by :func:`check_tier` when its row is registered, from the
+named modules' source without importing them, and again when the tier is loaded:
+``context.TierRunner``):
 
-- **options**: it reads what it needs from ``ctx.options`` (an :class:`EvalOptions`); a new
-  option is one field there, its flag declared on the field (options.flag).
 - ``prepare(ctx: TierContext)`` -> a prepared object whose ``estimate`` (a
   :class:`RuntimeEstimate`) is *measured* by a pilot on the real model and data (``seconds``
   None when nothing runs on this host); ``pilot_s`` (optional) is the pilot's own time. It
   must not ask anything: the flow shows the estimate and asks the ``eval`` gate when it is long.
 - ``run(prepared)`` -> :class:`TierOutcome`: scores (task -> metric -> value), the baseline's
-  when asked, each metric's direction, details, notes, deferred commands and files written.
-  Any further approval goes through ``as_gatekeeper(ctx.approver)``.
-- **report section**: report.py renders the outcome's ``details``, ``deferred_commands`` and
-  ``notes``; the tier fills those, it writes no report itself.
+  when asked, each metric's direction, its typed ``details`` (details.py: what the report
+  shows, and the verdict's evidence: ``noise``, ``required``), notes, deferred commands and
+  files written. Any further approval goes through ``as_gatekeeper(ctx.approver)``.
+- **report section** (``report_section``): ``"module:function"`` rendering the tier's details
+  as Markdown lines; report.py adds the generic parts (settings, scores, notes). It writes no report.
+- **options** (``options``, optional): ``"module:Class"``, a dataclass whose fields declare
+  their own flags (``base.options.flag``): ``--eval-tier``'s commands take them, the tier reads
+  them with ``ctx.options.of(Class)``, the report's settings show the ones given.
+- a tier that scores a text (``scores_text``) also offers what compare scores through
+  (``context.TextScorer``): ``TEXT_SCORER``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quark_ptq_eval.base.registry import Registry
+from quark_ptq_eval.base.registry import InvalidEntry, Registry, defined_names, split_ref
 
 
 @dataclass(frozen=True)
@@ -41,9 +47,51 @@ class Tier:
     default: bool = False  # EvalOptions' tier when none is named
     # "module:function" rendering this tier's details as report lines (report.py adds the generic ones)
     report_section: str | None = None
+    options: str | None = None  # "module:Class": a dataclass of the tier's own options, each declaring its flag
 
 
-TIERS: Registry[Tier] = Registry("evaluation tier", (
+RUNNER_CONTRACT = "prepare(ctx) -> an object with .estimate, run(prepared) -> TierOutcome"
+RUNNER = ("prepare", "run")
+TEXT_SCORER = ("eval_texts", "token_windows", "auto_batch_size", "new_accumulator", "text_outcome")
+
+
+def check_tier(tier: Tier) -> None:
+    """Refuse a row that lacks the contract (module docstring), naming every part that is missing."""
+    problems = [f"its {what} is empty" for what in ("name", "number", "title") if not getattr(tier, what)]
+    if tier.module is None:
+        named = [f for f in ("report_section", "options", "scores_text", "scores_tasks", "default") if getattr(tier, f)]
+        problems += [f"it runs nothing (no module) but sets {', '.join(named)}"] if named else []
+    else:
+        wanted = RUNNER + (TEXT_SCORER if tier.scores_text else ())
+        problems += _missing(tier.module, wanted, "module")
+        if tier.report_section is None:
+            problems.append("it names no report_section (\"module:function\" rendering its details)")
+        else:
+            problems += _missing_ref(tier.report_section, "report_section")
+        if tier.options is not None:
+            problems += _missing_ref(tier.options, "options")
+    if problems:
+        raise InvalidEntry(f"The evaluation tier {tier.name!r} is refused: {'; '.join(problems)}. A tier keeps the "
+                           f"contract of evaluate/tiers.py ({RUNNER_CONTRACT}); see docs/extending.md.")
+
+
+def _missing(module: str, names: tuple[str, ...], what: str) -> list[str]:
+    try:
+        defined = defined_names(module)
+    except InvalidEntry as exc:
+        return [f"its {what} {exc.message}"]
+    lacking = [n for n in names if defined is not None and n not in defined]
+    return [f"its {what} {module} defines no {', '.join(lacking)}"] if lacking else []
+
+
+def _missing_ref(ref: str, what: str) -> list[str]:
+    module, attr = split_ref(ref)
+    if not attr:
+        return [f"its {what} {ref!r} is not \"module:name\""]
+    return _missing(module, (attr,), what)
+
+
+TIERS: Registry[Tier] = Registry("evaluation tier", entry_type=Tier, check=check_tier, entries=(
     Tier(
         "ppl",
         "1",
@@ -56,7 +104,7 @@ TIERS: Registry[Tier] = Registry("evaluation tier", (
         "perplexity, minutes",
         scores_text=True,
         default=True,
-        report_section="quark_ptq_eval.evaluate.report:perplexity_section",
+        report_section="quark_ptq_eval.evaluate.tier_ppl:section",
     ),
     Tier(
         "lm_eval",
@@ -68,7 +116,7 @@ TIERS: Registry[Tier] = Registry("evaluation tier", (
         True,
         "task benchmarks, can take hours",
         scores_tasks=True,
-        report_section="quark_ptq_eval.evaluate.report:task_section",
+        report_section="quark_ptq_eval.evaluate.tier_lmeval:section",
     ),
     Tier(
         "vllm",
@@ -80,7 +128,7 @@ TIERS: Registry[Tier] = Registry("evaluation tier", (
         False,
         "vLLM server (ROCm, or --vllm-python)",
         scores_tasks=True,
-        report_section="quark_ptq_eval.evaluate.report:server_section",
+        report_section="quark_ptq_eval.evaluate.tier_vllm:section",
     ),
     Tier("skip", "-", "skip", "no evaluation", "none", None, False),
 ))

@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from quark_ptq_eval.evaluate.details import MetricNoise, Noise, Required, noise_of
 from quark_ptq_eval.evaluate.options import Thresholds
 
 # Metric-name fragments whose value goes down when the model gets better.
@@ -131,7 +132,10 @@ class Observed:
     value: float | None
     baseline: float | None = None
     reference: float | None = None
-    noise: dict[str, float] | None = None
+    noise: MetricNoise | None = None
+
+    def __post_init__(self) -> None:  # the noise may come as the dict a document holds
+        object.__setattr__(self, "noise", MetricNoise.of(self.noise))
 
 
 @dataclass(frozen=True)
@@ -140,8 +144,11 @@ class TierEvidence:
     each metric's noise (task -> metric -> noise) and the metrics it must have returned."""
 
     informational: tuple[str, ...] = ("top1_agreement",)
-    noise: dict[str, dict[str, dict[str, Any]]] | None = None
-    required: dict[str, list[str]] | None = None
+    noise: Noise | None = None
+    required: Required | None = None
+
+    def __post_init__(self) -> None:  # the noise may come as the dicts a document holds
+        object.__setattr__(self, "noise", noise_of(self.noise))
 
 
 def compare_metric(
@@ -189,12 +196,12 @@ def judge_metric(
     return MetricVerdict(task, metric, value, None, None, higher_is_better, None, "unknown")
 
 
-def _finite(noise: dict[str, float] | None, key: str) -> float | None:
-    value = (noise or {}).get(key)
+def _finite(noise: MetricNoise | None, key: str) -> float | None:
+    value = noise.get(key) if noise is not None else None
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
-def _ideal_interval(value: float, noise: dict[str, float] | None) -> tuple[float, float] | None:
+def _ideal_interval(value: float, noise: MetricNoise | None) -> tuple[float, float] | None:
     se = _finite(noise, "stderr")
     if se is None:
         return None
@@ -208,7 +215,7 @@ def _log_interval(delta: float, se: float, higher_is_better: bool) -> tuple[floa
 
 
 def _interval(
-    value: float, other: float, label: str, higher: bool, worse: float | None, noise: dict[str, Any] | None
+    value: float, other: float, label: str, higher: bool, worse: float | None, noise: MetricNoise | None
 ) -> tuple[float, float] | None:
     """95 % interval of the degradation: paired when the tier measured it, else from standard errors."""
     baseline = label == "baseline"

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
+from quark_ptq_eval.evaluate.details import ServerDetails
 from quark_ptq_eval.evaluate.vllm_commands import CommandPlan, shell_line
 from quark_ptq_eval.validate.vllm_host import failure_reason, start_server, stop_group
 
@@ -63,9 +64,9 @@ class Executor:
         stop_group(process)  # the server (or `docker exec`) and whatever it spawned, nothing else
 
 
-def run_command_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, details: dict[str, Any],
+def run_command_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, details: ServerDetails,
                  commands: list[dict[str, Any]]) -> TierOutcome:
-    from quark_ptq_eval.evaluate.tier_lmeval import scores_from
+    from quark_ptq_eval.evaluate.lmeval_tasks import scores_from
 
     options = ctx.options
     scores: dict[str, dict[str, Any]] = {}
@@ -105,25 +106,27 @@ def run_command_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, de
                 executor.run(["docker", verb, container_id], timeout=120, check=False)
             if plan.container_id_file is not None:  # our own record of it; the next run needs the name
                 plan.container_id_file.unlink(missing_ok=True)
+    details.commands, details.lm_eval_version = commands, lm_eval_version
+    add_comparison(details, stderrs, samples, directions)
     return TierOutcome(
         quantized=scores.get("quantized", {}),
         baseline=scores.get("baseline"),
         directions=directions,
-        details=details | {"commands": commands, "lm_eval_version": lm_eval_version}
-        | comparison_details(stderrs, samples, directions),
+        details=details,
         artifacts={f"lm_eval {k} results": str(v) for k, v in plan.output_dirs.items()},
     )
 
 
-def comparison_details(stderrs: dict[str, Any], samples: dict[str, Any], directions: dict[str, Any]) -> dict[str, Any]:
+def add_comparison(details: ServerDetails, stderrs: dict[str, Any], samples: dict[str, Any],
+                   directions: dict[str, Any]) -> None:
     """lm-eval's standard errors, the verdict's noise and, with a baseline, the paired per-document
     tests, as Tier 2 reports them."""
-    from quark_ptq_eval.evaluate.tier_lmeval import noise_from_stderr, paired_tests
+    from quark_ptq_eval.evaluate.paired_tests import noise_from_stderr, paired_tests
 
-    out: dict[str, Any] = {"stderr": stderrs, "noise": noise_from_stderr(stderrs.get("quantized", {}), stderrs.get("baseline"))}
+    details.stderr = stderrs
+    details.noise = noise_from_stderr(stderrs.get("quantized", {}), stderrs.get("baseline"))
     if samples.get("baseline") and samples.get("quantized"):
-        out["paired_tests"] = paired_tests(samples["baseline"], samples["quantized"], directions)
-    return out
+        details.paired_tests = paired_tests(samples["baseline"], samples["quantized"], directions)
 
 
 def created_container_id(plan: CommandPlan) -> str | None:
@@ -170,7 +173,7 @@ def results_files(output: Path) -> dict[Path, int]:
 def samples_of_this_run(output: Path, before: dict[Path, int]) -> dict[str, Any]:
     """The per-document scores (per_sample_scores) from the samples files lm_eval's --log_samples wrote
     with this run's results file (``samples_<task>_<stamp>.jsonl`` next to ``results_<stamp>.json``)."""
-    from quark_ptq_eval.evaluate.tier_lmeval import per_sample_scores
+    from quark_ptq_eval.evaluate.lmeval_tasks import per_sample_scores
 
     results = _fresh_results(output, before)
     stamp = results.stem.removeprefix("results_")

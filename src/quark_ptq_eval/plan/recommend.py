@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
+from quark_ptq_eval.base.artifacts import Decision, ModelAnalysis, QuantPlan
 from quark_ptq_eval.base.context_window import fit_window, read_model_config
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import gb
@@ -280,30 +280,30 @@ def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, ca
     get_engine(engine).check_constraints(info, algorithm, device)
     reading = source_reading.decide(analysis, engine, device, Path(analysis_ref).parent)  # FP8 / .bin sources
     hw = f"{accelerator}{' ' + arch if arch else ''}"
-    decisions: list[dict[str, Any]] = [
-        {"decision": "target", "value": tc.name, "reason": f"{tc.label}; {tc.source}; priority: {tc.priority}"},
-        {"decision": "global_scheme", "value": scheme, "reason": _scheme_reason(scheme_why, tc, scheme)},
-        {"decision": "algorithm", "value": algorithm, "reason": algo_why},
-        {"decision": "kv_cache_scheme", "value": kv, "reason": kv_why},
-        {"decision": "exclude_layers", "value": excludes, "reason": ex_why},
-        {"decision": "layer_quant_config", "value": req.layer_quant_config,
-         "reason": "your per-pattern overrides" if req.layer_quant_config else "no overrides"},
-        {"decision": "calibration", "value": calibration.get("source_path") or calibration.get("path")
-         or calibration["dataset"], "reason": calib_why + source_note(calibration)},
-        {"decision": "calibration size", "value": calib_size, "reason": calib_size_why},
-        {"decision": "device", "value": device["device"] + (" (multi-device)" if device["multi_device"] else ""),
-         "reason": "explicit" if req.device else f"detected {hw}"},
-        {"decision": "engine", "value": engine, "reason": engine_why},
-        *([source_reading.decision_row(reading)] if reading["mode"] != "direct" else []),
-        {"decision": "trust_remote_code", "value": req.trust_remote_code,
-         "reason": "approved explicitly (--trust-remote-code)" if req.trust_remote_code else
-         "off: nothing from the model repository is executed"},
-        {"decision": "evaluation_intent", "value": req.evaluation_intent, "reason": "Phase 3 asks before running"},
-        {"decision": "output format", "value": "Hugging Face safetensors (Quark format)", "reason": "what vLLM/transformers load"},
+    decisions = [
+        Decision("target", tc.name, f"{tc.label}; {tc.source}; priority: {tc.priority}"),
+        Decision("global_scheme", scheme, _scheme_reason(scheme_why, tc, scheme)),
+        Decision("algorithm", algorithm, algo_why),
+        Decision("kv_cache_scheme", kv, kv_why),
+        Decision("exclude_layers", excludes, ex_why),
+        Decision("layer_quant_config", req.layer_quant_config,
+                 "your per-pattern overrides" if req.layer_quant_config else "no overrides"),
+        Decision("calibration", calibration.get("source_path") or calibration.get("path") or calibration["dataset"],
+                 calib_why + source_note(calibration)),
+        Decision("calibration_size", calib_size, calib_size_why),
+        Decision("device", device["device"] + (" (multi-device)" if device["multi_device"] else ""),
+                 "explicit" if req.device else f"detected {hw}"),
+        Decision("engine", engine, engine_why),
+        *([Decision.of(source_reading.decision_row(reading))] if reading["mode"] != "direct" else []),
+        Decision("trust_remote_code", req.trust_remote_code,
+                 "approved explicitly (--trust-remote-code)" if req.trust_remote_code else
+                 "off: nothing from the model repository is executed"),
+        Decision("evaluation_intent", req.evaluation_intent, "Phase 3 asks before running"),
+        Decision("output_format", "Hugging Face safetensors (Quark format)", "what vLLM/transformers load"),
     ]
     target, fit = _target_and_fit(work, tc, env, output_dir, engine)
-    decisions += [{"decision": "warning", "value": scheme, "reason": w} for w in target["warnings"]]
-    decisions += fit.pop("rows") + source_reading.disk_problem(reading, fit)
+    decisions += [Decision("warning", scheme, w) for w in target["warnings"]]
+    decisions += [Decision.of(row) for row in fit.pop("rows") + source_reading.disk_problem(reading, fit)]
     plan = QuantPlan(
         model={"model_type": model_type, "analysis_ref": str(analysis_ref), "model_path": analysis.model["model_path"]},
         global_scheme=scheme, exclude_layers=excludes, exclude_source=ex_source,

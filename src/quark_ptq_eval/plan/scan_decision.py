@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quark_ptq_eval.base.artifacts import QuantPlan
+from quark_ptq_eval.base.artifacts import Decision, QuantPlan
 
 
 @dataclass(frozen=True)
@@ -35,17 +35,15 @@ def take_scan_result(plan: QuantPlan, scan: ScanResult) -> QuantPlan:
     wider = {n: s for n, s in scan.layer_quant_config.items() if n not in plan.layer_quant_config}
     plan.exclude_layers = [*plan.exclude_layers, *added]
     plan.layer_quant_config = {**plan.layer_quant_config, **wider}
-    for row in plan.decisions:
-        if row["decision"] == "exclude_layers":
-            row["value"] = plan.exclude_layers
-            if added:
-                row["reason"] += f"; + {len(added)} layer(s) from the sensitivity scan"
-        if row["decision"] == "layer_quant_config" and wider:
-            row["value"] = plan.layer_quant_config
-            row["reason"] = f"{len(wider)} layer(s) at a wider scheme, from the sensitivity scan"
-    plan.decisions.append({"decision": "sensitivity", "value": added or list(wider), "reason": scan.reason,
-                           "layer_quant_config": wider, "report": scan.report,
-                           "predicted_kl": scan.predicted_kl, "measured_kl": scan.measured_kl,
-                           "whole_model_kl": scan.whole_model_kl, "max_kl": scan.max_kl,
-                           "extra_bytes": scan.wider_extra_bytes if wider else scan.extra_bytes})
+    if (row := plan.decision("exclude_layers")) is not None:
+        row.value = plan.exclude_layers
+        if added:
+            row.reason += f"; + {len(added)} layer(s) from the sensitivity scan"
+    if (row := plan.decision("layer_quant_config")) is not None and wider:
+        row.value = plan.layer_quant_config
+        row.reason = f"{len(wider)} layer(s) at a wider scheme, from the sensitivity scan"
+    plan.decisions.append(Decision("sensitivity", added or list(wider), scan.reason, extra={
+        "layer_quant_config": wider, "report": scan.report, "predicted_kl": scan.predicted_kl,
+        "measured_kl": scan.measured_kl, "whole_model_kl": scan.whole_model_kl, "max_kl": scan.max_kl,
+        "extra_bytes": scan.wider_extra_bytes if wider else scan.extra_bytes}))
     return plan

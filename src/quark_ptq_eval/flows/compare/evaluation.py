@@ -1,7 +1,8 @@
 """Tier 1 for each scheme of a comparison, against the baseline evaluated once and cached.
 
 The scheme's own side is scored exactly as `run`'s Tier 1 does (same windows, same float64 NLL),
-so its perplexity equals a separate run's; the baseline side (its NLLs, top-K distribution and
+through the interface of the tier that scores a text (``context.text_scorer()``), so its
+perplexity equals a separate run's; the baseline side (its NLLs, top-K distribution and
 tail mass) comes from evaluate/baseline_cache.py. The result is written as the scheme's normal
 eval_report.md / eval_results.json in its work dir, through the evaluation's own report code.
 """
@@ -9,12 +10,11 @@ eval_report.md / eval_results.json in its work dir, through the evaluation's own
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.evaluate.baseline_cache import BaselineCache, BaselineEntry, CacheKey
+from quark_ptq_eval.evaluate.context import text_scorer
 from quark_ptq_eval.evaluate.tiers import text_tier
 from quark_ptq_eval.flows.compare.options import TIER1, CompareOptions
 
@@ -28,7 +28,6 @@ class BaselineSource:
     def __init__(self, comparison, opts: CompareOptions):
         from transformers import AutoTokenizer
 
-        from quark_ptq_eval.evaluate.tier_ppl import eval_texts, token_windows
         from quark_ptq_eval.intake import resolve_model
 
         assert opts.model, "compare() refuses a comparison without a model"
@@ -38,10 +37,11 @@ class BaselineSource:
                              "Download it first (or pass its local directory) and re-run compare.")
         self.source: Path = source
         self.opts, self.log = opts, comparison.ui.info
-        self.texts = eval_texts(opts.eval.eval_data, opts.eval.eval_text_limit)
+        self.scorer = text_scorer()
+        self.texts = self.scorer.eval_texts(opts.eval.eval_data, opts.eval.eval_text_limit)
         tokenizer = AutoTokenizer.from_pretrained(self.source, trust_remote_code=bool(opts.plan.get("trust_remote_code")))
         assert opts.eval.seq_len is not None  # CompareOptions sets one window for every scheme
-        self.windows = token_windows(tokenizer, self.texts, opts.eval.seq_len, opts.eval.max_windows)
+        self.windows = self.scorer.token_windows(tokenizer, self.texts, opts.eval.seq_len, opts.eval.max_windows)
         self.cache = BaselineCache(comparison.root / CACHE_DIR)
         self.key: CacheKey = self.cache.key_for(self.source, tokenizer, self.texts, self.windows, opts.top_k)
         self._tasks: dict | None = None
@@ -72,29 +72,13 @@ class BaselineSource:
         return self.cache.load(self.key)
 
     def _build(self) -> None:
-        from quark_ptq_eval.evaluate.tier_ppl import auto_batch_size
         from quark_ptq_eval.validate.loading import load_model
 
         loaded = load_model(self.source, self.opts.eval.device, bool(self.opts.plan.get("trust_remote_code")))
         vocab = loaded.model.get_output_embeddings().weight.shape[0]
-        batch = self.opts.eval.batch_size or auto_batch_size(self.windows.shape[1], vocab, loaded.device)
+        batch = self.opts.eval.batch_size or self.scorer.auto_batch_size(self.windows.shape[1], vocab, loaded.device)
         self.log(f"baseline: evaluating {self.source} once ({self.windows.shape[0]} windows) into the cache")
         self.cache.build(self.key, loaded.model, self.windows, batch, self.source, log=self.log)
-
-
-@dataclass
-class _Loaded:
-    loader: str
-    loader_reason: str
-
-
-@dataclass
-class _Prepared:
-    """What tier_ppl.outcome_from reads of a prepared run."""
-
-    batch_size: int
-    quantized: Any
-    baseline: _Loaded
 
 
 def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: BaselineSource, plan: dict):
@@ -103,8 +87,7 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     from quark_ptq_eval.evaluate import EvalOptions
     from quark_ptq_eval.evaluate import report as report_files
     from quark_ptq_eval.evaluate.api import build_report  # the evaluation's own report builder: same verdicts
-    from quark_ptq_eval.evaluate.context import TierContext
-    from quark_ptq_eval.evaluate.tier_ppl import auto_batch_size, outcome_from, token_windows
+    from quark_ptq_eval.evaluate.context import ScoredText, TierContext
     from quark_ptq_eval.validate.loading import load_model
 
     entry = baseline.entry()
@@ -115,21 +98,21 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     quantized = load_model(model_dir, opts.eval.device, bool(opts.plan.get("trust_remote_code")))
     seq_len = opts.eval.seq_len
     assert seq_len is not None  # CompareOptions sets one window for every scheme
-    windows = token_windows(quantized.tokenizer, baseline.texts, seq_len, opts.eval.max_windows)
+    scorer = baseline.scorer
+    windows = scorer.token_windows(quantized.tokenizer, baseline.texts, seq_len, opts.eval.max_windows)
     if tuple(windows.shape) != tuple(entry.ids.shape) or not bool((windows == entry.ids).all()):
         raise UsageError(f"{model_dir} tokenizes the evaluation text differently from the baseline; "
                          "per-token KL needs the same tokenizer.")
     vocab = quantized.model.get_output_embeddings().weight.shape[0]
-    batch = opts.eval.batch_size or auto_batch_size(seq_len, vocab, quantized.device)
-    acc, bounds, tail = score_against_cache(quantized.model, windows, entry, batch)
-    prepared = _Prepared(batch, quantized, _Loaded(f"baseline cache {entry.key.id}", ""))
-    outcome = outcome_from(acc, seq_len, prepared)
-    outcome.details["kl"]["kl_cache_gap_bound_mean"] = float(bounds.mean())
-    outcome.details["kl"]["kl_cache_gap_bound_max"] = float(bounds.max())
-    outcome.details["kl"]["baseline_tail_mass_mean"] = float(tail.mean())
-    outcome.details["baseline_cache"] = {"key": entry.key.id, "top_k": entry.key.top_k, "path": str(entry.path),
-                                         "method": "KL against the cached top-K + tail mass (a lower bound; "
-                                                   "the gap to the full-logit KL is at most the stated bound)"}
+    batch = opts.eval.batch_size or scorer.auto_batch_size(seq_len, vocab, quantized.device)
+    acc, bounds, tail = score_against_cache(quantized.model, windows, entry, batch, scorer.new_accumulator())
+    outcome = scorer.text_outcome(ScoredText(
+        acc, seq_len, batch, f"{quantized.loader} ({quantized.loader_reason})", f"baseline cache {entry.key.id}",
+        kl_extra={"kl_cache_gap_bound_mean": float(bounds.mean()), "kl_cache_gap_bound_max": float(bounds.max()),
+                  "baseline_tail_mass_mean": float(tail.mean())},
+        baseline_cache={"key": entry.key.id, "top_k": entry.key.top_k, "path": str(entry.path),
+                        "method": "KL against the cached top-K + tail mass (a lower bound; "
+                                  "the gap to the full-logit KL is at most the stated bound)"}))
     ctx = TierContext(model_dir, options, workdir, None, baseline.source, plan)
     report = build_report(ctx, outcome, None, time.perf_counter() - started)
     report_files.write_all(report)  # the recipe running this as its Phase 3 records the step
@@ -140,16 +123,15 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     return report
 
 
-def score_against_cache(model, windows, entry: BaselineEntry, batch_size: int):
-    """tier_ppl's accumulator filled from the model's logits and the cached baseline, plus per token
-    the bound on the cached KL's gap to the full-logit KL and the baseline's tail mass."""
+def score_against_cache(model, windows, entry: BaselineEntry, batch_size: int, acc):
+    """``acc`` (the text tier's accumulator) filled from the model's logits and the cached baseline, plus
+    per token the bound on the cached KL's gap to the full-logit KL and the baseline's tail mass."""
     import torch
 
     from quark_ptq_eval.evaluate.baseline_cache import cached_token_stats
-    from quark_ptq_eval.evaluate.tier_ppl import Accumulator
     from quark_ptq_eval.validate.loading import require_finite
 
-    acc, bounds, tail, device = Accumulator(), [], [], next(model.parameters()).device
+    bounds, tail, device = [], [], next(model.parameters()).device
     with torch.inference_mode():
         for i in range(0, windows.shape[0], batch_size):
             sl = slice(i, i + batch_size)

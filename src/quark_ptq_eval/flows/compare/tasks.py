@@ -3,7 +3,7 @@ against the baseline's per-document results (evaluated once and cached, like Tie
 
 Per document lm-eval logs each metric's score (``log_samples``); for 0/1 metrics (acc, acc_norm,
 exact_match) the test is McNemar's exact mid-p on the documents the two models disagree on, for
-other per-document scores a paired bootstrap of the mean difference (evaluate/tier_lmeval.py).
+other per-document scores a paired bootstrap of the mean difference (evaluate/paired_tests.py).
 Metrics lm-eval only aggregates (a rolling perplexity's per-document likelihood/length pairs)
 are reported with their scores and no test. The scheme's lm-eval output is kept in its work dir
 (lm_eval_results/quantized.json and .samples.json) and its scores in ``TASKS_FILE``.
@@ -64,7 +64,7 @@ def _lm_eval_version() -> str | None:
 
 def check(opts: CompareOptions) -> None:
     """Unknown tasks fail before any model runs."""
-    from quark_ptq_eval.evaluate.tier_lmeval import check_tasks, task_manager
+    from quark_ptq_eval.evaluate.lmeval_tasks import check_tasks, task_manager
 
     check_tasks(task_manager(Path(opts.eval.include_path) if opts.eval.include_path else None), list(opts.eval.tasks))
 
@@ -72,7 +72,7 @@ def check(opts: CompareOptions) -> None:
 def baseline_tasks(cache_root: Path, opts: CompareOptions, source: Path, model_digest: str, log) -> dict:
     """The baseline's lm-eval results and per-document scores: read from the cache, or run once."""
     from quark_ptq_eval.evaluate.context import TierContext
-    from quark_ptq_eval.evaluate.tier_lmeval import evaluate_tasks, samples_path
+    from quark_ptq_eval.evaluate.lmeval_tasks import evaluate_tasks, samples_path
     from quark_ptq_eval.validate.loading import load_model
 
     where = cache_root / f"{CACHE_PREFIX}{cache_key(opts, model_digest)}"
@@ -93,7 +93,8 @@ def score_scheme(loaded, workdir: Path, model_dir: Path, opts: CompareOptions, b
     """lm-eval on the scheme's loaded model, its scores against the baseline's and the paired tests;
     written to the scheme's work dir (TASKS_FILE) and returned."""
     from quark_ptq_eval.evaluate.context import TierContext
-    from quark_ptq_eval.evaluate.tier_lmeval import evaluate_tasks, paired_tests, scores_from
+    from quark_ptq_eval.evaluate.lmeval_tasks import evaluate_tasks, scores_from
+    from quark_ptq_eval.evaluate.paired_tests import paired_tests
 
     ctx = TierContext(model_dir, eval_options(opts), workdir, None, None, None, log)
     results = evaluate_tasks(loaded, ctx, list(opts.eval.tasks), "quantized")
