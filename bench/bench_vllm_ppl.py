@@ -39,7 +39,7 @@ def int8_export() -> tuple[Path, Path]:
 
 def hf_side(model: Path, windows) -> tuple[list[float], float, float]:
     from quark_ptq_eval.evaluate import tier_ppl
-    from quark_ptq_eval.validate.loading import load_model
+    from quark_ptq_eval.runtime.loading import load_model
 
     started = time.perf_counter()
     loaded = load_model(model, "cpu", False)
@@ -53,12 +53,18 @@ def hf_side(model: Path, windows) -> tuple[list[float], float, float]:
 
 def vllm_side(model: Path, windows, python: Path) -> tuple[list[float], float, float, str]:
     from quark_ptq_eval.evaluate import vllm_ppl
-    from quark_ptq_eval.validate.servecheck import free_port, wait_healthy
-    from quark_ptq_eval.validate.vllm_host import find_host_vllm, server_argv, start_server, stop_group
+    from quark_ptq_eval.runtime.vllm_host import (
+        find_host_vllm,
+        free_port,
+        host_server_argv,
+        start_server,
+        stop_group,
+        wait_healthy,
+    )
 
     host = find_host_vllm(python)
     port = free_port()
-    argv = server_argv(host, model, port, "bench") + ["--max-model-len", "2048"]
+    argv = host_server_argv(host, model, port, "bench") + ["--max-model-len", "2048"]
     log = Path("/tmp") / f"bench_vllm_ppl_{port}.log"
     started = time.perf_counter()
     process = start_server(argv, log)

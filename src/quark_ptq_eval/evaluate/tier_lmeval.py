@@ -24,7 +24,7 @@ from quark_ptq_eval.base.fsio import atomic_write_text
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
 from quark_ptq_eval.evaluate.tier_ppl import synchronize
 from quark_ptq_eval.evaluate.verdict import Z95
-from quark_ptq_eval.validate.loading import LoadedModel, load_model, model_size_bytes, require_finite
+from quark_ptq_eval.runtime.loading import LoadedModel, load_model, model_size_bytes, require_finite
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

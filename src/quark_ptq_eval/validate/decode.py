@@ -41,7 +41,7 @@ from quark_ptq_eval.validate.decode_folds import FoldFinder
 from quark_ptq_eval.validate.decode_judge import MAX_ROWS_LISTED, Bound, bound_for, judge
 from quark_ptq_eval.validate.decode_weights import Fold, RowErrors, compare
 from quark_ptq_eval.validate.expectations import module_config
-from quark_ptq_eval.validate.registry import ValidationContext, read_config, unreadable_headers
+from quark_ptq_eval.validate.registry import ValidationContext, read_config_or_empty, unreadable_headers
 from quark_ptq_eval.validate.report import CheckResult, Finding
 from quark_ptq_eval.validate.rewrites import ROTATING, SCALING, algorithms
 
@@ -52,7 +52,7 @@ def decode_export(source: Path, quantized: Path, plan: dict[str, Any] | None = N
     e.g. a dequantized BF16 copy of an FP8 release; ``workers``: threads, default as ``validate``'s);
     never raises on a mismatch."""
     ctx = ValidationContext(Path(source), Path(quantized), plan, weights_source=weights_source, workers=workers)
-    ctx.src_config, ctx.out_config = read_config(ctx.source), read_config(ctx.quantized)
+    ctx.src_config, ctx.out_config = read_config_or_empty(ctx.source), read_config_or_empty(ctx.quantized)
     ctx.read_headers()
     return check_decode(ctx)
 

@@ -262,7 +262,7 @@ def model_needs(model_dir: Path, kv_cache_dtype: str | None = None, **given: Any
     """A served model's facts: its weights on disk, KV bytes per token (the plan's formula, with the
     config's head_dim where it states one), one step's activations and its context; ``given``:
     ServeNeeds fields (sequences, context, plan_args ...)."""
-    from quark_ptq_eval.validate.loading import model_size_bytes
+    from quark_ptq_eval.runtime.loading import model_size_bytes
 
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
