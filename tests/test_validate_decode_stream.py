@@ -22,7 +22,8 @@ from test_validate import read_tensors, write_tensors
 import quark_ptq_eval.validate.decode_blocks as blocks
 import quark_ptq_eval.validate.decode_weights as weights
 from quark_ptq_eval.base.safetensors_io import read_model_headers
-from quark_ptq_eval.validate.decode import decode_export, find_targets
+from quark_ptq_eval.validate.decode import decode_export
+from quark_ptq_eval.validate.decode_targets import find_targets
 
 MODULE = "model.layers.0.self_attn.q_proj"
 ROW = 7
