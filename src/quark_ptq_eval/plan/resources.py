@@ -126,6 +126,16 @@ def loaded_bytes(analysis: ModelAnalysis) -> int:
     return int(analysis.size.get("read_as_bytes") or analysis.size["bytes"] or param_count(analysis) * 2)
 
 
+def output_basis(analysis: ModelAnalysis | None) -> str:
+    """What :func:`output_bytes` counted, in words (the plan table's reason for the output size)."""
+    fmt = getattr(analysis, "source_format", None) or {}
+    if fmt.get("quantizable_params") is None or not fmt.get("prequantized_tensors"):
+        return "quantized linears at the scheme's bits (scales included), the rest in the source dtype"
+    return (f"{fmt['quantizable_params']:,} parameters of the template's linears (header shapes) at the scheme's "
+            f"bits, scales included; the rest ({gb(fmt['rest_read_as_bytes'])}) as both engines write it: "
+            f"{release_of(fmt.get('name'))} layers left out dequantized to BF16")
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 def calibration_activation_bytes(analysis: ModelAnalysis, calibration: dict[str, Any]) -> int:
     """Live tensors of one calibration forward (fp32): hidden states, MLP intermediates and logits."""
@@ -227,15 +237,6 @@ def serving_fit(analysis: ModelAnalysis, out_bytes: int, kv_scheme: str | None, 
     return {"weights_bytes": out_bytes, "kv_cache_bytes": kv, "context": budget["context"], "batch": budget["batch"],
             "device_memory_gb": memory_gb, "devices_needed": tp,
             "fits_budget": bool(per_device) and need <= per_device * budget["devices"]}
-
-
-def output_basis(analysis: ModelAnalysis | None) -> str:
-    fmt = getattr(analysis, "source_format", None) or {}
-    if fmt.get("quantizable_params") is None or not fmt.get("prequantized_tensors"):
-        return "quantized linears at the scheme's bits (scales included), the rest in the source dtype"
-    return (f"{fmt['quantizable_params']:,} parameters of the template's linears (header shapes) at the scheme's "
-            f"bits, scales included; the rest ({gb(fmt['rest_read_as_bytes'])}) as both engines write it: "
-            f"{release_of(fmt.get('name'))} layers left out dequantized to BF16")
 
 
 def serving_text(fit: dict[str, Any], label: str, kv: str | None) -> str:
