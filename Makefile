@@ -38,11 +38,11 @@ demo: $(STAMP)
 	$(PY) -m quark_ptq_eval.flows.demo_run demo-work
 
 bench: $(STAMP)
-	$(PY) bench/run_all.py
+	$(PY) -m bench.run_all
 
 # Every Quark-templated family x scheme, run for real on tiny offline models; writes docs/families.md.
 matrix: $(STAMP)
-	$(PY) bench/matrix.py
+	$(PY) -m bench.matrix
 
 # ruff, then mypy over src/ (configured in pyproject.toml: strict on the base and the steps)
 lint: $(STAMP)

@@ -13,7 +13,7 @@ It prints the wall-time ratio (peer / ours: above 1 compare is faster), where th
 both sides (the engine child's own seconds from each manifest, the runs' phase timings), that
 every scheme's perplexity in comparison.json equals its separate run's to 1e-4 (relative), and
 the baseline cache's size on disk against full float32 logits (windows x scored tokens x
-vocabulary x 4 bytes). Run: ``python bench/bench_compare.py [--max-windows N] [--model DIR --corpus FILE]``.
+vocabulary x 4 bytes). Run: ``python -m bench.bench_compare [--max-windows N] [--model DIR --corpus FILE]``.
 """
 
 from __future__ import annotations
@@ -22,13 +22,11 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_orchestration import ENV, our_cli, timed, warm_catalog  # noqa: E402
+from bench.bench_orchestration import ENV, our_cli, timed, warm_catalog
 
 SCHEMES = ["fp8", "int8", "int4_wo_128", "mxfp4"]
 PPL_RTOL = 1e-4

@@ -14,7 +14,7 @@ interleaved (ours, read, ours, ...), medians:
 Wall and CPU seconds of both, and the host's load average around the runs: on a shared host the
 wall ratio also measures the load, the CPU seconds do not. ``ratio`` is peer time / our time.
 
-Run: ``python bench/bench_decode.py [--size-gb 2] [--repeat 3]`` (``make bench`` runs it with the defaults).
+Run: ``python -m bench.bench_decode [--size-gb 2] [--repeat 3]`` (``make bench`` runs it with the defaults).
 """
 
 from __future__ import annotations
@@ -23,12 +23,9 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 TARGET = 1.5  # ours / cold read, at most
 
@@ -50,8 +47,14 @@ def decode_ranges(source: Path, twin: Path) -> list[tuple[Path, int, int]]:
 
 
 def measure(size_gb: float, repeat: int) -> dict[str, Any]:
-    from bench_validate import HIDDEN, SHARD_BYTES, VOCAB, _write_model_pair, interleaved, read_ranges_once
-
+    from bench.bench_validate import (
+        HIDDEN,
+        SHARD_BYTES,
+        VOCAB,
+        _write_model_pair,
+        interleaved,
+        read_ranges_once,
+    )
     from quark_ptq_eval.validate.decode import decode_export
 
     root = Path(tempfile.mkdtemp(prefix="qpe-bench-decode-"))

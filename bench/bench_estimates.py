@@ -17,7 +17,7 @@ Cases:
   beside the other jobs of a 24 GB host), 4 windows of 128 tokens, one window per batch (two
   pilot batches, two predicted). A few minutes on 2 cores.
 
-Run: ``python bench/bench_estimates.py [--cases demo,1b] [--demo DIR] [--big DIR]``.
+Run: ``python -m bench.bench_estimates [--cases demo,1b] [--demo DIR] [--big DIR]``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-BENCH = Path(__file__).resolve().parent
 DEFAULT_DEMO = Path("/tmp/qpe-bench-estimates/demo")
 DEFAULT_BIG = Path("/tmp/qpe-bench-estimates/llama-1b-f32")
 
@@ -63,8 +62,7 @@ def build_big(path: Path) -> Path:
     """The float32 1.2 B model at ``path`` (its BF16 original and the corpus beside it)."""
     if (path / "config.json").exists():
         return path
-    sys.path.insert(0, str(BENCH))
-    from measure_memory import SHAPES, build_random_llama, tokenizer_and_corpus
+    from bench.measure_memory import SHAPES, build_random_llama, tokenizer_and_corpus
 
     tokenizer_dir, _ = tokenizer_and_corpus(path.parent)
     bf16 = build_random_llama(path.parent / "llama-1b", SHAPES["1b"], tokenizer_dir)
@@ -118,8 +116,9 @@ def child(spec: dict, workdir: Path) -> dict:
 def measure(case: str, demo: Path, big: Path, work: Path) -> dict:
     spec = case_options(case, demo, big)
     workdir = work / f"eval-{case}"
-    code = f"import json,sys; sys.path.insert(0,{str(BENCH)!r}); import bench_estimates as b; " \
-           f"print('RESULT ' + json.dumps(b.child(json.loads(sys.argv[1]), b.Path(sys.argv[2]))))"
+    # run from the repository root (python -m bench.bench_estimates): the child's -c finds bench/ there too
+    code = "import json,sys; from bench import bench_estimates as b; " \
+           "print('RESULT ' + json.dumps(b.child(json.loads(sys.argv[1]), b.Path(sys.argv[2]))))"
     out = subprocess.run([sys.executable, "-c", code, json.dumps(spec), str(workdir)],
                          capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]

@@ -12,7 +12,7 @@
 Why a watchdog and not ``ulimit -v``: torch reserves ~4.9 GiB of address space in a process that
 holds a 3 MiB model (measured), so an address-space limit caps reservations, not RAM.
 
-Run: ``python bench/bench_file2file.py --work /tmp/h15/f2f`` (reuses /tmp/h15/mem/llama-1b when it
+Run: ``python -m bench.bench_file2file --work /tmp/h15/f2f`` (reuses /tmp/h15/mem/llama-1b when it
 exists). Prints one JSON line per step and a summary; figures are in docs/planning.md.
 """
 
@@ -28,8 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure_memory import ENV, SHAPES, build_random_llama, tokenizer_and_corpus  # noqa: E402
+from bench.measure_memory import ENV, SHAPES, build_random_llama, tokenizer_and_corpus
 
 
 def rss_bytes(pid: int) -> int:

@@ -1,11 +1,11 @@
 """The load check over real exports: healthy ones must pass, planted loader-level faults must fail.
 
-For each export of the family matrix (``python bench/matrix.py`` leaves them under
+For each export of the family matrix (``python -m bench.matrix`` leaves them under
 ``.matrix/cells/<family>/<column>/out.partial``), the full validation with the load check runs
 twice: on the export as Quark wrote it, and on a copy with one module's weight scale multiplied
 by 4 in the file (headers, layout and the unquantized tensors' bytes all unchanged: only the load
 check could see it; since the decode check it fails there first). Prints one line per export and a
-summary; the numbers behind ``loadlimits.HEALTHY`` (the limit per weight format). Run: ``python bench/bench_load_check.py [--families a,b] [--columns fp8]``.
+summary; the numbers behind ``loadlimits.HEALTHY`` (the limit per weight format). Run: ``python -m bench.bench_load_check [--families a,b] [--columns fp8]``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ noisy; figures are medians. The capability catalog that ``run`` asks of Quark on
 is warmed (and timed) before the timed runs. ``ratio`` is peer time / our time, so ``1 / ratio
 - 1`` is our overhead. Between-run noise here is larger than the effect, so the target (overhead
 below 5 %) is judged on the *paired* overhead: our wall time over the engine child's own wall
-time recorded in the same invocation (``run_manifest.yaml`` runs[].seconds). Run: ``python bench/bench_orchestration.py
+time recorded in the same invocation (``run_manifest.yaml`` runs[].seconds). Run: ``python -m bench.bench_orchestration
 [--reps N] [--quick] [--model DIR --corpus FILE]``.
 """
 

@@ -8,7 +8,7 @@ are interleaved, five rounds (one with ``--quick``); the ratio is of the medians
 ratio is printed next to it. ``--profile`` instead times the pieces of one Tier 1 run with a
 baseline (tokenization, model load, forward, NLL, baseline forward, KL) on the same model and text.
 ``--rss TOKENS`` runs Tier 1 with a baseline over that many tokens and prints the peak RSS.
-Run: ``python bench/bench_ppl.py [--quick | --profile | --rss TOKENS]``.
+Run: ``python -m bench.bench_ppl [--quick | --profile | --rss TOKENS]``.
 """
 
 from __future__ import annotations
@@ -178,15 +178,25 @@ def profile() -> list[tuple[str, float, float]]:
             logits = timed("forward (quantized)", lambda w=window: quantized.model(w).logits[:, :-1])
             base = timed("forward (baseline)", lambda w=window: baseline.model(w).logits[:, :-1])
             labels = window[:, 1:]
-            timed(SCORING_NOW, lambda lg=logits, b=base, lb=labels: acc.add(tier_ppl.pair_stats(lg, lb, b), 1))
+            timed(SCORING_NOW, lambda lg=logits, b=base, lb=labels: _score_now(acc, lg, lb, b))
             timed(SCORING_BEFORE, lambda lg=logits, b=base, lb=labels: _before(lg, lb, b))
     timed("statistics (llama.cpp report, percentiles)", lambda: tier_ppl.outcome_from(acc, SEQ_LEN, _Scored()))
     total = sum(v for k, v in pieces.items() if k != SCORING_BEFORE)
     return [(k, v, 100 * v / total) for k, v in pieces.items()] + [("total (without the 'before' row)", total, 100.0)]
 
 
-SCORING_NOW = "scoring now (pair kernel + statistics)"
+SCORING_NOW = "scoring now (pair kernel + statistics + trim)"
 SCORING_BEFORE = "scoring before issue 34 (finite x2 + float64)"
+
+
+def _score_now(acc, logits, labels, base) -> None:
+    """What score_batch does after the two forwards: the pair kernel, the streamed statistics and the
+    periodic return of freed memory to the OS."""
+    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.evaluate.ppl_kernels import release_every_few_windows
+
+    acc.add(tier_ppl.pair_stats(logits, labels, base), 1)
+    release_every_few_windows(acc.windows - 1, acc.windows)
 
 
 def _before(logits, labels, base) -> None:
@@ -227,10 +237,34 @@ def peak_rss(tokens: int) -> tuple[int, float]:
     ids = tier_ppl.token_windows(quantized.tokenizer, [text], SEQ_LEN).reshape(-1)
     ids = ids.repeat(math.ceil(tokens / ids.numel()))[: (tokens // SEQ_LEN) * SEQ_LEN].view(-1, SEQ_LEN)
     acc = tier_ppl.Accumulator()
+    trims = _timed_trims()
+    started = time.perf_counter()
     for window in ids.split(1):
         tier_ppl.score_batch(quantized.model, window, acc, baseline.model)
+    loop_s = time.perf_counter() - started
     outcome = tier_ppl.outcome_from(acc, SEQ_LEN, _Scored())
+    print(f"tier1 scoring loop {loop_s:.2f} s; returning freed memory: {trims['calls']} calls, "
+          f"{trims['seconds']:.3f} s ({100 * trims['seconds'] / loop_s:.2f} % of the loop)")
     return outcome.details["kld_report"]["tokens"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _timed_trims() -> dict[str, float]:
+    """Count and time ppl_kernels' calls to release_freed_memory (bench instrumentation only)."""
+    from quark_ptq_eval.evaluate import ppl_kernels
+
+    seen = {"calls": 0, "seconds": 0.0}
+    release = ppl_kernels.release_freed_memory
+
+    def timed_release() -> bool:
+        started = time.perf_counter()
+        try:
+            return release()
+        finally:
+            seen["calls"] += 1
+            seen["seconds"] += time.perf_counter() - started
+
+    ppl_kernels.release_freed_memory = timed_release
+    return seen
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@ Every process that quantizes, loads a Quark export or builds the catalog pays th
 variant runs in a fresh interpreter; the cached one after one priming run (a user's second
 process). Both print Quark's registry of MoE expert classes, which must be identical.
 ``ratio`` is plain time / cached time (above 1: we are faster). Run:
-``python bench/bench_quark_import.py [--runs N]``.
+``python -m bench.bench_quark_import [--runs N]``.
 """
 
 from __future__ import annotations

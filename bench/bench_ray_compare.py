@@ -12,7 +12,7 @@ The ratio is peer / ours (above 1: the cluster run is faster). Ray's own cost sh
 beside it: the cluster's bring-up (not in either time), and the per-cell overhead, the cells' wall
 time on Ray (attempt start to end, read from the work dirs) against the same scheme's share locally.
 Both runs' comparison.json must agree (perplexity and KL per scheme, equal to 1e-9 relative).
-Run: ``python bench/bench_ray_compare.py [--max-windows N]``.
+Run: ``python -m bench.bench_ray_compare [--max-windows N]``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_compare import SCHEMES, shared_flags  # noqa: E402
-from bench_orchestration import our_cli, timed, warm_catalog  # noqa: E402
+from bench.bench_compare import SCHEMES, shared_flags
+from bench.bench_orchestration import ENV, our_cli, timed, warm_catalog
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}
 
@@ -70,6 +69,10 @@ def run(quick: bool, windows: int | None = None) -> list[dict]:
     env_path = os.environ.get("PYTHONPATH", "")
     src = str(Path(__file__).resolve().parents[1] / "src")
     os.environ["PYTHONPATH"] = src + (os.pathsep + env_path if env_path else "")  # the cluster's workers import ours
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # 127.0.0.1 stays loopback in every process
+    # the CLI children get bench_orchestration.ENV, a copy of the environment taken at its import: refresh it,
+    # or the driver maps the cluster's 127.0.0.1 to the host's network address and waits for a GCS there
+    ENV.update({k: os.environ[k] for k in ("PYTHONPATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")})
     with tempfile.TemporaryDirectory(prefix="qpe-bench-ray-") as tmp:
         root = Path(tmp)
         from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model

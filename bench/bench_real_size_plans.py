@@ -8,7 +8,7 @@ size next to an independent count from the headers (every quantized tensor at th
 plus its scales, the rest in BF16 once read), the serving fit, the engine and host the plan
 proposes, and intake + plan wall time and peak RSS. Figures go to docs/planning.md.
 
-    .venv/bin/python bench/bench_real_size_plans.py [--work DIR] [--case NAME]
+    .venv/bin/python -m bench.bench_real_size_plans [--work DIR] [--case NAME]
 """
 
 from __future__ import annotations

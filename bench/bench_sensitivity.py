@@ -3,7 +3,7 @@
 Both contenders quantize once with Quark (fake-quant) and toggle one layer at a time; they differ
 only in how a measurement runs the model. The naive alternative, one Quark quantization per
 layer (exclude every other layer), costs L calibrations on top: it is stated, not run.
-Run: ``python bench/bench_sensitivity.py [--quick]``.
+Run: ``python -m bench.bench_sensitivity [--quick]``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ baseline on the same text as ``make demo``:
 It prints (and writes to ROOT/effect.json) per run: Tier 1 KL mean/p99, perplexity (quantized and
 baseline), the exported weight bytes, the excluded layers, and for the proposal the scan's
 predicted and re-measured KL next to Tier 1's measured KL.
-Run: ``python bench/bench_sensitivity_effect.py ROOT [--scheme mxfp4] [--max-kl K] [--runs plain,proposal]``
+Run: ``python -m bench.bench_sensitivity_effect ROOT [--scheme mxfp4] [--max-kl K] [--runs plain,proposal]``
 (``--runs`` reruns only those, keeping the other rows of ROOT/effect.json).
 """
 

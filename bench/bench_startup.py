@@ -6,7 +6,7 @@ start-up (tens of seconds), so it runs once. A fresh interpreter then calls our 
 in-process for ``--help`` and ``status`` and lists which heavy modules (torch, quark,
 transformers, lm_eval, datasets) ended up in ``sys.modules``: the target is none.
 
-``ratio`` is peer time / our time (above 1: we are faster). Run: ``python bench/bench_startup.py
+``ratio`` is peer time / our time (above 1: we are faster). Run: ``python -m bench.bench_startup
 [--runs N] [--quick]``.
 """
 

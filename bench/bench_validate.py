@@ -14,7 +14,7 @@ run interleaved (ours, peer, read, ours, ...) and report medians, so load change
 - header checks on a 100-shard model: ours (layout, both sides) vs Quark's fuzzy summary (target < 1 s),
 - ``import quark_ptq_eval.validate`` in a fresh interpreter (target < 0.5 s, no heavy module).
 
-``ratio`` is peer time / our time (above 1: we are faster). Run: ``python bench/bench_validate.py
+``ratio`` is peer time / our time (above 1: we are faster). Run: ``python -m bench.bench_validate
 [--size-gb 2] [--workers N] [--quick]``.
 """
 

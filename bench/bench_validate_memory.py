@@ -12,7 +12,7 @@ printed with the load average before and after each run (the host is shared). ``
 a run that would take too long (the 405 B case: ~1.2 TB read) and projects its wall time from the
 share of the decode check's bytes read by then (``/proc/PID/io``).
 
-    .venv/bin/python bench/bench_validate_memory.py [--work DIR] [--case 13b --case 70b ...] [--workers 1 2 4]
+    .venv/bin/python -m bench.bench_validate_memory [--work DIR] [--case 13b --case 70b ...] [--workers 1 2 4]
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_real_size_plans import BF16, F8, F32, llama_405b, write_sparse  # noqa: E402
+from bench.bench_real_size_plans import BF16, F8, F32, llama_405b, write_sparse
 
 FP8_SPEC = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False, "symmetric": True, "ch_axis": None,
             "group_size": None, "scale_format": None, "scale_type": "float", "observer_cls": "PerTensorMinMaxObserver",

@@ -2,7 +2,7 @@
 tier_ppl.score_batch) and through a vLLM server's prompt log-probabilities (evaluate/vllm_ppl.py),
 with the difference against the stated tolerance and the time of each (load / start-up, scoring).
 
-Run: ``python bench/bench_vllm_ppl.py --model EXPORT [--vllm-python .venv-vllm/bin/python]``;
+Run: ``python -m bench.bench_vllm_ppl --model EXPORT [--vllm-python .venv-vllm/bin/python]``;
 without --model the demo model's int8 export is built (demo assets, Quark's API engine).
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -21,12 +20,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: a small model on a shared host
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 
 
 def int8_export() -> tuple[Path, Path]:
-    from bench_ppl import ASSETS, build_assets
-
+    from bench.bench_ppl import ASSETS, build_assets
     from quark_ptq_eval.execute import quark_api_engine
 
     model, corpus = build_assets()

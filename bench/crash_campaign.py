@@ -19,7 +19,7 @@ A trial covers the code paths from its kill instant onwards as a user's resume m
 steps are redone or skipped by the recipe itself, never by this script. Trials whose instant falls
 after the run has ended count as "not killed".
 
-    heavy .venv/bin/python bench/crash_campaign.py --trials 50 --seed 1
+    heavy .venv/bin/python -m bench.crash_campaign --trials 50 --seed 1
 """
 
 from __future__ import annotations
@@ -309,8 +309,7 @@ def run_trial(number: int, ref: Reference, model: Path, corpus: Path, where: Pat
 
 def prepare(root: Path) -> tuple[Path, Path]:
     """The model and corpus of ``make demo``: the sensitivity bench's builder, not a second copy."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_sensitivity_effect import demo_model
+    from bench.bench_sensitivity_effect import demo_model
 
     return demo_model(root)
 

@@ -61,7 +61,7 @@ def _run_text(run: dict) -> str:
 
 def write_doc(path: Path, data: dict[str, Any], skipped: dict[str, str], setup: Any) -> None:
     cells = data["cells"]
-    from matrix import COLUMNS  # the matrix's column order, whichever runner ran a column first
+    from bench.matrix import COLUMNS  # the matrix's column order, whichever runner ran a column first
 
     order = list(COLUMNS)
     columns = sorted({c["column"] for c in cells.values()}, key=lambda c: (order.index(c) if c in order else len(order), c))
@@ -88,7 +88,7 @@ def write_doc(path: Path, data: dict[str, Any], skipped: dict[str, str], setup: 
         "",
         "Each family is a tiny random instance built offline from its transformers config class "
         "(`AutoConfig.for_model`, 2 layers, hidden 128, head dim 32, 4 experts where the family has them, "
-        "the demo tokenizer, seed 0; `bench/families.py`). Each cell is a run of the recipe itself "
+        "the demo tokenizer, seed 0; `tests/fixtures/families.py`). Each cell is a run of the recipe itself "
         "(`pipeline.Recipe`: intake → plan → manifest → Quark-API engine → validate, with the load and decode "
         "checks → Tier 1 perplexity with "
         f"baseline on {setup.windows} windows of 64 tokens, loaded with the evaluator's loader), "
@@ -106,7 +106,7 @@ def write_doc(path: Path, data: dict[str, Any], skipped: dict[str, str], setup: 
         "measured share, read from the safetensors headers. Columns: "
         + ", ".join(f"`{c}`" for c in columns) + " (`awq` = AWQ on `int4_wo_32`; `fp8_release` = the "
         "family's instance converted to the DeepSeek FP8 block format (F8_E4M3 linears with 128 × 128 "
-        "`weight_scale_inv`, `quantization_config` fp8, `tests/fp8_release.py`) and quantized to `mxfp4`: the "
+        "`weight_scale_inv`, `quantization_config` fp8, `tests/fixtures/fp8_release.py`) and quantized to `mxfp4`: the "
         "plan reads it through a dequantized BF16 staging copy, which validation, the load and decode checks "
         "and Tier 1's baseline use as the source). After the share comes the decode check's worst error "
         "against its bound, in quantization steps (round-to-nearest: half a step plus float slack).",
@@ -120,7 +120,7 @@ def write_doc(path: Path, data: dict[str, Any], skipped: dict[str, str], setup: 
         row = [_cell_text(cells[f"{fam}/{col}"]) if f"{fam}/{col}" in cells else "-" for col in columns]
         lines.append(f"| {fam} | " + " | ".join(row) + " |")
     lines += ["", "A `-` cell was not run in the last session (the matrix is resumable: "
-              "`python bench/matrix.py --columns COL --families A,B` fills cells in). Shares are of tiny models: "
+              "`python -m bench.matrix --columns COL --families A,B` fills cells in). Shares are of tiny models: "
               "an `lm_head` of 512 × 128 is a large part of them, and Quark's templates keep some families' "
               "attention, shared experts and dense MLPs unquantized by default (GLM-4-MoE, DeepSeek), so the "
               "share is low there by design; what the matrix checks is that the export keeps its promise.",

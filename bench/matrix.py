@@ -7,10 +7,10 @@ Tier 1 perplexity with baseline on a few windows, its checkpoints approved by na
 of matrix parameters actually quantized against the plan's promise. The recipe is given an
 in-process engine runner (``execute/in_process.py``), so ``import quark.torch`` (~20 s) is paid once
 per runner, not per cell. The ``fp8_release`` column starts from the family's instance converted to
-the DeepSeek FP8 block format (tests/fp8_release.py), which the plan reads through a dequantized
+the DeepSeek FP8 block format (tests/fixtures/fp8_release.py), which the plan reads through a dequantized
 BF16 staging copy.
 
-    python bench/matrix.py [--families llama,mixtral] [--columns fp8,awq] [--out docs/families.md]
+    python -m bench.matrix [--families llama,mixtral] [--columns fp8,awq] [--out docs/families.md]
 
 Results are merged into ``<work>/results-TAG.json`` (reruns of a subset update their rows) and
 ``docs/families.md`` is regenerated from them.
@@ -33,10 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))
-from families import build_family  # noqa: E402
-from fp8_release import to_fp8_release  # noqa: E402
+from tests.fixtures.families import build_family
+from tests.fixtures.fp8_release import to_fp8_release
 
 ROOT = Path(__file__).resolve().parents[1]
 # column -> (scheme, algorithm)
@@ -45,7 +43,7 @@ COLUMNS: dict[str, tuple[str, str | None]] = {
     "mxfp4": ("mxfp4", None), "awq": ("int4_wo_32", "awq"), "fp8_release": ("mxfp4", None),
 }
 # columns whose source is the family's instance as an FP8 block release (DeepSeek's format,
-# tests/fp8_release.py): the recipe's plan reads it through a dequantized BF16 staging copy
+# tests/fixtures/fp8_release.py): the recipe's plan reads it through a dequantized BF16 staging copy
 FP8_RELEASE_COLUMNS = ("fp8_release",)
 NON_MATRIX = ("embed", "norm", "wte", "wpe", "rotary", "conv")
 FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
@@ -503,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = offline_workdir(args.work)
     if args.doc_only:
-        from families_doc import write_doc
+        from bench.families_doc import write_doc
 
         setup = prepare(work, args.calib_samples, args.windows)
         write_doc(Path(args.out), all_results(work), families_available(setup.catalog)[1], setup)
@@ -529,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             "columns": columns, "cells": len(cells), "wall_s": round(wall, 1), "per_cell_s": round(per_cell, 1),
             "import_s": round(import_s, 1)}
     merge_results(results, cells, meta)
-    from families_doc import write_doc
+    from bench.families_doc import write_doc
 
     write_doc(Path(args.out), all_results(work), skipped, setup)
     return 0 if all(c.outcome != "failed" for c in cells) else 1

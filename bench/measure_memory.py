@@ -7,7 +7,7 @@ with the model's parameters and bytes, the output's bytes on disk and what the p
 (``quark_ptq_eval.plan.resources``) said beforehand. Not part of ``make bench`` (it is not a
 timing, and the large sizes take minutes on 2 cores).
 
-Run: ``python bench/measure_memory.py --out /tmp/qpe-mem [--runs 10m:fp8 150m:fp8:awq ...]``, then
+Run: ``python -m bench.measure_memory --out /tmp/qpe-mem [--runs 10m:fp8 150m:fp8:awq ...]``, then
 ``--fit`` to fit the coefficients of ``plan/resources.py`` and print the table of docs/planning.md.
 A run is ``SIZE:SCHEME[:ALGORITHM][:SAMPLESxSEQ]``; SIZE is one of SHAPES.
 """

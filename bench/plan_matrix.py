@@ -6,7 +6,7 @@ the Quark-API engine -> validate with the load check -> Tier 1 perplexity with b
 quantized share), or is refused at the plan step with its reason. Cells whose plans are the same
 (scheme, algorithm, KV cache, exclusions, overrides) share one run: the result is that plan's.
 
-    python bench/plan_matrix.py [--families llama,phi3] [--targets mi300x,h100] [--priorities size]
+    python -m bench.plan_matrix [--families llama,phi3] [--targets mi300x,h100] [--priorities size]
 
 Results go to ``<work>/plan-results.json``; ``docs/targets.md`` is regenerated from them.
 """
@@ -21,8 +21,7 @@ from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matrix import (  # noqa: E402
+from bench.matrix import (
     ROOT,
     Cell,
     Setup,
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = offline_workdir(args.work)
     if args.multinode:
-        from plan_matrix_multinode import run_cells
+        from bench.plan_matrix_multinode import run_cells
 
         rows = run_cells(work / "multinode")
         (work / MULTINODE_RESULTS).write_text(json.dumps(rows, indent=1))
@@ -209,7 +208,7 @@ def write_targets_doc(path: Path, data: dict, setup: Setup) -> None:
               "`smallest for B200`, `for A100`); the plan made from it (scheme, KV cache, algorithm: the cell's "
               "text) runs through the Quark-API engine, validation with the load check and Tier 1 perplexity with "
               f"baseline ({setup.windows} windows of 64 tokens), calibrating on {setup.calib_samples} × 64 tokens, "
-              "on the family matrix's tiny models (bench/families.py: hidden 128, MoE intermediate 64, MLA's "
+              "on the family matrix's tiny models (tests/fixtures/families.py: hidden 128, MoE intermediate 64, MLA's "
               "kv_lora_rank 64). Cells with the same plan share one run. A green cell passed every stage.", ""]
     for family in dict.fromkeys(c["family"] for c in cells):
         prios = [p for p in PRIORITIES if any(c["priority"] == p for c in cells if c["family"] == family)]

@@ -9,7 +9,7 @@ tensor parallel within a node, pipeline parallel across nodes and ``--distribute
 the script holds the Ray bring-up and its ``srun`` form and checks the cluster's GPUs before any server
 starts, and ``bash -n`` accepts it.
 
-    python bench/plan_matrix_multinode.py [--work DIR]      (or: python bench/plan_matrix.py --multinode)
+    python -m bench.plan_matrix_multinode [--work DIR]      (or: python -m bench.plan_matrix --multinode)
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_real_size_plans import BF16, F8, deepseek_v3, mla_moe, write_sparse  # noqa: E402
+from bench.bench_real_size_plans import BF16, F8, deepseek_v3, mla_moe, write_sparse
 
 
 def bf16_release(shapes):

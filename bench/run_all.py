@@ -5,7 +5,7 @@ Each module exposes ``run(quick: bool) -> list[dict]`` with rows {"benchmark", "
 becomes one error row and the others still run. ``ratio`` is peer time / our time everywhere
 (above 1: we are faster). All rows are also written to ``.bench/results.json`` (gitignored); with ``--only`` the
 other modules' previous rows there are kept.
-Run: ``python bench/run_all.py [--quick] [--only NAME ...]``.
+Run: ``python -m bench.run_all [--quick] [--only NAME ...]``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def run_module(name: str, quick: bool) -> tuple[list[dict], float]:
     """The module's rows, or one error row; never raises."""
     t0 = time.perf_counter()
     try:
-        module = importlib.import_module(name)
+        module = importlib.import_module(f"bench.{name}")
         rows = [dict(r, module=name, quick=quick) for r in module.run(quick=quick)]
     except Exception as exc:  # noqa: BLE001 - one broken benchmark must not hide the others
         traceback.print_exc(file=sys.stderr)
@@ -96,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller inputs and fewer repetitions in every benchmark")
     p.add_argument("--only", nargs="+", metavar="NAME", help="run only these modules (bench_startup or startup)")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(BENCH_DIR))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     rows: list[dict] = []

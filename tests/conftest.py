@@ -41,7 +41,7 @@ def corpus(assets) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(assets, corpus):
     """``tiny_model("llama")`` / ``tiny_model("qwen3")``: path of a trained tiny checkpoint; any other
-    transformers model type (``"qwen3_moe"``): a tiny random instance of that family (bench/families.py).
+    transformers model type (``"qwen3_moe"``): a tiny random instance of that family (tests/fixtures/families.py).
     Treat it as read-only: copy it (``copy_model``) before planting faults."""
     from quark_ptq_eval.flows.demo import ARCHITECTURES, build_tiny_model
 
@@ -51,9 +51,7 @@ def tiny_model(assets, corpus):
         if arch not in built and arch in ARCHITECTURES:
             built[arch] = build_tiny_model(assets / f"tiny-{arch}", corpus, arch=arch)
         elif arch not in built:
-            if str(ROOT / "bench") not in sys.path:
-                sys.path.insert(0, str(ROOT / "bench"))
-            from families import build_family
+            from tests.fixtures.families import build_family
 
             tokenizer = assets / "tokenizer-only"  # a demo model trained one step: only its tokenizer is used
             if not (tokenizer / "tokenizer.json").exists():
@@ -155,7 +153,7 @@ def cli():
 
 @pytest.fixture(scope="session")
 def compare_eval_text(corpus, tmp_path_factory) -> Path:
-    from compare_setup import write_eval_text
+    from tests.fixtures.compare_setup import write_eval_text
 
     return write_eval_text(corpus, tmp_path_factory.mktemp("compare-eval") / "eval.txt")
 
@@ -164,7 +162,7 @@ def compare_eval_text(corpus, tmp_path_factory) -> Path:
 def compared(tiny_llama, corpus, compare_eval_text, tmp_path_factory):
     """The local comparison of compare_setup.SCHEMES (test_compare.py checks it, test_compare_ray.py
     compares a Ray comparison of the same schemes with it): one run for the session."""
-    from compare_setup import run_local_compare
+    from tests.fixtures.compare_setup import run_local_compare
 
     return run_local_compare(tiny_llama, corpus, compare_eval_text, tmp_path_factory.mktemp("compare") / "out")
 

@@ -1,8 +1,10 @@
 """The recipe's steps, in order, written once.
 
-``run``, ``resume`` and ``--stop-after`` walk this table; ``status`` lists it; the summary
-collects its artifacts; the run manifest's step list is derived from it. Adding a step is one
-row here plus one ``Recipe`` method named in ``run`` (see docs/extending.md).
+``run``, ``resume`` and ``--stop-after`` follow this table; ``status`` lists it; the summary
+collects its artifacts; the run manifest's step list is derived from it. The steps themselves are
+functions in ``flows/``, called in this order by ``flows/pipeline.Recipe._steps`` (one call per row,
+checked by tests/test_recipe_structure.py). Adding a step is one row here plus its function and its
+call there (see docs/extending.md).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from dataclasses import dataclass
 class Step:
     name: str  # in --stop-after, run_state.json's "steps" and `status`
     title: str  # the headline shown when the step starts
-    run: str  # the Recipe method that performs it: (flow) -> what it produced
     part: str  # the name of what it produced in the summary ("analysis", "plan", ...)
     artifacts: tuple[str, ...] = ()  # files it writes in the work dir
     gate: str | None = None  # the checkpoint that approves its outcome (asked by the flow)
@@ -26,19 +27,19 @@ class Step:
 
 
 STEPS: tuple[Step, ...] = (
-    Step("intake", "Phase 1 · step 1 — intake", "step_intake", "analysis", ("model_analysis.json",),
+    Step("intake", "Phase 1 · step 1 — intake", "analysis", ("model_analysis.json",),
          gate="intake", manifest_step="analyze", command=True),
-    Step("plan", "Phase 1 · step 2 — plan", "step_plan", "plan", ("quant_plan.json",),
+    Step("plan", "Phase 1 · step 2 — plan", "plan", ("quant_plan.json",),
          gate="plan", manifest_step="plan", command=True),
-    Step("manifest", "Phase 1 · step 3 — manifest", "step_manifest", "manifest", ("run_manifest.yaml",),
+    Step("manifest", "Phase 1 · step 3 — manifest", "manifest", ("run_manifest.yaml",),
          timing="phase1_prepare", stops_plan_only=True, manifest_step="generate", command=True),
-    Step("execute", "Phase 1 · step 4 — execute", "step_execute", "result",
+    Step("execute", "Phase 1 · step 4 — execute", "result",
          gate="result", gate_before_stop=True, timing="phase1_execute", manifest_step="run", command=True),
-    Step("validate", "Phase 2 — validate", "step_validate", "validation",
+    Step("validate", "Phase 2 — validate", "validation",
          ("validation_report.md", "validation_report.json"), timing="phase2_validate", manifest_step="validate"),
-    Step("eval", "Phase 3 — evaluate", "step_eval", "evaluation", ("eval_report.md", "eval_results.json"),
+    Step("eval", "Phase 3 — evaluate", "evaluation", ("eval_report.md", "eval_results.json"),
          timing="phase3_eval"),
-    Step("card", "Publish — model card", "step_card", "card"),  # README.md in the export (publish/)
+    Step("card", "Publish — model card", "card"),  # README.md in the export (publish/)
 )
 STEP_NAMES: tuple[str, ...] = tuple(s.name for s in STEPS)
 SUMMARY_FILE = "run_summary.json"

@@ -21,14 +21,12 @@ from quark_ptq_eval.evaluate.context import (
     tier_module,
 )
 from quark_ptq_eval.evaluate.eval_report import EvalReport
-from quark_ptq_eval.evaluate.options import EvalOptions
+from quark_ptq_eval.evaluate.options import BASELINE_FROM_SOURCE, EvalOptions
 from quark_ptq_eval.evaluate.reference import align_scale, merge_references, model_card_reference
 from quark_ptq_eval.evaluate.remedies import suggest_remedies
 from quark_ptq_eval.evaluate.scan_followup import sensitivity_followup
 from quark_ptq_eval.evaluate.tiers import TIERS, get_tier
 from quark_ptq_eval.evaluate.verdict import TierEvidence, compare_all, overall_verdict
-
-BASELINE_FROM_SOURCE = "<source>"  # `--baseline` without a path: the source model of the run
 
 
 def evaluate(
@@ -111,7 +109,7 @@ def calibration_overlap(ctx: TierContext) -> dict[str, Any] | None:
 
 
 def _resolve_baseline(options: EvalOptions, source_model: Path | None) -> EvalOptions:
-    if options.baseline is None or str(options.baseline) != BASELINE_FROM_SOURCE:
+    if options.baseline != BASELINE_FROM_SOURCE:
         return options
     if source_model is None:
         raise UsageError("--baseline without a path needs the source model; give --baseline SRC.")

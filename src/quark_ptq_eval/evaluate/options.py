@@ -12,6 +12,7 @@ from quark_ptq_eval.evaluate.tiers import DEFAULT_TIER
 
 DEFAULT_SEQ_LEN = 2048  # Tier 1's window when --seq-len is not given (Quark's ppl_eval default)
 LONG_RUN_S = 15 * 60  # above this the user is asked again before the tier starts
+BASELINE_FROM_SOURCE = Path("<source>")  # `--baseline` without a path: the source model of the run
 
 
 def _tier_choices() -> list[str]:
@@ -80,7 +81,7 @@ class EvalOptions:
     device: str = field(default="auto", metadata=flag(  # "auto": cuda/rocm when present, else cpu
         "--eval-device", dest="eval_device", standalone_names=("--device",), help="auto (default), cpu, cuda") | concern("compute"))
     baseline: Path | None = field(default=None, metadata=flag(  # evaluated only when set (explicit opt-in)
-        "--baseline", nargs="?", const="<source>", metavar="SRC",
+        "--baseline", nargs="?", const=BASELINE_FROM_SOURCE, metavar="SRC",
         help="also evaluate the unquantized model (about double the time); no value: the source"))
     reference: dict[str, dict[str, float]] = field(default_factory=dict, metadata=flag(  # task -> metric -> value
         "--reference", action="append", metavar="TASK:METRIC=VALUE", convert=_references,

@@ -9,11 +9,13 @@ and a handful of float64 sums, in row blocks that stay in the CPU's cache:
 
 ``b - q`` is exact in float64 (both are float32 values), and ``log(Z_b / Z_q)`` is a log of a
 ratio, so no large logit offset is subtracted from another: the KL keeps ~1e-16 absolute precision
-like a float64 log-softmax, at a third of its cost (bench/README.md). No max is subtracted first:
-a row whose largest logit is beyond +-600 (exp overflow) or any non-finite result sends the batch
-through ``token_stats``, the chunked float64 log-softmax that stays finite for any finite logits,
-after ``require_finite`` refused NaN/inf logits with its usual message. A NaN or inf logit always
-shows as a non-finite Z or S, so no separate pass over the logits checks them.
+like a float64 log-softmax, at a fraction of its cost (bench/README.md). On a CPU the blocks run in
+numpy, whose ufuncs widen float32 to float64 inside the exp and the subtraction and cost ~1 us a
+call; on an accelerator, torch in large chunks. No max is subtracted first: a row whose largest
+logit is beyond +-600 (exp overflow) or any non-finite result sends the batch through
+``token_stats``, the chunked float64 log-softmax that stays finite for any finite logits, after
+``require_finite`` refused NaN/inf logits with its usual message. A NaN or inf logit always shows
+as a non-finite Z or S, so no separate pass over the logits checks them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from quark_ptq_eval.base.allocator import every, release_freed_memory
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.runtime.loading import require_finite
 
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 
 ROW_CHUNK_ELEMENTS = 8 * 2**20  # float64 elements of the vocabulary softmax handled at once (memory bound)
 CACHE_BLOCK_ELEMENTS = 2**16  # float64 elements per row block on a CPU: three such blocks stay in L2
+TRIM_EVERY_WINDOWS = 32  # ~1 MiB a 2048-token window stays in glibc's arenas until trimmed
 SAFE_LOGIT = 600.0  # exp(600) is finite in float64 (the limit is ~709): beyond it, the max-shifted path
 
 
@@ -50,6 +54,14 @@ def score_batch(model: torch.nn.Module, batch: torch.Tensor, acc: Accumulator,
         if base_logits.shape[-1] != logits.shape[-1]:
             raise UsageError("The baseline's vocabulary differs from the quantized model's: KL is undefined.")
         acc.add(pair_stats(logits, labels, base_logits), batch.shape[0])
+    release_every_few_windows(acc.windows - batch.shape[0], acc.windows)
+
+
+def release_every_few_windows(before: int, after: int) -> None:
+    """Every ``TRIM_EVERY_WINDOWS`` scored windows, the pages the batches freed go back to the OS: Tier 1's
+    RSS then stays flat with the token count (base/allocator.py), for ~1 % of the forwards' time."""
+    if every(TRIM_EVERY_WINDOWS, before, after):
+        release_freed_memory()
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -70,15 +82,13 @@ def _pair_fast(logits: torch.Tensor, labels: torch.Tensor, base_logits: torch.Te
     import torch
 
     batch, tokens, vocab = logits.shape
-    cpu = logits.device.type == "cpu"
-    step = max(16, CACHE_BLOCK_ELEMENTS // vocab) if cpu else max(1, ROW_CHUNK_ELEMENTS // vocab)
-    out = torch.empty(6, batch, tokens, dtype=torch.float64, device=logits.device)  # Z_b, Z_q, S, b_lab, q_lab, max
-    top = torch.empty(2, batch, tokens, dtype=torch.int64, device=logits.device)
-    buffers = torch.empty(3, min(step, tokens), vocab, dtype=torch.float64, device=logits.device)
-    for w in range(batch):
-        for start in range(0, tokens, step):
-            rows = slice(start, start + step)
-            _block(logits[w, rows], base_logits[w, rows], labels[w, rows], buffers, out[:, w, rows], top[:, w, rows])
+    out = torch.empty(6, batch, tokens, dtype=torch.float64)  # Z_b, Z_q, S, b_lab, q_lab, max
+    top = torch.empty(2, batch, tokens, dtype=torch.int64)
+    if logits.device.type == "cpu":
+        _pair_sums_numpy(logits.float(), base_logits.float(), labels, out.numpy(), top.numpy())
+    else:
+        out, top = out.to(logits.device), top.to(logits.device)
+        _pair_sums_torch(logits, base_logits, labels, out, top)
     z_b, z_q, s, b_lab, q_lab, peak = out
     kl = (s / z_b - torch.log(z_b / z_q)).clamp_min_(0.0)  # clamp: rounding just below 0
     stats = {"nll": torch.log(z_q) - q_lab, "base_nll": torch.log(z_b) - b_lab, "kl": kl, "top1": top[0] == top[1]}
@@ -86,14 +96,65 @@ def _pair_fast(logits: torch.Tensor, labels: torch.Tensor, base_logits: torch.Te
     return stats if finite and float(peak.max()) <= SAFE_LOGIT else None
 
 
+def _pair_sums_numpy(logits: torch.Tensor, base_logits: torch.Tensor, labels: torch.Tensor, out: Any,
+                     top: Any) -> None:
+    """The CPU path in numpy: its ufuncs cast float32 to float64 inside the exp and the subtraction
+    (no float64 copy of the logits is written), and a call costs ~1 us against torch's ~10 us, so
+    the row blocks that keep the work in the cache no longer cost their dispatch (bench/README.md)."""
+    import numpy as np
+
+    tokens, vocab = logits.shape[1:]
+    step = max(16, CACHE_BLOCK_ELEMENTS // vocab)
+    work = np.empty((3, min(step, tokens), vocab))  # exp(b), exp(q), b - q: float64, reused per block
+    q_all, b_all, lab_all = logits.numpy(), base_logits.numpy(), labels.numpy()
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow sends the batch to token_stats: no warning
+        for w in range(q_all.shape[0]):
+            for start in range(0, tokens, step):
+                rows = slice(start, start + step)
+                _numpy_block(q_all[w, rows], b_all[w, rows], lab_all[w, rows], work, out[:, w, rows],
+                             top[:, w, rows])
+
+
+def _numpy_block(q: Any, b: Any, labels: Any, work: Any, out: Any, top: Any) -> None:
+    """One block of rows: the three sums, the label logits, the largest |max logit| and both argmaxes."""
+    import numpy as np
+
+    n = q.shape[0]
+    e_b, e_q, diff = work[0, :n], work[1, :n], work[2, :n]
+    rows = np.arange(n)
+    top[0], top[1] = q.argmax(1), b.argmax(1)  # the first largest, llama.cpp's rule
+    out[3], out[4] = b[rows, labels], q[rows, labels]
+    out[5] = np.maximum(np.abs(b[rows, top[1]]), np.abs(q[rows, top[0]]))
+    np.exp(b, out=e_b, dtype=np.float64)
+    np.exp(q, out=e_q, dtype=np.float64)
+    np.subtract(b, q, out=diff, dtype=np.float64)  # exact: both are float32 values
+    e_b.sum(1, out=out[0])
+    e_q.sum(1, out=out[1])
+    np.einsum("ij,ij->i", e_b, diff, out=out[2])
+
+
+def _pair_sums_torch(logits: torch.Tensor, base_logits: torch.Tensor, labels: torch.Tensor, out: torch.Tensor,
+                     top: torch.Tensor) -> None:
+    """An accelerator's path: large row chunks (its kernels are launched, not run, by Python)."""
+    import torch
+
+    batch, tokens, vocab = logits.shape
+    step = max(1, ROW_CHUNK_ELEMENTS // vocab)
+    buffers = torch.empty(3, min(step, tokens), vocab, dtype=torch.float64, device=logits.device)
+    for w in range(batch):
+        for start in range(0, tokens, step):
+            rows = slice(start, start + step)
+            _block(logits[w, rows], base_logits[w, rows], labels[w, rows], buffers, out[:, w, rows], top[:, w, rows])
+
+
 def _block(q: torch.Tensor, b: torch.Tensor, labels: torch.Tensor, buffers: torch.Tensor, out: torch.Tensor,
            top: torch.Tensor) -> None:
-    """One block of rows: the three sums, the label logits, the largest |max logit| and both argmaxes."""
+    """One block of rows (torch): as ``_numpy_block``, with float64 copies of both logits."""
     import torch
 
     n = q.shape[0]
     x_b, x_q, e_b = buffers[0, :n], buffers[1, :n], buffers[2, :n]
-    top[0], top[1] = _argmax(q), _argmax(b)
+    top[0], top[1] = q.argmax(-1), b.argmax(-1)
     x_b.copy_(b)
     x_q.copy_(q)
     picked = labels.unsqueeze(1)
@@ -105,15 +166,6 @@ def _block(q: torch.Tensor, b: torch.Tensor, labels: torch.Tensor, buffers: torc
     torch.sum(e_b, dim=-1, out=out[0])
     torch.sum(x_q, dim=-1, out=out[1])
     torch.bmm(e_b.unsqueeze(1), x_b.unsqueeze(2), out=out[2].view(n, 1, 1))
-
-
-def _argmax(rows: torch.Tensor) -> torch.Tensor:
-    """First index of each row's largest value (llama.cpp's rule); numpy's is ~8x faster on a CPU."""
-    import torch
-
-    if rows.device.type == "cpu" and rows.dtype == torch.float32:
-        return torch.from_numpy(rows.numpy().argmax(-1))
-    return rows.argmax(-1)
 
 
 def token_stats(logits: torch.Tensor, labels: torch.Tensor,

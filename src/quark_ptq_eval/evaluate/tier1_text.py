@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from quark_ptq_eval.base.first_use import wikitext_cached
+from quark_ptq_eval.evaluate.tiers import scores_text
 
 if TYPE_CHECKING:
     from quark_ptq_eval.base.gates import Approver, Gatekeeper
@@ -21,9 +22,19 @@ def offline_now(offline: bool | None) -> bool:
     return bool(offline) or "1" in (os.environ.get("HF_DATASETS_OFFLINE"), os.environ.get("HF_HUB_OFFLINE"))
 
 
-def tier1_lacks_text(eval_options: dict[str, Any], offline: bool | None) -> bool:
-    """Tier 1 with no --eval-data, offline, and no wikitext-2 on disk: it could only fail."""
-    return not eval_options.get("eval_data") and offline_now(offline) and not wikitext_cached()
+def tier1_lacks_text(tier: str | None, eval_data: str | Path | None, offline: bool | None) -> bool:
+    """``tier`` (None: not chosen yet, it may be Tier 1) scores text, no --eval-data is given, we are
+    offline and wikitext-2 is not on disk: Tier 1 could only fail. The one place this is decided."""
+    could_score = tier is None or scores_text(tier)
+    return could_score and not eval_data and offline_now(offline) and not wikitext_cached()
+
+
+def refuse_without_tier1_text(tier: str | None, eval_data: str | Path | None, offline: bool | None) -> None:
+    """A chosen ``tier`` that would score text and has none is refused (None, not chosen yet, never is)."""
+    from quark_ptq_eval.base.errors import UsageError
+
+    if tier is not None and tier1_lacks_text(tier, eval_data, offline):
+        raise UsageError(TIER1_NO_TEXT)
 
 
 def ask_tier1_text(approver: Approver | Gatekeeper, default: str | None) -> str | None:

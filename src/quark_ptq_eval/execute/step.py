@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,9 +29,9 @@ from quark_ptq_eval.plan.engines import get_engine
 
 
 class ExecuteContext(Protocol):
-    """What this step needs of the running recipe (pipeline.Recipe), without importing it."""
+    """What this step needs of the running recipe (flows' RunServices), without importing it."""
 
-    workdir: Path
+    workdir: Path  # where the engine runs and the manifest's runs are recorded
     ui: Reporter
     state: RunState
     gates: Gatekeeper
@@ -38,6 +40,31 @@ class ExecuteContext(Protocol):
 
 class EngineFailed(QpeError):
     pass
+
+
+@dataclass(frozen=True)
+class VerifiedOutput:
+    """The execute step's artifact: the export it verified on disk (``inspect_output``'s facts)."""
+
+    dir: str
+    files: tuple[str, ...]
+    shards: tuple[str, ...]
+    tensor_count: int
+    quant_method: str | None
+    size_bytes: int
+    tokenizer_files: tuple[str, ...]
+
+    @classmethod
+    def from_facts(cls, facts: dict[str, Any]) -> VerifiedOutput:
+        return cls(str(facts.get("dir", "")), tuple(facts.get("files") or ()), tuple(facts.get("shards") or ()),
+                   int(facts.get("tensor_count") or 0), facts.get("quant_method"), int(facts.get("size_bytes") or 0),
+                   tuple(facts.get("tokenizer_files") or ()))
+
+    @property
+    def digest(self) -> str:
+        """What the result gate is bound to: the facts that stay the same while the export does."""
+        return digest({"files": list(self.files), "shards": list(self.shards), "tensor_count": self.tensor_count,
+                       "quant_method": self.quant_method, "size_bytes": self.size_bytes})
 
 
 def _now() -> str:
@@ -60,13 +87,15 @@ def _set_aside(recipe: ExecuteContext, path: Path, why: str) -> Path:
     return aside
 
 
-def execute_manifest(recipe: ExecuteContext, manifest: RunManifest, analysis: ModelAnalysis, output_dir: Path,
-                     overwrite: bool) -> dict[str, Any]:
-    on_disk = RunManifest.load(recipe.workdir)  # run what is on disk, and only if that was approved
-    done = _already_verified(recipe, on_disk, output_dir)
+def execute_manifest(recipe: ExecuteContext, manifest_file: Path, analysis: ModelAnalysis, output_dir: Path,
+                     overwrite: bool, claims: contextlib.ExitStack) -> VerifiedOutput:
+    """Run the approved ``manifest_file`` (run_manifest.yaml as it is on disk, and only if that was
+    approved) and verify its output; ``claims`` holds the output's claim until the run ends."""
+    on_disk = RunManifest.load(manifest_file.parent)
+    done = _already_verified(recipe, on_disk, output_dir, claims)
     if done is not None:
-        return done
-    staging = _prepare(recipe, on_disk, analysis, output_dir, overwrite)
+        return VerifiedOutput.from_facts(done)
+    staging = _prepare(recipe, on_disk, analysis, output_dir, overwrite, claims)
     run: dict[str, Any] = {"status": "running", "started_at": _now(), "command_digest": on_disk.command_digest}
     on_disk.runs.append(run)
     on_disk.write(recipe.workdir)
@@ -90,10 +119,11 @@ def execute_manifest(recipe: ExecuteContext, manifest: RunManifest, analysis: Mo
                                         ("tokenizer", ", ".join(facts["tokenizer_files"])),
                                         ("size", f"{facts['size_bytes'] / 2**20:.2f} MiB"),
                                         ("engine time", f"{result.seconds:.1f} s")])
-    return facts
+    return VerifiedOutput.from_facts(facts)
 
 
-def _already_verified(recipe: ExecuteContext, on_disk: RunManifest, output_dir: Path) -> dict[str, Any] | None:
+def _already_verified(recipe: ExecuteContext, on_disk: RunManifest, output_dir: Path,
+                      claims: contextlib.ExitStack) -> dict[str, Any] | None:
     """The facts of this exact command's verified output, when a resumed run already made it."""
     previous = recipe.state.steps.get("execute", {})
     last = on_disk.runs[-1] if on_disk.runs else {}
@@ -102,7 +132,7 @@ def _already_verified(recipe: ExecuteContext, on_disk: RunManifest, output_dir: 
             and previous.get("output_dir") == str(output_dir)) or (
             last.get("status") == "succeeded" and last.get("command_digest") == on_disk.command_digest
             and on_disk.outputs.get("quantized_model_dir") == str(output_dir)):
-        _claim_output(recipe, output_dir)  # a killed run's stale claim is taken over, and removed at the end
+        claims.enter_context(OutputClaim(output_dir, recipe.workdir))  # a killed run's stale claim: ours now
         if output_dir.is_dir():
             apply_umask(output_dir)  # an output verified before its modes were set (an older run)
         facts = inspect_output(output_dir)
@@ -116,7 +146,7 @@ def _already_verified(recipe: ExecuteContext, on_disk: RunManifest, output_dir: 
 
 
 def _prepare(recipe: ExecuteContext, on_disk: RunManifest, analysis: ModelAnalysis, output_dir: Path,
-             overwrite: bool) -> Path:
+             overwrite: bool, claims: contextlib.ExitStack) -> Path:
     """Everything before the engine starts: the output claimed, the execution gate passed, old
     partial outputs set aside, calibration and source staged, the staging dir made; returns it."""
     staging = Path(on_disk.outputs["staging_dir"])
@@ -126,7 +156,7 @@ def _prepare(recipe: ExecuteContext, on_disk: RunManifest, analysis: ModelAnalys
     check_free_space(output_dir, estimated_output_bytes(analysis))
     recipe.gates.require("execute", on_disk.command_digest, on_disk.command["shell"])
     output_dir.parent.mkdir(parents=True, exist_ok=True)  # approved: the output's folder may be new (compare)
-    _claim_output(recipe, output_dir)  # a second run aimed at this output stops here (exit 5)
+    claims.enter_context(OutputClaim(output_dir, recipe.workdir))  # a second run aimed here stops (exit 5)
     if staging.is_dir() and not staging.is_symlink() and not any(staging.iterdir()):
         staging.rmdir()  # an empty staging dir of a run that died before its engine wrote: nothing to keep
     if staging.exists():
@@ -181,20 +211,6 @@ def _no_output_why(facts: dict[str, Any], tail: list[str]) -> str:
     said = [ln.strip() for ln in tail if re.search(r"ERROR|Error|error:", ln)]
     own = f"; the engine's log says: {said[-1]}" if said else ""
     return f"exit code 0 but {'; '.join(facts.get('problems') or ['no usable output'])}{own}"
-
-
-def _claim_output(recipe: ExecuteContext, output_dir: Path) -> None:
-    """Hold the output's claim for the rest of the run (the recipe's claims stack), or, for a
-    caller without one, for as long as this process lives."""
-    claims = getattr(recipe, "claims", None)
-    claim = OutputClaim(output_dir, recipe.workdir)
-    if claims is not None:
-        claims.enter_context(claim)
-    else:
-        _HELD.append(claim.__enter__())
-
-
-_HELD: list[OutputClaim] = []
 
 
 def _run(recipe: ExecuteContext, manifest: RunManifest) -> RunResult:

@@ -11,12 +11,15 @@ Each step also works alone: ``analyze_model`` -> ``ModelAnalysis``, ``plan_quant
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan, RunManifest
 from quark_ptq_eval.base.gates import Approver, FlagApprover
+from quark_ptq_eval.flows.run_options import run_options
+
+__all__ = ["analyze_model", "build_manifest", "compare", "evaluate_model", "execute_plan", "plan_quantization", "run",
+           "run_options", "validate_model"]
 
 
 def analyze_model(model: str | Path, *, offline: bool = False, trust_remote_code: bool = False,
@@ -66,28 +69,10 @@ def run(model: str | Path | None, output_dir: str | Path | None, *, workdir: str
     RunOptions fields (eval_tier, offline, overwrite, no_load_check, ...), ``eval_options`` (a dict of
     EvalOptions fields) and, every other keyword, a PlanRequest field (scheme, calib_data, ...)."""
     from quark_ptq_eval.base.ui import Reporter
-    from quark_ptq_eval.flows.pipeline import Recipe
+    from quark_ptq_eval.flows.pipeline import run_recipe
 
-    recipe = Recipe(workdir, approver or FlagApprover(), Reporter(quiet=quiet))
-    return recipe.run(run_options(model, output_dir, options), stop_after=stop_after)
-
-
-def run_options(model: str | Path | None, output_dir: str | Path | None, options: dict[str, Any]) -> Any:
-    """RunOptions from ``run``'s keywords: each goes to the dataclass that declares it."""
-    from quark_ptq_eval.base.options import check_names
-    from quark_ptq_eval.evaluate.options import EvalOptions
-    from quark_ptq_eval.flows.pipeline import RunOptions
-    from quark_ptq_eval.plan.request import PlanRequest
-
-    composed = {"model", "output_dir", "plan", "eval"}  # RunOptions fields built here, not given by keyword
-    own = {f.name for f in dataclasses.fields(RunOptions)} - composed
-    run_given = {k: v for k, v in options.items() if k in own}
-    eval_given = options.get("eval_options") or {}
-    plan_given = {k: v for k, v in options.items() if k not in own and k != "eval_options"}
-    check_names(PlanRequest, plan_given, "plan")
-    check_names(EvalOptions, eval_given, "evaluation")
-    return RunOptions(model=str(model) if model else None, output_dir=str(output_dir) if output_dir else None,
-                      plan=plan_given, eval=dict(eval_given), **run_given)
+    return run_recipe(run_options(model, output_dir, options), workdir, approver or FlagApprover(),
+                      Reporter(quiet=quiet), stop_after)
 
 
 def execute_plan(workdir: str | Path, *, approver: Approver | None = None, quiet: bool = True) -> dict[str, Any]:

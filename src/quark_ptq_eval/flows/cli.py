@@ -74,7 +74,7 @@ def _add_recipe_commands(add) -> None:
     from quark_ptq_eval.base.options import add_flags
     from quark_ptq_eval.evaluate import add_eval_arguments
     from quark_ptq_eval.flows.import_command import add_hidden_aliases
-    from quark_ptq_eval.flows.pipeline import RunOptions
+    from quark_ptq_eval.flows.run_options import RunOptions
     from quark_ptq_eval.validate import add_validate_arguments
 
     p = add("preflight", "Detect the environment and write the context files.")
@@ -152,28 +152,27 @@ def _approver(args: argparse.Namespace):
 
 
 def _run_options(args: argparse.Namespace):
+    """RunOptions from the command line, built as the Python API builds them (``run_options``): the
+    keywords are the flags given, paths made absolute (run_state.json serves a `resume` from anywhere)."""
     from quark_ptq_eval.base.options import given
     from quark_ptq_eval.evaluate import eval_options_from_args
-    from quark_ptq_eval.flows.pipeline import RunOptions
+    from quark_ptq_eval.evaluate.options import BASELINE_FROM_SOURCE
+    from quark_ptq_eval.flows.run_options import RunOptions, run_options
     from quark_ptq_eval.plan.request import PlanRequest
 
     plan = given(PlanRequest, args)
     if "calib_data" in plan:
         plan["calib_data"] = _absolute(plan["calib_data"])
     eval_opts = eval_options_from_args(args, explicit_only=True) if hasattr(args, "eval_tier") else {}
-    # Stored in run_state.json for `resume` (possibly from another directory): JSON, absolute paths.
-    eval_opts = {k: _absolute(v) if isinstance(v, Path) else dataclasses.asdict(v)
-                 if dataclasses.is_dataclass(v) and not isinstance(v, type) else v for k, v in eval_opts.items()}
+    eval_opts = {k: _absolute(v) if isinstance(v, Path) and v != BASELINE_FROM_SOURCE else v
+                 for k, v in eval_opts.items()}
     model = getattr(args, "model", None)
-    return RunOptions(
-        model=_absolute(model) if model and Path(model).exists() else model,
-        output_dir=_absolute(getattr(args, "output_dir", None)), plan=plan,
-        overwrite=bool(getattr(args, "overwrite", None)), eval_tier=getattr(args, "eval_tier", None),
-        **given(RunOptions, args),
-        eval=eval_opts, offline=getattr(args, "offline", None), execution_mode=getattr(args, "execution_mode", None),
-        contexts={k: str(getattr(args, k)) if getattr(args, k, None) else None
-                  for k in CONTEXT_KINDS},
-    )
+    own = {"overwrite": bool(getattr(args, "overwrite", None)), "eval_tier": getattr(args, "eval_tier", None),
+           "offline": getattr(args, "offline", None), "execution_mode": getattr(args, "execution_mode", None),
+           "contexts": {k: str(getattr(args, k)) if getattr(args, k, None) else None for k in CONTEXT_KINDS},
+           **given(RunOptions, args)}
+    return run_options(_absolute(model) if model and Path(model).exists() else model,
+                       _absolute(getattr(args, "output_dir", None)), {**plan, **own, "eval_options": eval_opts})
 
 
 def _absolute(path: str | Path | None) -> str | None:
@@ -183,12 +182,11 @@ def _absolute(path: str | Path | None) -> str | None:
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     from quark_ptq_eval.base.step_table import STOP_AFTER
     from quark_ptq_eval.base.ui import Reporter
-    from quark_ptq_eval.flows.pipeline import Recipe
+    from quark_ptq_eval.flows.pipeline import run_recipe
     from quark_ptq_eval.flows.summary import summary_rows
 
     ui = Reporter(quiet=args.quiet or args.json)
-    recipe = Recipe(args.workdir, _approver(args), ui)
-    summary = recipe.run(_run_options(args), stop_after=STOP_AFTER[args.command])
+    summary = run_recipe(_run_options(args), args.workdir, _approver(args), ui, STOP_AFTER[args.command])
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

@@ -20,7 +20,7 @@ HEADER = """# CLI reference
 
 <!-- Generated from quark_ptq_eval.flows.cli.build_parser() by `make docs`
      (python -m quark_ptq_eval.flows.docs_gen docs/cli.md). Do not edit by hand:
-     tests/test_docs_gen.py fails when this file and the parser disagree. -->
+     tests/flows/test_docs_gen.py fails when this file and the parser disagree. -->
 """
 NOTE = ("Options without a value are switches. An empty default means the option is not set: the plan "
         "recommends a value (shown with its reason in quant_plan.json) or an earlier run's value in the same "

@@ -219,7 +219,7 @@ class Comparison:
     def _run_options(self, opts: CompareOptions, scheme: str):
         from quark_ptq_eval.flows.pipeline import RunOptions
 
-        return RunOptions(model=opts.model, output_dir=str(self.output_dir(scheme)),
+        return RunOptions.from_given(model=opts.model, output_dir=str(self.output_dir(scheme)),
                           plan={**opts.plan, "scheme": scheme}, overwrite=opts.overwrite, offline=opts.offline,
                           card="none")  # the comparison writes the card of the scheme it chooses
 

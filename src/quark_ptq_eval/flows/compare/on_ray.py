@@ -29,9 +29,10 @@ from quark_ptq_eval.base.state import RunState
 from quark_ptq_eval.base.step_table import STEP_NAMES
 from quark_ptq_eval.flows.compare.flow import Comparison
 from quark_ptq_eval.flows.compare.options import CompareOptions
-from quark_ptq_eval.flows.compare.ray_cell import CellSpec, read_attempts, run_cell
+from quark_ptq_eval.flows.compare.ray_cell import CellSpec, read_attempts, run_cell, warm_worker
 from quark_ptq_eval.flows.compare.ray_cluster import (
     Demand,
+    Node,
     alive_nodes,
     check_fits,
     check_shared_root,
@@ -44,6 +45,7 @@ from quark_ptq_eval.flows.compare.ray_cluster import (
 
 MAX_RETRIES = 3  # attempts after a lost node or worker (Ray's system failures); never for a cell's own error
 POLL_S = 1.0
+WARM_WAIT_S = 300.0  # the warm-ups' imports, at most (then the cells go anyway)
 
 
 class RayComparison(Comparison):
@@ -62,7 +64,9 @@ class RayComparison(Comparison):
         check_shared_root(self.root, nodes)
         demands = {s: demand_of(QuantPlan.load(self.workdir(s))) for s in todo}
         check_fits(demands, nodes)
+        warming = self._warm_workers(nodes, demands)  # the cells' imports overlap the baseline's build
         self._baseline_once(opts, baseline)
+        self._wait_warm(warming)
         self.ui.headline(f"Compare · {len(todo)} cells on Ray ({len(nodes)} nodes at {self.cluster_address})")
         token = uuid.uuid4().hex
         pending: list[tuple[str, str]] = []
@@ -74,6 +78,24 @@ class RayComparison(Comparison):
         self._dispatch(opts, todo, demands, token, finished)
         if pending:
             self._relay(pending[0][0], CheckpointPending(pending[0][1]))
+
+    def _warm_workers(self, nodes: list[Node], demands: dict[str, Demand]) -> list[Any]:
+        """One warm-up task per node that can hold a cell, with the smallest cell's CPUs (soft
+        affinity: a node lost meanwhile costs nothing); Ray hands its warm worker to the next cell."""
+        ray = import_ray()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        cpus = min(d.num_cpus for d in demands.values())
+        warm = ray.remote(num_cpus=cpus, max_retries=0)(warm_worker)
+        fits = [n for n in nodes if n.resources.get("CPU", 0) >= cpus][: len(demands)]
+        return [warm.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=True)).remote()
+                for n in fits]
+
+    def _wait_warm(self, refs: list[Any]) -> None:
+        """Before dispatch: a cell queued behind a warm-up could be given a fresh (cold) worker."""
+        ray = import_ray()
+        with contextlib.suppress(Exception):  # a failed warm-up only means a cold cell
+            ray.get(refs, timeout=WARM_WAIT_S)
 
     def _baseline_once(self, opts: CompareOptions, baseline) -> None:
         """The cache built here before any cell starts: every cell reads it, none builds it."""

@@ -68,6 +68,18 @@ def _record_attempt(workdir: Path, spec: CellSpec, node: dict[str, str]) -> int:
     return attempt
 
 
+def warm_worker() -> dict[str, Any]:
+    """Import what a cell runs (torch, transformers, Quark's torch API: ~20 s cold) in this worker,
+    dispatched while the driver builds the baseline cache: the cells that follow on this worker
+    start warm instead of each paying the import after the baseline (bench_ray_compare.py)."""
+    started = time.monotonic()
+    from quark_ptq_eval.base.quark_import import import_quark_torch
+    from quark_ptq_eval.execute import quark_api_engine  # noqa: F401 - the engine a cell runs in-process
+
+    import_quark_torch()
+    return {**node_identity(), "pid": os.getpid(), "seconds": round(time.monotonic() - started, 2)}
+
+
 def run_cell(spec: CellSpec) -> dict[str, Any]:
     """The Ray task's body: the scheme's recipe to its end; what happened, as a dict."""
     from quark_ptq_eval.flows.compare.flow import Comparison

@@ -1,0 +1,141 @@
+"""The export's model card (publish/): on a real run it parses back with huggingface_hub, its results are
+eval_results.json's figures, it names every exclusion, the KV-cache scheme and the serving check's line,
+and it carries the base model's licence and tags without copying or touching the base's own card.
+
+``assert_card_matches`` is also run on the cards of other real runs (test_pipeline, test_plan_goals,
+test_compare), so each run pays for its recipe once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.publish import write_card
+from quark_ptq_eval.publish.metadata import BASE_SUFFIX
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+HAS_VLLM = (ROOT / ".venv-vllm" / ".installed").is_file()
+BASE_README = """---
+license: apache-2.0
+language: en
+tags:
+- docstrings
+- tiny
+model-index:
+- name: base-with-card
+  results:
+  - task: {type: text-generation}
+    dataset: {name: made-up, type: made-up}
+    metrics: [{type: accuracy, value: 0.99}]
+---
+
+# The base model's own card
+
+Its text describes the base model.
+"""
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def figures(ev: dict) -> set[tuple]:
+    """(task, metric, value, is the base model's) for every figure of eval_results.json."""
+    ours = {(t, m, v, False) for t, ms in ev["quantized"].items() for m, v in ms.items() if _number(v)}
+    base = {(t, m, v, True) for t, ms in (ev.get("baseline") or {}).items() for m, v in ms.items()
+            if _number(v) and (t, m, ev["quantized"].get(t, {}).get(m), False) in ours}
+    return ours | base
+
+
+def serving_flags(argv: list[str]) -> list[str]:
+    """The serving check's flags after its model, less those of its one local start."""
+    rest, flags = argv[argv.index("--model") + 2:], []
+    while rest:
+        arg = rest.pop(0)
+        if arg in ("--port", "--host", "--served-model-name"):
+            rest.pop(0)
+        else:
+            flags.append(arg)
+    return flags
+
+
+def assert_card_matches(out: Path, wd: Path) -> ModelCard:
+    """The card in ``out`` states what the artifacts in ``wd`` hold."""
+    card = ModelCard.load(out / "README.md")
+    data, text = card.data, card.text
+    plan = json.loads((wd / "quant_plan.json").read_text())
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
+    assert {"quark", plan["global_scheme"]} <= set(data.tags) and data.license
+    ev_file = wd / "eval_results.json"
+    ev = json.loads(ev_file.read_text()) if ev_file.is_file() else None
+    if ev and Path(ev["model"]).resolve() == out.resolve() and ev.get("quantized"):
+        got = {(r.task_name, r.metric_type, r.metric_value, r.metric_name.endswith(BASE_SUFFIX))
+               for r in data.eval_results}
+        assert got == figures(ev) and len(got) == len(data.eval_results)
+        assert f"verdict **{ev['verdict']}**" in text
+    else:
+        assert data.eval_results is None and "Not evaluated" in text and "model-index" not in str(card)
+    for pattern in plan["exclude_layers"]:
+        assert f"`{pattern}`" in text.split("## Quantization")[1].split("## Validation")[0], pattern
+    for pattern, scheme in plan["layer_quant_config"].items():
+        assert f"`{pattern}` → `{scheme}`" in text
+    if plan["kv_cache_scheme"]:
+        assert f"kv-cache-{plan['kv_cache_scheme']}" in data.tags and f"| KV cache | `{plan['kv_cache_scheme']}` |" in text
+    manifest = (wd / "run_manifest.yaml").read_text()
+    import yaml
+
+    assert yaml.safe_load(manifest)["command"]["shell"] in text
+    serve = json.loads((wd / "validation_report.json").read_text())["checks"]["serve"]
+    if serve["stats"].get("argv"):
+        line = shlex.join(["vllm", "serve", data.model_name, *serving_flags(serve["stats"]["argv"])])
+        assert f"```bash\n{line}\n```" in text
+    else:
+        assert f"Not served by this run's serving check ({serve['skipped_reason']})" in text
+    return card
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_int8_tier1_card_carries_the_base_card_and_the_serving_check(cli, copy_model, tiny_llama, corpus, tmp_path):
+    source = copy_model(tiny_llama, "base-with-card")
+    (source / "README.md").write_text(BASE_README)
+    before = _digests(source)
+    wd, out = tmp_path / "work", tmp_path / "base-with-card-int8"
+    serve = ["--vllm-python", str(VLLM_PYTHON)] if HAS_VLLM else []
+    res = cli("run", source, "-o", out, "--workdir", wd, "--scheme", "int8", "--calib-data", corpus,
+              "--num-calib-samples", "8", "--calib-seq-len", "64", "--offline", "--yes", "--eval-tier", "ppl",
+              "--eval-data", corpus, "--seq-len", "64", "--max-windows", "16", "--baseline", *serve,
+              env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert res.rc == 0, res.err[-3000:]
+    assert res.err.strip().splitlines()[-1] == f"To publish it on the Hugging Face Hub (not run): hf upload {out.name} {out} ."
+    card = assert_card_matches(out, wd)
+    # the base card's licence, language and tags carried over; its results and text not copied
+    assert (card.data.license, card.data.language) == ("apache-2.0", "en") and {"docstrings", "tiny"} <= set(card.data.tags)
+    assert "made-up" not in str(card) and "Its text describes the base model" not in card.text
+    assert f"the base model's own card: {source / 'README.md'}" in card.text
+    assert _digests(source) == before  # the source's files never touched
+    validation = json.loads((wd / "validation_report.json").read_text())
+    assert validation["checks"]["aux"]["status"] == "pass" and "README.md" not in json.dumps(validation["checks"]["aux"])
+    if HAS_VLLM:
+        assert validation["checks"]["serve"]["stats"]["argv"][0] == str(VLLM_PYTHON.absolute())
+    # deterministic from the same artifacts; `card` names the Hub id given; a README.md not ours is left alone
+    first = (out / "README.md").read_bytes()
+    write_card(wd, out)
+    assert (out / "README.md").read_bytes() == first
+    write_card(wd, out, base_model="acme/tiny-llama")
+    meta = ModelCard.load(out / "README.md").data
+    assert (meta.base_model, meta.base_model_relation) == ("acme/tiny-llama", "quantized")
+    (out / "README.md").write_text("my own notes\n")
+    with pytest.raises(UsageError, match="is not a card quark-ptq-eval wrote"):
+        write_card(wd, out)
+    assert (out / "README.md").read_text() == "my own notes\n"
