@@ -124,8 +124,8 @@ def agreement_probe(src: Path, out: Path) -> dict:
     """The load check's probe on the source, on a hand-made per-channel FP8 copy of it, and on the export."""
     import torch
 
+    from quark_ptq_eval.runtime.loading import TRANSFORMERS, load_model
     from quark_ptq_eval.validate.loadcheck import MAX_PROBE_TOKENS, PROBE
-    from quark_ptq_eval.validate.loading import TRANSFORMERS, load_model
 
     model = load_model(src, "cpu", loader=TRANSFORMERS)
     ids = model.tokenizer(PROBE, return_tensors="pt").input_ids[:, :MAX_PROBE_TOKENS]

@@ -156,7 +156,7 @@ def profile() -> list[tuple[str, float, float]]:
     import torch
 
     from quark_ptq_eval.evaluate import tier_ppl
-    from quark_ptq_eval.validate.loading import load_model
+    from quark_ptq_eval.runtime.loading import load_model
 
     model_dir, corpus = build_assets()
     pieces: dict[str, float] = {}
@@ -228,7 +228,7 @@ def peak_rss(tokens: int) -> tuple[int, float]:
     import resource
 
     from quark_ptq_eval.evaluate import tier_ppl
-    from quark_ptq_eval.validate.loading import load_model
+    from quark_ptq_eval.runtime.loading import load_model
 
     model_dir, corpus = build_assets()
     quantized, baseline = load_model(model_dir, "cpu"), load_model(model_dir, "cpu")

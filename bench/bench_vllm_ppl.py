@@ -36,7 +36,7 @@ def int8_export() -> tuple[Path, Path]:
 
 def hf_side(model: Path, windows) -> tuple[list[float], float, float]:
     from quark_ptq_eval.evaluate import tier_ppl
-    from quark_ptq_eval.validate.loading import load_model
+    from quark_ptq_eval.runtime.loading import load_model
 
     started = time.perf_counter()
     loaded = load_model(model, "cpu", False)
@@ -50,22 +50,21 @@ def hf_side(model: Path, windows) -> tuple[list[float], float, float]:
 
 def vllm_side(model: Path, windows, python: Path) -> tuple[list[float], float, float, str]:
     from quark_ptq_eval.evaluate import vllm_ppl
-    from quark_ptq_eval.validate.servecheck import free_port, wait_healthy
-    from quark_ptq_eval.validate.vllm_host import find_host_vllm, server_argv, start_server, stop_group
+    from quark_ptq_eval.runtime import vllm_host
 
-    host = find_host_vllm(python)
-    port = free_port()
-    argv = server_argv(host, model, port, "bench") + ["--max-model-len", "2048"]
+    host = vllm_host.find_host_vllm(python)
+    port = vllm_host.free_port()
+    argv = vllm_host.host_server_argv(host, model, port, "bench") + ["--max-model-len", "2048"]
     log = Path("/tmp") / f"bench_vllm_ppl_{port}.log"
     started = time.perf_counter()
-    process = start_server(argv, log)
+    process = vllm_host.start_server(argv, log)
     try:
-        if not wait_healthy(process, port, 900):
+        if not vllm_host.wait_healthy(process, port, 900):
             raise SystemExit(f"vLLM did not become healthy; see {log}")
         start_s = time.perf_counter() - started
         nlls, score_s = vllm_ppl.vllm_window_nlls(f"http://127.0.0.1:{port}", "bench", windows)
     finally:
-        stop_group(process)
+        vllm_host.stop_group(process)
     return nlls, start_s, score_s, host.describe()
 
 

@@ -297,7 +297,7 @@ EXTENSIONS = (  # (module path, its text, the table file, the table's name, its 
      'Check("census", "Tensor census (extension)", "quark_ptq_eval.validate.census:check_census", structural=False),',
      None),
     ("intake/census_format.py", FORMAT_MODULE, "intake/formats.py", "FORMATS",
-     'SourceFormat("census_marked", "BF16 safetensors marked for the census", DIRECT, "reads it as it is", '
+     'SourceFormat("census_marked", "BF16 safetensors marked for the census", DIRECT, '
      '"quark_ptq_eval.intake.census_format:is_marked"),', 'SourceFormat("float",'),
 )
 

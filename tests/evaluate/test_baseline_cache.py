@@ -14,7 +14,7 @@ from quark_ptq_eval.evaluate.baseline_cache import (
     tokenizer_fingerprint,
 )
 from quark_ptq_eval.evaluate.tier_ppl import token_stats, token_windows
-from quark_ptq_eval.validate.loading import load_model
+from quark_ptq_eval.runtime.loading import load_model
 
 SEQ_LEN, WINDOWS = 128, 4
 

@@ -43,7 +43,7 @@ def independent_kl_top1(
     import torch
 
     from quark_ptq_eval.base.textdata import load_texts
-    from quark_ptq_eval.validate.loading import load_model
+    from quark_ptq_eval.runtime.loading import load_model
 
     base, quant = load_model(baseline_dir, "cpu"), load_model(model_dir, "cpu")
     ids = base.tokenizer("\n\n".join(load_texts(eval_text)), return_tensors="pt").input_ids[0]

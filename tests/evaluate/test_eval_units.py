@@ -23,7 +23,7 @@ from quark_ptq_eval.evaluate import (
 from quark_ptq_eval.evaluate.reference import align_scale, model_card_reference, parse_reference
 from quark_ptq_eval.evaluate.remedies import suggest_remedies
 from quark_ptq_eval.evaluate.verdict import compare_all, compare_metric, overall_verdict
-from quark_ptq_eval.validate.loading import QUARK, TRANSFORMERS, choose_loader
+from quark_ptq_eval.runtime.loading import QUARK, TRANSFORMERS, choose_loader
 
 HEAVY = ("torch", "transformers", "quark", "lm_eval", "datasets", "matplotlib")
 

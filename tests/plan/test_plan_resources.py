@@ -13,6 +13,8 @@ from quark_ptq_eval.context.preflight import detect_env
 from quark_ptq_eval.intake import analyze_model
 from quark_ptq_eval.plan import PlanRequest, make_plan
 from quark_ptq_eval.plan import resources as R
+from quark_ptq_eval.plan.fit_gate import hold_message
+from quark_ptq_eval.plan.host_fit import assess
 from tests.plan.test_plan_targets import LLAMA_8B, cpu_env, header_only_llama
 
 # Runs the engine in a child and prints the child's peak RSS in bytes (Linux reports KiB).
@@ -81,7 +83,7 @@ def test_fewer_samples_and_no_algorithm_are_proposed_with_their_estimates(llama8
     info = catalog["scheme_info"]["int4_wo_128"]
     host = {"ram_bytes": 24 * R.GIB, "ram_available_bytes": None, "gpu_bytes_per_device": 0, "gpu_count": 0,
             "disk_free_bytes": None}
-    res = R.assess(R.Workload(llama8b_analysis, "int4_wo_128", info, "gptq", calib(512, 2048), {"device": "cpu",
+    res = assess(R.Workload(llama8b_analysis, "int4_wo_128", info, "gptq", calib(512, 2048), {"device": "cpu",
                    "multi_device": False}), host, ["quark-ptq-eval", "run"])
     changes = [x["change"] for x in res["proposals"]]
     assert changes[:3] == ["--num-calib-samples 128", "--calib-seq-len 256", "--algorithm '' (plain PTQ)"]
@@ -92,7 +94,7 @@ def test_gpu_memory_and_disk_are_checked_and_multi_device_proposed(llama8b_analy
     info = catalog["scheme_info"]["fp8"]
     host = {"ram_bytes": 256 * R.GIB, "ram_available_bytes": None, "gpu_bytes_per_device": 16 * R.GIB,
             "gpu_count": 2, "disk_free_bytes": 2 * R.GIB}
-    res = R.assess(R.Workload(llama8b_analysis, "fp8", info, None, calib(), {"device": "cuda", "multi_device": False}),
+    res = assess(R.Workload(llama8b_analysis, "fp8", info, None, calib(), {"device": "cuda", "multi_device": False}),
                    host, [])
     assert {x["what"] for x in res["problems"] if x["blocking"]} == {"GPU memory", "disk"}
     assert "--multi-device" in [x["change"] for x in res["proposals"]]
@@ -109,9 +111,9 @@ def test_only_a_named_approval_or_plan_only_lets_an_unfit_plan_past_the_checkpoi
                                                                                   corpus, tmp_path):
     req = PlanRequest(scheme="fp8", calib_data=str(corpus))
     p = make_plan(llama8b_analysis, cpu_env(8), req, catalog, tmp_path / "a.json", tmp_path / "out")
-    assert "cannot hold this plan" in R.hold_message(p, "batch_execute", FlagApprover(all_gates=True), False)
-    assert R.hold_message(p, "batch_execute", FlagApprover(["plan"]), False) is None
-    assert R.hold_message(p, "plan_only", FlagApprover(all_gates=True), False) is None
+    assert "cannot hold this plan" in hold_message(p, "batch_execute", FlagApprover(all_gates=True), False)
+    assert hold_message(p, "batch_execute", FlagApprover(["plan"]), False) is None
+    assert hold_message(p, "plan_only", FlagApprover(all_gates=True), False) is None
 
 
 def test_cli_stops_a_plan_this_host_cannot_hold_before_anything_runs(cli, llama8b, corpus, tmp_path):

@@ -20,7 +20,8 @@ import pytest
 import quark_ptq_eval.validate.decode_blocks as blocks
 import quark_ptq_eval.validate.decode_weights as weights
 from quark_ptq_eval.base.safetensors_io import read_model_headers
-from quark_ptq_eval.validate.decode import decode_export, find_targets
+from quark_ptq_eval.validate.decode import decode_export
+from quark_ptq_eval.validate.decode_targets import find_targets
 from tests.fixtures.decode_faults import PLANTERS
 from tests.validate.test_validate import read_tensors, write_tensors
 

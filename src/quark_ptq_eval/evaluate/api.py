@@ -195,10 +195,10 @@ def _settings(options: EvalOptions) -> dict[str, Any]:
 
 
 def _num_layers(model_dir: Path) -> int | None:
-    from quark_ptq_eval.validate.loading import read_config
+    from quark_ptq_eval.runtime.loading import read_config_or_raise
 
     try:
-        return read_config(model_dir).get("num_hidden_layers")
+        return read_config_or_raise(model_dir).get("num_hidden_layers")
     except UsageError:
         return None
 

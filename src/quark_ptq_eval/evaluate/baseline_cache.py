@@ -240,7 +240,7 @@ class BaselineCache:
         import torch
         from safetensors.torch import save
 
-        from quark_ptq_eval.validate.loading import require_finite
+        from quark_ptq_eval.runtime.loading import require_finite
 
         started, chunks = time.perf_counter(), []
         device = next(model.parameters()).device

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.evaluate.tier_ppl import synchronize
 from quark_ptq_eval.evaluate.verdict import Z95
-from quark_ptq_eval.validate.loading import require_finite
+from quark_ptq_eval.runtime.loading import require_finite
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from quark_ptq_eval.evaluate.options import EvalOptions
-    from quark_ptq_eval.validate.loading import LoadedModel
+    from quark_ptq_eval.runtime.loading import LoadedModel
 
 SAMPLE_DOCS = 16  # documents per task tokenized to estimate request lengths
 DEFAULT_GEN_TOKS = 256  # lm-eval's own default generation budget

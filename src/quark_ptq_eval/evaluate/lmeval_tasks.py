@@ -18,7 +18,7 @@ from quark_ptq_eval.base.fsio import atomic_write_text
 
 if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.context import TierContext
-    from quark_ptq_eval.validate.loading import LoadedModel
+    from quark_ptq_eval.runtime.loading import LoadedModel
 
 RESULTS_DIR = "lm_eval_results"
 LOG_NAME = "lm_eval.log"  # under the work dir's logs/: lm-eval's own messages

@@ -124,7 +124,7 @@ class EvalOptions:
     vllm_health_timeout_s: float = field(default=1800.0, metadata=flag(
         "--vllm-health-timeout", type=float, metavar="SECONDS",
         help="Tier 3: give up on a server not healthy after this long (default 1800)"))
-    vllm_args: list[str] = field(default_factory=list, metadata=flag(  # over the sized ones (validate/vllm_sizing.py)
+    vllm_args: list[str] = field(default_factory=list, metadata=flag(  # over the sized ones (runtime/vllm_sizing.py)
         "--vllm-arg", action="append", metavar="ARG",
         help="an argument for every vLLM server this run starts (repeatable; with '=': "
              "--vllm-arg=--max-model-len=512); it replaces the sized argument of the same flag"))
@@ -150,7 +150,7 @@ class EvalOptions:
         if self.vllm_python is not None:
             self.vllm_python = Path(self.vllm_python)
         self.vllm_args = [self.vllm_args] if isinstance(self.vllm_args, str) else list(self.vllm_args)
-        from quark_ptq_eval.validate.vllm_sizing import parse_user_args
+        from quark_ptq_eval.runtime.vllm_sizing import parse_user_args
 
         parse_user_args(self.vllm_args)  # a value that is no vLLM flag is refused now, before anything runs
         if not self.vllm_health_timeout_s > 0:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.allocator import every, release_freed_memory
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.validate.loading import require_finite
+from quark_ptq_eval.runtime.loading import require_finite
 
 if TYPE_CHECKING:
     import torch

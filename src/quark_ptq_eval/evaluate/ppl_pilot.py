@@ -15,7 +15,7 @@ from quark_ptq_eval.evaluate.ppl_stats import Accumulator, resolution_pct
 if TYPE_CHECKING:
     import torch
 
-    from quark_ptq_eval.validate.loading import LoadedModel
+    from quark_ptq_eval.runtime.loading import LoadedModel
 
 FINISH_S = 1.0  # statistics, chart and report files after the last batch (bench/bench_estimates.py)
 

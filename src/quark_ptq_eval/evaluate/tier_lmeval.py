@@ -44,7 +44,7 @@ from quark_ptq_eval.evaluate.paired_tests import (  # noqa: F401 - re-exported
     paired_bootstrap,
     paired_tests,
 )
-from quark_ptq_eval.validate.loading import LoadedModel, load_model, model_size_bytes
+from quark_ptq_eval.runtime.loading import LoadedModel, load_model, model_size_bytes
 
 if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.eval_report import EvalReport

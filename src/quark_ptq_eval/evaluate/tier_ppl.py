@@ -49,7 +49,7 @@ from quark_ptq_eval.evaluate.ppl_stats import (  # noqa: F401 - re-exported
     resolution_pct,
     sorted_values,
 )
-from quark_ptq_eval.validate.loading import LoadedModel, load_model, require_finite  # noqa: F401 - re-exported
+from quark_ptq_eval.runtime.loading import LoadedModel, load_model, require_finite  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -1,7 +1,7 @@
 """Tier 3: a vLLM server and lm-eval over its OpenAI-compatible endpoint.
 
 It runs where a vLLM is: on ROCm (a container, or vLLM on the host), or on any host (ROCm, CUDA,
-CPU) whose vLLM environment is named by its interpreter (``--vllm-python``, vllm_host.py): that
+CPU) whose vLLM environment is named by its interpreter (``--vllm-python``, runtime/vllm_host.py): that
 server is started in a process group of its own and lm-eval from our environment scores it.
 Elsewhere nothing runs: the exact commands are planned, printed and recorded for a ROCm host.
 On ROCm the plan is executed after approval: a holder container with a non-vLLM entrypoint
@@ -33,7 +33,7 @@ from quark_ptq_eval.evaluate.vllm_commands import (
 )
 from quark_ptq_eval.evaluate.vllm_detect import Environment, choose_runtime, detect_environment
 from quark_ptq_eval.evaluate.vllm_executor import Executor, run_command_plan
-from quark_ptq_eval.validate.vllm_host import find_host_vllm
+from quark_ptq_eval.runtime.vllm_host import find_host_vllm
 
 if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.eval_report import EvalReport
@@ -64,7 +64,7 @@ def prepare(ctx: TierContext, env: Environment | None = None) -> VllmPrepared:
     runtime = choose_runtime(env, ctx.options.vllm_runtime)
     plan = plan_commands(models, ctx.options, ctx.workdir, runtime, env)
     plan.notes += fit_notes
-    from quark_ptq_eval.validate.loading import model_size_bytes
+    from quark_ptq_eval.runtime.loading import model_size_bytes
 
     size = sum(model_size_bytes(m.path) for m in models)
     where = ("ROCm: " + ", ".join(env.rocm_evidence) if env.rocm

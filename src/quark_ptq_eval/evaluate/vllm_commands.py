@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.evaluate.vllm_detect import Environment
 from quark_ptq_eval.evaluate.vllm_multinode import parallel_args
-from quark_ptq_eval.validate.vllm_host import HostVllm, lm_eval_command
-from quark_ptq_eval.validate.vllm_host import server_argv as host_server_argv
-from quark_ptq_eval.validate.vllm_sizing import ServerArg, ServerSizing, sized_for
+from quark_ptq_eval.runtime.vllm_host import HostVllm, host_server_argv, lm_eval_command
+from quark_ptq_eval.runtime.vllm_sizing import ServerArg, ServerSizing, sized_for
 
 if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.options import EvalOptions
@@ -287,7 +286,7 @@ def holder_container_argv(name: str, image: str, models: list[ServedModel], work
 
 
 def server_sizing(model: ServedModel, options: EvalOptions, host: HostVllm | None = None) -> ServerSizing:
-    """The model's server arguments and their reasons (validate/vllm_sizing.py, as the serving check):
+    """The model's server arguments and their reasons (runtime/vllm_sizing.py, as the serving check):
     the plan's, on a CPU vLLM (``host``) this host's free memory now, the user's --vllm-arg over them."""
     plan = [ServerArg(flag, (value,), model.reasons.get(flag, "beyond one node: pipeline parallel over Ray"), "plan")
             for flag, value in _pairs(parallel_args(model.tensor_parallel))]  # vllm_multinode sizes the layout

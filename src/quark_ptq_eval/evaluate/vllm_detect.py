@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from quark_ptq_eval.validate.vllm_host import HostVllm
+from quark_ptq_eval.runtime.vllm_host import HostVllm
 
 LM_EVAL_API_MODULES = ("aiohttp", "tenacity")  # what local-completions needs of lm_eval[api] (tiktoken: OpenAI's own models)
 

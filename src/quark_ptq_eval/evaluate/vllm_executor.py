@@ -15,7 +15,7 @@ from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
 from quark_ptq_eval.evaluate.details import ServerDetails
 from quark_ptq_eval.evaluate.vllm_commands import CommandPlan, shell_line
-from quark_ptq_eval.validate.vllm_host import failure_reason, start_server, stop_group
+from quark_ptq_eval.runtime.vllm_host import failure_reason, start_server, stop_group
 
 if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.options import EvalOptions

@@ -101,15 +101,16 @@ def cross_check(ctx: TierContext, windows: torch.Tensor, hf_nll: list[float],
     """Tier 1 with --vllm-python: the quantized model's windows scored again by that vLLM, compared with
     HF's. None without an explicit --vllm-python (an environment variable alone never starts a server
     here). A server that does not become healthy is a QpeError in one sentence, as in Tier 3."""
-    from quark_ptq_eval.validate.servecheck import free_port, wait_healthy
-    from quark_ptq_eval.validate.vllm_host import (
+    from quark_ptq_eval.runtime.vllm_host import (
         failure_reason,
         find_host_vllm,
-        server_argv,
+        free_port,
+        host_server_argv,
         start_server,
         stop_group,
+        wait_healthy,
     )
-    from quark_ptq_eval.validate.vllm_sizing import sized_for
+    from quark_ptq_eval.runtime.vllm_sizing import sized_for
 
     if ctx.options.vllm_python is None:
         return None
@@ -120,7 +121,7 @@ def cross_check(ctx: TierContext, windows: torch.Tensor, hf_nll: list[float],
     sizing = sized_for(ctx.model_dir, host.cpu, ctx.options.vllm_args, sequences=CONCURRENT_REQUESTS,
                        context=windows.shape[1] + 1, context_origin="check",
                        context_reason="Tier 1's window and the one token generated after it")
-    argv = server_argv(host, ctx.model_dir, port, "tier1", sizing)
+    argv = host_server_argv(host, ctx.model_dir, port, "tier1", sizing)
     log = ctx.workdir / "logs" / "vllm_tier1.log"
     ctx.log(f"HF vs vLLM: scoring the same {windows.shape[0]} windows with {shlex.join(argv)}")
     process = start_server(argv, log)

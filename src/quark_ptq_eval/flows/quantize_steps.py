@@ -60,7 +60,7 @@ def plan_step(flow: Flow, analysis: ModelAnalysis) -> QuantPlan:
     # Too little disk for the output is bad input, not a decision: no approval makes it fit (exit 2,
     # as at execution).
     from quark_ptq_eval.base.safety import check_free_space
-    from quark_ptq_eval.plan.resources import hold_message
+    from quark_ptq_eval.plan.fit_gate import hold_message
 
     if flow.ctx.execution_mode != "plan_only" and flow.output_dir is not None:
         check_free_space(Path(flow.output_dir), output_bytes_needed(plan, analysis))

@@ -1,7 +1,8 @@
 """Source formats as a registry: what a checkpoint's weights are, how they are read, what they weigh.
 
-Each row says how the recipe reads such a source (``reading``), what Quark's file-to-file engine
-does with it, and, when it is refused, what to start from instead. :func:`describe_source` turns
+Each row says what the format is, how the recipe reads such a source (``reading``) and, when it is
+refused, what to start from instead; which engines read a format themselves is the engines' to say
+(their ``reads_sources``, plan/engines). :func:`describe_source` turns
 config.json and the safetensors headers (never payloads) into the analysis's ``source_format``:
 the format, its true parameter count from header shapes (an FP8 byte is one parameter, an MXFP4
 byte two, a packed int32 ``qweight`` of 4-bit codes eight, scale tensors none), the parameters the
@@ -51,10 +52,7 @@ class SourceFormat:
     name: str
     summary: str  # without headers; ``label`` once they are read ({granularity}, {dtype}: the scales' own)
     reading: str  # DIRECT, STAGE_BF16, CONVERT_BIN or REFUSED
-    file2file: str  # what Quark 0.13's file-to-file engine does with it
     detector: str  # "module:function": function(SourceEvidence) -> bool; the first row that answers wins
-    file2file_needs_gpu: bool = False
-    file2file_reads: bool = True  # False: Quark's file-to-file engine cannot read this layout at all
     refusal: str = ""  # for REFUSED: what is wrong and what to start from
     risk: str = ""  # the analysis's risk line for this format ("" = none)
     fp8_weights: bool = False  # FP8 weights an engine recovers (4 bytes a parameter while it does)
@@ -74,34 +72,31 @@ def _here(function: str) -> str:
 # In detection order: each detector may assume the rows above it did not answer.
 FORMATS: Registry[SourceFormat] = Registry("source format", (
     SourceFormat("pytorch_bin", "pytorch_model.bin (PyTorch pickle)", CONVERT_BIN,
-                 "reads safetensors only (the converted copy)", _here("only_bin_weights"),
+                 _here("only_bin_weights"),
                  risk="Only pytorch_model.bin weights: the plan converts them to safetensors in the work dir "
                       "(torch.load(weights_only=True), after the execution gate) and validates against that copy; "
                       "the counts here come from config.json until then."),
-    SourceFormat("float", "BF16/FP16/FP32 safetensors", DIRECT, "reads it as it is", _here("no_quantization")),
+    SourceFormat("float", "BF16/FP16/FP32 safetensors", DIRECT, _here("no_quantization")),
     SourceFormat("fp8_block", "FP8 (E4M3) weights with one scale per block (weight_scale_inv), DeepSeek style",
-                 STAGE_BF16, "recovers the FP8 blocks itself, shard by shard, with a Triton kernel (GPU only)",
-                 _here("fp8_blocks"), file2file_needs_gpu=True, fp8_weights=True, release="FP8",
+                 STAGE_BF16, _here("fp8_blocks"), fp8_weights=True, release="FP8",
                  stage_copy="quark_ptq_eval.execute.staging:dequantize_fp8_checkpoint",
                  label="FP8 (E4M3) weights with one {dtype} scale per block (weight_scale_inv), DeepSeek style",
                  risk="FP8 block release (the authors' own format): a normal starting point. The plan reads it "
                       "through Quark's file-to-file engine on a GPU host, or through an exact BF16 staging copy "
                       "(each block x its scale) in the work dir for CPU hosts and calibrated schemes."),
     SourceFormat("fp8_tensor", "FP8 (E4M3) weights with a per-tensor or per-channel scale", STAGE_BF16,
-                 "recovers FP8 sources with a Triton kernel (GPU only)", _here("fp8_per_tensor"),
-                 file2file_needs_gpu=True, fp8_weights=True, release="FP8",
+                 _here("fp8_per_tensor"), fp8_weights=True, release="FP8",
                  stage_copy="quark_ptq_eval.execute.staging:dequantize_fp8_checkpoint",
                  label="FP8 (E4M3) weights with a {granularity} {dtype} scale",
                  risk="FP8 per-tensor/channel release: a normal starting point, read through an exact BF16 "
                       "staging copy (weight x its scale) or Quark's file-to-file engine on a GPU host."),
     SourceFormat("compressed_tensors", "compressed-tensors (llm-compressor) checkpoint", REFUSED,
-                 "decompresses it itself (compressed-tensors >= 0.15)", _here("compressed_other"),
+                 _here("compressed_other"),
                  refusal="this compressed-tensors format is not staged here; run on a GPU host with "
                          "--engine file2file (Quark decompresses it shard by shard), or start from the model "
                          "it was compressed from"),
     SourceFormat("mxfp4", "MXFP4 weights (gpt-oss *_blocks / *_scales)", STAGE_BF16,
-                 "does not read the gpt-oss *_blocks/*_scales layout (Quark 0.13 recovers the DeepSeek-V4 MXFP4 "
-                 "layout only)", _here("mxfp4_blocks"), file2file_reads=False, release="MXFP4",
+                 _here("mxfp4_blocks"), release="MXFP4",
                  stage_copy="quark_ptq_eval.execute.staging:dequantize_mxfp4_checkpoint",
                  stage_rule="each E2M1 code, two a byte low nibble first, x 2^(its block of 32's E8M0 scale - 127)",
                  unloadable="MXFP4 experts on a CPU (only its Triton kernels or a dequantizing load) for Quark to "
@@ -111,14 +106,14 @@ FORMATS: Registry[SourceFormat] = Registry("source format", (
                       "transformers dequantizes it) in the work dir; re-quantizing MXFP4 weights adds the new "
                       "scheme's rounding to theirs."),
     SourceFormat("int4", "4-bit integer weights (GPTQ / AWQ / bitsandbytes)", REFUSED,
-                 "does not read it", _here("four_bit_integers"),
+                 _here("four_bit_integers"),
                  refusal="re-quantizing 4-bit integer weights compounds their rounding error; start from the "
                          "BF16 (or FP8) checkpoint they were made from"),
-    SourceFormat("quark", "a Quark export", REFUSED, "does not re-quantize it", _here("quark_export"),
+    SourceFormat("quark", "a Quark export", REFUSED, _here("quark_export"),
                  refusal="this model is already a Quark export; quantizing it again compounds the error: start "
                          "from the checkpoint it was made from"),
     SourceFormat("other_quantized", "a pre-quantized checkpoint of a method not read here", REFUSED,
-                 "does not read it", _here("any_other_method"),
+                 _here("any_other_method"),
                  refusal="this quantization method is not read here; start from the unquantized (BF16) or FP8 "
                          "checkpoint"),
 ))
@@ -269,8 +264,7 @@ def describe_source(config: dict[str, Any], tensors: dict[str, TensorInfo] | Non
     fmt = detect(config, tensors, model_dir)
     qc = quant_config(config)
     record: dict[str, Any] = {"name": fmt.name, "summary": label(fmt, tensors), "reading": fmt.reading,
-                              "quant_method": qc.get("quant_method"), "file2file": fmt.file2file,
-                              "file2file_needs_gpu": fmt.file2file_needs_gpu}
+                              "quant_method": qc.get("quant_method")}
     if fmt.refusal:
         record["refusal"] = fmt.refusal
     if qc.get("weight_block_size"):

@@ -16,7 +16,7 @@ from quark_ptq_eval.base.context_window import fit_window, read_model_config
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.base.textdata import check_text_source
-from quark_ptq_eval.plan import resources, source_reading
+from quark_ptq_eval.plan import host_fit, host_memory, resource_rows, resources, source_reading
 from quark_ptq_eval.plan.calibration_check import check_calibration_text, source_note
 from quark_ptq_eval.plan.engines import ENGINES, choose_engine, get_engine
 from quark_ptq_eval.plan.family_limits import check_family_limits
@@ -217,11 +217,11 @@ def _target_and_fit(work: resources.Workload, tc: TargetContext, env: dict[str, 
         value = f"{serving['devices_needed']} x {tc.target.label}" if serving["devices_needed"] else f"{need} of RAM"
         rows.append({"decision": "serving fit", "value": value,
                      "reason": f"{resources.serving_text(serving, tc.target.label, kv)} (context and batch {stated})"})
-    host = resources.host_capacity(env, output_dir)
-    rerun = resources.rerun_command(analysis.model["model_path"], output_dir, scheme, algorithm, kv, work.calibration,
+    host = host_memory.host_capacity(env, output_dir)
+    rerun = resource_rows.rerun_command(analysis.model["model_path"], output_dir, scheme, algorithm, kv, work.calibration,
                                     tc.target.name if tc.target else None)
-    fit = resources.assess(work, host, rerun, engine=engine)
-    fit["rows"] = rows + resources.decision_rows(fit)
+    fit = host_fit.assess(work, host, rerun, engine=engine)
+    fit["rows"] = rows + resource_rows.decision_rows(fit)
     return target, fit
 
 
@@ -276,7 +276,7 @@ def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, ca
     # The engines registry decides (plan/engines/): its automatic choice and its constraints.
     engine, engine_why = choose_engine(req.engine, accelerator, calibration, device["device"] == "cpu")
     work = resources.Workload(analysis, scheme, info, algorithm, calibration, device, kv)
-    engine, engine_why = resources.engine_for_host(work, engine, engine_why, req.engine, env)  # file2file when too big
+    engine, engine_why = host_fit.engine_for_host(work, engine, engine_why, req.engine, env)  # file2file when too big
     get_engine(engine).check_constraints(info, algorithm, device)
     reading = source_reading.decide(analysis, engine, device, Path(analysis_ref).parent)  # FP8 / .bin sources
     hw = f"{accelerator}{' ' + arch if arch else ''}"

@@ -1,10 +1,15 @@
-"""What a plan needs from the host (RAM, GPU memory, disk) and from the target (weights + KV cache).
+"""The memory model: what a plan needs from the host (RAM, GPU memory) and from the target (weights +
+KV cache), and the output's size on disk.
 
 The engine's peak memory comes from a fit to MEASURED peak RSS of our Quark-API engine child
 (``bench/measure_memory.py``; figures and fit in docs/planning.md): a fixed start-up cost plus
 multiples of the model's bytes, of one calibration forward's activations and, for AWQ / GPTQ /
 SmoothQuant, of the cached layer inputs. Nothing here loads a model: the inputs are the analysis
-(config and safetensors headers), the plan's choices and the env_context.
+(config and safetensors headers) and the plan's choices.
+
+Around it: what this host has (``host_memory.py``), whether the plan fits it and what would
+(``host_fit.py``), the plan table's rows (``resource_rows.py``) and the checkpoint's rule for a plan
+that does not fit (``fit_gate.py``).
 """
 
 from __future__ import annotations
@@ -12,15 +17,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.sizes import GIB, gb, kv_bytes_per_token_of  # noqa: F401 (gb: callers use resources.gb)
 from quark_ptq_eval.intake.formats import FORMATS, release_of
 
 if TYPE_CHECKING:
-    from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
-    from quark_ptq_eval.base.gates import Approver
+    from quark_ptq_eval.base.artifacts import ModelAnalysis
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,16 @@ def loaded_bytes(analysis: ModelAnalysis) -> int:
     return int(analysis.size.get("read_as_bytes") or analysis.size["bytes"] or param_count(analysis) * 2)
 
 
+def output_basis(analysis: ModelAnalysis | None) -> str:
+    """What :func:`output_bytes` counted, in words (the plan table's reason for the output size)."""
+    fmt = getattr(analysis, "source_format", None) or {}
+    if fmt.get("quantizable_params") is None or not fmt.get("prequantized_tensors"):
+        return "quantized linears at the scheme's bits (scales included), the rest in the source dtype"
+    return (f"{fmt['quantizable_params']:,} parameters of the template's linears (header shapes) at the scheme's "
+            f"bits, scales included; the rest ({gb(fmt['rest_read_as_bytes'])}) as both engines write it: "
+            f"{release_of(fmt.get('name'))} layers left out dequantized to BF16")
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 def calibration_activation_bytes(analysis: ModelAnalysis, calibration: dict[str, Any]) -> int:
     """Live tensors of one calibration forward (fp32): hidden states, MLP intermediates and logits."""
@@ -198,46 +211,6 @@ def engine_estimate(engine: str | None, analysis: ModelAnalysis, info: dict[str,
     return estimate_quantize(analysis, info, algorithm, calibration, device)
 
 
-def _fits(est: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> bool:
-    ram = host["ram_bytes"]
-    gpu = host["gpu_bytes_per_device"] * (host["gpu_count"] if device["multi_device"] else 1)
-    return ((not ram or est["host_peak_bytes"] <= ram * HEADROOM)
-            and (not est["gpu_peak_bytes"] or not gpu or est["gpu_peak_bytes"] <= gpu * HEADROOM))
-
-
-def engine_for_host(work: Workload, engine: str, why: str, requested: str, env: dict[str, Any]) -> tuple[str, str]:
-    """The plan's engine once this host's memory is known: file-to-file when the automatic choice's
-    whole-model engine does not fit and file-to-file does and can serve the plan (docs/planning.md)."""
-    from quark_ptq_eval.plan.engines import shard_engine
-
-    analysis, info, algorithm, kv, device = work.analysis, work.info, work.algorithm, work.kv, work.device
-    calibration = work.calibration
-
-    shard = shard_engine()
-    if shard is not None and requested == shard.name:
-        why_not = shard.unsupported_reason(info, algorithm, kv)
-        if why_not:
-            raise shard.refusal(why_not)
-        return engine, why
-    from quark_ptq_eval.plan.source_reading import file2file_can_read
-
-    host = host_capacity(env, None)
-    whole = estimate_quantize(analysis, info, algorithm, calibration, device["device"])
-    if (shard is None or requested != "auto" or _fits(whole, host, device)
-            or shard.unsupported_reason(info, algorithm, kv) or not file2file_can_read(analysis, device["device"])):
-        return engine, why
-    f2f = estimate_file2file(analysis, device["device"])
-    if not _fits(f2f, host, device):
-        return engine, why  # neither fits: the plan stops at its checkpoint with proposals
-    key, have = (("gpu_peak_bytes", host["gpu_bytes_per_device"]) if whole["gpu_peak_bytes"]
-                 and not _fits({**whole, "host_peak_bytes": 0}, host, device) else ("host_peak_bytes", host["ram_bytes"]))
-    where = "GPU memory" if key == "gpu_peak_bytes" else "RAM"
-    return shard.name, (f"the whole-model engine ({engine}) needs about {gb(whole[key])} of {where} at its peak and "
-                         f"this host has {gb(have)} (planning for at most {HEADROOM:.0%}); Quark's file-to-file "
-                         f"quantization holds one shard at a time: about {gb(f2f[key])} (largest shard "
-                         f"{gb(f2f['model_bytes'])}), and this scheme needs no calibration")
-
-
 def estimate_eval(analysis: ModelAnalysis, out_bytes: int, baseline: bool = False, seq_len: int = 2048) -> dict[str, Any]:
     """Tier 1 on the CPU: the quantized model held dequantized (its source size), the baseline when
     asked, and the logits of one batch (evaluate.tier_ppl caps a batch at EVAL_LOGIT_BUDGET elements)."""
@@ -246,30 +219,6 @@ def estimate_eval(analysis: ModelAnalysis, out_bytes: int, baseline: bool = Fals
     logits = min(EVAL_LOGIT_BUDGET, max(seq_len * vocab, 1)) * 4 * EVAL_LOGIT_COPIES
     peak = BASE_BYTES + w + (w if baseline else 0) + logits
     return {"host_peak_bytes": int(peak), "model_bytes": w, "baseline": baseline, "logits_bytes": logits}
-
-
-# ---- the host ------------------------------------------------------------------------------------
-def mem_available_bytes(meminfo: str | None = None) -> int | None:
-    """MemAvailable from /proc/meminfo (or the text given): what can be allocated now."""
-    if meminfo is None:
-        try:
-            meminfo = Path("/proc/meminfo").read_text(encoding="ascii")
-        except OSError:
-            return None
-    m = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.M)
-    return int(m.group(1)) * 1024 if m else None
-
-
-def host_capacity(env: dict[str, Any], output_dir: Path | None, meminfo: str | None = None) -> dict[str, Any]:
-    """RAM (the env_context's host_memory_gb), GPU memory (memory_gb x gpu_count) and free disk."""
-    from quark_ptq_eval.context.preflight import free_gb
-
-    hw = env["hardware"]
-    ram = hw.get("host_memory_gb")
-    disk = free_gb(output_dir) if output_dir is not None else None
-    return {"ram_bytes": int(ram * GIB) if ram else None, "ram_available_bytes": mem_available_bytes(meminfo),
-            "gpu_bytes_per_device": int((hw.get("memory_gb") or 0) * GIB), "gpu_count": hw.get("gpu_count") or 0,
-            "disk_free_bytes": int(disk * GIB) if disk is not None else None}
 
 
 # ---- the target ----------------------------------------------------------------------------------
@@ -288,192 +237,6 @@ def serving_fit(analysis: ModelAnalysis, out_bytes: int, kv_scheme: str | None, 
     return {"weights_bytes": out_bytes, "kv_cache_bytes": kv, "context": budget["context"], "batch": budget["batch"],
             "device_memory_gb": memory_gb, "devices_needed": tp,
             "fits_budget": bool(per_device) and need <= per_device * budget["devices"]}
-
-
-# ---- the plan checkpoint's verdict ---------------------------------------------------------------
-def assess(work: Workload, host: dict[str, Any], rerun: list[str], engine: str | None = None) -> dict[str, Any]:
-    """Does this host hold the engine, the output and a Tier 1 evaluation? If not, what would."""
-    from quark_ptq_eval.plan.engines import holds_one_shard
-
-    analysis, scheme, info, algorithm, device = work.analysis, work.scheme, work.info, work.algorithm, work.device
-    calibration = work.calibration
-
-    est = engine_estimate(engine, analysis, info, algorithm, calibration, device["device"])
-    out = output_bytes(analysis, scheme, info)
-    ev = estimate_eval(analysis, out)
-    ev["with_baseline_bytes"] = estimate_eval(analysis, out, baseline=True)["host_peak_bytes"]
-    problems = _problems(est, out, ev, host, device)
-    fits = not any(p["blocking"] for p in problems)
-    proposals = [] if fits else _proposals(work, host, est, rerun)
-    if not fits and not holds_one_shard(engine):
-        proposals[-1:-1] = _file2file_proposal(work, host)
-    return {"quantize": est, "evaluate": ev, "output_bytes": out, "host": host, "output_basis": output_basis(analysis),
-            "fits": fits, "problems": problems, "proposals": proposals}
-
-
-def output_basis(analysis: ModelAnalysis | None) -> str:
-    fmt = getattr(analysis, "source_format", None) or {}
-    if fmt.get("quantizable_params") is None or not fmt.get("prequantized_tensors"):
-        return "quantized linears at the scheme's bits (scales included), the rest in the source dtype"
-    return (f"{fmt['quantizable_params']:,} parameters of the template's linears (header shapes) at the scheme's "
-            f"bits, scales included; the rest ({gb(fmt['rest_read_as_bytes'])}) as both engines write it: "
-            f"{release_of(fmt.get('name'))} layers left out dequantized to BF16")
-
-
-def _problems(est: dict[str, Any], out: int, ev: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> list[dict[str, Any]]:
-    problems = []
-    ram, gpu = host["ram_bytes"], host["gpu_bytes_per_device"] * (host["gpu_count"] if device["multi_device"] else 1)
-    if ram and est["host_peak_bytes"] > ram * HEADROOM:
-        problems.append({"blocking": True, "what": "host RAM",
-                         "message": f"the engine needs about {gb(est['host_peak_bytes'])} of RAM at its peak; "
-                                    f"this host has {gb(ram)} (planning for at most {HEADROOM:.0%})"})
-    if est["gpu_peak_bytes"] and gpu and est["gpu_peak_bytes"] > gpu * HEADROOM:
-        problems.append({"blocking": True, "what": "GPU memory",
-                         "message": f"the engine needs about {gb(est['gpu_peak_bytes'])} of GPU memory; "
-                                    f"{'all GPUs' if device['multi_device'] else 'one GPU'} here hold {gb(gpu)}"})
-    if host["disk_free_bytes"] is not None and out > host["disk_free_bytes"]:
-        problems.append({"blocking": True, "what": "disk",
-                         "message": f"the output needs about {gb(out)} on disk; {gb(host['disk_free_bytes'])} is free"})
-    if ram and ev["host_peak_bytes"] > ram * HEADROOM:
-        problems.append({"blocking": False, "what": "evaluation RAM",
-                         "message": f"a Tier 1 evaluation here needs about {gb(ev['host_peak_bytes'])} of RAM "
-                                    f"(more with the baseline); this host has {gb(ram)}"})
-    avail = host.get("ram_available_bytes")
-    if ram and avail and avail < est["host_peak_bytes"] <= ram * HEADROOM:
-        problems.append({"blocking": False, "what": "RAM in use", "live": True,
-                         "message": f"only {gb(avail)} of RAM is free right now (other processes); "
-                                    f"the engine needs about {gb(est['host_peak_bytes'])}"})
-    return problems
-
-
-def _proposals(work: Workload, host: dict[str, Any], est: dict[str, Any], rerun: list[str]) -> list[dict[str, Any]]:
-    """Concrete changes with their estimates: smaller calibration, no algorithm, GPUs, another host."""
-    analysis, info, algorithm, calibration, device = work.analysis, work.info, work.algorithm, work.calibration, work.device
-    ram = host["ram_bytes"] or 0
-    out: list[dict[str, Any]] = []
-
-    def variant(change: str, algo: str | None, **calib: int) -> None:
-        e = estimate_quantize(analysis, info, algo, {**calibration, **calib}, device["device"])
-        if e["host_peak_bytes"] < 0.95 * est["host_peak_bytes"]:
-            fits = "fits" if not ram or e["host_peak_bytes"] <= ram * HEADROOM else "still too much"
-            out.append({"change": change, "detail": f"{change}: about {gb(e['host_peak_bytes'])} ({fits})"})
-
-    if calibration["num_samples"] > 16:
-        variant(f"--num-calib-samples {max(16, calibration['num_samples'] // 4)}", algorithm,
-                num_samples=max(16, calibration["num_samples"] // 4))
-    if calibration["seq_len"] > 256:
-        variant("--calib-seq-len 256", algorithm, seq_len=256)
-    if algorithm:
-        variant("--algorithm '' (plain PTQ)", None)
-    if device["device"] == "cuda" and host["gpu_count"] > 1 and not device["multi_device"]:
-        out.append({"change": "--multi-device", "detail": f"--multi-device: spread the model over the "
-                                                          f"{host['gpu_count']} GPUs here"})
-    gpu_est = estimate_quantize(analysis, info, algorithm, calibration, "cuda")
-    need_ram = est["host_peak_bytes"] / HEADROOM
-    out.append({"change": "another host", "command": " ".join(rerun),
-                "detail": f"a host with at least {gb(need_ram)} of RAM, or a GPU host (about "
-                          f"{gb(gpu_est['gpu_peak_bytes'])} of GPU memory and {gb(gpu_est['host_peak_bytes'])} of "
-                          f"RAM); run there: {' '.join(rerun)}"})
-    return out
-
-
-def _file2file_proposal(work: Workload, host: dict[str, Any]) -> list[dict[str, Any]]:
-    """Quark's file-to-file engine with its estimate, when it can serve this plan (a proposal must work)."""
-    from quark_ptq_eval.plan.engines import shard_engine
-    from quark_ptq_eval.plan.source_reading import file2file_can_read
-
-    analysis, info, algorithm, kv, device = work.analysis, work.info, work.algorithm, work.kv, work.device
-
-    shard, no_kv = shard_engine(), ""
-    if shard is None:
-        return []
-    if shard.unsupported_reason(info, algorithm, kv):
-        if not (kv and not shard.unsupported_reason(info, algorithm, None)):
-            return []
-        no_kv = " --kv-cache-scheme ''"  # file-to-file never runs the model, so it calibrates no KV scales
-    if not file2file_can_read(analysis, device["device"]):
-        if not file2file_can_read(analysis, "cuda"):
-            return []
-        e = estimate_file2file(analysis, "cuda")
-        return [{"change": f"--engine {shard.name} --device cuda{no_kv} (a GPU host)",
-                 "detail": f"on a GPU host, Quark's file-to-file engine recovers the FP8 weights itself, one shard "
-                           f"at a time: about {gb(e['gpu_peak_bytes'])} of GPU memory and {gb(e['host_peak_bytes'])} "
-                           f"of RAM (this host has no GPU for its FP8 kernel)"
-                           + ("; without the KV-cache scheme, whose scales need calibration" if no_kv else "")}]
-    e = estimate_file2file(analysis, device["device"])
-    fits = "fits" if _fits(e, host, device) else "still too much"
-    return [{"change": f"--engine {shard.name}{no_kv}", "detail": f"--engine {shard.name}{no_kv}: one shard at a time, "
-                                                               f"about {gb(e['host_peak_bytes'])} ({fits})"}]
-
-
-def rerun_command(model: str, output_dir: Path | None, scheme: str, algorithm: str | None, kv: str | None,
-                  calibration: dict[str, Any], target: str | None) -> list[str]:
-    """The `quark-ptq-eval run` command that reproduces this plan on a GPU host."""
-    import shlex
-
-    argv = ["quark-ptq-eval", "run", model, "-o", str(output_dir or "OUTPUT_DIR"), "--scheme", scheme,
-            "--device", "cuda", "--num-calib-samples", str(calibration["num_samples"]),
-            "--calib-seq-len", str(calibration["seq_len"])]
-    if algorithm:
-        argv += ["--algorithm", algorithm]
-    if kv:
-        argv += ["--kv-cache-scheme", kv]
-    if calibration.get("path"):
-        argv += ["--calib-data", calibration["path"]]
-    if target:
-        argv += ["--target", target]
-    return [shlex.quote(a) for a in argv]
-
-
-def decision_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """The plan table's rows for memory and disk, each with the basis of its number."""
-    q, host = res["quantize"], res["host"]
-    ram = f"of {gb(host['ram_bytes'])}" if host["ram_bytes"] else "(host RAM unknown)"
-    rows = [{"decision": "host memory (quantize)", "value": f"~{gb(q['host_peak_bytes'])} {ram}",
-             "reason": f"peak RSS {q['basis']}: {', '.join(f'{k} {gb(v)}' for k, v in q['terms'].items() if v)} "
-                       "(docs/planning.md)"}]
-    if q["gpu_peak_bytes"]:
-        rows.append({"decision": "GPU memory (quantize)", "value": f"~{gb(q['gpu_peak_bytes'])}",
-                     "reason": f"{q['basis']}: weights, activations and algorithm caches on the device"})
-    rows.append({"decision": "output size on disk", "value": f"~{gb(res['output_bytes'])}",
-                 "reason": res.get("output_basis") or output_basis(None)})
-    ev = res["evaluate"]
-    rows.append({"decision": "host memory (evaluate)", "value": f"~{gb(ev['host_peak_bytes'])}",
-                 "reason": f"Tier 1 (modelled): start-up, the model as loaded, {gb(ev['logits_bytes'])} of logits per "
-                           f"batch; ~{gb(ev['with_baseline_bytes'])} with the baseline"})
-    for p in res["problems"]:
-        if p.get("live"):
-            continue  # a reading of this moment (free RAM) is kept in resources, out of the approved table
-        rows.append({"decision": f"does not fit: {p['what']}" if p["blocking"] else f"warning: {p['what']}",
-                     "value": "STOP" if p["blocking"] else "note", "reason": p["message"]})
-    for p in res["proposals"]:
-        rows.append({"decision": "proposal", "value": p["change"], "reason": p["detail"]})
-    return rows
-
-
-def unfit_message(plan: QuantPlan) -> str | None:
-    """One sentence for the plan checkpoint when this host cannot hold the plan (None when it can)."""
-    res = getattr(plan, "resources", None) or {}
-    blocking = [p["message"] for p in res.get("problems", []) if p.get("blocking")]
-    if not blocking:
-        return None
-    return "This host cannot hold this plan: " + "; ".join(blocking) + "."
-
-
-def hold_message(plan: QuantPlan, execution_mode: str, approver: Approver, already_approved: bool) -> str | None:
-    """Why a run must stop at the plan checkpoint before anything runs, or None.
-
-    A plan this host cannot hold is not approved by --yes: only by name (``--approve plan``), by a
-    person at the terminal who saw the table, or in plan_only mode (nothing runs there)."""
-    from quark_ptq_eval.base.calibration_text import short_message
-
-    unfit = unfit_message(plan) or short_message(plan.calibration)  # less calibration text than planned, too
-    if unfit is None or execution_mode == "plan_only" or already_approved:
-        return None
-    if approver.weighs("plan"):  # named, or someone who sees the table answers
-        return None
-    return (f"{unfit} Change the plan as its table proposes, or approve it by name (--approve plan) "
-            "to run it anyway")
 
 
 def serving_text(fit: dict[str, Any], label: str, kv: str | None) -> str:

@@ -1,7 +1,8 @@
 """How the engine reads the source, decided by the plan before anything runs (intake/formats.py).
 
 - ``direct``: BF16/FP16/FP32 safetensors, read as they are;
-- ``file2file_native``: Quark's file-to-file engine on a GPU host recovers FP8 blocks itself;
+- ``file2file_native``: an engine that reads the format itself (its entry's ``reads_sources``: Quark's
+  file-to-file engine on a GPU host recovers FP8 blocks itself);
 - ``stage_bf16``: an exact BF16 copy (each FP8 block x its scale; each MXFP4 code x its block's
   power of two) in the work dir, for CPU hosts and calibrated schemes (and every gpt-oss MXFP4
   source: Quark's file-to-file engine does not read that layout); written shard by shard after the
@@ -15,8 +16,9 @@ the staged copy when there is one, so they compare against what the engine was g
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis
 from quark_ptq_eval.base.errors import UsageError
@@ -28,8 +30,11 @@ from quark_ptq_eval.intake.formats import (
     REFUSED,
     STAGE_BF16,
     UNQUANTIZED,
-    SourceFormat,
+    release_of,
 )
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.plan.engines import SourceRead
 
 STAGED_BF16_DIR = "source-bf16"  # in the work dir
 CONVERTED_BIN_DIR = "source-safetensors"
@@ -63,14 +68,12 @@ def decide(analysis: ModelAnalysis, engine: str, device: dict[str, Any], workdir
     staged = str(Path(workdir) / STAGED_BF16_DIR)
     disk = int(fmt.get("read_as_bytes") or 2 * int(analysis.size.get("params") or 0))
     how = _dequant_rule(fmt)
-    from quark_ptq_eval.plan.engines import ENGINES
-
-    if engine in ENGINES and ENGINES[engine].reads_fp8_source:
-        _check_file2file(entry, device, disk, how)
+    reads = _reads_itself(engine)
+    if reads:
+        read = _check_native(engine, fmt["name"], reads.get(fmt["name"]), device, disk, how)
         return {**base, "mode": "file2file_native", "source_dir": staged, "disk_bytes": disk,
-                "reason": f"Quark's file-to-file engine recovers the FP8 weights itself on the GPU, shard by shard; "
-                          f"validation and the baseline read an exact BF16 copy ({how}) written to {staged} after "
-                          f"the execution gate (about {gb(disk)} on disk)"}
+                "reason": f"{read.note}; validation and the baseline read an exact BF16 copy ({how}) written to "
+                          f"{staged} after the execution gate (about {gb(disk)} on disk)"}
     return {**base, "mode": "stage_bf16", "source_dir": staged, "engine_reads": staged, "disk_bytes": disk,
             "reason": f"{fmt.get('summary') or entry.summary}: the {engine} engine loads the model with transformers, which cannot load "
                       f"{entry.unloadable}, and calibration needs the model; an exact BF16 copy ({how}) is written "
@@ -86,30 +89,38 @@ def _dequant_rule(fmt: dict[str, Any]) -> str:
     return "each weight x its per-tensor/channel scale"
 
 
-def _check_file2file(entry: SourceFormat, device: dict[str, Any], disk: int, how: str) -> None:
-    if not entry.file2file_reads:
-        raise UsageError(f"--engine file2file cannot read this source: Quark 0.13's file-to-file engine {entry.file2file}.",
-                         f"Leave out --engine: the plan then reads it through an exact BF16 staging copy ({how}, about "
-                         f"{gb(disk)} in the work dir) with the quark-api engine.")
-    if device["device"] == "cpu":
-        raise UsageError(
-            "--engine file2file cannot read this FP8 release on this CPU host: Quark 0.13 recovers FP8 weights with "
-            "a Triton kernel that needs a GPU (on a CPU it logs 'FP8 model dequantization requires a CUDA device' "
-            "and writes nothing).",
-            f"Leave out --engine: the plan then reads it through an exact BF16 staging copy ({how}, about "
-            f"{gb(disk)} in the work dir) with the quark-api engine; or run on a GPU host with --engine file2file "
-            "--device cuda.")
-    if device.get("multi_device"):
-        raise UsageError("Quark 0.13's file-to-file engine refuses several devices for FP8 sources.",
-                         "Drop --multi-device (one GPU, shard by shard), or leave out --engine file2file.")
+def _reads_itself(engine: str) -> Mapping[str, SourceRead]:
+    """The source formats ``engine`` reads itself (empty for one that reads what the plan gives it)."""
+    from quark_ptq_eval.plan.engines import ENGINES
+
+    return ENGINES[engine].reads_sources if engine in ENGINES else {}
 
 
-def file2file_can_read(analysis: ModelAnalysis, device: str) -> bool:
-    """Whether Quark's file-to-file engine can read this source on this device (FP8 needs a GPU)."""
-    entry = FORMATS[source_format(analysis)["name"]]
-    if entry.reading in (REFUSED, CONVERT_BIN) or not entry.file2file_reads:
+def _check_native(engine: str, name: str, read: SourceRead | None, device: dict[str, Any], disk: int,
+                  how: str) -> SourceRead:
+    """``read`` when ``engine`` can read this staged format itself on this device, else its UsageError."""
+    staging = (f"Leave out --engine: the plan then reads it through an exact BF16 staging copy ({how}, about "
+               f"{gb(disk)} in the work dir) with the quark-api engine")
+    if read is None or not read.reads:
+        why = read.note if read else f"the {engine} engine does not read {name} sources"
+        raise UsageError(f"--engine {engine} cannot read this source: {why}.", staging + ".")
+    if read.gpu_only and device["device"] == "cpu":
+        raise UsageError(f"--engine {engine} cannot read this {release_of(name)} release on this CPU host: "
+                         f"{read.gpu_only}.",
+                         f"{staging}; or run on a GPU host with --engine {engine} --device cuda.")
+    if read.one_device and device.get("multi_device"):
+        raise UsageError(read.one_device,
+                         f"Drop --multi-device (one GPU, shard by shard), or leave out --engine {engine}.")
+    return read
+
+
+def engine_reads_source(engine: str, analysis: ModelAnalysis, device: str) -> bool:
+    """Whether ``engine`` reads this source itself on this device (as the engine's entry declares)."""
+    name = source_format(analysis)["name"]
+    read = _reads_itself(engine).get(name)
+    if FORMATS[name].reading in (REFUSED, CONVERT_BIN) or read is None or not read.reads:
         return False
-    return not (entry.file2file_needs_gpu and device == "cpu")
+    return not (read.gpu_only and device == "cpu")
 
 
 def effective_source(plan: dict[str, Any] | None, model_path: Path | None) -> Path | None:

@@ -7,7 +7,8 @@ source weight (``decode_weights.py``), element by element. A flipped row, dead r
 that while headers, shapes and bytes elsewhere are right, and the module replay may read them as
 noise. Tensor by tensor, a tile at a time read through the file (``decode_blocks.py``: memory
 follows the tile, not the tensor): no model is loaded, so it runs with ``--no-load-check`` on
-models too large for the host. Verdicts: ``decode_judge.py``; folds undone: ``decode_folds.py``.
+models too large for the host. Which weights it decodes: ``decode_targets.py``; verdicts:
+``decode_judge.py``; folds undone: ``decode_folds.py``.
 
 Bounds, by algorithm (``bench/bench_decode.py`` measures the statistical ones on healthy exports):
 
@@ -33,15 +34,14 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
-from quark_ptq_eval.base.schemes import as_spec_list
 from quark_ptq_eval.validate import decode_formats as fmt
 from quark_ptq_eval.validate.byte_identity import default_workers
 from quark_ptq_eval.validate.decode_blocks import Target
 from quark_ptq_eval.validate.decode_folds import FoldFinder
 from quark_ptq_eval.validate.decode_judge import MAX_ROWS_LISTED, Bound, bound_for, judge
+from quark_ptq_eval.validate.decode_targets import find_targets
 from quark_ptq_eval.validate.decode_weights import Fold, RowErrors, compare
-from quark_ptq_eval.validate.expectations import module_config
-from quark_ptq_eval.validate.registry import ValidationContext, read_config, unreadable_headers
+from quark_ptq_eval.validate.registry import ValidationContext, read_config_or_empty, unreadable_headers
 from quark_ptq_eval.validate.report import CheckResult, Finding
 from quark_ptq_eval.validate.rewrites import ROTATING, SCALING, algorithms
 
@@ -52,7 +52,7 @@ def decode_export(source: Path, quantized: Path, plan: dict[str, Any] | None = N
     e.g. a dequantized BF16 copy of an FP8 release; ``workers``: threads, default as ``validate``'s);
     never raises on a mismatch."""
     ctx = ValidationContext(Path(source), Path(quantized), plan, weights_source=weights_source, workers=workers)
-    ctx.src_config, ctx.out_config = read_config(ctx.source), read_config(ctx.quantized)
+    ctx.src_config, ctx.out_config = read_config_or_empty(ctx.source), read_config_or_empty(ctx.quantized)
     ctx.read_headers()
     return check_decode(ctx)
 
@@ -90,41 +90,6 @@ def _source_tensors(ctx: ValidationContext, result: CheckResult) -> dict[str, Te
         return None
     result.notes.append(f"source weights read from {alternative}")
     return headers
-
-
-def find_targets(output: dict[str, TensorInfo], source: dict[str, TensorInfo],
-                 qconfig: dict[str, Any]) -> tuple[list[Target], list[tuple[str, str]]]:
-    """Every weight with a ``weight_scale`` in the export, with what decodes it; and those that cannot be."""
-    reorder = ((qconfig.get("export") or {}).get("pack_method") or "reorder") == "reorder"
-    targets, unchecked = [], []
-    for name in sorted(output):
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if module is None or f"{module}.weight_scale" not in output:
-            continue
-        config = module_config(qconfig, module)
-        specs = as_spec_list(config.weight if config else None)
-        why = _cannot_decode(name, specs, output, source)
-        if why:
-            unchecked.append((name, why))
-            continue
-        targets.append(Target(module, output[name], output[f"{module}.weight_scale"],
-                              output.get(f"{module}.weight_zero_point"), source[name], specs[0], reorder))
-    return targets, unchecked
-
-
-def _cannot_decode(name: str, specs: list[dict[str, Any]], output: dict[str, TensorInfo],
-                   source: dict[str, TensorInfo]) -> str | None:
-    if len(specs) != 1:
-        return "two-level scales" if len(specs) > 1 else "no weight spec in quantization_config"
-    if name not in source:
-        return "no source tensor of that name"
-    if len(source[name].shape) != 2:
-        return f"a {len(source[name].shape)}-D weight"
-    if specs[0].get("qscheme") not in ("per_tensor", "per_channel", "per_group"):
-        return f"qscheme {specs[0].get('qscheme')}"
-    if f"{name[: -len('.weight')]}.weight_scale_2" in output:
-        return "two-level scales"
-    return None
 
 
 def decode_targets(targets: list[Target], ctx: ValidationContext, result: CheckResult, algos: set[str]) -> None:

@@ -2,7 +2,7 @@
 
 Headers and bytes can all be right while the model still cannot be used: a loader that leaves
 scales uninitialised, reads a packing differently, or does not find weights under the names it
-expects and initialises them at random. So the export is loaded (through ``validate/loading.py``:
+expects and initialises them at random. So the export is loaded (through ``runtime/loading.py``:
 transformers' Quark integration, or Quark's importer for two-level scales and per-expert MoE
 linears), and a short probe runs through the source. The verdict comes from replaying each module
 on the source's own inputs (``replay.py``; MoE experts also one by one, each routed its own tokens,
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError
-from quark_ptq_eval.validate.registry import ValidationContext, read_config
+from quark_ptq_eval.validate.registry import ValidationContext, read_config_or_empty
 from quark_ptq_eval.validate.report import CheckResult, Finding
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def load_check_alone(source: Path, quantized: Path, plan: dict[str, Any] | None 
     """The load check on its own, whatever the structural checks say (a loader diagnosis: since the
     decode check, a fault planted in a weight's file stops validation before the load check runs)."""
     ctx = ValidationContext(Path(source), Path(quantized), plan, load_check=True)
-    ctx.src_config, ctx.out_config = read_config(ctx.source), read_config(ctx.quantized)
+    ctx.src_config, ctx.out_config = read_config_or_empty(ctx.source), read_config_or_empty(ctx.quantized)
     return check_load(ctx)
 
 
@@ -82,8 +82,8 @@ def check_load(ctx: ValidationContext) -> CheckResult:
 
 
 def _probe(ctx: ValidationContext, result: CheckResult) -> None:
+    from quark_ptq_eval.runtime.loading import TRANSFORMERS, load_model, missing_weights_message
     from quark_ptq_eval.validate import experts, replay
-    from quark_ptq_eval.validate.loading import TRANSFORMERS, load_model, missing_weights_message
 
     trust = bool((ctx.plan or {}).get("trust_remote_code"))  # the user approved it in the plan, or not at all
     # The source first, its module inputs kept, then freed: one model in memory at a time.

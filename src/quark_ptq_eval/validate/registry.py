@@ -43,7 +43,7 @@ class ValidationContext:
     workers: int | None = None
     load_check: bool = False
     vllm_python: Path | None = None  # the serving check's vLLM (None: $QUARK_PTQ_EVAL_VLLM_PYTHON, if set)
-    vllm_args: tuple[str, ...] = ()  # the user's --vllm-arg values, over the sized ones (vllm_sizing.py)
+    vllm_args: tuple[str, ...] = ()  # the user's --vllm-arg values, over the sized ones (runtime/vllm_sizing.py)
     progress: Progress | None = None
     src_config: dict[str, Any] = field(default_factory=dict)
     out_config: dict[str, Any] = field(default_factory=dict)
@@ -108,7 +108,8 @@ class Check:
         return run(ctx)
 
 
-def read_config(model_dir: Path) -> dict[str, Any]:
+def read_config_or_empty(model_dir: Path) -> dict[str, Any]:
+    """config.json as a dict; {} when it is missing or unreadable (the config check says why)."""
     try:
         data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.validate.registry import Progress, ValidationContext, read_config
+from quark_ptq_eval.validate.registry import Progress, ValidationContext, read_config_or_empty
 from quark_ptq_eval.validate.report import ValidationReport
 
 DEFAULT_EXCLUDE = ["lm_head"]
@@ -22,7 +22,7 @@ class ValidateOptions:
     bytes are compared. ``load_check`` adds the load-and-run check (imports torch and transformers;
     seconds on a small model; without it the report says it was skipped). ``vllm_python`` names the
     serving check's vLLM interpreter (servecheck.py), ``vllm_args`` the user's server arguments over
-    the sized ones (vllm_sizing.py)."""
+    the sized ones (runtime/vllm_sizing.py)."""
 
     max_samples: int | None = None
     seed: int = 0
@@ -51,7 +51,7 @@ def validate_model(source: Path | None, quantized: Path, plan: dict[str, Any] | 
     ctx = ValidationContext(source, quantized, plan, max_samples=opts.max_samples, seed=opts.seed,
                             workers=opts.workers, load_check=opts.load_check, vllm_python=opts.vllm_python,
                             vllm_args=tuple(opts.vllm_args), progress=progress)
-    ctx.src_config, ctx.out_config = read_config(source), read_config(quantized)
+    ctx.src_config, ctx.out_config = read_config_or_empty(source), read_config_or_empty(quantized)
     ctx.exclude, ctx.exclusions_from = _exclusions(plan, ctx.qconfig)
     ctx.read_headers()
     notify = progress or (lambda check, done, total: None)

@@ -10,10 +10,7 @@ own Quark config classes (no server). Elsewhere the report says it was not check
 from __future__ import annotations
 
 import importlib.util
-import socket
-import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,14 +19,14 @@ from quark_ptq_eval.validate.registry import ValidationContext
 from quark_ptq_eval.validate.report import CheckResult, Finding
 
 if TYPE_CHECKING:
-    from quark_ptq_eval.validate.vllm_host import HostVllm
+    from quark_ptq_eval.runtime.vllm_host import HostVllm
 
 SERVE_TIMEOUT_S = 600.0  # a tiny model is healthy in 20-25 s on 2 CPU cores; large ones load for minutes
 MAX_MODEL_LEN = 2048  # the check needs the weights to load, not a long context: keeps the KV cache small
 
 
 def check_serving(ctx: ValidationContext) -> CheckResult:
-    from quark_ptq_eval.validate.vllm_host import find_host_vllm
+    from quark_ptq_eval.runtime.vllm_host import find_host_vllm
 
     result = CheckResult("serve")
     if ctx.shared.structural_failed:
@@ -53,8 +50,15 @@ def check_serving(ctx: ValidationContext) -> CheckResult:
 def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[str, ...] = ()) -> None:
     """Start vLLM on the export (sized as Tier 3 sizes it), wait for health or its exit, stop it:
     served, or its reason."""
-    from quark_ptq_eval.validate.vllm_host import failure_reason, server_argv, start_server, stop_group
-    from quark_ptq_eval.validate.vllm_sizing import ServerDoesNotFit, sized_for
+    from quark_ptq_eval.runtime.vllm_host import (
+        failure_reason,
+        free_port,
+        host_server_argv,
+        start_server,
+        stop_group,
+        wait_healthy,
+    )
+    from quark_ptq_eval.runtime.vllm_sizing import ServerDoesNotFit, sized_for
 
     try:
         sizing = sized_for(model, host.cpu, vllm_args, context=MAX_MODEL_LEN, context_origin="check",
@@ -65,7 +69,7 @@ def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[st
         return
     port = free_port()
     log = _scratch_log(port)  # never inside the user's export
-    argv = server_argv(host, model, port, "serve-check", sizing)
+    argv = host_server_argv(host, model, port, "serve-check", sizing)
     result.stats["server_args"] = sizing.as_dict()
     result.notes += [f"server argument {line}" for line in sizing.lines()]
     started = time.perf_counter()
@@ -92,28 +96,6 @@ def _scratch_log(port: int) -> Path:
     import tempfile
 
     return Path(tempfile.gettempdir()) / f"quark-ptq-eval-serve-check-{port}.log"
-
-
-def wait_healthy(process: subprocess.Popen[bytes], port: int, timeout_s: float) -> bool:
-    """Until /health answers (True), the server exits or the time is up (False)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                if response.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(1)
-    return False
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the OS picks it): never someone else's server."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _against_classes(qconfig: dict[str, Any] | None, result: CheckResult) -> None:

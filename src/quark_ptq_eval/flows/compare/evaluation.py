@@ -72,7 +72,7 @@ class BaselineSource:
         return self.cache.load(self.key)
 
     def _build(self) -> None:
-        from quark_ptq_eval.validate.loading import load_model
+        from quark_ptq_eval.runtime.loading import load_model
 
         loaded = load_model(self.source, self.opts.eval.device, bool(self.opts.plan.get("trust_remote_code")))
         vocab = loaded.model.get_output_embeddings().weight.shape[0]
@@ -88,7 +88,7 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     from quark_ptq_eval.evaluate import report as report_files
     from quark_ptq_eval.evaluate.api import build_report  # the evaluation's own report builder: same verdicts
     from quark_ptq_eval.evaluate.context import ScoredText, TierContext
-    from quark_ptq_eval.validate.loading import load_model
+    from quark_ptq_eval.runtime.loading import load_model
 
     entry = baseline.entry()
     base_tasks = baseline.tasks() if opts.eval.tasks else None  # before the scheme's model loads: one model at a time
@@ -129,7 +129,7 @@ def score_against_cache(model, windows, entry: BaselineEntry, batch_size: int, a
     import torch
 
     from quark_ptq_eval.evaluate.baseline_cache import cached_token_stats
-    from quark_ptq_eval.validate.loading import require_finite
+    from quark_ptq_eval.runtime.loading import require_finite
 
     bounds, tail, device = [], [], next(model.parameters()).device
     with torch.inference_mode():

@@ -73,7 +73,7 @@ def baseline_tasks(cache_root: Path, opts: CompareOptions, source: Path, model_d
     """The baseline's lm-eval results and per-document scores: read from the cache, or run once."""
     from quark_ptq_eval.evaluate.context import TierContext
     from quark_ptq_eval.evaluate.lmeval_tasks import evaluate_tasks, samples_path
-    from quark_ptq_eval.validate.loading import load_model
+    from quark_ptq_eval.runtime.loading import load_model
 
     where = cache_root / f"{CACHE_PREFIX}{cache_key(opts, model_digest)}"
     results_file = where / "lm_eval_results" / "baseline.json"

@@ -7,7 +7,8 @@ the plan's automatic choice read it); each row names the module that implements
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,17 +44,44 @@ WHOLE_MODEL, ONE_SHARD = "whole_model", "one_shard"  # what an engine holds in m
 
 
 @dataclass(frozen=True)
+class SourceRead:
+    """What an engine that reads the source itself (no staging copy in the work dir) does with one
+    source format, a row of intake/formats.py: the engine's knowledge, not the format's."""
+
+    note: str  # what it does with the format, as a sentence (also the refusal's words when it cannot read it)
+    reads: bool = True  # False: it cannot read this layout at all
+    gpu_only: str = ""  # why it reads the format only on a GPU ("": on any device)
+    one_device: str = ""  # why it refuses several devices for the format ("": it does not)
+
+
+@dataclass(frozen=True)
 class EngineEntry:
     name: str  # value of --engine and of quant_plan.json's engine.name
     module: str  # implements Engine as its module-level ENGINE
     summary: str
     # WHOLE_MODEL: the plan's estimate is the loaded model plus calibration; ONE_SHARD: a multiple of the
-    # largest shard, and the plan picks it when a whole-model engine does not fit the host (plan/resources.py).
+    # largest shard, and the plan picks it when a whole-model engine does not fit the host (plan/host_fit.py).
     # A ONE_SHARD engine's ENGINE also answers unsupported_reason(scheme_info, algorithm, kv) and refusal(why).
     memory: str = WHOLE_MODEL
-    reads_fp8_source: bool = False  # recovers an FP8 release itself (GPU): no BF16 staging copy for it
+    # The source formats (by name) it reads itself, with no BF16 staging copy; a format not named is one it
+    # does not read itself. Empty: it reads what the plan's source reading gives it (plan/source_reading.py).
+    reads_sources: Mapping[str, SourceRead] = field(default_factory=dict)
     reads_text_file: bool = False  # its child reads a local calibration text itself: the plan checks the file
 
+
+# Quark 0.13's file-to-file engine on each source format it meets (measured: docs/planning.md).
+_FP8_ON_GPU = SourceRead(
+    "Quark's file-to-file engine recovers the FP8 weights itself on the GPU, shard by shard",
+    gpu_only="Quark 0.13 recovers FP8 weights with a Triton kernel that needs a GPU (on a CPU it logs "
+             "'FP8 model dequantization requires a CUDA device' and writes nothing)",
+    one_device="Quark 0.13's file-to-file engine refuses several devices for FP8 sources.")
+FILE2FILE_READS = {
+    "float": SourceRead("Quark's file-to-file engine reads it as it is"),
+    "fp8_block": _FP8_ON_GPU,
+    "fp8_tensor": _FP8_ON_GPU,
+    "mxfp4": SourceRead("Quark 0.13's file-to-file engine does not read the gpt-oss *_blocks/*_scales layout "
+                        "(Quark 0.13 recovers the DeepSeek-V4 MXFP4 layout only)", reads=False),
+}
 
 # The automatic choice takes the first engine whose auto_reason answers.
 ENGINES: Registry[EngineEntry] = Registry("engine", (
@@ -65,7 +93,7 @@ ENGINES: Registry[EngineEntry] = Registry("engine", (
     EngineEntry("file2file", "quark_ptq_eval.plan.engines.file2file",
                 "Quark's file-to-file quantization: shard by shard, never the whole model (calibration-free "
                 "schemes; the plan picks it when the model does not fit the host)",
-                memory=ONE_SHARD, reads_fp8_source=True),
+                memory=ONE_SHARD, reads_sources=FILE2FILE_READS),
 ))
 ENGINE_NAMES: tuple[str, ...] = ENGINES.names()
 

@@ -4,7 +4,7 @@ It reads the checkpoint one safetensors shard at a time, quantizes that shard's 
 and writes it out, so the host never holds the model: its peak memory follows the largest shard,
 not the model (measured in docs/planning.md). The price is calibration: nothing runs the model,
 so only schemes with no static activation scales, no KV-cache scales and no algorithm qualify.
-The plan picks it when the whole-model engine does not fit the host (plan/resources.py).
+The plan picks it when the whole-model engine does not fit the host (plan/host_fit.py).
 
 The child process it runs is ``python -m quark_ptq_eval.execute.engines.file2file``.
 """
@@ -49,7 +49,7 @@ class File2FileEngine:
     name = "file2file"
 
     def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
-        return None  # chosen by the host's memory (plan/resources.engine_for_host), never by the accelerator
+        return None  # chosen by the host's memory (plan/host_fit.engine_for_host), never by the accelerator
 
     def unsupported_reason(self, scheme_info: dict[str, Any], algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
         return unsupported_reason(scheme_info, algorithm, kv_cache_scheme)

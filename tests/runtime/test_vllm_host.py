@@ -9,7 +9,7 @@ import pytest
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.plan.targets import scheme_warnings, target_context
-from quark_ptq_eval.validate.vllm_host import ENV_VAR, find_host_vllm
+from quark_ptq_eval.runtime.vllm_host import ENV_VAR, find_host_vllm
 
 
 def test_no_vllm_named_means_none_and_a_wrong_one_is_refused_in_one_sentence(tmp_path, monkeypatch):

@@ -44,7 +44,8 @@ def model_size_bytes(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
-def read_config(model_dir: Path) -> dict[str, Any]:
+def read_config_or_raise(model_dir: Path) -> dict[str, Any]:
+    """config.json as a dict; a UsageError when it is missing or not JSON (nothing can be loaded without it)."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         raise UsageError(f"{model_dir} has no config.json: it is not a Hugging Face model directory.")
@@ -116,7 +117,7 @@ def load_model(
     Refuses a model whose loader left weights newly initialised (scoring it would score random
     weights) unless ``allow_missing`` (the load check, which reports them as a finding)."""
     model_dir = Path(model_dir)
-    config = read_config(model_dir)
+    config = read_config_or_raise(model_dir)
     chosen, reason = choose_loader(config)
     if chosen == TRANSFORMERS and reason.startswith("Quark export") and _has_per_expert_tensors(model_dir):
         chosen, reason = QUARK, ("Quark export of per-expert MoE linears: transformers 5 fuses them back into "

