@@ -32,7 +32,3 @@ def release_freed_memory() -> bool:
     trim(0)
     return True
 
-
-def every(step: int, before: int, after: int) -> bool:
-    """Whether a counter going from ``before`` to ``after`` crossed a multiple of ``step``."""
-    return after // step != before // step

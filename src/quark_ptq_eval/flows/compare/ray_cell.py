@@ -68,16 +68,14 @@ def _record_attempt(workdir: Path, spec: CellSpec, node: dict[str, str]) -> int:
     return attempt
 
 
-def warm_worker() -> dict[str, Any]:
-    """Import what a cell runs (torch, transformers, Quark's torch API: ~20 s cold) in this worker,
-    dispatched while the driver builds the baseline cache: the cells that follow on this worker
-    start warm instead of each paying the import after the baseline (bench_ray_compare.py)."""
-    started = time.monotonic()
+def warm_worker() -> None:
+    """Import what a cell runs in its worker process (validation's load check and Tier 1: torch,
+    transformers, Quark's torch API; ~20 s cold; the engine itself is a child process), dispatched
+    while the driver builds the baseline cache, so the cells that follow on this worker start warm
+    (bench/bench_ray_compare.py)."""
     from quark_ptq_eval.base.quark_import import import_quark_torch
-    from quark_ptq_eval.execute import quark_api_engine  # noqa: F401 - the engine a cell runs in-process
 
     import_quark_torch()
-    return {**node_identity(), "pid": os.getpid(), "seconds": round(time.monotonic() - started, 2)}
 
 
 def run_cell(spec: CellSpec) -> dict[str, Any]:
