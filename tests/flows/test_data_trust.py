@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 import yaml
@@ -184,30 +183,26 @@ def _wait_exit(proc: subprocess.Popen, timeout: float) -> int | None:
 @pytest.mark.slow
 @pytest.mark.usefixtures("source_guard")
 def test_two_runs_one_output_then_sigkill_status_and_resume(cli, tiny_llama, corpus, tmp_path):
-    """Two runs started together on one output: one claims it, the other exits 5 before its engine
-    starts. The holder is then SIGKILLed during its engine: `status` says interrupted, `resume`
-    completes without asking to delete anything, and the export is that run's."""
+    """A second run on an output another run is writing exits 5 before its engine starts. The holder
+    is frozen (SIGSTOP) once its engine quantizes, so the second run always meets a held claim; it was
+    a race when both started together and the first finished before the second reached its claim.
+    The holder is then SIGKILLed: `status` says interrupted, `resume` completes without asking to
+    delete anything, and the export is that run's."""
     out = tmp_path / "out"
     extra = ("--num-calib-samples", "600", "--calib-seq-len", "64", "--yes", "--eval-tier", "skip", "--no-load-check")
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-    runs = {name: Started(tmp_path / name, *run_args(tiny_llama, out, tmp_path / name / "wd", corpus, *extra))
-            for name in ("a", "b")}
-    deadline, loser = time.monotonic() + 300, None
-    while loser is None and time.monotonic() < deadline:
-        loser = next((n for n, r in runs.items() if r.proc.poll() is not None), None)
-        time.sleep(0.2)
-    assert loser is not None, "neither run ended"
-    winner = "a" if loser == "b" else "b"
-    rc, err = runs[loser].finish()
-    win_wd, lose_wd = tmp_path / winner / "wd", tmp_path / loser / "wd"
-    assert rc == ExitCode.LOCKED, err
-    assert f"Another quark-ptq-eval run (work dir {win_wd}, pid {runs[winner].proc.pid}) is writing the output" in err
-    assert not engine_log(lose_wd) and "Traceback" not in err
-
-    run = runs[winner]
+    win_wd, lose_wd = tmp_path / "a" / "wd", tmp_path / "b" / "wd"
+    run = Started(tmp_path / "a", *run_args(tiny_llama, out, win_wd, corpus, *extra))
     run.wait_for(lambda: "[quark-ptq-eval] quantizing" in engine_log(win_wd), "the engine to start quantizing")
-    os.kill(run.proc.pid, signal.SIGKILL)
+    os.kill(run.proc.pid, signal.SIGSTOP)  # the claim's holder, alive but going nowhere
+    try:
+        rc, err = Started(tmp_path / "b", *run_args(tiny_llama, out, lose_wd, corpus, *extra)).finish(timeout=300)
+    finally:
+        os.kill(run.proc.pid, signal.SIGKILL)  # works on a stopped process; its engine follows (PDEATHSIG)
+    assert rc == ExitCode.LOCKED, err
+    assert f"Another quark-ptq-eval run (work dir {win_wd}, pid {run.proc.pid}) is writing the output" in err
+    assert not engine_log(lose_wd) and "Traceback" not in err
     assert _wait_exit(run.proc, 60) == -signal.SIGKILL
     status = cli("status", "--workdir", win_wd)
     assert "interrupted: the process that ran execute is gone" in status.out, status.out
