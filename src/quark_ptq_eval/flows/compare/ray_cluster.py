@@ -8,6 +8,7 @@ for it: the package is an extra (``pip install quark-ptq-eval[ray]``).
 from __future__ import annotations
 
 import math
+import socket
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from quark_ptq_eval.base.sizes import gb
 
 LOCAL, AUTO = "local", "auto"
 PROBE_PREFIX = ".ray_probe-"
+ANSWER_TIMEOUT_S = 5.0
 
 
 def import_ray() -> Any:
@@ -36,16 +38,36 @@ def connect(address: str) -> str:
     ray = import_ray()
     if ray.is_initialized():
         return ray.get_runtime_context().gcs_address
+    check_answers(address)
     try:
         if address == LOCAL:
             ray.init(log_to_driver=False, include_dashboard=False)
         else:
             ray.init(address=address, log_to_driver=False)
     except ConnectionError as exc:
-        raise UsageError(f"No Ray cluster answers at {address} ({exc}).",
-                         "Start one (`ray start --head` on the head node, `ray start --address HEAD:6379` on the "
-                         "others), pass its address with --ray ADDRESS, or use --ray local.") from None
+        raise _no_cluster(address, str(exc)) from None
     return ray.get_runtime_context().gcs_address
+
+
+def check_answers(address: str) -> None:
+    """Refuse a ``HOST:PORT`` nothing listens on: given one, ``ray.init`` retries the GCS for minutes
+    (measured: still waiting after 200 s on Ray 2.60) instead of failing."""
+    if address in (LOCAL, AUTO):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--ray {address} is not an address Ray can join.",
+                         "Pass HOST:PORT (the head's GCS port, 6379 by default), auto or local.")
+    try:
+        socket.create_connection((host, int(port)), timeout=ANSWER_TIMEOUT_S).close()
+    except OSError as exc:
+        raise _no_cluster(address, exc.strerror or type(exc).__name__) from None
+
+
+def _no_cluster(address: str, why: str) -> UsageError:
+    return UsageError(f"No Ray cluster answers at {address} ({why}).",
+                      "Start one (`ray start --head` on the head node, `ray start --address HEAD:6379` on the "
+                      "others), pass its address with --ray ADDRESS, or use --ray local.")
 
 
 @dataclass(frozen=True)
