@@ -270,7 +270,7 @@ def test_report_files_for_lm_eval_scores(tmp_path):
 
     from quark_ptq_eval.evaluate import api
     from quark_ptq_eval.evaluate import report as report_files
-    from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
+    from quark_ptq_eval.evaluate.context import TierInputs, TierOutcome
 
     model = tmp_path / "model"
     model.mkdir()
@@ -290,7 +290,7 @@ def test_report_files_for_lm_eval_scores(tmp_path):
         "exclude_layers": ["lm_head"],
         "calibration": {"num_samples": 128},
     }
-    ctx = TierContext(model, EvalOptions(tier="lm_eval"), tmp_path / "work", FlagApprover(), plan=plan)
+    ctx = TierInputs(model, EvalOptions(tier="lm_eval"), tmp_path / "work", FlagApprover(), plan=plan)
     report = api.build_report(ctx, outcome, None, 12.0)
     report_files.write_all(report)
     assert report.verdict == "hurt" and {c.verdict for c in report.comparisons} == {"hurt", "healthy"}
