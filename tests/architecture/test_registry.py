@@ -495,7 +495,7 @@ def test_a_tier_with_its_own_option_is_one_module_and_one_row(tiny_llama, tmp_pa
     assert len(added) == 3 + len(removed)
     work = tmp_path / "eval"
     work.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval", "eval", "--model", str(tiny_llama), "--tier",
+    proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval", "eval", "--quantized", str(tiny_llama), "--tier",
                            "pattern", "--census-pattern", "*q_proj*"], cwd=work, env=env, capture_output=True,
                           text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]

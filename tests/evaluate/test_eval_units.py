@@ -188,7 +188,7 @@ def _parser(standalone: bool) -> argparse.ArgumentParser:
 def test_cli_options_for_eval_and_for_run(tmp_path):
     args = _parser(True).parse_args(
         [
-            "--model",
+            "--quantized",
             str(tmp_path),
             "--tier",
             "ppl",
@@ -231,8 +231,16 @@ def test_cli_options_for_eval_and_for_run(tmp_path):
     assert run_args.batch_size == 8  # the calibration batch size is untouched
 
 
+def test_eval_still_takes_model_for_quantized_and_says_it_is_deprecated(tmp_path, capsys):
+    args = _parser(True).parse_args(["--model", str(tmp_path), "--tier", "ppl"])
+    assert args.quantized == tmp_path
+    assert capsys.readouterr().err == "--model is deprecated: use --quantized\n"
+    assert _parser(True).parse_args(["--quantized", str(tmp_path)]).quantized == tmp_path
+    assert capsys.readouterr().err == ""
+
+
 def test_cmd_eval_without_a_tier_stops_at_the_checkpoint(tmp_path):
-    args = _parser(True).parse_args(["--model", str(tmp_path)])
+    args = _parser(True).parse_args(["--quantized", str(tmp_path)])
     args.workdir = tmp_path
     with pytest.raises(CheckpointPending) as stopped:
         cmd_eval(args, FlagApprover())

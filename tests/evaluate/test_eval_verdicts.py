@@ -72,7 +72,7 @@ def test_a_non_finite_reference_is_refused(value):
 def test_a_non_finite_reference_exits_2_with_one_sentence(tmp_path, capsys):
     from quark_ptq_eval.flows.cli import main
 
-    rc = main(["eval", "--model", str(tmp_path), "--workdir", str(tmp_path), "--tier", "ppl",
+    rc = main(["eval", "--quantized", str(tmp_path), "--workdir", str(tmp_path), "--tier", "ppl",
                "--reference", "perplexity:perplexity=nan"])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
@@ -270,7 +270,7 @@ def test_a_badly_broken_export_is_hurt_with_its_numbers(quantized, copy_model, t
     broken = copy_model(quantized("int8"), "huge-lm-head")
     scale_tensor(broken, "lm_head.weight", 1e30)
     work = broken.parent / "work"
-    rc = main(["eval", "--model", str(broken), "--source", str(tiny_llama), "--baseline", "--tier", "ppl",
+    rc = main(["eval", "--quantized", str(broken), "--source", str(tiny_llama), "--baseline", "--tier", "ppl",
                "--workdir", str(work), "--eval-data", str(eval_text), "--seq-len", "128",
                "--max-windows", "8", "--device", "cpu"])
     assert rc == 0 and "Traceback" not in capsys.readouterr().err

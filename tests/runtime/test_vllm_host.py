@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.plan.targets import scheme_warnings, deployment_of
+from quark_ptq_eval.plan.targets import deployment_of, scheme_warnings
 from quark_ptq_eval.runtime.vllm_host import ENV_VAR, find_host_vllm
 
 

@@ -25,11 +25,11 @@ from quark_ptq_eval.plan.scheme_fit import SchemeChoice, fit_to_model
 from quark_ptq_eval.plan.targets import (
     BudgetCheck,
     Deployment,
+    deployment_of,
     format_family,
     recommend_kv,
     recommend_scheme,
     scheme_warnings,
-    deployment_of,
     target_fallbacks,
 )
 

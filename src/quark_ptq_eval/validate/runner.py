@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.validate.registry import Progress, CheckInputs, read_config_or_empty
+from quark_ptq_eval.validate.registry import CheckInputs, Progress, read_config_or_empty
 from quark_ptq_eval.validate.report import ValidationReport
 
 DEFAULT_EXCLUDE = ["lm_head"]
