@@ -39,7 +39,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser, standalone: bool = True)
 
 
 class _DeprecatedAlias(argparse.Action):
-    """Stores the value; taken under ``--model``, the name before `eval` and `validate` agreed, it says so once."""
+    """Stores the value; given as ``--model`` (eval's name for it before it took validate's), also says so on stderr."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:

@@ -26,6 +26,8 @@ DEFAULT_GEN_TOKS = 256  # lm-eval's own default generation budget
 
 @dataclass
 class LmEvalWorkload:
+    """What lm-eval will be asked to do: its requests and tokens, counted on a sample of each task's documents."""
+
     requests: int = 0
     context_tokens: int = 0
     generated_tokens: int = 0
