@@ -230,16 +230,16 @@ import time
 from dataclasses import dataclass
 
 from quark_ptq_eval.base.safetensors_io import read_model_headers
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
 
 
 @dataclass
 class Prepared:
-    ctx: TierContext
+    ctx: TierInputs
     estimate: RuntimeEstimate
 
 
-def prepare(ctx: TierContext) -> Prepared:
+def prepare(ctx: TierInputs) -> Prepared:
     started = time.perf_counter()
     headers = read_model_headers(ctx.model_dir)  # the pilot: the whole work, timed
     size = sum(t.nbytes for t in headers.values())
@@ -248,7 +248,7 @@ def prepare(ctx: TierContext) -> Prepared:
                                          basis="one read of the headers"))
 
 
-def run(prepared: Prepared) -> TierOutcome:
+def score(prepared: Prepared) -> TierOutcome:
     headers = read_model_headers(prepared.ctx.model_dir)
     quantized = sum(1 for name in headers if name.endswith("weight_scale"))
     scores = {"census": {"tensors": float(len(headers)), "scaled_weights": float(quantized)}}
@@ -263,11 +263,11 @@ def section(report) -> list[str]:
 '''
 CHECK_MODULE = '''"""Check ``census``: the export holds at least as many tensors as the source (scales added)."""
 
-from quark_ptq_eval.validate.registry import ValidationContext, unreadable_headers
+from quark_ptq_eval.validate.registry import CheckInputs, unreadable_headers
 from quark_ptq_eval.validate.report import CheckResult, Finding
 
 
-def check_census(ctx: ValidationContext) -> CheckResult:
+def check_census(ctx: CheckInputs) -> CheckResult:
     if (bad := unreadable_headers(ctx, "census")) is not None:
         return bad
     result = CheckResult("census")
@@ -369,9 +369,9 @@ def test_a_tier_row_that_lacks_the_contract_is_refused_when_registered():
     row = TIERS["ppl"]
     tiers.register(row)  # a shipped row keeps the contract
     cases = {  # a row lacking one part -> what the refusal names
-        "no_run": (Tier("no_run", "x", "t", "m", "c", "quark_ptq_eval.evaluate.kld_report", True,
+        "no_score": (Tier("no_score", "x", "t", "m", "c", "quark_ptq_eval.evaluate.kld_report", True,
                         report_section="quark_ptq_eval.evaluate.kld_report:kld_report_lines"),
-                   "its module quark_ptq_eval.evaluate.kld_report defines no prepare, run"),
+                   "its module quark_ptq_eval.evaluate.kld_report defines no prepare, score"),
         "no_section": (Tier("no_section", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_lmeval", True),
                        "it names no report_section"),
         "bad_section": (Tier("bad_section", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_lmeval", True,
@@ -409,7 +409,7 @@ from dataclasses import dataclass, field
 
 from quark_ptq_eval.base.options import flag
 from quark_ptq_eval.base.safetensors_io import read_model_headers
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
 
 
 @dataclass
@@ -420,12 +420,12 @@ class PatternOptions:
 
 @dataclass
 class Prepared:
-    ctx: TierContext
+    ctx: TierInputs
     options: PatternOptions
     estimate: RuntimeEstimate
 
 
-def prepare(ctx: TierContext) -> Prepared:
+def prepare(ctx: TierInputs) -> Prepared:
     started = time.perf_counter()
     headers = read_model_headers(ctx.model_dir)
     return Prepared(ctx, ctx.options.of(PatternOptions),
@@ -434,7 +434,7 @@ def prepare(ctx: TierContext) -> Prepared:
                                     data=f"{len(headers)} tensor headers", basis="one read of the headers"))
 
 
-def run(prepared: Prepared) -> TierOutcome:
+def score(prepared: Prepared) -> TierOutcome:
     pattern = prepared.options.census_pattern
     matching = [name for name in read_model_headers(prepared.ctx.model_dir) if fnmatch.fnmatch(name, pattern)]
     return TierOutcome(quantized={"pattern": {"matching": float(len(matching))}},
@@ -495,7 +495,7 @@ def test_a_tier_with_its_own_option_is_one_module_and_one_row(tiny_llama, tmp_pa
     assert len(added) == 3 + len(removed)
     work = tmp_path / "eval"
     work.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval", "eval", "--model", str(tiny_llama), "--tier",
+    proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval", "eval", "--quantized", str(tiny_llama), "--tier",
                            "pattern", "--census-pattern", "*q_proj*"], cwd=work, env=env, capture_output=True,
                           text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]

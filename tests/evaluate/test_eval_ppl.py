@@ -244,7 +244,7 @@ def test_eval_command_through_the_main_cli(tiny_llama, eval_text, tmp_path):
 
     argv = [
         "eval",
-        "--model",
+        "--quantized",
         str(tiny_llama),
         "--workdir",
         str(tmp_path),

@@ -188,7 +188,7 @@ def _parser(standalone: bool) -> argparse.ArgumentParser:
 def test_cli_options_for_eval_and_for_run(tmp_path):
     args = _parser(True).parse_args(
         [
-            "--model",
+            "--quantized",
             str(tmp_path),
             "--tier",
             "ppl",
@@ -231,8 +231,16 @@ def test_cli_options_for_eval_and_for_run(tmp_path):
     assert run_args.batch_size == 8  # the calibration batch size is untouched
 
 
+def test_eval_still_takes_model_for_quantized_and_says_it_is_deprecated(tmp_path, capsys):
+    args = _parser(True).parse_args(["--model", str(tmp_path), "--tier", "ppl"])
+    assert args.quantized == tmp_path
+    assert capsys.readouterr().err == "--model is deprecated: use --quantized\n"
+    assert _parser(True).parse_args(["--quantized", str(tmp_path)]).quantized == tmp_path
+    assert capsys.readouterr().err == ""
+
+
 def test_cmd_eval_without_a_tier_stops_at_the_checkpoint(tmp_path):
-    args = _parser(True).parse_args(["--model", str(tmp_path)])
+    args = _parser(True).parse_args(["--quantized", str(tmp_path)])
     args.workdir = tmp_path
     with pytest.raises(CheckpointPending) as stopped:
         cmd_eval(args, FlagApprover())
@@ -270,7 +278,7 @@ def test_report_files_for_lm_eval_scores(tmp_path):
 
     from quark_ptq_eval.evaluate import api
     from quark_ptq_eval.evaluate import report as report_files
-    from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
+    from quark_ptq_eval.evaluate.context import TierInputs, TierOutcome
 
     model = tmp_path / "model"
     model.mkdir()
@@ -290,7 +298,7 @@ def test_report_files_for_lm_eval_scores(tmp_path):
         "exclude_layers": ["lm_head"],
         "calibration": {"num_samples": 128},
     }
-    ctx = TierContext(model, EvalOptions(tier="lm_eval"), tmp_path / "work", FlagApprover(), plan=plan)
+    ctx = TierInputs(model, EvalOptions(tier="lm_eval"), tmp_path / "work", FlagApprover(), plan=plan)
     report = api.build_report(ctx, outcome, None, 12.0)
     report_files.write_all(report)
     assert report.verdict == "hurt" and {c.verdict for c in report.comparisons} == {"hurt", "healthy"}

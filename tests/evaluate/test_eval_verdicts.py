@@ -72,7 +72,7 @@ def test_a_non_finite_reference_is_refused(value):
 def test_a_non_finite_reference_exits_2_with_one_sentence(tmp_path, capsys):
     from quark_ptq_eval.flows.cli import main
 
-    rc = main(["eval", "--model", str(tmp_path), "--workdir", str(tmp_path), "--tier", "ppl",
+    rc = main(["eval", "--quantized", str(tmp_path), "--workdir", str(tmp_path), "--tier", "ppl",
                "--reference", "perplexity:perplexity=nan"])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
@@ -94,7 +94,7 @@ def test_a_non_finite_model_card_score_is_no_reference(tmp_path):
 def test_invalid_report_names_the_metric(tmp_path):
     from quark_ptq_eval.evaluate import api
     from quark_ptq_eval.evaluate import report as report_files
-    from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
+    from quark_ptq_eval.evaluate.context import TierInputs, TierOutcome
 
     model = tmp_path / "model"
     model.mkdir()
@@ -105,7 +105,7 @@ def test_invalid_report_names_the_metric(tmp_path):
         directions={"perplexity": {"perplexity": False, "kl_divergence": False, "top1_agreement": True}},
         informational=("top1_agreement",),
     )
-    report = api.build_report(TierContext(model, EvalOptions(), tmp_path, FlagApprover()), outcome, None, 1.0)
+    report = api.build_report(TierInputs(model, EvalOptions(), tmp_path, FlagApprover()), outcome, None, 1.0)
     report_files.write_all(report)
     assert report.verdict == "invalid" and report.remedies == []
     text = report.report_path.read_text()
@@ -192,7 +192,7 @@ def test_a_reference_comparison_uses_only_the_measured_noise():
 
 def test_lm_eval_standard_errors_enter_the_tier2_verdict(tmp_path):
     from quark_ptq_eval.evaluate import api
-    from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
+    from quark_ptq_eval.evaluate.context import TierInputs, TierOutcome
     from quark_ptq_eval.evaluate.tier_lmeval import noise_from_stderr, scores_from
 
     def results(acc, se):
@@ -207,20 +207,20 @@ def test_lm_eval_standard_errors_enter_the_tier2_verdict(tmp_path):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    report = api.build_report(TierContext(model, EvalOptions(tier="lm_eval"), tmp_path, FlagApprover()),
+    report = api.build_report(TierInputs(model, EvalOptions(tier="lm_eval"), tmp_path, FlagApprover()),
                                outcome, None, 1.0)
     assert report.verdict == "watch"  # 10 % worse without the noise: "hurt"
     assert report.comparisons[0].noise == WITHIN_NOISE
 
 
 def test_a_limit_too_small_to_resolve_the_threshold_is_said_before_running():
-    from quark_ptq_eval.evaluate.tier_lmeval import Workload, resolution_warning
+    from quark_ptq_eval.evaluate.tier_lmeval import LmEvalWorkload, resolution_warning
 
-    workload = Workload(per_task={"a": 6, "b": 30000})
+    workload = LmEvalWorkload(per_task={"a": 6, "b": 30000})
     warning = resolution_warning(workload, EvalOptions(tier="lm_eval", limit=6, baseline=Path("src")))
     assert warning.startswith("--limit 6 is too small to resolve the healthy threshold: with 6 documents")
     assert "±113 %" in warning and "19,208 documents per task" in warning
-    assert resolution_warning(Workload(per_task={"a": 10000}), EvalOptions(limit=10000)) is None
+    assert resolution_warning(LmEvalWorkload(per_task={"a": 10000}), EvalOptions(limit=10000)) is None
     assert resolution_warning(workload, EvalOptions(limit=None)) is None
 
 
@@ -270,7 +270,7 @@ def test_a_badly_broken_export_is_hurt_with_its_numbers(quantized, copy_model, t
     broken = copy_model(quantized("int8"), "huge-lm-head")
     scale_tensor(broken, "lm_head.weight", 1e30)
     work = broken.parent / "work"
-    rc = main(["eval", "--model", str(broken), "--source", str(tiny_llama), "--baseline", "--tier", "ppl",
+    rc = main(["eval", "--quantized", str(broken), "--source", str(tiny_llama), "--baseline", "--tier", "ppl",
                "--workdir", str(work), "--eval-data", str(eval_text), "--seq-len", "128",
                "--max-windows", "8", "--device", "cpu"])
     assert rc == 0 and "Traceback" not in capsys.readouterr().err

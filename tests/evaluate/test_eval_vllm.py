@@ -12,7 +12,7 @@ from quark_ptq_eval.base.errors import CheckpointPending, QpeError
 from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.evaluate import EvalOptions, evaluate
 from quark_ptq_eval.evaluate import tier_vllm as t3
-from quark_ptq_eval.evaluate.context import TierContext
+from quark_ptq_eval.evaluate.context import TierInputs
 
 NO_ROCM = t3.Environment(
     rocm=False, rocm_evidence=[], docker=False, in_container=False, vllm=False, lm_eval_api=False
@@ -184,13 +184,13 @@ def test_rocm_run_asks_first_then_stops_only_what_it_started(tmp_path):
     quant, base = fake_model(tmp_path, "q"), fake_model(tmp_path, "b")
     work = tmp_path / "work"
     work.mkdir()
-    ctx = TierContext(quant, EvalOptions(tier="vllm", tasks=["gsm8k"], baseline=base), work, FlagApprover())
+    ctx = TierInputs(quant, EvalOptions(tier="vllm", tasks=["gsm8k"], baseline=base), work, FlagApprover())
     prepared = t3.prepare(ctx, env=ROCM_DOCKER)
     with pytest.raises(CheckpointPending):
-        t3.run(prepared, FakeExecutor(work))
+        t3.score(prepared, FakeExecutor(work))
     ctx.approver = FlagApprover(["eval"])
     executor = FakeExecutor(work)
-    outcome = t3.run(prepared, executor)
+    outcome = t3.score(prepared, executor)
     assert outcome.quantized == {"gsm8k": {"exact_match,flexible-extract": 0.70}}
     assert outcome.baseline == {"gsm8k": {"exact_match,flexible-extract": 0.80}}
     assert executor.calls[0][:3] == ["docker", "run", "-d"]
@@ -218,11 +218,11 @@ def test_an_interrupt_inside_docker_run_still_removes_the_container_it_created(t
     quant = fake_model(tmp_path, "q")
     work = tmp_path / "work"
     work.mkdir()
-    ctx = TierContext(quant, EvalOptions(tier="vllm", tasks=["gsm8k"]), work, FlagApprover(["eval"]))
+    ctx = TierInputs(quant, EvalOptions(tier="vllm", tasks=["gsm8k"]), work, FlagApprover(["eval"]))
     prepared = t3.prepare(ctx, env=ROCM_DOCKER)
     executor = InterruptedCreate(work)
     with pytest.raises(KeyboardInterrupt):
-        t3.run(prepared, executor)
+        t3.score(prepared, executor)
     assert executor.calls[-2:] == [["docker", "stop", "feed5678"], ["docker", "rm", "feed5678"]]
     assert not prepared.plan.container_id_file.exists()  # a rerun can record its own container
 
@@ -243,14 +243,14 @@ def test_rocm_run_waits_for_the_port_and_never_checks_someone_elses_server(tmp_p
     quant, base = fake_model(tmp_path, "q"), fake_model(tmp_path, "b")
     work = tmp_path / "work"
     work.mkdir()
-    ctx = TierContext(quant, EvalOptions(tier="vllm", tasks=["gsm8k"], baseline=base), work, FlagApprover(["eval"]))
+    ctx = TierInputs(quant, EvalOptions(tier="vllm", tasks=["gsm8k"], baseline=base), work, FlagApprover(["eval"]))
     taken = HeldPort(work, [False])
     with pytest.raises(QpeError, match="Port 8080 is still in use, so the quantized model's vLLM server cannot start"):
-        t3.run(t3.prepare(ctx, env=ROCM_DOCKER), taken)
+        t3.score(t3.prepare(ctx, env=ROCM_DOCKER), taken)
     assert not any("vllm serve" in " ".join(c) for c in taken.calls)  # no server started
     assert taken.calls[-2:] == [["docker", "stop", "0123abcd"], ["docker", "rm", "0123abcd"]]  # its container removed
     slow = HeldPort(work, [True, False, True])  # the quantized server's port is released a second after its stop
-    outcome = t3.run(t3.prepare(ctx, env=ROCM_DOCKER), slow)
+    outcome = t3.score(t3.prepare(ctx, env=ROCM_DOCKER), slow)
     assert outcome.baseline == {"gsm8k": {"exact_match,flexible-extract": 0.80}}
     checks = [i for i, c in enumerate(slow.calls) if c[0] == "port free?"]
     assert len(checks) == 4 and checks[1] + 1 == checks[2]  # asked again before the baseline's server started
@@ -286,13 +286,13 @@ def test_tier3_reads_only_the_results_its_own_run_wrote(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     _stale_results(work, "quantized", 0.11)
-    ctx = TierContext(quant, EvalOptions(tier="vllm", tasks=["gsm8k"]), work, FlagApprover(["eval"]))
+    ctx = TierInputs(quant, EvalOptions(tier="vllm", tasks=["gsm8k"]), work, FlagApprover(["eval"]))
     prepared = t3.prepare(ctx, env=ROCM_DOCKER)
-    outcome = t3.run(prepared, FakeExecutor(work))
+    outcome = t3.score(prepared, FakeExecutor(work))
     assert outcome.quantized == {"gsm8k": {"exact_match,flexible-extract": 0.70}}  # not the stale 0.11
     # lm_eval wrote nothing this time: the stale file is not taken for this run's scores
     with pytest.raises(QpeError, match="no new results"):
-        t3.run(t3.prepare(ctx, env=ROCM_DOCKER), SilentLmEval(work))
+        t3.score(t3.prepare(ctx, env=ROCM_DOCKER), SilentLmEval(work))
 
 
 def test_tier3_serves_with_the_plans_tensor_parallelism_and_kv_cache_dtype(tmp_path, catalog, corpus):
@@ -308,9 +308,9 @@ def test_tier3_serves_with_the_plans_tensor_parallelism_and_kv_cache_dtype(tmp_p
     plan = make_plan(analysis, cpu_env(), request, catalog, tmp_path / "a.json", tmp_path / "out").to_dict()
     assert plan["kv_cache_scheme"] == "fp8" and plan["target"]["serving_fit"]["devices_needed"] == 2
     work = tmp_path / "work"
-    ctx = TierContext(model, EvalOptions(tier="vllm", tasks=["gsm8k"], baseline=model), work, FlagApprover(),
+    ctx = TierInputs(model, EvalOptions(tier="vllm", tasks=["gsm8k"], baseline=model), work, FlagApprover(),
                       plan=plan)
-    outcome = t3.run(t3.prepare(ctx, env=NO_ROCM))
+    outcome = t3.score(t3.prepare(ctx, env=NO_ROCM))
     serve = {c["purpose"].split()[2]: shlex.split(c["argv"][-1].split("exec ", 1)[1])
              for c in outcome.deferred_commands if c["purpose"].startswith("serve")}
     q, b = serve["quantized"], serve["baseline"]
@@ -323,7 +323,7 @@ def test_tier3_serves_with_the_plans_tensor_parallelism_and_kv_cache_dtype(tmp_p
     assert "--tensor-parallel-size 2 --kv-cache-dtype fp8" in script and "--tensor-parallel-size 4" in script
     assert any("needs 2 x H100" in n and "131072 tokens x batch 8" in n for n in outcome.notes)
 
-    unplanned = t3.prepare(TierContext(model, EvalOptions(tier="vllm"), tmp_path / "w2", FlagApprover()), env=NO_ROCM)
+    unplanned = t3.prepare(TierInputs(model, EvalOptions(tier="vllm"), tmp_path / "w2", FlagApprover()), env=NO_ROCM)
     argv = unplanned.plan.per_model["quantized"][0].argv
     assert not {"--tensor-parallel-size", "--kv-cache-dtype", "--max-model-len"} & set(shlex.split(argv[-1]))
     assert any("No quantization plan" in n for n in unplanned.plan.notes)

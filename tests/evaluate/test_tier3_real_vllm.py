@@ -74,10 +74,10 @@ def test_eval_tier_vllm_serves_export_and_baseline_and_scores_both_while_other_j
     try:
         figures = _free_and_total()
         assert all(free < 0.92 * total for free, total in figures), figures  # vLLM's default would not start
-        res = cli("eval", "--model", model, "--tier", "vllm", "--baseline", tiny_llama,
+        res = cli("eval", "--quantized", model, "--tier", "vllm", "--baseline", tiny_llama,
                   *tier3_args(port, "--vllm-arg=--max-num-seqs=16"), "--workdir", work, "--yes")
         # the control: vLLM's own default fraction (a --vllm-arg replaces the sized KV cache) does not start
-        default = cli("eval", "--model", model, "--tier", "vllm", *tier3_args(port, "--vllm-arg=--gpu-memory-utilization=0.92"),
+        default = cli("eval", "--quantized", model, "--tier", "vllm", *tier3_args(port, "--vllm-arg=--gpu-memory-utilization=0.92"),
                       "--workdir", tmp_path / "default", "--yes")
     finally:
         hog.stdin.close()
@@ -125,7 +125,7 @@ def test_run_eval_tier_vllm_serve_checks_then_scores_the_export(cli, tiny_llama,
 
 def test_a_server_that_never_becomes_healthy_ends_in_one_sentence(cli, quantized, tmp_path):
     port, model = free_port(), quantized("int8")
-    res = cli("eval", "--model", model, "--tier", "vllm", *tier3_args(port, "--vllm-health-timeout", "3"),
+    res = cli("eval", "--quantized", model, "--tier", "vllm", *tier3_args(port, "--vllm-health-timeout", "3"),
               "--workdir", tmp_path / "work", "--yes")
     assert res.rc != 0
     lines = [line for line in res.err.strip().splitlines() if "not healthy" in line]
@@ -153,7 +153,7 @@ def test_serving_check_serves_int_exports_and_names_vllms_refusal_of_fp8_and_mxf
 
 def test_tier1_hf_and_vllm_perplexities_of_the_same_windows_agree(cli, quantized, corpus, tmp_path):
     port_before = free_port()
-    res = cli("eval", "--model", quantized("int8"), "--tier", "ppl", "--eval-data", corpus, "--seq-len", "256",
+    res = cli("eval", "--quantized", quantized("int8"), "--tier", "ppl", "--eval-data", corpus, "--seq-len", "256",
               "--max-windows", "8", "--vllm-python", VLLM_PYTHON, "--workdir", tmp_path / "work", "--yes")
     assert res.rc == 0, res.err[-3000:]
     details = json.loads((tmp_path / "work" / "eval_results.json").read_text())["details"]

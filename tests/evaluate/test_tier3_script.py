@@ -23,7 +23,7 @@ import pytest
 from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.evaluate import EvalOptions
 from quark_ptq_eval.evaluate import tier_vllm as t3
-from quark_ptq_eval.evaluate.context import TierContext
+from quark_ptq_eval.evaluate.context import TierInputs
 
 NO_ROCM = t3.Environment(rocm=False, rocm_evidence=[], docker=False, in_container=False, vllm=False,
                          lm_eval_api=False)
@@ -174,8 +174,8 @@ def write_script(tmp_path: Path, runtime: str = "docker") -> tuple[Path, int]:
     work = tmp_path / "work"
     work.mkdir()
     options = EvalOptions(tier="vllm", tasks=["gsm8k"], baseline=models["base"], vllm_port=port, vllm_runtime=runtime)
-    prepared = t3.prepare(TierContext(models["quant"], options, work, FlagApprover()), env=NO_ROCM)
-    outcome = t3.run(prepared)
+    prepared = t3.prepare(TierInputs(models["quant"], options, work, FlagApprover()), env=NO_ROCM)
+    outcome = t3.score(prepared)
     script = Path(outcome.artifacts["Tier 3 script"])
     assert script == work / "tier3_deferred.sh" and os.access(script, os.X_OK)
     assert "set -euo pipefail" in script.read_text() and "trap cleanup EXIT" in script.read_text()

@@ -18,7 +18,7 @@ import pytest
 from bench.matrix import Setup, build_release, cell_dir, export_dir, matrix_params, run_cell
 from quark_ptq_eval.base.errors import QpeError, UsageError
 from quark_ptq_eval.base.safetensors_io import read_model_headers
-from quark_ptq_eval.validate.configdiff import ConfigContext, check_config
+from quark_ptq_eval.validate.configdiff import HeaderFacts, check_config
 from tests.fixtures.families import build_family
 
 
@@ -274,7 +274,7 @@ def test_config_normalised_by_its_class_is_benign_drift(setup, tmp_path):
     src, out = _qwen2_pair(setup, tmp_path)
     _edit(src, sliding_window=4096, use_sliding_window=False)  # as Qwen2 checkpoints ship
     _edit(out, sliding_window=None)  # as Qwen2Config writes it back
-    result = check_config(src, out, ConfigContext(2, 2))
+    result = check_config(src, out, HeaderFacts(2, 2))
     assert result.status != "fail"
     assert [f.subject for f in result.findings if f.benign] == ["sliding_window"]
 
@@ -283,7 +283,7 @@ def test_a_real_config_change_still_fails_next_to_normalisation(setup, tmp_path)
     src, out = _qwen2_pair(setup, tmp_path)
     _edit(src, sliding_window=4096, use_sliding_window=False)
     _edit(out, sliding_window=None, rms_norm_eps=1e-3)
-    result = check_config(src, out, ConfigContext(2, 2))
+    result = check_config(src, out, HeaderFacts(2, 2))
     assert result.status == "fail"
     assert [f.subject for f in result.failures] == ["rms_norm_eps"]
 

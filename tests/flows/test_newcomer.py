@@ -241,7 +241,7 @@ def test_tier1_checkpoint_asks_for_text_instead_of_failing(tiny_llama, corpus, t
 def test_tier2_keeps_lm_eval_and_git_messages_in_the_log(cli, quantized, tmp_path):
     outside_git = tmp_path / "not-a-repo"
     outside_git.mkdir()
-    result = cli("eval", "--model", quantized("int8"), "--tier", "lm_eval", "--tasks", "qpe_docstring_mc",
+    result = cli("eval", "--quantized", quantized("int8"), "--tier", "lm_eval", "--tasks", "qpe_docstring_mc",
                  "--include-path", TASKS_DIR, "--limit", "4", "--device", "cpu", "--workdir", "w", cwd=outside_git)
     assert result.rc == 0, result.err
     assert "not of type `str`" not in result.err and "fatal: not a git repository" not in result.err

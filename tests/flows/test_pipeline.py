@@ -69,7 +69,7 @@ def test_each_approval_advances_exactly_one_gate(cli, tiny_llama, corpus, tmp_pa
     card = (out / "README.md").read_text()
     assert summary["artifacts"]["model_card"] == str(out / "README.md") and "Not evaluated: evaluation was skipped" in card
     assert summary["upload"] == f"hf upload out {out} ." and "model-index" not in card
-    res = cli("eval", "--model", out, "--source", tiny_llama, "--tier", "ppl", "--eval-data", corpus, "--seq-len", "64",
+    res = cli("eval", "--quantized", out, "--source", tiny_llama, "--tier", "ppl", "--eval-data", corpus, "--seq-len", "64",
               "--max-windows", "8", "--baseline", "--workdir", wd, "--yes")
     assert res.rc == 0, res.err[-2000:]
     res = cli("card", out, "--workdir", wd, "--repo-id", "me/tiny-int8")
@@ -90,6 +90,22 @@ def test_changed_decision_goes_back_to_the_plan_and_keeps_the_analysis(cli, tiny
     assert not out.exists()
     res = cli("resume", "--workdir", wd, "--approve", "plan")
     assert res.rc == 3 and status(cli, wd)["waiting_for"] == "execute"  # the execution gate is never skipped
+
+
+def test_a_run_state_written_before_the_request_rename_still_resumes(cli, tiny_llama, corpus, tmp_path):
+    wd, out = tmp_path / "work", tmp_path / "out"
+    res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8"))
+    assert res.rc == 3 and status(cli, wd)["waiting_for"] == "intake", res.err
+    state_file = wd / "run_state.json"
+    state = json.loads(state_file.read_text())
+    state["options"]["plan"] = state["options"].pop("request")  # as the previous version wrote it
+    state_file.write_text(json.dumps(state))
+    res = cli("resume", "--workdir", wd, "--approve", "intake")
+    assert res.rc == 3 and status(cli, wd)["waiting_for"] == "plan", res.err
+    plan = json.loads((wd / "quant_plan.json").read_text())
+    assert plan["global_scheme"] == "int8" and plan["calibration"]["num_samples"] == 8  # the stored request, kept
+    stored = json.loads(state_file.read_text())["options"]
+    assert "plan" not in stored and stored["request"]["scheme"] == "int8"  # rewritten under today's key
 
 
 def test_tampered_manifest_is_not_run_without_a_new_approval(cli, tiny_llama, corpus, tmp_path):

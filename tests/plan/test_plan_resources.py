@@ -83,7 +83,7 @@ def test_fewer_samples_and_no_algorithm_are_proposed_with_their_estimates(llama8
     info = catalog["scheme_info"]["int4_wo_128"]
     host = {"ram_bytes": 24 * R.GIB, "ram_available_bytes": None, "gpu_bytes_per_device": 0, "gpu_count": 0,
             "disk_free_bytes": None}
-    res = assess(R.Workload(llama8b_analysis, "int4_wo_128", info, "gptq", calib(512, 2048), {"device": "cpu",
+    res = assess(R.QuantizeWorkload(llama8b_analysis, "int4_wo_128", info, "gptq", calib(512, 2048), {"device": "cpu",
                    "multi_device": False}), host, ["quark-ptq-eval", "run"])
     changes = [x["change"] for x in res["proposals"]]
     assert changes[:3] == ["--num-calib-samples 128", "--calib-seq-len 256", "--algorithm '' (plain PTQ)"]
@@ -94,7 +94,7 @@ def test_gpu_memory_and_disk_are_checked_and_multi_device_proposed(llama8b_analy
     info = catalog["scheme_info"]["fp8"]
     host = {"ram_bytes": 256 * R.GIB, "ram_available_bytes": None, "gpu_bytes_per_device": 16 * R.GIB,
             "gpu_count": 2, "disk_free_bytes": 2 * R.GIB}
-    res = assess(R.Workload(llama8b_analysis, "fp8", info, None, calib(), {"device": "cuda", "multi_device": False}),
+    res = assess(R.QuantizeWorkload(llama8b_analysis, "fp8", info, None, calib(), {"device": "cuda", "multi_device": False}),
                    host, [])
     assert {x["what"] for x in res["problems"] if x["blocking"]} == {"GPU memory", "disk"}
     assert "--multi-device" in [x["change"] for x in res["proposals"]]

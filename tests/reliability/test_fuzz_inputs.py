@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.safetensors_io import DTYPE_BYTES, SafetensorsHeader, read_header
 from quark_ptq_eval.validate.configdiff import (
-    ConfigContext,
+    HeaderFacts,
     check_config,
     drop_keys,
     json_diff,
@@ -212,6 +212,6 @@ def test_config_check_on_arbitrary_files_reports_instead_of_crashing(tmp_path_fa
     for side, value in (("source", src), ("output", out)):
         (root / side).mkdir()
         (root / side / "config.json").write_bytes(value if isinstance(value, bytes) else json.dumps(value).encode())
-    result = check_config(root / "source", root / "output", ConfigContext(2, 2))
+    result = check_config(root / "source", root / "output", HeaderFacts(2, 2))
     for f in result.findings:
         assert isinstance(f.line(), str) and f.message

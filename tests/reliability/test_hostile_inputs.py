@@ -427,7 +427,7 @@ def test_hostile_names_travel_as_exact_arguments(tmp_path, monkeypatch, case):
     out = tmp_path / f"out {name}"
     recipe = Recipe(tmp_path / f"work {name}", FlagApprover(all_gates=True), Reporter(quiet=True))
     recipe.run(RunOptions(model=str(model), output_dir=str(out), offline=True,
-                          plan={"scheme": "int8", "calib_data": str(calib), "num_calib_samples": 8,
+                          request={"scheme": "int8", "calib_data": str(calib), "num_calib_samples": 8,
                                 "calib_seq_len": 64}), stop_after="manifest")
     manifest = yaml.safe_load((tmp_path / f"work {name}" / "run_manifest.yaml").read_text(encoding="utf-8"))
     argv, env = manifest["command"]["argv"], manifest["command"]["env"]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.plan.targets import scheme_warnings, target_context
+from quark_ptq_eval.plan.targets import deployment_of, scheme_warnings
 from quark_ptq_eval.runtime.vllm_host import ENV_VAR, find_host_vllm
 
 
@@ -25,7 +25,7 @@ def test_no_vllm_named_means_none_and_a_wrong_one_is_refused_in_one_sentence(tmp
 
 
 def test_plan_warns_up_front_where_vllm_cpu_refuses_the_scheme():
-    cpu = target_context("cpu", "", {})
+    cpu = deployment_of("cpu", "", {})
     for scheme, words in (("fp8", "static_scaled_fp8_quant"), ("mxfp4", "MXFP4 linear layer")):
         notes = [w for w in scheme_warnings(cpu, scheme, None) if "vLLM's CPU backend" in w]
         assert len(notes) == 1 and words in notes[0] and "choose int8" in notes[0]

@@ -13,7 +13,7 @@ from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import GIB
 from quark_ptq_eval.evaluate import EvalOptions
 from quark_ptq_eval.evaluate import tier_vllm as t3
-from quark_ptq_eval.evaluate.context import TierContext
+from quark_ptq_eval.evaluate.context import TierInputs
 from quark_ptq_eval.evaluate.vllm_commands import served_models, server_sizing
 from quark_ptq_eval.runtime import vllm_sizing as vs
 from quark_ptq_eval.runtime.vllm_host import HostVllm
@@ -140,7 +140,7 @@ def test_tier3_estimate_shows_each_sized_argument_with_its_reason_and_the_report
 
     monkeypatch.setattr(vs, "host_memory", lambda: free(6))
     model = fake_model(tmp_path, "q", max_pos=2048)
-    ctx = TierContext(model, EvalOptions(tier="vllm", vllm_args=["--max-num-seqs=4"]), tmp_path / "w", None)
+    ctx = TierInputs(model, EvalOptions(tier="vllm", vllm_args=["--max-num-seqs=4"]), tmp_path / "w", None)
     env = t3.Environment(**{**NO_ROCM.__dict__, "host_vllm": CPU_VLLM})
     prepared = t3.prepare(ctx, env=env)
     text = prepared.estimate.summary()
@@ -175,12 +175,12 @@ def test_runs_vllm_args_reach_the_serving_check(tmp_path, monkeypatch):
     from quark_ptq_eval.flows.api import run_options
     from quark_ptq_eval.runtime import vllm_host
     from quark_ptq_eval.validate import servecheck
-    from quark_ptq_eval.validate.registry import ValidationContext
+    from quark_ptq_eval.validate.registry import CheckInputs
 
     opts = run_options("m", tmp_path / "o", {"eval_options": {"vllm_args": ["--max-num-seqs=4"]}})
     seen = []
     monkeypatch.setattr(vllm_host, "find_host_vllm", lambda named: CPU_VLLM)
     monkeypatch.setattr(servecheck, "_serve", lambda model, host, result, args=(): seen.append(args))
-    ctx = ValidationContext(tmp_path, tmp_path, None, vllm_args=tuple(opts.eval.vllm_args))
+    ctx = CheckInputs(tmp_path, tmp_path, None, vllm_args=tuple(opts.eval.vllm_args))
     servecheck.check_serving(ctx)
     assert seen == [("--max-num-seqs=4",)]

@@ -321,7 +321,7 @@ def test_in_an_awq_export_a_linear_is_judged_after_its_exports_norm(tiny_llama, 
 
 def test_fold_units_follow_the_exports_scaling_layers():
     """Llama's AWQ groups as Quark 0.13 records them: what each module is replayed as."""
-    from quark_ptq_eval.validate.folds import Unit, fold_units
+    from quark_ptq_eval.validate.folds import ReplayUnit, fold_units
 
     groups = [("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
               ("self_attn.v_proj", ["self_attn.o_proj"]),
@@ -331,15 +331,15 @@ def test_fold_units_follow_the_exports_scaling_layers():
     units = fold_units(["model.embed_tokens", *linears, "lm_head"], groups, {*linears, "model.embed_tokens", "lm_head"},
                        lambda name: True)
     attn, mlp = f"{layer}.self_attn", f"{layer}.mlp"
-    assert units == [Unit("model.embed_tokens"),
-                     Unit(f"{attn}.q_proj", f"{layer}.input_layernorm"), Unit(f"{attn}.k_proj", f"{layer}.input_layernorm"),
-                     Unit(attn, f"{layer}.input_layernorm"),  # v_proj and o_proj exchange a scale: their attention
-                     Unit(f"{mlp}.gate_proj", f"{layer}.post_attention_layernorm"),
-                     Unit(mlp, f"{layer}.post_attention_layernorm"),  # up_proj and down_proj: their MLP
-                     Unit("lm_head")]
+    assert units == [ReplayUnit("model.embed_tokens"),
+                     ReplayUnit(f"{attn}.q_proj", f"{layer}.input_layernorm"), ReplayUnit(f"{attn}.k_proj", f"{layer}.input_layernorm"),
+                     ReplayUnit(attn, f"{layer}.input_layernorm"),  # v_proj and o_proj exchange a scale: their attention
+                     ReplayUnit(f"{mlp}.gate_proj", f"{layer}.post_attention_layernorm"),
+                     ReplayUnit(mlp, f"{layer}.post_attention_layernorm"),  # up_proj and down_proj: their MLP
+                     ReplayUnit("lm_head")]
     # no scaling_layers recorded, or a unit that cannot run alone: the whole decoder layer
-    assert fold_units([f"{attn}.q_proj"], [], set(linears), lambda name: True) == [Unit(layer, residual=True)]
-    assert fold_units([f"{attn}.q_proj"], groups, set(linears), lambda name: name == layer) == [Unit(layer, residual=True)]
+    assert fold_units([f"{attn}.q_proj"], [], set(linears), lambda name: True) == [ReplayUnit(layer, residual=True)]
+    assert fold_units([f"{attn}.q_proj"], groups, set(linears), lambda name: name == layer) == [ReplayUnit(layer, residual=True)]
 
 # --- registry ---------------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from quark_ptq_eval.base.gates import Approver, Gatekeeper, as_gatekeeper
 from quark_ptq_eval.evaluate import report as report_files
 from quark_ptq_eval.evaluate.context import (
     RuntimeEstimate,
-    TierContext,
+    TierInputs,
     TierOutcome,
     format_duration,
     log,
@@ -47,7 +47,7 @@ def evaluate(
     if tier.module is not None and not (model_dir / "config.json").is_file():
         raise UsageError(f"{model_dir} has no config.json: give the quantized model's output directory.")
     workdir.mkdir(parents=True, exist_ok=True)
-    ctx = TierContext(model_dir, options, workdir, approver, source_model, plan, progress=progress, started=started)
+    ctx = TierInputs(model_dir, options, workdir, approver, source_model, plan, progress=progress, started=started)
     estimate, outcome, timed_from = None, TierOutcome(quantized={}, notes=["Evaluation skipped."]), None
     overlap = None
     if tier.module is not None:
@@ -60,7 +60,7 @@ def evaluate(
         asked = time.perf_counter()
         _confirm_if_long(estimate, tier.name, approver)
         timed_from = started + (time.perf_counter() - asked)  # a person's answer is not the evaluation's time
-        outcome = module.run(prepared)
+        outcome = module.score(prepared)
     report = build_report(ctx, outcome, estimate, None)
     if overlap is not None:
         report.details["calibration_overlap"] = overlap
@@ -83,13 +83,13 @@ def estimate_runtime(
     if tier.module is None:
         return RuntimeEstimate(tier.name, 0.0, "-", 0, "none", "skipped: nothing runs")
     with tempfile.TemporaryDirectory(prefix="qpe-estimate-") as scratch:
-        ctx = TierContext(Path(model_dir), options, Path(scratch), None, source_model, None)
+        ctx = TierInputs(Path(model_dir), options, Path(scratch), None, source_model, None)
         estimate: RuntimeEstimate = tier_module(tier).prepare(ctx).estimate
         estimate.elapsed_s = time.perf_counter() - ctx.started  # the same span evaluate() announces
         return estimate
 
 
-def calibration_overlap(ctx: TierContext) -> dict[str, Any] | None:
+def calibration_overlap(ctx: TierInputs) -> dict[str, Any] | None:
     """Tier 1 text that overlaps the plan's calibration text (calibration_text.OVERLAP_RULE), said now."""
     from quark_ptq_eval.base.calibration_text import overlap
     from quark_ptq_eval.base.textdata import split_plain_text
@@ -128,7 +128,7 @@ def _confirm_if_long(estimate: RuntimeEstimate, tier: str, approver: Approver | 
     as_gatekeeper(approver).require("eval", estimate.as_dict(), summary, advice)
 
 
-def build_report(ctx: TierContext, outcome: TierOutcome, estimate: RuntimeEstimate | None,
+def build_report(ctx: TierInputs, outcome: TierOutcome, estimate: RuntimeEstimate | None,
                  actual: float | None) -> EvalReport:
     """A tier's outcome as the evaluation's report: reference merged, verdicts, remedies. Public for
     callers that score a model themselves (compare scores against a cached baseline) and want the

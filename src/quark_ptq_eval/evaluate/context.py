@@ -24,7 +24,7 @@ def log(message: str) -> None:
 
 
 @dataclass
-class TierContext:
+class TierInputs:
     model_dir: Path
     options: EvalOptions
     workdir: Path
@@ -179,7 +179,7 @@ class TextScorer(Protocol):
 
 
 class Prepared(Protocol):
-    """What a tier's ``prepare`` returns: whatever its ``run`` needs, and the pilot's estimate."""
+    """What a tier's ``prepare`` returns: whatever its ``score`` needs, and the pilot's estimate."""
 
     @property
     def estimate(self) -> RuntimeEstimate: ...
@@ -189,9 +189,9 @@ class Prepared(Protocol):
 class TierRunner(Protocol):
     """What runs a tier (the contract in tiers.py): its module, or any object with these two."""
 
-    def prepare(self, ctx: TierContext) -> Prepared: ...
+    def prepare(self, ctx: TierInputs) -> Prepared: ...
 
-    def run(self, prepared: Any) -> TierOutcome: ...
+    def score(self, prepared: Any) -> TierOutcome: ...
 
 
 def tier_module(tier: Tier) -> TierRunner:

@@ -25,7 +25,9 @@ DEFAULT_GEN_TOKS = 256  # lm-eval's own default generation budget
 
 
 @dataclass
-class Workload:
+class LmEvalWorkload:
+    """What lm-eval will be asked to do: its requests and tokens, counted on a sample of each task's documents."""
+
     requests: int = 0
     context_tokens: int = 0
     generated_tokens: int = 0
@@ -33,8 +35,8 @@ class Workload:
     notes: list[str] = field(default_factory=list)
 
 
-def count_workload(task_objects: dict[str, Any], tokenizer: PreTrainedTokenizerBase, options: EvalOptions) -> Workload:
-    workload = Workload()
+def count_workload(task_objects: dict[str, Any], tokenizer: PreTrainedTokenizerBase, options: EvalOptions) -> LmEvalWorkload:
+    workload = LmEvalWorkload()
     for name, task in task_objects.items():
         try:
             _count_task(name, task, tokenizer, options, workload)
@@ -44,7 +46,7 @@ def count_workload(task_objects: dict[str, Any], tokenizer: PreTrainedTokenizerB
 
 
 def _count_task(name: str, task: Any, tokenizer: PreTrainedTokenizerBase, options: EvalOptions,
-                workload: Workload) -> None:
+                workload: LmEvalWorkload) -> None:
     docs = list(task.eval_docs)
     limit = options.limit
     n = (
@@ -86,7 +88,7 @@ def _tokens(tokenizer: PreTrainedTokenizerBase, text: Any) -> int:
     return len(tokenizer(str(text)).input_ids) if text else 0
 
 
-def pilot(loaded: LoadedModel, workload: Workload, batch_size: int) -> tuple[float, float, float]:
+def pilot(loaded: LoadedModel, workload: LmEvalWorkload, batch_size: int) -> tuple[float, float, float]:
     """(seconds per context token, seconds per generated token, pilot seconds) on the real model."""
     import torch
 
@@ -125,7 +127,7 @@ def _clock(device: str) -> float:
     return time.perf_counter()
 
 
-def resolution_warning(workload: Workload, options: EvalOptions) -> str | None:
+def resolution_warning(workload: LmEvalWorkload, options: EvalOptions) -> str | None:
     """Said at the checkpoint when --limit leaves too few documents to resolve the healthy threshold.
 
     A 0/1 score near 50 % has a per-document standard deviation of half its mean, so its relative

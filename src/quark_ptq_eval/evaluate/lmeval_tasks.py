@@ -17,7 +17,7 @@ from quark_ptq_eval.base.errors import QpeError, UsageError
 from quark_ptq_eval.base.fsio import atomic_write_text
 
 if TYPE_CHECKING:
-    from quark_ptq_eval.evaluate.context import TierContext
+    from quark_ptq_eval.evaluate.context import TierInputs
     from quark_ptq_eval.runtime.loading import LoadedModel
 
 RESULTS_DIR = "lm_eval_results"
@@ -75,7 +75,7 @@ def _flatten(task_dict: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def evaluate_tasks(loaded: LoadedModel, ctx: TierContext, task_names: list[str], label: str) -> dict[str, Any]:
+def evaluate_tasks(loaded: LoadedModel, ctx: TierInputs, task_names: list[str], label: str) -> dict[str, Any]:
     """lm-eval on ``loaded``; its results document (less the logged samples) is written to
     RESULTS_DIR/<label>.json and the per-sample scores to RESULTS_DIR/<label>.samples.json."""
     lm_eval, _ = _import_lm_eval()

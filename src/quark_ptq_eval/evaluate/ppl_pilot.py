@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, hardware_description
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, hardware_description
 from quark_ptq_eval.evaluate.ppl_kernels import score_batch, synchronize
 from quark_ptq_eval.evaluate.ppl_stats import Accumulator, resolution_pct
 
@@ -62,7 +62,7 @@ def pilot(quantized: LoadedModel, baseline: LoadedModel | None, windows: torch.T
     return pilot_batches, pilot_s, per_batch_s
 
 
-def estimate(ctx: TierContext, quantized: LoadedModel, baseline: LoadedModel | None, windows: torch.Tensor,
+def estimate(ctx: TierInputs, quantized: LoadedModel, baseline: LoadedModel | None, windows: torch.Tensor,
              timing: PilotTiming, prepared_acc: Accumulator) -> RuntimeEstimate:
     batch_size, pilot_batches, per_batch_s = timing.batch_size, timing.batches, timing.per_batch_s
     n = windows.shape[0]
@@ -84,7 +84,7 @@ def estimate(ctx: TierContext, quantized: LoadedModel, baseline: LoadedModel | N
     )
 
 
-def resolution_warning(ctx: TierContext, acc: Accumulator, windows: int) -> str | None:
+def resolution_warning(ctx: TierInputs, acc: Accumulator, windows: int) -> str | None:
     """Said at the checkpoint: the pilot's spread projects an interval wider than the healthy threshold."""
     options = ctx.options
     if acc.base_window_nll:

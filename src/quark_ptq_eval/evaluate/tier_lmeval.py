@@ -12,13 +12,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome, hardware_description
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome, hardware_description
 from quark_ptq_eval.evaluate.details import TaskDetails
 from quark_ptq_eval.evaluate.kld_report import num as _num
 from quark_ptq_eval.evaluate.lmeval_estimate import (  # noqa: F401 - re-exported
     DEFAULT_GEN_TOKS,
     SAMPLE_DOCS,
-    Workload,
+    LmEvalWorkload,
     _clock,
     count_workload,
     pilot,
@@ -50,22 +50,22 @@ if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.eval_report import EvalReport
 
 __all__ = ["ALPHA", "BOOTSTRAP_ITERS", "DEFAULT_GEN_TOKS", "LOG_NAME", "RESULTS_DIR", "SAMPLE_DOCS", "LmEvalPrepared",
-           "Workload", "check_tasks", "count_workload", "evaluate_tasks", "lm_eval_chatter_to", "load_task_objects",
+           "LmEvalWorkload", "check_tasks", "count_workload", "evaluate_tasks", "lm_eval_chatter_to", "load_task_objects",
            "mcnemar", "noise_from_stderr", "paired_bootstrap", "paired_tests", "per_sample_scores", "pilot", "prepare",
-           "resolution_warning", "run", "samples_path", "scores_from", "section", "task_manager"]
+           "resolution_warning", "score", "samples_path", "scores_from", "section", "task_manager"]
 
 
 @dataclass
 class LmEvalPrepared:
-    ctx: TierContext
+    ctx: TierInputs
     quantized: LoadedModel
     task_names: list[str]
-    workload: Workload
+    workload: LmEvalWorkload
     estimate: RuntimeEstimate
     pilot_s: float
 
 
-def prepare(ctx: TierContext) -> LmEvalPrepared:
+def prepare(ctx: TierInputs) -> LmEvalPrepared:
     options = ctx.options
     manager = task_manager(options.include_path)
     tasks = check_tasks(manager, options.tasks)
@@ -112,7 +112,7 @@ def run_lm_eval(loaded: LoadedModel, prepared: LmEvalPrepared, label: str) -> di
     return evaluate_tasks(loaded, prepared.ctx, prepared.task_names, label)
 
 
-def run(prepared: LmEvalPrepared) -> TierOutcome:
+def score(prepared: LmEvalPrepared) -> TierOutcome:
     ctx = prepared.ctx
     quantized_results = run_lm_eval(prepared.quantized, prepared, "quantized")
     quantized, q_stderr, directions = scores_from(quantized_results)

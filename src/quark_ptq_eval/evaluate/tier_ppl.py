@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from quark_ptq_eval.base.errors import QpeError, UsageError
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, ScoredText, TierContext, TierOutcome
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, ScoredText, TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import MetricNoise, PerplexityDetails
 from quark_ptq_eval.evaluate.kld_report import kld_report_lines
 from quark_ptq_eval.evaluate.kld_report import num as _num
@@ -61,7 +61,7 @@ __all__ = [  # what other modules, the tests and the benches import from here
     "CPU_TOKENS_PER_BATCH", "FINISH_S", "LOGIT_BUDGET", "MAX_AUTO_BATCH", "ROW_CHUNK_ELEMENTS", "TASK", "Accumulator",
     "Clock", "PilotTiming", "PplPrepared", "auto_batch_size", "distribution", "eval_texts", "fast_nll",
     "fit_eval_window", "kl_stats", "llama_cpp_stats", "mean_and_stderr", "new_accumulator", "outcome_from",
-    "paired_delta", "pair_stats", "perplexity_stats", "pilot", "prepare", "require_finite", "resolution_pct", "run",
+    "paired_delta", "pair_stats", "perplexity_stats", "pilot", "prepare", "require_finite", "resolution_pct", "score",
     "score_batch", "section", "sorted_values", "synchronize", "text_outcome", "token_stats", "token_windows",
 ]
 KLD_REPORT_DEFINITIONS = (
@@ -76,7 +76,7 @@ KLD_REPORT_DEFINITIONS = (
 
 @dataclass
 class PplPrepared:
-    ctx: TierContext
+    ctx: TierInputs
     quantized: LoadedModel
     baseline: LoadedModel | None
     windows: Any
@@ -88,7 +88,7 @@ class PplPrepared:
     window_note: str | None = None  # why the default window was clamped to the model's context
 
 
-def prepare(ctx: TierContext) -> PplPrepared:
+def prepare(ctx: TierInputs) -> PplPrepared:
     """Load the data and the model(s), score the first batch as a pilot, and estimate the rest."""
     window_note = fit_eval_window(ctx)  # before anything loads: a window beyond the context is refused
     options, clock = ctx.options, Clock()
@@ -116,7 +116,7 @@ def prepare(ctx: TierContext) -> PplPrepared:
                        window_note=window_note)
 
 
-def fit_eval_window(ctx: TierContext) -> str | None:
+def fit_eval_window(ctx: TierInputs) -> str | None:
     """Set ``ctx.options.seq_len`` within the model's context: the default clamped (the reason is
     returned and said), an explicit longer window refused naming the limit."""
     import dataclasses
@@ -131,7 +131,7 @@ def fit_eval_window(ctx: TierContext) -> str | None:
     return f"Tier 1 window of {seq_len} tokens: {note}." if note else None
 
 
-def _load_baseline(ctx: TierContext, texts: list[str], tokenizer: PreTrainedTokenizerBase) -> LoadedModel:
+def _load_baseline(ctx: TierInputs, texts: list[str], tokenizer: PreTrainedTokenizerBase) -> LoadedModel:
     assert ctx.options.baseline is not None  # only called with --baseline
     baseline = load_model(ctx.options.baseline, ctx.options.device, ctx.options.trust_remote_code)
     ctx.log(f"loaded baseline {ctx.options.baseline} in {baseline.load_s:.1f} s")
@@ -144,7 +144,7 @@ def _load_baseline(ctx: TierContext, texts: list[str], tokenizer: PreTrainedToke
     return baseline
 
 
-def run(prepared: PplPrepared) -> TierOutcome:
+def score(prepared: PplPrepared) -> TierOutcome:
     ctx, acc, windows, size = prepared.ctx, prepared.acc, prepared.windows, prepared.batch_size
     baseline_model = prepared.baseline.model if prepared.baseline else None
     total = math.ceil(windows.shape[0] / size)

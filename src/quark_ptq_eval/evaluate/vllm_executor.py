@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError
-from quark_ptq_eval.evaluate.context import TierContext, TierOutcome
+from quark_ptq_eval.evaluate.context import TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import ServerDetails
 from quark_ptq_eval.evaluate.vllm_commands import CommandPlan, shell_line
 from quark_ptq_eval.runtime.vllm_host import failure_reason, start_server, stop_group
@@ -64,7 +64,7 @@ class Executor:
         stop_group(process)  # the server (or `docker exec`) and whatever it spawned, nothing else
 
 
-def run_command_plan(ctx: TierContext, plan: CommandPlan, executor: Executor, details: ServerDetails,
+def run_command_plan(ctx: TierInputs, plan: CommandPlan, executor: Executor, details: ServerDetails,
                  commands: list[dict[str, Any]]) -> TierOutcome:
     from quark_ptq_eval.evaluate.lmeval_tasks import scores_from
 

@@ -23,7 +23,7 @@ from quark_ptq_eval.base.errors import QpeError
 if TYPE_CHECKING:
     import torch
 
-    from quark_ptq_eval.evaluate.context import TierContext
+    from quark_ptq_eval.evaluate.context import TierInputs
 
 # Relative perplexity difference above which the two backends are said to disagree. vLLM runs its
 # own kernels on the same weights; on the demo model's int8 export the two differ by +0.04 % over 32
@@ -96,7 +96,7 @@ def compare(hf_nll: list[float], vllm_nll: list[float], tolerance_pct: float = A
                              seconds.get("hf_seconds"), seconds.get("vllm_seconds"))
 
 
-def cross_check(ctx: TierContext, windows: torch.Tensor, hf_nll: list[float],
+def cross_check(ctx: TierInputs, windows: torch.Tensor, hf_nll: list[float],
                 hf_seconds: float | None = None) -> BackendComparison | None:
     """Tier 1 with --vllm-python: the quantized model's windows scored again by that vLLM, compared with
     HF's. None without an explicit --vllm-python (an environment variable alone never starts a server

@@ -28,7 +28,7 @@ from quark_ptq_eval.execute.staging import stage_source
 from quark_ptq_eval.plan.engines import get_engine
 
 
-class ExecuteContext(Protocol):
+class ExecuteServices(Protocol):
     """What this step needs of the running recipe (flows' RunServices), without importing it."""
 
     workdir: Path  # where the engine runs and the manifest's runs are recorded
@@ -75,7 +75,7 @@ def estimated_output_bytes(analysis: ModelAnalysis) -> int:
     return int(analysis.size["bytes"] * 0.6) + (1 << 20)
 
 
-def _set_aside(recipe: ExecuteContext, path: Path, why: str) -> Path:
+def _set_aside(recipe: ExecuteServices, path: Path, why: str) -> Path:
     """Move ``path`` out of the way (never delete it), after the overwrite approval."""
     # Bound to what is there now: a different leftover at the same path asks again.
     listing = sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
@@ -87,7 +87,7 @@ def _set_aside(recipe: ExecuteContext, path: Path, why: str) -> Path:
     return aside
 
 
-def execute_manifest(recipe: ExecuteContext, manifest_file: Path, analysis: ModelAnalysis, output_dir: Path,
+def execute_manifest(recipe: ExecuteServices, manifest_file: Path, analysis: ModelAnalysis, output_dir: Path,
                      overwrite: bool, claims: contextlib.ExitStack) -> VerifiedOutput:
     """Run the approved ``manifest_file`` (run_manifest.yaml as it is on disk, and only if that was
     approved) and verify its output; ``claims`` holds the output's claim until the run ends."""
@@ -122,7 +122,7 @@ def execute_manifest(recipe: ExecuteContext, manifest_file: Path, analysis: Mode
     return VerifiedOutput.from_facts(facts)
 
 
-def _already_verified(recipe: ExecuteContext, on_disk: RunManifest, output_dir: Path,
+def _already_verified(recipe: ExecuteServices, on_disk: RunManifest, output_dir: Path,
                       claims: contextlib.ExitStack) -> dict[str, Any] | None:
     """The facts of this exact command's verified output, when a resumed run already made it."""
     previous = recipe.state.steps.get("execute", {})
@@ -145,7 +145,7 @@ def _already_verified(recipe: ExecuteContext, on_disk: RunManifest, output_dir: 
     return None
 
 
-def _prepare(recipe: ExecuteContext, on_disk: RunManifest, analysis: ModelAnalysis, output_dir: Path,
+def _prepare(recipe: ExecuteServices, on_disk: RunManifest, analysis: ModelAnalysis, output_dir: Path,
              overwrite: bool, claims: contextlib.ExitStack) -> Path:
     """Everything before the engine starts: the output claimed, the execution gate passed, old
     partial outputs set aside, calibration and source staged, the staging dir made; returns it."""
@@ -169,7 +169,7 @@ def _prepare(recipe: ExecuteContext, on_disk: RunManifest, analysis: ModelAnalys
     return staging
 
 
-def _judge_run(recipe: ExecuteContext, on_disk: RunManifest, run: dict[str, Any], result: RunResult,
+def _judge_run(recipe: ExecuteServices, on_disk: RunManifest, run: dict[str, Any], result: RunResult,
                staging: Path, needed: int) -> None:
     """Record how the engine ended; raise unless it exited 0 with a usable output."""
     facts = inspect_output(staging)
@@ -213,7 +213,7 @@ def _no_output_why(facts: dict[str, Any], tail: list[str]) -> str:
     return f"exit code 0 but {'; '.join(facts.get('problems') or ['no usable output'])}{own}"
 
 
-def _run(recipe: ExecuteContext, manifest: RunManifest) -> RunResult:
+def _run(recipe: ExecuteServices, manifest: RunManifest) -> RunResult:
     echo = None if recipe.ui.quiet else EngineEcho(recipe.ui)
     try:
         return recipe.engine_runner(manifest.command["argv"], manifest.command.get("env", {}),
@@ -223,7 +223,7 @@ def _run(recipe: ExecuteContext, manifest: RunManifest) -> RunResult:
             echo.close()
 
 
-def _record(recipe: ExecuteContext, manifest: RunManifest, run: dict[str, Any], facts: dict[str, Any], status: str,
+def _record(recipe: ExecuteServices, manifest: RunManifest, run: dict[str, Any], facts: dict[str, Any], status: str,
             **extra: Any) -> None:
     run["observed"] = {k: facts.get(k) for k in ("dir", "files", "shards", "size_bytes", "quant_method", "problems")}
     manifest.observed = run["observed"]

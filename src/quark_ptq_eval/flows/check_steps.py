@@ -130,7 +130,7 @@ def _ask_tier(flow: Flow) -> str:
 
 
 def _tier1_text(flow: Flow) -> str:
-    answer = ask_tier1_text(flow.run.gates, flow.opts.plan.calib_data)
+    answer = ask_tier1_text(flow.run.gates, flow.opts.request.calib_data)
     if answer is None:
         flow.run.gates.stop("eval", f"Stopped at the evaluation checkpoint: {TIER1_NO_TEXT}",
                             f"--eval-tier {text_tier().name} --eval-data FILE")

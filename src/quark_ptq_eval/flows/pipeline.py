@@ -84,7 +84,7 @@ class Recipe:
             services = RunServices(self.workdir, self.ui, state, gates, self.approver, self.engine_runner, claims,
                                    self.evaluator)
             with noise_to_log(self.workdir / "logs" / RUN_LOG):  # library chatter: the log, not the terminal
-                return self._run_locked(opts, services, bool(options.plan_given), stop_after)
+                return self._run_locked(opts, services, bool(options.request_given), stop_after)
 
     def _run_locked(self, opts: RunOptions, services: RunServices, plan_flags_given: bool,
                     stop_after: str | None) -> dict[str, Any]:
@@ -98,9 +98,9 @@ class Recipe:
         model_path, _ = resolve_model(opts.model, offline)
         output_dir = self._output_dir(opts, model_path) if opts.output_dir or stop_after != "intake" else None
         ctx = preflight.gather(self.workdir, opts.contexts,
-                               preflight.SessionAsk(opts.plan.goal, opts.offline, opts.execution_mode),
+                               preflight.SessionAsk(opts.request.goal, opts.offline, opts.execution_mode),
                                preflight.WorkspaceAsk(opts.model, model_path, output_dir or Path(""),
-                                                      opts.plan.trust_remote_code))
+                                                      opts.request.trust_remote_code))
         if ctx.offline and not offline:
             return self._run_locked(dataclasses.replace(opts, offline=True), services, plan_flags_given, stop_after)
         refuse_early(opts, ctx.offline, model_path)

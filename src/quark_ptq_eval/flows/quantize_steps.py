@@ -29,7 +29,7 @@ def intake_step(flow: Flow) -> ModelAnalysis:
     assert flow.opts.model, "run() refuses a run without a model"
     run = flow.run
     analysis = analyze_model(flow.opts.model, offline=flow.ctx.offline, catalog=flow.catalog,
-                             trust_remote_code=flow.opts.plan.trust_remote_code)
+                             trust_remote_code=flow.opts.request.trust_remote_code)
     previous = load_quietly(ModelAnalysis, run.workdir)
     if previous is not None and previous.digest == analysis.digest:
         analysis = previous  # unchanged: keep the file (and its approval) as it is
@@ -48,7 +48,7 @@ def plan_step(flow: Flow, analysis: ModelAnalysis) -> QuantPlan:
     run = flow.run
     plan = _hand_edited_plan(flow, analysis)
     if plan is None:
-        req = dataclasses.replace(flow.opts.plan, offline=flow.ctx.offline, hold_out_eval=_hold_out(flow))
+        req = dataclasses.replace(flow.opts.request, offline=flow.ctx.offline, hold_out_eval=_hold_out(flow))
         plan = make_plan(analysis, flow.ctx.env, req, flow.catalog, ModelAnalysis.path_in(run.workdir), flow.output())
         plan = with_sensitivity_scan(plan, req, run.workdir)  # --sensitivity: the flow runs the scan
     approved = run.state.is_approved("plan", plan.digest)
@@ -82,10 +82,10 @@ def _hold_out(flow: Flow) -> bool:
     made for this text: a resume (e.g. `--eval-tier skip`) must not change what was approved."""
     previous = load_quietly(QuantPlan, flow.run.workdir)
     calib = previous.calibration if previous is not None else {}
-    if calib.get("source_path", calib.get("path")) == flow.opts.plan.calib_data:
+    if calib.get("source_path", calib.get("path")) == flow.opts.request.calib_data:
         return bool(calib.get("split"))
     # calibration text given and Tier 1 would have no other text: hold a part of it out
-    return bool(flow.opts.plan.calib_data) and flow.tier1_lacks_text(flow.opts.eval_tier)
+    return bool(flow.opts.request.calib_data) and flow.tier1_lacks_text(flow.opts.eval_tier)
 
 
 def _hand_edited_plan(flow: Flow, analysis: ModelAnalysis) -> QuantPlan | None:
@@ -144,7 +144,7 @@ def refuse_early(opts: RunOptions, offline: bool, model_path: Path | None) -> No
     """What no approval can fix is refused before any gate asks: no approval is wasted. A Tier 1
     without text (a calibration text given is held out for it instead) and an explicit --seq-len
     beyond the model's context."""
-    if not opts.plan.calib_data:
+    if not opts.request.calib_data:
         refuse_without_tier1_text(opts.eval_tier, opts.eval.eval_data, offline)
     seq_len = opts.eval.seq_len
     if seq_len is not None and model_path is not None:

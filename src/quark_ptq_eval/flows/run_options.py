@@ -1,7 +1,7 @@
 """What a run was asked to do: ``RunOptions``, typed, and the one way the CLI and the Python API build it.
 
 The plan request and the evaluation options are the per-concern dataclasses themselves
-(``PlanRequest``, ``EvalOptions``). run_state.json stores only the fields the user gave (``plan_given``,
+(``PlanRequest``, ``EvalOptions``). run_state.json stores only the fields the user gave (``request_given``,
 ``eval_given``), so a resume takes anything not given now from the stored run (``merged_over``).
 """
 
@@ -19,18 +19,19 @@ from quark_ptq_eval.plan.request import PlanRequest
 from quark_ptq_eval.publish import CARD_CHOICES
 
 OptionsT = TypeVar("OptionsT", PlanRequest, EvalOptions)
-COMPOSED = ("model", "output_dir", "plan", "eval", "plan_given", "eval_given")  # built by run_options, not keywords
+COMPOSED = ("model", "output_dir", "request", "eval", "request_given", "eval_given")  # built by run_options, not keywords
+RENAMED = {"plan": "request"}  # run_state.json keys of earlier versions -> today's (a resume reads both)
 
 
 @dataclass
 class RunOptions:
     """Everything a run was asked to do; persisted in run_state.json so `resume` needs no flags.
 
-    ``plan`` and ``eval`` also accept a dict of the fields given (as run_state.json holds them)."""
+    ``request`` and ``eval`` also accept a dict of the fields given (as run_state.json holds them)."""
 
     model: str | None = None
     output_dir: str | None = None
-    plan: PlanRequest = field(default_factory=PlanRequest)
+    request: PlanRequest = field(default_factory=PlanRequest)
     overwrite: bool = False
     eval_tier: str | None = None
     eval: EvalOptions = field(default_factory=EvalOptions)
@@ -44,44 +45,51 @@ class RunOptions:
     card: str | None = field(default=None, metadata=flag(
         "--card", choices=CARD_CHOICES, help="the export's model card (README.md) at the end of the run: write "
                                              "(default) or none (no card, and no README.md of the base model)"))
-    plan_given: tuple[str, ...] = ()  # the PlanRequest fields the user gave (what run_state.json keeps)
+    request_given: tuple[str, ...] = ()  # the PlanRequest fields the user gave (what run_state.json keeps)
     eval_given: tuple[str, ...] = ()  # the EvalOptions fields the user gave
 
     def __post_init__(self) -> None:
-        given_plan: Any = self.plan  # a dict from a caller or the state file, or the dataclass itself
+        given_request: Any = self.request  # a dict from a caller or the state file, or the dataclass itself
         given_eval: Any = self.eval
-        self.plan, self.plan_given = _typed(PlanRequest, given_plan, self.plan_given)
+        self.request, self.request_given = _typed(PlanRequest, given_request, self.request_given)
         self.eval, self.eval_given = _typed(EvalOptions, given_eval, self.eval_given)
 
     def to_state(self) -> dict[str, Any]:
         """These options as run_state.json holds them: the plan and evaluation fields given, as JSON."""
         stored = {k: v for k, v in vars(self).items() if k not in COMPOSED[-2:]}  # the fields, in order
-        return {**stored, "contexts": dict(self.contexts), "plan": _given_json(self.plan, self.plan_given),
+        return {**stored, "contexts": dict(self.contexts), "request": _given_json(self.request, self.request_given),
                 "eval": _given_json(self.eval, self.eval_given)}
 
     @classmethod
-    def from_given(cls, plan: dict[str, Any] | None = None, eval: dict[str, Any] | None = None,  # noqa: A002
+    def from_given(cls, request: dict[str, Any] | None = None, eval: dict[str, Any] | None = None,  # noqa: A002
                    **fields: Any) -> RunOptions:
-        """RunOptions from the plan and evaluation fields given (None: not given) and its own fields."""
-        typed_plan, plan_names = _typed(PlanRequest, plan or {}, ())
+        """RunOptions from the plan request and evaluation fields given (None: not given) and its own fields."""
+        typed_request, request_names = _typed(PlanRequest, request or {}, ())
         typed_eval, eval_names = _typed(EvalOptions, eval or {}, ())
-        return cls(plan=typed_plan, eval=typed_eval, plan_given=plan_names, eval_given=eval_names, **fields)
+        return cls(request=typed_request, eval=typed_eval, request_given=request_names, eval_given=eval_names,
+                   **fields)
 
     @classmethod
     def from_state(cls, stored: dict[str, Any]) -> RunOptions:
         """RunOptions as run_state.json holds them (a key this version does not know is left out)."""
         names = {f.name for f in dataclasses.fields(cls)} - set(COMPOSED[-2:])
-        return cls.from_given(**{k: v for k, v in stored.items() if k in names})
+        return cls.from_given(**{k: v for k, v in _current_keys(stored).items() if k in names})
 
     def merged_over(self, stored: dict[str, Any]) -> RunOptions:
         """These options, with anything not given now taken from a stored earlier run."""
-        merged = dict(stored)
+        merged = _current_keys(stored)
         for k, v in self.to_state().items():
             if isinstance(v, dict):
-                merged[k] = {**(stored.get(k) or {}), **{kk: vv for kk, vv in v.items() if vv is not None}}
+                merged[k] = {**(merged.get(k) or {}), **{kk: vv for kk, vv in v.items() if vv is not None}}
             elif v not in (None, False):
                 merged[k] = v
         return RunOptions.from_state(merged)
+
+
+def _current_keys(stored: dict[str, Any]) -> dict[str, Any]:
+    """``stored`` with the keys an earlier version wrote under another name renamed (``RENAMED``)."""
+    renamed = {RENAMED[k]: v for k, v in stored.items() if k in RENAMED}
+    return {**renamed, **{k: v for k, v in stored.items() if k not in RENAMED}}  # today's key wins
 
 
 def _typed(cls: type[OptionsT], given: OptionsT | dict[str, Any], names: tuple[str, ...]) -> tuple[OptionsT, tuple[str, ...]]:
@@ -116,8 +124,8 @@ def run_options(model: str | Path | None, output_dir: str | Path | None, options
     own = {f.name for f in dataclasses.fields(RunOptions)} - set(COMPOSED)
     run_given = {k: v for k, v in options.items() if k in own}
     eval_given = dict(options.get("eval_options") or {})
-    plan_given = {k: v for k, v in options.items() if k not in own and k != "eval_options"}
-    check_names(PlanRequest, plan_given, "plan")
+    request_given = {k: v for k, v in options.items() if k not in own and k != "eval_options"}
+    check_names(PlanRequest, request_given, "plan")
     check_names(EvalOptions, eval_given, "evaluation")
-    return RunOptions.from_given(plan_given, eval_given, model=str(model) if model else None,
+    return RunOptions.from_given(request_given, eval_given, model=str(model) if model else None,
                                  output_dir=str(output_dir) if output_dir else None, **run_given)

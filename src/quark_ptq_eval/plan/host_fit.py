@@ -10,7 +10,7 @@ from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.plan.host_memory import host_capacity
 from quark_ptq_eval.plan.resources import (
     HEADROOM,
-    Workload,
+    QuantizeWorkload,
     engine_estimate,
     estimate_eval,
     estimate_file2file,
@@ -27,7 +27,7 @@ def _fits(est: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> 
             and (not est["gpu_peak_bytes"] or not gpu or est["gpu_peak_bytes"] <= gpu * HEADROOM))
 
 
-def engine_for_host(work: Workload, engine: str, why: str, requested: str, env: dict[str, Any]) -> tuple[str, str]:
+def engine_for_host(work: QuantizeWorkload, engine: str, why: str, requested: str, env: dict[str, Any]) -> tuple[str, str]:
     """The plan's engine once this host's memory is known: file-to-file when the automatic choice's
     whole-model engine does not fit and file-to-file does and can serve the plan (docs/planning.md)."""
     from quark_ptq_eval.plan.engines import shard_engine
@@ -60,7 +60,7 @@ def engine_for_host(work: Workload, engine: str, why: str, requested: str, env: 
                          f"{gb(f2f['model_bytes'])}), and this scheme needs no calibration")
 
 
-def assess(work: Workload, host: dict[str, Any], rerun: list[str], engine: str | None = None) -> dict[str, Any]:
+def assess(work: QuantizeWorkload, host: dict[str, Any], rerun: list[str], engine: str | None = None) -> dict[str, Any]:
     """Does this host hold the engine, the output and a Tier 1 evaluation? If not, what would."""
     from quark_ptq_eval.plan.engines import holds_one_shard
 
@@ -106,7 +106,7 @@ def _problems(est: dict[str, Any], out: int, ev: dict[str, Any], host: dict[str,
     return problems
 
 
-def _proposals(work: Workload, host: dict[str, Any], est: dict[str, Any], rerun: list[str]) -> list[dict[str, Any]]:
+def _proposals(work: QuantizeWorkload, host: dict[str, Any], est: dict[str, Any], rerun: list[str]) -> list[dict[str, Any]]:
     """Concrete changes with their estimates: smaller calibration, no algorithm, GPUs, another host."""
     analysis, info, algorithm, calibration, device = work.analysis, work.info, work.algorithm, work.calibration, work.device
     ram = host["ram_bytes"] or 0
@@ -137,7 +137,7 @@ def _proposals(work: Workload, host: dict[str, Any], est: dict[str, Any], rerun:
     return out
 
 
-def _file2file_proposal(work: Workload, host: dict[str, Any]) -> list[dict[str, Any]]:
+def _file2file_proposal(work: QuantizeWorkload, host: dict[str, Any]) -> list[dict[str, Any]]:
     """Quark's file-to-file engine with its estimate, when it can serve this plan (a proposal must work)."""
     from quark_ptq_eval.plan.engines import shard_engine
     from quark_ptq_eval.plan.source_reading import engine_reads_source

@@ -24,12 +24,12 @@ from quark_ptq_eval.plan.request import PlanRequest
 from quark_ptq_eval.plan.scheme_fit import SchemeChoice, fit_to_model
 from quark_ptq_eval.plan.targets import (
     BudgetCheck,
-    TargetContext,
+    Deployment,
+    deployment_of,
     format_family,
     recommend_kv,
     recommend_scheme,
     scheme_warnings,
-    target_context,
     target_fallbacks,
 )
 
@@ -61,7 +61,7 @@ def _gpu(env: dict[str, Any]) -> tuple[str, str]:
     return hw["accelerator"], (hw.get("gpu_arch") or "").lower()
 
 
-def _choose_scheme(req: PlanRequest, env: dict[str, Any], catalog: dict[str, Any], tc: TargetContext,
+def _choose_scheme(req: PlanRequest, env: dict[str, Any], catalog: dict[str, Any], tc: Deployment,
                    fits: BudgetCheck | None = None) -> tuple[str, str]:
     if req.scheme:
         return req.scheme, "asked for explicitly"
@@ -156,13 +156,13 @@ def _device(req: PlanRequest, env: dict[str, Any], size_bytes: int) -> dict[str,
 LITTLE_CALIBRATION = 32  # samples when calibration only sees weight ranges
 
 
-def _choose_kv(req: PlanRequest, tc: TargetContext, catalog: dict[str, Any], analysis: ModelAnalysis) -> tuple[str | None, str]:
+def _choose_kv(req: PlanRequest, tc: Deployment, catalog: dict[str, Any], analysis: ModelAnalysis) -> tuple[str | None, str]:
     if req.kv_cache_scheme is not None:
         return (req.kv_cache_scheme or None), "asked for explicitly" if req.kv_cache_scheme else "disabled explicitly"
     return recommend_kv(tc, catalog, analysis.template.get("kv_layers") or [])
 
 
-def _budget_check(tc: TargetContext, analysis: ModelAnalysis, catalog: dict[str, Any],
+def _budget_check(tc: Deployment, analysis: ModelAnalysis, catalog: dict[str, Any],
                   req: PlanRequest) -> BudgetCheck | None:
     """``fits(scheme) -> (ok, why)`` against a serving budget stated in the goal, or None."""
     target = tc.target
@@ -178,7 +178,7 @@ def _budget_check(tc: TargetContext, analysis: ModelAnalysis, catalog: dict[str,
     return fits
 
 
-def _scheme_reason(why: str, tc: TargetContext, scheme: str) -> str:
+def _scheme_reason(why: str, tc: Deployment, scheme: str) -> str:
     """A scheme the user named: say whether the target runs it natively (a warning row says when not)."""
     if tc.family is None or not why.startswith(("asked", "the goal")):
         return why
@@ -202,7 +202,7 @@ def _calibration_size(req: PlanRequest, calibration: dict[str, Any], info: dict[
     return "quark-cli's default sample count"
 
 
-def _target_and_fit(work: resources.Workload, tc: TargetContext, env: dict[str, Any], output_dir: Path,
+def _target_and_fit(work: resources.QuantizeWorkload, tc: Deployment, env: dict[str, Any], output_dir: Path,
                     engine: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The plan's ``target`` (with its serving fit) and ``resources`` (this host's fit, with table rows)."""
     analysis, scheme, info, algorithm, kv = work.analysis, work.scheme, work.info, work.algorithm, work.kv
@@ -239,7 +239,7 @@ def _exclusions(req: PlanRequest, analysis: ModelAnalysis) -> tuple[list[str], s
 
 
 def _fitting_scheme(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, catalog: dict[str, Any],
-                    tc: TargetContext) -> tuple[str, str]:
+                    tc: Deployment) -> tuple[str, str]:
     """The scheme the request and target ask for, held against every quantized linear's group and
     block sizes: a planner's choice falls back to the nearest that fits, a named one is refused."""
     scheme, why = _choose_scheme(req, env, catalog, tc, _budget_check(tc, analysis, catalog, req))
@@ -260,7 +260,7 @@ def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, ca
               output_dir: Path) -> QuantPlan:
     model_type = analysis.model_type
     accelerator, arch = _gpu(env)
-    tc = target_context(req.target, req.goal, env)
+    tc = deployment_of(req.target, req.goal, env)
     scheme, scheme_why = _fitting_scheme(analysis, env, req, catalog, tc)
     info = catalog["scheme_info"].get(scheme, {})
     algorithm, algo_why = _choose_algorithm(req, info, analysis.template.get("algorithms"))
@@ -275,7 +275,7 @@ def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, ca
     device = _device(req, env, analysis.size["bytes"])
     # The engines registry decides (plan/engines/): its automatic choice and its constraints.
     engine, engine_why = choose_engine(req.engine, accelerator, calibration, device["device"] == "cpu")
-    work = resources.Workload(analysis, scheme, info, algorithm, calibration, device, kv)
+    work = resources.QuantizeWorkload(analysis, scheme, info, algorithm, calibration, device, kv)
     engine, engine_why = host_fit.engine_for_host(work, engine, engine_why, req.engine, env)  # file2file when too big
     get_engine(engine).check_constraints(info, algorithm, device)
     reading = source_reading.decide(analysis, engine, device, Path(analysis_ref).parent)  # FP8 / .bin sources

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Workload:
+class QuantizeWorkload:
     """What the engine is asked to do: the model (its analysis), the scheme and its catalog ``info``,
     the algorithm, the calibration, the device strategy ({"device", "multi_device"}) and the KV scheme."""
 

@@ -211,7 +211,7 @@ PRIORITY_WORDS = {"accuracy": "accuracy first", "size": "smallest model", "speed
 
 
 @dataclass(frozen=True)
-class TargetContext:
+class Deployment:
     """Where the model will run (a named target, else this host's accelerator) and what matters most."""
 
     target: Target | None
@@ -241,16 +241,16 @@ class TargetContext:
                 "fp8_kv_cache": bool(f and f.fp8_kv), "priority": self.priority, "budget": self.budget}
 
 
-def target_context(name: str | None, goal: str, env: dict[str, Any]) -> TargetContext:
+def deployment_of(name: str | None, goal: str, env: dict[str, Any]) -> Deployment:
     target, source = resolve_target(name, goal)
     family = target.family if target else host_family(env)
-    return TargetContext(target, source, family, priority(goal), memory_budget(goal))
+    return Deployment(target, source, family, priority(goal), memory_budget(goal))
 
 
 BudgetCheck = Callable[[str], tuple[bool, str]]  # scheme -> (fits the goal's memory budget, why)
 
 
-def recommend_scheme(tc: TargetContext, catalog: dict[str, Any], fits: BudgetCheck | None = None) -> tuple[str, str] | None:
+def recommend_scheme(tc: Deployment, catalog: dict[str, Any], fits: BudgetCheck | None = None) -> tuple[str, str] | None:
     """(scheme, reason) for the target and priority; ``fits(scheme) -> (ok, why)`` checks a memory budget."""
     fam = tc.family
     if fam is None:
@@ -271,13 +271,13 @@ def recommend_scheme(tc: TargetContext, catalog: dict[str, Any], fits: BudgetChe
     return None
 
 
-def target_fallbacks(tc: TargetContext) -> tuple[str, ...]:
+def target_fallbacks(tc: Deployment) -> tuple[str, ...]:
     """The target's formats, most accurate first: where its pick cannot split the model's linears (plan/scheme_fit.py)."""
     fam = tc.family
     return tuple(dict.fromkeys(s for p in ("accuracy", "balanced", "speed", "size") for s in fam.prefer[p])) if fam else ()
 
 
-def recommend_kv(tc: TargetContext, catalog: dict[str, Any], kv_layers: list[str]) -> tuple[str | None, str]:
+def recommend_kv(tc: Deployment, catalog: dict[str, Any], kv_layers: list[str]) -> tuple[str | None, str]:
     fam = tc.family
     if fam is None:
         return None, "KV cache left in the model dtype: no target named and no known accelerator here"
@@ -288,7 +288,7 @@ def recommend_kv(tc: TargetContext, catalog: dict[str, Any], kv_layers: list[str
     return "fp8", f"{tc.label} serves an FP8 KV cache: half the KV-cache memory of BF16 per token"
 
 
-def scheme_warnings(tc: TargetContext, scheme: str, kv: str | None) -> list[str]:
+def scheme_warnings(tc: Deployment, scheme: str, kv: str | None) -> list[str]:
     """Formats the target cannot run natively, and serving caveats: allowed, but said."""
     fam = tc.family
     if fam is None:

@@ -27,7 +27,7 @@ from quark_ptq_eval.evaluate.baseline_cache import (
 )
 from quark_ptq_eval.sensitivity.cache import METHOD_VERSION, ScanCache, scan_key, tokens_digest
 from quark_ptq_eval.sensitivity.replay import Decoder, capture_inputs, find_decoder, replay, replay_matches
-from quark_ptq_eval.sensitivity.units import EXPERT_UNITS, Routing, Unit, measurement_units, module_type
+from quark_ptq_eval.sensitivity.units import EXPERT_UNITS, Routing, ScanUnit, measurement_units, module_type
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +78,7 @@ class Session:
     reference: list[Any]  # float32 log-probs per batch, nothing quantized
     layers: dict[str, Any]  # quantized module name -> its Quark quantizers
     decoder: Decoder | None  # None: measure with full forward passes
-    units: dict[str, Unit] = field(default_factory=dict)  # what is measured alone (units.py)
+    units: dict[str, ScanUnit] = field(default_factory=dict)  # what is measured alone (units.py)
     routing: Routing = field(default_factory=Routing)  # MoE routing of the reference pass
     share: dict[str, Any] = field(default_factory=dict)  # quantized share of matrix parameters
     saved: dict[int, tuple[bool, bool]] = field(default_factory=dict)  # quantizer id -> (fake_quant, observer)

@@ -37,19 +37,19 @@ ROUTER_LEAVES = ("gate", "router")  # Mixtral/Qwen/DeepSeek ``mlp.gate``, gpt-os
 
 
 @dataclass
-class Unit:
+class ScanUnit:
     name: str
     pattern: str  # fnmatch pattern matching exactly the members (the name itself for a single layer)
     kind: str  # layer | routed_experts | routed_expert | routed_projection | shared_experts | router
     members: list[str] = field(default_factory=list)
 
 
-def measurement_units(names: list[str], expert_units: str = "group") -> dict[str, Unit]:
+def measurement_units(names: list[str], expert_units: str = "group") -> dict[str, ScanUnit]:
     """Quantized module names grouped into the units the scan measures, in the model's order."""
-    units: dict[str, Unit] = {}
+    units: dict[str, ScanUnit] = {}
     for name in names:
         name_key, pattern, kind = _unit_of(name, expert_units)
-        units.setdefault(name_key, Unit(name_key, pattern, kind)).members.append(name)
+        units.setdefault(name_key, ScanUnit(name_key, pattern, kind)).members.append(name)
     for unit in units.values():  # guard: a pattern must name its members and nothing else quantized
         assert all(fnmatchcase(n, unit.pattern) == (n in unit.members) for n in names), unit.name
     return units
@@ -70,7 +70,7 @@ def _unit_of(name: str, expert_units: str) -> tuple[str, str, str]:
     return name, name, "layer"
 
 
-def module_type(unit: Unit) -> str:
+def module_type(unit: ScanUnit) -> str:
     """The heat map's column: the leaf for a layer, the unit kind (plus projection) for expert units."""
     if unit.kind == "layer" or unit.kind == "router":
         return unit.name.rsplit(".", 1)[-1]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.validate.kvcache import check_kv_scales
-from quark_ptq_eval.validate.registry import ValidationContext, unreadable_headers
+from quark_ptq_eval.validate.registry import CheckInputs, unreadable_headers
 from quark_ptq_eval.validate.report import MAX_LISTED, CheckResult, Finding
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ UNOBSERVED = 1.0  # Quark's observer: no valid min/max -> scale 1.0 (quark/torch
 MAX_ELEMENTS = 4096  # static scales are per tensor (or per channel at most): never read a large tensor
 
 
-def check_calibration(ctx: ValidationContext) -> CheckResult:
+def check_calibration(ctx: CheckInputs) -> CheckResult:
     if (bad := unreadable_headers(ctx, "calibration")) is not None:
         return bad
     result = CheckResult("calibration")

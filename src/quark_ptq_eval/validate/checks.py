@@ -21,13 +21,13 @@ from quark_ptq_eval.validate.byte_identity import (
     sample,
 )
 from quark_ptq_eval.validate.calibration import check_calibration
-from quark_ptq_eval.validate.configdiff import ConfigContext, check_config
+from quark_ptq_eval.validate.configdiff import HeaderFacts, check_config
 from quark_ptq_eval.validate.decode import check_decode
 from quark_ptq_eval.validate.index import check_index
 from quark_ptq_eval.validate.layout import LayoutInputs, check_layout, layer_count
 from quark_ptq_eval.validate.loadcheck import check_load
 from quark_ptq_eval.validate.plan_conformance import plan_expectation
-from quark_ptq_eval.validate.registry import Check, ValidationContext, unreadable_headers
+from quark_ptq_eval.validate.registry import Check, CheckInputs, unreadable_headers
 from quark_ptq_eval.validate.report import CheckResult, Finding
 from quark_ptq_eval.validate.rewrites import rewritten_by
 from quark_ptq_eval.validate.servecheck import check_serving
@@ -35,7 +35,7 @@ from quark_ptq_eval.validate.servecheck import check_serving
 FLOAT_EXPONENT = {"F16": (2, 0x7C00), "BF16": (2, 0x7F80)}  # all-ones exponent: inf or NaN
 
 
-def run_layout(ctx: ValidationContext) -> CheckResult:
+def run_layout(ctx: CheckInputs) -> CheckResult:
     if (bad := unreadable_headers(ctx, "layout")) is not None:
         return bad
     table = load_scheme_table() if (ctx.plan or {}).get("global_scheme") else None
@@ -54,16 +54,16 @@ def run_layout(ctx: ValidationContext) -> CheckResult:
     return result
 
 
-def run_aux(ctx: ValidationContext) -> CheckResult:
+def run_aux(ctx: CheckInputs) -> CheckResult:
     return check_aux(ctx.source, ctx.quantized)
 
 
-def run_config(ctx: ValidationContext) -> CheckResult:
+def run_config(ctx: CheckInputs) -> CheckResult:
     counts = (layer_count(h) if isinstance(h, dict) else 0 for h in (ctx.headers["source"], ctx.headers["output"]))
-    return check_config(ctx.source, ctx.quantized, ConfigContext(*counts))
+    return check_config(ctx.source, ctx.quantized, HeaderFacts(*counts))
 
 
-def run_bytes(ctx: ValidationContext) -> CheckResult:
+def run_bytes(ctx: CheckInputs) -> CheckResult:
     """Every tensor that is neither quantized nor rewritten by a planned algorithm, byte for byte."""
     source, output = ctx.headers["source"], ctx.headers["output"]
     if not isinstance(source, dict) or not isinstance(output, dict):
@@ -81,7 +81,7 @@ def run_bytes(ctx: ValidationContext) -> CheckResult:
     return result
 
 
-def _bytes_unreadable(ctx: ValidationContext) -> CheckResult:
+def _bytes_unreadable(ctx: CheckInputs) -> CheckResult:
     """Refused headers: name each excluded tensor that cannot be compared (as Quark's helper does)."""
     source = ctx.tensors("source")
     if source is None:

@@ -144,14 +144,14 @@ def _as_loaded(source: dict[str, Any], output: dict[str, Any]) -> tuple[dict[str
 
 
 @dataclass
-class ConfigContext:
+class HeaderFacts:
     """Header facts that tell who changed a config value: the exporter or the environment."""
 
     source_layers: int
     output_layers: int
 
 
-def check_config(source_dir: Path, output_dir: Path, context: ConfigContext) -> CheckResult:
+def check_config(source_dir: Path, output_dir: Path, facts: HeaderFacts) -> CheckResult:
     result = CheckResult("config")
     src, out = _load(source_dir / "config.json"), _load(output_dir / "config.json")
     for name, value in (("source", src), ("output", out)):
@@ -167,13 +167,13 @@ def check_config(source_dir: Path, output_dir: Path, context: ConfigContext) -> 
         why = f"normalised by transformers' {config_class} on load: both files mean the same config"
         result.findings += [Finding(d.path, d.describe(), benign=True, evidence=why) for d in same_meaning]
         benign = [*benign, *same_meaning]
-    result.findings += [_real_finding(d, context) for d in real]
+    result.findings += [_real_finding(d, facts) for d in real]
     result.stats.update(keys_compared=_count_leaves(source_cfg), differences=len(real) + len(benign),
                         benign=len(benign))
     return result
 
 
-def _real_finding(d: JsonDiff, ctx: ConfigContext) -> Finding:
+def _real_finding(d: JsonDiff, ctx: HeaderFacts) -> Finding:
     if _root(d.path) in LAYER_COUNT_KEYS:
         if ctx.output_layers == ctx.source_layers:
             return Finding(d.path, d.describe(), side="quark",

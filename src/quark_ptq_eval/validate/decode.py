@@ -36,12 +36,12 @@ from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
 from quark_ptq_eval.validate import decode_formats as fmt
 from quark_ptq_eval.validate.byte_identity import default_workers
-from quark_ptq_eval.validate.decode_blocks import Target
+from quark_ptq_eval.validate.decode_blocks import DecodeTarget
 from quark_ptq_eval.validate.decode_folds import FoldFinder
 from quark_ptq_eval.validate.decode_judge import MAX_ROWS_LISTED, Bound, bound_for, judge
 from quark_ptq_eval.validate.decode_targets import find_targets
 from quark_ptq_eval.validate.decode_weights import Fold, RowErrors, compare
-from quark_ptq_eval.validate.registry import ValidationContext, read_config_or_empty, unreadable_headers
+from quark_ptq_eval.validate.registry import CheckInputs, read_config_or_empty, unreadable_headers
 from quark_ptq_eval.validate.report import CheckResult, Finding
 from quark_ptq_eval.validate.rewrites import ROTATING, SCALING, algorithms
 
@@ -51,13 +51,13 @@ def decode_export(source: Path, quantized: Path, plan: dict[str, Any] | None = N
     """The decode check alone on one export (``weights_source``: read source weights there instead,
     e.g. a dequantized BF16 copy of an FP8 release; ``workers``: threads, default as ``validate``'s);
     never raises on a mismatch."""
-    ctx = ValidationContext(Path(source), Path(quantized), plan, weights_source=weights_source, workers=workers)
+    ctx = CheckInputs(Path(source), Path(quantized), plan, weights_source=weights_source, workers=workers)
     ctx.src_config, ctx.out_config = read_config_or_empty(ctx.source), read_config_or_empty(ctx.quantized)
     ctx.read_headers()
     return check_decode(ctx)
 
 
-def check_decode(ctx: ValidationContext) -> CheckResult:
+def check_decode(ctx: CheckInputs) -> CheckResult:
     if (bad := unreadable_headers(ctx, "decode")) is not None:
         return bad
     result = CheckResult("decode")
@@ -78,7 +78,7 @@ def check_decode(ctx: ValidationContext) -> CheckResult:
     return result
 
 
-def _source_tensors(ctx: ValidationContext, result: CheckResult) -> dict[str, TensorInfo] | None:
+def _source_tensors(ctx: CheckInputs, result: CheckResult) -> dict[str, TensorInfo] | None:
     """The source weights: the source's own, or ``ctx.weights_source``'s (an FP8 release's dequantized copy)."""
     alternative = getattr(ctx, "weights_source", None)
     if alternative is None:
@@ -92,7 +92,7 @@ def _source_tensors(ctx: ValidationContext, result: CheckResult) -> dict[str, Te
     return headers
 
 
-def decode_targets(targets: list[Target], ctx: ValidationContext, result: CheckResult, algos: set[str]) -> None:
+def decode_targets(targets: list[DecodeTarget], ctx: CheckInputs, result: CheckResult, algos: set[str]) -> None:
     bound = bound_for(algos)
     t0, done, total = time.perf_counter(), 0, sum(t.source.nbytes for t in targets)
     worst: tuple[float, str] = (0.0, "")
@@ -112,12 +112,12 @@ def decode_targets(targets: list[Target], ctx: ValidationContext, result: CheckR
                             f"({worst[1]}); bound {bound.describe()}")
 
 
-def _outcomes(targets: list[Target], ctx: ValidationContext, result: CheckResult, algos: set[str],
-              bound: Bound) -> Iterator[tuple[Target, Fold | None, RowErrors | Exception]]:
+def _outcomes(targets: list[DecodeTarget], ctx: CheckInputs, result: CheckResult, algos: set[str],
+              bound: Bound) -> Iterator[tuple[DecodeTarget, Fold | None, RowErrors | Exception]]:
     """(target, fold, comparison or the exception that stopped it), in order. Without folds the tensors
     are independent: a thread pool overlaps one tensor's reads with another's arithmetic (numpy releases
     the GIL); with folds a pair's first linear must come first, so they run in turn."""
-    def one(target: Target, fold: Fold | None) -> tuple[Target, Fold | None, RowErrors | Exception]:
+    def one(target: DecodeTarget, fold: Fold | None) -> tuple[DecodeTarget, Fold | None, RowErrors | Exception]:
         try:
             return target, fold, compare(target, bound.steps, fold, rtn_reference=bound.gain is not None,
                                          clipped="awq" in algos)
@@ -137,7 +137,7 @@ def _outcomes(targets: list[Target], ctx: ValidationContext, result: CheckResult
     order = sorted(targets, key=lambda t: (str(t.source.file), t.source.start))  # the files front to back
     workers = ctx.workers or default_workers()
 
-    def prefetching(i: int) -> tuple[Target, Fold | None, RowErrors | Exception]:
+    def prefetching(i: int) -> tuple[DecodeTarget, Fold | None, RowErrors | Exception]:
         if i + workers < len(order):  # the tensor this thread takes next: read while this one is compared
             fmt.prefetch(order[i + workers].tensors())
         return one(order[i], None)

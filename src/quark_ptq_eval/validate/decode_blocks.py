@@ -26,7 +26,7 @@ COLUMN_TILE = 2048  # a tile's columns where a transposed tensor of a grouped we
 
 
 @dataclass(frozen=True)
-class Target:
+class DecodeTarget:
     """A quantized weight and what decodes it: its spec (one level) and the tensors it needs."""
 
     module: str
@@ -84,7 +84,7 @@ def _stored(info: TensorInfo) -> tuple[int, int]:
     return int(info.shape[0]), int(info.shape[1])
 
 
-def code_plane(t: Target) -> tuple[Plane, Callable[[np.ndarray], np.ndarray]]:
+def code_plane(t: DecodeTarget) -> tuple[Plane, Callable[[np.ndarray], np.ndarray]]:
     """Where the codes are and how a box of them becomes grid codes ``[out, in]`` (ints: the integers;
     floats: their bits, values via the table)."""
     import numpy as np
@@ -135,7 +135,7 @@ class PerRow:
 class PackedZero(PerRow):
     """An int4 zero point packed as the codes are, ``[groups, out / 8]`` (rows past ``out``: padding)."""
 
-    def __init__(self, t: Target):
+    def __init__(self, t: DecodeTarget):
         import numpy as np
 
         assert t.zero_point is not None
@@ -146,7 +146,7 @@ class PackedZero(PerRow):
         self.shape = self.plane.shape
 
 
-def scale_reader(t: Target, rows: int) -> PerRow:
+def scale_reader(t: DecodeTarget, rows: int) -> PerRow:
     if t.spec.get("scale_format") not in (None, "e8m0") or (t.scale.dtype not in fmt.NUMPY_FLOATS and t.scale.dtype
                                                             not in ("BF16", "U8", "F8_E8M0")):
         raise fmt.UnsupportedFormat(f"{t.spec.get('scale_format') or t.scale.dtype} scales")
@@ -155,7 +155,7 @@ def scale_reader(t: Target, rows: int) -> PerRow:
     return PerRow(info, rows, t.grouped and not t.dtype.startswith("fp"), convert)
 
 
-def zero_reader(t: Target, rows: int) -> PerRow | None:
+def zero_reader(t: DecodeTarget, rows: int) -> PerRow | None:
     import numpy as np
 
     z = t.zero_point
@@ -185,7 +185,7 @@ class Tile:
 class TileReader:
     """The tiles of one target, checked against each other's shapes before anything is read."""
 
-    def __init__(self, t: Target):
+    def __init__(self, t: DecodeTarget):
         self.t = t
         rows, cols = (int(x) for x in t.source.shape)
         self.rows, self.cols = rows, cols

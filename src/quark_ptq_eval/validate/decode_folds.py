@@ -10,11 +10,11 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.validate import decode_formats as fmt
-from quark_ptq_eval.validate.decode_blocks import Target
+from quark_ptq_eval.validate.decode_blocks import DecodeTarget
 from quark_ptq_eval.validate.decode_judge import format_of, ranges
 from quark_ptq_eval.validate.decode_weights import Fold, Tolerance, compare
 from quark_ptq_eval.validate.folds import fold_groups, per_expert_folds
-from quark_ptq_eval.validate.registry import ValidationContext
+from quark_ptq_eval.validate.registry import CheckInputs
 from quark_ptq_eval.validate.report import CheckResult, Finding
 from quark_ptq_eval.validate.rewrites import LAYER
 
@@ -27,17 +27,17 @@ FOLD_SIGMAS = 8.0  # a scale estimated from a linear's rows: this many standard 
 class FoldFinder:
     """The scale an AWQ/SmoothQuant fold moved into each weight, from the export's ``scaling_layers``."""
 
-    def __init__(self, ctx: ValidationContext, targets: list[Target]):
+    def __init__(self, ctx: CheckInputs, targets: list[DecodeTarget]):
         self.ctx, self.targets = ctx, {t.module: t for t in targets}
         self.groups = fold_groups(ctx.qconfig)
         self.row_scales: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # prev linear -> (s, relative standard error)
 
-    def ordered(self) -> list[Target]:
+    def ordered(self) -> list[DecodeTarget]:
         """Linears another linear's fold comes from go first: their rows give that scale."""
         prevs = {prev for t in self.targets.values() for prev in self._folds_into(t)}
         return sorted(self.targets.values(), key=lambda t: (t.module not in prevs, t.module))
 
-    def fold_for(self, target: Target, result: CheckResult) -> Fold | None:
+    def fold_for(self, target: DecodeTarget, result: CheckResult) -> Fold | None:
         cols, col_tol, origins = None, None, []
         for name in self._folds_into(target):
             if name in self.targets:
@@ -73,7 +73,7 @@ class FoldFinder:
         groups += [g for g in per_expert_folds(rel, self.groups) if g not in groups]
         return layer, rel, groups
 
-    def _folds_into(self, target: Target) -> list[str]:
+    def _folds_into(self, target: DecodeTarget) -> list[str]:
         """The modules (absolute names) whose scale was folded into this linear's input columns."""
         local = self._local(target.module)
         if local is None:
@@ -81,7 +81,7 @@ class FoldFinder:
         layer, rel, groups = local
         return [f"{layer}.{prev}" for prev, layers in groups if rel in layers]
 
-    def _feeds_a_fold(self, target: Target, targets: dict[str, Target]) -> bool:
+    def _feeds_a_fold(self, target: DecodeTarget, targets: dict[str, DecodeTarget]) -> bool:
         """The linear's rows were divided by a scale its consumer took: one whose inputs are these rows."""
         local = self._local(target.module)
         if local is None:
@@ -149,7 +149,7 @@ def _to_columns(per_row: np.ndarray, columns: int, config: dict[str, Any]) -> np
     return spread
 
 
-def _unfoldable_rows(target: Target, scale: np.ndarray) -> list[Finding]:
+def _unfoldable_rows(target: DecodeTarget, scale: np.ndarray) -> list[Finding]:
     """A folded scale is positive and finite: a row decoding to a negative, zero or no multiple of the source's is broken."""
     import numpy as np
 
@@ -165,7 +165,7 @@ def _unfoldable_rows(target: Target, scale: np.ndarray) -> list[Finding]:
                              f"{format_of(target)}")]
 
 
-def _float_slack(ctx: ValidationContext, target: Target) -> float:
+def _float_slack(ctx: CheckInputs, target: DecodeTarget) -> float:
     """Per unit |x|: in a BF16 model a fold passes through up to three roundings of 2^-9 each (the
     scale, the scaled weight, the divided norm; F16 2^-12, F32 2^-25): 2^-6 leaves a margin of 2.7x
     (healthy random-weight BF16 SmoothQuant exports read up to 0.62 step with 2^-8). The model's float

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quark_ptq_eval.validate.decode_blocks import Target
+from quark_ptq_eval.validate.decode_blocks import DecodeTarget
 from quark_ptq_eval.validate.decode_weights import Fold, RowErrors
 from quark_ptq_eval.validate.report import Finding
 
@@ -43,7 +43,7 @@ def bound_for(algos: set[str]) -> Bound:
     return Bound("round-to-nearest", 0.5 + RTN_SLACK)
 
 
-def judge(target: Target, c: RowErrors, bound: Bound, fold: Fold | None) -> list[Finding]:
+def judge(target: DecodeTarget, c: RowErrors, bound: Bound, fold: Fold | None) -> list[Finding]:
     """Findings for one tensor: rows with elements over the bound, and (GPTQ) rows off in gain or error."""
     import numpy as np
 
@@ -74,7 +74,7 @@ def judge(target: Target, c: RowErrors, bound: Bound, fold: Fold | None) -> list
     return findings + _zero_scales(target, c)
 
 
-def _zero_scales(target: Target, c: RowErrors) -> list[Finding]:
+def _zero_scales(target: DecodeTarget, c: RowErrors) -> list[Finding]:
     if not c.zero_scale:
         return []
     rows = sorted(c.zero_scale)
@@ -87,13 +87,13 @@ def _zero_scales(target: Target, c: RowErrors) -> list[Finding]:
                  f"{format_of(target)}")]
 
 
-def _groups(target: Target, over: dict[int, list[int]]) -> str:
+def _groups(target: DecodeTarget, over: dict[int, list[int]]) -> str:
     groups = sorted({g for gs in over.values() for g in gs})
     size = target.group_size
     return f", groups {ranges(groups)} of {size} columns" if size else ""
 
 
-def format_of(t: Target) -> str:
+def format_of(t: DecodeTarget) -> str:
     text = f"{t.dtype} {t.spec.get('qscheme')}"
     if t.group_size:
         text += f" group {t.group_size}"

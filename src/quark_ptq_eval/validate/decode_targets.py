@@ -9,12 +9,12 @@ from typing import Any
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.base.schemes import as_spec_list
-from quark_ptq_eval.validate.decode_blocks import Target
+from quark_ptq_eval.validate.decode_blocks import DecodeTarget
 from quark_ptq_eval.validate.expectations import module_config
 
 
 def find_targets(output: dict[str, TensorInfo], source: dict[str, TensorInfo],
-                 qconfig: dict[str, Any]) -> tuple[list[Target], list[tuple[str, str]]]:
+                 qconfig: dict[str, Any]) -> tuple[list[DecodeTarget], list[tuple[str, str]]]:
     """Every weight with a ``weight_scale`` in the export, with what decodes it; and those that cannot be."""
     reorder = ((qconfig.get("export") or {}).get("pack_method") or "reorder") == "reorder"
     targets, unchecked = [], []
@@ -28,7 +28,7 @@ def find_targets(output: dict[str, TensorInfo], source: dict[str, TensorInfo],
         if why:
             unchecked.append((name, why))
             continue
-        targets.append(Target(module, output[name], output[f"{module}.weight_scale"],
+        targets.append(DecodeTarget(module, output[name], output[f"{module}.weight_scale"],
                               output.get(f"{module}.weight_zero_point"), source[name], specs[0], reorder))
     return targets, unchecked
 

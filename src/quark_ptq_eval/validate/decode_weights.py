@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from quark_ptq_eval.validate import decode_formats as fmt
-from quark_ptq_eval.validate.decode_blocks import Target, Tile, TileReader
+from quark_ptq_eval.validate.decode_blocks import DecodeTarget, Tile, TileReader
 
 if TYPE_CHECKING:
     import numpy as np
@@ -72,7 +72,7 @@ class Fold:
     origin: str = ""  # where the scale was read, for messages
 
 
-def values_of(t: Target, code_rows: np.ndarray) -> np.ndarray:
+def values_of(t: DecodeTarget, code_rows: np.ndarray) -> np.ndarray:
     import numpy as np
 
     if t.dtype in fmt.MINIFLOATS:
@@ -81,7 +81,7 @@ def values_of(t: Target, code_rows: np.ndarray) -> np.ndarray:
     return code_rows.astype(np.float32)
 
 
-def compare(t: Target, limit: float, fold: Fold | None = None, rtn_reference: bool = False,
+def compare(t: DecodeTarget, limit: float, fold: Fold | None = None, rtn_reference: bool = False,
             clipped: bool = False, row_stats: bool = False) -> RowErrors:
     """Decode ``t`` and compare it with its source, a tile at a time read through the file and a
     cache-sized chunk of it at a time decoded (see the module docstring); ``limit`` (steps) decides
@@ -119,7 +119,7 @@ class _Options:
     grid: fmt.Grid
 
 
-def _compare_chunk(t: Target, tile: Tile, span: tuple[int, int], o: _Options, result: RowErrors,
+def _compare_chunk(t: DecodeTarget, tile: Tile, span: tuple[int, int], o: _Options, result: RowErrors,
                    sums: np.ndarray) -> None:
     """Rows ``span`` of one tile (relative to it) judged, and their sums accumulated."""
     import numpy as np
@@ -160,7 +160,7 @@ def _zero_scales(result: RowErrors, chunk: _Chunk, w: np.ndarray, err: np.ndarra
 class _Chunk:
     """Rows of one tensor on the grid: ``x`` (the source), ``v`` (the codes); scales broadcast per group."""
 
-    def __init__(self, t: Target, w: np.ndarray, scale: np.ndarray, zero: np.ndarray, code_rows: np.ndarray):
+    def __init__(self, t: DecodeTarget, w: np.ndarray, scale: np.ndarray, zero: np.ndarray, code_rows: np.ndarray):
         import numpy as np
 
         self.t, self.codes, self.scale, self.zero = t, code_rows, scale, zero

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from quark_ptq_eval.validate.folds import Unit
+from quark_ptq_eval.validate.folds import ReplayUnit
 from quark_ptq_eval.validate.replay import Capture, first_tensor, module_errors
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ def route_every_expert(model: torch.nn.Module, captures: dict[str, Capture]) -> 
                                                                 False, routed=routed)
 
 
-def every_expert_units(captures: dict[str, Capture], exported: dict[str, Any], limit: float) -> list[Unit]:
+def every_expert_units(captures: dict[str, Capture], exported: dict[str, Any], limit: float) -> list[ReplayUnit]:
     """Units for the forced calls. The export's module must first reproduce the probe's own call within
     ``limit``: one that Quark re-implements with another calling convention (GPT-OSS's returns another
     shape) is judged through its MoE block instead, which also catches a fault in the routed experts."""
@@ -65,9 +65,9 @@ def every_expert_units(captures: dict[str, Capture], exported: dict[str, Any], l
         if name == key or name not in exported:
             continue
         if name not in compatible:
-            compatible[name] = module_errors([Unit(name)], captures, exported).get(name, math.inf) <= limit
+            compatible[name] = module_errors([ReplayUnit(name)], captures, exported).get(name, math.inf) <= limit
         if compatible[name]:
-            units.append(Unit(name, capture=key))
+            units.append(ReplayUnit(name, capture=key))
     return units
 
 

@@ -24,7 +24,7 @@ from quark_ptq_eval.validate.rewrites import LAYER, SCALING
 
 
 @dataclass(frozen=True)
-class Unit:
+class ReplayUnit:
     """What one replay compares: ``module``'s output, computed after the export's ``norm`` if any."""
 
     module: str
@@ -50,9 +50,9 @@ def fold_groups(qconfig: dict[str, Any] | None) -> list[tuple[str, list[str]]]:
 
 
 def fold_units(targets: list[str], groups: list[tuple[str, list[str]]], owners: set[str],
-               replayable: Callable[[str], bool]) -> list[Unit]:
+               replayable: Callable[[str], bool]) -> list[ReplayUnit]:
     """One unit per target (deduplicated); ``replayable(name)`` says a module can be run alone."""
-    units: list[Unit] = []
+    units: list[ReplayUnit] = []
     for target in targets:
         unit = _unit(target, groups, owners, replayable)
         if unit not in units:
@@ -61,21 +61,21 @@ def fold_units(targets: list[str], groups: list[tuple[str, list[str]]], owners: 
 
 
 def _unit(target: str, groups: list[tuple[str, list[str]]], owners: set[str],
-          replayable: Callable[[str], bool]) -> Unit:
+          replayable: Callable[[str], bool]) -> ReplayUnit:
     match = LAYER.match(target)
     if not match:
-        return Unit(target)  # embeddings, lm_head: outside the decoder layers no scale is folded
+        return ReplayUnit(target)  # embeddings, lm_head: outside the decoder layers no scale is folded
     layer, rel = match.group(1), match.group(2)
     groups = groups + per_expert_folds(rel, groups)
     scope = _scope(rel, groups, lambda r: f"{layer}.{r}" in owners)
-    whole_layer = Unit(layer, residual=True)
+    whole_layer = ReplayUnit(layer, residual=True)
     if not scope or not groups:  # no scaling_layers recorded: any module of the layer may be folded
-        return whole_layer if replayable(layer) else Unit(target)
+        return whole_layer if replayable(layer) else ReplayUnit(target)
     feeding = {prev for prev, layers in groups for r in layers if _within(r, scope) and not _within(prev, scope)}
     norm = f"{layer}.{feeding.pop()}" if len(feeding) == 1 else None
     if feeding or not replayable(f"{layer}.{scope}") or (norm and not replayable(norm)):
-        return whole_layer if replayable(layer) else Unit(target)
-    return Unit(f"{layer}.{scope}", norm)
+        return whole_layer if replayable(layer) else ReplayUnit(target)
+    return ReplayUnit(f"{layer}.{scope}", norm)
 
 
 def per_expert_folds(rel: str, groups: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.safetensors_io import INDEX_NAME, read_header
-from quark_ptq_eval.validate.registry import ValidationContext
+from quark_ptq_eval.validate.registry import CheckInputs
 from quark_ptq_eval.validate.report import CheckResult, Finding
 
 
-def check_index(ctx: ValidationContext) -> CheckResult:
+def check_index(ctx: CheckInputs) -> CheckResult:
     result = CheckResult("index")
     index = ctx.quantized / INDEX_NAME
     if not index.is_file():

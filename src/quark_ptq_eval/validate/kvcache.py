@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 from quark_ptq_eval.base.schemes import as_spec_list
 from quark_ptq_eval.validate.expectations import activation_expectations
-from quark_ptq_eval.validate.registry import ValidationContext
+from quark_ptq_eval.validate.registry import CheckInputs
 from quark_ptq_eval.validate.report import MAX_LISTED, CheckResult, Finding
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ MERGE_TOLERANCE = 1e-6  # relative: merged k/v scales are the same float
 FloatReader = Callable[[TensorInfo, int], "np.ndarray | None"]  # (tensor, how many) -> its first values as floats
 
 
-def check_kv_scales(ctx: ValidationContext, result: CheckResult, read_floats: FloatReader) -> None:
+def check_kv_scales(ctx: CheckInputs, result: CheckResult, read_floats: FloatReader) -> None:
     """Add the KV-scale findings, stats and the list of scales checked to the calibration ``result``."""
     qconfig = ctx.shared.expected_qconfig or ctx.qconfig or {}
     patterns = {p: (cfg or {}).get("output_tensors") for p, cfg in (qconfig.get("kv_cache_quant_config") or {}).items()}

@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError
-from quark_ptq_eval.validate.registry import ValidationContext, read_config_or_empty
+from quark_ptq_eval.validate.registry import CheckInputs, read_config_or_empty
 from quark_ptq_eval.validate.report import CheckResult, Finding
 
 if TYPE_CHECKING:
     import torch
 
-    from quark_ptq_eval.validate.folds import Unit
+    from quark_ptq_eval.validate.folds import ReplayUnit
     from quark_ptq_eval.validate.replay import Capture
 
 # Plain English and code (what the demo model was trained on), long enough for ~60 positions.
@@ -45,18 +45,18 @@ MAX_LISTED = 5
 def load_check_alone(source: Path, quantized: Path, plan: dict[str, Any] | None = None) -> CheckResult:
     """The load check on its own, whatever the structural checks say (a loader diagnosis: since the
     decode check, a fault planted in a weight's file stops validation before the load check runs)."""
-    ctx = ValidationContext(Path(source), Path(quantized), plan, load_check=True)
+    ctx = CheckInputs(Path(source), Path(quantized), plan, load_check=True)
     ctx.src_config, ctx.out_config = read_config_or_empty(ctx.source), read_config_or_empty(ctx.quantized)
     return check_load(ctx)
 
 
-def _error_limit(ctx: ValidationContext) -> tuple[float, str]:
+def _error_limit(ctx: CheckInputs) -> tuple[float, str]:
     """(limit, why) of the module replay, set when the check starts."""
     assert ctx.shared.module_error_limit is not None
     return ctx.shared.module_error_limit
 
 
-def check_load(ctx: ValidationContext) -> CheckResult:
+def check_load(ctx: CheckInputs) -> CheckResult:
     result = CheckResult("load")
     from quark_ptq_eval.validate.loadlimits import module_error_limit
 
@@ -81,7 +81,7 @@ def check_load(ctx: ValidationContext) -> CheckResult:
     return result
 
 
-def _probe(ctx: ValidationContext, result: CheckResult) -> None:
+def _probe(ctx: CheckInputs, result: CheckResult) -> None:
     from quark_ptq_eval.runtime.loading import TRANSFORMERS, load_model, missing_weights_message
     from quark_ptq_eval.validate import experts, replay
 
@@ -110,14 +110,14 @@ def _probe(ctx: ValidationContext, result: CheckResult) -> None:
         _judge_agreement(got, want, ids.shape[1], loader, result, decisive=not errors)
 
 
-def _units(ctx: ValidationContext, owners: list[str], captures: dict[str, Capture], exported: dict[str, Any],
-           result: CheckResult) -> list[Unit]:
+def _units(ctx: CheckInputs, owners: list[str], captures: dict[str, Capture], exported: dict[str, Any],
+           result: CheckResult) -> list[ReplayUnit]:
     """What to replay: each module; under AWQ/SmoothQuant the smallest unit holding its folded scales
     (folds.py); nothing where the algorithm rotated the residual stream (only the whole model is
     equivalent: greedy agreement judges)."""
     from quark_ptq_eval.validate import replay
     from quark_ptq_eval.validate.experts import coverage, every_expert_units
-    from quark_ptq_eval.validate.folds import Unit, fold_groups, fold_units
+    from quark_ptq_eval.validate.folds import ReplayUnit, fold_groups, fold_units
     from quark_ptq_eval.validate.rewrites import ROTATING, SCALING, algorithms
 
     algos = set(algorithms(ctx.qconfig, ctx.plan))
@@ -133,7 +133,7 @@ def _units(ctx: ValidationContext, owners: list[str], captures: dict[str, Captur
             result.stats.update(experts=total, experts_routed_by_probe=routed)
             result.notes.append(f"{len({u.module for u in forced})} experts module(s) replayed expert by expert "
                                 f"(the probe's own routing reached {routed} of {total} experts)")
-        return [Unit(t) for t in targets] + forced
+        return [ReplayUnit(t) for t in targets] + forced
     units = fold_units(targets, fold_groups(ctx.qconfig), set(owners),
                        lambda name: replay.replayable(captures.get(name), exported.get(name)))
     chained = sum(1 for u in units if u.norm)

@@ -32,7 +32,7 @@ class Handoffs:
 
 
 @dataclass
-class ValidationContext:
+class CheckInputs:
     """Everything the checks share: the two model dirs, the plan, configs and parsed headers."""
 
     source: Path
@@ -92,7 +92,7 @@ class Check:
 
     name: str
     title: str
-    run: Callable[[ValidationContext], CheckResult] | str  # or "module:function", imported when it runs
+    run: Callable[[CheckInputs], CheckResult] | str  # or "module:function", imported when it runs
     structural: bool  # a failure means the weights are wrong: stop, no fix offered
     advisory: bool = False  # its failures are reported ("warn") and never stop the run
     next_action: str = ""  # what the report advises when it fails
@@ -103,8 +103,8 @@ class Check:
     def implemented_in(self) -> str:
         return self.module or (self.run.partition(":")[0] if isinstance(self.run, str) else self.run.__module__)
 
-    def execute(self, ctx: ValidationContext) -> CheckResult:
-        run: Callable[[ValidationContext], CheckResult] = load(self.run) if isinstance(self.run, str) else self.run
+    def execute(self, ctx: CheckInputs) -> CheckResult:
+        run: Callable[[CheckInputs], CheckResult] = load(self.run) if isinstance(self.run, str) else self.run
         return run(ctx)
 
 
@@ -117,7 +117,7 @@ def read_config_or_empty(model_dir: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def unreadable_headers(ctx: ValidationContext, name: str) -> CheckResult | None:
+def unreadable_headers(ctx: CheckInputs, name: str) -> CheckResult | None:
     """The result for a check that needs headers one side refused, else None."""
     bad = [(side, h) for side, h in ctx.headers.items() if isinstance(h, str)]
     if not bad:

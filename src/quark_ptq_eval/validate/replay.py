@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-from quark_ptq_eval.validate.folds import Unit
+from quark_ptq_eval.validate.folds import ReplayUnit
 
 MAX_CLIMB = 3  # the owner, its parent (an MoE block for fused experts), grandparent (DBRX: experts.mlp -> ffn)
 
@@ -114,7 +114,7 @@ def replay_targets(owners: list[str], captures: dict[str, Capture], exported: di
     return targets
 
 
-def module_errors(units: list[Unit], captures: dict[str, Capture], exported: dict[str, Any]) -> dict[str, float]:
+def module_errors(units: list[ReplayUnit], captures: dict[str, Capture], exported: dict[str, Any]) -> dict[str, float]:
     """Relative error ||export - source|| / ||source|| of each unit's output on the source's input
     (inf where the export's output is not finite, or the source gives zeros and the export does not);
     a call that raises is left out. A unit with a ``norm`` runs the export's norm first, on the norm's
@@ -149,7 +149,7 @@ def _relative(diff: float, scale: float) -> float:
     return 0.0 if diff == 0 else float("inf")
 
 
-def _run_unit(unit: Unit, captures: dict[str, Capture], exported: dict[str, Any]) -> torch.Tensor | None:
+def _run_unit(unit: ReplayUnit, captures: dict[str, Capture], exported: dict[str, Any]) -> torch.Tensor | None:
     cap, module = captures[unit.key], exported[unit.module]
     device = _device(module)
     args, kwargs = _to(cap.args, device), _to(cap.kwargs, device)

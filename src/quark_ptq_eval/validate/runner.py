@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.validate.registry import Progress, ValidationContext, read_config_or_empty
+from quark_ptq_eval.validate.registry import CheckInputs, Progress, read_config_or_empty
 from quark_ptq_eval.validate.report import ValidationReport
 
 DEFAULT_EXCLUDE = ["lm_head"]
@@ -48,7 +48,7 @@ def validate_model(source: Path | None, quantized: Path, plan: dict[str, Any] | 
     if opts.max_samples is not None and opts.max_samples < 1:
         raise UsageError(f"--max-samples must be at least 1, not {opts.max_samples}.")
     progress = opts.progress
-    ctx = ValidationContext(source, quantized, plan, max_samples=opts.max_samples, seed=opts.seed,
+    ctx = CheckInputs(source, quantized, plan, max_samples=opts.max_samples, seed=opts.seed,
                             workers=opts.workers, load_check=opts.load_check, vllm_python=opts.vllm_python,
                             vllm_args=tuple(opts.vllm_args), progress=progress)
     ctx.src_config, ctx.out_config = read_config_or_empty(source), read_config_or_empty(quantized)

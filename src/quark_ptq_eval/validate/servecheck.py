@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError
-from quark_ptq_eval.validate.registry import ValidationContext
+from quark_ptq_eval.validate.registry import CheckInputs
 from quark_ptq_eval.validate.report import CheckResult, Finding
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ SERVE_TIMEOUT_S = 600.0  # a tiny model is healthy in 20-25 s on 2 CPU cores; la
 MAX_MODEL_LEN = 2048  # the check needs the weights to load, not a long context: keeps the KV cache small
 
 
-def check_serving(ctx: ValidationContext) -> CheckResult:
+def check_serving(ctx: CheckInputs) -> CheckResult:
     from quark_ptq_eval.runtime.vllm_host import find_host_vllm
 
     result = CheckResult("serve")

@@ -87,7 +87,7 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
     from quark_ptq_eval.evaluate import EvalOptions
     from quark_ptq_eval.evaluate import report as report_files
     from quark_ptq_eval.evaluate.api import build_report  # the evaluation's own report builder: same verdicts
-    from quark_ptq_eval.evaluate.context import ScoredText, TierContext
+    from quark_ptq_eval.evaluate.context import ScoredText, TierInputs
     from quark_ptq_eval.runtime.loading import load_model
 
     entry = baseline.entry()
@@ -113,7 +113,7 @@ def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: Bas
         baseline_cache={"key": entry.key.id, "top_k": entry.key.top_k, "path": str(entry.path),
                         "method": "KL against the cached top-K + tail mass (a lower bound; "
                                   "the gap to the full-logit KL is at most the stated bound)"}))
-    ctx = TierContext(model_dir, options, workdir, None, baseline.source, plan)
+    ctx = TierInputs(model_dir, options, workdir, None, baseline.source, plan)
     report = build_report(ctx, outcome, None, time.perf_counter() - started)
     report_files.write_all(report)  # the recipe running this as its Phase 3 records the step
     if base_tasks is not None:

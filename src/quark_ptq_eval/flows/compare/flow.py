@@ -220,7 +220,7 @@ class Comparison:
         from quark_ptq_eval.flows.pipeline import RunOptions
 
         return RunOptions.from_given(model=opts.model, output_dir=str(self.output_dir(scheme)),
-                          plan={**opts.plan, "scheme": scheme}, overwrite=opts.overwrite, offline=opts.offline,
+                          request={**opts.plan, "scheme": scheme}, overwrite=opts.overwrite, offline=opts.offline,
                           card="none")  # the comparison writes the card of the scheme it chooses
 
     def _failed_step(self, scheme: str) -> str:

@@ -71,7 +71,7 @@ def check(opts: CompareOptions) -> None:
 
 def baseline_tasks(cache_root: Path, opts: CompareOptions, source: Path, model_digest: str, log) -> dict:
     """The baseline's lm-eval results and per-document scores: read from the cache, or run once."""
-    from quark_ptq_eval.evaluate.context import TierContext
+    from quark_ptq_eval.evaluate.context import TierInputs
     from quark_ptq_eval.evaluate.lmeval_tasks import evaluate_tasks, samples_path
     from quark_ptq_eval.runtime.loading import load_model
 
@@ -83,7 +83,7 @@ def baseline_tasks(cache_root: Path, opts: CompareOptions, source: Path, model_d
         results["per_sample"] = read_json(samples_path(where, "baseline"), "baseline per-sample scores")
         return results
     loaded = load_model(source, opts.eval.device, bool(opts.plan.get("trust_remote_code")))
-    ctx = TierContext(source, eval_options(opts), where, None, source, None, log)
+    ctx = TierInputs(source, eval_options(opts), where, None, source, None, log)
     results = evaluate_tasks(loaded, ctx, list(opts.eval.tasks), "baseline")
     loaded.model = None  # free it before the scheme's model loads
     return results
@@ -92,11 +92,11 @@ def baseline_tasks(cache_root: Path, opts: CompareOptions, source: Path, model_d
 def score_scheme(loaded, workdir: Path, model_dir: Path, opts: CompareOptions, base: dict, log) -> dict[str, Any]:
     """lm-eval on the scheme's loaded model, its scores against the baseline's and the paired tests;
     written to the scheme's work dir (TASKS_FILE) and returned."""
-    from quark_ptq_eval.evaluate.context import TierContext
+    from quark_ptq_eval.evaluate.context import TierInputs
     from quark_ptq_eval.evaluate.lmeval_tasks import evaluate_tasks, scores_from
     from quark_ptq_eval.evaluate.paired_tests import paired_tests
 
-    ctx = TierContext(model_dir, eval_options(opts), workdir, None, None, None, log)
+    ctx = TierInputs(model_dir, eval_options(opts), workdir, None, None, None, log)
     results = evaluate_tasks(loaded, ctx, list(opts.eval.tasks), "quantized")
     scores, _, directions = scores_from(results)
     base_scores, _, base_dirs = scores_from(base)
