@@ -93,9 +93,14 @@ def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[st
 
 
 def _scratch_log(port: int) -> Path:
+    """A new empty file for this start: a failed check keeps its log as evidence, and the server
+    appends, so a name made of the port alone let a later start on that port read an earlier error."""
+    import os
     import tempfile
 
-    return Path(tempfile.gettempdir()) / f"quark-ptq-eval-serve-check-{port}.log"
+    handle, name = tempfile.mkstemp(prefix=f"quark-ptq-eval-serve-check-{port}-", suffix=".log")
+    os.close(handle)
+    return Path(name)
 
 
 def _against_classes(qconfig: dict[str, Any] | None, result: CheckResult) -> None:
