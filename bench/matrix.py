@@ -332,7 +332,7 @@ def _share(cell: Cell, recipe) -> tuple[str, str] | None:
 
     flow = recipe.flow
     plan = flow.parts["plan"]
-    source = effective_source(plan.to_dict(), flow.model_path)  # an FP8 release: its dequantized copy
+    source = effective_source(plan, flow.model_path)  # an FP8 release: its dequantized copy
     src, out = read_model_headers(source), read_model_headers(flow.output_dir)
     cell.share_measured = measured_share(src, out)
     cell.share_promised = promised_share(src, plan.exclude_layers)

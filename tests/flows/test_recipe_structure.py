@@ -18,16 +18,6 @@ PIPELINE = FLOWS / "pipeline.py"
 # Called by every step (or by the flow helpers the steps call) across a package boundary: scanned
 # even if a refactoring stopped calling one of them directly.
 NAMED_CALLEES = ("execute_manifest", "make_plan", "build_manifest", "validate_model", "evaluate")
-# What still crosses a package boundary untyped, (function, parameter or "return"), each for a reason
-# outside the recipe's flow: the capability catalog and the environment context are JSON files read
-# as they are (context/, base/catalog.py), and validate / evaluate take the plan as quant_plan.json
-# holds it. The scan fails on any new entry and on an entry that is typed now (delete it here).
-KNOWN_UNTYPED = {
-    ("analyze_model", "catalog"), ("make_plan", "env"), ("make_plan", "catalog"), ("check_plan", "catalog"),
-    ("describe", "return"), ("effective_source", "plan"), ("validate_model", "plan"), ("validate_model", "given"),
-    ("evaluate", "plan"), ("digest", "obj"), ("describe_used", "calibration"), ("write_card", "comparison"),
-    ("run_sensitivity", "return"),
-}
 
 
 def _parse(path: Path) -> ast.Module:
@@ -173,8 +163,10 @@ def untyped_signature(function: ast.FunctionDef) -> list[str]:
 
 def test_the_scan_sees_an_untyped_signature():
     bad = _functions(ast.parse("def f(a: dict, b: dict[str, Any], c: int) -> Any: ...\n"
-                               "def g(a: dict[str, int], *, b: 'Path | None') -> list[str]: ..."))
+                               "def g(a: dict[str, int], *, b: 'Path | None') -> list[str]: ...\n"
+                               "def h(a: JsonValue, b: HostEnv, **c: Unpack[ValidateKeywords]) -> PlanJson: ..."))
     assert untyped_signature(bad["f"]) == ["a", "b", "return"] and untyped_signature(bad["g"]) == []
+    assert untyped_signature(bad["h"]) == []  # a named type (an alias, a TypedDict) says what it holds
 
 
 def _calls_across_packages(module: str, function: ast.FunctionDef, seen: set[str]) -> set[tuple[str, str]]:
@@ -211,8 +203,7 @@ def test_no_untyped_dict_crosses_a_package_boundary_in_the_steps_signatures():
         where = _definition(name, module)
         if where is not None:  # a class (an artifact, an error) is typed by its own fields
             found |= {(name, part) for part in untyped_signature(where[1])}
-    assert found - KNOWN_UNTYPED == set(), "untyped across a package boundary"
-    assert KNOWN_UNTYPED - found == set(), "typed now: take these out of KNOWN_UNTYPED"
+    assert found == set(), "untyped across a package boundary"
 
 
 @pytest.mark.parametrize("broken", ["getattr", "dict"])

@@ -89,17 +89,17 @@ def test_ranking_agrees_with_an_independent_quark_quantization(scanned, tiny_lla
 
 def test_proposal_meets_the_budget_on_a_remeasure(scanned, tiny_llama, corpus):
     result, done, budget, _ = scanned
-    proposal = done["proposal"]
+    proposal = done.proposal
     assert proposal.exclude and proposal.met
     assert proposal.measured_kl <= budget < result["whole_model_kl"]
     assert proposal.extra_bytes > 0
     names = {r["layer"] for r in result["layers"]}
     kl = independent_kl(tiny_llama, corpus, names - set(proposal.exclude))
     assert kl <= budget * 1.05
-    report = json.loads(done["reports"]["json"].read_text())
+    report = json.loads(done.reports["json"].read_text())
     assert report["proposal"]["exclude"] == proposal.exclude
-    assert done["reports"]["png"].stat().st_size > 0
-    assert "Layers ranked" in done["reports"]["md"].read_text()
+    assert done.reports["png"].stat().st_size > 0
+    assert "Layers ranked" in done.reports["md"].read_text()
 
 
 def test_wider_scheme_alternative_is_measured_and_checked_independently(scanned, tiny_llama, corpus):
@@ -108,7 +108,7 @@ def test_wider_scheme_alternative_is_measured_and_checked_independently(scanned,
     from quark_ptq_eval.sensitivity.wider import wider_scheme
 
     result, done, _, messages = scanned
-    proposal = done["proposal"]
+    proposal = done.proposal
     wider = proposal.wider
     assert wider_scheme(SCHEME) == "int8" and wider["scheme"] == "int8" and wider["bits"] == 8
     assert any("at int8 instead of unquantized" in m for m in messages)

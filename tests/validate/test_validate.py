@@ -371,6 +371,14 @@ def test_max_samples_draws_a_seeded_subset(tiny_llama, quantized):
         validate_model(tiny_llama, out, max_samples=0)
 
 
+def test_the_keywords_validate_model_takes_are_its_options_fields():
+    from dataclasses import fields
+
+    from quark_ptq_eval.validate.runner import ValidateKeywords, ValidateOptions
+
+    assert set(ValidateKeywords.__annotations__) == {f.name for f in fields(ValidateOptions)}
+
+
 def test_missing_directories_are_usage_errors(tiny_llama, tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
         validate_model(tiny_llama, tmp_path / "nope")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypedDict, TypeVar, cast
 
 from quark_ptq_eval.base import contracts
 from quark_ptq_eval.base.errors import UsageError
@@ -149,6 +149,23 @@ class Decision:
         return self.as_dict().get(key, default)
 
 
+class PlanJson(TypedDict, total=False):
+    """quant_plan.json's content as the checks after execute read it (validation, evaluation): any
+    of these keys, since a hand-written plan (``validate --plan FILE``) may hold only its
+    exclusions. ``QuantPlan.as_json()`` gives a whole one."""
+
+    model: dict[str, str]  # model_type, analysis_ref, model_path
+    global_scheme: str
+    exclude_layers: list[str]
+    layer_quant_config: dict[str, str]
+    algorithm: str | None
+    kv_cache_scheme: str | None
+    calibration: dict[str, Any]
+    trust_remote_code: bool
+    output_dir: str
+    target: dict[str, Any]
+
+
 @dataclass
 class QuantPlan(Artifact):
     FILENAME: ClassVar[str] = "quant_plan.json"
@@ -183,6 +200,10 @@ class QuantPlan(Artifact):
         data = super().to_dict()
         data["decisions"] = [Decision.of(d).as_dict() for d in self.decisions]  # the rows as written
         return data
+
+    def as_json(self) -> PlanJson:
+        """The plan as quant_plan.json holds it (to_dict), typed for the checks after execute."""
+        return cast(PlanJson, self.to_dict())
 
     def decision(self, decision_id: str) -> Decision | None:
         """The first decision of that id (None: the plan made none)."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from quark_ptq_eval.base.artifacts import QuantPlan
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import atomic_write_text
 
@@ -102,8 +103,9 @@ def actual_size(tokens: int | None, num_samples: int, seq_len: int) -> dict[str,
     return {"tokens": tokens, "samples": samples, "tokens_per_sample": per, "short": short, "text": text}
 
 
-def describe_used(calibration: dict[str, Any]) -> str:
-    """One line: the calibration actually used (manifest, validation report, summary)."""
+def describe_used(plan: QuantPlan) -> str:
+    """One line: the calibration the plan's run actually used (manifest, validation report, summary)."""
+    calibration = plan.calibration
     source = calibration.get("source_path") or calibration.get("path") or calibration.get("dataset")
     actual = calibration.get("actual") or {}
     size = actual.get("text") or f"{calibration.get('num_samples')} x {calibration.get('seq_len')} tokens (not counted)"

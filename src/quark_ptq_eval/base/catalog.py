@@ -12,12 +12,34 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.base.fsio import cache_dir, write_json
 
 CATALOG_FORMAT = 3  # bump when dump_catalog() describes more
+
+
+class TemplateInfo(TypedDict):
+    """What Quark's LLMTemplate of one model type holds: its default exclusions, its KV-cache layers
+    and the algorithms it has a built-in config for."""
+
+    exclude_layers: list[str]
+    kv_layers: list[str]
+    algorithms: list[str]
+
+
+class QuarkCatalog(TypedDict):
+    """The catalog as dump_catalog() writes it (and the cache holds it): the installed Quark's
+    schemes, each scheme's weight / activation dtypes (``scheme_info``, or its ``error``),
+    algorithms, KV-cache schemes and per-model-type templates."""
+
+    quark_version: str
+    scheme_info: dict[str, dict[str, Any]]
+    schemes: list[str]
+    algorithms: list[str]
+    kv_cache_schemes: list[str]
+    templates: dict[str, TemplateInfo]
 
 
 def quark_version() -> str:
@@ -45,11 +67,11 @@ def catalog_built() -> bool:
         return True
 
 
-def load_catalog() -> dict[str, Any]:
+def load_catalog() -> QuarkCatalog:
     path = catalog_path()
     if path.exists():
         try:
-            cached: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+            cached: QuarkCatalog = json.loads(path.read_text(encoding="utf-8"))
             return cached
         except json.JSONDecodeError:
             pass  # a damaged cache is rebuilt below
@@ -60,12 +82,12 @@ def load_catalog() -> dict[str, Any]:
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         raise QpeError(f"Could not query the installed Quark for its supported schemes: {tail[0]}")
-    catalog: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    catalog: QuarkCatalog = json.loads(proc.stdout.strip().splitlines()[-1])
     write_json(path, catalog)
     return catalog
 
 
-def dump_catalog() -> dict[str, Any]:
+def dump_catalog() -> QuarkCatalog:
     """Runs inside the child: import Quark and describe it."""
     from quark_ptq_eval.base.quark_import import import_quark_torch
 
@@ -73,7 +95,7 @@ def dump_catalog() -> dict[str, Any]:
     from quark.torch import LLMTemplate
     from quark.torch.quantization.config.algo_configs import get_supported_algorithm_types
 
-    templates = {}
+    templates: dict[str, TemplateInfo] = {}
     for model_type in LLMTemplate.list_available():
         t = LLMTemplate.get(model_type)
         templates[model_type] = {

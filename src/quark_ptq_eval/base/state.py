@@ -12,9 +12,10 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeAlias
 
 from quark_ptq_eval.base.claims import holder_record, open_lock_file, read_holder
 from quark_ptq_eval.base.errors import UsageError, WorkdirLocked
@@ -25,7 +26,11 @@ STATE_FILE = "run_state.json"
 LOCK_FILE = ".quark-ptq-eval.lock"
 
 
-def digest(obj: Any) -> str:
+# What json.dumps writes: scalars, sequences (lists, tuples) and string-keyed mappings of them.
+JsonValue: TypeAlias = "str | int | float | bool | None | Sequence[JsonValue] | Mapping[str, JsonValue]"
+
+
+def digest(obj: JsonValue) -> str:
     """A stable content digest of a JSON-able object (what an approval is bound to)."""
     blob = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -13,7 +13,7 @@ import platform
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict, cast
 
 from quark_ptq_eval.base import contracts
 from quark_ptq_eval.base.fsio import read_json, write_json
@@ -23,10 +23,32 @@ CONTEXT_KINDS = ("session_context", "env_context", "workspace_context", "pytorch
 EXECUTION_MODES = ("plan_only", "interactive_execute", "batch_execute")
 
 
+class Hardware(TypedDict, total=False):
+    """env_context.json's ``hardware``: what Quark's contract names (the accelerator required), and
+    the host's RAM and cores, which detect_env adds (a given file may lack them)."""
+
+    accelerator: Required[str]  # amd-rocm / nvidia-cuda / cpu / unknown
+    cuda_version: str | None
+    rocm_version: str | None
+    gpu_count: int
+    gpu_model: str | None
+    gpu_arch: str | None
+    memory_gb: float  # one GPU's
+    host_memory_gb: float
+    cpu_count: int
+
+
+class HostEnv(TypedDict):
+    """env_context.json: the machine (os, python, container) and its accelerator, as the plan reads them."""
+
+    environment: dict[str, str | bool | None]
+    hardware: Hardware
+
+
 @dataclass
 class Contexts:
     session: dict[str, Any]
-    env: dict[str, Any]
+    env: HostEnv
     workspace: dict[str, Any]
     pytorch: dict[str, Any]
     quark: dict[str, Any]
@@ -50,9 +72,9 @@ def load_context(kind: str, path: str | Path) -> dict[str, Any]:
     return data
 
 
-def detect_env() -> dict[str, Any]:
+def detect_env() -> HostEnv:
     """env_context: the machine, and the GPU as torch sees it when a GPU driver is present."""
-    hw: dict[str, Any] = {"accelerator": "cpu", "cuda_version": None, "rocm_version": None, "gpu_count": 0,
+    hw: Hardware = {"accelerator": "cpu", "cuda_version": None, "rocm_version": None, "gpu_count": 0,
                           "gpu_model": None, "gpu_arch": None}
     if not _gpu_driver_present():
         hw["accelerator"] = "cpu" if _version("torch") else "unknown"
@@ -74,17 +96,17 @@ def _gpu_driver_present() -> bool:
     return Path("/dev/kfd").exists() or Path("/proc/driver/nvidia").exists()
 
 
-def _detect_gpu_with_torch(hw: dict[str, Any]) -> None:
+def _detect_gpu_with_torch(hw: Hardware) -> None:
     try:
         import torch
 
         hip = getattr(torch.version, "hip", None)
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
-            hw.update(accelerator="amd-rocm" if hip else "nvidia-cuda", rocm_version=hip,
-                      cuda_version=None if hip else torch.version.cuda, gpu_count=torch.cuda.device_count(),
-                      gpu_model=props.name, memory_gb=round(props.total_memory / 2**30, 1),
-                      gpu_arch=getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}")
+            hw.update({"accelerator": "amd-rocm" if hip else "nvidia-cuda", "rocm_version": hip,
+                       "cuda_version": None if hip else torch.version.cuda, "gpu_count": torch.cuda.device_count(),
+                       "gpu_model": props.name, "memory_gb": round(props.total_memory / 2**30, 1),
+                       "gpu_arch": getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"})
     except ImportError:
         hw["accelerator"] = "unknown"
 
@@ -96,7 +118,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def detect_pytorch(env: dict[str, Any]) -> dict[str, Any]:
+def detect_pytorch(env: HostEnv) -> dict[str, Any]:
     torch_v = _version("torch")
     acc = env["hardware"]["accelerator"]
     return {"status": "ok" if torch_v else "failed", "pytorch_version": torch_v,
@@ -165,7 +187,8 @@ class WorkspaceAsk:
 def gather(workdir: Path, given: dict[str, str | None], asked: SessionAsk, place: WorkspaceAsk) -> Contexts:
     """Load the contexts given as files; produce (and write to ``workdir``) the others."""
     loaded = {k: load_context(k, p) for k, p in given.items() if p}
-    env = loaded.get("env_context") or _reuse(workdir, "env_context") or detect_env()
+    known = loaded.get("env_context") or _reuse(workdir, "env_context")
+    env = cast(HostEnv, known) if known else detect_env()  # a file read was held against the contract
     offline, execution_mode = asked.offline, asked.execution_mode
     sess = loaded.get("session_context") or session(asked.goal, bool(offline), execution_mode or "batch_execute",
                                                     workdir)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.calibration_text import OPTIMISTIC
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import Approver, Gatekeeper, as_gatekeeper
@@ -36,7 +37,7 @@ def evaluate(
     approver: Approver | Gatekeeper,
     *,
     source_model: Path | None = None,
-    plan: dict[str, Any] | None = None,
+    plan: PlanJson | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> EvalReport:
     """Run ``options.tier`` on ``model_dir``; write eval_report.md, eval_results.json and a chart to ``workdir``."""
@@ -47,7 +48,9 @@ def evaluate(
     if tier.module is not None and not (model_dir / "config.json").is_file():
         raise UsageError(f"{model_dir} has no config.json: give the quantized model's output directory.")
     workdir.mkdir(parents=True, exist_ok=True)
-    ctx = TierInputs(model_dir, options, workdir, approver, source_model, plan, progress=progress, started=started)
+    plan_read: dict[str, Any] | None = dict(plan) if plan is not None else None  # the tiers read it as JSON
+    ctx = TierInputs(model_dir, options, workdir, approver, source_model, plan_read, progress=progress,
+                      started=started)
     estimate, outcome, timed_from = None, TierOutcome(quantized={}, notes=["Evaluation skipped."]), None
     overlap = None
     if tier.module is not None:

@@ -12,11 +12,14 @@ Each step also works alone: ``analyze_model`` -> ``ModelAnalysis``, ``plan_quant
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan, RunManifest
+from quark_ptq_eval.base.artifacts import ModelAnalysis, PlanJson, QuantPlan, RunManifest
 from quark_ptq_eval.base.gates import Approver, FlagApprover
 from quark_ptq_eval.flows.run_options import run_options
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.context.preflight import HostEnv
 
 __all__ = ["analyze_model", "build_manifest", "compare", "evaluate_model", "execute_plan", "plan_quantization", "run",
            "run_options", "validate_model"]
@@ -33,7 +36,7 @@ def analyze_model(model: str | Path, *, offline: bool = False, trust_remote_code
     return analysis
 
 
-def plan_quantization(analysis: ModelAnalysis, output_dir: str | Path, *, env_context: dict | None = None,
+def plan_quantization(analysis: ModelAnalysis, output_dir: str | Path, *, env_context: HostEnv | None = None,
          workdir: str | Path | None = None, **request: Any) -> QuantPlan:
     """``request`` takes PlanRequest fields: goal, scheme, algorithm, calib_data, exclude_layers, ..."""
     from quark_ptq_eval.base.catalog import load_catalog
@@ -80,11 +83,12 @@ def execute_plan(workdir: str | Path, *, approver: Approver | None = None, quiet
     return run(None, None, workdir=workdir, approver=approver, stop_after="execute", quiet=quiet)
 
 
-def validate_model(source: str | Path, quantized: str | Path, quant_plan: QuantPlan | dict | None = None, **kwargs: Any):
+def validate_model(source: str | Path, quantized: str | Path, quant_plan: QuantPlan | PlanJson | None = None,
+                   **kwargs: Any):
     from quark_ptq_eval.validate import validate_model as _validate
 
-    plan_dict = quant_plan.to_dict() if isinstance(quant_plan, QuantPlan) else quant_plan
-    return _validate(Path(source), Path(quantized), plan_dict, **kwargs)
+    plan_json = quant_plan.as_json() if isinstance(quant_plan, QuantPlan) else quant_plan
+    return _validate(Path(source), Path(quantized), plan_json, **kwargs)
 
 
 def evaluate_model(model_dir: str | Path, workdir: str | Path = ".", *, approver: Approver | None = None,

@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from quark_ptq_eval.base.artifacts import QuantPlan
+from quark_ptq_eval.base.artifacts import PlanJson, QuantPlan
 from quark_ptq_eval.base.gates import GATES
 from quark_ptq_eval.base.state import digest
 from quark_ptq_eval.evaluate.api import evaluate
@@ -28,7 +28,7 @@ def validate_step(flow: Flow, plan: QuantPlan) -> ValidationReport:
     staged copy); a failure with a safe fix asks the fix gate, fixes and checks again, once."""
     run, output_dir = flow.run, flow.output()
     plan_json = flow.plan_json(plan)
-    source = effective_source(plan_json, flow.model_path)
+    source = effective_source(plan, flow.model_path)
     report = _checked(flow, source, plan_json)
     # the fixes re-copy files from the source: none without a local one (a Hub id's run)
     fixes = propose_fixes(report, source, output_dir) if report.status == "failed" and source is not None else []
@@ -43,7 +43,7 @@ def validate_step(flow: Flow, plan: QuantPlan) -> ValidationReport:
     if plan.calibration:
         from quark_ptq_eval.base.calibration_text import describe_used
 
-        report.calibration = describe_used(plan.calibration)
+        report.calibration = describe_used(plan)
     report.write(run.workdir)
     run.ui.info(report.one_line())
     run.state.record_step("validate", report.status, report=str(run.workdir / "validation_report.md"))
@@ -51,7 +51,7 @@ def validate_step(flow: Flow, plan: QuantPlan) -> ValidationReport:
     return report
 
 
-def _checked(flow: Flow, source: Path | None, plan_json: dict[str, Any]) -> ValidationReport:
+def _checked(flow: Flow, source: Path | None, plan_json: PlanJson) -> ValidationReport:
     """One validation pass, its checks shown as progress; the serving check uses the run's vLLM
     and server arguments, as Tier 3 does."""
     from quark_ptq_eval.validate.checks import CHECKS
@@ -73,9 +73,9 @@ def eval_step(flow: Flow, plan: QuantPlan) -> EvalReport | str:
     """eval_report.md / eval_results.json at the chosen tier, or ``SKIPPED``. Tier 1's baseline is
     the source as validation compared it (the staged BF16 copy of an FP8 release)."""
     run, plan_json = flow.run, flow.plan_json(plan)
-    source = effective_source(plan_json, flow.model_path)
+    source = effective_source(plan, flow.model_path)
     if run.evaluator is not None:
-        report = run.evaluator(flow.output(), source, plan_json)
+        report = run.evaluator(flow.output(), source, dict(plan_json))
         run.state.record_step("eval", "done", tier=report.tier, report=str(report.report_path))
         return report
     _heldout_default(flow, plan)

@@ -39,7 +39,8 @@ def run_plan_scan(plan: QuantPlan, max_kl: float | None, workdir: Path) -> ScanR
                        exclude=list(plan.exclude_layers), device=plan.device_strategy.get("device", "cpu"),
                        trust_remote_code=plan.trust_remote_code)
     done = run_sensitivity(opts, workdir, max_kl)
-    return _scan_result(done["proposal"], str(done["reports"]["md"]))
+    assert done.proposal is not None  # the plan's scan runs to its end (it has no --estimate-only)
+    return _scan_result(done.proposal, str(done.reports["md"]))
 
 
 def _scan_result(proposal: Proposal, report: str) -> ScanResult:

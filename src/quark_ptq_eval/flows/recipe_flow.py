@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quark_ptq_eval.base.artifacts import QuantPlan
+from quark_ptq_eval.base.artifacts import PlanJson, QuantPlan
+from quark_ptq_eval.base.catalog import QuarkCatalog
 from quark_ptq_eval.base.gates import Approver, Gatekeeper
 from quark_ptq_eval.base.state import RunState
 from quark_ptq_eval.base.ui import Reporter
@@ -45,13 +46,13 @@ class Flow:
 
     opts: RunOptions
     ctx: preflight.Contexts
-    catalog: dict[str, Any]
+    catalog: QuarkCatalog
     model_path: Path | None
     output_dir: Path | None
     run: RunServices
     plan_flags_given: bool = False  # plan flags given now ask for a new recommendation
     parts: dict[str, object] = field(default_factory=dict)  # Step.part -> what the step produced
-    _plan_json: dict[str, Any] | None = None
+    _plan_json: PlanJson | None = None
 
     def output(self) -> Path:
         """The output dir, which every step after intake has (only an intake-only run has none)."""
@@ -59,10 +60,10 @@ class Flow:
             raise RuntimeError("a step after intake ran without an output dir")
         return self.output_dir
 
-    def plan_json(self, plan: QuantPlan) -> dict[str, Any]:
+    def plan_json(self, plan: QuantPlan) -> PlanJson:
         """The approved plan as quant_plan.json holds it, serialised once for the checks after execute."""
         if self._plan_json is None:
-            self._plan_json = plan.to_dict()
+            self._plan_json = plan.as_json()
         return self._plan_json
 
     def tier1_lacks_text(self, tier: str | None) -> bool:

@@ -54,15 +54,15 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
     # Quark and transformers print to stdout: keep --json parseable, and their chatter goes to the log
     with _stdout_to_stderr(args.json), noise_to_log(args.out.resolve() / "logs" / "sensitivity.log"):
         done = run_sensitivity(opts, args.out.resolve(), args.max_kl, say, None if args.wider == "none" else args.wider)
-    if done["status"] != "complete":
+    proposal = done.proposal
+    if done.status != "complete" or proposal is None:  # stopped before its end: no proposal
         return ExitCode.OK
-    proposal = done["proposal"]
     if args.json:
-        print(json.dumps({"proposal": proposal.as_dict(), "reports": {k: str(v) for k, v in done["reports"].items()},
-                          "cache_hit": done["result"].get("cache_hit", False)}, indent=2))
+        print(json.dumps({"proposal": proposal.as_dict(), "reports": {k: str(v) for k, v in done.reports.items()},
+                          "cache_hit": done.result.get("cache_hit", False)}, indent=2))
     else:
         print(proposal.reason)
-        print(f"report: {done['reports']['md']}")
+        print(f"report: {done.reports['md']}")
     return ExitCode.OK
 
 

@@ -37,7 +37,7 @@ def build_summary(wd: Path, model: str | None, output_dir: str | None, timings: 
         "algorithm": plan.algorithm if plan else None,
         "size_before_bytes": analysis.size["bytes"] if analysis else None,
         "size_after_bytes": _dir_bytes(out) if out and _executed(stopped_at) else None,
-        "calibration": describe_used(plan.calibration) if plan else None,
+        "calibration": describe_used(plan) if plan else None,
         "validation": getattr(validation, "status", None),
         "evaluation": _eval_summary(evaluation),
         "artifacts": artifacts,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis
+from quark_ptq_eval.base.catalog import QuarkCatalog
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import read_json
 from quark_ptq_eval.base.safetensors_io import read_model_headers, weight_files
@@ -181,7 +182,7 @@ def _risks(cfg: dict[str, Any], text_cfg: dict[str, Any], template: bool, model_
     return risks
 
 
-def analyze_model(model: str, *, offline: bool, catalog: dict[str, Any], trust_remote_code: bool = False) -> ModelAnalysis:
+def analyze_model(model: str, *, offline: bool, catalog: QuarkCatalog, trust_remote_code: bool = False) -> ModelAnalysis:
     path, source = resolve_model(model, offline)
     cfg = _load_config(model, path)
     text_cfg: dict[str, Any] = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
@@ -242,7 +243,8 @@ def analyze_model(model: str, *, offline: bool, catalog: dict[str, Any], trust_r
     )
 
 
-def describe(analysis: ModelAnalysis) -> list[tuple[str, Any]]:
+def describe(analysis: ModelAnalysis) -> list[tuple[str, str]]:
+    """The analysis as the rows of the table intake shows: (what, its value as text)."""
     a, t = analysis.architecture, analysis.quantization_targets
     return [
         ("model", analysis.model["model_path"]), ("model_type", analysis.model_type),

@@ -79,7 +79,7 @@ def build_manifest(plan: QuantPlan, workdir: Path, output_dir: Path, *, offline:
         inputs={"model_dir": str(model_dir), "quant_plan": str(workdir / "quant_plan.json"),
                 "model_analysis": str(workdir / "model_analysis.json"),
                 "calibration": plan.calibration.get("path") or plan.calibration.get("dataset"),
-                "calibration_used": describe_used(plan.calibration),
+                "calibration_used": describe_used(plan),
                 **({"source_reading": reading} if reading.get("mode") not in (None, "direct") else {})},
         outputs={"quantized_model_dir": str(output_dir), "staging_dir": str(staging), "workdir": str(workdir),
                  "log": str(workdir / "logs" / "engine.log")},

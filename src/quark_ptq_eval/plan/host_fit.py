@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from quark_ptq_eval.base.sizes import gb
+from quark_ptq_eval.context.preflight import HostEnv
 from quark_ptq_eval.plan.host_memory import host_capacity
 from quark_ptq_eval.plan.resources import (
     HEADROOM,
@@ -27,7 +28,7 @@ def _fits(est: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> 
             and (not est["gpu_peak_bytes"] or not gpu or est["gpu_peak_bytes"] <= gpu * HEADROOM))
 
 
-def engine_for_host(work: QuantizeWorkload, engine: str, why: str, requested: str, env: dict[str, Any]) -> tuple[str, str]:
+def engine_for_host(work: QuantizeWorkload, engine: str, why: str, requested: str, env: HostEnv) -> tuple[str, str]:
     """The plan's engine once this host's memory is known: file-to-file when the automatic choice's
     whole-model engine does not fit and file-to-file does and can serve the plan (docs/planning.md)."""
     from quark_ptq_eval.plan.engines import shard_engine

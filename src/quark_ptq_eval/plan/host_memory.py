@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.sizes import GIB
+from quark_ptq_eval.context.preflight import HostEnv
 
 
 def mem_available_bytes(meminfo: str | None = None) -> int | None:
@@ -21,7 +22,7 @@ def mem_available_bytes(meminfo: str | None = None) -> int | None:
     return int(m.group(1)) * 1024 if m else None
 
 
-def host_capacity(env: dict[str, Any], output_dir: Path | None, meminfo: str | None = None) -> dict[str, Any]:
+def host_capacity(env: HostEnv, output_dir: Path | None, meminfo: str | None = None) -> dict[str, Any]:
     """RAM (the env_context's host_memory_gb), GPU memory (memory_gb x gpu_count) and free disk."""
     from quark_ptq_eval.context.preflight import free_gb
 

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.artifacts import Decision, ModelAnalysis, QuantPlan
+from quark_ptq_eval.base.catalog import QuarkCatalog
 from quark_ptq_eval.base.context_window import fit_window, read_model_config
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.base.textdata import check_text_source
+from quark_ptq_eval.context.preflight import HostEnv
 from quark_ptq_eval.plan import host_fit, host_memory, resource_rows, resources, source_reading
 from quark_ptq_eval.plan.calibration_check import check_calibration_text, source_note
 from quark_ptq_eval.plan.engines import ENGINES, choose_engine, get_engine
@@ -56,12 +58,12 @@ ACTIVATION_ALGORITHMS = {"smoothquant", "autosmoothquant"}
 ACCURACY_FIRST = re.compile(r"accura|quality|best")
 
 
-def _gpu(env: dict[str, Any]) -> tuple[str, str]:
+def _gpu(env: HostEnv) -> tuple[str, str]:
     hw = env["hardware"]
     return hw["accelerator"], (hw.get("gpu_arch") or "").lower()
 
 
-def _choose_scheme(req: PlanRequest, env: dict[str, Any], catalog: dict[str, Any], tc: Deployment,
+def _choose_scheme(req: PlanRequest, env: HostEnv, catalog: QuarkCatalog, tc: Deployment,
                    fits: BudgetCheck | None = None) -> tuple[str, str]:
     if req.scheme:
         return req.scheme, "asked for explicitly"
@@ -98,7 +100,7 @@ def _choose_algorithm(req: PlanRequest, scheme_info: dict[str, Any], template_al
 
 
 def _check_compatible(model_type: str, scheme: str, algorithm: str | None, kv: str | None,
-                      overrides: dict[str, str], analysis: ModelAnalysis, catalog: dict[str, Any]) -> None:
+                      overrides: dict[str, str], analysis: ModelAnalysis, catalog: QuarkCatalog) -> None:
     if not analysis.template["available"]:
         raise UsageError(f"The installed Quark {catalog['quark_version']} has no template for model_type {model_type!r}.",
                          f"Supported model types: {', '.join(sorted(catalog['templates']))}.")
@@ -144,7 +146,7 @@ def _calibration(req: PlanRequest, accelerator: str, model_config: dict[str, Any
     return {"source": "hub_dataset", "dataset": dataset, "path": None, **common}, f"Quark's standard {dataset}"
 
 
-def _device(req: PlanRequest, env: dict[str, Any], size_bytes: int) -> dict[str, Any]:
+def _device(req: PlanRequest, env: HostEnv, size_bytes: int) -> dict[str, Any]:
     acc, _ = _gpu(env)
     device = req.device or ("cpu" if acc in ("cpu", "unknown") else "cuda")
     mem = env["hardware"].get("memory_gb") or 0
@@ -156,13 +158,13 @@ def _device(req: PlanRequest, env: dict[str, Any], size_bytes: int) -> dict[str,
 LITTLE_CALIBRATION = 32  # samples when calibration only sees weight ranges
 
 
-def _choose_kv(req: PlanRequest, tc: Deployment, catalog: dict[str, Any], analysis: ModelAnalysis) -> tuple[str | None, str]:
+def _choose_kv(req: PlanRequest, tc: Deployment, catalog: QuarkCatalog, analysis: ModelAnalysis) -> tuple[str | None, str]:
     if req.kv_cache_scheme is not None:
         return (req.kv_cache_scheme or None), "asked for explicitly" if req.kv_cache_scheme else "disabled explicitly"
     return recommend_kv(tc, catalog, analysis.template.get("kv_layers") or [])
 
 
-def _budget_check(tc: Deployment, analysis: ModelAnalysis, catalog: dict[str, Any],
+def _budget_check(tc: Deployment, analysis: ModelAnalysis, catalog: QuarkCatalog,
                   req: PlanRequest) -> BudgetCheck | None:
     """``fits(scheme) -> (ok, why)`` against a serving budget stated in the goal, or None."""
     target = tc.target
@@ -202,7 +204,7 @@ def _calibration_size(req: PlanRequest, calibration: dict[str, Any], info: dict[
     return "quark-cli's default sample count"
 
 
-def _target_and_fit(work: resources.QuantizeWorkload, tc: Deployment, env: dict[str, Any], output_dir: Path,
+def _target_and_fit(work: resources.QuantizeWorkload, tc: Deployment, env: HostEnv, output_dir: Path,
                     engine: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The plan's ``target`` (with its serving fit) and ``resources`` (this host's fit, with table rows)."""
     analysis, scheme, info, algorithm, kv = work.analysis, work.scheme, work.info, work.algorithm, work.kv
@@ -238,7 +240,7 @@ def _exclusions(req: PlanRequest, analysis: ModelAnalysis) -> tuple[list[str], s
         f"Quark's {analysis.model_type} template defaults"
 
 
-def _fitting_scheme(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, catalog: dict[str, Any],
+def _fitting_scheme(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: QuarkCatalog,
                     tc: Deployment) -> tuple[str, str]:
     """The scheme the request and target ask for, held against every quantized linear's group and
     block sizes: a planner's choice falls back to the nearest that fits, a named one is refused."""
@@ -256,7 +258,7 @@ def _plan_calibration(req: PlanRequest, analysis: ModelAnalysis, analysis_ref: P
     return calibration, why, size, size_why
 
 
-def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, catalog: dict[str, Any], analysis_ref: Path,
+def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: QuarkCatalog, analysis_ref: Path,
               output_dir: Path) -> QuantPlan:
     model_type = analysis.model_type
     accelerator, arch = _gpu(env)
@@ -316,7 +318,7 @@ def make_plan(analysis: ModelAnalysis, env: dict[str, Any], req: PlanRequest, ca
     return plan
 
 
-def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: dict[str, Any]) -> None:
+def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: QuarkCatalog) -> None:
     """Re-check a (hand-edited) plan against the installed Quark, as make_plan does."""
     _check_compatible(analysis.model_type, plan.global_scheme, plan.algorithm, plan.kv_cache_scheme,
                       plan.layer_quant_config, analysis, catalog)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quark_ptq_eval.base.artifacts import ModelAnalysis
+from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.intake.formats import (
@@ -123,11 +123,11 @@ def engine_reads_source(engine: str, analysis: ModelAnalysis, device: str) -> bo
     return not (read.gpu_only and device == "cpu")
 
 
-def effective_source(plan: dict[str, Any] | None, model_path: Path | None) -> Path | None:
+def effective_source(plan: QuantPlan | None, model_path: Path | None) -> Path | None:
     """The source validation, the load check and Tier 1's baseline compare against: the staged
     BF16 (or converted) copy when the plan made one and it is complete, else the model dir.
     For other checks that want the dequantized source (e.g. a decode check in validate/)."""
-    reading = (plan or {}).get("source_reading") or {}
+    reading = (plan.source_reading if plan is not None else None) or {}
     staged = reading.get("source_dir")
     staged_modes = ("stage_bf16", "convert_bin", "file2file_native")
     if reading.get("mode") in staged_modes and staged and (Path(staged) / COMPLETE_MARK).is_file():

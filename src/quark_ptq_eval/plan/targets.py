@@ -11,7 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from quark_ptq_eval.base.catalog import QuarkCatalog
 from quark_ptq_eval.base.registry import Registry
+from quark_ptq_eval.context.preflight import HostEnv
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ def resolve_target(name: str | None, goal: str) -> tuple[Target | None, str]:
     return None, "no target named: planning for this host"
 
 
-def host_family(env: dict[str, Any]) -> ArchFamily | None:
+def host_family(env: HostEnv) -> ArchFamily | None:
     """The architecture family of the host's accelerator (when no target is named)."""
     hw = env["hardware"]
     arch, acc = (hw.get("gpu_arch") or "").lower(), hw["accelerator"]
@@ -241,7 +243,7 @@ class Deployment:
                 "fp8_kv_cache": bool(f and f.fp8_kv), "priority": self.priority, "budget": self.budget}
 
 
-def deployment_of(name: str | None, goal: str, env: dict[str, Any]) -> Deployment:
+def deployment_of(name: str | None, goal: str, env: HostEnv) -> Deployment:
     target, source = resolve_target(name, goal)
     family = target.family if target else host_family(env)
     return Deployment(target, source, family, priority(goal), memory_budget(goal))
@@ -250,7 +252,7 @@ def deployment_of(name: str | None, goal: str, env: dict[str, Any]) -> Deploymen
 BudgetCheck = Callable[[str], tuple[bool, str]]  # scheme -> (fits the goal's memory budget, why)
 
 
-def recommend_scheme(tc: Deployment, catalog: dict[str, Any], fits: BudgetCheck | None = None) -> tuple[str, str] | None:
+def recommend_scheme(tc: Deployment, catalog: QuarkCatalog, fits: BudgetCheck | None = None) -> tuple[str, str] | None:
     """(scheme, reason) for the target and priority; ``fits(scheme) -> (ok, why)`` checks a memory budget."""
     fam = tc.family
     if fam is None:
@@ -277,7 +279,7 @@ def target_fallbacks(tc: Deployment) -> tuple[str, ...]:
     return tuple(dict.fromkeys(s for p in ("accuracy", "balanced", "speed", "size") for s in fam.prefer[p])) if fam else ()
 
 
-def recommend_kv(tc: Deployment, catalog: dict[str, Any], kv_layers: list[str]) -> tuple[str | None, str]:
+def recommend_kv(tc: Deployment, catalog: QuarkCatalog, kv_layers: list[str]) -> tuple[str | None, str]:
     fam = tc.family
     if fam is None:
         return None, "KV cache left in the model dtype: no target named and no known accelerator here"

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import atomic_write_text
 from quark_ptq_eval.publish.base_card import CARD_FILE, CARD_MARK
-from quark_ptq_eval.publish.facts import read_facts
+from quark_ptq_eval.publish.facts import ComparisonChoice, read_facts
 
 CARD_CHOICES = ("write", "none")  # --card: write the card at the end of the recipe, or none
 
 
 def write_card(workdir: Path, export: Path, *, base_model: str | None = None, repo_id: str | None = None,
-               comparison: dict[str, Any] | None = None) -> Path:
+               comparison: ComparisonChoice | None = None) -> Path:
     """Write ``export/README.md`` from the run in ``workdir``; returns its path."""
     from huggingface_hub import ModelCard
 
@@ -61,4 +60,4 @@ def upload_command(export: Path, repo_id: str | None = None) -> str:
     return shlex.join(["hf", "upload", repo_id or default_repo_id(export), str(Path(export).resolve()), "."])
 
 
-__all__ = ["CARD_CHOICES", "CARD_FILE", "upload_command", "write_card"]
+__all__ = ["CARD_CHOICES", "CARD_FILE", "ComparisonChoice", "upload_command", "write_card"]

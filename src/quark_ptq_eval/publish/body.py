@@ -52,7 +52,7 @@ def _quantization(facts: RunFacts) -> list[str]:
             ("algorithm", f"`{plan.algorithm}`" if plan.algorithm else "none (plain PTQ)", reasons.get("algorithm", "")),
             ("KV cache", f"`{plan.kv_cache_scheme}`" if plan.kv_cache_scheme else "model dtype (not quantized)",
              reasons.get("kv_cache_scheme", "")),
-            ("calibration", describe_used(plan.calibration) if plan.calibration else "none",
+            ("calibration", describe_used(plan) if plan.calibration else "none",
              reasons.get("calibration", "")),
             ("calibration size", f"{plan.calibration.get('num_samples')} samples x "
                                  f"{plan.calibration.get('seq_len')} tokens", reasons.get("calibration size", ""))]
@@ -84,8 +84,8 @@ def _comparison(facts: RunFacts) -> list[str]:
     chosen = facts.comparison
     if not chosen:
         return []
-    return ["## Chosen by a comparison", "", f"{chosen['reason']}", "",
-            f"Compared: {', '.join(chosen['schemes'])} (report: `{chosen['report']}`)."]
+    return ["## Chosen by a comparison", "", f"{chosen.reason}", "",
+            f"Compared: {', '.join(chosen.schemes)} (report: `{chosen.report}`)."]
 
 
 def _footer(facts: RunFacts) -> list[str]:

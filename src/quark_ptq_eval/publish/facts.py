@@ -21,6 +21,15 @@ EVAL_FILE = "eval_results.json"
 TORCH_FILE = "pytorch_install_result.json"
 
 
+@dataclass(frozen=True)
+class ComparisonChoice:
+    """Why a comparison chose this export's scheme (compare writes the card of that one only)."""
+
+    reason: str
+    schemes: tuple[str, ...]  # every scheme compared, with its status: "fp8 (done)"
+    report: str | None  # the comparison's report
+
+
 @dataclass
 class RunFacts:
     workdir: Path
@@ -33,7 +42,7 @@ class RunFacts:
     evaluation: dict[str, Any] | None = None  # eval_results.json, when it is about this export
     versions: dict[str, str | None] = field(default_factory=dict)  # quark, torch, transformers
     left_out: list[str] = field(default_factory=list)  # artifacts found but about another model
-    comparison: dict[str, Any] | None = None  # compare's row and reason for the scheme it chose
+    comparison: ComparisonChoice | None = None  # set when a comparison chose this scheme
 
 
 def read_facts(workdir: Path, export: Path, base_model: str | None = None) -> RunFacts:

@@ -10,6 +10,7 @@ See docs/sensitivity.md.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,22 @@ from quark_ptq_eval.sensitivity.report import write_reports
 from quark_ptq_eval.sensitivity.scan import ScanOptions, measure_kl, open_session, scan
 from quark_ptq_eval.sensitivity.wider import try_wider, wider_scheme
 
-__all__ = ["Proposal", "ScanOptions", "default_max_kl", "propose", "run_sensitivity"]
+__all__ = ["Proposal", "ScanOptions", "SensitivityOutcome", "default_max_kl", "propose", "run_sensitivity"]
+
+
+@dataclass(frozen=True)
+class SensitivityOutcome:
+    """What run_sensitivity did: ``status`` "complete", or the scan's own status when it stopped
+    before its end (``--estimate-only``: no proposal, no reports)."""
+
+    status: str
+    result: dict[str, Any]  # the scan, as sensitivity_report.json and the cache hold it
+    proposal: Proposal | None = None
+    reports: dict[str, Path] = field(default_factory=dict)  # "md", "json", "png"
 
 
 def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = None,
-                    progress: Callable[[str], None] = print, wider: str | None = "auto") -> dict[str, Any]:
+                    progress: Callable[[str], None] = print, wider: str | None = "auto") -> SensitivityOutcome:
     """Scan (or reuse the cached scan), propose exclusions for ``max_kl``, measure the same layers at
     ``wider`` ("auto": fp8 for fp4/fp6 formats, int8 for int4; None: exclusions only), write the reports."""
     if not (Path(opts.model_dir) / "config.json").exists():
@@ -38,7 +50,7 @@ def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = Non
     if result["status"] != "complete":
         progress(f"sensitivity: {result['measured']} of {result['layers']} layers measured and kept; "
                  "run again without --estimate-only to finish")
-        return {"status": result["status"], "result": result}
+        return SensitivityOutcome(result["status"], result)
 
     def measure(excluded: set[str]) -> float:
         """KL with every quantized module but those the ``excluded`` patterns name."""
@@ -56,7 +68,7 @@ def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = Non
         ScanCache(result["key"], opts.cache_root).save_final({k: v for k, v in result.items() if k != "cache_hit"})
     command = scan_command(opts.model_dir, opts.scheme, opts.calib_data, out_dir)
     paths = write_reports(Path(out_dir), result, proposal.as_dict(), command)
-    return {"status": "complete", "result": result, "proposal": proposal, "reports": paths}
+    return SensitivityOutcome("complete", result, proposal, paths)
 
 
 def _batches(opts: ScanOptions) -> list[Any]:

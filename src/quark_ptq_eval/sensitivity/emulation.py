@@ -41,8 +41,9 @@ def check_scheme_runs(model_dir: Path, scheme: str, exclude: list[str] | None,
     from quark_ptq_eval.plan.scheme_fit import SchemeChoice, fit_to_model
 
     catalog = load_catalog()
-    model_type = (read_json(Path(model_dir) / "config.json", "model config") or {}).get("model_type")
-    template = (catalog.get("templates") or {}).get(model_type) or {}
-    excludes = list(exclude) if exclude is not None else list(template.get("exclude_layers") or [])
+    model_type = str((read_json(Path(model_dir) / "config.json", "model config") or {}).get("model_type"))
+    template = (catalog.get("templates") or {}).get(model_type)
+    template_excludes = template.get("exclude_layers") if template else None
+    excludes = list(exclude) if exclude is not None else list(template_excludes or [])
     fit_to_model(str(model_dir), SchemeChoice(scheme, "asked for explicitly"), dict(layer_config or {}), excludes,
                  list(catalog.get("schemes") or []))

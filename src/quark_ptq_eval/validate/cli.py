@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import cast
 
+from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import read_json
 from quark_ptq_eval.base.gates import Approver
@@ -63,13 +64,13 @@ def cmd_validate(args: argparse.Namespace, approver: Approver) -> int:
     return 0
 
 
-def _load_plan(path: Path | None) -> dict[str, Any] | None:
+def _load_plan(path: Path | None) -> PlanJson | None:
     if path is None:
         return None
     plan = read_json(path, "quant plan")
     if not isinstance(plan, dict) or not isinstance(plan.get("exclude_layers", []), list):
         raise UsageError(f"The quant plan {path} is not a quant_plan.json object with an exclude_layers list.")
-    return plan
+    return cast(PlanJson, plan)  # any of quant_plan.json's keys: each check reads what it needs
 
 
 def _print_failures(report: ValidationReport) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.fsio import umask_mode
 from quark_ptq_eval.base.gates import Approver, require
@@ -63,7 +64,7 @@ def apply_fixes(fixes: list[Fix], source: Path, quantized: Path, approver: Appro
     return applied
 
 
-def fix_and_revalidate(report: ValidationReport, approver: Approver, plan: dict[str, Any] | None = None,
+def fix_and_revalidate(report: ValidationReport, approver: Approver, plan: PlanJson | None = None,
                        **validate_kwargs: Any) -> ValidationReport:
     """Apply the proposed fixes (on approval) and validate again; the new report lists them."""
     fixes = propose_fixes(report, report.source, report.quantized)

@@ -6,8 +6,9 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
+from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.validate.registry import CheckInputs, Progress, read_config_or_empty
 from quark_ptq_eval.validate.report import ValidationReport
@@ -33,8 +34,20 @@ class ValidateOptions:
     vllm_args: tuple[str, ...] = ()
 
 
-def validate_model(source: Path | None, quantized: Path, plan: dict[str, Any] | None = None,
-                   options: ValidateOptions | None = None, **given: Any) -> ValidationReport:
+class ValidateKeywords(TypedDict, total=False):
+    """ValidateOptions' fields, given to validate_model by keyword (a test holds the two alike)."""
+
+    max_samples: int | None
+    seed: int
+    workers: int | None
+    progress: Progress | None
+    load_check: bool
+    vllm_python: Path | None
+    vllm_args: tuple[str, ...]
+
+
+def validate_model(source: Path | None, quantized: Path, plan: PlanJson | None = None,
+                   options: ValidateOptions | None = None, **given: Unpack[ValidateKeywords]) -> ValidationReport:
     """Validate ``quantized`` against ``source`` (and ``plan`` when given); never raises on a mismatch.
 
     ``given``: ValidateOptions fields by keyword (``load_check=True``, ``max_samples=8``, ...), over
@@ -48,11 +61,12 @@ def validate_model(source: Path | None, quantized: Path, plan: dict[str, Any] | 
     if opts.max_samples is not None and opts.max_samples < 1:
         raise UsageError(f"--max-samples must be at least 1, not {opts.max_samples}.")
     progress = opts.progress
-    ctx = CheckInputs(source, quantized, plan, max_samples=opts.max_samples, seed=opts.seed,
+    plan_read: dict[str, Any] | None = dict(plan) if plan is not None else None  # the checks read it as JSON
+    ctx = CheckInputs(source, quantized, plan_read, max_samples=opts.max_samples, seed=opts.seed,
                             workers=opts.workers, load_check=opts.load_check, vllm_python=opts.vllm_python,
                             vllm_args=tuple(opts.vllm_args), progress=progress)
     ctx.src_config, ctx.out_config = read_config_or_empty(source), read_config_or_empty(quantized)
-    ctx.exclude, ctx.exclusions_from = _exclusions(plan, ctx.qconfig)
+    ctx.exclude, ctx.exclusions_from = _exclusions(plan_read, ctx.qconfig)
     ctx.read_headers()
     notify = progress or (lambda check, done, total: None)
     results = []

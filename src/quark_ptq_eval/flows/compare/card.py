@@ -8,15 +8,15 @@ from typing import Any
 
 def card_for_chosen(comparison: Any, doc: dict[str, Any]) -> None:
     """Write the recommended scheme's card; ``doc`` (comparison.json's content) gets its path and upload line."""
-    from quark_ptq_eval.publish import upload_command, write_card
+    from quark_ptq_eval.publish import ComparisonChoice, upload_command, write_card
 
     rec = doc.get("recommendation") or {}
     scheme = rec.get("scheme")
     if scheme is None:
         comparison.ui.info("No model card: no scheme is recommended.")
         return
-    chosen = {"reason": rec["reason"], "schemes": [f"{r['scheme']} ({r.get('status')})" for r in doc.get("schemes") or []],
-              "report": (doc.get("artifacts") or {}).get("report")}
+    chosen = ComparisonChoice(rec["reason"], tuple(f"{r['scheme']} ({r.get('status')})" for r in doc.get("schemes") or []),
+                              (doc.get("artifacts") or {}).get("report"))
     out = comparison.output_dir(scheme)
     doc["model_card"] = str(write_card(comparison.workdir(scheme), out, comparison=chosen))
     doc["upload"] = upload_command(out)
