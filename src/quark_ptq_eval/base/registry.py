@@ -131,9 +131,9 @@ def defined_names(module: str) -> set[str] | None:
         return None
     key = (spec.origin, os.stat(spec.origin).st_mtime_ns)
     if key not in _NAMES:
-        get_code = getattr(spec.loader, "get_code", None)
-        cached = get_code is not None and spec.cached is not None and os.path.exists(spec.cached)
-        _NAMES[key] = frozenset(_stored_names(get_code(module)) if cached else _parsed_names(spec.origin))
+        get_code: Callable[[str], CodeType | None] | None = getattr(spec.loader, "get_code", None)
+        code = get_code(module) if get_code and spec.cached and os.path.exists(spec.cached) else None
+        _NAMES[key] = frozenset(_stored_names(code) if code is not None else _parsed_names(spec.origin))
     return set(_NAMES[key])
 
 
