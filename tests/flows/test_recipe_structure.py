@@ -25,7 +25,7 @@ NAMED_CALLEES = ("execute_manifest", "make_plan", "build_manifest", "validate_mo
 KNOWN_UNTYPED = {
     ("analyze_model", "catalog"), ("make_plan", "env"), ("make_plan", "catalog"), ("check_plan", "catalog"),
     ("describe", "return"), ("effective_source", "plan"), ("validate_model", "plan"), ("validate_model", "given"),
-    ("evaluate", "plan"), ("digest", "obj"), ("describe_used", "calibration"), ("write_card", "comparison"),
+    ("evaluate", "plan"), ("describe_used", "calibration"), ("write_card", "comparison"),
     ("run_sensitivity", "return"),
 }
 
