@@ -404,6 +404,26 @@ def test_a_tier_row_that_lacks_the_contract_is_refused_when_registered():
     assert tiers.names() == ("ppl",)  # nothing refused was added
 
 
+# What a tier module is made of (its own module and the helpers it splits off, docs/extending.md)
+TIER_INTERNALS = ("tier_", "lmeval_", "paired_tests", "ppl_", "vllm_", "tier1_", "tier3_")
+
+
+def test_compare_scores_through_the_tiers_interfaces_never_their_modules():
+    """Compare reaches Tier 1 and Tier 2 as context.text_scorer() / task_scorer(), the modules of
+    the tiers the registry marks as scoring a text / tasks in this process."""
+    from quark_ptq_eval.evaluate.context import TaskScorer, TextScorer, task_scorer, text_scorer
+    from quark_ptq_eval.evaluate.tiers import task_tier, text_tier
+
+    compare = SRC / "quark_ptq_eval" / "flows" / "compare"
+    reached = {f"{path.name}: {node.module}" for path in sorted(compare.glob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+               and (node.module or "").startswith("quark_ptq_eval.evaluate.")
+               and node.module.rsplit(".", 1)[1].startswith(TIER_INTERNALS)}
+    assert reached == set(), "compare imports a tier's own modules"
+    assert isinstance(text_scorer(), TextScorer) and text_scorer().__name__ == text_tier().module
+    assert isinstance(task_scorer(), TaskScorer) and task_scorer().__name__ == task_tier().module
+
+
 NAMES_MODULE = '''"""Every way a module's top level binds a name."""
 from __future__ import annotations
 
