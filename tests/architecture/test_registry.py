@@ -5,6 +5,7 @@ the package (a dummy engine, tier, check and source format run through the recip
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import shutil
@@ -387,6 +388,9 @@ def test_a_tier_row_that_lacks_the_contract_is_refused_when_registered():
         "text": (Tier("text", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_lmeval", True, scores_text=True,
                       report_section="quark_ptq_eval.evaluate.tier_lmeval:section"),
                  "defines no eval_texts, token_windows, auto_batch_size, new_accumulator, text_outcome"),
+        "tasks": (Tier("tasks", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_vllm", True, scores_tasks=True,
+                       report_section="quark_ptq_eval.evaluate.tier_vllm:section"),
+                  "defines no task_manager, check_tasks, evaluate_tasks, samples_path, scores_from, paired_tests"),
         "idle": (Tier("idle", "-", "t", "m", "c", None, False, report_section="a.b:c"),
                  "it runs nothing (no module) but sets report_section"),
     }
@@ -398,6 +402,85 @@ def test_a_tier_row_that_lacks_the_contract_is_refused_when_registered():
     with pytest.raises(InvalidEntry, match="must be a Tier, not Row"):
         tiers.register(Row("row"))
     assert tiers.names() == ("ppl",)  # nothing refused was added
+
+
+# What a tier module is made of (its own module and the helpers it splits off, docs/extending.md)
+TIER_INTERNALS = ("tier_", "lmeval_", "paired_tests", "ppl_", "vllm_", "tier1_", "tier3_")
+
+
+def test_compare_scores_through_the_tiers_interfaces_never_their_modules():
+    """Compare reaches Tier 1 and Tier 2 as context.text_scorer() / task_scorer(), the modules of
+    the tiers the registry marks as scoring a text / tasks in this process."""
+    from quark_ptq_eval.evaluate.context import TaskScorer, TextScorer, task_scorer, text_scorer
+    from quark_ptq_eval.evaluate.tiers import task_tier, text_tier
+
+    compare = SRC / "quark_ptq_eval" / "flows" / "compare"
+    reached = {f"{path.name}: {node.module}" for path in sorted(compare.glob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+               and (node.module or "").startswith("quark_ptq_eval.evaluate.")
+               and node.module.rsplit(".", 1)[1].startswith(TIER_INTERNALS)}
+    assert reached == set(), "compare imports a tier's own modules"
+    assert isinstance(text_scorer(), TextScorer) and text_scorer().__name__ == text_tier().module
+    assert isinstance(task_scorer(), TaskScorer) and task_scorer().__name__ == task_tier().module
+
+
+NAMES_MODULE = '''"""Every way a module's top level binds a name."""
+from __future__ import annotations
+
+import os.path
+from json import dumps as to_json, loads
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathlib import Path
+try:
+    import tomllib
+except ImportError:
+    tomllib = None
+else:
+    FAST = True
+finally:
+    CLOSED = True
+COUNT: int = 0
+COUNT += 1
+ANNOTATED_ONLY: int
+first, (second, *rest) = 1, (2, 3)
+holder = {}
+holder["key"] = holder.attr = 1 if False else 2
+
+
+def prepare(ctx):
+    inner = 1
+    return inner
+
+
+class Runner:
+    run = None
+'''
+
+
+def test_the_names_a_module_binds_read_alike_from_its_bytecode_and_its_source(tmp_path, monkeypatch):
+    """defined_names reads the bytecode cache when there is one, else the source: the same names."""
+    import py_compile
+
+    from quark_ptq_eval.base import registry
+
+    module = tmp_path / "names_probe.py"
+    module.write_text(NAMES_MODULE)
+    expected = {"annotations", "os", "to_json", "loads", "TYPE_CHECKING", "Path", "tomllib", "FAST", "CLOSED",
+                "COUNT", "first", "second", "rest", "holder", "prepare", "Runner"}
+    assert registry._stored_names(compile(NAMES_MODULE, str(module), "exec")) == expected
+    assert registry._parsed_names(str(module)) == expected
+    for path in sorted((SRC / "quark_ptq_eval" / "evaluate").glob("*.py")):  # the tier modules and their neighbours
+        assert registry._stored_names(compile(path.read_text(), str(path), "exec")) == registry._parsed_names(
+            str(path)), path
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert registry.defined_names("names_probe") == expected  # no cache yet: parsed
+    module.write_text(NAMES_MODULE + "LATER = 1\n")
+    os.utime(module, ns=(1, 10**9))  # a new mtime: read again, not the names remembered
+    py_compile.compile(str(module), cfile=importlib.util.cache_from_source(str(module)), doraise=True)
+    monkeypatch.setattr(registry, "_parsed_names", lambda path: pytest.fail("parsed despite its bytecode cache"))
+    assert registry.defined_names("names_probe") == expected | {"LATER"}
 
 
 # ---- docs/extending.md: a tier with its own option, one module and one row ----------------------------

@@ -1,5 +1,6 @@
 """Phase 1 steps 2-3: recommendations, refusals, and the exact command for every plan feature."""
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -169,3 +170,14 @@ def test_trust_remote_code_is_never_implied(plan_for, tmp_path):
     assert "--no_trust_remote_code" in manifest_for(plan, tmp_path).command["argv"]
     approved = plan_for(scheme="int8", trust_remote_code=True)
     assert "--trust_remote_code" in manifest_for(approved, tmp_path).command["argv"]
+
+
+def test_an_unchanged_plan_is_not_written_again(plan_for, tmp_path):
+    plan, workdir = plan_for(), tmp_path / "work"
+    workdir.mkdir()
+    assert plan.write_if_changed(workdir)
+    path = plan.path_in(workdir)
+    os.utime(path, ns=(1, 1))  # an mtime no write can leave
+    assert not plan.write_if_changed(workdir) and path.stat().st_mtime_ns == 1
+    plan.requires_confirmation = False  # checkpoint 2 approved it: the content changes, so it is written
+    assert plan.write_if_changed(workdir) and path.stat().st_mtime_ns != 1

@@ -12,13 +12,14 @@ import jsonschema
 import pytest
 
 from quark_ptq_eval.base.errors import CheckpointPending, ExitCode, UsageError, ValidationFailed
-from quark_ptq_eval.base.gates import FlagApprover
+from quark_ptq_eval.base.gates import FlagApprover, Gatekeeper
 from quark_ptq_eval.base.safetensors_io import INDEX_NAME, read_model_headers
 from quark_ptq_eval.validate import (
     ValidationReport,
     add_validate_arguments,
     apply_fixes,
     cmd_validate,
+    fix_and_revalidate,
     propose_fixes,
     validate_model,
 )
@@ -212,6 +213,24 @@ def test_a_missing_tokenizer_file_fails_aux_and_the_fix_recopies_it(tiny_llama, 
     applied = apply_fixes(fixes, tiny_llama, int8_copy, FlagApprover(["fix"]))
     assert len(applied) == 1 and applied[0].startswith("re-copy tokenizer.json from the source (is missing")
     assert validate_model(tiny_llama, int8_copy).status == "success"
+
+
+def test_the_one_fix_loop_announces_asks_the_fix_gate_applies_and_revalidates_once(tiny_llama, int8_copy):
+    """The loop the validate command and the recipe's validation step share (validate/fixes.py)."""
+    (int8_copy / "tokenizer.json").unlink()
+    report, announced, runs = validate_model(tiny_llama, int8_copy), [], []
+
+    def revalidate() -> ValidationReport:
+        runs.append(1)
+        return validate_model(tiny_llama, int8_copy)
+
+    with pytest.raises(CheckpointPending):
+        fix_and_revalidate(report, Gatekeeper(FlagApprover()), revalidate, announced.append)
+    assert len(announced) == 1 and announced[0].startswith("- re-copy tokenizer.json from the source (is missing")
+    assert runs == [] and not (int8_copy / "tokenizer.json").exists()  # refused: nothing applied, nothing re-run
+    fixed = fix_and_revalidate(report, Gatekeeper(FlagApprover(["fix"])), revalidate, announced.append)
+    assert fixed.status == "success" and runs == [1] and fixed.applied_fixes == [announced[0][2:]]
+    assert fix_and_revalidate(fixed, Gatekeeper(FlagApprover()), revalidate, announced.append) is fixed  # nothing to fix
 
 
 def test_a_changed_layer_count_fails_config_and_blames_the_export(tiny_llama, int8_copy):

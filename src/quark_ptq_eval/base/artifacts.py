@@ -55,6 +55,17 @@ class Artifact:
         contracts.check(self.KIND, data, self.FILENAME)
         return self._dump(self.path_in(workdir), data)
 
+    def write_if_changed(self, workdir: str | Path) -> bool:
+        """Write unless the file already holds exactly this content (a resume that changed nothing
+        leaves it, and its mtime, as it is); True when it was written."""
+        try:
+            unchanged = self._parse(self.path_in(workdir)) == self.to_dict()
+        except UsageError:  # missing or unreadable: written anew
+            unchanged = False
+        if not unchanged:
+            self.write(workdir)
+        return not unchanged
+
     @classmethod
     def load(cls: type[ArtifactT], workdir: str | Path) -> ArtifactT:
         path = cls.path_in(workdir)

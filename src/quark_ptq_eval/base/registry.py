@@ -11,7 +11,7 @@ Like lm-evaluation-harness's registry, which checks each model class against its
 it is registered, a registry may be given the type its entries must have and a ``check`` that
 refuses an entry lacking its contract: :class:`InvalidEntry`, raised by ``register``, before the
 entry is added. :func:`defined_names` lets such a check see what a named module defines without
-importing it (reading the table stays cheap and free of import cycles).
+importing it (from its cached bytecode: reading the table stays cheap and free of import cycles).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import CodeType
 from typing import Any, Protocol, TypeVar
 
 from quark_ptq_eval.base.errors import DuplicateEntry, QpeError, UnknownEntry
@@ -105,10 +107,20 @@ def split_ref(ref: str) -> tuple[str, str]:
     return module, attr
 
 
+# (source file, its mtime) -> the names it binds: a tier's module and its report section are read once
+_NAMES: dict[tuple[str, int], frozenset[str]] = {}
+_COMPOUND = (ast.If, ast.Try, ast.With, ast.For, ast.While)  # statements whose bodies run at the top level
+
+
 def defined_names(module: str) -> set[str] | None:
-    """The names ``module`` binds at its top level (functions, classes, assignments, imports), read
-    from its source without running it; None when it has no Python source to read (then only
-    loading it can tell). A module that does not exist: :class:`InvalidEntry`."""
+    """The names ``module``'s top-level code binds (functions, classes, assignments, imports, also
+    under a top-level ``if``/``try``), read without running it; None when it has no Python source to
+    read (then only loading it can tell). A module that does not exist: :class:`InvalidEntry`.
+
+    Read from the interpreter's own bytecode cache (``__pycache__``) when there is one: importlib
+    checks it against the source's mtime and size, and unmarshalling it costs a fraction of parsing
+    the source, which is what happens without one (``PYTHONDONTWRITEBYTECODE``, a fresh checkout).
+    """
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
@@ -117,15 +129,37 @@ def defined_names(module: str) -> set[str] | None:
         raise InvalidEntry(f"{module} does not exist")
     if not spec.origin or not spec.origin.endswith(".py"):
         return None
-    with open(spec.origin, encoding="utf-8") as source:
-        tree = ast.parse(source.read())
+    key = (spec.origin, os.stat(spec.origin).st_mtime_ns)
+    if key not in _NAMES:
+        get_code: Callable[[str], CodeType | None] | None = getattr(spec.loader, "get_code", None)
+        code = get_code(module) if get_code and spec.cached and os.path.exists(spec.cached) else None
+        _NAMES[key] = frozenset(_stored_names(code) if code is not None else _parsed_names(spec.origin))
+    return set(_NAMES[key])
+
+
+def _stored_names(code: CodeType) -> set[str]:
+    """What a module's code stores by name: every def, class, import and assignment it can run."""
+    import dis  # already imported with dataclasses (through inspect): no cost here
+
+    return {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_NAME", "STORE_GLOBAL")} - {"__doc__"}
+
+
+def _parsed_names(path: str) -> set[str]:
+    """The same names from the source's syntax tree."""
+    with open(path, encoding="utf-8") as source:
+        todo: list[ast.stmt] = list(ast.parse(source.read()).body)
     names: set[str] = set()
-    for node in tree.body:
+    while todo:
+        node = todo.pop()
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
         elif isinstance(node, ast.Import | ast.ImportFrom):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, ast.Assign | ast.AnnAssign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if node.value else []
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)
+                         and isinstance(n.ctx, ast.Store))
+        elif isinstance(node, _COMPOUND):
+            todo += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                     *(s for h in getattr(node, "handlers", []) for s in h.body)]
     return names

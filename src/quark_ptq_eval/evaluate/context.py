@@ -8,13 +8,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.registry import InvalidEntry
 from quark_ptq_eval.evaluate.details import TierDetails, details_of
 from quark_ptq_eval.evaluate.options import EvalOptions
 from quark_ptq_eval.evaluate.tiers import RUNNER_CONTRACT, Tier
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.runtime.loading import LoadedModel
 
 Scores = dict[str, dict[str, float]]  # task -> metric -> value
 
@@ -178,6 +181,28 @@ class TextScorer(Protocol):
     def text_outcome(self, scored: ScoredText) -> TierOutcome: ...
 
 
+@runtime_checkable
+class TaskScorer(Protocol):
+    """What the tier that scores lm-eval tasks in this process offers compare (tiers.TASK_SCORER):
+    the tasks checked before any model loads, a run on a loaded model (results and per-document
+    scores, written under ``ctx.workdir``), where a run's per-document scores are kept, the results
+    read back as scores, and the paired per-document tests against a baseline's."""
+
+    def task_manager(self, include_path: Path | None) -> Any: ...
+
+    def check_tasks(self, manager: Any, tasks: list[str]) -> list[str]: ...
+
+    def evaluate_tasks(self, loaded: LoadedModel, ctx: TierInputs, task_names: list[str],
+                       label: str) -> dict[str, Any]: ...
+
+    def samples_path(self, workdir: Path, label: str) -> Path: ...
+
+    def scores_from(self, results: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]: ...
+
+    def paired_tests(self, baseline: dict[str, Any], quantized: dict[str, Any],
+                     directions: dict[str, Any] | None = None) -> dict[str, dict[str, dict[str, Any]]]: ...
+
+
 class Prepared(Protocol):
     """What a tier's ``prepare`` returns: whatever its ``score`` needs, and the pilot's estimate."""
 
@@ -213,4 +238,16 @@ def text_scorer() -> TextScorer:
     scorer = tier_module(tier)
     if not isinstance(scorer, TextScorer):
         raise InvalidEntry(f"Tier {tier.name!r} scores a text but {tier.module} lacks {', '.join(TEXT_SCORER)}.")
+    return scorer
+
+
+def task_scorer() -> TaskScorer:
+    """The module of the tier that scores lm-eval tasks in this process (tiers.task_tier()), as
+    compare scores through it."""
+    from quark_ptq_eval.evaluate.tiers import TASK_SCORER, task_tier
+
+    tier = task_tier()
+    scorer = tier_module(tier)
+    if not isinstance(scorer, TaskScorer):
+        raise InvalidEntry(f"Tier {tier.name!r} scores tasks but {tier.module} lacks {', '.join(TASK_SCORER)}.")
     return scorer

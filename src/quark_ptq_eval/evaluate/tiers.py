@@ -22,7 +22,8 @@ named modules' source without importing them, and again when the tier is loaded:
   their own flags (``base.options.flag``): ``--eval-tier``'s commands take them, the tier reads
   them with ``ctx.options.of(Class)``, the report's settings show the ones given.
 - a tier that scores a text (``scores_text``) also offers what compare scores through
-  (``context.TextScorer``): ``TEXT_SCORER``.
+  (``context.TextScorer``): ``TEXT_SCORER``; one that scores tasks on the model in this process
+  (``scores_tasks`` and ``loads_model``) likewise (``context.TaskScorer``): ``TASK_SCORER``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Tier:
 RUNNER_CONTRACT = "prepare(ctx) -> an object with .estimate, score(prepared) -> TierOutcome"
 RUNNER = ("prepare", "score")
 TEXT_SCORER = ("eval_texts", "token_windows", "auto_batch_size", "new_accumulator", "text_outcome")
+TASK_SCORER = ("task_manager", "check_tasks", "evaluate_tasks", "samples_path", "scores_from", "paired_tests")
 
 
 def check_tier(tier: Tier) -> None:
@@ -62,7 +64,8 @@ def check_tier(tier: Tier) -> None:
         named = [f for f in ("report_section", "options", "scores_text", "scores_tasks", "default") if getattr(tier, f)]
         problems += [f"it runs nothing (no module) but sets {', '.join(named)}"] if named else []
     else:
-        wanted = RUNNER + (TEXT_SCORER if tier.scores_text else ())
+        wanted = (RUNNER + (TEXT_SCORER if tier.scores_text else ())
+                  + (TASK_SCORER if tier.scores_tasks and tier.loads_model else ()))
         problems += _missing(tier.module, wanted, "module")
         if tier.report_section is None:
             problems.append("it names no report_section (\"module:function\" rendering its details)")

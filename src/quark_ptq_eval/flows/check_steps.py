@@ -10,7 +10,6 @@ from typing import Any
 
 from quark_ptq_eval.base.artifacts import PlanJson, QuantPlan
 from quark_ptq_eval.base.gates import GATES
-from quark_ptq_eval.base.state import digest
 from quark_ptq_eval.evaluate.api import evaluate
 from quark_ptq_eval.evaluate.eval_report import EvalReport
 from quark_ptq_eval.evaluate.options import BASELINE_FROM_SOURCE
@@ -18,7 +17,7 @@ from quark_ptq_eval.evaluate.tier1_text import TIER1_NO_TEXT, ask_tier1_text
 from quark_ptq_eval.evaluate.tiers import TIERS, runs, scores_text, text_tier, tier_checkpoint
 from quark_ptq_eval.flows.recipe_flow import Flow
 from quark_ptq_eval.plan.source_reading import effective_source
-from quark_ptq_eval.validate import ValidationReport, apply_fixes, propose_fixes, validate_model
+from quark_ptq_eval.validate import ValidationReport, fix_and_revalidate, validate_model
 
 SKIPPED = "skipped"  # what the evaluation step produced when no tier runs
 
@@ -26,20 +25,16 @@ SKIPPED = "skipped"  # what the evaluation step produced when no tier runs
 def validate_step(flow: Flow, plan: QuantPlan) -> ValidationReport:
     """validation_report.md/.json: the export against its source (an FP8 / .bin source through its
     staged copy); a failure with a safe fix asks the fix gate, fixes and checks again, once."""
-    run, output_dir = flow.run, flow.output()
+    run = flow.run
     plan_json = flow.plan_json(plan)
     source = effective_source(plan, flow.model_path)
+
+    def announce(fixes: str) -> None:  # the failing report stays readable while the fix gate waits
+        report.write(run.workdir)
+        run.ui.info(f"Validation found problems with a safe fix:\n{fixes}")
+
     report = _checked(flow, source, plan_json)
-    # the fixes re-copy files from the source: none without a local one (a Hub id's run)
-    fixes = propose_fixes(report, source, output_dir) if report.status == "failed" and source is not None else []
-    if fixes and source is not None:
-        report.write(run.workdir)  # the failing report stays readable while we wait for approval
-        summary = "\n".join(f"- {f.describe()}" for f in fixes)
-        run.ui.info(f"Validation found problems with a safe fix:\n{summary}")
-        run.gates.require("fix", digest(summary), summary)
-        applied = apply_fixes(fixes, source, output_dir)  # approval was just bound to these fixes
-        report = _checked(flow, source, plan_json)
-        report.applied_fixes = [*report.applied_fixes, *applied]
+    report = fix_and_revalidate(report, run.gates, lambda: _checked(flow, source, plan_json), announce)
     if plan.calibration:
         from quark_ptq_eval.base.calibration_text import describe_used
 

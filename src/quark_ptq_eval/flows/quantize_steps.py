@@ -53,7 +53,7 @@ def plan_step(flow: Flow, analysis: ModelAnalysis) -> QuantPlan:
         plan = with_sensitivity_scan(plan, req, run.workdir)  # --sensitivity: the flow runs the scan
     approved = run.state.is_approved("plan", plan.digest)
     plan.requires_confirmation = not approved
-    plan.write(run.workdir)
+    plan.write_if_changed(run.workdir)  # on disk before checkpoint 2: the file is what the user reads and edits
     run.ui.table("Quantization plan", [(d["decision"], _short(d["value"]), d["reason"]) for d in plan.decisions],
                  ("decision", "value", "reason"))
     run.state.record_step("plan", "done", artifact=str(QuantPlan.path_in(run.workdir)), digest=plan.digest)
@@ -111,9 +111,7 @@ def manifest_step(flow: Flow, plan: QuantPlan) -> RunManifest:
     from quark_ptq_eval.manifest import build_manifest
 
     run, output_dir = flow.run, flow.output()
-    if plan.requires_confirmation:  # checkpoint 2 approved it since it was written: the file says so
-        plan.requires_confirmation = False
-        plan.write(run.workdir)
+    _record_plan_approval(flow, plan)
     manifest = build_manifest(plan, run.workdir, output_dir, offline=flow.ctx.offline)
     previous = load_quietly(RunManifest, run.workdir)
     if previous is not None and previous.command.get("digest") != previous.command_digest:
@@ -131,6 +129,16 @@ def manifest_step(flow: Flow, plan: QuantPlan) -> RunManifest:
     run.state.record_step("manifest", "done", artifact=str(RunManifest.path_in(run.workdir)),
                           command_digest=manifest.command_digest)
     return manifest
+
+
+def _record_plan_approval(flow: Flow, plan: QuantPlan) -> None:
+    """The plan's second and last write, only when checkpoint 2 approved it after the plan step wrote
+    it (a resumed run whose plan was approved before wrote it once, final). Two writes because its
+    content changes: the file must be on disk while checkpoint 2 waits (the user reads and may edit
+    it there), and once approved its ``requires_confirmation`` says so before the manifest cites it."""
+    if plan.requires_confirmation:
+        plan.requires_confirmation = False
+        plan.write(flow.run.workdir)
 
 
 def execute_step(flow: Flow, analysis: ModelAnalysis) -> VerifiedOutput:

@@ -10,9 +10,9 @@ from typing import cast
 from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import read_json
-from quark_ptq_eval.base.gates import Approver
+from quark_ptq_eval.base.gates import Approver, Gatekeeper
 from quark_ptq_eval.base.ui import noise_to_log
-from quark_ptq_eval.validate.fixes import fix_and_revalidate, propose_fixes
+from quark_ptq_eval.validate.fixes import fix_and_revalidate
 from quark_ptq_eval.validate.report import ValidationReport
 from quark_ptq_eval.validate.runner import validate_model
 
@@ -44,15 +44,21 @@ def cmd_validate(args: argparse.Namespace, approver: Approver) -> int:
     options = {"max_samples": args.max_samples, "seed": args.seed, "workers": args.workers,
                "load_check": not getattr(args, "no_load_check", False),
                "vllm_python": getattr(args, "vllm_python", None)}
-    with noise_to_log(workdir / "logs" / "validate.log"):  # Quark's and transformers' chatter: the log
-        report = validate_model(args.source, args.quantized, plan, **options)
-    md_path, _ = report.write(workdir)
-    if report.status == "failed" and not report.structural_failure and propose_fixes(report, report.source,
-                                                                                      report.quantized):
+    log = workdir / "logs" / "validate.log"
+
+    def revalidate() -> ValidationReport:
+        with noise_to_log(log):  # Quark's and transformers' chatter: the log
+            return validate_model(args.source, args.quantized, plan, **options)
+
+    def announce(_fixes: str) -> None:  # the failing report stays readable while the fix gate waits
+        report.write(workdir)
         _print_failures(report)
-        with noise_to_log(workdir / "logs" / "validate.log"):
-            report = fix_and_revalidate(report, approver, plan, **options)  # asks the "fix" gate first
-        md_path, _ = report.write(workdir)
+
+    report = revalidate()
+    if not report.structural_failure:  # a re-copy cannot cure wrong weights: no fix is offered for them
+        gates = Gatekeeper(approver, continue_with=lambda _: "re-run with --approve fix (or answer yes).")
+        report = fix_and_revalidate(report, gates, revalidate, announce)
+    md_path, _ = report.write(workdir)
     if report.status == "failed":
         _print_failures(report)
         print(f"Report: {md_path}", file=sys.stderr)

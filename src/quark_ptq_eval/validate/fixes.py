@@ -12,16 +12,15 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.fsio import umask_mode
-from quark_ptq_eval.base.gates import Approver, require
+from quark_ptq_eval.base.gates import Approver, Gatekeeper, require
+from quark_ptq_eval.base.state import digest
 from quark_ptq_eval.validate.report import ValidationReport
-from quark_ptq_eval.validate.runner import validate_model
 
 
 @dataclass(frozen=True)
@@ -64,15 +63,25 @@ def apply_fixes(fixes: list[Fix], source: Path, quantized: Path, approver: Appro
     return applied
 
 
-def fix_and_revalidate(report: ValidationReport, approver: Approver, plan: PlanJson | None = None,
-                       **validate_kwargs: Any) -> ValidationReport:
-    """Apply the proposed fixes (on approval) and validate again; the new report lists them."""
-    fixes = propose_fixes(report, report.source, report.quantized)
+def fix_and_revalidate(report: ValidationReport, gates: Gatekeeper, revalidate: Callable[[], ValidationReport],
+                       announce: Callable[[str], None]) -> ValidationReport:
+    """The fix gate's one loop (the ``validate`` command and the recipe's validation step): propose
+    the safe fixes for a failed ``report``, ``announce`` them (their summary), ask the ``fix`` gate
+    bound to that summary, apply them and ``revalidate``; the new report lists what was applied.
+
+    Once only: a failure the re-copy did not cure needs a person, not another round.
+    """
+    # the fixes re-copy files from the source: none without a local one (a Hub id's run)
+    local = report.status == "failed" and report.source is not None
+    fixes = propose_fixes(report, report.source, report.quantized) if local else []
     if not fixes:
         return report
-    applied = apply_fixes(fixes, report.source, report.quantized, approver)
-    again = validate_model(report.source, report.quantized, plan, **validate_kwargs)
-    again.applied_fixes = report.applied_fixes + applied
+    summary = "\n".join(f"- {f.describe()}" for f in fixes)
+    announce(summary)
+    gates.require("fix", digest(summary), summary)
+    applied = apply_fixes(fixes, report.source, report.quantized)  # approval was just bound to these fixes
+    again = revalidate()
+    again.applied_fixes = [*report.applied_fixes, *applied]
     return again
 
 

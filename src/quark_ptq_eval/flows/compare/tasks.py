@@ -3,10 +3,11 @@ against the baseline's per-document results (evaluated once and cached, like Tie
 
 Per document lm-eval logs each metric's score (``log_samples``); for 0/1 metrics (acc, acc_norm,
 exact_match) the test is McNemar's exact mid-p on the documents the two models disagree on, for
-other per-document scores a paired bootstrap of the mean difference (evaluate/paired_tests.py).
-Metrics lm-eval only aggregates (a rolling perplexity's per-document likelihood/length pairs)
-are reported with their scores and no test. The scheme's lm-eval output is kept in its work dir
-(lm_eval_results/quantized.json and .samples.json) and its scores in ``TASKS_FILE``.
+other per-document scores a paired bootstrap of the mean difference. Metrics lm-eval only
+aggregates (a rolling perplexity's per-document likelihood/length pairs) are reported with their
+scores and no test. The scheme's lm-eval output is kept in its work dir (lm_eval_results/quantized.json
+and .samples.json) and its scores in ``TASKS_FILE``. All of it goes through the interface of the tier
+that scores tasks in this process (``context.task_scorer()``), as Tier 1's through ``text_scorer()``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import read_json, write_json
 from quark_ptq_eval.base.options import Part
 from quark_ptq_eval.base.state import digest
+from quark_ptq_eval.evaluate.context import TierInputs, task_scorer
 from quark_ptq_eval.evaluate.options import EvalOptions
 from quark_ptq_eval.evaluate.tiers import task_tier
 from quark_ptq_eval.flows.compare.options import CompareOptions
@@ -64,27 +66,26 @@ def _lm_eval_version() -> str | None:
 
 def check(opts: CompareOptions) -> None:
     """Unknown tasks fail before any model runs."""
-    from quark_ptq_eval.evaluate.lmeval_tasks import check_tasks, task_manager
-
-    check_tasks(task_manager(Path(opts.eval.include_path) if opts.eval.include_path else None), list(opts.eval.tasks))
+    scorer = task_scorer()
+    scorer.check_tasks(scorer.task_manager(Path(opts.eval.include_path) if opts.eval.include_path else None),
+                       list(opts.eval.tasks))
 
 
 def baseline_tasks(cache_root: Path, opts: CompareOptions, source: Path, model_digest: str, log) -> dict:
     """The baseline's lm-eval results and per-document scores: read from the cache, or run once."""
-    from quark_ptq_eval.evaluate.context import TierInputs
-    from quark_ptq_eval.evaluate.lmeval_tasks import evaluate_tasks, samples_path
     from quark_ptq_eval.runtime.loading import load_model
 
+    scorer = task_scorer()
     where = cache_root / f"{CACHE_PREFIX}{cache_key(opts, model_digest)}"
     results_file = where / "lm_eval_results" / "baseline.json"
-    if results_file.is_file() and samples_path(where, "baseline").is_file():
+    if results_file.is_file() and scorer.samples_path(where, "baseline").is_file():
         log(f"baseline tasks: cache hit {where.name}")
         results = read_json(results_file, "baseline lm-eval results")
-        results["per_sample"] = read_json(samples_path(where, "baseline"), "baseline per-sample scores")
+        results["per_sample"] = read_json(scorer.samples_path(where, "baseline"), "baseline per-sample scores")
         return results
     loaded = load_model(source, opts.eval.device, bool(opts.plan.get("trust_remote_code")))
     ctx = TierInputs(source, eval_options(opts), where, None, source, None, log)
-    results = evaluate_tasks(loaded, ctx, list(opts.eval.tasks), "baseline")
+    results = scorer.evaluate_tasks(loaded, ctx, list(opts.eval.tasks), "baseline")
     loaded.model = None  # free it before the scheme's model loads
     return results
 
@@ -92,16 +93,13 @@ def baseline_tasks(cache_root: Path, opts: CompareOptions, source: Path, model_d
 def score_scheme(loaded, workdir: Path, model_dir: Path, opts: CompareOptions, base: dict, log) -> dict[str, Any]:
     """lm-eval on the scheme's loaded model, its scores against the baseline's and the paired tests;
     written to the scheme's work dir (TASKS_FILE) and returned."""
-    from quark_ptq_eval.evaluate.context import TierInputs
-    from quark_ptq_eval.evaluate.lmeval_tasks import evaluate_tasks, scores_from
-    from quark_ptq_eval.evaluate.paired_tests import paired_tests
-
+    scorer = task_scorer()
     ctx = TierInputs(model_dir, eval_options(opts), workdir, None, None, None, log)
-    results = evaluate_tasks(loaded, ctx, list(opts.eval.tasks), "quantized")
-    scores, _, directions = scores_from(results)
-    base_scores, _, base_dirs = scores_from(base)
+    results = scorer.evaluate_tasks(loaded, ctx, list(opts.eval.tasks), "quantized")
+    scores, _, directions = scorer.scores_from(results)
+    base_scores, _, base_dirs = scorer.scores_from(base)
     directions = {t: {**base_dirs.get(t, {}), **m} for t, m in {**base_dirs, **directions}.items()}
-    tests = paired_tests(base["per_sample"], results["per_sample"], directions)
+    tests = scorer.paired_tests(base["per_sample"], results["per_sample"], directions)
     rows = []
     for task, metrics in scores.items():
         for metric, value in metrics.items():
