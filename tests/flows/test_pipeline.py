@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from quark_ptq_eval.base.state import WorkdirLock
+from tests.fixtures.exports import assert_reloadable_export
 from tests.publish.test_model_card import assert_card_matches
 
 pytestmark = pytest.mark.slow
@@ -173,35 +174,19 @@ def test_missing_model_and_too_little_disk(cli, corpus, tmp_path):
     assert "Not enough disk space" in res.err and not (tmp_path / "out").exists()
 
 
-# Through the CLI: one scheme per architecture and the algorithm path; the pipeline is the same for
-# every scheme, so the other schemes' exports are loaded and validated in-process below (each CLI
-# run pays two `import quark.torch`, ~25 s each).
-SCHEMES = [("llama", "int8", None), ("llama", "int4_wo_128", "awq"), ("qwen3", "int8", None)]
+# Through the CLI: one scheme per architecture and the algorithm path (llama int8: the model card's run,
+# tests/publish/test_model_card.py); the pipeline is the same for every scheme, so the other schemes' exports
+# are loaded and validated in-process below (each CLI run pays two `import quark.torch`, ~25 s each).
+SCHEMES = [("llama", "int4_wo_128", "awq"), ("qwen3", "int8", None)]
 
 
 @pytest.mark.parametrize("arch, scheme, algorithm", SCHEMES, ids=["-".join(filter(None, s)) for s in SCHEMES])
 def test_run_yes_produces_a_model_transformers_reloads(cli, tiny_model, corpus, tmp_path, arch, scheme, algorithm):
-    from transformers import AutoModelForCausalLM
-
     wd, out = tmp_path / "work", tmp_path / "out"
     extra = ["--scheme", scheme, "--yes", "--eval-tier", "skip", "--json"] + (["--algorithm", algorithm] if algorithm else [])
     res = cli(*run_args(tiny_model(arch), out, wd, corpus, *extra))
     assert res.rc == 0, res.err[-3000:]
-    summary = json.loads(res.out)
-    assert summary["validation"] in ("success", "partial")
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization_config"]["quant_method"] == "quark"
-    model = AutoModelForCausalLM.from_pretrained(out)
-    with torch.no_grad():
-        logits = model(torch.tensor([[1, 2, 3, 4, 5, 6]])).logits
-    assert torch.isfinite(logits).all()
-    manifest = (wd / "run_manifest.yaml").read_text()
-    assert "status: succeeded" in manifest
-    assert not Path(str(out) + ".partial").exists()
-    from quark_ptq_eval.base.fsio import umask_mode  # the child's umask is this process's
-
-    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == dict.fromkeys(
-        (p.name for p in out.iterdir()), umask_mode()), "the export's files get the umask's mode, not 0600"
+    assert_reloadable_export(json.loads(res.out)["validation"], out, wd)
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int4_wo_128", "mxfp4"])

@@ -20,6 +20,7 @@ from quark_ptq_eval.publish import write_card
 from quark_ptq_eval.publish.metadata import BASE_SUFFIX
 from quark_ptq_eval.runtime.vllm_host import free_port
 from tests.evaluate.test_tier3_real_vllm import assert_scored, our_servers, port_free, tier3_args
+from tests.fixtures.exports import assert_reloadable_export
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -129,6 +130,8 @@ def test_a_run_carries_the_base_card_serve_checks_and_scores_tier3_and_its_card_
               "--num-calib-samples", "8", "--calib-seq-len", "64", "--offline", "--yes", *_eval_args(corpus, port))
     assert res.rc == 0, res.err[-3000:]
     assert res.err.strip().splitlines()[-1] == f"To publish it on the Hugging Face Hub (not run): hf upload {out.name} {out} ."
+    validation = json.loads((wd / "validation_report.json").read_text())
+    assert_reloadable_export(validation["status"], out, wd)  # test_pipeline's run_yes for llama int8
     if HAS_VLLM:
         _assert_served_and_scored(wd, out, port)
     card = assert_card_matches(out, wd)
@@ -137,7 +140,6 @@ def test_a_run_carries_the_base_card_serve_checks_and_scores_tier3_and_its_card_
     assert "made-up" not in str(card) and "Its text describes the base model" not in card.text
     assert f"the base model's own card: {source / 'README.md'}" in card.text
     assert _digests(source) == before  # the source's files never touched
-    validation = json.loads((wd / "validation_report.json").read_text())
     assert validation["checks"]["aux"]["status"] == "pass" and "README.md" not in json.dumps(validation["checks"]["aux"])
     # deterministic from the same artifacts; `card` names the Hub id given; a README.md not ours is left alone
     first = (out / "README.md").read_bytes()
