@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,6 +23,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
+# A suite started in the background by a shell without job control (`cmd &`, nohup) inherits SIGINT ignored:
+# the tests that press Ctrl-C on our runner, the CLI or a script would then wait on an engine that never
+# hears it (a child keeps an ignored signal across exec). Ctrl-C is Python's again; children get SIG_DFL.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Quark's capability catalog is cached per checkout (computing it imports quark.torch: ~25 s).
 os.environ.setdefault("QUARK_PTQ_EVAL_CACHE", str(ROOT / ".pytest_cache" / "quark-ptq-eval"))
 

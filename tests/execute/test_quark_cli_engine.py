@@ -2,7 +2,8 @@
 
 The calibration dataset quark-cli insists on (``--dataset pileval`` =
 ``mit-han-lab/pile-val-backup``) is served from a private prepared `datasets` cache built
-from the test corpus; the child gets it through its environment only.
+from the test corpus; the child gets it through its environment only. One real run through the
+pipeline (``run --engine quark-cli``) is shared by the slow tests here.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from quark_ptq_eval.plan.engines.calib_cache import (
     prepare_offline_calibration,
     read_documents,
 )
+from quark_ptq_eval.plan.engines.quark_cli import CALIB_CACHE_DIR
 
 # A representative command's flags: each must exist in the installed quark-cli.
 EMITTED_FLAGS = (
@@ -182,30 +184,22 @@ def user_hf_home(root: Path) -> Path:
     return root
 
 
-def quark_cli_command(model: Path, out: Path) -> list[str]:
-    return [quark_cli.quark_cli_executable(), "torch-llm-ptq",
-            "--model_dir", str(model), "--output_dir", str(out),
-            "--device", "cpu", "--multi_device", "--quant_scheme", WEIGHT_ONLY_SCHEME,
-            "--dataset", "pileval", "--num_calib_data", "16", "--seq_len", "64", "--batch_size", "4",
-            "--skip_evaluation", "--no_trust_remote_code"]
-
-
 @pytest.fixture(scope="module")
-def cli_run(tmp_path_factory, tiny_llama, corpus):
-    """Run the real quark-cli once; record its output and the digests of what it must not touch."""
+def cli_run(tmp_path_factory, cli, tiny_llama, corpus):
+    """One real ``run --engine quark-cli`` (weight-only + --multi-device, on CPU, calibrating offline on our
+    text); record its output and the digests of what it must not touch."""
     tmp = tmp_path_factory.mktemp("quark-cli")
     hf_home, package = user_hf_home(tmp / "user-hf-home"), quark_dir()
     before = (tree_digest(hf_home), tree_digest(package, skip_dirs=("__pycache__",)))
-    cache = tmp / "private-calib-cache"
-    env = {**os.environ, "HF_HOME": str(hf_home), **prepare_offline_calibration(corpus, cache, "pileval")}
-    out = tmp / "out"
+    wd, out = tmp / "work", tmp / "out"
     started = time.monotonic()
-    proc = subprocess.run(quark_cli_command(tiny_llama, out), cwd=tmp, env=env, capture_output=True, text=True,
-                          timeout=1200)
-    log = proc.stdout + proc.stderr
-    (tmp / "quark-cli.log").write_text(log, encoding="utf-8")
-    return {"rc": proc.returncode, "log": log, "out": out, "cache": cache.resolve(), "hf_home": hf_home,
-            "package": package, "before": before, "seconds": time.monotonic() - started,
+    res = cli("run", tiny_llama, "-o", out, "--workdir", wd, "--calib-data", corpus, "--num-calib-samples", "8",
+              "--calib-seq-len", "64", "--offline", "--scheme", WEIGHT_ONLY_SCHEME, "--engine", "quark-cli",
+              "--multi-device", "--yes", "--eval-tier", "skip", "--json", cwd=tmp, env={"HF_HOME": str(hf_home)})
+    engine_log = wd / "logs" / "engine.log"
+    log = (engine_log.read_text(encoding="utf-8") if engine_log.is_file() else "") + res.err
+    return {"rc": res.rc, "res": res, "log": log, "out": out, "wd": wd, "cache": (wd / CALIB_CACHE_DIR).resolve(),
+            "hf_home": hf_home, "package": package, "before": before, "seconds": time.monotonic() - started,
             "after": (tree_digest(hf_home), tree_digest(package, skip_dirs=("__pycache__",)))}
 
 
@@ -220,6 +214,20 @@ def test_real_quark_cli_quantizes_on_cpu_with_private_calibration_cache(cli_run)
     weight = config["quantization_config"]["global_quant_config"]["weight"]
     assert (weight["dtype"], weight["group_size"]) == ("int4", 128)
     assert (out / "tokenizer_config.json").is_file() and (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_pipeline_runs_quark_cli_validates_its_export_and_writes_the_card(cli_run):
+    wd, out = cli_run["wd"], cli_run["out"]
+    assert cli_run["rc"] == 0, cli_run["res"].err[-3000:]
+    manifest = (wd / "run_manifest.yaml").read_text()
+    assert "torch-llm-ptq" in manifest and "HF_DATASETS_CACHE" in manifest
+    assert json.loads(cli_run["res"].out)["validation"] in ("success", "partial")
+    assert (out / "model.safetensors").exists()
+    # the source's README.md is the base model's card: never re-copied as a fix; the export's is our card
+    report = json.loads((wd / "validation_report.json").read_text())
+    assert not any("README.md" in str(fix) for fix in report.get("applied_fixes", [])), report.get("applied_fixes")
+    assert "quark-ptq-eval" in (out / "README.md").read_text() and "int4_wo_128" in (out / "README.md").read_text()
 
 
 @pytest.mark.slow

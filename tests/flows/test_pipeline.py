@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from quark_ptq_eval.base.state import WorkdirLock
+from tests.fixtures.exports import assert_reloadable_export
 from tests.publish.test_model_card import assert_card_matches
 
 pytestmark = pytest.mark.slow
@@ -189,35 +190,19 @@ def test_missing_model_and_too_little_disk(cli, corpus, tmp_path):
     assert "Not enough disk space" in res.err and not (tmp_path / "out").exists()
 
 
-# Through the CLI: one scheme per architecture and the algorithm path; the pipeline is the same for
-# every scheme, so the other schemes' exports are loaded and validated in-process below (each CLI
-# run pays two `import quark.torch`, ~25 s each).
-SCHEMES = [("llama", "int8", None), ("llama", "int4_wo_128", "awq"), ("qwen3", "int8", None)]
+# Through the CLI: one scheme per architecture and the algorithm path (llama int8: the model card's run,
+# tests/publish/test_model_card.py); the pipeline is the same for every scheme, so the other schemes' exports
+# are loaded and validated in-process below (each CLI run pays two `import quark.torch`, ~25 s each).
+SCHEMES = [("llama", "int4_wo_128", "awq"), ("qwen3", "int8", None)]
 
 
 @pytest.mark.parametrize("arch, scheme, algorithm", SCHEMES, ids=["-".join(filter(None, s)) for s in SCHEMES])
 def test_run_yes_produces_a_model_transformers_reloads(cli, tiny_model, corpus, tmp_path, arch, scheme, algorithm):
-    from transformers import AutoModelForCausalLM
-
     wd, out = tmp_path / "work", tmp_path / "out"
     extra = ["--scheme", scheme, "--yes", "--eval-tier", "skip", "--json"] + (["--algorithm", algorithm] if algorithm else [])
     res = cli(*run_args(tiny_model(arch), out, wd, corpus, *extra))
     assert res.rc == 0, res.err[-3000:]
-    summary = json.loads(res.out)
-    assert summary["validation"] in ("success", "partial")
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization_config"]["quant_method"] == "quark"
-    model = AutoModelForCausalLM.from_pretrained(out)
-    with torch.no_grad():
-        logits = model(torch.tensor([[1, 2, 3, 4, 5, 6]])).logits
-    assert torch.isfinite(logits).all()
-    manifest = (wd / "run_manifest.yaml").read_text()
-    assert "status: succeeded" in manifest
-    assert not Path(str(out) + ".partial").exists()
-    from quark_ptq_eval.base.fsio import umask_mode  # the child's umask is this process's
-
-    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == dict.fromkeys(
-        (p.name for p in out.iterdir()), umask_mode()), "the export's files get the umask's mode, not 0600"
+    assert_reloadable_export(json.loads(res.out)["validation"], out, wd)
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int4_wo_128", "mxfp4"])
@@ -269,22 +254,6 @@ def test_help_and_status_do_not_import_torch(cli, tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stderr
     shutil.rmtree(tmp_path, ignore_errors=True)
-
-
-def test_real_quark_cli_engine_through_the_pipeline(cli, tiny_llama, corpus, tmp_path):
-    """quark-cli itself, on CPU (weight-only + --multi-device), calibrating offline on our text."""
-    wd, out = tmp_path / "work", tmp_path / "out"
-    res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int4_wo_128", "--engine", "quark-cli",
-                        "--multi-device", "--yes", "--eval-tier", "skip", "--json"))
-    assert res.rc == 0, res.err[-3000:]
-    manifest = (wd / "run_manifest.yaml").read_text()
-    assert "torch-llm-ptq" in manifest and "HF_DATASETS_CACHE" in manifest
-    assert json.loads(res.out)["validation"] in ("success", "partial")
-    assert (out / "model.safetensors").exists()
-    # the source's README.md is the base model's card: never re-copied as a fix; the export's is our card
-    report = json.loads((wd / "validation_report.json").read_text())
-    assert not any("README.md" in str(fix) for fix in report.get("applied_fixes", [])), report.get("applied_fixes")
-    assert "quark-ptq-eval" in (out / "README.md").read_text() and "int4_wo_128" in (out / "README.md").read_text()
 
 
 def test_quark_cli_on_cpu_refuses_static_schemes_before_running(cli, tiny_llama, corpus, tmp_path):

@@ -18,6 +18,9 @@ from huggingface_hub import ModelCard
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.publish import write_card
 from quark_ptq_eval.publish.metadata import BASE_SUFFIX
+from quark_ptq_eval.runtime.vllm_host import free_port
+from tests.evaluate.test_tier3_real_vllm import assert_scored, our_servers, port_free, tier3_args
+from tests.fixtures.exports import assert_reloadable_export
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -105,29 +108,39 @@ def _digests(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
+def _eval_args(corpus: Path, port: int) -> list:
+    """With the project's vLLM: Tier 3 (the serving check and Tier 3 each start a server); without it,
+    Tier 1 with the baseline (the card's Tier 1 figures are also checked on test_plan_goals' --baseline run)."""
+    if HAS_VLLM:
+        return ["--eval-tier", "vllm", *tier3_args(port)]
+    return ["--eval-tier", "ppl", "--eval-data", corpus, "--seq-len", "64", "--max-windows", "16", "--baseline"]
+
+
 @pytest.mark.slow
-def test_int8_tier1_card_carries_the_base_card_and_the_serving_check(cli, copy_model, tiny_llama, corpus, tmp_path):
+def test_a_run_carries_the_base_card_serve_checks_and_scores_tier3_and_its_card_states_it(
+        cli, copy_model, tiny_llama, corpus, tmp_path):
+    """One real `run` of a base model with its own card, to Tier 3 with the project's vLLM: validation's
+    serving check starts vLLM on the int8 export (served), then Tier 3 serves it and scores it, and the
+    card states what the run's artifacts hold."""
     source = copy_model(tiny_llama, "base-with-card")
     (source / "README.md").write_text(BASE_README)
     before = _digests(source)
-    wd, out = tmp_path / "work", tmp_path / "base-with-card-int8"
-    serve = ["--vllm-python", str(VLLM_PYTHON)] if HAS_VLLM else []
+    wd, out, port = tmp_path / "work", tmp_path / "base-with-card-int8", free_port()
     res = cli("run", source, "-o", out, "--workdir", wd, "--scheme", "int8", "--calib-data", corpus,
-              "--num-calib-samples", "8", "--calib-seq-len", "64", "--offline", "--yes", "--eval-tier", "ppl",
-              "--eval-data", corpus, "--seq-len", "64", "--max-windows", "16", "--baseline", *serve,
-              env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+              "--num-calib-samples", "8", "--calib-seq-len", "64", "--offline", "--yes", *_eval_args(corpus, port))
     assert res.rc == 0, res.err[-3000:]
     assert res.err.strip().splitlines()[-1] == f"To publish it on the Hugging Face Hub (not run): hf upload {out.name} {out} ."
+    validation = json.loads((wd / "validation_report.json").read_text())
+    assert_reloadable_export(validation["status"], out, wd)  # test_pipeline's run_yes for llama int8
+    if HAS_VLLM:
+        _assert_served_and_scored(wd, out, port)
     card = assert_card_matches(out, wd)
     # the base card's licence, language and tags carried over; its results and text not copied
     assert (card.data.license, card.data.language) == ("apache-2.0", "en") and {"docstrings", "tiny"} <= set(card.data.tags)
     assert "made-up" not in str(card) and "Its text describes the base model" not in card.text
     assert f"the base model's own card: {source / 'README.md'}" in card.text
     assert _digests(source) == before  # the source's files never touched
-    validation = json.loads((wd / "validation_report.json").read_text())
     assert validation["checks"]["aux"]["status"] == "pass" and "README.md" not in json.dumps(validation["checks"]["aux"])
-    if HAS_VLLM:
-        assert validation["checks"]["serve"]["stats"]["argv"][0] == str(VLLM_PYTHON.absolute())
     # deterministic from the same artifacts; `card` names the Hub id given; a README.md not ours is left alone
     first = (out / "README.md").read_bytes()
     write_card(wd, out)
@@ -139,3 +152,13 @@ def test_int8_tier1_card_carries_the_base_card_and_the_serving_check(cli, copy_m
     with pytest.raises(UsageError, match="is not a card quark-ptq-eval wrote"):
         write_card(wd, out)
     assert (out / "README.md").read_text() == "my own notes\n"
+
+
+def _assert_served_and_scored(wd: Path, out: Path, port: int) -> None:
+    serve = json.loads((wd / "validation_report.json").read_text())["checks"]["serve"]
+    assert serve["status"] == "pass" and serve["stats"]["served"] is True, serve
+    assert serve["stats"]["argv"][0] == str(VLLM_PYTHON.absolute())
+    results = json.loads((wd / "eval_results.json").read_text())
+    assert_scored(results, with_baseline=False)
+    assert results["details"]["stderr"]["quantized"]["qpe_docstring_mc"]["acc"] > 0
+    assert not our_servers(out, f"--port {port}") and port_free(port)  # nothing left behind
