@@ -31,8 +31,9 @@ $(VLLM_STAMP): requirements-vllm.txt
 
 vllm-env: $(VLLM_STAMP)
 
+# Two workers for two cores (pytest-xdist); tests/conftest.py says which files share one.
 test: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 demo: $(STAMP)
 	$(PY) -m quark_ptq_eval.flows.demo_run demo-work

@@ -32,6 +32,23 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 os.environ.setdefault("QUARK_PTQ_EVAL_CACHE", str(ROOT / ".pytest_cache" / "quark-ptq-eval"))
 
 
+# `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup). Each test file is one
+# group, so a file's module fixtures are built once; these files share a worker: the real vLLM
+# servers size their KV cache from the memory free when they start (two at once would each count
+# the other's as free), and both comparisons read the one local comparison (`compared`).
+SHARED_WORKER = {
+    "tests/evaluate/test_tier3_real_vllm.py": "vllm", "tests/publish/test_model_card.py": "vllm",
+    "tests/flows/test_compare.py": "compare", "tests/flows/test_compare_ray.py": "compare",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(path, path)))
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("assets")
