@@ -65,9 +65,9 @@ def test_the_sweep_grid_is_checked_before_anything_runs(tmp_path):
 
 
 def test_an_address_nothing_listens_on_is_refused_in_seconds_not_retried():
-    """Ray 2.60's `ray.init` on a dead HOST:PORT retries its GCS for minutes; --ray checks the port first."""
+    """Ray 2.60's `ray.init` on a dead HOST:PORT retries its GCS for minutes; --ray checks the port first
+    (how long each takes: `python -m bench.bench_ray_dead_address`)."""
     import socket
-    import time
 
     from quark_ptq_eval.flows.compare.ray_cluster import check_answers
 
@@ -77,10 +77,8 @@ def test_an_address_nothing_listens_on_is_refused_in_seconds_not_retried():
         port = listening.getsockname()[1]
         check_answers(f"127.0.0.1:{port}")  # something answers: Ray is asked
         check_answers(f"ray://127.0.0.1:{port}")
-    start = time.monotonic()
-    with pytest.raises(UsageError, match=f"No Ray cluster answers at 127.0.0.1:{port}"):
-        check_answers(f"127.0.0.1:{port}")
-    assert time.monotonic() - start < 5  # refused, not a timeout
+    with pytest.raises(UsageError, match=f"No Ray cluster answers at 127.0.0.1:{port} \\(Connection refused\\)"):
+        check_answers(f"127.0.0.1:{port}")  # the kernel's refusal, not a timeout
     with pytest.raises(UsageError, match="is not an address Ray can join"):
         check_answers("head-node")
     check_answers("auto")
