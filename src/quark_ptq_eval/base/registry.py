@@ -11,12 +11,11 @@ Like lm-evaluation-harness's registry, which checks each model class against its
 it is registered, a registry may be given the type its entries must have and a ``check`` that
 refuses an entry lacking its contract: :class:`InvalidEntry`, raised by ``register``, before the
 entry is added. :func:`defined_names` lets such a check see what a named module defines without
-importing it (from its cached bytecode: reading the table stays cheap and free of import cycles).
+importing it (from its bytecode: reading the table stays cheap and free of import cycles).
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.util
 import os
@@ -109,7 +108,6 @@ def split_ref(ref: str) -> tuple[str, str]:
 
 # (source file, its mtime) -> the names it binds: a tier's module and its report section are read once
 _NAMES: dict[tuple[str, int], frozenset[str]] = {}
-_COMPOUND = (ast.If, ast.Try, ast.With, ast.For, ast.While)  # statements whose bodies run at the top level
 
 
 def defined_names(module: str) -> set[str] | None:
@@ -117,9 +115,9 @@ def defined_names(module: str) -> set[str] | None:
     under a top-level ``if``/``try``), read without running it; None when it has no Python source to
     read (then only loading it can tell). A module that does not exist: :class:`InvalidEntry`.
 
-    Read from the interpreter's own bytecode cache (``__pycache__``) when there is one: importlib
-    checks it against the source's mtime and size, and unmarshalling it costs a fraction of parsing
-    the source, which is what happens without one (``PYTHONDONTWRITEBYTECODE``, a fresh checkout).
+    The code comes from the module's loader: importlib's bytecode cache (``__pycache__``) when it
+    matches the source, else the source compiled, which is what happens without one
+    (``PYTHONDONTWRITEBYTECODE``, a fresh checkout).
     """
     try:
         spec = importlib.util.find_spec(module)
@@ -127,13 +125,13 @@ def defined_names(module: str) -> set[str] | None:
         spec = None
     if spec is None:
         raise InvalidEntry(f"{module} does not exist")
-    if not spec.origin or not spec.origin.endswith(".py"):
+    get_code: Callable[[str], CodeType | None] | None = getattr(spec.loader, "get_code", None)
+    if not spec.origin or not spec.origin.endswith(".py") or get_code is None:
         return None
     key = (spec.origin, os.stat(spec.origin).st_mtime_ns)
     if key not in _NAMES:
-        get_code: Callable[[str], CodeType | None] | None = getattr(spec.loader, "get_code", None)
-        code = get_code(module) if get_code and spec.cached and os.path.exists(spec.cached) else None
-        _NAMES[key] = frozenset(_stored_names(code) if code is not None else _parsed_names(spec.origin))
+        code = get_code(module)
+        _NAMES[key] = frozenset(_stored_names(code) if code is not None else ())
     return set(_NAMES[key])
 
 
@@ -142,24 +140,3 @@ def _stored_names(code: CodeType) -> set[str]:
     import dis  # already imported with dataclasses (through inspect): no cost here
 
     return {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_NAME", "STORE_GLOBAL")} - {"__doc__"}
-
-
-def _parsed_names(path: str) -> set[str]:
-    """The same names from the source's syntax tree."""
-    with open(path, encoding="utf-8") as source:
-        todo: list[ast.stmt] = list(ast.parse(source.read()).body)
-    names: set[str] = set()
-    while todo:
-        node = todo.pop()
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            names.add(node.name)
-        elif isinstance(node, ast.Import | ast.ImportFrom):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
-        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if node.value else []
-            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)
-                         and isinstance(n.ctx, ast.Store))
-        elif isinstance(node, _COMPOUND):
-            todo += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
-                     *(s for h in getattr(node, "handlers", []) for s in h.body)]
-    return names
