@@ -18,7 +18,6 @@ for healthy exports. This is the only check that imports torch and transformers;
 from __future__ import annotations
 
 import gc
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,13 +83,20 @@ def check_load(ctx: CheckInputs) -> CheckResult:
 def _probe(ctx: CheckInputs, result: CheckResult) -> None:
     from quark_ptq_eval.runtime.loading import TRANSFORMERS, load_model, missing_weights_message
     from quark_ptq_eval.validate import experts, replay
+    from quark_ptq_eval.validate.emulate import emulate_outputs
 
     trust = bool((ctx.plan or {}).get("trust_remote_code"))  # the user approved it in the plan, or not at all
-    # The source first, its module inputs kept, then freed: one model in memory at a time.
+    # The source first, its module inputs kept; then it becomes the export's emulation (emulate.py) and
+    # the emulated outputs are kept; then it is freed: one model in memory at a time.
     src = load_model(ctx.source, device="auto", trust_remote_code=trust, loader=TRANSFORMERS)
     ids = src.tokenizer(PROBE, return_tensors="pt").input_ids[:, :MAX_PROBE_TOKENS]
     captures, owners, want = replay.capture(src.model, ids)
     experts.route_every_expert(src.model, captures)  # the source computes them: it is freed next
+    from quark_ptq_eval.validate.scale_ranges import check_static_scales
+
+    check_static_scales(ctx, src.model, src.tokenizer, result)  # on the source: what calibration ran
+    emulated = emulate_outputs(ctx, src.model, owners, captures)
+    emulated.emulation.close()
     del src
     gc.collect()
     out = load_model(ctx.quantized, device="auto", trust_remote_code=trust, allow_missing=True)
@@ -103,11 +109,14 @@ def _probe(ctx: CheckInputs, result: CheckResult) -> None:
                                                               f"{', '.join(out.missing_weights[:MAX_LISTED])}"))
     got = replay.run_probe(out.model, ids)
     exported = dict(out.model.named_modules())
-    errors = replay.module_errors(_units(ctx, owners, captures, exported, result), captures, exported)
+    outputs = replay.unit_outputs(_units(ctx, owners, captures, exported, result), captures, exported)
     del out, exported
     if _logits_finite(got, loader, result):
-        _judge_modules(errors, len(owners), loader, result, _error_limit(ctx))
-        _judge_agreement(got, want, ids.shape[1], loader, result, decisive=not errors)
+        from quark_ptq_eval.validate.load_judge import judge_units
+
+        judged = judge_units(outputs, captures, emulated)
+        judged.report(len(owners), loader, result, _error_limit(ctx))
+        _judge_agreement(got, want, ids.shape[1], loader, result, decisive=not outputs)
 
 
 def _units(ctx: CheckInputs, owners: list[str], captures: dict[str, Capture], exported: dict[str, Any],
@@ -154,31 +163,6 @@ def _logits_finite(got: torch.Tensor, loader: str, result: CheckResult) -> bool:
                                    side="quark", evidence=f"expected: finite logits; found: {bad} NaN/inf "
                                                           f"(loader {loader})"))
     return False
-
-
-def _judge_modules(errors: dict[str, float], owners: int, loader: str, result: CheckResult,
-                   limit_why: tuple[float, str]) -> None:
-    limit, why = limit_why
-    result.stats.update(modules_replayed=len(errors), module_error_limit=limit, module_error_limit_from=why)
-    if not errors:
-        result.notes.append(f"no module of the {owners} holding weights could be replayed on the export: greedy "
-                            "agreement judges alone")
-        return
-    worst = max(errors, key=errors.__getitem__)
-    # JSON has no infinity: a non-finite output is reported as null here and "inf" in the note and finding
-    finite = math.isfinite(errors[worst])
-    result.stats.update(max_module_error=round(errors[worst], 4) if finite else None, worst_module=worst)
-    result.notes.append(f"{len(errors)} modules replayed on the source's inputs: largest relative output error "
-                        f"{errors[worst]:.1%} ({worst}; limit {limit:.0%}: {why})")
-    over = sorted((name for name, err in errors.items() if err > limit), key=errors.__getitem__,
-                  reverse=True)
-    for name in over[:MAX_LISTED]:
-        result.findings.append(Finding(
-            name, f"gives outputs {errors[name]:.0%} away from the source module's on the same input, over the "
-            f"{limit:.0%} limit: the loader does not read this module as exported.", side="quark",
-            evidence=f"expected: relative error <= {limit} ({why}); found {errors[name]:.3g} (loader {loader})"))
-    if len(over) > MAX_LISTED:
-        result.notes.append(f"{len(over) - MAX_LISTED} more modules over the limit")
 
 
 def _judge_agreement(got: torch.Tensor, want: torch.Tensor, positions: int, loader: str, result: CheckResult,

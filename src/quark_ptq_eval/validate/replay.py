@@ -114,31 +114,41 @@ def replay_targets(owners: list[str], captures: dict[str, Capture], exported: di
     return targets
 
 
-def module_errors(units: list[ReplayUnit], captures: dict[str, Capture], exported: dict[str, Any]) -> dict[str, float]:
-    """Relative error ||export - source|| / ||source|| of each unit's output on the source's input
-    (inf where the export's output is not finite, or the source gives zeros and the export does not);
-    a call that raises is left out. A unit with a ``norm`` runs the export's norm first, on the norm's
-    own input; a ``residual`` unit (a decoder layer, whose output carries its input along) is measured
-    against what the layer adds: ||export - source|| / ||source - input||."""
+def unit_outputs(units: list[ReplayUnit], captures: dict[str, Capture], modules: dict[str, Any],
+                 dtype: torch.dtype | None = None) -> dict[ReplayUnit, torch.Tensor]:
+    """Each unit's output (float32, CPU) computed by ``modules`` (a loaded export, or the export's
+    emulation) on the source's captured input (its floats cast to ``dtype`` when given); a call that
+    raises, or a unit without an output, is left out. A unit with a ``norm`` runs that model's norm
+    first, on the norm's own input."""
     import torch
 
-    errors: dict[str, float] = {}
+    outputs: dict[ReplayUnit, torch.Tensor] = {}
     with torch.no_grad():
         for unit in units:
             try:
-                got = _run_unit(unit, captures, exported)
+                got = _run_unit(unit, captures, modules, dtype)
             except Exception:  # noqa: BLE001 - a call the export's module cannot take is not a verdict on it
                 continue
-            if got is None:
-                continue
-            cap = captures[unit.key]
-            if got.shape != cap.output.shape:
-                errors[unit.key] = float("inf")
-                continue
-            got, want = got.float().cpu(), cap.output
-            scale = float((want - _layer_input(cap)).norm() if unit.residual else want.norm())
-            errors[unit.key] = _relative(float((got - want).norm()), scale)
-    return errors
+            if got is not None:
+                outputs[unit] = got.detach().float().cpu()
+    return outputs
+
+
+def unit_error(unit: ReplayUnit, got: torch.Tensor, want: torch.Tensor, cap: Capture) -> float:
+    """Relative error ||got - want|| / ||want|| (inf where ``got`` is not finite, has another shape, or
+    ``want`` is zero and ``got`` is not). A ``residual`` unit (a decoder layer, whose output carries its
+    input along) is measured against what the layer adds: ||got - want|| / ||want - input||."""
+    if got.shape != want.shape:
+        return float("inf")
+    scale = float((want - _layer_input(cap)).norm() if unit.residual else want.norm())
+    return _relative(float((got - want).norm()), scale)
+
+
+def module_errors(units: list[ReplayUnit], captures: dict[str, Capture], exported: dict[str, Any]) -> dict[str, float]:
+    """Each unit's relative error (``unit_error``) against the source's own output, keyed by capture."""
+    outputs = unit_outputs(units, captures, exported)
+    return {unit.key: unit_error(unit, got, captures[unit.key].output, captures[unit.key])
+            for unit, got in outputs.items()}
 
 
 def _relative(diff: float, scale: float) -> float:
@@ -149,13 +159,15 @@ def _relative(diff: float, scale: float) -> float:
     return 0.0 if diff == 0 else float("inf")
 
 
-def _run_unit(unit: ReplayUnit, captures: dict[str, Capture], exported: dict[str, Any]) -> torch.Tensor | None:
+def _run_unit(unit: ReplayUnit, captures: dict[str, Capture], exported: dict[str, Any],
+              dtype: torch.dtype | None = None) -> torch.Tensor | None:
     cap, module = captures[unit.key], exported[unit.module]
     device = _device(module)
-    args, kwargs = _to(cap.args, device), _to(cap.kwargs, device)
+    args, kwargs = _to(cap.args, device, dtype=dtype), _to(cap.kwargs, device, dtype=dtype)
     if unit.norm:
         norm_cap = captures[unit.norm]
-        hidden = first_tensor(exported[unit.norm](*_to(norm_cap.args, device), **_to(norm_cap.kwargs, device)))
+        hidden = first_tensor(exported[unit.norm](*_to(norm_cap.args, device, dtype=dtype),
+                                                  **_to(norm_cap.kwargs, device, dtype=dtype)))
         swapped = None if hidden is None else _with_hidden(args, kwargs, hidden)
         if swapped is None:
             return None
@@ -221,14 +233,16 @@ def _device(module: torch.nn.Module) -> torch.device | str:
     return "cpu"
 
 
-def _to(value: Any, device: torch.device | str, copy: bool = False) -> Any:
-    """Tensors inside tuples/lists/dicts moved to ``device`` (copied: a later in-place op cannot reach them)."""
+def _to(value: Any, device: torch.device | str, copy: bool = False, dtype: torch.dtype | None = None) -> Any:
+    """Tensors inside tuples/lists/dicts moved to ``device`` (copied: a later in-place op cannot reach
+    them); floating-point ones cast to ``dtype`` when given."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        return value.detach().to(device, copy=copy)
+        cast = dtype if dtype is not None and value.is_floating_point() else None
+        return value.detach().to(device, dtype=cast, copy=copy)
     if isinstance(value, tuple | list):
-        return type(value)(_to(v, device, copy) for v in value)
+        return type(value)(_to(v, device, copy, dtype) for v in value)
     if isinstance(value, dict):
-        return {k: _to(v, device, copy) for k, v in value.items()}
+        return {k: _to(v, device, copy, dtype) for k, v in value.items()}
     return value

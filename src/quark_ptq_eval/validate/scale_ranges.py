@@ -1,0 +1,166 @@
+"""Static activation scales set against the data they were calibrated on.
+
+The load check holds the loader to the export; a static ``input_scale`` written wrong is then read
+"right" by both. So each exported static per-tensor scale is re-observed: the model runs the
+run's own calibration windows (the plan's text, seq_len and sample count, cut as the engine cuts them:
+``execute/quark_api_parts.calibration_batches``), and Quark's observer for the spec
+(``PerTensorMinMaxObserver``: absmax over every token; symmetric integers divide by half the integer
+range, fp8 by its largest value) gives the scale it would have written. Quark observes the float
+model (a SmoothQuant export's scales are exactly absmax 1.0 over its smoothed channels: no upstream
+quantization moved them), so the windows run through the source; a resample of the windows moves a
+maximum, so the check
+accepts the spread that resampling the windows gives (``RESAMPLES`` bootstrap draws: from the 1st
+percentile to the full data's value) widened by that spread on each side; outside it the scale is an
+export fault, named. Scales exactly 1.0 stay the calibration check's (calibration.py). Under a
+scaling algorithm (SmoothQuant, AWQ) or a rotation, calibration saw a rewritten float model the export
+does not store: those scales are not re-observed, and the report says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from quark_ptq_eval.base.schemes import as_spec_list
+from quark_ptq_eval.validate.expectations import kv_cache_output, module_config
+from quark_ptq_eval.validate.quantizers import FLOAT_MAX, int_range, is_int, read_scale
+from quark_ptq_eval.validate.report import MAX_LISTED, Finding
+
+if TYPE_CHECKING:
+    import torch
+
+    from quark_ptq_eval.validate.registry import CheckInputs
+    from quark_ptq_eval.validate.report import CheckResult
+
+OBSERVER = "PerTensorMinMaxObserver"
+MAX_WINDOWS = 64  # calibration windows re-run at most (beyond: the upper bound is not judged)
+RESAMPLES = 200
+UNOBSERVED = 1.0  # the calibration check's
+
+
+@dataclass
+class StaticScale:
+    module: str
+    side: str  # "input" or "output"
+    exported: float
+    top: float  # the format's half range (ints) or largest value (floats)
+
+
+def static_scales(ctx: CheckInputs, modules: set[str]) -> list[StaticScale]:
+    """Every static per-tensor activation scale of the export observed by ``PerTensorMinMaxObserver``."""
+    qconfig, output = ctx.qconfig or {}, ctx.tensors("output") or {}
+    found = []
+    for module in sorted(modules):
+        if f"{module}.weight_scale" not in output:
+            continue
+        config = module_config(qconfig, module)
+        sides = (("input", config.input_tensors if config else None),
+                 ("output", (config.output_tensors if config else None) or kv_cache_output(qconfig, module)))
+        for side, specs in sides:
+            spec = next(iter(as_spec_list(specs)), None)
+            if spec is None or spec.get("is_dynamic") or spec.get("qscheme") != "per_tensor":
+                continue
+            if spec.get("observer_cls") != OBSERVER or not (spec.get("symmetric", True) or spec["dtype"] in FLOAT_MAX):
+                continue
+            dtype = str(spec.get("dtype"))
+            top = FLOAT_MAX.get(dtype) or ((int_range(dtype)[1] - int_range(dtype)[0]) / 2 if is_int(dtype) else 0)
+            value = read_scale(output, f"{module}.{side}_scale")
+            if top and value is not None and value.size == 1 and float(value.reshape(-1)[0]) != UNOBSERVED:
+                found.append(StaticScale(module, side, float(value.reshape(-1)[0]), top))
+    return found
+
+
+def check_static_scales(ctx: CheckInputs, model: torch.nn.Module, tokenizer: Any, result: CheckResult) -> None:
+    """Findings for static scales outside what the calibration text gives; a note when it cannot judge."""
+    from quark_ptq_eval.validate.rewrites import ROTATING, SCALING, algorithms
+
+    scales = static_scales(ctx, {name for name, _ in model.named_modules()})
+    if not scales:
+        return
+    rewrites = sorted(set(algorithms(ctx.qconfig, ctx.plan)) & (SCALING | ROTATING))
+    if rewrites:
+        result.notes.append(f"{len(scales)} static activation scales not re-observed: {', '.join(rewrites)} "
+                            "calibrated a rewritten float model the export does not store")
+        return
+    calibration = (ctx.plan or {}).get("calibration") or {}
+    path = calibration.get("path")
+    if not path or not Path(path).exists():
+        result.notes.append(f"{len(scales)} static activation scales not re-observed: the run's calibration text "
+                            "is not a local file recorded in the plan")
+        return
+    windows, capped = _windows(tokenizer, calibration)
+    maxima = _observe(model, windows, scales)
+    result.stats["static_scales_checked"] = len(scales)
+    bad = [(s, bounds) for s in scales if (bounds := _bounds(maxima[(s.module, s.side)], s.top, capped))
+           and not bounds[0] <= s.exported <= bounds[1]]
+    result.stats["static_scales_off"] = len(bad)
+    note = f" (first {len(windows)} windows: only too-small scales judged)" if capped else ""
+    result.notes.append(f"{len(scales)} static activation scales re-observed on the run's {len(windows)} "
+                        f"calibration windows{note}; {len(bad)} outside the resampled spread")
+    for s, (low, high) in bad[:MAX_LISTED]:
+        clip = "clips activations the calibration text reaches" if s.exported < low else "wastes the format's range"
+        result.findings.append(Finding(
+            f"{s.module}.{s.side}_scale", f"is {s.exported:.4g}, outside the {low:.4g}-{high:.4g} the calibration "
+            f"text gives when re-observed as {OBSERVER} would: it {clip}.", side="quark",
+            evidence=f"expected: a scale within the calibration windows' resampled spread; found {s.exported:.6g}"))
+
+
+def _windows(tokenizer: Any, calibration: dict[str, Any]) -> tuple[list[torch.Tensor], bool]:
+    from quark_ptq_eval.base.textdata import load_texts
+    from quark_ptq_eval.execute.quark_api_parts import calibration_batches
+
+    texts = load_texts(calibration["path"], calibration.get("text_field") or "text")
+    num = int(calibration.get("num_samples") or 128)
+    batches = calibration_batches(tokenizer, texts, int(calibration.get("seq_len") or 512), min(num, MAX_WINDOWS),
+                                  1, "cpu")
+    return batches, num > MAX_WINDOWS
+
+
+def _observe(model: torch.nn.Module, windows: list[torch.Tensor],
+             scales: list[StaticScale]) -> dict[tuple[str, str], list[float]]:
+    """Per (module, side): the absmax of each window."""
+    import torch
+
+    modules = dict(model.named_modules())
+    maxima: dict[tuple[str, str], list[float]] = {(s.module, s.side): [] for s in scales}
+    current: dict[tuple[str, str], float] = {}
+
+    def keep(key: tuple[str, str], value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            current[key] = max(current.get(key, 0.0), float(value.detach().abs().amax()))
+
+    handles = []
+    for module, side in maxima:
+        if side == "input":
+            handles.append(modules[module].register_forward_pre_hook(  # before the module's own quantizer
+                lambda _m, args, key=(module, side): keep(key, args[0] if args else None), prepend=True))
+        else:
+            handles.append(modules[module].register_forward_hook(
+                lambda _m, _a, out, key=(module, side): keep(key, out)))
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            for ids in windows:
+                current.clear()
+                model(ids.to(device), use_cache=False)
+                for key in maxima:
+                    maxima[key].append(current.get(key, 0.0))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return maxima
+
+
+def _bounds(maxima: list[float], top: float, capped: bool) -> tuple[float, float] | None:
+    """(low, high) accepted for the exported scale, from the windows' maxima resampled with replacement."""
+    import numpy as np
+
+    values = np.asarray(maxima, dtype=np.float64)
+    if not values.size or values.max() <= 0:
+        return None
+    rng = np.random.default_rng(0)
+    draws = values[rng.integers(0, values.size, size=(RESAMPLES, values.size))].max(axis=1)
+    low, full = float(np.percentile(draws, 1)) / top, float(values.max()) / top
+    spread = max(full - low, full * 1e-3)  # never narrower than float rounding of a scale
+    return low - spread, (full + spread) if not capped else float("inf")
