@@ -49,6 +49,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(path, path)))
 
 
+TRAITS = "-traits"
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("assets")
@@ -63,7 +66,8 @@ def corpus(assets) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(assets, corpus):
-    """``tiny_model("llama")`` / ``tiny_model("qwen3")``: path of a trained tiny checkpoint; any other
+    """``tiny_model("llama")`` / ``tiny_model("qwen3")``: path of a trained tiny checkpoint;
+    ``tiny_model("llama-traits")``: a BF16 copy of it with outlier channels (tests/fixtures/traits.py); any other
     transformers model type (``"qwen3_moe"``): a tiny random instance of that family (tests/fixtures/families.py).
     Treat it as read-only: copy it (``copy_model``) before planting faults."""
     from quark_ptq_eval.flows.demo import ARCHITECTURES, build_tiny_model
@@ -73,6 +77,13 @@ def tiny_model(assets, corpus):
     def get(arch: str = "llama") -> Path:
         if arch not in built and arch in ARCHITECTURES:
             built[arch] = build_tiny_model(assets / f"tiny-{arch}", corpus, arch=arch)
+        elif arch not in built and arch.endswith(TRAITS) and arch[: -len(TRAITS)] in ARCHITECTURES:
+            import shutil
+
+            from tests.fixtures.traits import add_traits
+
+            built[arch] = Path(shutil.copytree(get(arch[: -len(TRAITS)]), assets / f"tiny-{arch}"))
+            add_traits(built[arch])
         elif arch not in built:
             from tests.fixtures.families import build_family
 

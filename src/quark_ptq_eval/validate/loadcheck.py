@@ -46,6 +46,7 @@ def load_check_alone(source: Path, quantized: Path, plan: dict[str, Any] | None 
     decode check, a fault planted in a weight's file stops validation before the load check runs)."""
     ctx = CheckInputs(Path(source), Path(quantized), plan, load_check=True)
     ctx.src_config, ctx.out_config = read_config_or_empty(ctx.source), read_config_or_empty(ctx.quantized)
+    ctx.read_headers()  # the emulation decodes the export's tensors through them
     return check_load(ctx)
 
 

@@ -102,10 +102,12 @@ def read_scale(output: dict[str, TensorInfo], name: str) -> np.ndarray | None:
     info = output.get(name)
     if info is None:
         return None
-    raw = fmt.read_array(info)
+    import numpy as np
+
+    raw = np.atleast_1d(fmt.read_array(info))  # a 0-d BF16 scale would view as a numpy scalar
     if info.dtype in fmt.NUMPY_FLOATS or info.dtype in fmt.HALF_FLOATS:
-        return fmt.as_float(info, raw).astype("float32")
-    return raw.astype("float32")  # an integer zero point
+        return np.asarray(fmt.as_float(info, raw), dtype=np.float32)
+    return raw.astype(np.float32)  # an integer zero point
 
 
 def is_int(dtype: str) -> bool:
