@@ -6,12 +6,16 @@ expects and initialises them at random. So the export is loaded (through ``runti
 transformers' Quark integration, or Quark's importer for two-level scales and per-expert MoE
 linears), and a short probe runs through the source. The verdict comes from replaying each module
 on the source's own inputs (``replay.py``; MoE experts also one by one, each routed its own tokens,
-``experts.py``): every module's output must stay within
-its scheme's limit of the source's (``loadlimits.py``: the healthy maximum measured for that weight
-format and algorithm, with a margin); the loader must not report weights it initialised; the
-logits must be finite. Greedy next-token agreement with the source is reported, and judges only
-when no module could be replayed: on a model with flat logits (random weights) it reads 16-100 %
-for healthy exports. This is the only check that imports torch and transformers;
+``experts.py``) and holding the loader's output to what the export says the module computes
+(``emulate.py``: its weights decoded from the files, its activations quantized as its
+``quantization_config`` and scale tensors say) within floating-point rounding (``load_judge.py``).
+The emulation's own distance from the source is the scheme's quantization error: reported per
+module with its cause, evidence for Phase 3, never a failure. A unit the emulation cannot cover is
+held to the source within its format's measured limit (``loadlimits.py``). Each static activation
+scale is re-observed on the run's calibration text (``scale_ranges.py``). The loader must not
+report weights it initialised; the logits must be finite. Greedy next-token agreement with the
+source is reported, and judges only when no module could be replayed. This is the only check that
+imports torch and transformers;
 ``--no-load-check`` skips it for models too large for the host.
 """
 
