@@ -28,6 +28,7 @@ from quark_ptq_eval.evaluate.remedies import suggest_remedies
 from quark_ptq_eval.evaluate.scan_followup import sensitivity_followup
 from quark_ptq_eval.evaluate.tiers import TIERS, get_tier
 from quark_ptq_eval.evaluate.verdict import TierEvidence, compare_all, overall_verdict
+from quark_ptq_eval.validate.load_judge import quantization_evidence
 
 
 def evaluate(
@@ -150,7 +151,9 @@ def build_report(ctx: TierInputs, outcome: TierOutcome, estimate: RuntimeEstimat
     )
     verdict = overall_verdict(comparisons)
     details = outcome.details.as_dict()  # the report holds them as eval_results.json writes them
-    remedies = suggest_remedies(ctx.plan, _num_layers(ctx.model_dir)) if verdict in ("hurt", "watch") else []
+    remedies = []
+    if verdict in ("hurt", "watch"):  # what validation measured per module first: the evidence behind the verdict
+        remedies = quantization_evidence(ctx.workdir)[1:] + suggest_remedies(ctx.plan, _num_layers(ctx.model_dir))
     return EvalReport(
         tier=options.tier,
         model_dir=ctx.model_dir,
