@@ -65,7 +65,34 @@ def corpus(assets) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(assets, corpus):
+def shared_assets(tmp_path_factory, assets) -> Path:
+    """Models and exports that tests only read, built once per test run for both xdist workers (the
+    workers' base temp dirs share a parent); without xdist, the session's own assets."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return assets
+    root = tmp_path_factory.getbasetemp().parent / "shared-assets"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def build_once(path: Path, build) -> Path:
+    """``build(folder)`` into a private folder renamed to ``path``, under a lock: a worker that asks for
+    the same path meanwhile waits, then reuses it; a build that fails leaves nothing at ``path``."""
+    import fcntl
+    import shutil
+
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            partial = path.with_name(path.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            build(partial)
+            partial.rename(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(shared_assets, corpus):
     """``tiny_model("llama")`` / ``tiny_model("qwen3")``: path of a trained tiny checkpoint;
     ``tiny_model("llama-traits")``: a BF16 copy of it with outlier channels (tests/fixtures/traits.py); any other
     transformers model type (``"qwen3_moe"``): a tiny random instance of that family (tests/fixtures/families.py).
@@ -74,23 +101,31 @@ def tiny_model(assets, corpus):
 
     built: dict[str, Path] = {}
 
+    def traits(arch: str, folder: Path) -> None:
+        import shutil
+
+        from tests.fixtures.traits import add_traits
+
+        shutil.copytree(get(arch[: -len(TRAITS)]), folder)
+        add_traits(folder)
+
+    def family(arch: str, folder: Path) -> None:
+        from tests.fixtures.families import build_family
+
+        # a demo model trained one step: only its tokenizer is used
+        tokenizer = build_once(shared_assets / "tokenizer-only",
+                               lambda out: build_tiny_model(out, corpus, train_steps=1))
+        build_family(arch, folder, tokenizer)
+
     def get(arch: str = "llama") -> Path:
-        if arch not in built and arch in ARCHITECTURES:
-            built[arch] = build_tiny_model(assets / f"tiny-{arch}", corpus, arch=arch)
-        elif arch not in built and arch.endswith(TRAITS) and arch[: -len(TRAITS)] in ARCHITECTURES:
-            import shutil
-
-            from tests.fixtures.traits import add_traits
-
-            built[arch] = Path(shutil.copytree(get(arch[: -len(TRAITS)]), assets / f"tiny-{arch}"))
-            add_traits(built[arch])
-        elif arch not in built:
-            from tests.fixtures.families import build_family
-
-            tokenizer = assets / "tokenizer-only"  # a demo model trained one step: only its tokenizer is used
-            if not (tokenizer / "tokenizer.json").exists():
-                build_tiny_model(tokenizer, corpus, train_steps=1)
-            built[arch] = build_family(arch, assets / f"tiny-{arch}", tokenizer)
+        if arch not in built:
+            if arch in ARCHITECTURES:
+                build = lambda out: build_tiny_model(out, corpus, arch=arch)  # noqa: E731
+            elif arch.endswith(TRAITS) and arch[: -len(TRAITS)] in ARCHITECTURES:
+                build = lambda out: traits(arch, out)  # noqa: E731
+            else:
+                build = lambda out: family(arch, out)  # noqa: E731
+            built[arch] = build_once(shared_assets / f"tiny-{arch}", build)
         return built[arch]
 
     return get
@@ -102,7 +137,7 @@ def tiny_llama(tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
-def quantized(assets, corpus, tiny_model):
+def quantized(shared_assets, corpus, tiny_model):
     """``quantized("int8", arch="llama", algorithm=None, kv=None)``: a real Quark export of the tiny model
     (``kv="fp8"``: with an FP8 KV cache)."""
     from quark_ptq_eval.execute import quark_api_engine
@@ -115,17 +150,20 @@ def quantized(assets, corpus, tiny_model):
         if key not in done:
             # the folder named by the key's digest: an exclude list of any length makes no over-long file name
             digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
-            out = assets / "quantized" / f"{scheme}-{arch}-{digest}"
-            argv = ["--model_dir", str(tiny_model(arch)), "--output_dir", str(out), "--quant_scheme", scheme,
-                    "--calib_data", str(corpus), "--num_calib_data", "16", "--seq_len", "128"]
-            if algorithm:
-                argv += ["--quant_algo", algorithm]
-            if exclude is not None:
-                argv += ["--exclude_layers", *exclude]
-            if kv:
-                argv += ["--kv_cache_dtype", kv]
-            assert quark_api_engine.main(argv) == 0
-            done[key] = out
+            (shared_assets / "quantized").mkdir(exist_ok=True)
+
+            def export(out: Path) -> None:
+                argv = ["--model_dir", str(tiny_model(arch)), "--output_dir", str(out), "--quant_scheme", scheme,
+                        "--calib_data", str(corpus), "--num_calib_data", "16", "--seq_len", "128"]
+                if algorithm:
+                    argv += ["--quant_algo", algorithm]
+                if exclude is not None:
+                    argv += ["--exclude_layers", *exclude]
+                if kv:
+                    argv += ["--kv_cache_dtype", kv]
+                assert quark_api_engine.main(argv) == 0
+
+            done[key] = build_once(shared_assets / "quantized" / f"{scheme}-{arch}-{digest}", export)
         return done[key]
 
     return get
