@@ -12,7 +12,8 @@ import pytest
 from tests.validate.test_validate_plan import failures, plan_for, run_cli
 
 ARCH = "llama-traits"
-EXPORTS = {"int8": ("int8", None), "fp8": ("fp8", None), "int8-smoothquant": ("int8", "smoothquant")}
+EXPORTS = {"int8": ("int8", None), "fp8": ("fp8", None), "int8-smoothquant": ("int8", "smoothquant"),
+           "qwen3-int8": ("int8", None)}  # another family: q/k norms, its own head_dim
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +21,13 @@ def traits(tiny_model) -> Path:
     return tiny_model(ARCH)
 
 
+def arch_of(name: str) -> str:
+    return "qwen3-traits" if name.startswith("qwen3") else ARCH
+
+
 @pytest.fixture(scope="module")
 def exports(quantized) -> dict[str, Path]:
-    return {name: quantized(scheme, arch=ARCH, algorithm=algo) for name, (scheme, algo) in EXPORTS.items()}
+    return {name: quantized(scheme, arch=arch_of(name), algorithm=algo) for name, (scheme, algo) in EXPORTS.items()}
 
 
 def plan_of(name: str, corpus: Path) -> dict:
@@ -33,12 +38,12 @@ def plan_of(name: str, corpus: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def validated(traits, exports, corpus, tmp_path_factory) -> dict[str, tuple[int, dict, Path]]:
+def validated(tiny_model, exports, corpus, tmp_path_factory) -> dict[str, tuple[int, dict, Path]]:
     """Each export validated once, as the CLI does (exit code, JSON report, work dir)."""
     runs = {}
     for name in EXPORTS:
         workdir = tmp_path_factory.mktemp(f"validate-{name}")
-        runs[name] = (*run_cli(traits, exports[name], workdir, plan_of(name, corpus)), workdir)
+        runs[name] = (*run_cli(tiny_model(arch_of(name)), exports[name], workdir, plan_of(name, corpus)), workdir)
     return runs
 
 
@@ -51,6 +56,9 @@ def test_correct_exports_of_a_model_with_outliers_pass_and_report_their_quantiza
     assert stats["modules_emulated"] == stats["modules_replayed"] > 0
     assert stats["max_loader_error"] <= stats["loader_error_limit"] == 0.03  # BF16 rounding only
     assert stats["quantization_error"] and stats["max_quantization_error"] == stats["quantization_error"][0]["error"]
+    if name == "qwen3-int8":  # the hidden outlier dimension feeds q/k/v of block 0
+        causes = {q["module"]: q["cause"] for q in stats["quantization_error"]}
+        assert causes["model.layers.0.self_attn.v_proj"].startswith("input absmax")
     if name == "int8":  # per-tensor int8 activations over a 32x channel: the scheme's error, named with its cause
         worst = {q["module"]: q for q in stats["quantization_error"]}
         down = worst["model.layers.1.mlp.down_proj"]
@@ -59,9 +67,9 @@ def test_correct_exports_of_a_model_with_outliers_pass_and_report_their_quantiza
         assert down["input_outlier_ratio"] >= 16
         assert any("--algorithm smoothquant" in n and "hypothesis" in n for n in load["notes"])
         assert "quantization error" in (workdir / "validation_report.md").read_text()
-        from quark_ptq_eval.validate.load_judge import quantization_evidence  # the evaluation checkpoint's lines
+        from quark_ptq_eval.validate.load_judge import quantization_evidence
 
-        evidence = quantization_evidence(workdir)
+        evidence = quantization_evidence(workdir)  # the evaluation checkpoint's lines
         assert "input absmax" in evidence[0] and "--algorithm smoothquant" in evidence[1]
     if name == "int8-smoothquant":
         assert any("not re-observed: smooth" in n for n in load["notes"])
