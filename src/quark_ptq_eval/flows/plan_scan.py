@@ -20,10 +20,16 @@ if TYPE_CHECKING:
 
 
 def with_sensitivity_scan(plan: QuantPlan, req: PlanRequest, workdir: Path) -> QuantPlan:
-    """``plan`` with the scan's proposal as a decision when ``req.sensitivity`` is set, else as it is."""
+    """``plan`` with the scan's proposal as a decision when ``req.sensitivity`` is set, else as it is; a
+    proposal that splits one of vLLM's fused groups is refused, or widened (``--widen-groups``)."""
     if not req.sensitivity:
         return plan
-    return take_scan_result(plan, run_plan_scan(plan, req.max_kl, workdir))
+    from quark_ptq_eval.base.catalog import load_catalog
+    from quark_ptq_eval.plan.recommend import regroup
+
+    plan = take_scan_result(plan, run_plan_scan(plan, req.max_kl, workdir))
+    # the proposal is held to vLLM's fused groups as the user's overrides are (refused, or widened when asked)
+    return regroup(plan, req.widen_groups, load_catalog()["schemes"])
 
 
 def run_plan_scan(plan: QuantPlan, max_kl: float | None, workdir: Path) -> ScanResult:

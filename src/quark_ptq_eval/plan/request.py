@@ -35,6 +35,10 @@ class PlanRequest:
     layer_quant_config: dict[str, str] = field(default_factory=dict, metadata=flag(
         "--layer-quant-scheme", nargs=2, action="append", metavar=("PATTERN", "SCHEME"), convert=_pairs_to_dict,
         help="per-pattern scheme override (repeatable)"))
+    widen_groups: bool = field(default=False, metadata=flag(
+        "--widen-groups", action="store_true",
+        help="widen an override or exclusion that splits a group vLLM fuses (q/k/v, gate/up, a layer's experts) "
+             "to the whole group, instead of refusing the plan"))
     calib_data: str | None = field(default=None, metadata=flag(
         "--calib-data", help="local calibration text: .txt, .jsonl or .parquet"))
     calib_text_field: str | None = field(default=None, metadata=flag(
