@@ -275,6 +275,15 @@ def regroup(plan: QuantPlan, widen: bool, known: list[str]) -> QuantPlan:
     return plan
 
 
+def _grouped_choices(req: PlanRequest, analysis: ModelAnalysis, scheme: str,
+                     catalog: QuarkCatalog) -> tuple[Settled, str, str]:
+    """The exclusions (who chose them, why) and overrides, settled along vLLM's fused groups."""
+    excludes, source, why = _exclusions(req, analysis)
+    settled = settle_plan_groups(analysis.model["model_path"], scheme, req.layer_quant_config, excludes,
+                                 req.widen_groups, catalog["schemes"])
+    return settled, source, why
+
+
 def _groups_row(settled: Settled) -> list[Decision]:
     if not settled.widened:
         return []
@@ -302,9 +311,7 @@ def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: 
     algorithm, algo_why = _choose_algorithm(req, info, analysis.template.get("algorithms"))
     kv, kv_why = _choose_kv(req, tc, catalog, analysis)
     _check_compatible(model_type, scheme, algorithm, kv, req.layer_quant_config, analysis, catalog)
-    excludes, ex_source, ex_why = _exclusions(req, analysis)
-    groups = settle_plan_groups(analysis.model["model_path"], scheme, req.layer_quant_config, excludes,
-                                req.widen_groups, catalog["schemes"])
+    groups, ex_source, ex_why = _grouped_choices(req, analysis, scheme, catalog)
     excludes, overrides = groups.excludes, groups.overrides
     if analysis.model.get("has_custom_code") and not req.trust_remote_code and not analysis.template["available"]:
         raise UsageError("This model needs its own code to load and --trust-remote-code was not given.",
