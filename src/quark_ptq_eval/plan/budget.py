@@ -24,11 +24,11 @@ from typing import Any
 
 from quark_ptq_eval.base.schemes import as_spec_list, dtype_bits
 
-SCALE_BYTES = 2  # Quark writes a float scale in the model's dtype (BF16/F16) ...
+SCALE_BYTES = 2  # Quark writes a float scale in the model's float width (BF16/F16; F32 for an F32 model) ...
 MX_SCALE_BYTES = 1  # ... an MX block's scale as one E8M0 byte
 
 
-def linear_bytes(spec: dict[str, Any] | None, rows: int, cols: int) -> float:
+def linear_bytes(spec: dict[str, Any] | None, rows: int, cols: int, scale_bytes: int = SCALE_BYTES) -> float:
     """Bytes of one ``rows x cols`` linear's weight under a scheme's weight spec, with its scales and
     zero points (a per-group zero point packed like its weight; per channel or tensor, one int32 each)."""
     spec = (as_spec_list(spec) or [{}])[0]
@@ -44,7 +44,7 @@ def linear_bytes(spec: dict[str, Any] | None, rows: int, cols: int) -> float:
     else:
         return rows * cols * 2.0  # not quantized: BF16
     mx = spec.get("scale_format") == "e8m0"
-    scale = MX_SCALE_BYTES if mx else SCALE_BYTES
+    scale = MX_SCALE_BYTES if mx else scale_bytes
     zero = 0.0 if mx else (bits / 8 if qscheme == "per_group" and bits < 8 else 4.0)
     return weights + n * (scale + zero)
 

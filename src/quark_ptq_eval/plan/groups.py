@@ -136,14 +136,14 @@ def _widen(names: list[str], scheme: str, overrides: dict[str, str], excludes: l
         else:
             new_overrides |= {m: target for m in added}
         widened.append(f"{_split_text(group, schemes, scheme)} -> all {_shown(target)}")
-    excl = [*excludes, *_compact(new_excludes, names)]
+    excl = [*excludes, *compact_patterns(new_excludes, names)]
     # widened names first: Quark (and vLLM) take the first matching pattern
     ovr = {p: s for s in dict.fromkeys(new_overrides.values())
-           for p in _compact([m for m, t in new_overrides.items() if t == s], names)} | overrides
+           for p in compact_patterns([m for m, t in new_overrides.items() if t == s], names)} | overrides
     return Settled(ovr, excl, widened)
 
 
-def _compact(members: list[str], names: list[str]) -> list[str]:
+def compact_patterns(members: list[str], names: list[str]) -> list[str]:
     """Patterns naming exactly ``members`` among ``names``: layer indices as ``*`` where that names no
     other linear, else the exact names."""
     want, out = set(members), []

@@ -1,0 +1,72 @@
+"""Issue 41: `--budget-bits B --formats a,b` plans the best per-group mix, from real scans of the model.
+
+One real search on the trained tiny Llama (two scans: int4_wo_32 and int8); the budget's effective bits
+are recomputed from the plan as Quark applies it, and the size model is held against a real export's
+header. Budgets no mix can meet, and combinations the search cannot honour, are refused before anything
+is measured (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from quark_ptq_eval.base.safetensors_io import read_model_headers
+from quark_ptq_eval.base.schemes import load_scheme_table
+from quark_ptq_eval.plan.budget import linear_bytes
+from quark_ptq_eval.plan.groups import scheme_of
+from quark_ptq_eval.plan.scheme_fit import linear_shapes
+
+FORMATS = "int4_wo_32,int8"
+
+
+def _plan(cli, model: Path, root: Path, corpus: Path, *extra: str):
+    wd = root / "wd"
+    res = cli("plan", model, "-o", root / "out", "--workdir", wd, "--calib-data", corpus, "--offline",
+              "--approve", "intake", *extra)
+    return res, wd
+
+
+@pytest.mark.parametrize("extra, says", [
+    (("--budget-bits", "4", "--formats", FORMATS), "No mix of int4_wo_32, int8 fits 4 effective bits"),
+    (("--budget-bits", "6", "--formats", "int8"), "--formats needs at least two formats"),
+    (("--budget-bits", "6", "--formats", "int4_wo_32,int3"), "does not support the format(s) int3"),
+    (("--budget-bits", "6", "--layer-quant-scheme", "*mlp*", "int8"), "cannot be combined with --layer-quant-scheme"),
+])
+def test_what_the_search_cannot_do_is_refused_before_anything_is_measured(cli, tiny_llama, corpus, tmp_path,
+                                                                          extra, says):
+    res, wd = _plan(cli, tiny_llama, tmp_path, corpus, *extra)
+    assert res.rc == 2 and says in res.err and "Traceback" not in res.err, res.err[-1500:]
+    assert "sensitivity:" not in res.out + res.err and not (wd / "search_report.json").exists()
+
+
+def test_the_plan_mixes_both_formats_within_the_budget(cli, tiny_llama, corpus, tmp_path):
+    res, wd = _plan(cli, tiny_llama, tmp_path, corpus, "--budget-bits", "6", "--formats", FORMATS)
+    assert res.rc == 0, res.err[-3000:]
+    plan = json.loads((wd / "quant_plan.json").read_text())
+    table = load_scheme_table()["schemes"]
+    shapes = linear_shapes(str(tiny_llama), plan["exclude_layers"])
+    given = {n: scheme_of(n, plan["global_scheme"], plan["layer_quant_config"], plan["exclude_layers"]) for n in shapes}
+    assert set(given.values()) == {"int4_wo_32", "int8"}  # both formats, every linear quantized
+    bits = 8 * sum(linear_bytes(table[given[n]]["weight"], r, c, 4) for n, (r, c) in shapes.items()) \
+        / sum(r * c for r, c in shapes.values())  # the tiny model is F32: F32 scales
+    row = next(d for d in plan["decisions"] if d["decision"] == "budget search")
+    assert bits <= 6 and bits == pytest.approx(row["effective_bits"], abs=1e-3)
+    assert row["lp_bound"] <= row["predicted_kl"]
+    report = json.loads((wd / "search_report.json").read_text())
+    front = report["front"]
+    assert [p["predicted_kl"] for p in front] == sorted((p["predicted_kl"] for p in front), reverse=True)
+    assert front[0]["groups_per_format"]["int8"] == 0 and report["chosen"]["predicted_kl"] < front[0]["predicted_kl"]
+    assert set(report["additivity"]) == {"int4_wo_32", "int8"}
+    assert "## Predicted front" in (wd / "search_report.md").read_text()
+
+
+def test_the_size_model_matches_a_real_export(quantized, tiny_llama):
+    """int4_wo_32 on the F32 tiny model: packed int4 weights, an F32 scale and a packed int4 zero point per 32."""
+    out = read_model_headers(str(quantized("int4_wo_32")))
+    spec = load_scheme_table()["schemes"]["int4_wo_32"]["weight"]
+    for name, (rows, cols) in linear_shapes(str(tiny_llama), ["lm_head"]).items():
+        written = sum(i.nbytes for t, i in out.items() if t.rpartition(".")[0] == name)
+        assert written == linear_bytes(spec, rows, cols, 4), name
