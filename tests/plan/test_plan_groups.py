@@ -114,3 +114,20 @@ def test_a_widened_mix_is_quantized_validated_and_served_by_vllm(cli, tiny_llama
     assert report["status"] == "success", report["evidence"]
     serve = report["checks"]["serve"]
     assert serve["status"] == "pass" and serve["stats"]["served"] is True, serve
+
+
+def test_validation_names_a_split_export_that_vllm_would_refuse(quantized, tiny_llama):
+    """An export made elsewhere (or by hand) that splits q/k/v: the serving check says vLLM refuses it, without
+    starting vLLM; real exports along group lines (int8, fp8 with an FP8 KV cache on k/v) are not flagged."""
+    from quark_ptq_eval.plan.scheme_fit import linear_shapes
+    from quark_ptq_eval.validate.servecheck import fused_split
+
+    names = list(linear_shapes(str(tiny_llama), []))
+    for export in (quantized("int8"), quantized("fp8", kv="fp8")):
+        qconfig = json.loads((export / "config.json").read_text())["quantization_config"]
+        assert fused_split(qconfig, names) is None, export
+    split = {**qconfig, "layer_quant_config": {"*q_proj*": {**qconfig["global_quant_config"], "weight": {"dtype": "int4"}},
+                                               **qconfig["layer_quant_config"]}}
+    assert "q/k/v of model.layers.0.self_attn is one fused layer in vLLM" in fused_split(split, names)
+    part = {**qconfig, "exclude": ["lm_head", "model.layers.1.mlp.gate_proj"]}
+    assert "gate/up of model.layers.1.mlp" in fused_split(part, names)
