@@ -70,3 +70,32 @@ def test_the_size_model_matches_a_real_export(quantized, tiny_llama):
     for name, (rows, cols) in linear_shapes(str(tiny_llama), ["lm_head"]).items():
         written = sum(i.nbytes for t, i in out.items() if t.rpartition(".")[0] == name)
         assert written == linear_bytes(spec, rows, cols, 4), name
+
+
+def test_an_moe_layers_experts_are_one_search_group_and_the_mix_names_them_by_layer():
+    """Scan rows as the scan writes them for an MoE (one unit per layer's routed experts): the search decides each
+    layer's experts together, fused q/k/v and gate/up together, and the mix's patterns never split either."""
+    from quark_ptq_eval.flows.budget_search import mix_config, search_groups
+    from quark_ptq_eval.plan.budget import solve
+    from quark_ptq_eval.plan.groups import settle_groups
+
+    shapes = {}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes |= {p + f"self_attn.{x}_proj": (128, 128) for x in "qkvo"}
+        shapes |= {p + f"mlp.experts.{e}.{x}_proj": ((64, 128) if x != "down" else (128, 64))
+                   for e in range(4) for x in ("gate", "up", "down")}
+    rows = [{"layer": n, "kl": 1e-4, "params": 128 * 128, "pattern": n} for n in shapes if ".experts." not in n]
+    rows += [{"layer": f"model.layers.{i}.mlp.experts", "kl": 1e-3 * (i + 1), "params": 12 * 64 * 128,
+              "pattern": f"model.layers.{i}.mlp.experts.*", "kind": "routed_experts"} for i in range(2)]
+    scans = {"int4_wo_32": {"layers": rows}, "int8": {"layers": [dict(r, kl=r["kl"] / 10) for r in rows]}}
+    groups, members = search_groups(shapes, scans, ["int4_wo_32", "int8"])
+    names = {g.name for g in groups}
+    assert {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts", "model.layers.0.self_attn.qkv_proj"} <= names
+    assert len(groups) == 6  # per layer: q/k/v, o, the experts
+    experts = next(g for g in groups if g.name == "model.layers.1.mlp.experts")
+    assert experts.params == 12 * 64 * 128 and experts.kl == {"int4_wo_32": 2e-3, "int8": 2e-4}
+    mix = solve(groups, ["int4_wo_32", "int8"], 6.0)
+    scheme, overrides = mix_config(mix, groups, members, list(shapes))
+    assert mix.choice["model.layers.1.mlp.experts"] == "int8"  # the most sensitive group gets the bits
+    assert settle_groups(list(shapes), scheme, overrides, [], widen=False).widened == []  # nothing split
