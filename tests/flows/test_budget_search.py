@@ -61,6 +61,7 @@ def test_the_plan_mixes_both_formats_within_the_budget(cli, tiny_llama, corpus, 
     assert front[0]["groups_per_format"]["int8"] == 0 and report["chosen"]["predicted_kl"] < front[0]["predicted_kl"]
     assert set(report["additivity"]) == {"int4_wo_32", "int8"}
     assert "## Predicted front" in (wd / "search_report.md").read_text()
+    assert (wd / "search_report.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_size_model_matches_a_real_export(quantized, tiny_llama):

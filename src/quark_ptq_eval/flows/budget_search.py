@@ -8,7 +8,7 @@ units' (the additivity assumption, checked in the report against each format's w
 its bytes per format come from the linears' shapes and Quark's scheme table (plan/budget.py), and
 the exact program picks one format per group. The plan is then made again with the mix as its
 global scheme (the format holding most weights) and ``layer_quant_config`` for the rest, so every
-check the plan step makes holds for the mix as for a uniform plan. ``search_report.{json,md}`` in
+check the plan step makes holds for the mix as for a uniform plan. ``search_report.{json,md,png}`` in
 the work dir has the chosen mix, the predicted front (bits against predicted KL) and the cost.
 """
 
@@ -211,4 +211,27 @@ def write_search_report(workdir: Path, formats: list[str], mix: Mix, points: lis
     lines += [f"| {f} | {a['whole_model_kl']:.4g} | {a['sum_of_layers_kl']:.4g} | {a['model_passes']} |"
               for f, a in additivity.items()]
     (workdir / "search_report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _front_chart(workdir / "search_report.png", mix, points)
     return workdir / "search_report.md"
+
+
+def _front_chart(path: Path, mix: Mix, points: list[Mix]) -> None:
+    """The predicted front, the chosen mix and the budget (optional: the .md and .json hold every number)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    from quark_ptq_eval.base.fsio import write_png
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p.bits for p in points], [p.predicted_kl for p in points], "o-", label="predicted front (optimum)")
+    ax.plot([mix.bits], [mix.predicted_kl], "r*", markersize=14, label="chosen")
+    ax.axvline(mix.budget_bits, color="grey", linestyle="--", label="budget")
+    ax.set_xlabel("effective bits per weight")
+    ax.set_ylabel("predicted KL (sum of groups)")
+    ax.legend()
+    fig.tight_layout()
+    write_png(fig, path, dpi=90)
