@@ -120,7 +120,8 @@ DECISION_LABELS: dict[str, str] = {
     "calibration_size": "calibration size", "device": "device", "engine": "engine",
     "trust_remote_code": "trust_remote_code", "evaluation_intent": "evaluation_intent",
     "output_format": "output format", "warning": "warning", "sensitivity": "sensitivity",
-    "serving_fit": "serving fit", "source_reading": "source reading",
+    "serving_fit": "serving fit", "source_reading": "source reading", "deployment_groups": "deployment groups",
+    "budget_search": "budget search",
 }
 _DECISION_IDS = {label: decision_id for decision_id, label in DECISION_LABELS.items()}
 _ROW_KEYS = ("decision", "value", "reason")

@@ -20,10 +20,16 @@ if TYPE_CHECKING:
 
 
 def with_sensitivity_scan(plan: QuantPlan, req: PlanRequest, workdir: Path) -> QuantPlan:
-    """``plan`` with the scan's proposal as a decision when ``req.sensitivity`` is set, else as it is."""
+    """``plan`` with the scan's proposal as a decision when ``req.sensitivity`` is set, else as it is; a
+    proposal that splits one of vLLM's fused groups is refused, or widened (``--widen-groups``)."""
     if not req.sensitivity:
         return plan
-    return take_scan_result(plan, run_plan_scan(plan, req.max_kl, workdir))
+    from quark_ptq_eval.base.catalog import load_catalog
+    from quark_ptq_eval.plan.recommend import regroup
+
+    plan = take_scan_result(plan, run_plan_scan(plan, req.max_kl, workdir))
+    # the proposal is held to vLLM's fused groups as the user's overrides are (refused, or widened when asked)
+    return regroup(plan, req.widen_groups, load_catalog()["schemes"])
 
 
 def run_plan_scan(plan: QuantPlan, max_kl: float | None, workdir: Path) -> ScanResult:
@@ -34,13 +40,17 @@ def run_plan_scan(plan: QuantPlan, max_kl: float | None, workdir: Path) -> ScanR
     if not (model_dir / "config.json").exists():
         raise UsageError(f"--sensitivity needs a local model directory; {model_dir} is not one.",
                          "Download the model first, or plan without --sensitivity.")
-    calib = plan.calibration.get("path") or _demo_corpus(workdir)
-    opts = ScanOptions(model_dir=model_dir, scheme=plan.global_scheme, calib_data=Path(calib),
+    opts = ScanOptions(model_dir=model_dir, scheme=plan.global_scheme, calib_data=Path(calibration_text(plan, workdir)),
                        exclude=list(plan.exclude_layers), device=plan.device_strategy.get("device", "cpu"),
                        trust_remote_code=plan.trust_remote_code)
     done = run_sensitivity(opts, workdir, max_kl)
     assert done.proposal is not None  # the plan's scan runs to its end (it has no --estimate-only)
     return _scan_result(done.proposal, str(done.reports["md"]))
+
+
+def calibration_text(plan: QuantPlan, workdir: Path) -> str:
+    """The plan's local calibration text, else the demo corpus (built in the work dir)."""
+    return plan.calibration.get("path") or str(_demo_corpus(workdir))
 
 
 def _scan_result(proposal: Proposal, report: str) -> ScanResult:

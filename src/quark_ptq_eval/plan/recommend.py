@@ -22,8 +22,9 @@ from quark_ptq_eval.plan import host_fit, host_memory, resource_rows, resources,
 from quark_ptq_eval.plan.calibration_check import check_calibration_text, source_note
 from quark_ptq_eval.plan.engines import ENGINES, choose_engine, get_engine
 from quark_ptq_eval.plan.family_limits import check_family_limits
+from quark_ptq_eval.plan.groups import Settled, settle_groups
 from quark_ptq_eval.plan.request import PlanRequest
-from quark_ptq_eval.plan.scheme_fit import SchemeChoice, fit_to_model
+from quark_ptq_eval.plan.scheme_fit import SchemeChoice, fit_to_model, linear_shapes
 from quark_ptq_eval.plan.targets import (
     BudgetCheck,
     Deployment,
@@ -249,6 +250,48 @@ def _fitting_scheme(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, cat
                         req.layer_quant_config, _exclusions(req, analysis)[0], catalog["schemes"])
 
 
+def settle_plan_groups(model_path: str, scheme: str, overrides: dict[str, str], excludes: list[str], widen: bool,
+                       known: list[str]) -> Settled:
+    """Overrides and exclusions along vLLM's fused groups (plan/groups.py): a split is refused, or widened
+    when asked, the widened overrides then held against the linears they now match."""
+    names = list(linear_shapes(model_path, []))  # no local headers: nothing to hold the groups against
+    settled = settle_groups(names, scheme, overrides, excludes, widen)
+    if settled.widened:
+        fit_to_model(model_path, SchemeChoice(scheme), settled.overrides, settled.excludes, known)
+    return settled
+
+
+def regroup(plan: QuantPlan, widen: bool, known: list[str]) -> QuantPlan:
+    """``plan`` after a step that changed its overrides or exclusions (a sensitivity proposal), held to the
+    groups as make_plan holds the user's."""
+    settled = settle_plan_groups(plan.model["model_path"], plan.global_scheme, plan.layer_quant_config,
+                                 list(plan.exclude_layers), widen, known)
+    if settled.widened:
+        plan.layer_quant_config, plan.exclude_layers = settled.overrides, settled.excludes
+        for key, value in (("layer_quant_config", plan.layer_quant_config), ("exclude_layers", plan.exclude_layers)):
+            if (row := plan.decision(key)) is not None:
+                row.value = value
+        plan.decisions += _groups_row(settled)
+    return plan
+
+
+def _grouped_choices(req: PlanRequest, analysis: ModelAnalysis, scheme: str,
+                     catalog: QuarkCatalog) -> tuple[Settled, str, str]:
+    """The exclusions (who chose them, why) and overrides, settled along vLLM's fused groups."""
+    excludes, source, why = _exclusions(req, analysis)
+    settled = settle_plan_groups(analysis.model["model_path"], scheme, req.layer_quant_config, excludes,
+                                 req.widen_groups, catalog["schemes"])
+    return settled, source, why
+
+
+def _groups_row(settled: Settled) -> list[Decision]:
+    if not settled.widened:
+        return []
+    return [Decision("deployment_groups", settled.widened,
+                     f"--widen-groups: {len(settled.widened)} group(s) vLLM fuses widened to one scheme each: "
+                     + "; ".join(settled.widened[:3]) + (" ..." if len(settled.widened) > 3 else ""))]
+
+
 def _plan_calibration(req: PlanRequest, analysis: ModelAnalysis, analysis_ref: Path, accelerator: str,
                       info: dict[str, Any], algorithm: str | None, kv: str | None) -> tuple[dict[str, Any], str, str, str]:
     """The calibration source and its size, the text read and tokenized now (before anything runs)."""
@@ -268,7 +311,8 @@ def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: 
     algorithm, algo_why = _choose_algorithm(req, info, analysis.template.get("algorithms"))
     kv, kv_why = _choose_kv(req, tc, catalog, analysis)
     _check_compatible(model_type, scheme, algorithm, kv, req.layer_quant_config, analysis, catalog)
-    excludes, ex_source, ex_why = _exclusions(req, analysis)
+    groups, ex_source, ex_why = _grouped_choices(req, analysis, scheme, catalog)
+    excludes, overrides = groups.excludes, groups.overrides
     if analysis.model.get("has_custom_code") and not req.trust_remote_code and not analysis.template["available"]:
         raise UsageError("This model needs its own code to load and --trust-remote-code was not given.",
                          "Review the model repository's code, then pass --trust-remote-code.")
@@ -288,8 +332,9 @@ def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: 
         Decision("algorithm", algorithm, algo_why),
         Decision("kv_cache_scheme", kv, kv_why),
         Decision("exclude_layers", excludes, ex_why),
-        Decision("layer_quant_config", req.layer_quant_config,
-                 "your per-pattern overrides" if req.layer_quant_config else "no overrides"),
+        Decision("layer_quant_config", overrides, "your per-pattern overrides" if req.layer_quant_config else
+                 "no overrides"),
+        *_groups_row(groups),
         Decision("calibration", calibration.get("source_path") or calibration.get("path") or calibration["dataset"],
                  calib_why + source_note(calibration)),
         Decision("calibration_size", calib_size, calib_size_why),
@@ -309,7 +354,7 @@ def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: 
     plan = QuantPlan(
         model={"model_type": model_type, "analysis_ref": str(analysis_ref), "model_path": analysis.model["model_path"]},
         global_scheme=scheme, exclude_layers=excludes, exclude_source=ex_source,
-        layer_quant_config=dict(req.layer_quant_config), algorithm=algorithm, kv_cache_scheme=kv,
+        layer_quant_config=overrides, algorithm=algorithm, kv_cache_scheme=kv,
         calibration=calibration, device_strategy=device, engine={"name": engine, "reason": engine_why},
         trust_remote_code=req.trust_remote_code, evaluation_intent=req.evaluation_intent, decisions=decisions,
         requires_confirmation=True, output_dir=str(output_dir), target=target, resources=fit,
@@ -324,6 +369,8 @@ def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: QuarkCatalog) 
                       plan.layer_quant_config, analysis, catalog)
     fit_to_model(analysis.model["model_path"], SchemeChoice(plan.global_scheme), plan.layer_quant_config,
                  list(plan.exclude_layers), catalog["schemes"])
+    settle_plan_groups(analysis.model["model_path"], plan.global_scheme, plan.layer_quant_config,
+                       list(plan.exclude_layers), False, catalog["schemes"])  # an edited plan is refused, never widened
     engine = ENGINES.get(plan.engine.get("name") or "")
     if engine is not None and engine.reads_text_file and plan.calibration.get("source") == "local_file":
         check_text_source(plan.calibration.get("path") or "", "calibration data")

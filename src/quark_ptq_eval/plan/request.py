@@ -35,6 +35,10 @@ class PlanRequest:
     layer_quant_config: dict[str, str] = field(default_factory=dict, metadata=flag(
         "--layer-quant-scheme", nargs=2, action="append", metavar=("PATTERN", "SCHEME"), convert=_pairs_to_dict,
         help="per-pattern scheme override (repeatable)"))
+    widen_groups: bool = field(default=False, metadata=flag(
+        "--widen-groups", action="store_true",
+        help="widen an override or exclusion that splits a group vLLM fuses (q/k/v, gate/up, a layer's experts) "
+             "to the whole group, instead of refusing the plan"))
     calib_data: str | None = field(default=None, metadata=flag(
         "--calib-data", help="local calibration text: .txt, .jsonl or .parquet"))
     calib_text_field: str | None = field(default=None, metadata=flag(
@@ -58,6 +62,14 @@ class PlanRequest:
     sensitivity: bool = field(default=False, metadata=flag(  # the flow's scan at plan time (flows/plan_scan.py)
         "--sensitivity", action="store_true",
         help="run the sensitivity scan at plan time and propose layers to keep unquantized") | concern(CHOICE))
+    budget_bits: float | None = field(default=None, metadata=flag(  # the flow's search (flows/budget_search.py)
+        "--budget-bits", type=float, metavar="BITS",
+        help="search the per-group mix of --formats with the least predicted KL within this many effective bits "
+             "per weight (scales and zero points included); runs one sensitivity scan per format now")
+        | concern(CHOICE))
+    formats: str | None = field(default=None, metadata=flag(
+        "--formats", metavar="A,B", help="the formats --budget-bits mixes, comma-separated (default int4_wo_32,int8: "
+                                         "what vLLM serves of Quark's schemes on this CPU)") | concern(CHOICE))
     max_kl: float | None = field(default=None, metadata=flag(
         "--max-kl", type=float, help="KL budget of the --sensitivity proposal (default: healthy threshold)")
         | concern(CHOICE))

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+from quark_ptq_eval.plan.groups import LEAF_TO_FUSED
+
+FUSED = LEAF_TO_FUSED  # the plan's deployment groups (plan/groups.py): one source for what vLLM fuses
 MAX_RECHECKS = 6  # combinations re-measured before the proposal gives up on the budget
 
 

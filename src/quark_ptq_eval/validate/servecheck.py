@@ -32,6 +32,10 @@ def check_serving(ctx: CheckInputs) -> CheckResult:
     if ctx.shared.structural_failed:
         result.skipped_reason = "a structural check failed: serving weights known to be wrong proves nothing"
         return result
+    if split := _split_of(ctx):  # vLLM's refusal, known without starting it
+        result.findings.append(Finding("serving", f"vLLM refuses this export: {split}.", side="quark",
+                                       evidence="quantization_config's layer_quant_config and exclude, per linear"))
+        return result
     try:
         host = find_host_vllm(ctx.vllm_python)
     except QpeError as exc:
@@ -45,6 +49,38 @@ def check_serving(ctx: CheckInputs) -> CheckResult:
         result.skipped_reason = ("not checked: no vLLM on this host (name one with --vllm-python, e.g. "
                                  ".venv-vllm/bin/python after `make vllm-env`)")
     return result
+
+
+def _split_of(ctx: CheckInputs) -> str | None:
+    from quark_ptq_eval.plan.scheme_fit import linear_shapes
+
+    if not ctx.qconfig or not ctx.source:
+        return None
+    return fused_split(ctx.qconfig, list(linear_shapes(str(ctx.source), [])))
+
+
+def fused_split(qconfig: dict[str, Any], names: list[str]) -> str | None:
+    """The first group vLLM fuses (plan/groups.py) whose members the export quantizes differently (weights and
+    input activations; a KV-cache output quantizer on k/v is vLLM's own business), in words; None: none."""
+    import json
+    from fnmatch import fnmatchcase
+
+    from quark_ptq_eval.plan.groups import deployment_groups
+    from quark_ptq_eval.validate.expectations import module_config
+
+    exclude = list(qconfig.get("exclude") or [])
+
+    def key(name: str) -> str:
+        if any(name == p or fnmatchcase(name, p) for p in exclude):
+            return "unquantized"
+        cfg = module_config(qconfig, name)
+        return json.dumps([cfg.weight, cfg.input_tensors] if cfg else None, sort_keys=True, default=str)
+
+    for group in deployment_groups(names):
+        if len({key(m) for m in group.members}) > 1:
+            return (f"{group.describe()} is one fused layer in vLLM and its members carry different quantization "
+                    "configs (vLLM requires all to use the same scheme); plan it along the group (--widen-groups)")
+    return None
 
 
 def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[str, ...] = ()) -> None:

