@@ -38,6 +38,7 @@ os.environ.setdefault("QUARK_PTQ_EVAL_CACHE", str(ROOT / ".pytest_cache" / "quar
 # the other's as free), and both comparisons read the one local comparison (`compared`).
 SHARED_WORKER = {
     "tests/evaluate/test_tier3_real_vllm.py": "vllm", "tests/publish/test_model_card.py": "vllm",
+    "tests/evaluate/test_speed_real_vllm.py": "vllm",
     "tests/flows/test_compare.py": "compare", "tests/flows/test_compare_ray.py": "compare",
 }
 

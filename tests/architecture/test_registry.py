@@ -80,6 +80,7 @@ HOMONYMS = {
     "lm_eval": "the lm-eval package (its version, logger, `-m lm_eval`), apart from the Tier 2 name",
     "quark-cli": "Quark's program (found on PATH, probed by preflight, pasted to `import`), apart from the engine",
     "calibration": "the plan's calibration section, apart from the calibration check",
+    "speed": "the goal's priority (speed first: plan, compare's recommendation), apart from the speed tier",
     "load": "loading (a failing frame's phase, a probe), apart from the load check",
     "config": "config.json and its keys, apart from the config check",
     "serve": "vLLM's `serve` subcommand, apart from the serving check",

@@ -123,6 +123,8 @@ def _verdict_explanation(report: EvalReport) -> str:
             + "; ".join(invalid_reasons(report.comparisons))
             + "."
         )
+    if report.verdict == "unknown" and report.comparisons and all(c.verdict == "info" for c in report.comparisons):
+        return " — this tier measures without an accuracy verdict: its own section below judges what it measured."
     if report.verdict == "unknown":
         return (
             " — scores only: no baseline and no published reference to compare with, so the delta is "

@@ -133,6 +133,19 @@ TIERS: Registry[Tier] = Registry("evaluation tier", entry_type=Tier, check=check
         scores_tasks=True,
         report_section="quark_ptq_eval.evaluate.tier_vllm:section",
     ),
+    Tier(
+        "speed",
+        "speed",
+        "serving speed",
+        "vLLM's own serving benchmark (vllm.benchmarks.serve, random prompts) on the export and, with "
+        "--baseline, its source: a warm-up, then --speed-repeats repeats (needs --vllm-python)",
+        "minutes on a CPU with the small default workload; a server start per model",
+        "quark_ptq_eval.evaluate.speed.tier",
+        False,
+        "vLLM serving throughput and latency (--vllm-python)",
+        report_section="quark_ptq_eval.evaluate.speed.tier:section",
+        options="quark_ptq_eval.evaluate.speed.workload:SpeedOptions",
+    ),
     Tier("skip", "-", "skip", "no evaluation", "none", None, False),
 ))
 DEFAULT_TIER: str = TIERS.where(lambda t: t.default)[0].name

@@ -285,9 +285,11 @@ def holder_container_argv(name: str, image: str, models: list[ServedModel], work
     return argv
 
 
-def server_sizing(model: ServedModel, options: EvalOptions, host: HostVllm | None = None) -> ServerSizing:
+def server_sizing(model: ServedModel, options: EvalOptions, host: HostVllm | None = None,
+                  sequences: int = LM_EVAL_CONCURRENT) -> ServerSizing:
     """The model's server arguments and their reasons (runtime/vllm_sizing.py, as the serving check):
-    the plan's, on a CPU vLLM (``host``) this host's free memory now, the user's --vllm-arg over them."""
+    the plan's, on a CPU vLLM (``host``) this host's free memory now, the user's --vllm-arg over them;
+    ``sequences``: what the KV cache holds at once (lm-eval's requests; the speed tier's concurrency)."""
     plan = [ServerArg(flag, (value,), model.reasons.get(flag, "beyond one node: pipeline parallel over Ray"), "plan")
             for flag, value in _pairs(parallel_args(model.tensor_parallel))]  # vllm_multinode sizes the layout
     if model.kv_cache_dtype:  # vLLM reads the export's KV scales only then
@@ -296,7 +298,7 @@ def server_sizing(model: ServedModel, options: EvalOptions, host: HostVllm | Non
     if options.trust_remote_code:
         plan.append(ServerArg("--trust-remote-code", (), "you passed --trust-remote-code", "user"))
     return sized_for(model.path, bool(host and host.cpu), options.vllm_args, model.kv_cache_dtype,
-                     sequences=LM_EVAL_CONCURRENT, context=model.max_model_len, plan_args=tuple(plan),
+                     sequences=sequences, context=model.max_model_len, plan_args=tuple(plan),
                      context_reason=model.reasons.get("--max-model-len", ""))
 
 

