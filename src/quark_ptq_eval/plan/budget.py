@@ -90,7 +90,7 @@ def solve(groups: list[GroupCost], formats: list[str], budget_bits: float, relax
     cost = np.array([g.kl[f] for g in groups for f in formats], dtype=float)
     # the budget row in half bytes, integers (int4 weights are half a byte): a mix is within it exactly or not
     units = np.array([round(2 * g.bytes[f]) for g in groups for f in formats], dtype=float)
-    rhs = math.floor(2 * budget_bits * total / 8 + 1e-6)
+    rhs = float(math.floor(2 * budget_bits * total / 8 + 1e-6))
     for _ in range(8):  # HiGHS may round a binary within its tolerance past the row: tighten by the excess, again
         x, fun = _milp(cost, units, len(groups), len(formats), rhs, relax)
         if x is None:
@@ -102,7 +102,7 @@ def solve(groups: list[GroupCost], formats: list[str], budget_bits: float, relax
             break
         rhs -= over
     used = effective_bits(groups, choice)
-    kl = fun if relax else sum(g.kl[choice[g.name]] for g in groups)
+    kl = fun if relax else float(sum(g.kl[choice[g.name]] for g in groups))
     counts = {f: sum(1 for c in choice.values() if c == f) for f in formats}
     return Mix(choice, kl, used, budget_bits, "relaxed" if relax else "optimal", counts=counts)
 
@@ -133,8 +133,8 @@ def solve_with_bound(groups: list[GroupCost], formats: list[str], budget_bits: f
 
 def bits_range(groups: list[GroupCost], formats: list[str]) -> tuple[float, float]:
     """The effective bits of the narrowest and of the widest mix."""
-    lo = {g.name: min(formats, key=lambda f, g=g: g.bytes[f]) for g in groups}
-    hi = {g.name: max(formats, key=lambda f, g=g: g.bytes[f]) for g in groups}
+    lo = {g.name: min(formats, key=g.bytes.__getitem__) for g in groups}
+    hi = {g.name: max(formats, key=g.bytes.__getitem__) for g in groups}
     return effective_bits(groups, lo), effective_bits(groups, hi)
 
 

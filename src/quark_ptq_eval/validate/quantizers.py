@@ -51,7 +51,8 @@ class ActivationQuantizer:
         x = x.float()
         if self.mx_element:
             return _mx(x, self.mx_element, self.group_size)
-        scale = self.scale if not self.dynamic else self._dynamic_scale(x)
+        scale = self._dynamic_scale(x) if self.dynamic else self.scale
+        assert scale is not None  # a static quantizer is built with its scale (quantizer_for)
         if self.dtype in FLOAT_MAX:
             return _float(x, scale, self.dtype)
         return _integer(x, scale, self.zero_point, self.dtype)
