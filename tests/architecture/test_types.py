@@ -29,8 +29,6 @@ KNOWN_UNTYPED = {
     ("base.calibration_text", "hold_out"): "the same record",
     ("base.calibration_text", "overlap"): "the same record",
     ("base.calibration_text", "short_message"): "the same record",
-    ("base.claims", "holder_alive"): "an output claim's lock record, read from its JSON file",
-    ("base.claims", "read_holder"): "the same record",
     ("base.context_window", "fit_window"): "transformers' config.json, open by nature (keys vary by model_type)",
     ("base.context_window", "model_context"): "the same config.json",
     ("base.context_window", "read_model_config"): "the same config.json",
