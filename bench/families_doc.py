@@ -6,6 +6,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from bench.matrix_columns import COLUMNS
+
 MARK = {"green": "ok", "refused": "refused", "failed": "FAIL"}
 
 
@@ -61,9 +63,7 @@ def _run_text(run: dict) -> str:
 
 def write_doc(path: Path, data: dict[str, Any], skipped: dict[str, str], setup: Any) -> None:
     cells = data["cells"]
-    from bench.matrix import COLUMNS  # the matrix's column order, whichever runner ran a column first
-
-    order = list(COLUMNS)
+    order = list(COLUMNS)  # the matrix's column order, whichever runner ran a column first
     columns = sorted({c["column"] for c in cells.values()}, key=lambda c: (order.index(c) if c in order else len(order), c))
     families = sorted({c["family"] for c in cells.values()})
     counts = {k: sum(c["outcome"] == k for c in cells.values()) for k in MARK}

@@ -33,18 +33,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.families_doc import write_doc
+from bench.matrix_columns import COLUMNS, FP8_RELEASE_COLUMNS
 from tests.fixtures.families import build_family
 from tests.fixtures.fp8_release import to_fp8_release
 
 ROOT = Path(__file__).resolve().parents[1]
-# column -> (scheme, algorithm)
-COLUMNS: dict[str, tuple[str, str | None]] = {
-    "fp8": ("fp8", None), "int8": ("int8", None), "int4_wo_32": ("int4_wo_32", None),
-    "mxfp4": ("mxfp4", None), "awq": ("int4_wo_32", "awq"), "fp8_release": ("mxfp4", None),
-}
-# columns whose source is the family's instance as an FP8 block release (DeepSeek's format,
-# tests/fixtures/fp8_release.py): the recipe's plan reads it through a dequantized BF16 staging copy
-FP8_RELEASE_COLUMNS = ("fp8_release",)
 NON_MATRIX = ("embed", "norm", "wte", "wpe", "rotary", "conv")
 FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
 SHARE_TOLERANCE = 0.005  # measured within half a point of the promise
@@ -501,8 +495,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = offline_workdir(args.work)
     if args.doc_only:
-        from bench.families_doc import write_doc
-
         setup = prepare(work, args.calib_samples, args.windows)
         write_doc(Path(args.out), all_results(work), families_available(setup.catalog)[1], setup)
         return 0
@@ -527,8 +519,6 @@ def main(argv: list[str] | None = None) -> int:
             "columns": columns, "cells": len(cells), "wall_s": round(wall, 1), "per_cell_s": round(per_cell, 1),
             "import_s": round(import_s, 1)}
     merge_results(results, cells, meta)
-    from bench.families_doc import write_doc
-
     write_doc(Path(args.out), all_results(work), skipped, setup)
     return 0 if all(c.outcome != "failed" for c in cells) else 1
 

@@ -232,12 +232,12 @@ def compare_eval_text(corpus, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def compared(tiny_llama, corpus, compare_eval_text, tmp_path_factory):
+def compared(cli, tiny_llama, corpus, compare_eval_text, tmp_path_factory):
     """The local comparison of compare_setup.SCHEMES (test_compare.py checks it, test_compare_ray.py
     compares a Ray comparison of the same schemes with it): one run for the session."""
     from tests.fixtures.compare_setup import run_local_compare
 
-    return run_local_compare(tiny_llama, corpus, compare_eval_text, tmp_path_factory.mktemp("compare") / "out")
+    return run_local_compare(cli, tiny_llama, corpus, compare_eval_text, tmp_path_factory.mktemp("compare") / "out")
 
 
 @pytest.fixture(scope="session")

@@ -27,12 +27,12 @@ LAYERS = ("base", "context", "intake", "plan", "manifest", "execute", "runtime",
           "publish", "flows")
 
 
-def _import_statements() -> list[tuple[str, str, str]]:
-    """(importing module, "path:line", imported module) for every import statement between our
-    modules, wherever it stands (TYPE_CHECKING, functions)."""
+def _import_statements(root: Path = SRC) -> list[tuple[str, str, str]]:
+    """(importing module, "path:line", imported module) for every import statement between the
+    modules under ``root`` (a package), wherever it stands (TYPE_CHECKING, functions)."""
     files = {}
-    for f in SRC.rglob("*.py"):
-        parts = list(f.relative_to(SRC.parent).with_suffix("").parts)
+    for f in root.rglob("*.py"):
+        parts = list(f.relative_to(root.parent).with_suffix("").parts)
         files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     found = []
     for mod, f in sorted(files.items()):
@@ -47,14 +47,14 @@ def _import_statements() -> list[tuple[str, str, str]]:
                 targets = [a.name for a in node.names]
             else:
                 continue
-            where = f"{f.relative_to(SRC.parent)}:{node.lineno}"
+            where = f"{f.relative_to(root.parent)}:{node.lineno}"
             found += [(mod, where, t) for t in targets if t in files and t != mod]
     return found
 
 
-def _module_graph() -> dict[str, set[str]]:
+def _module_graph(root: Path = SRC) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
-    for mod, _, target in _import_statements():
+    for mod, _, target in _import_statements(root):
         graph.setdefault(mod, set()).add(target)
         graph.setdefault(target, set())
     return graph
@@ -120,6 +120,13 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle_not_even_under_type_checking():
     graph = _module_graph()
     assert "quark_ptq_eval.plan.engines" in graph and graph["quark_ptq_eval.manifest.build"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_no_import_cycle_in_the_benchmarks():
+    """bench/ too: the matrix runner and the page it writes share its columns through bench/matrix_columns.py."""
+    graph = _module_graph(SRC.parents[1] / "bench")
+    assert "bench.families_doc" in graph["bench.matrix"] and "tests.fixtures.families" not in graph  # bench/ alone
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 

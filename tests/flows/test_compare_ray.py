@@ -25,7 +25,7 @@ from quark_ptq_eval.base.state import RunState
 from tests.fixtures.compare_setup import SCHEMES, compare_kwargs
 
 pytestmark = pytest.mark.slow
-RAN = ("int8", "int4_wo_128")  # the schemes with a cell (no_such_scheme fails at its plan, on the driver)
+RAN = ("int8", "int4_wo_32")  # the schemes with a cell (no_such_scheme fails at its plan, on the driver)
 
 
 def _cell_on(root: Path, node_id: str) -> str | None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 
 from quark_ptq_eval.base.state import WorkdirLock
 from tests.fixtures.exports import assert_reloadable_export
@@ -29,7 +30,8 @@ def status(cli, wd):
 def test_each_approval_advances_exactly_one_gate(cli, tiny_llama, corpus, tmp_path):
     wd, out = tmp_path / "work", tmp_path / "out"
     # --no-load-check: the gates are this test's subject (run_yes below loads and runs the exports)
-    res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8", "--no-load-check"))
+    # --base-model: the Hub id a model run from a local directory has; every `resume` below keeps it
+    res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8", "--no-load-check", "--base-model", "acme/tiny"))
     assert res.rc == 3, res.err
     assert "checkpoint 1 (intake)" in res.err and "--approve intake" in res.err
     assert "Traceback" not in res.err
@@ -70,11 +72,14 @@ def test_each_approval_advances_exactly_one_gate(cli, tiny_llama, corpus, tmp_pa
     card = (out / "README.md").read_text()
     assert summary["artifacts"]["model_card"] == str(out / "README.md") and "Not evaluated: evaluation was skipped" in card
     assert summary["upload"] == f"hf upload out {out} ." and "model-index" not in card
+    meta = ModelCard.load(out / "README.md").data  # as the Hub reads it
+    assert (meta.base_model, meta.base_model_relation) == ("acme/tiny", "quantized")
     res = cli("eval", "--quantized", out, "--source", tiny_llama, "--tier", "ppl", "--eval-data", corpus, "--seq-len", "64",
               "--max-windows", "8", "--baseline", "--workdir", wd, "--yes")
     assert res.rc == 0, res.err[-2000:]
     res = cli("card", out, "--workdir", wd, "--repo-id", "me/tiny-int8")
     assert res.rc == 0 and "hf upload me/tiny-int8" in res.out, res.err
+    assert ModelCard.load(out / "README.md").data.base_model == "acme/tiny"  # the run's, kept by `card` too
     assert_card_matches(out, wd)
 
 

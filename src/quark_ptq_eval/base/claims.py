@@ -13,7 +13,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Required, TypedDict, cast
 
 from quark_ptq_eval.base.errors import QpeError, UsageError, WorkdirLocked
 
@@ -29,26 +29,35 @@ def process_start(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]  # a zombie is gone: only its exit status is left
 
 
-def holder_record(workdir: Path) -> dict[str, Any]:
+class Holder(TypedDict, total=False):
+    """A lock file's record of the process holding it (an older "pid N" line gives only ``pid``)."""
+
+    pid: Required[int]
+    start: str | None  # the kernel's start time of pid (None: not known)
+    workdir: str
+    started_at: str
+
+
+def holder_record(workdir: Path) -> Holder:
     pid = os.getpid()
     return {"pid": pid, "start": process_start(pid), "workdir": str(workdir),
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def read_holder(text: str) -> dict[str, Any] | None:
+def read_holder(text: str) -> Holder | None:
     """A lock file's holder record; an older "pid N" line is read too; None when empty."""
     text = text.strip()
     if text.startswith("{"):
         with contextlib.suppress(ValueError):
             record = json.loads(text)
-            return record if isinstance(record, dict) else None
+            return cast(Holder, record) if isinstance(record, dict) else None  # its pid checked where it is used
     if text.startswith("pid "):
         with contextlib.suppress(ValueError):
-            return {"pid": int(text.split()[1]), "start": None}
+            return Holder(pid=int(text.split()[1]), start=None)
     return None
 
 
-def holder_alive(record: dict[str, Any] | None) -> bool:
+def holder_alive(record: Holder | None) -> bool:
     """Does the recorded holder still run (the same process, not a reuse of its pid)?"""
     if not record or not isinstance(record.get("pid"), int):
         return False
@@ -95,7 +104,7 @@ class OutputClaim:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = read_holder(os.pread(fd, 4096, 0).decode("utf-8", "replace")) or {}
+                holder: Holder | dict[str, str] = read_holder(os.pread(fd, 4096, 0).decode("utf-8", "replace")) or {}
                 os.close(fd)
                 raise WorkdirLocked(
                     f"Another quark-ptq-eval run (work dir {holder.get('workdir', '?')}, pid {holder.get('pid', '?')}) "

@@ -49,7 +49,7 @@ def evaluate(
     if tier.module is not None and not (model_dir / "config.json").is_file():
         raise UsageError(f"{model_dir} has no config.json: give the quantized model's output directory.")
     workdir.mkdir(parents=True, exist_ok=True)
-    plan_read: dict[str, Any] | None = dict(plan) if plan is not None else None  # the tiers read it as JSON
+    plan_read = PlanJson(**plan) if plan is not None else None  # a copy: the tiers only read it
     ctx = TierInputs(model_dir, options, workdir, approver, source_model, plan_read, progress=progress,
                       started=started)
     estimate, outcome, timed_from = None, TierOutcome(quantized={}, notes=["Evaluation skipped."]), None

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import atomic_write_bytes, write_json
@@ -142,9 +142,20 @@ def baseline_token_stats(logits: torch.Tensor, labels: torch.Tensor, top_k: int)
     }
 
 
+class CachedTokenStats(TypedDict):
+    """A scheme's per-token statistics against the cached baseline, each ``[B, T]`` float64 (``top1``: bool)."""
+
+    nll: torch.Tensor  # the scheme's
+    base_nll: torch.Tensor  # the baseline's, from the cache
+    kl: torch.Tensor  # KL(baseline || scheme) over the cached top-K and one tail bucket: a lower bound
+    kl_gap_bound: torch.Tensor  # how far below the full-logit KL that can be (module docstring)
+    top1: torch.Tensor  # the scheme's argmax is the baseline's
+    tail_mass: torch.Tensor  # the baseline's probability outside its cached top-K
+
+
 def cached_token_stats(logits: torch.Tensor, labels: torch.Tensor, topk_logp: torch.Tensor, topk_ids: torch.Tensor,
                        log_tail: torch.Tensor, base_nll: torch.Tensor,
-                       base_top1: torch.Tensor | None = None) -> dict[str, Any]:
+                       base_top1: torch.Tensor | None = None) -> CachedTokenStats:
     """A scheme's per-token NLL, and against the cached baseline: its NLL, KL (cached), top-1 match and
     the bound on the KL's gap to the full-logit KL (module docstring). All ``[B, T]``, float64."""
     import torch
@@ -176,8 +187,8 @@ def cached_token_stats(logits: torch.Tensor, labels: torch.Tensor, topk_logp: to
         parts["kl_gap_bound"].append(bound.clamp_min(0.0).nan_to_num(0.0))  # no tail (K = vocab): no gap
         parts["top1"].append(rows[sl].argmax(-1) == top_all[sl])
     out = {k: torch.cat(v).view(shape) for k, v in parts.items()}
-    out["base_nll"] = base_nll.to(out["nll"].device).double()
-    return out
+    return CachedTokenStats(nll=out["nll"], base_nll=base_nll.to(out["nll"].device).double(), kl=out["kl"],
+                            kl_gap_bound=out["kl_gap_bound"], top1=out["top1"], tail_mass=out["tail_mass"])
 
 
 # ---------------------------------------------------------------- the store

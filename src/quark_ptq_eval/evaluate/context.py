@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.registry import InvalidEntry
 from quark_ptq_eval.evaluate.details import TierDetails, details_of
@@ -33,7 +34,7 @@ class TierInputs:
     workdir: Path
     approver: Any
     source_model: Path | None = None
-    plan: dict[str, Any] | None = None
+    plan: PlanJson | None = None
     log: Callable[[str], None] = log
     # (work, done, total) -> a bar with an ETA on a terminal, milestone lines elsewhere (ui.Reporter.progress)
     progress: Callable[[str, int, int], None] | None = None

@@ -17,6 +17,7 @@ These uncertainties treat tokens as independent; the per-window intervals (``per
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,7 @@ class Accumulator:
     tokens: int = 0
     windows: int = 0
 
-    def add(self, stats: dict[str, Any], windows: int) -> None:
+    def add(self, stats: Mapping[str, Any], windows: int) -> None:
         """One batch's per-token ``[B, T]`` float64 stats: ``nll``, and with a baseline ``base_nll``,
         ``kl``, ``top1``."""
         import torch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from quark_ptq_eval.evaluate.scan_followup import sensitivity_remedy
@@ -22,7 +23,7 @@ ACCURACY_ALGORITHMS = ("awq", "gptq", "smoothquant", "rotation", "quarot", "auto
 MIN_CALIBRATION = 512
 
 
-def suggest_remedies(plan: dict[str, Any] | None, num_layers: int | None = None) -> list[str]:
+def suggest_remedies(plan: Mapping[str, Any] | None, num_layers: int | None = None) -> list[str]:
     """Concrete next steps, most effective first, skipping what the plan already does."""
     plan = plan or {}
     scheme = str(plan.get("global_scheme") or plan.get("scheme") or "")
@@ -47,7 +48,7 @@ def suggest_remedies(plan: dict[str, Any] | None, num_layers: int | None = None)
     return remedies
 
 
-def _algorithms(plan: dict[str, Any]) -> set[str]:
+def _algorithms(plan: Mapping[str, Any]) -> set[str]:
     value = plan.get("algorithm") or plan.get("algorithms") or []
     items = value.split(",") if isinstance(value, str) else list(value)
     return {a.strip().lower() for a in items if a and a.strip()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ def scan_command(model: str | Path, scheme: str, calib_data: str | Path | None, 
     return shlex.join(argv)
 
 
-def sensitivity_remedy(plan: dict[str, Any]) -> list[str]:
+def sensitivity_remedy(plan: Mapping[str, Any]) -> list[str]:
     """The remedy line for a hurt verdict: measure which layers the scheme hurts, with the command."""
     model = (plan.get("model") or {}).get("model_path")
     scheme = plan.get("global_scheme") or plan.get("scheme")
@@ -41,7 +42,7 @@ def sensitivity_remedy(plan: dict[str, Any]) -> list[str]:
 
 
 def sensitivity_followup(workdir: Path, model_dir: Path, details: dict[str, Any],
-                         plan: dict[str, Any] | None = None) -> dict[str, Any] | None:
+                         plan: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """The predicted-vs-measured record, or None when the plan made no sensitivity decision.
     ``plan``: the run's plan when the caller has it; else the work dir's quant_plan.json."""
     plan = _for_model(plan if plan is not None else _read_plan(Path(workdir)), Path(model_dir))
@@ -106,9 +107,9 @@ def _read_plan(workdir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _for_model(plan: dict[str, Any] | None, model_dir: Path) -> dict[str, Any] | None:
+def _for_model(plan: Mapping[str, Any] | None, model_dir: Path) -> Mapping[str, Any] | None:
     """The plan when it was made for this export (a plan for another output is not ours)."""
-    out = plan.get("output_dir") if isinstance(plan, dict) else None
+    out = plan.get("output_dir") if isinstance(plan, Mapping) else None
     if not out or Path(out).resolve() != model_dir.resolve():
         return None
     return plan

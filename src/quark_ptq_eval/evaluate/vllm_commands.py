@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.evaluate.vllm_detect import Environment
 from quark_ptq_eval.evaluate.vllm_multinode import parallel_args
 from quark_ptq_eval.runtime.vllm_host import HostVllm, host_server_argv, lm_eval_command
@@ -127,10 +128,10 @@ def generation_budget(traits: dict[str, Any], requested: int | None) -> int | No
 # ---------------------------------------------------------------- planning
 
 
-def served_models(model_dir: Path, baseline: Path | None, plan: dict[str, Any] | None) -> tuple[list[ServedModel], list[str]]:
+def served_models(model_dir: Path, baseline: Path | None, plan: PlanJson | None) -> tuple[list[ServedModel], list[str]]:
     """The models Tier 3 serves, sized by the plan's serving fit (tensor parallelism, KV-cache dtype),
     and a note on where the sizes come from."""
-    plan = plan or {}
+    plan = plan or PlanJson()
     target = plan.get("target") or {}
     fit = target.get("serving_fit") or {}
     kv = VLLM_KV_DTYPES.get(plan.get("kv_cache_scheme") or "")

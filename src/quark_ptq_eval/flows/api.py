@@ -75,7 +75,7 @@ def run(model: str | Path | None, output_dir: str | Path | None, *, workdir: str
         **options: Any) -> dict[str, Any]:
     """The whole recipe (or up to ``stop_after``: intake, plan, manifest, execute). Raises
     ``CheckpointPending`` at a gate the approver refuses; call again to resume. ``options``: the
-    RunOptions fields (eval_tier, offline, overwrite, no_load_check, ...), ``eval_options`` (a dict of
+    RunOptions fields (eval_tier, offline, overwrite, no_load_check, base_model, ...), ``eval_options`` (a dict of
     EvalOptions fields) and, every other keyword, a PlanRequest field (scheme, calib_data, ...)."""
     from quark_ptq_eval.base.ui import Reporter
     from quark_ptq_eval.flows.pipeline import run_recipe

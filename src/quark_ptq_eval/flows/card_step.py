@@ -15,7 +15,7 @@ def card_step(flow: Flow) -> str | None:
         run.state.record_step("card", "none")
         run.ui.info("No model card (--card none).")
         return None
-    path = write_card(run.workdir, flow.output())
+    path = write_card(run.workdir, flow.output(), base_model=flow.opts.base_model)
     run.state.record_step("card", "written", artifact=str(path))
     run.ui.info(f"Model card: {path}")
     return str(path)

@@ -71,7 +71,7 @@ def eval_step(flow: Flow, plan: QuantPlan) -> EvalReport | str:
     run, plan_json = flow.run, flow.plan_json(plan)
     source = effective_source(plan, flow.model_path)
     if run.evaluator is not None:
-        report = run.evaluator(flow.output(), source, dict(plan_json))
+        report = run.evaluator(flow.output(), source, PlanJson(**plan_json))
         run.state.record_step("eval", "done", tier=report.tier, report=str(report.report_path))
         return report
     _heldout_default(flow, plan)

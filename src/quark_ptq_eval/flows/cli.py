@@ -104,7 +104,7 @@ def _add_recipe_commands(add) -> None:
                        ("resume", "Continue the run in --workdir from where it stopped.")):
         p = add(name, text)
         _run_args(p, model_required=name == "run")
-        add_flags(p, RunOptions, only=["no_load_check", "card"])
+        add_flags(p, RunOptions, only=["no_load_check", "card", "base_model"])
         _plan_args(p)
         add_eval_arguments(p, standalone=False)
         add_hidden_aliases(p, with_eval=True)

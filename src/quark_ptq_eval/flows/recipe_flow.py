@@ -23,7 +23,7 @@ from quark_ptq_eval.flows.run_options import RunOptions
 
 # (output dir, source as compared, the plan as quant_plan.json holds it) -> the evaluation report:
 # Phase 3 given by the caller (compare: Tier 1 against its cached baseline)
-Evaluator = Callable[[Path, Path | None, dict[str, Any]], Any]
+Evaluator = Callable[[Path, Path | None, PlanJson], Any]
 
 
 @dataclass

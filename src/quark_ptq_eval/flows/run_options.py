@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from quark_ptq_eval.base.options import build, check_names, flag
 from quark_ptq_eval.evaluate.options import EvalOptions
 from quark_ptq_eval.plan.request import PlanRequest
-from quark_ptq_eval.publish import CARD_CHOICES
+from quark_ptq_eval.publish import BASE_MODEL_HELP, CARD_CHOICES, check_base_model
 
 OptionsT = TypeVar("OptionsT", PlanRequest, EvalOptions)
 COMPOSED = ("model", "output_dir", "request", "eval", "request_given", "eval_given")  # built by run_options, not keywords
@@ -45,6 +45,8 @@ class RunOptions:
     card: str | None = field(default=None, metadata=flag(
         "--card", choices=CARD_CHOICES, help="the export's model card (README.md) at the end of the run: write "
                                              "(default) or none (no card, and no README.md of the base model)"))
+    base_model: str | None = field(default=None, metadata=flag(
+        "--base-model", metavar="ORG/NAME", help=BASE_MODEL_HELP))
     request_given: tuple[str, ...] = ()  # the PlanRequest fields the user gave (what run_state.json keeps)
     eval_given: tuple[str, ...] = ()  # the EvalOptions fields the user gave
 
@@ -53,6 +55,7 @@ class RunOptions:
         given_eval: Any = self.eval
         self.request, self.request_given = _typed(PlanRequest, given_request, self.request_given)
         self.eval, self.eval_given = _typed(EvalOptions, given_eval, self.eval_given)
+        check_base_model(self.base_model)  # refused before any work, not at the card, the run's last step
 
     def to_state(self) -> dict[str, Any]:
         """These options as run_state.json holds them: the plan and evaluation fields given, as JSON."""

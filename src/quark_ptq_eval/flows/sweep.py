@@ -6,6 +6,9 @@ per model (and goal), each through compare's own flow (locally, or its cells as 
     schemes: [int8, int4_wo_128]
     goals: ["accuracy first"]                             # optional: one comparison per goal
     options: {calib_data: calib.txt, eval_data: eval.txt, max_windows: 8}   # compare's keywords
+    base_models: {llama: acme/tiny-llama}                 # optional: each model's Hub id, for its card
+
+``--base-model LABEL=ORG/NAME`` (or ``ORG/NAME`` when the grid has one model) names them too.
 
 Relative paths in the grid are read from the grid file's folder. Every grid cell is a recipe run
 like any other: its gates approved by name (``--approve``), its output claimed. A comparison that
@@ -18,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,7 @@ class Grid:
     schemes: list[str]
     goals: list[str]  # [""]: no goal given
     options: dict[str, Any]
+    base_models: dict[str, str] = field(default_factory=dict)  # label -> the model's Hub id, for its card
 
 
 def _label(text: str) -> str:
@@ -79,16 +83,46 @@ def load_grid(path: str | Path) -> Grid:
         if options.get(key):
             options[key] = str((here / str(options[key])).resolve())
     goals = [str(g) for g in doc.get("goals") or []] or [""]
-    return Grid(models, [s.strip() for s in schemes if s.strip()], goals, options)
+    named = doc.get("base_models") or {}
+    if not isinstance(named, dict):
+        raise UsageError(f"`base_models` in the sweep grid {path} must map model labels to Hub ids.")
+    if options.get("base_model"):  # compare's keyword names the one model's base
+        named = {"": options.pop("base_model"), **named}
+    grid = Grid(models, [s.strip() for s in schemes if s.strip()], goals, options)
+    return with_base_models(grid, [f"{k}={v}" if k else str(v) for k, v in named.items()], str(path))
+
+
+def with_base_models(grid: Grid, given: list[str], where: str = "--base-model") -> Grid:
+    """``grid`` with each ``LABEL=ORG/NAME`` (or ``ORG/NAME`` alone, for a grid of one model) as the
+    Hub id its model's card names."""
+    from quark_ptq_eval.publish import check_base_model
+
+    named = dict(grid.base_models)
+    for item in given:
+        label, _, hub_id = item.rpartition("=")
+        label = _label(label) if label else ""
+        if not label:
+            if len(grid.models) != 1:
+                raise UsageError(f"{where}: base model {hub_id} names no model, and the grid has "
+                                 f"{len(grid.models)} ({', '.join(grid.models)}).",
+                                 "Name it for one: --base-model LABEL=ORG/NAME (or `base_models` in the grid).")
+            label = next(iter(grid.models))
+        if label not in grid.models:
+            raise UsageError(f"{where}: {label} is none of the grid's models ({', '.join(grid.models)}).")
+        check_base_model(hub_id)
+        named[label] = hub_id
+    return replace(grid, base_models=named)
 
 
 def sweep(grid: str | Path | Grid, out_root: str | Path, *, approver: Approver | None = None, quiet: bool = True,
-          ray: str | None = None, progress: Callable[[str, str], None] | None = None) -> dict[str, Any]:
+          ray: str | None = None, progress: Callable[[str, str], None] | None = None,
+          base_models: list[str] | None = None) -> dict[str, Any]:
     """Every comparison of the grid (resumed where it stopped); returns sweep_summary.json's content.
-    Raises ``CheckpointPending`` after the last comparison when any of them waits at a gate."""
+    Raises ``CheckpointPending`` after the last comparison when any of them waits at a gate.
+    ``base_models``: ``LABEL=ORG/NAME`` each (``ORG/NAME`` alone for a grid of one model)."""
     from quark_ptq_eval.flows.compare import compare
 
-    given = grid if isinstance(grid, Grid) else load_grid(grid)
+    given = with_base_models(grid if isinstance(grid, Grid) else load_grid(grid), base_models or [])
     root = Path(out_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     entries = []
@@ -96,7 +130,8 @@ def sweep(grid: str | Path | Grid, out_root: str | Path, *, approver: Approver |
         for goal in given.goals:
             name = label + (f"-{_label(goal)}" if goal else "")
             entry: dict[str, Any] = {"model": label, "goal": goal or None, "root": str(root / name)}
-            options = {**given.options, **({"goal": goal} if goal else {}), **({"ray": ray} if ray else {})}
+            options = {**given.options, **({"goal": goal} if goal else {}), **({"ray": ray} if ray else {}),
+                       **({"base_model": given.base_models[label]} if label in given.base_models else {})}
             try:
                 doc = compare(model, given.schemes, root / name, approver=approver or FlagApprover(), quiet=quiet,
                               progress=progress, **options)

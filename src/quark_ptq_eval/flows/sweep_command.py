@@ -20,6 +20,11 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
 
     add_gate_flags(p)
     add_ray_flag(p, "every comparison's cells, each")
+    from quark_ptq_eval.publish import BASE_MODEL_HELP
+
+    p.add_argument("--base-model", dest="base_models", action="append", default=None, metavar="[LABEL=]ORG/NAME",
+                   help=BASE_MODEL_HELP + "; one per model: LABEL=ORG/NAME (ORG/NAME alone for a grid of one "
+                        "model), or `base_models` in the grid")
     p.add_argument("--json", action="store_true", help="print sweep_summary.json on stdout")
     p.add_argument("--quiet", "-q", action="store_true")
 
@@ -28,7 +33,8 @@ def cmd_sweep(args: argparse.Namespace, approver: Approver) -> int:
     from quark_ptq_eval.flows.sweep import sweep
 
     with noise_to_log(Path(args.out_root).resolve() / "logs" / "sweep.log"):
-        summary = sweep(args.grid, args.out_root, approver=approver, quiet=args.quiet or args.json, ray=args.ray)
+        summary = sweep(args.grid, args.out_root, approver=approver, quiet=args.quiet or args.json, ray=args.ray,
+                        base_models=args.base_models)
     if args.json:
         print(json.dumps(summary, indent=2))
     return ExitCode.OK

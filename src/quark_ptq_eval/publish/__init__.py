@@ -13,7 +13,7 @@ from pathlib import Path
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import atomic_write_text
-from quark_ptq_eval.publish.base_card import CARD_FILE, CARD_MARK
+from quark_ptq_eval.publish.base_card import BASE_MODEL_HELP, CARD_FILE, CARD_MARK, check_base_model
 from quark_ptq_eval.publish.facts import ComparisonChoice, read_facts
 
 CARD_CHOICES = ("write", "none")  # --card: write the card at the end of the recipe, or none
@@ -21,7 +21,8 @@ CARD_CHOICES = ("write", "none")  # --card: write the card at the end of the rec
 
 def write_card(workdir: Path, export: Path, *, base_model: str | None = None, repo_id: str | None = None,
                comparison: ComparisonChoice | None = None) -> Path:
-    """Write ``export/README.md`` from the run in ``workdir``; returns its path."""
+    """Write ``export/README.md`` from the run in ``workdir``; returns its path. ``base_model``: the base's
+    Hub id (default: the one the run was given, recorded in its run_state.json)."""
     from huggingface_hub import ModelCard
 
     from quark_ptq_eval.publish.body import card_body
@@ -60,4 +61,5 @@ def upload_command(export: Path, repo_id: str | None = None) -> str:
     return shlex.join(["hf", "upload", repo_id or default_repo_id(export), str(Path(export).resolve()), "."])
 
 
-__all__ = ["CARD_CHOICES", "CARD_FILE", "ComparisonChoice", "upload_command", "write_card"]
+__all__ = ["BASE_MODEL_HELP", "CARD_CHOICES", "CARD_FILE", "ComparisonChoice", "check_base_model", "upload_command",
+           "write_card"]

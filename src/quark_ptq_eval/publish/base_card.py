@@ -22,6 +22,10 @@ UNKNOWN_LICENSE = "unknown"
 _CACHE_DIR = re.compile(r"^models--(?P<org>[\w.-]+?)--(?P<name>[\w.-]+)$")
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 CARRIED = ("license", "license_name", "license_link", "language", "datasets")
+# --base-model on run, resume, compare, sweep and card: one help, one check
+BASE_MODEL_HELP = ("the base model's Hugging Face Hub id (ORG/NAME), written into the model card's metadata "
+                   "(base_model, base_model_relation: quantized): a model read from a local directory names none "
+                   "of its own")
 
 
 @dataclass
@@ -82,6 +86,15 @@ def _read_front_matter(readme: Path, base: BaseCard) -> None:
         base.pipeline_tag = data["pipeline_tag"]
 
 
+def check_base_model(value: str | None) -> None:
+    """Refuse a --base-model that is no Hub id (before any work: the card is the run's last step)."""
+    if value is not None and not _HUB_ID.match(value):
+        from quark_ptq_eval.base.errors import UsageError
+
+        raise UsageError(f"--base-model {value!r} is not a Hugging Face Hub id (ORG/NAME).",
+                         "Pass the id the model has on the Hub, e.g. --base-model Qwen/Qwen3-0.6B.")
+
+
 def _hub_id(model: str, source: str, stated: str | None) -> tuple[str | None, str]:
     if stated:
         return stated, "given with --base-model"
@@ -90,7 +103,7 @@ def _hub_id(model: str, source: str, stated: str | None) -> tuple[str | None, st
     parts = Path(model).parts
     if len(parts) >= 3 and parts[-2] == "snapshots" and (m := _CACHE_DIR.match(parts[-3])):
         return f"{m['org']}/{m['name']}", "the Hugging Face cache directory it was read from"
-    return None, "give one with `quark-ptq-eval card OUT --base-model ORG/NAME`"
+    return None, "give one with --base-model ORG/NAME (on run, compare, sweep, or `quark-ptq-eval card OUT`)"
 
 
 def json_or_empty(path: Path) -> dict[str, Any]:

@@ -14,8 +14,9 @@ def add_card_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("output_dir", type=Path, metavar="OUT", help="the exported model (its README.md is written)")
     p.add_argument("--workdir", type=Path, default=Path("."),
                    help="the work dir of the run that wrote OUT (its artifacts are read; default: .)")
-    p.add_argument("--base-model", metavar="ORG/NAME",
-                   help="the base model's Hub id, when the run read it from a local directory the card cannot name")
+    from quark_ptq_eval.publish.base_card import BASE_MODEL_HELP
+
+    p.add_argument("--base-model", metavar="ORG/NAME", help=f"{BASE_MODEL_HELP} (default: the run's own --base-model)")
     p.add_argument("--repo-id", metavar="REPO",
                    help="the Hub repository the card and the upload line name (default: OUT's directory name)")
     p.add_argument("--json", action="store_true", help="print the card's path and the upload line as JSON")

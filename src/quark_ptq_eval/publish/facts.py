@@ -14,7 +14,8 @@ from typing import Any
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan, RunManifest
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.publish.base_card import BaseCard, json_or_empty, read_base_card
+from quark_ptq_eval.base.state import RunState
+from quark_ptq_eval.publish.base_card import BaseCard, check_base_model, json_or_empty, read_base_card
 
 VALIDATION_FILE = "validation_report.json"
 EVAL_FILE = "eval_results.json"
@@ -60,14 +61,22 @@ def read_facts(workdir: Path, export: Path, base_model: str | None = None) -> Ru
                          "Run the recipe to its end first (quark-ptq-eval resume --workdir W).")
     analysis, manifest = ModelAnalysis.load(workdir), RunManifest.load(workdir)
     model = analysis.model
+    stated = base_model or _recorded_base_model(workdir)
+    check_base_model(stated)
     facts = RunFacts(workdir, export, analysis, plan, manifest,
-                     read_base_card(str(model["model_path"]), str(model.get("model_source", "local")), base_model))
+                     read_base_card(str(model["model_path"]), str(model.get("model_source", "local")), stated))
     facts.validation = _about(facts, VALIDATION_FILE, "quantized_model_dir")
     facts.evaluation = _about(facts, EVAL_FILE, "model")
     facts.versions = {"quark": str(manifest.engine.get("version") or "") or None,
                       "torch": json_or_empty(workdir / TORCH_FILE).get("pytorch_version"),
                       "transformers": json_or_empty(export / "config.json").get("transformers_version")}
     return facts
+
+
+def _recorded_base_model(workdir: Path) -> str | None:
+    """The --base-model the run in ``workdir`` was given (run_state.json keeps its options)."""
+    value = RunState.load(workdir).options.get("base_model")
+    return value if isinstance(value, str) and value else None
 
 
 def _about(facts: RunFacts, name: str, key: str) -> dict[str, Any] | None:

@@ -124,7 +124,7 @@ def plan_serve_line(facts: RunFacts, repo_id: str) -> str:
     """The plan's serving fit as vLLM flags (tensor parallelism, KV-cache dtype, the goal's context)."""
     from quark_ptq_eval.evaluate.vllm_commands import served_models
 
-    model = served_models(facts.export, None, facts.plan.to_dict())[0][0]
+    model = served_models(facts.export, None, facts.plan.as_json())[0][0]
     flags = [*(["--tensor-parallel-size", str(model.tensor_parallel)] if model.tensor_parallel else []),
              *(["--kv-cache-dtype", model.kv_cache_dtype] if model.kv_cache_dtype else []),
              *(["--max-model-len", str(model.max_model_len)] if model.max_model_len else []),

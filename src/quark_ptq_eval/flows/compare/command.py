@@ -13,7 +13,15 @@ from quark_ptq_eval.base.ui import noise_to_log
 
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of compare/options.py's parts (the options are declared on their dataclasses' fields)."""
-    from quark_ptq_eval.flows.compare.options import BUDGET_PART, CACHE_PART, PLAN, RUN_PART, TASKS, TIER1
+    from quark_ptq_eval.flows.compare.options import (
+        BUDGET_PART,
+        CACHE_PART,
+        CARD_PART,
+        PLAN,
+        RUN_PART,
+        TASKS,
+        TIER1,
+    )
 
     p.add_argument("model", nargs="?", help="local model directory (kept from the first call)")
     p.add_argument("--schemes", help="comma-separated Quark schemes, e.g. fp8,int8,int4_wo_128,mxfp4")
@@ -25,6 +33,7 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     CACHE_PART.add_flags(g)
     TASKS.add_flags(p.add_argument_group("task scores (Tier 2: lm-eval per scheme, paired tests against the baseline)"))
     BUDGET_PART.add_flags(p.add_argument_group("recommendation (accuracy budget)"))
+    CARD_PART.add_flags(p.add_argument_group("the recommended scheme's model card"))
     g = p.add_argument_group("run control")
     add_gate_flags(g)
     RUN_PART.add_flags(g)  # --overwrite, --offline, --ray

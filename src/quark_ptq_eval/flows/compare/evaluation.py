@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.evaluate.baseline_cache import BaselineCache, BaselineEntry, CacheKey
 from quark_ptq_eval.evaluate.context import text_scorer
@@ -81,7 +82,7 @@ class BaselineSource:
         self.cache.build(self.key, loaded.model, self.windows, batch, self.source, log=self.log)
 
 
-def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: BaselineSource, plan: dict):
+def evaluate_scheme(comparison, opts: CompareOptions, scheme: str, baseline: BaselineSource, plan: PlanJson):
     """Score the scheme's quantized model against the cached baseline; write its eval report.
     ``plan``: the scheme's quant plan, as its recipe holds it."""
     from quark_ptq_eval.evaluate import EvalOptions

@@ -96,7 +96,7 @@ class Comparison:
         from quark_ptq_eval.flows.compare.results import write_comparison
 
         doc = write_comparison(self, opts, baseline)
-        card_for_chosen(self, doc)  # the chosen scheme's card, after every scheme's evaluation
+        card_for_chosen(self, doc, opts.base_model)  # the chosen scheme's card, after every scheme's evaluation
         return doc
 
     # -- the steps --------------------------------------------------------------------------
@@ -221,7 +221,8 @@ class Comparison:
 
         return RunOptions.from_given(model=opts.model, output_dir=str(self.output_dir(scheme)),
                           request={**opts.plan, "scheme": scheme}, overwrite=opts.overwrite, offline=opts.offline,
-                          card="none")  # the comparison writes the card of the scheme it chooses
+                          card="none",  # the comparison writes the card of the scheme it chooses
+                          base_model=opts.base_model)  # in each scheme's run state: its card, written later, names it
 
     def _failed_step(self, scheme: str) -> str:
         steps = RunState.load(self.workdir(scheme)).steps

@@ -22,9 +22,10 @@ from quark_ptq_eval.base.options import OFFLINE_HELP, Part, build, concern, flag
 from quark_ptq_eval.evaluate.baseline_cache import DEFAULT_TOP_K
 from quark_ptq_eval.evaluate.options import DEFAULT_SEQ_LEN, EvalOptions
 from quark_ptq_eval.plan.request import CHOICE, PlanRequest
+from quark_ptq_eval.publish import BASE_MODEL_HELP, check_base_model
 
 DEFAULT_MAX_PPL_INCREASE_PCT = 2.0  # the healthy threshold of a single run's verdict
-BUDGET, CACHE, RUN = "budget", "cache", "run"  # the concerns of the comparison's own options
+BUDGET, CACHE, CARD, RUN = "budget", "cache", "card", "run"  # the concerns of the comparison's own options
 RAY_HELP = ("run {what} as a Ray task on the cluster at ADDRESS (default auto: the one `ray start` brought up; "
             "local: start one on this host; write --ray=ADDRESS before a positional argument); needs the [ray] extra")
 NOT_STORED = ("ray",)
@@ -48,6 +49,9 @@ class CompareOptions:
         "--max-task-drop-pct", type=float,
         help="largest acceptable drop of any task metric, in percent of the baseline's (needs --tasks)")
         | concern(BUDGET))
+    # the chosen scheme's card names it (stored: a re-run of the comparison keeps it)
+    base_model: str | None = field(default=None, metadata=flag(
+        "--base-model", metavar="ORG/NAME", help=BASE_MODEL_HELP) | concern(CARD))
     overwrite: bool = field(default=False, metadata=flag("--overwrite", action="store_true") | concern(RUN))
     offline: bool | None = field(default=None, metadata=flag(
         "--offline", action="store_true", help=OFFLINE_HELP) | concern(RUN))
@@ -93,6 +97,7 @@ class CompareOptions:
             raise UsageError("No schemes to compare.", "Pass --schemes, e.g. --schemes fp8,int8,int4_wo_128,mxfp4.")
         if len(set(self.schemes)) != len(self.schemes):
             raise UsageError(f"A scheme is listed twice in --schemes {','.join(self.schemes)}.")
+        check_base_model(self.base_model)
         if self.top_k < 1:
             raise UsageError(f"--top-k must be a positive integer, not {self.top_k}.")
         for name, value in (("--max-kl", self.max_kl), ("--max-ppl-increase-pct", self.max_ppl_increase_pct),
@@ -118,8 +123,9 @@ TIER1 = Part(EvalOptions, concerns=("windows", "compute"))  # Tier 1 against the
 TASKS = Part(EvalOptions, concerns=("tasks",))  # Tier 2: lm-eval per scheme, paired tests against the baseline
 CACHE_PART = Part(CompareOptions, concerns=(CACHE,))  # the baseline cache, beside Tier 1's options
 BUDGET_PART = Part(CompareOptions, concerns=(BUDGET,))  # the accuracy budget of the recommendation
+CARD_PART = Part(CompareOptions, concerns=(CARD,))  # what the chosen scheme's model card states
 RUN_PART = Part(CompareOptions, concerns=(RUN,))
-PARTS = (PLAN, TIER1, CACHE_PART, TASKS, BUDGET_PART, RUN_PART)
+PARTS = (PLAN, TIER1, CACHE_PART, TASKS, BUDGET_PART, CARD_PART, RUN_PART)
 
 
 def keywords() -> set[str]:
@@ -142,7 +148,7 @@ def options_from(model: str | Path | None, schemes: list[str] | str | None, out_
         plan["calib_data"] = os.path.abspath(os.path.expanduser(plan["calib_data"]))
     if model and Path(model).exists():
         model = Path(model).resolve()  # stored for a resume from another directory
-    own = {**CACHE_PART.given(args), **BUDGET_PART.given(args), **RUN_PART.given(args)}
+    own = {**CACHE_PART.given(args), **BUDGET_PART.given(args), **CARD_PART.given(args), **RUN_PART.given(args)}
     return CompareOptions(model=str(model) if model else None, schemes=list(schemes or []), out_root=str(out_root),
                           plan=plan, eval=EvalOptions(**TIER1.given(args), **TASKS.given(args)), **own)
 
