@@ -67,9 +67,9 @@ def test_correct_exports_of_a_model_with_outliers_pass_and_report_their_quantiza
         assert down["input_outlier_ratio"] >= 16
         assert any("--algorithm smoothquant" in n and "hypothesis" in n for n in load["notes"])
         assert "quantization error" in (workdir / "validation_report.md").read_text()
-        from quark_ptq_eval.validate.load_judge import quantization_evidence
+        from quark_ptq_eval.evaluate.remedies import validation_evidence
 
-        evidence = quantization_evidence(workdir)  # the evaluation checkpoint's lines
+        evidence = validation_evidence(workdir)  # the evaluation checkpoint's lines
         assert "input absmax" in evidence[0] and "--algorithm smoothquant" in evidence[1]
     if name == "int8-smoothquant":
         assert any("not re-observed: smooth" in n for n in load["notes"])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.evaluate.scan_followup import sensitivity_remedy
@@ -81,3 +83,14 @@ def _exclusion_remedies(excluded: str, num_layers: int | None) -> list[str]:
             f"Exclude the first and last blocks (model.layers.0.*, {last}), which quantize worst."
         )
     return remedies
+
+
+def validation_evidence(workdir: Path) -> list[str]:
+    """What validation measured for Phase 3 (``for_evaluation`` in the run's validation_report.json: the
+    load check's largest quantization error, its cause and the remedies worth measuring); [] without one."""
+    try:
+        report = json.loads((workdir / "validation_report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    lines = report.get("for_evaluation") if isinstance(report, dict) else None
+    return [str(line) for line in lines] if isinstance(lines, list) else []

@@ -13,12 +13,12 @@ from quark_ptq_eval.base.gates import GATES
 from quark_ptq_eval.evaluate.api import evaluate
 from quark_ptq_eval.evaluate.eval_report import EvalReport
 from quark_ptq_eval.evaluate.options import BASELINE_FROM_SOURCE
+from quark_ptq_eval.evaluate.remedies import validation_evidence
 from quark_ptq_eval.evaluate.tier1_text import TIER1_NO_TEXT, ask_tier1_text
 from quark_ptq_eval.evaluate.tiers import TIERS, runs, scores_text, text_tier, tier_checkpoint
 from quark_ptq_eval.flows.recipe_flow import Flow
 from quark_ptq_eval.plan.source_reading import effective_source
 from quark_ptq_eval.validate import ValidationReport, fix_and_revalidate, validate_model
-from quark_ptq_eval.validate.load_judge import quantization_evidence
 
 SKIPPED = "skipped"  # what the evaluation step produced when no tier runs
 
@@ -112,7 +112,7 @@ def _ask_tier(flow: Flow) -> str:
     """The evaluation checkpoint: pick a tier (or stop until one is given), then opt in to the
     baseline or not."""
     gates = flow.run.gates
-    for line in quantization_evidence(flow.run.workdir):  # the load check's per-module evidence for Phase 3
+    for line in validation_evidence(flow.run.workdir):  # the load check's per-module evidence for Phase 3
         flow.run.ui.info(line)
     if gates.can_choose:
         for name, entry in TIERS.items():

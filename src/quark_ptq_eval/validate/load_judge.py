@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.validate.replay import unit_error
@@ -125,8 +124,13 @@ class Judged:
         result.notes.append(f"quantization error (the export emulated against the source, evidence for Phase 3, "
                             f"never a failure): largest {worst.error:.1%} at {worst.module} ({worst.cause}; "
                             f"weights alone {worst.weights_only:.1%})")
+        result.for_evaluation.append(
+            f"Validation measured the export's quantization error per module: largest {worst.error:.1%} at "
+            f"{worst.module} ({worst.cause}; weights alone {worst.weights_only:.1%}); Tier 1 with a baseline "
+            "measures what it costs the model.")
         if (remedy := remedy_for(worst)) is not None:
             result.notes.append(remedy)
+            result.for_evaluation.append(remedy)
 
 
 def judge_units(outputs: dict[ReplayUnit, torch.Tensor], captures: dict[str, Capture],
@@ -194,22 +198,3 @@ def _over(errors: dict[str, float], limit: float) -> list[str]:
 def _round(value: float | None) -> float | None:
     return round(value, 4) if value is not None and math.isfinite(value) else None
 
-
-def quantization_evidence(workdir: Path) -> list[str]:
-    """What validation measured of the export's quantization error (``validation_report.json`` in
-    ``workdir``), as lines for the evaluation checkpoint and the verdict's remedies; [] without one."""
-    import json
-
-    try:
-        report = json.loads((workdir / "validation_report.json").read_text(encoding="utf-8"))
-        worst = report["checks"]["load"]["stats"]["quantization_error"][0]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return []
-    q = QuantError(str(worst["module"]), float(worst["error"] or 0), float(worst["weights_only"] or 0),
-                   str(worst["cause"]), worst.get("input_outlier_ratio"))
-    lines = [f"Validation measured the export's quantization error per module: largest {q.error:.1%} at {q.module} "
-             f"({q.cause}; weights alone {q.weights_only:.1%}); Tier 1 with a baseline measures what it costs the "
-             "model."]
-    if (remedy := remedy_for(q)) is not None:
-        lines.append(remedy)
-    return lines

