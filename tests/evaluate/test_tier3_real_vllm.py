@@ -38,9 +38,22 @@ def our_servers(*needles: str | Path) -> list[str]:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "vllm" in cmd and any(str(n) in cmd for n in needles):
+        if "vllm" in cmd and any(str(n) in cmd for n in needles) and _this_worker(proc):
             found.append(cmd)
     return found
+
+
+def _this_worker(proc: Path) -> bool:
+    """Started under this xdist worker (the other worker may serve the same shared model meanwhile)."""
+    import os
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return True
+    try:
+        return f"PYTEST_XDIST_WORKER={worker}".encode() in (proc / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
 
 
 def port_free(port: int) -> bool:

@@ -198,11 +198,13 @@ def test_no_untyped_dict_crosses_a_package_boundary_in_the_steps_signatures():
     for module, function in functions.values():
         callees |= _calls_across_packages(module, function, set())
     assert set(NAMED_CALLEES) <= {name for _, name in callees}
+    from tests.architecture.test_types import KNOWN_UNTYPED  # the one list of seams left open, with reasons
+
     found = set()
     for module, name in sorted(callees):
         where = _definition(name, module)
-        if where is not None:  # a class (an artifact, an error) is typed by its own fields
-            found |= {(name, part) for part in untyped_signature(where[1])}
+        if where is not None and (where[0].removeprefix("quark_ptq_eval."), name) not in KNOWN_UNTYPED:
+            found |= {(name, part) for part in untyped_signature(where[1])}  # a class is typed by its own fields
     assert found == set(), "untyped across a package boundary"
 
 

@@ -16,9 +16,12 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError, UsageError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 MAX_JSON_BYTES = 256 * 1024 * 1024
 
@@ -27,7 +30,7 @@ class DiskFullError(QpeError):
     pass
 
 
-def write_png(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> Path:
+def write_png(fig: Figure, path: str | os.PathLike[str], dpi: int = 110) -> Path:
     """Render a matplotlib figure to PNG and write it atomically; the figure is closed."""
     import io
 

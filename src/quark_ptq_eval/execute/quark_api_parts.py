@@ -18,12 +18,17 @@ def calibration_batches(tokenizer: PreTrainedTokenizerBase, texts: list[str], se
     """Non-overlapping token windows of ``seq_len`` over the joined local text."""
     import torch
 
-    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0]
-    windows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)][:num]
-    if not windows:  # text shorter than one window: calibrate on what there is
-        windows = [ids]
+    windows = calibration_windows(tokenizer, texts, seq_len, num)
     print(f"[quark-ptq-eval] calibration: {len(windows)} samples x {len(windows[0])} tokens", flush=True)
     return [torch.stack(windows[i : i + batch_size]).to(device) for i in range(0, len(windows), batch_size)]
+
+
+def calibration_windows(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: int,
+                        num: int) -> list[torch.Tensor]:
+    """The engine's calibration windows, quietly (the load check re-observes activation scales on them)."""
+    ids = tokenizer("\n\n".join(texts), return_tensors="pt").input_ids[0]
+    windows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)][:num]
+    return windows or [ids]  # text shorter than one window: calibrate on what there is
 
 
 def prepare_for_quantization(model: torch.nn.Module) -> None:

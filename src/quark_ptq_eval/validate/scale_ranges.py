@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.schemes import as_spec_list
-from quark_ptq_eval.validate.expectations import kv_cache_output, module_config
+from quark_ptq_eval.validate.expectations import module_config
 from quark_ptq_eval.validate.quantizers import FLOAT_MAX, int_range, is_int, read_scale
 from quark_ptq_eval.validate.report import MAX_LISTED, Finding
 
@@ -55,9 +55,9 @@ def static_scales(ctx: CheckInputs, modules: set[str]) -> list[StaticScale]:
         if f"{module}.weight_scale" not in output:
             continue
         config = module_config(qconfig, module)
-        sides = (("input", config.input_tensors if config else None),
-                 ("output", (config.output_tensors if config else None) or kv_cache_output(qconfig, module)))
-        for side, specs in sides:
+        # inputs only: KV-cache output scales are merged across k and v (export.kv_cache_group) and
+        # floored (min_kv_scale), so one module's range does not give them; kvcache.py checks those
+        for side, specs in (("input", config.input_tensors if config else None),):
             spec = next(iter(as_spec_list(specs)), None)
             if spec is None or spec.get("is_dynamic") or spec.get("qscheme") != "per_tensor":
                 continue
@@ -108,13 +108,12 @@ def check_static_scales(ctx: CheckInputs, model: torch.nn.Module, tokenizer: Any
 
 def _windows(tokenizer: Any, calibration: dict[str, Any]) -> tuple[list[torch.Tensor], bool]:
     from quark_ptq_eval.base.textdata import load_texts
-    from quark_ptq_eval.execute.quark_api_parts import calibration_batches
+    from quark_ptq_eval.execute.quark_api_parts import calibration_windows
 
     texts = load_texts(calibration["path"], calibration.get("text_field") or "text")
     num = int(calibration.get("num_samples") or 128)
-    batches = calibration_batches(tokenizer, texts, int(calibration.get("seq_len") or 512), min(num, MAX_WINDOWS),
-                                  1, "cpu")
-    return batches, num > MAX_WINDOWS
+    windows = calibration_windows(tokenizer, texts, int(calibration.get("seq_len") or 512), min(num, MAX_WINDOWS))
+    return [w[None, :] for w in windows], num > MAX_WINDOWS
 
 
 def _observe(model: torch.nn.Module, windows: list[torch.Tensor],
