@@ -135,9 +135,9 @@ class Judged:
 
 def judge_units(outputs: dict[ReplayUnit, torch.Tensor], captures: dict[str, Capture],
                 emulated: EmulatedOutputs) -> Judged:
-    from quark_ptq_eval.validate.emulate import unit_key
-
     import torch
+
+    from quark_ptq_eval.validate.emulate import unit_key
 
     judged = Judged(note=emulated.note)
     for unit, got in outputs.items():

@@ -37,6 +37,7 @@ OBSERVER = "PerTensorMinMaxObserver"
 MAX_WINDOWS = 64  # calibration windows re-run at most (beyond: the upper bound is not judged)
 RESAMPLES = 200
 UNOBSERVED = 1.0  # the calibration check's
+ROUNDING = 2.0 ** -7
 
 
 @dataclass
@@ -161,5 +162,7 @@ def _bounds(maxima: list[float], top: float, capped: bool) -> tuple[float, float
     rng = np.random.default_rng(0)
     draws = values[rng.integers(0, values.size, size=(RESAMPLES, values.size))].max(axis=1)
     low, full = float(np.percentile(draws, 1)) / top, float(values.max()) / top
-    spread = max(full - low, full * 1e-3)  # never narrower than float rounding of a scale
+    # never narrower than two BF16 rounding steps (2**-8 each): a BF16 model's activations and the scale
+    # Quark stores in BF16 (a correct int8 export read 0.09 % over a zero-width spread)
+    spread = max(full - low, full * ROUNDING)
     return low - spread, (full + spread) if not capped else float("inf")
