@@ -48,12 +48,18 @@ def package_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""  # "": the root's __init__ (the public API's re-exports)
 
 
+def annotation_expr(annotation: ast.expr | None) -> ast.expr | None:
+    """The annotation as an expression, a string annotation (``'Path | None'``) parsed."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return ast.parse(annotation.value, mode="eval").body
+    return annotation
+
+
 def any_dict(annotation: ast.expr | None) -> bool:
     """A ``dict[str, Any]`` (``Dict``, ``Mapping``, ``MutableMapping`` too) anywhere in ``annotation``."""
+    annotation = annotation_expr(annotation)
     if annotation is None:
         return False
-    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
-        annotation = ast.parse(annotation.value, mode="eval").body
     for node in ast.walk(annotation):
         if not isinstance(node, ast.Subscript) or _name(node.value) not in ("dict", "Dict", "Mapping", "MutableMapping"):
             continue

@@ -141,10 +141,11 @@ def test_no_step_is_looked_up_by_name_in_the_flows():
 
 def untyped(annotation: ast.expr | None) -> bool:
     """``Any`` anywhere, or a bare ``dict`` / ``Dict`` (a ``dict[str, Any]`` has its ``Any``)."""
+    from tests.architecture.seams import annotation_expr
+
+    annotation = annotation_expr(annotation)
     if annotation is None:
         return False
-    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
-        annotation = ast.parse(annotation.value, mode="eval").body
     for node in ast.walk(annotation):
         if isinstance(node, ast.Name) and node.id == "Any" or isinstance(node, ast.Attribute) and node.attr == "Any":
             return True

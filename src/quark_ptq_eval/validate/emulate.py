@@ -55,10 +55,6 @@ class Emulation:
     activation: dict[str, ActivationQuantizer] = field(default_factory=dict)  # module -> its input quantizer
     handles: list[Any] = field(default_factory=list)
 
-    def covers(self, module_names: list[str]) -> bool:
-        """Every quantized module among ``module_names`` (a unit and what it contains) is emulated."""
-        return not any(name in self.skipped for name in module_names)
-
     def close(self) -> None:
         """Remove the quantizing hooks (the model is freed next, or reused as the source)."""
         for handle in self.handles:
@@ -192,8 +188,9 @@ def unit_key(unit: ReplayUnit) -> tuple[str, str, str | None]:
 def emulate_outputs(ctx: CheckInputs, model: torch.nn.Module, owners: list[str],
                     captures: dict[str, Capture]) -> EmulatedOutputs:
     """Turn the source ``model`` into the export's emulation and run every unit the replay may pick on
-    it; the model stays the emulation (its hooks installed) until ``emulation.close()``. Before the export is loaded its classes are unknown, so the candidates are every weight owner,
-    its ancestors up to ``replay.MAX_CLIMB``, the fold units and the forced expert calls."""
+    it; the model stays the emulation (its hooks installed) until ``emulation.close()``. Before the export
+    is loaded its classes are unknown: the candidates are every weight owner and fold unit that is a single
+    linear or embedding (``_candidates``)."""
     import torch
 
     from quark_ptq_eval.validate.rewrites import ROTATING, algorithms
@@ -217,21 +214,21 @@ def emulate_outputs(ctx: CheckInputs, model: torch.nn.Module, owners: list[str],
 
 def _candidates(owners: list[str], captures: dict[str, Capture], modules: dict[str, Any],
                 qconfig: dict[str, Any]) -> list[ReplayUnit]:
-    from quark_ptq_eval.validate.experts import EXPERT_KEY
+    """Single linears and embeddings only (each weight owner, or its fold unit: a norm then the linear). A
+    composite (an attention block, a decoder layer, an experts module, DeepSeek-V4's indexer) may compute
+    inside what the emulation does not (the indexer read 9 %): it is held to the source (load_judge.py)."""
+    import torch
+
     from quark_ptq_eval.validate.folds import fold_groups, fold_units
 
     def runs_alone(name: str) -> bool:
         return replay.replayable(captures.get(name), modules.get(name))
 
-    names: list[str] = []
-    for owner in owners:
-        name = owner
-        for _ in range(replay.MAX_CLIMB):
-            if name and name not in names:
-                names.append(name)
-            name = name.rpartition(".")[0]
-    units = [ReplayUnit(n) for n in names if runs_alone(n)]
+    def leaf(unit: ReplayUnit) -> bool:
+        cap = captures.get(unit.key)
+        return cap is not None and issubclass(cap.cls, torch.nn.Linear | torch.nn.Embedding)
+
+    units = [ReplayUnit(owner) for owner in owners if runs_alone(owner)]
     targets = replay.replay_targets(owners, captures, modules)
     units += [u for u in fold_units(targets, fold_groups(qconfig), set(owners), runs_alone) if u not in units]
-    units += [ReplayUnit(key.partition(EXPERT_KEY)[0], capture=key) for key in captures if EXPERT_KEY in key]
-    return units
+    return [u for u in units if leaf(u)]

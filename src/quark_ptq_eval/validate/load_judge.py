@@ -135,17 +135,12 @@ class Judged:
 
 def judge_units(outputs: dict[ReplayUnit, torch.Tensor], captures: dict[str, Capture],
                 emulated: EmulatedOutputs) -> Judged:
-    import torch
-
     from quark_ptq_eval.validate.emulate import unit_key
 
     judged = Judged(note=emulated.note)
     for unit, got in outputs.items():
         cap = captures[unit.key]
-        # a linear (or embedding) alone: a composite (an attention block, a decoder layer, an indexer, an
-        # experts module) may compute inside what the emulation does not (DeepSeek-V4's indexer: 9 %)
-        leaf = issubclass(cap.cls, torch.nn.Linear | torch.nn.Embedding)
-        if not leaf or not emulated.covers(unit):
+        if not emulated.covers(unit):  # a composite (emulate._candidates), or a weight not decoded
             judged.fallback[unit.key] = unit_error(unit, got, cap.output, cap)
             continue
         emu = emulated.outputs[unit_key(unit)]

@@ -89,6 +89,7 @@ def _probe(ctx: CheckInputs, result: CheckResult) -> None:
     from quark_ptq_eval.runtime.loading import TRANSFORMERS, load_model, missing_weights_message
     from quark_ptq_eval.validate import experts, replay
     from quark_ptq_eval.validate.emulate import emulate_outputs
+    from quark_ptq_eval.validate.scale_ranges import check_static_scales
 
     trust = bool((ctx.plan or {}).get("trust_remote_code"))  # the user approved it in the plan, or not at all
     # The source first, its module inputs kept; then it becomes the export's emulation (emulate.py) and
@@ -97,8 +98,6 @@ def _probe(ctx: CheckInputs, result: CheckResult) -> None:
     ids = src.tokenizer(PROBE, return_tensors="pt").input_ids[:, :MAX_PROBE_TOKENS]
     captures, owners, want = replay.capture(src.model, ids)
     experts.route_every_expert(src.model, captures)  # the source computes them: it is freed next
-    from quark_ptq_eval.validate.scale_ranges import check_static_scales
-
     check_static_scales(ctx, src.model, src.tokenizer, result)  # on the source: what calibration ran
     emulated = emulate_outputs(ctx, src.model, owners, captures)
     emulated.emulation.close()

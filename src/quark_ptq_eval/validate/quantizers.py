@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 FLOAT_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 MX_ELEMENTS = {"fp4": (1, 2), "fp6_e2m3": (3, 2), "fp6_e3m2": (2, 4), "fp8_e4m3": (3, 8)}  # (mantissa bits, emax)
-SPEC_KEYS = ("is_scale_quant",)
 
 
 class UnsupportedSpec(ValueError):
