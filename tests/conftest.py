@@ -38,16 +38,44 @@ os.environ.setdefault("QUARK_PTQ_EVAL_CACHE", str(ROOT / ".pytest_cache" / "quar
 # the other's as free), and both comparisons read the one local comparison (`compared`).
 SHARED_WORKER = {
     "tests/evaluate/test_tier3_real_vllm.py": "vllm", "tests/publish/test_model_card.py": "vllm",
-    "tests/evaluate/test_speed_real_vllm.py": "vllm",
+    "tests/evaluate/test_speed_real_vllm.py": "vllm", "tests/plan/test_plan_groups.py": "vllm",
     "tests/flows/test_compare.py": "compare", "tests/flows/test_compare_ray.py": "compare",
+}
+# A group's seconds on one worker of `make test` (round 12, load ~3): the longest go first, so that the
+# last group to start is a short one and neither worker idles at the end (longest-first scheduling).
+# Groups not named here follow, the files with more tests first (xdist's own order).
+GROUP_SECONDS = {
+    "vllm": 870, "compare": 520, "tests/reliability/test_reliability_interrupts.py": 280,
+    "tests/intake/test_source_formats.py": 210, "tests/flows/test_pipeline.py": 190,
+    "tests/reliability/test_reliability_crash.py": 165, "tests/flows/test_data_trust.py": 130,
+    "tests/execute/test_quark_cli_engine.py": 70,
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(path, path)))
+def group_of(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    return SHARED_WORKER.get(path, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup by our groups. xdist 3.8 marks a group by renaming the test (``nodeid@group``), which
+    pytest 9.2's node ids no longer take: every test then ran as a group of its own, anywhere (a file's
+    module fixtures built on both workers, two vLLM servers at once). The groups are read off the node ids."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            heaviest = max(self.workqueue, key=lambda g: (GROUP_SECONDS.get(g, 0), len(self.workqueue[g])))
+            self.workqueue.move_to_end(heaviest, last=False)  # the unit xdist hands out next
+            super()._assign_work_unit(node)
+
+    return FileGroups(config, log)
 
 
 TRAITS = "-traits"

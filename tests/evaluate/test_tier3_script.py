@@ -89,12 +89,12 @@ except OSError as exc:
     record(event="bind failed", error=str(exc))
     sys.exit(1)
 sock.listen(64)
-record(event="bound")
 def stop(signum, frame):
     record(event="term")
     time.sleep(float(os.environ.get("STANDIN_VLLM_SHUTDOWN", "0.5")))  # shutting down: the port stays held
     os._exit(0)
-signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGTERM, stop)  # before "bound": a test that strikes on that line finds it handled
+record(event="bound")
 time.sleep(float(os.environ.get("STANDIN_VLLM_DELAY", "0.3")))  # loading: the port is held, nothing answers
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
@@ -223,6 +223,20 @@ def assert_nothing_left(tmp_path: Path, port: int) -> None:
         s.bind(("127.0.0.1", port))  # the port is free again
 
 
+def wait_until(condition, what: str, proc: subprocess.Popen, timeout: float = 120):
+    """``condition()``'s first true value, polled until ``timeout`` s; the script ending first fails the test."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"the script ended (rc {proc.returncode}) before {what}: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"timed out waiting for {what}")
+
+
 def run_script(script: Path, env: dict, **extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(script)], env={**env, **extra}, capture_output=True, text=True, timeout=60,
                           stdin=subprocess.DEVNULL)
@@ -284,10 +298,8 @@ def test_an_interrupt_stops_what_the_script_started(tmp_path, standins):
     proc = subprocess.Popen(["bash", str(script)], env={**standins, "STANDIN_VLLM_DELAY": "120"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     log = Path(standins["STANDIN_LOG"])
-    for _ in range(300):  # until the server holds its port (it will not be healthy for minutes)
-        if log.is_file() and '"event": "bound"' in log.read_text():
-            break
-        time.sleep(0.1)
+    # until the server holds its port (it will not be healthy for minutes)
+    wait_until(lambda: log.is_file() and '"event": "bound"' in log.read_text(), "the server to bind its port", proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "failed (exit 143); what it started is stopped." in err
@@ -301,12 +313,8 @@ def test_an_interrupt_inside_docker_run_still_removes_the_container(tmp_path, st
     script, _ = write_script(tmp_path)
     proc = subprocess.Popen(["bash", str(script)], env={**standins, "STANDIN_DOCKER_START_S": "30"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    cid = next((tmp_path / "work").glob("*.cid"), None)
-    for _ in range(300):
-        cid = next((tmp_path / "work").glob("*.cid"), None)
-        if cid and cid.read_text():
-            break
-        time.sleep(0.1)
+    cid = wait_until(lambda: next((p for p in (tmp_path / "work").glob("*.cid") if p.read_text()), None),
+                     "docker to record the container's id", proc)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "stopping and removing the container this script created (c0ffee0123)" in err

@@ -26,10 +26,11 @@ from tests.reliability.test_reliability_guard import source_guard  # noqa: F401 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("source_guard")]
 
 
-def run_args(model, out, wd, corpus, *extra):
+def run_args(model, out, wd, corpus, *extra, samples: int = 1500):
     # Enough calibration work (~1,500 short windows) that the engine is still quantizing when the
-    # test strikes, even on an idle machine where 8 samples finish in about a second.
-    return ["run", model, "-o", out, "--workdir", wd, "--calib-data", corpus, "--num-calib-samples", "1500",
+    # test strikes, even on an idle machine where 8 samples finish in about a second. A run that is
+    # resumed to its end pays for every sample again: it takes fewer and is frozen when it strikes.
+    return ["run", model, "-o", out, "--workdir", wd, "--calib-data", corpus, "--num-calib-samples", str(samples),
             "--calib-seq-len", "64", "--offline", "--scheme", "int8", *extra]
 
 
@@ -63,7 +64,7 @@ class Started:
                 return value
             if self.proc.poll() is not None:
                 pytest.fail(f"the run ended (rc {self.proc.returncode}) before {what}:\n{self.err.read_text()[-3000:]}")
-            time.sleep(0.3)
+            time.sleep(0.1)  # a poll, not a wait: the deadline above bounds it
         self.proc.kill()
         pytest.fail(f"timed out waiting for {what}")
 
@@ -105,10 +106,12 @@ def execute_status(wd: Path) -> str:
 def test_engine_killed_mid_run_is_recorded_never_success_and_resumes_with_approval(cli, tiny_llama, corpus, tmp_path):
     wd, out = tmp_path / "work", tmp_path / "out"
     partial = Path(str(out) + ".partial")
-    run = Started(tmp_path, *run_args(tiny_llama, out, wd, corpus, "--yes", "--eval-tier", "skip"))
+    # 200 samples (not 1,500): the resume below quantizes them all again
+    run = Started(tmp_path, *run_args(tiny_llama, out, wd, corpus, "--yes", "--eval-tier", "skip", samples=200))
+    engine = run.wait_for(run.engine, "the engine process")
     run.wait_for(lambda: "[quark-ptq-eval] quantizing" in engine_log(wd), "the engine to start quantizing")
-    engine = run.engine()
-    assert engine is not None
+    engine.suspend()  # frozen where it is, however fast this host quantizes: the kill finds it mid-run
+    assert not out.exists()
     engine.send_signal(signal.SIGKILL)
     rc, err = run.finish()
     assert rc == ExitCode.FAILED, err
