@@ -66,14 +66,27 @@ def ray_compared(ray_cluster, compared, tiny_llama, corpus, compare_eval_text, t
     while thread.is_alive() and removed is None:
         removed = _cell_on(root, second)
         time.sleep(0.2)
-    if removed:
-        time.sleep(1.0)  # the engine is under way
+    if removed:  # once its engine process runs
+        deadline = time.monotonic() + 300
+        while thread.is_alive() and time.monotonic() < deadline and not _engine_running(root / "models" / removed):
+            time.sleep(0.05)
         ray_cluster.cluster.remove_node(ray_cluster.second)
     thread.join(timeout=900)
     ray_cluster.restore()
     assert "error" not in done, done.get("error")
     return {"root": root, "doc": done["doc"], "removed": removed, "second": second, "events": events,
             "terminal": out.getvalue()}
+
+
+def _engine_running(output: Path) -> bool:
+    """A Quark engine writing ``output`` (its staging dir) runs now (on any node: they are all this host)."""
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "quark_api_engine" in cmd and str(output) in cmd:
+            return True
+    return False
 
 
 def _normalised(doc: dict, root: Path) -> dict:

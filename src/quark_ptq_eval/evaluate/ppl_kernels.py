@@ -10,8 +10,8 @@ and a handful of float64 sums, in row blocks that stay in the CPU's cache:
 ``b - q`` is exact in float64 (both are float32 values), and ``log(Z_b / Z_q)`` is a log of a
 ratio, so no large logit offset is subtracted from another: the KL keeps ~1e-16 absolute precision
 like a float64 log-softmax, at a fraction of its cost (bench/README.md). On a CPU the blocks run in
-numpy, whose ufuncs widen float32 to float64 inside the exp and the subtraction and cost ~1 us a
-call; on an accelerator, torch in large chunks. No max is subtracted first: a row whose largest
+numpy (~1 us a call): each logit is widened to float64 once, into a block buffer that stays in the
+cache, and the subtraction and both exps run on those in place; on an accelerator, torch in large chunks. No max is subtracted first: a row whose largest
 logit is beyond +-600 (exp overflow) or any non-finite result sends the batch through
 ``token_stats``, the chunked float64 log-softmax that stays finite for any finite logits, after
 ``require_finite`` refused NaN/inf logits with its usual message. A NaN or inf logit always shows
@@ -98,9 +98,8 @@ def _pair_fast(logits: torch.Tensor, labels: torch.Tensor, base_logits: torch.Te
 
 def _pair_sums_numpy(logits: torch.Tensor, base_logits: torch.Tensor, labels: torch.Tensor, out: Any,
                      top: Any) -> None:
-    """The CPU path in numpy: its ufuncs cast float32 to float64 inside the exp and the subtraction
-    (no float64 copy of the logits is written), and a call costs ~1 us against torch's ~10 us, so
-    the row blocks that keep the work in the cache no longer cost their dispatch (bench/README.md)."""
+    """The CPU path in numpy: a call costs ~1 us against torch's ~10 us, so the row blocks that keep
+    the work in the cache no longer cost their dispatch (bench/README.md)."""
     import numpy as np
 
     tokens, vocab = logits.shape[1:]
@@ -125,9 +124,13 @@ def _numpy_block(q: Any, b: Any, labels: Any, work: Any, out: Any, top: Any) -> 
     top[0], top[1] = q.argmax(1), b.argmax(1)  # the first largest, llama.cpp's rule
     out[3], out[4] = b[rows, labels], q[rows, labels]
     out[5] = np.maximum(np.abs(b[rows, top[1]]), np.abs(q[rows, top[0]]))
-    np.exp(b, out=e_b, dtype=np.float64)
-    np.exp(q, out=e_q, dtype=np.float64)
-    np.subtract(b, q, out=diff, dtype=np.float64)  # exact: both are float32 values
+    # Each logit widened once (a ufunc given float32 casts its inputs again for every call: four
+    # widenings a block, not two; 13 % of the kernel, bench/README.md), then float64 in place.
+    e_b[...] = b
+    e_q[...] = q
+    np.subtract(e_b, e_q, out=diff)  # exact: both are float32 values
+    np.exp(e_b, out=e_b)
+    np.exp(e_q, out=e_q)
     e_b.sum(1, out=out[0])
     e_q.sum(1, out=out[1])
     np.einsum("ij,ij->i", e_b, diff, out=out[2])

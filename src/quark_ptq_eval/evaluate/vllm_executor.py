@@ -15,7 +15,7 @@ from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.evaluate.context import TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import ServerDetails
 from quark_ptq_eval.evaluate.vllm_commands import CommandPlan, shell_line
-from quark_ptq_eval.runtime.vllm_host import failure_reason, start_server, stop_group
+from quark_ptq_eval.runtime.vllm_host import HEALTH_POLL_S, failure_reason, start_server, stop_group
 
 if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.options import EvalOptions
@@ -160,7 +160,7 @@ def _wait_healthy(executor: Executor, process: subprocess.Popen[bytes], label: s
                 f"The vLLM server for the {label} model exited (code {process.returncode}) before it was healthy"
                 + (f": {reason.rstrip('.')}" if reason else "") + f"; its log is {log_path}."
             )
-        time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+        time.sleep(min(HEALTH_POLL_S, max(0.1, deadline - time.monotonic())))
     raise QpeError(f"The vLLM server for the {label} model was not healthy after {timeout_s:g} s, so it was "
                    f"stopped; see {log_path}, or allow more time with --vllm-health-timeout.")
 
