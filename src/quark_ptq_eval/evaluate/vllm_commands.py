@@ -183,8 +183,10 @@ def plan_commands(
     runtime: str,
     env: Environment,
     container: str | None = None,
+    sequences: int = LM_EVAL_CONCURRENT,
 ) -> CommandPlan:
-    """Exact argument lists (absolute paths, no shell on the host) for ``runtime``."""
+    """Exact argument lists (absolute paths, no shell on the host) for ``runtime``; ``sequences``: what each
+    server's KV cache is sized to hold at once (lm-eval's requests, or the speed workload's when larger)."""
     workdir = workdir.resolve()
     reuse = options.vllm_container
     name = reuse or container or container_name(models[0].path)
@@ -201,7 +203,7 @@ def plan_commands(
         out = workdir / "lm_eval_vllm" / model.label
         plan.output_dirs[model.label] = out
         host = env.host_vllm if runtime == "host" else None
-        plan.sizing[model.label] = server_sizing(model, options, host)  # this host's memory, read now
+        plan.sizing[model.label] = server_sizing(model, options, host, sequences)  # this host's memory, read now
         plan.per_model[model.label] = [
             PlannedCommand(
                 f"serve the {model.label} model",

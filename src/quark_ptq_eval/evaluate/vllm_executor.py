@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +66,9 @@ class Executor:
 
 
 def run_command_plan(ctx: TierInputs, plan: CommandPlan, executor: Executor, details: ServerDetails,
-                 commands: list[dict[str, Any]]) -> TierOutcome:
+                     commands: list[dict[str, Any]], beside: Callable[[str, Path], None] | None = None) -> TierOutcome:
+    """``beside(label, server_log)``: more work on each model's server while it is up, after lm-eval (the
+    speed tier's benchmark with --speed): each model's server started once for both."""
     from quark_ptq_eval.evaluate.lmeval_tasks import scores_from
 
     options = ctx.options
@@ -91,6 +94,8 @@ def run_command_plan(ctx: TierInputs, plan: CommandPlan, executor: Executor, det
                 ctx.log(f"{evaluate_cmd.purpose}: {shell_line(evaluate_cmd.argv)}")
                 before = results_files(plan.output_dirs[label])
                 executor.run(evaluate_cmd.argv)
+                if beside is not None:
+                    beside(label, ctx.workdir / f"vllm_{label}.log")
             finally:
                 executor.stop_server(process, ctx.workdir.resolve() / f"vllm_{label}.pid", plan.container)
             results = results_of_this_run(plan.output_dirs[label], before)

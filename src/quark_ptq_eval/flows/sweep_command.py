@@ -25,6 +25,9 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-model", dest="base_models", action="append", default=None, metavar="[LABEL=]ORG/NAME",
                    help=BASE_MODEL_HELP + "; one per model: LABEL=ORG/NAME (ORG/NAME alone for a grid of one "
                         "model), or `base_models` in the grid")
+    p.add_argument("--speed", action="store_true",
+                   help="every comparison also measures its schemes' and its baseline's serving speed, once each "
+                        "(compare --speed; name the vLLM in the grid's options: vllm_python)")
     p.add_argument("--json", action="store_true", help="print sweep_summary.json on stdout")
     p.add_argument("--quiet", "-q", action="store_true")
 
@@ -34,7 +37,7 @@ def cmd_sweep(args: argparse.Namespace, approver: Approver) -> int:
 
     with noise_to_log(Path(args.out_root).resolve() / "logs" / "sweep.log"):
         summary = sweep(args.grid, args.out_root, approver=approver, quiet=args.quiet or args.json, ray=args.ray,
-                        base_models=args.base_models)
+                        base_models=args.base_models, speed=args.speed)
     if args.json:
         print(json.dumps(summary, indent=2))
     return ExitCode.OK
