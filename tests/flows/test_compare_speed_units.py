@@ -105,3 +105,14 @@ def test_the_compare_and_sweep_commands_take_speed():
     assert (args.speed, args.speed_input_len, str(args.vllm_python)) == (True, 8, "p")
     assert commands["sweep"].parse_args(["grid.yaml", "-o", "out", "--speed"]).speed
     assert commands["eval"].parse_args(["--quantized", "m", "--tier", "vllm", "--speed"]).speed  # beside Tier 3
+
+
+def test_the_sweep_summary_shows_each_schemes_measured_throughput_and_gain():
+    from quark_ptq_eval.flows.sweep import summary_markdown
+
+    rows = [{"scheme": "int8", "status": "evaluated", "size_bytes": 2**20, "output_tokens_per_s": 110.0,
+             "throughput_gain": 2.0},
+            {"scheme": "fp8", "status": "evaluated", "size_bytes": 2**20, "speed_refused": "no kernel."}]
+    text = summary_markdown({"comparisons": [{"model": "m", "goal": None, "status": "done", "schemes": rows,
+                                              "recommendation": "int8", "root": "r", "report": "r/x.md"}]})
+    assert "| output tok/s (gain) |" in text and "| 110.0 (2.00x) | - | yes |" in text and "| not served |" in text

@@ -116,12 +116,12 @@ def with_base_models(grid: Grid, given: list[str], where: str = "--base-model") 
 
 def sweep(grid: str | Path | Grid, out_root: str | Path, *, approver: Approver | None = None, quiet: bool = True,
           ray: str | None = None, progress: Callable[[str, str], None] | None = None,
-          base_models: list[str] | None = None, speed: bool = False) -> dict[str, Any]:
+          base_models: list[str] | None = None) -> dict[str, Any]:
     """Every comparison of the grid (resumed where it stopped); returns sweep_summary.json's content.
     Raises ``CheckpointPending`` after the last comparison when any of them waits at a gate.
-    ``base_models``: ``LABEL=ORG/NAME`` each (``ORG/NAME`` alone for a grid of one model). ``speed``: every
-    comparison measures its cells' and its baseline's serving speed (compare --speed; the grid's options name
-    the vLLM: ``vllm_python``)."""
+    ``base_models``: ``LABEL=ORG/NAME`` each (``ORG/NAME`` alone for a grid of one model). The grid's options
+    are compare's: ``speed: true`` (and ``vllm_python``) measures every comparison's cells' and baseline's
+    serving speed (compare --speed)."""
     from quark_ptq_eval.flows.compare import compare
 
     given = with_base_models(grid if isinstance(grid, Grid) else load_grid(grid), base_models or [])
@@ -133,7 +133,6 @@ def sweep(grid: str | Path | Grid, out_root: str | Path, *, approver: Approver |
             name = label + (f"-{_label(goal)}" if goal else "")
             entry: dict[str, Any] = {"model": label, "goal": goal or None, "root": str(root / name)}
             options = {**given.options, **({"goal": goal} if goal else {}), **({"ray": ray} if ray else {}),
-                       **({"speed": True} if speed else {}),
                        **({"base_model": given.base_models[label]} if label in given.base_models else {})}
             try:
                 doc = compare(model, given.schemes, root / name, approver=approver or FlagApprover(), quiet=quiet,

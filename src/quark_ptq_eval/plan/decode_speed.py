@@ -68,12 +68,17 @@ def bytes_per_token(weights: float, kv_per_token: int, batch: int, context: int)
     return (weights + batch * context * kv_per_token) / batch
 
 
-def predict(config: dict[str, Any], weights: tuple[float, float], quantized_kv: str | None, batch: int,
-            context: int, native: bool | None, where: str) -> DecodePrediction:
-    """``weights``: (quantized, baseline) bytes as served; the baseline's KV cache in the model dtype."""
-    q = bytes_per_token(weights[0], kv_bytes_per_token_of(config, quantized_kv), batch, context)
-    b = bytes_per_token(weights[1], kv_bytes_per_token_of(config, None), batch, context)
+def predict(weights: tuple[float, float], kv_per_token: tuple[int, int], batch: int, context: int,
+            native: bool | None, where: str) -> DecodePrediction:
+    """``weights``, ``kv_per_token``: (quantized, baseline) bytes as served (``kv_per_token_of``)."""
+    q = bytes_per_token(weights[0], kv_per_token[0], batch, context)
+    b = bytes_per_token(weights[1], kv_per_token[1], batch, context)
     return DecodePrediction(b / q, q, b, batch, context, native, where)
+
+
+def kv_per_token_of(config: dict[str, Any], quantized_kv: str | None) -> tuple[int, int]:
+    """KV bytes per token of the quantized model (its KV scheme) and of the baseline (the model dtype)."""
+    return kv_bytes_per_token_of(config, quantized_kv), kv_bytes_per_token_of(config, None)
 
 
 def served_weight_bytes(model_dir: Path) -> int:
@@ -96,5 +101,5 @@ def plan_prediction(analysis: ModelAnalysis, out_bytes: int, kv: str | None, tc:
     kind = format_family(scheme)
     native = None if fam is None else (kind == "weight-only" or kind in fam.native)
     baseline = resources.param_count(analysis) * SERVED_FLOAT_BYTES
-    return predict(analysis.architecture, (out_bytes, baseline), kv, workload["concurrency"],
+    return predict((out_bytes, baseline), kv_per_token_of(analysis.architecture, kv), workload["concurrency"],
                    mean_context(workload["input_len"], workload["output_len"]), native, tc.name)

@@ -202,6 +202,13 @@ def _read(path: str) -> str:
         return ""
 
 
+def server_gpus(model_dir: Path, plan: PlanJson, as_baseline: bool) -> int | None:
+    """The devices a model's server is sized for, as Tier 3 sizes it from ``plan``'s serving fit
+    (``as_baseline``: the unquantized model served beside that plan's export); None: vLLM's default."""
+    models, _ = served_models(model_dir, model_dir if as_baseline else None, plan)
+    return models[-1].tensor_parallel
+
+
 def result_dir(workdir: Path, label: str) -> Path:
     return workdir.resolve() / "speed" / label
 
@@ -383,10 +390,12 @@ def predicted_speedup(prepared: SpeedPrepared) -> dict[str, Any]:
 
     config = json.loads((baseline.path / "config.json").read_text(encoding="utf-8"))
     config = config.get("text_config") or config  # a multimodal model's language part serves the tokens
-    here = decode_speed.predict(config, (decode_speed.served_weight_bytes(quantized.path),
-                                         decode_speed.served_weight_bytes(baseline.path)), quantized.kv_cache_dtype,
-                                w.concurrency, decode_speed.mean_context(w.input_len, w.output_len), native,
-                                "this host")
+    from quark_ptq_eval.base.sizes import kv_bytes_per_token_of
+
+    weights = (decode_speed.served_weight_bytes(quantized.path), decode_speed.served_weight_bytes(baseline.path))
+    kv = (kv_bytes_per_token_of(config, quantized.kv_cache_dtype), kv_bytes_per_token_of(config, None))
+    here = decode_speed.predict(weights, kv, w.concurrency, decode_speed.mean_context(w.input_len, w.output_len),
+                                native, "this host")
     return {"this_run": here.as_dict(), "plan": (plan.get("target") or {}).get("decode_speedup")}
 
 

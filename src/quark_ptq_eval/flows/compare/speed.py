@@ -56,13 +56,11 @@ def speed_cells(comparison: Any, opts: CompareOptions, source: Path) -> list[Spe
 def server_devices(cell: SpeedCell, scheme_plan: PlanJson | None) -> int | None:
     """The GPUs the cell's server is sized for, as Tier 3 sizes it (the plan's serving fit; the baseline's
     weights and model-dtype KV cache beside ``scheme_plan``'s fit); None: vLLM's default (one)."""
-    from quark_ptq_eval.evaluate.vllm_commands import served_models
+    from quark_ptq_eval.evaluate.speed.tier import server_gpus
 
     if cell.plan is not None:
-        return served_models(cell.model_dir, None, cell.plan)[0][0].tensor_parallel
-    if scheme_plan is None:
-        return None
-    return served_models(cell.model_dir, cell.model_dir, scheme_plan)[0][1].tensor_parallel
+        return server_gpus(cell.model_dir, cell.plan, as_baseline=False)
+    return None if scheme_plan is None else server_gpus(cell.model_dir, scheme_plan, as_baseline=True)
 
 
 def find_cell(comparison: Any, opts: CompareOptions, label: str) -> SpeedCell:
