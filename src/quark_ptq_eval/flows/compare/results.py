@@ -314,7 +314,7 @@ def _pm(r: dict, key: str, scale: float = 1.0, suffix: str = "") -> str:
 
 
 def _llama_cpp_lines(doc: dict) -> list[str]:
-    """llama.cpp's KL-divergence report figures per scheme (evaluate/ppl_stats.py has the definitions)."""
+    """llama.cpp's KL-divergence report figures per scheme (evaluate/ppl/stats.py has the definitions)."""
     rows = [(r["scheme"], r["kld_report"]) for r in doc["schemes"] if r.get("kld_report")]
     if not rows:
         return []

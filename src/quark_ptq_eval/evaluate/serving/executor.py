@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.evaluate.context import TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import ServerDetails
-from quark_ptq_eval.evaluate.vllm_commands import CommandPlan, shell_line
+from quark_ptq_eval.evaluate.serving.commands import CommandPlan, shell_line
 from quark_ptq_eval.runtime.vllm_host import failure_reason, start_server, stop_group
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def run_command_plan(ctx: TierInputs, plan: CommandPlan, executor: Executor, det
                      commands: list[dict[str, Any]], beside: Callable[[str, Path], None] | None = None) -> TierOutcome:
     """``beside(label, server_log)``: more work on each model's server while it is up, after lm-eval (the
     speed tier's benchmark with --speed): each model's server started once for both."""
-    from quark_ptq_eval.evaluate.lmeval_tasks import scores_from
+    from quark_ptq_eval.evaluate.lmeval.tasks import scores_from
 
     options = ctx.options
     scores: dict[str, dict[str, Any]] = {}
@@ -178,7 +178,7 @@ def results_files(output: Path) -> dict[Path, int]:
 def samples_of_this_run(output: Path, before: dict[Path, int]) -> dict[str, Any]:
     """The per-document scores (per_sample_scores) from the samples files lm_eval's --log_samples wrote
     with this run's results file (``samples_<task>_<stamp>.jsonl`` next to ``results_<stamp>.json``)."""
-    from quark_ptq_eval.evaluate.lmeval_tasks import per_sample_scores
+    from quark_ptq_eval.evaluate.lmeval.tasks import per_sample_scores
 
     results = _fresh_results(output, before)
     stamp = results.stem.removeprefix("results_")

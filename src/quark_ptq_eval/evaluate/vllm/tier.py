@@ -8,8 +8,9 @@ On ROCm the plan is executed after approval: a holder container with a non-vLLM 
 (the ROCm image's entrypoint *is* vllm), ``docker exec ... vllm serve`` inside it, a health
 wait, lm-eval, then only what this run started is stopped: its server by pid, its container by id.
 
-One job per module: vllm_detect (the host), vllm_commands (the command plan), vllm_executor
-(running it); this module is the tier itself (prepare -> estimate, score -> outcome).
+One job per module, in evaluate/serving/ (the vLLM plumbing Tier 3, the speed tier and Tier 1's vLLM check
+share): detect (the host), commands (the command plan), executor (running it); this module is the tier
+itself (prepare -> estimate, score -> outcome), script.py beside it the commands as a script for later.
 """
 
 from __future__ import annotations
@@ -23,10 +24,7 @@ from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import as_gatekeeper
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import ServerDetails
-from quark_ptq_eval.evaluate.speed import tier as speed_tier
-from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload
-from quark_ptq_eval.evaluate.tier3_script import write_script
-from quark_ptq_eval.evaluate.vllm_commands import (
+from quark_ptq_eval.evaluate.serving.commands import (
     DEFAULT_TASKS,
     LM_EVAL_CONCURRENT,
     CommandPlan,
@@ -35,8 +33,11 @@ from quark_ptq_eval.evaluate.vllm_commands import (
     served_models,
     shell_line,
 )
-from quark_ptq_eval.evaluate.vllm_detect import Environment, choose_runtime, detect_environment
-from quark_ptq_eval.evaluate.vllm_executor import Executor, run_command_plan
+from quark_ptq_eval.evaluate.serving.detect import Environment, choose_runtime, detect_environment
+from quark_ptq_eval.evaluate.serving.executor import Executor, run_command_plan
+from quark_ptq_eval.evaluate.speed import tier as speed_tier
+from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload
+from quark_ptq_eval.evaluate.vllm.script import write_script
 from quark_ptq_eval.runtime.vllm_host import find_host_vllm
 
 if TYPE_CHECKING:
@@ -194,7 +195,7 @@ def _check_runtime(plan: CommandPlan, env: Environment) -> None:
 def section(report: EvalReport) -> list[str]:
     """The report's Tier 3 section: Tier 2's (standard errors, paired tests), then the server's
     version and its exact commands."""
-    from quark_ptq_eval.evaluate.tier_lmeval import section as task_section
+    from quark_ptq_eval.evaluate.lmeval.tier import section as task_section
 
     speed = speed_tier.section(report) if report.details.get("speed") else []  # --speed, on these servers
     return task_section(report) + _server_lines(report.details) + speed
