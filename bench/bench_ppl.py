@@ -44,7 +44,7 @@ def build_assets() -> tuple[Path, Path]:
 
 
 def time_ours(model, windows) -> tuple[float, float]:
-    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
 
     batch = tier_ppl.auto_batch_size(SEQ_LEN, model.get_output_embeddings().weight.shape[0], "cpu")
     acc = tier_ppl.Accumulator()
@@ -60,7 +60,7 @@ def time_ours_before(model, windows) -> tuple[float, float]:
     CPU and the float64 log-softmax of every row (what ``token_stats`` still does with a baseline)."""
     import torch
 
-    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
 
     window_nll = []
     started = time.perf_counter()
@@ -99,7 +99,7 @@ def run(quick: bool) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
 
     model_dir, corpus = build_assets()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -155,7 +155,7 @@ def profile() -> list[tuple[str, float, float]]:
     logits + float64 log-softmax token_stats) on the same logits."""
     import torch
 
-    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
     from quark_ptq_eval.runtime.loading import load_model
 
     model_dir, corpus = build_assets()
@@ -192,15 +192,15 @@ SCORING_BEFORE = "scoring before issue 34 (finite x2 + float64)"
 def _score_now(acc, logits, labels, base) -> None:
     """What score_batch does after the two forwards: the pair kernel, the streamed statistics and the
     periodic return of freed memory to the OS."""
-    from quark_ptq_eval.evaluate import tier_ppl
-    from quark_ptq_eval.evaluate.ppl_kernels import release_every_few_windows
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
+    from quark_ptq_eval.evaluate.ppl.kernels import release_every_few_windows
 
     acc.add(tier_ppl.pair_stats(logits, labels, base), 1)
     release_every_few_windows(acc.windows - 1, acc.windows)
 
 
 def _before(logits, labels, base) -> None:
-    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
 
     tier_ppl.require_finite(logits, "model")
     tier_ppl.require_finite(base, "baseline")
@@ -227,7 +227,7 @@ def peak_rss(tokens: int) -> tuple[int, float]:
     returns (scored tokens, peak RSS in MiB of this process)."""
     import resource
 
-    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
     from quark_ptq_eval.runtime.loading import load_model
 
     model_dir, corpus = build_assets()
@@ -250,7 +250,7 @@ def peak_rss(tokens: int) -> tuple[int, float]:
 
 def _timed_trims() -> dict[str, float]:
     """Count and time ppl_kernels' calls to release_freed_memory (bench instrumentation only)."""
-    from quark_ptq_eval.evaluate import ppl_kernels
+    from quark_ptq_eval.evaluate.ppl import kernels as ppl_kernels
 
     seen = {"calls": 0, "seconds": 0.0}
     release = ppl_kernels.release_freed_memory

@@ -1,5 +1,5 @@
 """HF vs vLLM Tier 1: perplexity of the same token windows through HF Tier 1 (our loader,
-tier_ppl.score_batch) and through a vLLM server's prompt log-probabilities (evaluate/vllm_ppl.py),
+tier_ppl.score_batch) and through a vLLM server's prompt log-probabilities (evaluate/serving/ppl.py),
 with the difference against the stated tolerance and the time of each (load / start-up, scoring).
 
 Run: ``python -m bench.bench_vllm_ppl --model EXPORT [--vllm-python .venv-vllm/bin/python]``;
@@ -35,7 +35,7 @@ def int8_export() -> tuple[Path, Path]:
 
 
 def hf_side(model: Path, windows) -> tuple[list[float], float, float]:
-    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
     from quark_ptq_eval.runtime.loading import load_model
 
     started = time.perf_counter()
@@ -49,7 +49,7 @@ def hf_side(model: Path, windows) -> tuple[list[float], float, float]:
 
 
 def vllm_side(model: Path, windows, python: Path) -> tuple[list[float], float, float, str]:
-    from quark_ptq_eval.evaluate import vllm_ppl
+    from quark_ptq_eval.evaluate.serving import ppl as vllm_ppl
     from quark_ptq_eval.runtime import vllm_host
 
     host = vllm_host.find_host_vllm(python)
@@ -78,7 +78,8 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from quark_ptq_eval.evaluate import tier_ppl, vllm_ppl
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
+    from quark_ptq_eval.evaluate.serving import ppl as vllm_ppl
 
     model, corpus = (args.model, args.text) if args.model else int8_export()
     texts = tier_ppl.eval_texts(args.text or corpus)

@@ -50,10 +50,10 @@ def run_cell(name: str, work: Path) -> dict:
     from quark_ptq_eval.base.catalog import load_catalog
     from quark_ptq_eval.context.preflight import detect_env
     from quark_ptq_eval.evaluate import EvalOptions
-    from quark_ptq_eval.evaluate.tier3_script import write_script
-    from quark_ptq_eval.evaluate.vllm_commands import plan_commands, served_models
-    from quark_ptq_eval.evaluate.vllm_detect import Environment
-    from quark_ptq_eval.evaluate.vllm_multinode import layout_for
+    from quark_ptq_eval.evaluate.serving.commands import plan_commands, served_models
+    from quark_ptq_eval.evaluate.serving.detect import Environment
+    from quark_ptq_eval.evaluate.serving.multinode import layout_for
+    from quark_ptq_eval.evaluate.vllm.script import write_script
     from quark_ptq_eval.flows import api
     from quark_ptq_eval.intake import analyze_model
 

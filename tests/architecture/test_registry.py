@@ -371,26 +371,26 @@ def test_a_tier_row_that_lacks_the_contract_is_refused_when_registered():
     row = TIERS["ppl"]
     tiers.register(row)  # a shipped row keeps the contract
     cases = {  # a row lacking one part -> what the refusal names
-        "no_score": (Tier("no_score", "x", "t", "m", "c", "quark_ptq_eval.evaluate.kld_report", True,
-                        report_section="quark_ptq_eval.evaluate.kld_report:kld_report_lines"),
-                   "its module quark_ptq_eval.evaluate.kld_report defines no prepare, score"),
-        "no_section": (Tier("no_section", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_lmeval", True),
+        "no_score": (Tier("no_score", "x", "t", "m", "c", "quark_ptq_eval.evaluate.ppl.kld_report", True,
+                        report_section="quark_ptq_eval.evaluate.ppl.kld_report:kld_report_lines"),
+                   "its module quark_ptq_eval.evaluate.ppl.kld_report defines no prepare, score"),
+        "no_section": (Tier("no_section", "x", "t", "m", "c", "quark_ptq_eval.evaluate.lmeval.tier", True),
                        "it names no report_section"),
-        "bad_section": (Tier("bad_section", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_lmeval", True,
-                             report_section="quark_ptq_eval.evaluate.tier_lmeval:no_such_section"),
-                        "its report_section quark_ptq_eval.evaluate.tier_lmeval defines no no_such_section"),
-        "bad_options": (Tier("bad_options", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_lmeval", True,
-                             report_section="quark_ptq_eval.evaluate.tier_lmeval:section",
-                             options="quark_ptq_eval.evaluate.tier_lmeval:NoOptions"),
-                        "its options quark_ptq_eval.evaluate.tier_lmeval defines no NoOptions"),
+        "bad_section": (Tier("bad_section", "x", "t", "m", "c", "quark_ptq_eval.evaluate.lmeval.tier", True,
+                             report_section="quark_ptq_eval.evaluate.lmeval.tier:no_such_section"),
+                        "its report_section quark_ptq_eval.evaluate.lmeval.tier defines no no_such_section"),
+        "bad_options": (Tier("bad_options", "x", "t", "m", "c", "quark_ptq_eval.evaluate.lmeval.tier", True,
+                             report_section="quark_ptq_eval.evaluate.lmeval.tier:section",
+                             options="quark_ptq_eval.evaluate.lmeval.tier:NoOptions"),
+                        "its options quark_ptq_eval.evaluate.lmeval.tier defines no NoOptions"),
         "missing": (Tier("missing", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_nowhere", True,
                          report_section="quark_ptq_eval.evaluate.tier_nowhere:section"),
                     "its module quark_ptq_eval.evaluate.tier_nowhere does not exist"),
-        "text": (Tier("text", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_lmeval", True, scores_text=True,
-                      report_section="quark_ptq_eval.evaluate.tier_lmeval:section"),
+        "text": (Tier("text", "x", "t", "m", "c", "quark_ptq_eval.evaluate.lmeval.tier", True, scores_text=True,
+                      report_section="quark_ptq_eval.evaluate.lmeval.tier:section"),
                  "defines no eval_texts, token_windows, auto_batch_size, new_accumulator, text_outcome"),
-        "tasks": (Tier("tasks", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_vllm", True, scores_tasks=True,
-                       report_section="quark_ptq_eval.evaluate.tier_vllm:section"),
+        "tasks": (Tier("tasks", "x", "t", "m", "c", "quark_ptq_eval.evaluate.vllm.tier", True, scores_tasks=True,
+                       report_section="quark_ptq_eval.evaluate.vllm.tier:section"),
                   "defines no task_manager, check_tasks, evaluate_tasks, samples_path, scores_from, paired_tests"),
         "idle": (Tier("idle", "-", "t", "m", "c", None, False, report_section="a.b:c"),
                  "it runs nothing (no module) but sets report_section"),
@@ -405,8 +405,12 @@ def test_a_tier_row_that_lacks_the_contract_is_refused_when_registered():
     assert tiers.names() == ("ppl",)  # nothing refused was added
 
 
-# What a tier module is made of (its own module and the helpers it splits off, docs/extending.md)
-TIER_INTERNALS = ("tier_", "lmeval_", "paired_tests", "ppl_", "vllm_", "tier1_", "tier3_")
+# What a tier is made of (its own sub-package of evaluate/, docs/extending.md), and what compare may import
+# from them: the baseline's cache (compare's own store); the speed tier's options (its row's `options`), its
+# measurement of one model alone and its statistics (compare --speed)
+TIER_PACKAGES = ("ppl", "lmeval", "vllm", "serving", "speed")
+COMPARE_MAY_IMPORT = ("quark_ptq_eval.evaluate.ppl.baseline_cache", "quark_ptq_eval.evaluate.speed.workload",
+                      "quark_ptq_eval.evaluate.speed.tier", "quark_ptq_eval.evaluate.speed.stats")
 
 
 def test_compare_scores_through_the_tiers_interfaces_never_their_modules():
@@ -418,8 +422,8 @@ def test_compare_scores_through_the_tiers_interfaces_never_their_modules():
     compare = SRC / "quark_ptq_eval" / "flows" / "compare"
     reached = {f"{path.name}: {node.module}" for path in sorted(compare.glob("*.py"))
                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
-               and (node.module or "").startswith("quark_ptq_eval.evaluate.")
-               and node.module.rsplit(".", 1)[1].startswith(TIER_INTERNALS)}
+               and (node.module or "").split(".")[1:2] == ["evaluate"]
+               and (node.module.split(".") + [""])[2] in TIER_PACKAGES and node.module not in COMPARE_MAY_IMPORT}
     assert reached == set(), "compare imports a tier's own modules"
     assert isinstance(text_scorer(), TextScorer) and text_scorer().__name__ == text_tier().module
     assert isinstance(task_scorer(), TaskScorer) and task_scorer().__name__ == task_tier().module

@@ -74,9 +74,9 @@ def test_the_seam_scan_fails_on_a_planted_dict_of_any_anywhere_in_src() -> None:
 
     real = src_sources()
     # one of this round's seams typed back to a dict: the scan names it, with its caller
-    reverted = {**real, "quark_ptq_eval.evaluate.baseline_cache": real["quark_ptq_eval.evaluate.baseline_cache"]
+    reverted = {**real, "quark_ptq_eval.evaluate.ppl.baseline_cache": real["quark_ptq_eval.evaluate.ppl.baseline_cache"]
                 .replace(") -> CachedTokenStats:", ") -> dict[str, Any]:")}
-    assert Seam("quark_ptq_eval.evaluate.baseline_cache", "cached_token_stats", "return",
+    assert Seam("quark_ptq_eval.evaluate.ppl.baseline_cache", "cached_token_stats", "return",
                 "quark_ptq_eval.flows.compare.evaluation") in scan(reverted)
     with pytest.raises(AssertionError, match="cached_token_stats"):
         check_seams(reverted)

@@ -7,13 +7,13 @@ import shutil
 import pytest
 import torch
 
-from quark_ptq_eval.evaluate.baseline_cache import (
+from quark_ptq_eval.evaluate.ppl.baseline_cache import (
     BaselineCache,
     baseline_token_stats,
     cached_token_stats,
     tokenizer_fingerprint,
 )
-from quark_ptq_eval.evaluate.tier_ppl import token_stats, token_windows
+from quark_ptq_eval.evaluate.ppl.tier import token_stats, token_windows
 from quark_ptq_eval.runtime.loading import load_model
 
 SEQ_LEN, WINDOWS = 128, 4

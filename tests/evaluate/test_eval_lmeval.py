@@ -11,7 +11,7 @@ import pytest
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.evaluate import EvalOptions, estimate_runtime, evaluate
-from quark_ptq_eval.evaluate.tier_lmeval import mcnemar, paired_bootstrap, paired_tests, per_sample_scores
+from quark_ptq_eval.evaluate.lmeval.tier import mcnemar, paired_bootstrap, paired_tests, per_sample_scores
 
 pytestmark = pytest.mark.slow
 TASKS_DIR = Path(__file__).parents[1] / "data" / "eval_tasks"

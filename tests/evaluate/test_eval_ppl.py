@@ -160,7 +160,7 @@ def test_matches_quarks_ppl_eval(tiny_llama, eval_text, corpus):
     from quark.contrib.llm_eval.evaluation import ppl_eval
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
 
     texts = [corpus.read_text(encoding="utf-8")[:30_000]]
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
@@ -270,7 +270,7 @@ def test_fast_nll_equals_a_plain_torch_float64_reference(tiny_llama, eval_text):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quark_ptq_eval.base.textdata import load_texts
-    from quark_ptq_eval.evaluate import tier_ppl
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()

@@ -325,8 +325,8 @@ def test_estimate_spans_the_whole_wait_and_the_kl_histogram_keeps_every_token(tm
     import torch
 
     from quark_ptq_eval.evaluate import report as report_files
-    from quark_ptq_eval.evaluate import tier_ppl
     from quark_ptq_eval.evaluate.context import SPAN, RuntimeEstimate
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
 
     estimate = RuntimeEstimate("1 (ppl)", 30.0, "CPU", 2**20, "1 window", "pilot", elapsed_s=12.0, finish_s=1.0,
                                parts={"load": 9.0, "pilot": 2.5})

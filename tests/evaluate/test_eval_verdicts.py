@@ -130,7 +130,7 @@ def test_token_stats_stay_finite_where_float32_overflows():
     """Logits of +-3e38 are finite float32, but their differences (log-probabilities) are not."""
     import torch
 
-    from quark_ptq_eval.evaluate.tier_ppl import token_stats
+    from quark_ptq_eval.evaluate.ppl.tier import token_stats
 
     gen = torch.Generator().manual_seed(0)
     logits = (torch.rand(2, 5, 7, generator=gen) * 2 - 1) * 3e38
@@ -148,7 +148,7 @@ def test_token_stats_stay_finite_where_float32_overflows():
 
 
 def test_perplexity_stats_report_inf_with_the_finite_nll():
-    from quark_ptq_eval.evaluate.tier_ppl import perplexity_stats
+    from quark_ptq_eval.evaluate.ppl.tier import perplexity_stats
 
     stats = perplexity_stats([1e30, 2e30], 127)
     assert stats["perplexity"] == INF and stats["mean_nll"] == pytest.approx(1.5e30)
@@ -193,7 +193,7 @@ def test_a_reference_comparison_uses_only_the_measured_noise():
 def test_lm_eval_standard_errors_enter_the_tier2_verdict(tmp_path):
     from quark_ptq_eval.evaluate import api
     from quark_ptq_eval.evaluate.context import TierInputs, TierOutcome
-    from quark_ptq_eval.evaluate.tier_lmeval import noise_from_stderr, scores_from
+    from quark_ptq_eval.evaluate.lmeval.tier import noise_from_stderr, scores_from
 
     def results(acc, se):
         return {"results": {"arc": {"alias": "arc", "acc,none": acc, "acc_stderr,none": se}},
@@ -214,7 +214,7 @@ def test_lm_eval_standard_errors_enter_the_tier2_verdict(tmp_path):
 
 
 def test_a_limit_too_small_to_resolve_the_threshold_is_said_before_running():
-    from quark_ptq_eval.evaluate.tier_lmeval import LmEvalWorkload, resolution_warning
+    from quark_ptq_eval.evaluate.lmeval.tier import LmEvalWorkload, resolution_warning
 
     workload = LmEvalWorkload(per_task={"a": 6, "b": 30000})
     warning = resolution_warning(workload, EvalOptions(tier="lm_eval", limit=6, baseline=Path("src")))
@@ -230,7 +230,8 @@ def test_a_limit_too_small_to_resolve_the_threshold_is_said_before_running():
 def test_timing_synchronises_the_device_before_reading_the_clock(monkeypatch):
     import torch
 
-    from quark_ptq_eval.evaluate import tier_lmeval, tier_ppl
+    from quark_ptq_eval.evaluate.lmeval import tier as tier_lmeval
+    from quark_ptq_eval.evaluate.ppl import tier as tier_ppl
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
@@ -288,7 +289,7 @@ def test_a_badly_broken_export_is_hurt_with_its_numbers(quantized, copy_model, t
 
 
 def test_resolution_is_projected_from_the_spread_of_the_windows():
-    from quark_ptq_eval.evaluate.tier_ppl import resolution_pct
+    from quark_ptq_eval.evaluate.ppl.tier import resolution_pct
 
     values = [0.1, -0.1, 0.3, -0.3]  # sample standard deviation 0.2582
     sd = math.sqrt(sum(v * v for v in values) / 3)

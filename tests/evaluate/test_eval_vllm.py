@@ -11,8 +11,8 @@ import pytest
 from quark_ptq_eval.base.errors import CheckpointPending, QpeError
 from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.evaluate import EvalOptions, evaluate
-from quark_ptq_eval.evaluate import tier_vllm as t3
 from quark_ptq_eval.evaluate.context import TierInputs
+from quark_ptq_eval.evaluate.vllm import tier as t3
 
 NO_ROCM = t3.Environment(
     rocm=False, rocm_evidence=[], docker=False, in_container=False, vllm=False, lm_eval_api=False

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from quark_ptq_eval.evaluate import EvalOptions
-from quark_ptq_eval.evaluate.tier3_script import write_script
-from quark_ptq_eval.evaluate.vllm_commands import ServedModel, plan_commands, server_argv
-from quark_ptq_eval.evaluate.vllm_detect import Environment
-from quark_ptq_eval.evaluate.vllm_multinode import gpu_check_lines, layout_for, parallel_args
+from quark_ptq_eval.evaluate.serving.commands import ServedModel, plan_commands, server_argv
+from quark_ptq_eval.evaluate.serving.detect import Environment
+from quark_ptq_eval.evaluate.serving.multinode import gpu_check_lines, layout_for, parallel_args
+from quark_ptq_eval.evaluate.vllm.script import write_script
 
 ROCM = Environment(rocm=True, rocm_evidence=["test"], docker=True, in_container=False, vllm=False, lm_eval_api=False)
 

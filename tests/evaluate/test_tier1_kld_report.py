@@ -85,7 +85,7 @@ def test_every_llama_cpp_statistic_matches_an_independent_numpy_computation(quan
                                                                               tmp_path):
     from transformers import AutoTokenizer
 
-    from quark_ptq_eval.evaluate.tier_ppl import eval_texts, token_windows
+    from quark_ptq_eval.evaluate.ppl.tier import eval_texts, token_windows
 
     export = quantized("int8")
     options = EvalOptions(tier="ppl", eval_data=eval_text, seq_len=SEQ_LEN, max_windows=WINDOWS, device="cpu",
@@ -117,7 +117,7 @@ def test_a_cache_of_the_previous_format_is_recomputed_never_read(tiny_llama, tmp
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quark_ptq_eval.evaluate.baseline_cache import CACHE_FORMAT, META_FILE, BaselineCache
+    from quark_ptq_eval.evaluate.ppl.baseline_cache import CACHE_FORMAT, META_FILE, BaselineCache
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
@@ -141,7 +141,7 @@ def test_the_pair_kernel_equals_the_float64_log_softmax_and_falls_back_where_exp
     import torch
 
     from quark_ptq_eval.base.errors import QpeError
-    from quark_ptq_eval.evaluate.ppl_kernels import pair_stats, token_stats
+    from quark_ptq_eval.evaluate.ppl.kernels import pair_stats, token_stats
 
     generator = torch.Generator().manual_seed(0)
     q = 4 * torch.randn(2, 300, 97, generator=generator)  # 300 rows: several row blocks per window

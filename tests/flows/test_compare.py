@@ -105,7 +105,7 @@ def test_report_has_every_column_and_matches_a_separate_evaluation(compared, tin
 
 
 def test_task_scores_carry_a_paired_test_against_the_baseline_evaluated_once(compared):
-    from quark_ptq_eval.evaluate.tier_lmeval import mcnemar
+    from quark_ptq_eval.evaluate.lmeval.tier import mcnemar
 
     root, doc = compared["root"], compared["doc"]
     base_dirs = sorted((root / "baseline_cache").glob("lm_eval-*"))

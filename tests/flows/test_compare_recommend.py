@@ -25,7 +25,7 @@ ROWS = [row("int8", 1.0, 0.2, 0.001), row("fp8", 1.0, 0.5, 0.002), row("int4_wo_
     ("accuracy first for MI300X", "int8", "Accuracy first (the goal's priority): the most accurate"),
     ("the smallest model that still works", "int4_wo_128", "Smallest model (the goal's priority): the smallest"),
     ("int8 for MI300X", "int4_wo_128", "No priority in the goal: the smallest"),
-    ("fast, low latency", "int4_wo_128", "Speed first is not measured by compare: the smallest"),
+    ("fast, low latency", "int4_wo_128", "Speed first, but no serving speed was measured (compare --speed measures it)"),
 ])
 def test_each_priority_applies_its_rule_and_says_which(goal, expected, words):
     rec = recommend(ROWS, PPL_BUDGET, priority(goal))
@@ -80,3 +80,29 @@ def test_without_a_usable_scheme_nothing_is_recommended_whatever_the_priority():
     for p in ("accuracy", "size", "balanced", "speed"):
         rec = recommend(failed, PPL_BUDGET, p)
         assert rec["scheme"] is None and rec["closest"] is None and rec["priority"] == p
+
+
+def test_speed_first_picks_the_fastest_measured_scheme_within_the_budget():
+    """compare --speed's rows: the fastest within the budget; a faster one over budget is named; one vLLM did not
+    serve ranks after every measured one; a tie on throughput goes to the more accurate."""
+    rows = [row("int8", 1.0, 0.2, 0.001, output_tokens_per_s=300.0),
+            row("fp8", 1.0, 0.5, 0.002, speed_refused="vLLM does not serve it: no kernel."),
+            row("int4_wo_128", 0.6, 1.5, 0.006, output_tokens_per_s=400.0, throughput_gain=1.6),
+            row("mxfp4", 0.5, 9.0, 0.05, output_tokens_per_s=500.0)]
+    rec = recommend(rows, PPL_BUDGET, priority("fastest serving"))
+    assert rec["scheme"] == "int4_wo_128" and rec["priority"] == "speed", rec
+    assert rec["reason"].startswith("Speed first (the goal's priority): the fastest scheme within the budget")
+    assert "400 output tokens/s (1.60x the baseline)" in rec["reason"] and "faster but over budget: mxfp4" in rec["reason"]
+    rows[0]["output_tokens_per_s"] = 400.0  # as fast as int4_wo_128 and more accurate
+    rec = recommend(rows, PPL_BUDGET, "speed")
+    assert rec["scheme"] == "int8" and "int4_wo_128 is as fast: the tie goes to the higher accuracy" in rec["reason"]
+    only_fp8 = recommend([rows[1]], PPL_BUDGET, "speed")  # nothing measured: the size rule, said so
+    assert only_fp8["scheme"] == "fp8" and only_fp8["rule"].startswith("speed first, but no serving speed was measured")
+
+
+def test_the_speed_frontier_is_throughput_against_accuracy():
+    from quark_ptq_eval.flows.compare.recommend import speed_front
+
+    rows = [row("a", 1, 0.1, 0.001, output_tokens_per_s=100.0), row("b", 1, 0.5, 0.004, output_tokens_per_s=200.0),
+            row("c", 1, 0.6, 0.005, output_tokens_per_s=150.0), row("d", 1, 0.1, 0.001)]
+    assert speed_front(rows, "kl_mean") == ["b", "a"]  # c: slower and less accurate than b; d: not measured

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from quark_ptq_eval.base import first_use
-from quark_ptq_eval.evaluate import tier1_text
+from quark_ptq_eval.evaluate.ppl import text as tier1_text
 from quark_ptq_eval.flows.cli import build_parser, main
 from quark_ptq_eval.flows.import_command import (
     NOT_TRANSLATED,

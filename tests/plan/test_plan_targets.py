@@ -164,3 +164,42 @@ def test_cli_run_plan_only_reads_the_target_from_the_goal(cli, tiny_llama, corpu
     argv = yaml.safe_load((wd / "run_manifest.yaml").read_text())["command"]["argv"]
     assert argv[argv.index("--kv_cache_dtype") + 1] == "fp8"
     assert not (tmp_path / "out").exists()
+
+
+def test_the_plan_predicts_the_decode_speed_up_from_the_bytes_moved_per_generated_token(plan, llama8b_analysis):
+    """fp8 weights and an fp8 KV cache on MI300X, at the speed tier's GPU workload (batch 64, mean context
+    1024 + 512): (BF16 weights + 64 x 1536 x BF16 KV) / (fp8 export + 64 x 1536 x fp8 KV), both per token."""
+    from quark_ptq_eval.base.sizes import kv_bytes_per_token_of
+
+    p = plan(llama8b_analysis, "", target="mi300x")
+    predicted, fit = p.target["decode_speedup"], p.target["serving_fit"]
+    baseline = (llama8b_analysis.size["params"] * 2 + 64 * 1536 * kv_bytes_per_token_of(LLAMA_8B, None)) / 64
+    quantized = (fit["weights_bytes"] + 64 * 1536 * kv_bytes_per_token_of(LLAMA_8B, "fp8")) / 64
+    assert (predicted["batch"], predicted["mean_context"], predicted["native"]) == (64, 1536, True)
+    assert predicted["speedup"] == pytest.approx(baseline / quantized) and 1.5 < predicted["speedup"] < 2.1
+    assert decision(p, "expected decode speed-up")["value"] == f"{predicted['speedup']:.2f}x"
+    nvfp4 = plan(llama8b_analysis, "nvfp4 for MI300X").target["decode_speedup"]  # no native FP4 on gfx942
+    assert nvfp4["native"] is False and "an upper bound" in nvfp4["text"]
+
+
+def test_docs_speed_md_states_the_measurement_the_plan_sizes_for_mi300x_and_h200(plan, llama8b_analysis, tmp_path):
+    """The speed tier's workload and exact commands on MI300X and H200, rendered from real plans of an 8 B Llama:
+    docs/speed.md says exactly that (QPE_UPDATE_DOCS=1 rewrites its generated part)."""
+    import os
+
+    from bench.speed_targets_doc import GOALS, current_part, render, replace_part
+
+    source = Path(llama8b_analysis.model["model_path"])
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text((source / "config.json").read_text())
+    plans = {name: plan(llama8b_analysis, goal).as_json() for name, goal in GOALS.items()}
+    assert {name: p["target"]["name"] for name, p in plans.items()} == {name: name for name in GOALS}
+    part = render(plans, export, source, tmp_path / "work")
+    doc = Path(__file__).resolve().parents[2] / "docs" / "speed.md"
+    if os.environ.get("QPE_UPDATE_DOCS"):
+        doc.write_text(replace_part(doc.read_text(encoding="utf-8"), part), encoding="utf-8")
+    assert current_part(doc.read_text(encoding="utf-8")) == part, "docs/speed.md is stale: QPE_UPDATE_DOCS=1"
+    for words in ("--kv-cache-dtype fp8", "--max-model-len 32768", "--random-input-len 1024",
+                  "--random-output-len 1024", "--max-concurrency 64", "--num-prompts 320", "### MI300X", "### H200"):
+        assert words in part, words

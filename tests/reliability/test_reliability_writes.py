@@ -47,7 +47,7 @@ WRITERS_CHILD = textwrap.dedent("""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from quark_ptq_eval.base import fsio
     from quark_ptq_eval.base.state import RunState
-    from quark_ptq_eval.evaluate.baseline_cache import BaselineCache
+    from quark_ptq_eval.evaluate.ppl.baseline_cache import BaselineCache
     from quark_ptq_eval.validate.report import CheckResult, ValidationReport
 
     mode, root, model_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])

@@ -12,9 +12,9 @@ import pytest
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import GIB
 from quark_ptq_eval.evaluate import EvalOptions
-from quark_ptq_eval.evaluate import tier_vllm as t3
 from quark_ptq_eval.evaluate.context import TierInputs
-from quark_ptq_eval.evaluate.vllm_commands import served_models, server_sizing
+from quark_ptq_eval.evaluate.serving.commands import served_models, server_sizing
+from quark_ptq_eval.evaluate.vllm import tier as t3
 from quark_ptq_eval.runtime import vllm_sizing as vs
 from quark_ptq_eval.runtime.vllm_host import HostVllm
 

@@ -1,5 +1,9 @@
-"""Phase 3 — evaluate: three tiers behind a checkpoint, a measured runtime estimate, an opt-in
+"""Phase 3 — evaluate: the tiers behind a checkpoint, a measured runtime estimate, an opt-in
 baseline, a direction-aware verdict and eval_report.md.
+
+One sub-package per tier, named as the tier is (``--tier NAME``): ``ppl`` (Tier 1), ``lmeval`` (Tier 2,
+``lm_eval``), ``vllm`` (Tier 3), ``speed`` (the speed tier); the vLLM plumbing the serving tiers share in
+one place, ``serving``. Here: the registry (``tiers``), the options, the API, the verdict and the reports.
 
 Importing this package stays cheap (no torch, transformers, Quark or lm_eval): each tier imports
 its heavy dependencies when it runs, and the API modules load on first use (the CLI parser only

@@ -148,6 +148,7 @@ class ServerDetails(TierDetails):
     stderr: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
     noise: Noise | None = field(default=None, metadata=OPTIONAL)
     paired_tests: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    speed: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # --speed: measured on these servers
 
     def as_dict(self) -> dict[str, Any]:
         out = super().as_dict()

@@ -17,6 +17,7 @@ T = TypeVar("T")
 DEFAULT_SEQ_LEN = 2048  # Tier 1's window when --seq-len is not given (Quark's ppl_eval default)
 LONG_RUN_S = 15 * 60  # above this the user is asked again before the tier starts
 BASELINE_FROM_SOURCE = Path("<source>")  # `--baseline` without a path: the source model of the run
+SERVING = "serving"  # the concern of the vLLM-server options a command that serves models takes (compare --speed)
 
 
 def _tier_choices() -> list[str]:
@@ -120,14 +121,14 @@ class EvalOptions:
     vllm_python: Path | None = field(default=None, metadata=flag(  # None: $QUARK_PTQ_EVAL_VLLM_PYTHON, if set
         "--vllm-python", type=Path, metavar="PYTHON",
         help="Tier 3 and the serving check on this host: the interpreter of a vLLM environment "
-             "(e.g. .venv-vllm/bin/python from `make vllm-env`)"))
+             "(e.g. .venv-vllm/bin/python from `make vllm-env`)") | concern(SERVING))
     vllm_health_timeout_s: float = field(default=1800.0, metadata=flag(
         "--vllm-health-timeout", type=float, metavar="SECONDS",
-        help="Tier 3: give up on a server not healthy after this long (default 1800)"))
+        help="Tier 3: give up on a server not healthy after this long (default 1800)") | concern(SERVING))
     vllm_args: list[str] = field(default_factory=list, metadata=flag(  # over the sized ones (runtime/vllm_sizing.py)
         "--vllm-arg", action="append", metavar="ARG",
         help="an argument for every vLLM server this run starts (repeatable; with '=': "
-             "--vllm-arg=--max-model-len=512); it replaces the sized argument of the same flag"))
+             "--vllm-arg=--max-model-len=512); it replaces the sized argument of the same flag") | concern(SERVING))
     # the options a tier declares itself (its row's `options`), as given: field name -> value; read with of()
     tier_options: dict[str, Any] = field(default_factory=dict, metadata=extensions(_tier_option_classes))
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from quark_ptq_eval.base.fsio import atomic_write_text, write_json, write_png
 from quark_ptq_eval.evaluate.context import SPAN, format_duration
 from quark_ptq_eval.evaluate.eval_report import REPORT_NAME, RESULTS_NAME, EvalReport  # noqa: F401 (names kept importable here)
-from quark_ptq_eval.evaluate.kld_report import num as _num
+from quark_ptq_eval.evaluate.ppl.kld_report import num as _num
 from quark_ptq_eval.evaluate.verdict import invalid_reasons
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ def write_chart(report: EvalReport, path: Path) -> Path | None:
     """Tier 1 with a baseline: the per-window NLL deltas and the per-token KL as distributions.
     Otherwise one small panel per metric: quantized next to baseline (or reference)."""
     if (report.details.get("distribution") or {}).get("window_nll_delta"):
-        from quark_ptq_eval.evaluate.kld_report import distribution_chart
+        from quark_ptq_eval.evaluate.ppl.kld_report import distribution_chart
 
         return distribution_chart(report, path)
     rows = [c for c in report.comparisons if c.verdict != "info" and math.isfinite(c.value)]

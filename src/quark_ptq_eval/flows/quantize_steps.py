@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from quark_ptq_eval.base.artifacts import Artifact, ModelAnalysis, QuantPlan, RunManifest
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.evaluate.tier1_text import refuse_without_tier1_text
+from quark_ptq_eval.evaluate.ppl.text import refuse_without_tier1_text
 from quark_ptq_eval.execute.step import VerifiedOutput, estimated_output_bytes, execute_manifest
 from quark_ptq_eval.flows.budget_search import budget_request, with_budget_search
 from quark_ptq_eval.flows.plan_scan import with_sensitivity_scan

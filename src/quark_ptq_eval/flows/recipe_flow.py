@@ -17,7 +17,7 @@ from quark_ptq_eval.base.gates import Approver, Gatekeeper
 from quark_ptq_eval.base.state import RunState
 from quark_ptq_eval.base.ui import Reporter
 from quark_ptq_eval.context import preflight
-from quark_ptq_eval.evaluate.tier1_text import refuse_without_tier1_text, tier1_lacks_text
+from quark_ptq_eval.evaluate.ppl.text import refuse_without_tier1_text, tier1_lacks_text
 from quark_ptq_eval.execute.runner import EngineRunner
 from quark_ptq_eval.flows.run_options import RunOptions
 

@@ -119,7 +119,9 @@ def sweep(grid: str | Path | Grid, out_root: str | Path, *, approver: Approver |
           base_models: list[str] | None = None) -> dict[str, Any]:
     """Every comparison of the grid (resumed where it stopped); returns sweep_summary.json's content.
     Raises ``CheckpointPending`` after the last comparison when any of them waits at a gate.
-    ``base_models``: ``LABEL=ORG/NAME`` each (``ORG/NAME`` alone for a grid of one model)."""
+    ``base_models``: ``LABEL=ORG/NAME`` each (``ORG/NAME`` alone for a grid of one model). The grid's options
+    are compare's: ``speed: true`` (and ``vllm_python``) measures every comparison's cells' and baseline's
+    serving speed (compare --speed)."""
     from quark_ptq_eval.flows.compare import compare
 
     given = with_base_models(grid if isinstance(grid, Grid) else load_grid(grid), base_models or [])
@@ -158,12 +160,20 @@ def _num(value: Any, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _speed_cell(row: dict[str, Any]) -> str:
+    """compare --speed's measured throughput and gain over the baseline ("-": not measured)."""
+    if row.get("output_tokens_per_s") is None:
+        return "not served" if row.get("speed_refused") else "-"
+    gain = row.get("throughput_gain")
+    return f"{row['output_tokens_per_s']:.1f}" + (f" ({gain:.2f}x)" if gain is not None else "")
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     lines = ["# Sweep summary", "", "| model | goal | scheme | status | size MiB | bits/weight | ppl +% | KL mean | "
-             "node | recommended |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "output tok/s (gain) | node | recommended |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary["comparisons"]:
         if e["status"] != "done":
-            lines.append(f"| {e['model']} | {e['goal'] or '-'} | - | {e['status']}: {e['message']} | | | | | | |")
+            lines.append(f"| {e['model']} | {e['goal'] or '-'} | - | {e['status']}: {e['message']} | | | | | | | |")
             continue
         cells = (e.get("cluster") or {}).get("cells", {})
         for r in e["schemes"]:
@@ -173,7 +183,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             size = r.get("size_bytes") / 2**20 if r.get("size_bytes") else None
             lines.append(f"| {e['model']} | {e['goal'] or '-'} | {r['scheme']} | {status} | {_num(size, '.2f')} | "
                          f"{_num(r.get('bits_per_weight'), '.2f')} | {_num(r.get('ppl_increase_pct'), '.2f')} | "
-                         f"{_num(r.get('kl_mean'), '.4f')} | {node} | "
+                         f"{_num(r.get('kl_mean'), '.4f')} | {_speed_cell(r)} | {node} | "
                          f"{'yes' if e['recommendation'] == r['scheme'] else ''} |")
     lines += ["", "One report per comparison:", ""]
     lines += [f"- {e['model']}{' / ' + e['goal'] if e['goal'] else ''}: {e.get('report') or e['root']}"

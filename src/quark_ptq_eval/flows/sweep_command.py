@@ -25,15 +25,24 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-model", dest="base_models", action="append", default=None, metavar="[LABEL=]ORG/NAME",
                    help=BASE_MODEL_HELP + "; one per model: LABEL=ORG/NAME (ORG/NAME alone for a grid of one "
                         "model), or `base_models` in the grid")
+    p.add_argument("--speed", action="store_true",
+                   help="every comparison also measures its schemes' and its baseline's serving speed, once each "
+                        "(compare --speed; name the vLLM in the grid's options: vllm_python, or "
+                        "$QUARK_PTQ_EVAL_VLLM_PYTHON)")
     p.add_argument("--json", action="store_true", help="print sweep_summary.json on stdout")
     p.add_argument("--quiet", "-q", action="store_true")
 
 
 def cmd_sweep(args: argparse.Namespace, approver: Approver) -> int:
-    from quark_ptq_eval.flows.sweep import sweep
+    from dataclasses import replace
 
+    from quark_ptq_eval.flows.sweep import load_grid, sweep
+
+    grid = load_grid(args.grid)
+    if args.speed:  # as `speed: true` in the grid's options: every comparison runs compare --speed
+        grid = replace(grid, options={**grid.options, "speed": True})
     with noise_to_log(Path(args.out_root).resolve() / "logs" / "sweep.log"):
-        summary = sweep(args.grid, args.out_root, approver=approver, quiet=args.quiet or args.json, ray=args.ray,
+        summary = sweep(grid, args.out_root, approver=approver, quiet=args.quiet or args.json, ray=args.ray,
                         base_models=args.base_models)
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -18,7 +18,7 @@ from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.base.textdata import check_text_source
 from quark_ptq_eval.context.preflight import HostEnv
-from quark_ptq_eval.plan import host_fit, host_memory, resource_rows, resources, source_reading
+from quark_ptq_eval.plan import decode_speed, host_fit, host_memory, resource_rows, resources, source_reading
 from quark_ptq_eval.plan.calibration_check import check_calibration_text, source_note
 from quark_ptq_eval.plan.engines import ENGINES, choose_engine, get_engine
 from quark_ptq_eval.plan.family_limits import check_family_limits
@@ -220,6 +220,10 @@ def _target_and_fit(work: resources.QuantizeWorkload, tc: Deployment, env: HostE
         value = f"{serving['devices_needed']} x {tc.target.label}" if serving["devices_needed"] else f"{need} of RAM"
         rows.append({"decision": "serving fit", "value": value,
                      "reason": f"{resources.serving_text(serving, tc.target.label, kv)} (context and batch {stated})"})
+    speedup = decode_speed.plan_prediction(analysis, resources.output_bytes(analysis, scheme, info), kv, tc, scheme)
+    target["decode_speedup"] = speedup.as_dict()  # the speed tier's report puts its measured gain beside it
+    rows.append({"decision": "expected decode speed-up", "value": f"{speedup.speedup:.2f}x",
+                 "reason": f"bytes moved per generated token: {speedup.text()}"})
     host = host_memory.host_capacity(env, output_dir)
     rerun = resource_rows.rerun_command(analysis.model["model_path"], output_dir, scheme, algorithm, kv, work.calibration,
                                     tc.target.name if tc.target else None)

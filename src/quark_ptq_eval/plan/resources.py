@@ -51,7 +51,7 @@ OTHER_ALGO_WEIGHT_FACTOR = 1.0  # algorithms not measured here: assume like AWQ
 MODELLED_GPU_FACTOR = 1.3  # GPU engine: weights + quantized copy in flight (modelled, not measured)
 HEADROOM = 0.9  # plan for at most 90 % of a memory, never all of it
 EVAL_LOGIT_COPIES = 3  # logits, log-softmax and the baseline's logits live together in Tier 1
-EVAL_LOGIT_BUDGET = 64 * 2**20  # elements per batch (evaluate.tier_ppl.LOGIT_BUDGET on CPU)
+EVAL_LOGIT_BUDGET = 64 * 2**20  # elements per batch (evaluate.ppl.tier.LOGIT_BUDGET on CPU)
 # The file-to-file engine (bench/bench_file2file.py): python + torch + quark.torch, no model, then the
 # largest shard as read, its quantized copy and the bytes being written, one shard at a time.
 F2F_BASE_BYTES = 1.05 * GIB
@@ -213,7 +213,7 @@ def engine_estimate(engine: str | None, analysis: ModelAnalysis, info: dict[str,
 
 def estimate_eval(analysis: ModelAnalysis, out_bytes: int, baseline: bool = False, seq_len: int = 2048) -> dict[str, Any]:
     """Tier 1 on the CPU: the quantized model held dequantized (its source size), the baseline when
-    asked, and the logits of one batch (evaluate.tier_ppl caps a batch at EVAL_LOGIT_BUDGET elements)."""
+    asked, and the logits of one batch (evaluate.ppl.tier caps a batch at EVAL_LOGIT_BUDGET elements)."""
     w = loaded_bytes(analysis)
     vocab = _arch(analysis).get("vocab_size") or 0
     logits = min(EVAL_LOGIT_BUDGET, max(seq_len * vocab, 1)) * 4 * EVAL_LOGIT_COPIES

@@ -122,7 +122,7 @@ def serve_line(argv: list[str], repo_id: str) -> str:
 
 def plan_serve_line(facts: RunFacts, repo_id: str) -> str:
     """The plan's serving fit as vLLM flags (tensor parallelism, KV-cache dtype, the goal's context)."""
-    from quark_ptq_eval.evaluate.vllm_commands import served_models
+    from quark_ptq_eval.evaluate.serving.commands import served_models
 
     model = served_models(facts.export, None, facts.plan.as_json())[0][0]
     flags = [*(["--tensor-parallel-size", str(model.tensor_parallel)] if model.tensor_parallel else []),

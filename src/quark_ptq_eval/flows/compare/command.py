@@ -17,8 +17,11 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
         BUDGET_PART,
         CACHE_PART,
         CARD_PART,
+        MEASURE_PART,
         PLAN,
         RUN_PART,
+        SERVING_PART,
+        SPEED_WORKLOAD,
         TASKS,
         TIER1,
     )
@@ -32,6 +35,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     TIER1.add_flags(g)
     CACHE_PART.add_flags(g)
     TASKS.add_flags(p.add_argument_group("task scores (Tier 2: lm-eval per scheme, paired tests against the baseline)"))
+    g = p.add_argument_group("serving speed (--speed: vLLM's own serving benchmark, each model once)")
+    for part in (MEASURE_PART, SERVING_PART, SPEED_WORKLOAD):
+        part.add_flags(g)
     BUDGET_PART.add_flags(p.add_argument_group("recommendation (accuracy budget)"))
     CARD_PART.add_flags(p.add_argument_group("the recommended scheme's model card"))
     g = p.add_argument_group("run control")

@@ -3,7 +3,7 @@
 The scheme's own side is scored exactly as `run`'s Tier 1 does (same windows, same float64 NLL),
 through the interface of the tier that scores a text (``context.text_scorer()``), so its
 perplexity equals a separate run's; the baseline side (its NLLs, top-K distribution and
-tail mass) comes from evaluate/baseline_cache.py. The result is written as the scheme's normal
+tail mass) comes from evaluate/ppl/baseline_cache.py. The result is written as the scheme's normal
 eval_report.md / eval_results.json in its work dir, through the evaluation's own report code.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.evaluate.baseline_cache import BaselineCache, BaselineEntry, CacheKey
 from quark_ptq_eval.evaluate.context import text_scorer
+from quark_ptq_eval.evaluate.ppl.baseline_cache import BaselineCache, BaselineEntry, CacheKey
 from quark_ptq_eval.evaluate.tiers import text_tier
 from quark_ptq_eval.flows.compare.options import TIER1, CompareOptions
 
@@ -129,7 +129,7 @@ def score_against_cache(model, windows, entry: BaselineEntry, batch_size: int, a
     per token the bound on the cached KL's gap to the full-logit KL and the baseline's tail mass."""
     import torch
 
-    from quark_ptq_eval.evaluate.baseline_cache import cached_token_stats
+    from quark_ptq_eval.evaluate.ppl.baseline_cache import cached_token_stats
     from quark_ptq_eval.runtime.loading import require_finite
 
     bounds, tail, device = [], [], next(model.parameters()).device

@@ -20,7 +20,7 @@ import contextlib
 import shlex
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan, RunManifest
 from quark_ptq_eval.base.errors import CheckpointPending, QpeError, UsageError
@@ -92,6 +92,8 @@ class Comparison:
         self.gates.require("execute", {s: m.command_digest for s, m in manifests.items()}, shown)
         baseline = BaselineSource(self, opts)
         self._run_schemes(opts, [s for s in opts.schemes if s in manifests], baseline)
+        if opts.speed:  # after every cell's accuracy: no quantization competes with a server being measured
+            self._measure_speed(opts, baseline)
         from quark_ptq_eval.flows.compare.card import card_for_chosen
         from quark_ptq_eval.flows.compare.results import write_comparison
 
@@ -148,6 +150,28 @@ class Comparison:
         """Each scheme's recipe to its end, one after another (on_ray.py: as Ray tasks)."""
         for scheme in schemes:
             self._scheme(opts, scheme, baseline)
+
+    def _measure_speed(self, opts: CompareOptions, baseline) -> None:
+        """compare --speed (speed.py): the baseline and each usable cell served once, one at a time, and
+        measured (on_ray.py: as Ray tasks holding the GPUs their servers need)."""
+        from quark_ptq_eval.flows.compare.speed import is_current, measure_cell, measured_line, speed_cells
+
+        self.ui.headline("Compare · serving speed (each model once, vLLM's own serving benchmark)")
+        for cell in speed_cells(self, opts, baseline.source):
+            if is_current(cell, opts):
+                self.ui.info(f"{cell.label}: serving speed measured before with the same workload; kept.")
+                continue
+            try:
+                record = measure_cell(cell, opts, self.approver, self.ui.info)
+            except CheckpointPending as exc:
+                self._speed_gate(cell.label, exc)
+            self.ui.info(measured_line(cell, record))
+
+    def _speed_gate(self, label: str, exc: CheckpointPending) -> NoReturn:
+        """The servers and benchmarks wait for the user's ``eval`` approval: stop there, saying how to go on."""
+        command = self.gates.continue_command("--approve eval")
+        self.state.wait_for("eval", None, f"[speed {label}] {exc.message}", command)
+        raise CheckpointPending(f"Serving speed of {label}: {exc.message}", f"To continue: {command}") from None
 
     def _is_current(self, scheme: str, baseline) -> bool:
         """Evaluated before against this baseline (and task list): skipped, and said so."""

@@ -29,7 +29,14 @@ from quark_ptq_eval.base.state import RunState
 from quark_ptq_eval.base.step_table import STEP_NAMES
 from quark_ptq_eval.flows.compare.flow import Comparison
 from quark_ptq_eval.flows.compare.options import CompareOptions
-from quark_ptq_eval.flows.compare.ray_cell import CellSpec, read_attempts, run_cell, warm_worker
+from quark_ptq_eval.flows.compare.ray_cell import (
+    CellSpec,
+    SpeedSpec,
+    read_attempts,
+    run_cell,
+    run_speed_cell,
+    warm_worker,
+)
 from quark_ptq_eval.flows.compare.ray_cluster import (
     Demand,
     Node,
@@ -41,6 +48,7 @@ from quark_ptq_eval.flows.compare.ray_cluster import (
     import_ray,
     is_alive,
     node_name,
+    speed_demand,
 )
 
 MAX_RETRIES = 3  # attempts after a lost node or worker (Ray's system failures); never for a cell's own error
@@ -78,6 +86,44 @@ class RayComparison(Comparison):
         self._dispatch(opts, todo, demands, token, finished)
         if pending:
             self._relay(pending[0][0], CheckpointPending(pending[0][1]))
+
+    def _measure_speed(self, opts: CompareOptions, baseline) -> None:
+        """compare --speed on Ray, after every accuracy cell ended: each speed cell a Ray task asking for the
+        GPUs its server needs (ray_cluster.speed_demand: whole GPUs, which Ray gives no other task while it
+        holds them); on a CPU vLLM, one cell at a time."""
+        from quark_ptq_eval.flows.compare.speed import is_current, server_devices, speed_cells
+        from quark_ptq_eval.runtime.vllm_host import find_host_vllm
+
+        cells = [c for c in speed_cells(self, opts, baseline.source) if not is_current(c, opts)]
+        if not cells:
+            return
+        self.cluster_address = self.cluster_address or connect(self.address)
+        host = find_host_vllm(opts.eval.vllm_python)
+        gpu = bool(host and not host.cpu)
+        first_plan = next((c.plan for c in cells if c.plan is not None), None)
+        demands = {c.label: speed_demand(server_devices(c, first_plan), gpu) for c in cells}
+        check_fits(demands, alive_nodes())
+        self.ui.headline(f"Compare · serving speed: {len(cells)} cells on Ray, "
+                         + ("each holding its server's GPUs" if gpu else "one at a time (a CPU vLLM)"))
+        waves = [[c.label for c in cells]] if gpu else [[c.label] for c in cells]
+        for wave in waves:
+            self._speed_wave(opts, wave, demands)
+
+    def _speed_wave(self, opts: CompareOptions, labels: list[str], demands: dict[str, Demand]) -> None:
+        ray = import_ray()
+        task = ray.remote(max_retries=MAX_RETRIES, retry_exceptions=False)(run_speed_cell)
+        approved = tuple(sorted(getattr(self.approver, "approved", ())))
+        all_gates = bool(getattr(self.approver, "all_gates", False))
+        refs = {label: task.options(**demands[label].options(), name=f"speed:{label}").remote(
+            SpeedSpec(str(self.root), opts.to_state(), label, approved, all_gates)) for label in labels}
+        for label, ref in refs.items():
+            record = ray.get(ref)
+            if record.get("pending"):
+                self._speed_gate(label, CheckpointPending(record["pending"]))
+            where = node_name(record.get("node_id"), record.get("node_ip"))
+            self.ui.info(f"{label}: serving speed measured on {where} ({demands[label].text()})"
+                         + (f": {record.get('refused') or record.get('error')}" if record.get("refused")
+                            or record.get("error") else ""))
 
     def _warm_workers(self, nodes: list[Node], demands: dict[str, Demand]) -> list[Any]:
         """One warm-up task per node that can hold a cell, with the smallest cell's CPUs (soft

@@ -19,13 +19,16 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.options import OFFLINE_HELP, Part, build, concern, flag, json_values
-from quark_ptq_eval.evaluate.baseline_cache import DEFAULT_TOP_K
-from quark_ptq_eval.evaluate.options import DEFAULT_SEQ_LEN, EvalOptions
+from quark_ptq_eval.evaluate.options import DEFAULT_SEQ_LEN, SERVING, EvalOptions
+from quark_ptq_eval.evaluate.ppl.baseline_cache import DEFAULT_TOP_K
+from quark_ptq_eval.evaluate.speed.workload import WITH_TIER3, SpeedOptions
 from quark_ptq_eval.plan.request import CHOICE, PlanRequest
 from quark_ptq_eval.publish import BASE_MODEL_HELP, check_base_model
+from quark_ptq_eval.runtime.vllm_host import ENV_VAR as VLLM_PYTHON_ENV
 
 DEFAULT_MAX_PPL_INCREASE_PCT = 2.0  # the healthy threshold of a single run's verdict
 BUDGET, CACHE, CARD, RUN = "budget", "cache", "card", "run"  # the concerns of the comparison's own options
+MEASURE = "measure"  # --speed: serving speed measured beside accuracy
 RAY_HELP = ("run {what} as a Ray task on the cluster at ADDRESS (default auto: the one `ray start` brought up; "
             "local: start one on this host; write --ray=ADDRESS before a positional argument); needs the [ray] extra")
 NOT_STORED = ("ray",)
@@ -49,6 +52,12 @@ class CompareOptions:
         "--max-task-drop-pct", type=float,
         help="largest acceptable drop of any task metric, in percent of the baseline's (needs --tasks)")
         | concern(BUDGET))
+    # every usable cell and the baseline served once each and measured with vLLM's own serving benchmark
+    speed: bool = field(default=False, metadata=flag(
+        "--speed", action="store_true",
+        help="also measure each scheme's and the baseline's serving speed, once each, with vLLM's own serving "
+             "benchmark (the speed tier; needs --vllm-python): throughput and TPOT columns, an accuracy x "
+             "throughput chart, and `speed first` goals pick the fastest scheme within the budget") | concern(MEASURE))
     # the chosen scheme's card names it (stored: a re-run of the comparison keeps it)
     base_model: str | None = field(default=None, metadata=flag(
         "--base-model", metavar="ORG/NAME", help=BASE_MODEL_HELP) | concern(CARD))
@@ -108,6 +117,10 @@ class CompareOptions:
             raise UsageError("--max-task-drop-pct needs task scores.", "Pass --tasks (lm-eval task names) too.")
         if self.eval.include_path and not Path(self.eval.include_path).is_dir():
             raise UsageError(f"--include-path {self.eval.include_path} is not a directory of lm-eval task YAMLs.")
+        if self.speed and not (self.eval.vllm_python or os.environ.get(VLLM_PYTHON_ENV)):
+            raise UsageError("compare --speed serves each model with a vLLM on this host, and none is named.",
+                             "Name its interpreter with --vllm-python (e.g. .venv-vllm/bin/python after "
+                             "`make vllm-env`), or leave out --speed.")
 
     @property
     def budget(self) -> dict[str, float]:
@@ -121,11 +134,15 @@ class CompareOptions:
 PLAN = Part(PlanRequest, skip_concerns=(CHOICE,))  # every scheme's plan: all but what settles its scheme
 TIER1 = Part(EvalOptions, concerns=("windows", "compute"))  # Tier 1 against the baseline evaluated once
 TASKS = Part(EvalOptions, concerns=("tasks",))  # Tier 2: lm-eval per scheme, paired tests against the baseline
+SERVING_PART = Part(EvalOptions, concerns=(SERVING,))  # --speed: the vLLM that serves each model
+SPEED_WORKLOAD = Part(SpeedOptions, skip_concerns=(WITH_TIER3,))  # --speed: the speed tier's workload, the same for every cell and the baseline
+MEASURE_PART = Part(CompareOptions, concerns=(MEASURE,))
 CACHE_PART = Part(CompareOptions, concerns=(CACHE,))  # the baseline cache, beside Tier 1's options
 BUDGET_PART = Part(CompareOptions, concerns=(BUDGET,))  # the accuracy budget of the recommendation
 CARD_PART = Part(CompareOptions, concerns=(CARD,))  # what the chosen scheme's model card states
 RUN_PART = Part(CompareOptions, concerns=(RUN,))
-PARTS = (PLAN, TIER1, CACHE_PART, TASKS, BUDGET_PART, CARD_PART, RUN_PART)
+PARTS = (PLAN, TIER1, CACHE_PART, TASKS, BUDGET_PART, CARD_PART, RUN_PART, MEASURE_PART, SERVING_PART,
+         SPEED_WORKLOAD)
 
 
 def keywords() -> set[str]:
@@ -148,9 +165,12 @@ def options_from(model: str | Path | None, schemes: list[str] | str | None, out_
         plan["calib_data"] = os.path.abspath(os.path.expanduser(plan["calib_data"]))
     if model and Path(model).exists():
         model = Path(model).resolve()  # stored for a resume from another directory
-    own = {**CACHE_PART.given(args), **BUDGET_PART.given(args), **CARD_PART.given(args), **RUN_PART.given(args)}
+    own = {**CACHE_PART.given(args), **BUDGET_PART.given(args), **CARD_PART.given(args), **RUN_PART.given(args),
+           **MEASURE_PART.given(args)}
+    evaluation = EvalOptions(**TIER1.given(args), **TASKS.given(args), **SERVING_PART.given(args),
+                             tier_options=SPEED_WORKLOAD.given(args))
     return CompareOptions(model=str(model) if model else None, schemes=list(schemes or []), out_root=str(out_root),
-                          plan=plan, eval=EvalOptions(**TIER1.given(args), **TASKS.given(args)), **own)
+                          plan=plan, eval=evaluation, **own)
 
 
 def scheme_label(scheme: str) -> str:

@@ -124,3 +124,33 @@ def _recipe_to_end(comparison, opts, scheme: str) -> dict[str, Any]:
 def _failure(comparison, scheme: str, exc: QpeError) -> dict[str, Any]:
     return {"status": "failed", "step": comparison._failed_step(scheme), "error": exc.message, "hint": exc.hint,
             "exit_code": exc.exit_code}
+
+
+@dataclass(frozen=True)
+class SpeedSpec:
+    """One speed cell of compare --speed as a Ray task: the model by its label (a scheme, or the baseline)."""
+
+    root: str
+    options: dict[str, Any]  # CompareOptions.to_state()
+    label: str
+    approved: tuple[str, ...]
+    all_gates: bool
+
+
+def run_speed_cell(spec: SpeedSpec) -> dict[str, Any]:
+    """The speed task's body, on the node Ray gave it the GPUs on: the model served on a free port of this
+    node and measured (speed.py ``measure_cell``); its record, as a dict. A pending ``eval`` approval is
+    returned, not raised: the driver relays it."""
+    from quark_ptq_eval.base.state import RunState
+    from quark_ptq_eval.flows.compare.flow import Comparison
+    from quark_ptq_eval.flows.compare.options import CompareOptions
+    from quark_ptq_eval.flows.compare.speed import find_cell, measure_cell
+
+    comparison = Comparison(spec.root, FlagApprover(spec.approved, spec.all_gates), Reporter(quiet=True))
+    comparison.state = RunState.load(comparison.root)
+    opts = CompareOptions(**spec.options)
+    try:
+        record = measure_cell(find_cell(comparison, opts, spec.label), opts, comparison.approver, lambda line: None)
+    except CheckpointPending as exc:
+        return {"label": spec.label, "pending": exc.message}
+    return {**record, **node_identity()}

@@ -168,3 +168,14 @@ def check_fits(demands: dict[str, Demand], nodes: list[Node]) -> None:
                if best else "the cluster has no live node")
         raise UsageError(f"The {scheme} cell asks for {d.text()} ({'; '.join(d.basis)}); {has}.",
                          "Add a node that holds it, or leave the scheme out of this comparison.")
+
+
+def speed_demand(devices: int | None, gpu: bool) -> Demand:
+    """What a speed cell (compare --speed) asks of a node: the GPUs its server is sized for (Tier 3's sizing:
+    the plan's serving fit, one when it sizes none), as whole GPUs: Ray hands a reserved whole GPU to no
+    other task, so no other cell shares them while this one measures. A CPU vLLM reserves no GPU: its cells
+    are run one at a time (on_ray.py), since a CPU server shares the cores with whatever else runs."""
+    gpus = float(max(1, devices or 1)) if gpu else 0.0
+    basis = [f"its vLLM server on {gpus:g} GPU (Tier 3's sizing), held alone while it measures" if gpu else
+             "a CPU vLLM server: one speed cell at a time"]
+    return Demand(num_cpus=1.0, num_gpus=gpus, basis=basis)

@@ -13,11 +13,12 @@ from quark_ptq_eval.base.state import RunState
 from quark_ptq_eval.evaluate.report import json_safe
 from quark_ptq_eval.evaluate.verdict import BEYOND_NOISE
 from quark_ptq_eval.flows.compare.options import CompareOptions
-from quark_ptq_eval.flows.compare.recommend import pareto_front, recommend
+from quark_ptq_eval.flows.compare.recommend import pareto_front, recommend, speed_front
 from quark_ptq_eval.plan.targets import priority
 
 SCHEMA = "quark-ptq-eval/comparison/1"
 JSON_NAME, REPORT_NAME, CHART_NAME = "comparison.json", "comparison_report.md", "comparison_pareto.png"
+SPEED_CHART_NAME = "comparison_speed_pareto.png"  # compare --speed: accuracy against measured throughput
 
 
 def _bytes(model_dir: Path) -> int:
@@ -107,6 +108,7 @@ def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, An
     root, source = comparison.root, baseline.source
     source_bytes, params = _bytes(source), _source_params(source)
     rows = [scheme_row(comparison, s, source_bytes, params) for s in opts.schemes]
+    speed = _add_speed(comparison, rows, source) if opts.speed else None
     budget, ev = opts.budget, opts.eval
     rec = recommend(rows, budget, priority(str(opts.plan.get("goal") or "")))  # the goal's, as the plan reads it
     cache = baseline.cache
@@ -122,6 +124,7 @@ def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, An
                      "num_fewshot": ev.num_fewshot},
         "budget": budget, "schemes": rows, "recommendation": rec,
         "pareto_front": fronts,
+        "speed": speed,
         "baseline_cache": {"key": baseline.key.id, "path": str(cache.path_for(baseline.key)),
                            "bytes": meta.get("bytes"), "full_logits_bytes": meta.get("full_logits_bytes"),
                            "built_seconds": meta.get("seconds"), "writes_this_run": cache.writes,
@@ -132,6 +135,12 @@ def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, An
     chart = write_pareto_chart(rows, fronts, root / CHART_NAME)
     doc["artifacts"] = {"report": str(root / REPORT_NAME), "json": str(root / JSON_NAME),
                         "chart": str(chart) if chart else None}
+    if speed is not None:
+        from quark_ptq_eval.flows.compare.chart import SPEED_PANELS, write_speed_chart
+
+        speed["pareto_front"] = {m: speed_front(rows, m) for m, _ in SPEED_PANELS}
+        drawn = write_speed_chart(rows, speed, root / SPEED_CHART_NAME)
+        doc["artifacts"]["speed_chart"] = str(drawn) if drawn else None
     write_json(root / JSON_NAME, json_safe(doc))
     atomic_write_text(root / REPORT_NAME, markdown(doc))
     comparison.ui.table("Comparison", [(r["scheme"], _cell_status(r), _fmt(r.get("size_bytes"), "mib"),
@@ -139,6 +148,38 @@ def write_comparison(comparison, opts: CompareOptions, baseline) -> dict[str, An
                         ("scheme", "status", "size", "perplexity", "KL mean"))
     comparison.ui.info(f"Recommendation: {rec['reason']}\nReport: {root / REPORT_NAME}")
     return doc
+
+
+def _add_speed(comparison, rows: list[dict[str, Any]], source: Path) -> dict[str, Any] | None:
+    """compare --speed: each evaluated row's measured speed and gain over the baseline (speed.py's
+    records), and the comparison's speed summary (the baseline, the workload, the vLLM)."""
+    from quark_ptq_eval.flows.compare.speed import (
+        BASELINE,
+        BASELINE_DIR,
+        SPEED_DIR,
+        SpeedCell,
+        read_record,
+        speed_fields,
+        speed_summary,
+    )
+
+    base = read_record(SpeedCell(BASELINE, source, comparison.root / BASELINE_DIR, None))
+    for row in rows:
+        if row["status"] == "evaluated":
+            cell = SpeedCell(row["scheme"], Path(row["model_dir"]), comparison.workdir(row["scheme"]) / SPEED_DIR, None)
+            row.update(speed_fields(read_record(cell), base))
+            row["predicted_speedup"] = _plan_prediction(comparison.workdir(row["scheme"]))
+    return speed_summary(base)
+
+
+def _plan_prediction(wd: Path) -> float | None:
+    """The decode speed-up the scheme's plan predicted on its target (plan/decode_speed.py)."""
+    from quark_ptq_eval.base.artifacts import QuantPlan
+
+    if not QuantPlan.path_in(wd).exists():
+        return None
+    predicted = (QuantPlan.load(wd).target or {}).get("decode_speedup") or {}
+    return predicted.get("speedup")
 
 
 def _fmt(value, kind: str = "num") -> str:
@@ -178,8 +219,9 @@ def markdown(doc: dict) -> str:
              f"Evaluation: {doc['settings']['windows']} windows of {doc['settings']['seq_len']} tokens of "
              f"{doc['settings']['eval_data']}; baseline evaluated once (cache {doc['baseline_cache']['key']}).", "",
              "| scheme | status | validation | bits/weight | size | ratio | perplexity (95 % CI) | ΔNLL ± SE | "
-             "significant | KL mean | KL p50 | KL p99 | KL max | top-1 | quantize |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "significant | KL mean | KL p50 | KL p99 | KL max | top-1 | quantize |"
+             + (" output tok/s (gain) | TPOT p50 ms |" if doc.get("speed") else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if doc.get("speed") else "")]
     for r in doc["schemes"]:
         lines.append(
             f"| {r['scheme']}{' ★' if r['scheme'] == rec['scheme'] else ''} | {_cell_status(r)} | "
@@ -187,10 +229,12 @@ def markdown(doc: dict) -> str:
             f"{_with(r.get('compression_ratio'), '×')} | {_ppl_cell(r)} | {_dnll_cell(r)} | "
             f"{'-' if r.get('significant') is None else ('yes' if r['significant'] else 'no')} | "
             f"{_fmt(r.get('kl_mean'))} | {_fmt(r.get('kl_p50'))} | {_fmt(r.get('kl_p99'))} | {_fmt(r.get('kl_max'))} | "
-            f"{_fmt(r.get('top1_agreement'), 'pct')} | {_with(r.get('quantize_s'), ' s')} |")
+            f"{_fmt(r.get('top1_agreement'), 'pct')} | {_with(r.get('quantize_s'), ' s')} |"
+            + (f" {_tput_cell(r)} | {_fmt(r.get('tpot_ms_p50'))} |" if doc.get("speed") else ""))
     lines += ["", f"Pareto front (size vs mean KL): {', '.join(doc['pareto_front']['kl_mean']) or '-'}; "
                   f"(size vs perplexity): {', '.join(doc['pareto_front']['perplexity']) or '-'}.",
               f"Chart: {doc['artifacts']['chart'] or 'not drawn (no evaluated scheme)'}", ""]
+    lines += _speed_lines(doc)
     lines += _llama_cpp_lines(doc)
     lines += _task_lines(doc)
     failed = [r for r in doc["schemes"] if r["status"] == "failed"]
@@ -218,13 +262,59 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _tput_cell(r: dict) -> str:
+    if r.get("output_tokens_per_s") is None:
+        return "not served" if r.get("speed_refused") else "-"
+    gain = r.get("throughput_gain")
+    return f"{_fmt(r['output_tokens_per_s'])}" + (f" ({gain:.2f}×)" if gain is not None else "")
+
+
+def _gain_cell(r: dict) -> str:
+    if r.get("throughput_gain") is None:
+        return "-"
+    low, high = r["throughput_gain_ci95"]
+    return f"{r['throughput_gain']:.3f}× ({low:.3f}–{high:.3f})"
+
+
+def _speed_lines(doc: dict) -> list[str]:
+    """compare --speed: each model's measured serving speed, the gain over the baseline, the refusals."""
+    speed = doc.get("speed")
+    if not speed:
+        return []
+    w, base = speed.get("workload") or {}, speed.get("baseline") or {}
+    lines = ["## Serving speed (vLLM's own serving benchmark, each model served once)", "",
+             f"{w.get('prompts')} random prompts of {w.get('input_len')} → {w.get('output_len')} tokens (ignore_eos) "
+             f"at concurrency {w.get('concurrency')}, one warm-up then {w.get('repeats')} repeats per model; "
+             f"{speed.get('vllm_version') or '-'} on {speed.get('hardware') or '-'}. Medians over the repeats; the gain "
+             "is the median output tokens/s over the baseline's, its 95 % interval Welch's t on log throughput; "
+             "predicted: the decode speed-up the scheme's plan expects on its target from the bytes moved per "
+             "generated token (plan/decode_speed.py), beside the measured gain.", "",
+             "| model | output tok/s | gain (95 % interval) | predicted (plan) | req/s | TPOT p50 ms | TPOT p99 ms | "
+             "TTFT p50 ms | spread tok/s | not measured |", "|---|---|---|---|---|---|---|---|---|---|",
+             f"| baseline | {_fmt(base.get('output_tokens_per_s'))} | 1 | 1 | {_fmt(base.get('requests_per_s'))} | "
+             f"{_fmt(base.get('tpot_ms_p50'))} | {_fmt(base.get('tpot_ms_p99'))} | {_fmt(base.get('ttft_ms_p50'))} | - | "
+             f"{speed.get('baseline_refused') or ''} |"]
+    for r in doc["schemes"]:
+        if r["status"] == "evaluated":
+            spread = r.get("output_tokens_per_s_spread_pct")
+            lines.append(f"| {r['scheme']} | {_fmt(r.get('output_tokens_per_s'))} | {_gain_cell(r)} | "
+                         f"{_with(r.get('predicted_speedup'), '×')} | "
+                         f"{_fmt(r.get('requests_per_s'))} | {_fmt(r.get('tpot_ms_p50'))} | {_fmt(r.get('tpot_ms_p99'))} | "
+                         f"{_fmt(r.get('ttft_ms_p50'))} | {_with(spread, ' %')} | {r.get('speed_refused') or ''} |")
+    fronts = speed.get("pareto_front") or {}
+    lines += ["", "Pareto front (throughput vs accuracy, fastest first): "
+              + "; ".join(f"{m}: {', '.join(f) or '-'}" for m, f in fronts.items()) + ".",
+              f"Chart: {doc['artifacts'].get('speed_chart') or 'not drawn (no measured scheme)'}", ""]
+    return lines
+
+
 def _pm(r: dict, key: str, scale: float = 1.0, suffix: str = "") -> str:
     value, unc = r.get(key), r.get(f"{key}_unc")
     return "-" if value is None else f"{_fmt(scale * value)} ± {_fmt(None if unc is None else scale * unc)}{suffix}"
 
 
 def _llama_cpp_lines(doc: dict) -> list[str]:
-    """llama.cpp's KL-divergence report figures per scheme (evaluate/ppl_stats.py has the definitions)."""
+    """llama.cpp's KL-divergence report figures per scheme (evaluate/ppl/stats.py has the definitions)."""
     rows = [(r["scheme"], r["kld_report"]) for r in doc["schemes"] if r.get("kld_report")]
     if not rows:
         return []

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quark_ptq_eval.base.fsio import atomic_write_text
-from quark_ptq_eval.evaluate.vllm_commands import (
+from quark_ptq_eval.evaluate.serving.commands import (
     CommandPlan,
     PlannedCommand,
     ServedModel,
@@ -24,7 +24,7 @@ from quark_ptq_eval.evaluate.vllm_commands import (
     pid_file_for,
     server_argv,
 )
-from quark_ptq_eval.evaluate.vllm_multinode import script_block
+from quark_ptq_eval.evaluate.serving.multinode import script_block
 
 if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.options import EvalOptions

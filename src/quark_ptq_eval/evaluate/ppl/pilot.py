@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, hardware_description
-from quark_ptq_eval.evaluate.ppl_kernels import score_batch, synchronize
-from quark_ptq_eval.evaluate.ppl_stats import Accumulator, resolution_pct
+from quark_ptq_eval.evaluate.ppl.kernels import score_batch, synchronize
+from quark_ptq_eval.evaluate.ppl.stats import Accumulator, resolution_pct
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """The Tier 1 report's llama.cpp-style block and its distribution chart (per-window ΔNLL, per-token
 KL and Δp): the figures of llama.cpp's
-``perplexity --kl-divergence`` report (ppl_stats.llama_cpp_stats) laid out as it prints them, so a
+``perplexity --kl-divergence`` report (ppl.stats.llama_cpp_stats) laid out as it prints them, so a
 Quark export's numbers sit beside a GGUF quant's."""
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.artifacts import PlanJson
-from quark_ptq_eval.evaluate.vllm_detect import Environment
-from quark_ptq_eval.evaluate.vllm_multinode import parallel_args
+from quark_ptq_eval.evaluate.serving.detect import Environment
+from quark_ptq_eval.evaluate.serving.multinode import parallel_args
 from quark_ptq_eval.runtime.vllm_host import HostVllm, host_server_argv, lm_eval_command
 from quark_ptq_eval.runtime.vllm_sizing import ServerArg, ServerSizing, sized_for
 
@@ -183,8 +183,10 @@ def plan_commands(
     runtime: str,
     env: Environment,
     container: str | None = None,
+    sequences: int = LM_EVAL_CONCURRENT,
 ) -> CommandPlan:
-    """Exact argument lists (absolute paths, no shell on the host) for ``runtime``."""
+    """Exact argument lists (absolute paths, no shell on the host) for ``runtime``; ``sequences``: what each
+    server's KV cache is sized to hold at once (lm-eval's requests, or the speed workload's when larger)."""
     workdir = workdir.resolve()
     reuse = options.vllm_container
     name = reuse or container or container_name(models[0].path)
@@ -201,7 +203,7 @@ def plan_commands(
         out = workdir / "lm_eval_vllm" / model.label
         plan.output_dirs[model.label] = out
         host = env.host_vllm if runtime == "host" else None
-        plan.sizing[model.label] = server_sizing(model, options, host)  # this host's memory, read now
+        plan.sizing[model.label] = server_sizing(model, options, host, sequences)  # this host's memory, read now
         plan.per_model[model.label] = [
             PlannedCommand(
                 f"serve the {model.label} model",
@@ -292,7 +294,7 @@ def server_sizing(model: ServedModel, options: EvalOptions, host: HostVllm | Non
     the plan's, on a CPU vLLM (``host``) this host's free memory now, the user's --vllm-arg over them;
     ``sequences``: what the KV cache holds at once (lm-eval's requests; the speed tier's concurrency)."""
     plan = [ServerArg(flag, (value,), model.reasons.get(flag, "beyond one node: pipeline parallel over Ray"), "plan")
-            for flag, value in _pairs(parallel_args(model.tensor_parallel))]  # vllm_multinode sizes the layout
+            for flag, value in _pairs(parallel_args(model.tensor_parallel))]  # serving.multinode sizes the layout
     if model.kv_cache_dtype:  # vLLM reads the export's KV scales only then
         plan.append(ServerArg("--kv-cache-dtype", (model.kv_cache_dtype,), model.reasons.get("--kv-cache-dtype", ""),
                               "plan"))

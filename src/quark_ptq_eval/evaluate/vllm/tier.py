@@ -8,31 +8,36 @@ On ROCm the plan is executed after approval: a holder container with a non-vLLM 
 (the ROCm image's entrypoint *is* vllm), ``docker exec ... vllm serve`` inside it, a health
 wait, lm-eval, then only what this run started is stopped: its server by pid, its container by id.
 
-One job per module: vllm_detect (the host), vllm_commands (the command plan), vllm_executor
-(running it); this module is the tier itself (prepare -> estimate, score -> outcome).
+One job per module, in evaluate/serving/ (the vLLM plumbing Tier 3, the speed tier and Tier 1's vLLM check
+share): detect (the host), commands (the command plan), executor (running it); this module is the tier
+itself (prepare -> estimate, score -> outcome), script.py beside it the commands as a script for later.
 """
 
 from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import as_gatekeeper
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import ServerDetails
-from quark_ptq_eval.evaluate.tier3_script import write_script
-from quark_ptq_eval.evaluate.vllm_commands import (
+from quark_ptq_eval.evaluate.serving.commands import (
     DEFAULT_TASKS,
+    LM_EVAL_CONCURRENT,
     CommandPlan,
     ServedModel,
     plan_commands,
     served_models,
     shell_line,
 )
-from quark_ptq_eval.evaluate.vllm_detect import Environment, choose_runtime, detect_environment
-from quark_ptq_eval.evaluate.vllm_executor import Executor, run_command_plan
+from quark_ptq_eval.evaluate.serving.detect import Environment, choose_runtime, detect_environment
+from quark_ptq_eval.evaluate.serving.executor import Executor, run_command_plan
+from quark_ptq_eval.evaluate.speed import tier as speed_tier
+from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload
+from quark_ptq_eval.evaluate.vllm.script import write_script
 from quark_ptq_eval.runtime.vllm_host import find_host_vllm
 
 if TYPE_CHECKING:
@@ -54,6 +59,7 @@ class VllmPrepared:
     plan: CommandPlan
     models: list[ServedModel]
     estimate: RuntimeEstimate
+    speed: speed_tier.SpeedPrepared | None = None  # --speed: the speed tier's benchmark on these servers
 
 
 def prepare(ctx: TierInputs, env: Environment | None = None) -> VllmPrepared:
@@ -62,8 +68,14 @@ def prepare(ctx: TierInputs, env: Environment | None = None) -> VllmPrepared:
         env = replace(env, host_vllm=find_host_vllm(ctx.options.vllm_python))
     models, fit_notes = served_models(ctx.model_dir, ctx.options.baseline, ctx.plan)
     runtime = choose_runtime(env, ctx.options.vllm_runtime)
-    plan = plan_commands(models, ctx.options, ctx.workdir, runtime, env)
+    workload = _speed_workload(ctx, env, runtime)
+    sequences = max(LM_EVAL_CONCURRENT, workload.concurrency) if workload else LM_EVAL_CONCURRENT
+    plan = plan_commands(models, ctx.options, ctx.workdir, runtime, env, sequences=sequences)
     plan.notes += fit_notes
+    speed = None
+    if workload is not None:  # each model's server started once: lm-eval, then the benchmark, then stopped
+        servers = speed_tier.Servers(models, plan.sizing, {k: cmds[0].argv for k, cmds in plan.per_model.items()})
+        speed = speed_tier.prepare_on(ctx, env.host_vllm, workload, servers, [])
     from quark_ptq_eval.runtime.loading import model_size_bytes
 
     size = sum(model_size_bytes(m.path) for m in models)
@@ -84,7 +96,22 @@ def prepare(ctx: TierInputs, env: Environment | None = None) -> VllmPrepared:
         threshold_s=ctx.options.confirm_above_s,
         settings=[f"vLLM {label} server: {line}" for label, sizing in plan.sizing.items() for line in sizing.lines()],
     )
-    return VllmPrepared(ctx, env, plan, models, estimate)
+    if speed is not None and speed.estimate.seconds is not None and estimate.seconds is not None:
+        estimate.seconds += speed.estimate.seconds - len(models) * speed_tier.HOST_START_S  # its servers are these
+        estimate.settings += [*speed.workload.lines(), "speed: measured on Tier 3's servers after lm-eval, each "
+                              "model served once for both"]
+    return VllmPrepared(ctx, env, plan, models, estimate, speed)
+
+
+def _speed_workload(ctx: TierInputs, env: Environment, runtime: str) -> Workload | None:
+    """--speed beside Tier 3: the speed workload (None: not asked); it needs the host runtime's vLLM,
+    whose own benchmark module measures the running server."""
+    if not ctx.options.of(SpeedOptions).speed:
+        return None
+    if runtime != "host" or env.host_vllm is None:
+        raise UsageError("--speed beside Tier 3 measures with the vLLM on this host, and this run has none: name "
+                         "it with --vllm-python, or run the speed tier on its own (--tier speed).")
+    return speed_tier.workload_for(ctx, env.host_vllm)
 
 
 def score(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutcome:
@@ -97,13 +124,35 @@ def score(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutco
         return _deferred(prepared, details)
     commands = [c.as_dict() for c in plan.all_commands()]
     _check_runtime(plan, prepared.env)
-    summary = "\n".join(f"{c.purpose}: {shell_line(c.argv)}" for c in plan.all_commands())
+    speed = prepared.speed
+    bench = [[*argv] for argv in speed.bench.values()] if speed else []
+    summary = "\n".join([*(f"{c.purpose}: {shell_line(c.argv)}" for c in plan.all_commands()),
+                         *(f"benchmark the {k} model on its server: {shell_line(v)}" for k, v in
+                           (speed.bench.items() if speed else []))])
     # Bound to the exact commands, container creation included: other commands ask again.
-    as_gatekeeper(ctx.approver).require("eval", [c.argv for c in plan.all_commands()], summary,
+    as_gatekeeper(ctx.approver).require("eval", [c.argv for c in plan.all_commands()] + bench, summary,
                                         "to run these exact commands.")
-    outcome = run_command_plan(ctx, plan, executor or Executor(ctx.workdir), details, commands)
+    record = speed_tier.new_record(speed) if speed else {}
+    beside = partial(speed_tier.bench_running, speed, speed_record=record) if speed else None
+    outcome = run_command_plan(ctx, plan, executor or Executor(ctx.workdir), details, commands, beside)
+    if speed is not None:
+        _with_speed(outcome, speed_tier.outcome_of(speed, record))
     outcome.notes += prepared.estimate.settings  # each server argument with its reason, in the report
     return outcome
+
+
+def _with_speed(outcome: TierOutcome, speed: TierOutcome) -> None:
+    """The speed measured on Tier 3's servers, in Tier 3's outcome: its medians as the informational
+    task ``speed``, details.speed as the speed tier writes it, its verdict line among the notes."""
+    outcome.quantized.update(speed.quantized)
+    if speed.baseline and outcome.baseline is not None:
+        outcome.baseline.update(speed.baseline)
+    outcome.directions.update(speed.directions)
+    outcome.informational = (*outcome.informational, *speed.informational)
+    assert isinstance(outcome.details, ServerDetails) and isinstance(speed.details, speed_tier.SpeedDetails)
+    outcome.details.speed = speed.details.speed
+    outcome.notes += speed.notes[:1]
+    outcome.artifacts.update(speed.artifacts)
 
 
 def _deferred(prepared: VllmPrepared, details: ServerDetails) -> TierOutcome:
@@ -146,9 +195,10 @@ def _check_runtime(plan: CommandPlan, env: Environment) -> None:
 def section(report: EvalReport) -> list[str]:
     """The report's Tier 3 section: Tier 2's (standard errors, paired tests), then the server's
     version and its exact commands."""
-    from quark_ptq_eval.evaluate.tier_lmeval import section as task_section
+    from quark_ptq_eval.evaluate.lmeval.tier import section as task_section
 
-    return task_section(report) + _server_lines(report.details)
+    speed = speed_tier.section(report) if report.details.get("speed") else []  # --speed, on these servers
+    return task_section(report) + _server_lines(report.details) + speed
 
 
 def _server_lines(details: dict[str, Any]) -> list[str]:

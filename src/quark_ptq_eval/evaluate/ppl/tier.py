@@ -1,11 +1,11 @@
 """Tier 1: token-level perplexity over non-overlapping windows, plus KL/top-1 against a baseline.
 
-Windowing and averaging match Quark's ``quark.contrib.llm_eval.evaluation.ppl_eval`` (ppl_data.py):
+Windowing and averaging match Quark's ``quark.contrib.llm_eval.evaluation.ppl_eval`` (evaluate/ppl/data.py):
 each window scores its ``seq_len - 1`` next-token predictions, and the perplexity is exp of the mean
 negative log-likelihood. Windows are batched, and with a baseline each window pair is scored in one
-pass (ppl_kernels.py: KL, top-1, both NLLs) so no logits outlive their batch; the statistics
-(ppl_stats.py) stream per batch, llama.cpp's KL-divergence report among them. The pilot and the
-estimate are in ppl_pilot.py. The names below from those modules stay importable from here.
+pass (evaluate/ppl/kernels.py: KL, top-1, both NLLs) so no logits outlive their batch; the statistics
+(evaluate/ppl/stats.py) stream per batch, llama.cpp's KL-divergence report among them. The pilot and the
+estimate are in evaluate/ppl/pilot.py. The names below from those modules stay importable from here.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from quark_ptq_eval.base.errors import QpeError, UsageError
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, ScoredText, TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import MetricNoise, PerplexityDetails
-from quark_ptq_eval.evaluate.kld_report import kld_report_lines
-from quark_ptq_eval.evaluate.kld_report import num as _num
-from quark_ptq_eval.evaluate.ppl_data import (  # noqa: F401 - re-exported
+from quark_ptq_eval.evaluate.ppl.data import (  # noqa: F401 - re-exported
     CPU_TOKENS_PER_BATCH,
     LOGIT_BUDGET,
     MAX_AUTO_BATCH,
@@ -28,7 +26,7 @@ from quark_ptq_eval.evaluate.ppl_data import (  # noqa: F401 - re-exported
     eval_texts,
     token_windows,
 )
-from quark_ptq_eval.evaluate.ppl_kernels import (  # noqa: F401 - re-exported
+from quark_ptq_eval.evaluate.ppl.kernels import (  # noqa: F401 - re-exported
     ROW_CHUNK_ELEMENTS,
     fast_nll,
     pair_stats,
@@ -36,9 +34,11 @@ from quark_ptq_eval.evaluate.ppl_kernels import (  # noqa: F401 - re-exported
     synchronize,
     token_stats,
 )
-from quark_ptq_eval.evaluate.ppl_pilot import FINISH_S, Clock, PilotTiming, pilot  # noqa: F401 - re-exported
-from quark_ptq_eval.evaluate.ppl_pilot import estimate as estimate_runtime
-from quark_ptq_eval.evaluate.ppl_stats import (  # noqa: F401 - re-exported
+from quark_ptq_eval.evaluate.ppl.kld_report import kld_report_lines
+from quark_ptq_eval.evaluate.ppl.kld_report import num as _num
+from quark_ptq_eval.evaluate.ppl.pilot import FINISH_S, Clock, PilotTiming, pilot  # noqa: F401 - re-exported
+from quark_ptq_eval.evaluate.ppl.pilot import estimate as estimate_runtime
+from quark_ptq_eval.evaluate.ppl.stats import (  # noqa: F401 - re-exported
     Accumulator,
     distribution,
     kl_stats,
@@ -168,8 +168,8 @@ def score(prepared: PplPrepared) -> TierOutcome:
 
 
 def _vllm_cross_check(prepared: PplPrepared, outcome: TierOutcome, hf_seconds: float) -> None:
-    """--vllm-python: the same windows through that vLLM's prompt log-probabilities (vllm_ppl.py)."""
-    from quark_ptq_eval.evaluate.vllm_ppl import cross_check
+    """--vllm-python: the same windows through that vLLM's prompt log-probabilities (evaluate/serving/ppl.py)."""
+    from quark_ptq_eval.evaluate.serving.ppl import cross_check
 
     try:
         result = cross_check(prepared.ctx, prepared.windows, prepared.acc.window_nll, hf_seconds)

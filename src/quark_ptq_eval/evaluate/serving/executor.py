@@ -8,13 +8,14 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.evaluate.context import TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import ServerDetails
-from quark_ptq_eval.evaluate.vllm_commands import CommandPlan, shell_line
+from quark_ptq_eval.evaluate.serving.commands import CommandPlan, shell_line
 from quark_ptq_eval.runtime.vllm_host import HEALTH_POLL_S, failure_reason, start_server, stop_group
 
 if TYPE_CHECKING:
@@ -65,8 +66,10 @@ class Executor:
 
 
 def run_command_plan(ctx: TierInputs, plan: CommandPlan, executor: Executor, details: ServerDetails,
-                 commands: list[dict[str, Any]]) -> TierOutcome:
-    from quark_ptq_eval.evaluate.lmeval_tasks import scores_from
+                     commands: list[dict[str, Any]], beside: Callable[[str, Path], None] | None = None) -> TierOutcome:
+    """``beside(label, server_log)``: more work on each model's server while it is up, after lm-eval (the
+    speed tier's benchmark with --speed): each model's server started once for both."""
+    from quark_ptq_eval.evaluate.lmeval.tasks import scores_from
 
     options = ctx.options
     scores: dict[str, dict[str, Any]] = {}
@@ -91,6 +94,8 @@ def run_command_plan(ctx: TierInputs, plan: CommandPlan, executor: Executor, det
                 ctx.log(f"{evaluate_cmd.purpose}: {shell_line(evaluate_cmd.argv)}")
                 before = results_files(plan.output_dirs[label])
                 executor.run(evaluate_cmd.argv)
+                if beside is not None:
+                    beside(label, ctx.workdir / f"vllm_{label}.log")
             finally:
                 executor.stop_server(process, ctx.workdir.resolve() / f"vllm_{label}.pid", plan.container)
             results = results_of_this_run(plan.output_dirs[label], before)
@@ -173,7 +178,7 @@ def results_files(output: Path) -> dict[Path, int]:
 def samples_of_this_run(output: Path, before: dict[Path, int]) -> dict[str, Any]:
     """The per-document scores (per_sample_scores) from the samples files lm_eval's --log_samples wrote
     with this run's results file (``samples_<task>_<stamp>.jsonl`` next to ``results_<stamp>.json``)."""
-    from quark_ptq_eval.evaluate.lmeval_tasks import per_sample_scores
+    from quark_ptq_eval.evaluate.lmeval.tasks import per_sample_scores
 
     results = _fresh_results(output, before)
     stamp = results.stem.removeprefix("results_")

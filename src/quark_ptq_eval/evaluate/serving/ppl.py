@@ -3,7 +3,7 @@ windows HF Tier 1 scores, so a user sees whether the two backends agree on the s
 
 Each window goes to ``/v1/completions`` as its token ids with ``echo`` and ``logprobs=0``: the
 response carries the log-probability of every prompt token given the ones before it (the first has
-none), exactly the ``n - 1`` predictions HF Tier 1 averages per window (tier_ppl.score_batch).
+none), exactly the ``n - 1`` predictions HF Tier 1 averages per window (ppl.tier.score_batch).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import atomic_write_bytes, write_json
 from quark_ptq_eval.base.state import digest
-from quark_ptq_eval.evaluate.ppl_kernels import (
+from quark_ptq_eval.evaluate.ppl.kernels import (
     ROW_CHUNK_ELEMENTS,  # one bound on the float64 rows held at once
 )
 
@@ -125,7 +125,7 @@ def baseline_token_stats(logits: torch.Tensor, labels: torch.Tensor, top_k: int)
     step = max(1, ROW_CHUNK_ELEMENTS // vocab)
     for start in range(0, rows.shape[0], step):
         sl = slice(start, start + step)
-        parts["top1"].append(rows[sl].argmax(-1).int())  # first maximum, as tier_ppl's live scoring
+        parts["top1"].append(rows[sl].argmax(-1).int())  # first maximum, as ppl.tier's live scoring
         log_p = torch.log_softmax(rows[sl].double(), dim=-1)
         values, ids = log_p.topk(k, dim=-1)
         parts["nll"].append(-log_p.gather(1, flat[sl]).squeeze(1))

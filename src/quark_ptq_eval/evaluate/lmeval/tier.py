@@ -1,8 +1,8 @@
 """Tier 2: the lm-eval library on the model loaded in this process (the right loader, no server).
 
 The estimate counts the requests the chosen tasks will make and times a forward pass of that
-shape on the real model (lmeval_estimate.py); lm-eval's tasks, runs and results are in
-lmeval_tasks.py, the paired per-document tests in paired_tests.py. Their names stay importable here.
+shape on the real model (evaluate/lmeval/estimate.py); lm-eval's tasks, runs and results are in
+evaluate/lmeval/tasks.py, the paired per-document tests in paired_tests.py. Their names stay importable here.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome, hardware_description
 from quark_ptq_eval.evaluate.details import TaskDetails
-from quark_ptq_eval.evaluate.kld_report import num as _num
-from quark_ptq_eval.evaluate.lmeval_estimate import (  # noqa: F401 - re-exported
+from quark_ptq_eval.evaluate.lmeval.estimate import (  # noqa: F401 - re-exported
     DEFAULT_GEN_TOKS,
     SAMPLE_DOCS,
     LmEvalWorkload,
@@ -24,7 +23,7 @@ from quark_ptq_eval.evaluate.lmeval_estimate import (  # noqa: F401 - re-exporte
     pilot,
     resolution_warning,
 )
-from quark_ptq_eval.evaluate.lmeval_tasks import (  # noqa: F401 - re-exported
+from quark_ptq_eval.evaluate.lmeval.tasks import (  # noqa: F401 - re-exported
     LOG_NAME,
     RESULTS_DIR,
     check_tasks,
@@ -44,6 +43,7 @@ from quark_ptq_eval.evaluate.paired_tests import (  # noqa: F401 - re-exported
     paired_bootstrap,
     paired_tests,
 )
+from quark_ptq_eval.evaluate.ppl.kld_report import num as _num
 from quark_ptq_eval.runtime.loading import LoadedModel, load_model, model_size_bytes
 
 if TYPE_CHECKING:

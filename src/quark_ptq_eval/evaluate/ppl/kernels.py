@@ -30,7 +30,7 @@ from quark_ptq_eval.runtime.loading import require_finite
 if TYPE_CHECKING:
     import torch
 
-    from quark_ptq_eval.evaluate.ppl_stats import Accumulator
+    from quark_ptq_eval.evaluate.ppl.stats import Accumulator
 
 ROW_CHUNK_ELEMENTS = 8 * 2**20  # float64 elements of the vocabulary softmax handled at once (memory bound)
 CACHE_BLOCK_ELEMENTS = 2**16  # float64 elements per row block on a CPU: three such blocks stay in L2

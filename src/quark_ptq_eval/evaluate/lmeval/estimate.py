@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from quark_ptq_eval.evaluate.tier_ppl import synchronize
+from quark_ptq_eval.evaluate.ppl.tier import synchronize
 from quark_ptq_eval.evaluate.verdict import Z95
 from quark_ptq_eval.runtime.loading import require_finite
 
