@@ -1,25 +1,29 @@
 """Issue 41: `--budget-bits B --formats a,b` plans the best per-group mix, from real scans of the model.
 
-One real search on the trained tiny Llama (two scans: int4_wo_32 and int8); the budget's effective bits
-are recomputed from the plan as Quark applies it, and the size model is held against a real export's
-header. Budgets no mix can meet, and combinations the search cannot honour, are refused before anything
+One real `run --budget-bits` on a trained 8-block tiny Llama (two scans: int4_wo_32 and int8; the export
+validated and served by the project's vLLM; the plans a user would try by hand measured beside it by the
+product, through one comparison on the same windows); the size model is held against a real export's header. Budgets no mix can meet, and combinations the search cannot honour, are refused before anything
 is measured (exit 2).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from quark_ptq_eval.base.safetensors_io import read_model_headers
 from quark_ptq_eval.base.schemes import load_scheme_table
+from quark_ptq_eval.flows.budget_report import export_bits
 from quark_ptq_eval.plan.budget import linear_bytes
 from quark_ptq_eval.plan.groups import scheme_of
 from quark_ptq_eval.plan.scheme_fit import linear_shapes
 
 FORMATS = "int4_wo_32,int8"
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def _plan(cli, model: Path, root: Path, corpus: Path, *extra: str):
@@ -42,26 +46,150 @@ def test_what_the_search_cannot_do_is_refused_before_anything_is_measured(cli, t
     assert "sensitivity:" not in res.out + res.err and not (wd / "search_report.json").exists()
 
 
-def test_the_plan_mixes_both_formats_within_the_budget(cli, tiny_llama, corpus, tmp_path):
-    res, wd = _plan(cli, tiny_llama, tmp_path, corpus, "--budget-bits", "6", "--formats", FORMATS)
+@pytest.mark.parametrize("extra, says", [
+    (("--budget-bits", "4", "--formats", FORMATS), "No mix of int4_wo_32, int8 fits 4 effective bits"),
+    (("--budget-bits", "6", "--schemes", "int8"), "compare takes --schemes or a budget"),
+])
+def test_compare_takes_the_budget_and_refuses_what_the_search_cannot_do(cli, tiny_llama, corpus, tmp_path, extra, says):
+    res = cli("compare", tiny_llama, "-o", tmp_path / "cmp", "--calib-data", corpus, "--offline", "--yes", *extra)
+    assert res.rc == 2 and says in res.err and "Traceback" not in res.err, res.err[-1500:]
+    assert "sensitivity:" not in res.out + res.err and not (tmp_path / "cmp" / "models").exists()
+
+
+@pytest.fixture(scope="module")
+def searched(cli, shared_assets, corpus, tmp_path_factory):
+    """Issue 41's must-show, run once: `run --budget-bits 6 --formats int4_wo_32,int8 --eval-tier ppl --baseline
+    --vllm-python ...` on a trained 8-block tiny Llama (F32, as trained). Not the outlier-trait copy
+    (tests/fixtures/traits.py): its hidden outlier dimension makes W8A8 int8 the less accurate format (whole-model
+    KL 10x int4_wo_32's, measured), so no int4/int8 mix can beat uniform int4 there, and the product's side by side
+    rightly recommends uniform int4_wo_32 on it."""
+    from quark_ptq_eval.flows.demo import TinyShape, build_tiny_model
+    from tests.conftest import build_once
+
+    model = build_once(shared_assets / "tiny-llama8",
+                       lambda out: build_tiny_model(out, corpus, shape=TinyShape(layers=8)))
+    root = tmp_path_factory.mktemp("budget-run")
+    wd, out = root / "wd", root / "out"
+    res = cli("run", model, "-o", out, "--workdir", wd, "--calib-data", corpus, "--offline", "--yes",
+              "--num-calib-samples", "16", "--calib-seq-len", "128", "--eval-tier", "ppl", "--seq-len", "128",
+              "--max-windows", "16", "--baseline", "--budget-bits", "6", "--formats", FORMATS,
+              "--vllm-python", VLLM_PYTHON, timeout=900)
+    return res, model, wd, out
+
+
+@pytest.mark.skipif(not (ROOT / ".venv-vllm" / ".installed").is_file(),
+                    reason="no .venv-vllm: build the project's vLLM with `make vllm-env`")
+def test_the_searched_mix_is_served_and_beats_the_plans_tried_by_hand_on_the_same_windows(searched):
+    res, model, wd, out = searched
     assert res.rc == 0, res.err[-3000:]
     plan = json.loads((wd / "quant_plan.json").read_text())
-    table = load_scheme_table()["schemes"]
-    shapes = linear_shapes(str(tiny_llama), plan["exclude_layers"])
+    shapes = linear_shapes(str(model), plan["exclude_layers"])
     given = {n: scheme_of(n, plan["global_scheme"], plan["layer_quant_config"], plan["exclude_layers"]) for n in shapes}
     assert set(given.values()) == {"int4_wo_32", "int8"}  # both formats, every linear quantized
-    bits = 8 * sum(linear_bytes(table[given[n]]["weight"], r, c, 4) for n, (r, c) in shapes.items()) \
-        / sum(r * c for r, c in shapes.values())  # the tiny model is F32: F32 scales
     row = next(d for d in plan["decisions"] if d["decision"] == "budget search")
-    assert bits <= 6 and bits == pytest.approx(row["effective_bits"], abs=1e-3)
-    assert row["lp_bound"] <= row["predicted_kl"]
+    assert export_bits(model, out, plan["exclude_layers"]) == pytest.approx(row["effective_bits"], abs=2e-3)
+    assert row["effective_bits"] <= 6 and row["lp_bound"] <= row["predicted_kl"]
+    validation = json.loads((wd / "validation_report.json").read_text())
+    assert validation["status"] == "success" and validation["checks"]["serve"]["status"] == "pass", validation
     report = json.loads((wd / "search_report.json").read_text())
     front = report["front"]
     assert [p["predicted_kl"] for p in front] == sorted((p["predicted_kl"] for p in front), reverse=True)
-    assert front[0]["groups_per_format"]["int8"] == 0 and report["chosen"]["predicted_kl"] < front[0]["predicted_kl"]
     assert set(report["additivity"]) == {"int4_wo_32", "int8"}
-    assert "## Predicted front" in (wd / "search_report.md").read_text()
+    # measured by the product, one comparison: the same windows, one cached baseline
+    m = {r["label"]: r for r in report["measured"]}
+    assert {"search", "uniform-int4_wo_32", "naive-mix"} <= set(m) and "uniform-int8" not in m  # int8 exceeds 6 bits
+    assert all(r["validation"] == "success" and r["bits"] <= 6 for r in m.values()), m
+    assert m["search"]["kl"] < m["uniform-int4_wo_32"]["kl"]
+    fair = m.get("search-at-naive-bits", m["search"])  # the search at no more bits than the naive mix
+    assert fair["bits"] <= m["naive-mix"]["bits"] + 1e-9 and fair["kl"] <= m["naive-mix"]["kl"]
+    assert report["recommendation"]["kl"] == min(r["kl"] for r in m.values())
+    assert report["quark_planner"].startswith("does not apply") and "fp8" in report["quark_planner"]
+    text = (wd / "search_report.md").read_text()
+    assert "## Predicted front" in text and "## Measured side by side" in text
     assert (wd / "search_report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(not (ROOT / ".venv-vllm" / ".installed").is_file(), reason="the module's run serves its export")
+def test_a_size_budget_counts_the_export_on_disk(searched):
+    """--budget-size turned into effective bits, on the run's own export: its size on disk leaves its linears no
+    more bits than they take (the headers' estimate never undercounts, so a searched export stays within the size)
+    and not much fewer (the kept tensors and headers are counted, not guessed wide)."""
+    from quark_ptq_eval.flows.budget_search import size_bits
+    from quark_ptq_eval.plan.budget_ask import BudgetAsk
+
+    res, model, wd, out = searched
+    plan = json.loads((wd / "quant_plan.json").read_text())
+    shapes = linear_shapes(str(model), plan["exclude_layers"])
+    on_disk = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    bits = size_bits(BudgetAsk(size_bytes=on_disk, given="the export's size"), str(model), shapes, 4)  # F32
+    written = export_bits(model, out, plan["exclude_layers"])
+    assert written - 0.05 <= bits <= written
+
+
+@pytest.mark.skipif(not (ROOT / ".venv-vllm" / ".installed").is_file(), reason="the module's run serves its export")
+def test_an_accuracy_floor_takes_the_fewest_bits_within_it(searched, cli, corpus, tmp_path):
+    """The dual of the bits budget, on the same scans (cache hits): the floor set at the 6-bit mix's predicted KL
+    is met with no more bits than that mix."""
+    res, model, wd, _ = searched
+    chosen = json.loads((wd / "search_report.json").read_text())["chosen"]
+    floor = chosen["predicted_kl"] * (1 + 1e-9)
+    res, wd2 = _plan(cli, model, tmp_path, corpus, "--max-kl", f"{floor!r}", "--formats", FORMATS)
+    assert res.rc == 0, res.err[-3000:]
+    assert "cache hit" in res.out + res.err  # the scans of the run, not measured again
+    row = next(d for d in json.loads((wd2 / "quant_plan.json").read_text())["decisions"] if d["decision"] == "budget search")
+    assert row["max_kl"] == floor and row["predicted_kl"] <= floor * (1 + 1e-6)
+    assert row["effective_bits"] <= chosen["bits"] + 1e-4
+
+
+def test_what_the_budget_ask_reads():
+    from quark_ptq_eval.base.errors import UsageError
+    from quark_ptq_eval.plan.budget_ask import budget_ask, default_formats, goal_ppl_pct, parse_size
+    from quark_ptq_eval.plan.request import PlanRequest
+
+    assert (parse_size("4.5GB"), parse_size("800 MiB"), parse_size("1234")) == (4_500_000_000, 800 * 2**20, 1234)
+    with pytest.raises(UsageError, match="not a size"):
+        parse_size("4.5 gigs")
+    assert goal_ppl_pct("int4 where it can, within 1 % perplexity") == 1.0 and goal_ppl_pct("fast on mi300x") is None
+    floor = budget_ask(PlanRequest(goal="within 0.5% ppl", formats=FORMATS))
+    assert floor is not None and floor.is_floor and floor.max_kl == pytest.approx(math.log(1.005))
+    assert budget_ask(PlanRequest(goal="within 0.5% ppl")) is None  # a goal alone never starts the scans
+    assert budget_ask(PlanRequest(max_kl=1e-3, sensitivity=True)) is None  # the scan's proposal budget, as before
+    with pytest.raises(UsageError, match="takes one budget"):
+        budget_ask(PlanRequest(budget_bits=6, max_ppl_increase_pct=1))
+    known = ["int4_wo_32", "int4_wo_128", "int8", "fp8", "mxfp4"]
+    assert default_formats("x86_64", known) == ["int4_wo_128", "int4_wo_32", "int8"]
+    assert default_formats("gfx950", known) == ["mxfp4", "fp8"] and default_formats("gfx942", known) == []
+
+
+def test_the_floor_and_the_budget_are_exact_on_every_small_instance():
+    """Both programs against every mix of 5 groups x 3 formats (243), on random costs."""
+    import itertools
+    import random
+
+    from quark_ptq_eval.plan.budget import GroupCost, effective_bits, predicted_kl, solve, solve_floor
+
+    rng, formats = random.Random(41), ["a", "b", "c"]
+    for _ in range(5):
+        groups = [GroupCost(f"g{i}", 64, {"a": 32.0, "b": 48.0 + rng.random() * 8, "c": 72.0},
+                            {"a": rng.random(), "b": rng.random() * 0.5, "c": rng.random() * 0.1}) for i in range(5)]
+        mixes = [dict(zip([g.name for g in groups], c, strict=True)) for c in itertools.product(formats, repeat=5)]
+        budget, floor = 5.5 + rng.random(), 0.5 + rng.random()
+        best = min(predicted_kl(groups, m) for m in mixes if effective_bits(groups, m) <= budget)
+        assert solve(groups, formats, budget).predicted_kl == pytest.approx(best)
+        fewest = min(effective_bits(groups, m) for m in mixes if predicted_kl(groups, m) <= floor)
+        got = solve_floor(groups, formats, floor)
+        assert got.bits == pytest.approx(fewest) and got.predicted_kl <= floor + 1e-9
+
+
+def test_the_naive_mix_widens_the_first_and_last_blocks_while_the_budget_allows():
+    from quark_ptq_eval.plan.budget import GroupCost, effective_bits, naive_choice
+
+    groups = [GroupCost(f"model.layers.{b}.mlp.down_proj", 100, {"n": 50.0, "w": 100.0}, {"n": 1.0, "w": 0.0})
+              for b in range(6)]
+    choice = naive_choice(groups, ["n", "w"], 5.4)  # 4 bits all narrow; each block in "w" adds 0.667
+    assert [choice[g.name] for g in groups] == ["w", "n", "n", "n", "n", "w"]
+    assert effective_bits(groups, choice) <= 5.4
+    assert set(naive_choice(groups, ["n", "w"], 4.0).values()) == {"n"}
 
 
 def test_the_size_model_matches_a_real_export(quantized, tiny_llama):
@@ -71,6 +199,42 @@ def test_the_size_model_matches_a_real_export(quantized, tiny_llama):
     for name, (rows, cols) in linear_shapes(str(tiny_llama), ["lm_head"]).items():
         written = sum(i.nbytes for t, i in out.items() if t.rpartition(".")[0] == name)
         assert written == linear_bytes(spec, rows, cols, 4), name
+
+
+def _moe8(base: Path, out: Path) -> Path:
+    """Tiny qwen3_moe (transformers' config class, random BF16 weights) with 8 routed experts a layer, 2 per token."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(base)
+    config.num_experts, config.num_experts_per_tok = 8, 2
+    torch.manual_seed(8)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return out
+
+
+def test_an_moe_with_8_experts_is_mixed_layer_by_layer_from_real_scans(cli, tiny_model, shared_assets, corpus, tmp_path):
+    """`plan --budget-bits 6` on a tiny qwen3_moe with 8 experts (fused 3-D in the checkpoint): both formats are
+    used, and each layer's 24 expert linears take one format (the scans measure them as one unit, the search
+    decides them as one group)."""
+    from tests.conftest import build_once
+
+    model = build_once(shared_assets / "tiny-qwen3_moe-8x", lambda out: _moe8(tiny_model("qwen3_moe"), out))
+    res, wd = _plan(cli, model, tmp_path, corpus, "--budget-bits", "6", "--formats", FORMATS)
+    assert res.rc == 0, res.err[-3000:]
+    plan = json.loads((wd / "quant_plan.json").read_text())
+    shapes = linear_shapes(str(model), plan["exclude_layers"])
+    given = {n: scheme_of(n, plan["global_scheme"], plan["layer_quant_config"], plan["exclude_layers"]) for n in shapes}
+    experts: dict[str, set[str]] = {}
+    for name, scheme in given.items():
+        if ".mlp.experts." in name:
+            experts.setdefault(name.split(".mlp.experts.")[0], set()).add(scheme)
+    assert len(experts) == 2 and sum(".mlp.experts." in n for n in shapes) == 2 * 8 * 3
+    assert all(len(s) == 1 for s in experts.values()), experts  # one format per layer's experts
+    assert set(given.values()) == {"int4_wo_32", "int8"}
+    row = next(d for d in plan["decisions"] if d["decision"] == "budget search")
+    assert row["effective_bits"] <= 6
 
 
 def test_an_moe_layers_experts_are_one_search_group_and_the_mix_names_them_by_layer():

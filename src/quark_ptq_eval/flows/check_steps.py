@@ -90,6 +90,8 @@ def eval_step(flow: Flow, plan: QuantPlan) -> EvalReport | str:
     finally:
         run.ui.end_progress()
     run.state.record_step("eval", "done", tier=tier, report=str(run.workdir / "eval_report.md"))
+    if scores_text(tier) and run.after_eval is not None:  # a budget search's plans, measured on the same windows
+        run.after_eval(flow, plan)
     return report
 
 

@@ -182,11 +182,13 @@ def _absolute(path: str | Path | None) -> str | None:
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     from quark_ptq_eval.base.step_table import STOP_AFTER
     from quark_ptq_eval.base.ui import Reporter
+    from quark_ptq_eval.flows.budget_side import measure_side_by_side
     from quark_ptq_eval.flows.pipeline import run_recipe
     from quark_ptq_eval.flows.summary import summary_rows
 
     ui = Reporter(quiet=args.quiet or args.json)
-    summary = run_recipe(_run_options(args), args.workdir, _approver(args), ui, STOP_AFTER[args.command])
+    summary = run_recipe(_run_options(args), args.workdir, _approver(args), ui, STOP_AFTER[args.command],
+                         measure_side_by_side)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

@@ -37,7 +37,7 @@ from quark_ptq_eval.flows.quantize_steps import (
     plan_step,
     refuse_early,
 )
-from quark_ptq_eval.flows.recipe_flow import Evaluator, Flow, RunServices
+from quark_ptq_eval.flows.recipe_flow import AfterEval, Evaluator, Flow, RunServices
 from quark_ptq_eval.flows.run_options import RunOptions
 
 RUN_LOG = "run.log"  # in-process library output of a run (the engine's own is engine.log)
@@ -55,13 +55,15 @@ class _Stopped(Exception):
 
 class Recipe:
     def __init__(self, workdir: str | Path, approver: Approver, reporter: Reporter | None = None,
-                 engine_runner: EngineRunner = run_command, evaluator: Evaluator | None = None):
+                 engine_runner: EngineRunner = run_command, evaluator: Evaluator | None = None,
+                 after_eval: AfterEval | None = None):
         self.workdir = Path(workdir).resolve()
         self.approver = approver
         self.ui = reporter or Reporter()
         self.engine_runner = engine_runner  # a child process; the family matrix runs it in its own process
         self.flow: Flow | None = None  # the last run's: what each step produced, for a caller to read
         self.evaluator = evaluator  # Phase 3 in place of the tier choice (compare: against its cached baseline)
+        self.after_eval = after_eval  # after the run's own Tier 1 (the budget search's side by side)
         self.timings: dict[str, float] = {}
         self._clock = 0.0
 
@@ -82,7 +84,7 @@ class Recipe:
             resume = f"quark-ptq-eval resume --workdir {shlex.quote(str(self.workdir))}"
             gates = Gatekeeper(self.approver, state, lambda flags: f"{resume} {flags}")
             services = RunServices(self.workdir, self.ui, state, gates, self.approver, self.engine_runner, claims,
-                                   self.evaluator)
+                                   self.evaluator, self.after_eval)
             with noise_to_log(self.workdir / "logs" / RUN_LOG):  # library chatter: the log, not the terminal
                 return self._run_locked(opts, services, bool(options.request_given), stop_after)
 
@@ -164,9 +166,9 @@ def content_digest(produced: object) -> str:
 
 
 def run_recipe(options: RunOptions, workdir: str | Path, approver: Approver, reporter: Reporter,
-               stop_after: str | None = None) -> dict[str, Any]:
+               stop_after: str | None = None, after_eval: AfterEval | None = None) -> dict[str, Any]:
     """The one entry point of `run`, `resume` and the step commands, and of the Python API's ``run``."""
-    return Recipe(workdir, approver, reporter).run(options, stop_after=stop_after)
+    return Recipe(workdir, approver, reporter, after_eval=after_eval).run(options, stop_after=stop_after)
 
 
 __all__ = ["CheckpointPending", "Flow", "Recipe", "RunOptions", "run_recipe"]

@@ -24,6 +24,7 @@ from quark_ptq_eval.flows.run_options import RunOptions
 # (output dir, source as compared, the plan as quant_plan.json holds it) -> the evaluation report:
 # Phase 3 given by the caller (compare: Tier 1 against its cached baseline)
 Evaluator = Callable[[Path, Path | None, PlanJson], Any]
+AfterEval = Callable[["Flow", QuantPlan], object]
 
 
 @dataclass
@@ -38,6 +39,9 @@ class RunServices:
     engine_runner: EngineRunner  # a child process; the family matrix runs it in its own process
     claims: contextlib.ExitStack  # what the run holds until it ends (the output's claim)
     evaluator: Evaluator | None = None  # Phase 3 in place of the tier choice
+    # after a Tier 1 evaluation of the run's own (`run` and `resume`: a budget search's plans measured side by
+    # side, flows/budget_side.py; given by the entry points, so the recipe's modules need not import compare's)
+    after_eval: AfterEval | None = None
 
 
 @dataclass

@@ -19,6 +19,7 @@ The program is a multiple-choice knapsack, solved exactly by HiGHS through ``sci
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,10 +71,12 @@ class Mix:
     status: str = "optimal"
     lp_bound: float | None = None  # the LP relaxation's objective: no mix under the budget predicts less
     counts: dict[str, int] = field(default_factory=dict)  # groups per format
+    max_kl: float | None = None  # an accuracy floor's: the fewest bits whose predicted KL stays within it
 
     def as_dict(self) -> dict[str, Any]:
         return {"budget_bits": self.budget_bits, "bits": round(self.bits, 4), "predicted_kl": self.predicted_kl,
-                "status": self.status, "lp_bound": self.lp_bound, "groups_per_format": self.counts}
+                "status": self.status, "lp_bound": self.lp_bound, "groups_per_format": self.counts,
+                "max_kl": self.max_kl}
 
 
 def effective_bits(groups: list[GroupCost], choice: dict[str, str]) -> float:
@@ -123,6 +126,23 @@ def _milp(cost: Any, units: Any, n_groups: int, n_formats: int, rhs: float, rela
     return res.x.reshape(n_groups, n_formats), float(res.fun)
 
 
+def solve_floor(groups: list[GroupCost], formats: list[str], max_kl: float) -> Mix:
+    """The mix with the fewest bytes whose predicted KL (the sum of its groups') is within ``max_kl``: the same
+    exact program with objective and row swapped. Its ``budget_bits`` is its own bits (the bits it needs)."""
+    import numpy as np
+
+    kl = np.array([g.kl[f] for g in groups for f in formats], dtype=float)
+    units = np.array([round(2 * g.bytes[f]) for g in groups for f in formats], dtype=float)
+    x, _ = _milp(units, kl, len(groups), len(formats), max_kl, False)
+    if x is None:
+        return Mix({}, math.inf, math.inf, math.inf, status="infeasible", max_kl=max_kl)
+    picked = x.argmax(axis=1)
+    choice = {g.name: formats[int(picked[i])] for i, g in enumerate(groups)}
+    bits = effective_bits(groups, choice)
+    counts = {f: sum(1 for c in choice.values() if c == f) for f in formats}
+    return Mix(choice, predicted_kl(groups, choice), bits, bits, counts=counts, max_kl=max_kl)
+
+
 def solve_with_bound(groups: list[GroupCost], formats: list[str], budget_bits: float) -> Mix:
     """The exact mix, with its LP relaxation's objective as the certificate that no mix does better."""
     mix = solve(groups, formats, budget_bits)
@@ -143,3 +163,44 @@ def front(groups: list[GroupCost], formats: list[str], points: int = 9) -> list[
     lo, hi = bits_range(groups, formats)
     budgets = [lo + (hi - lo) * i / (points - 1) for i in range(points)] if points > 1 else [hi]
     return [solve(groups, formats, b) for b in budgets]
+
+
+BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class SidePlan:
+    """A plan measured beside the search's: its label (a path-safe name), what it is, the plan's global scheme and
+    overrides, and its effective bits and predicted KL by the same size model and sum of group KLs."""
+
+    label: str
+    kind: str  # "search", "search at the naive mix's bits", "uniform", "naive mix"
+    scheme: str
+    overrides: dict[str, str]
+    bits: float
+    predicted_kl: float
+
+
+def predicted_kl(groups: list[GroupCost], choice: dict[str, str]) -> float:
+    return float(sum(g.kl[choice[g.name]] for g in groups))
+
+
+def uniform_choice(groups: list[GroupCost], fmt: str) -> dict[str, str]:
+    return {g.name: fmt for g in groups}
+
+
+def naive_choice(groups: list[GroupCost], formats: list[str], budget_bits: float) -> dict[str, str]:
+    """The mix a user tries by hand: the narrowest format everywhere, then the first and the last blocks in the
+    widest, then the second and the second to last, ... while the effective bits stay within the budget."""
+    narrow = min(formats, key=lambda f: sum(g.bytes[f] for g in groups))
+    wide = max(formats, key=lambda f: sum(g.bytes[f] for g in groups))
+    choice = uniform_choice(groups, narrow)
+    blocks = sorted({int(m[1]) for g in groups if (m := BLOCK.search(g.name))})
+    order = [b for pair in zip(blocks, reversed(blocks), strict=True) for b in pair][:len(blocks)]
+    for block in dict.fromkeys(order):
+        trial = {g.name: wide if (m := BLOCK.search(g.name)) and int(m[1]) == block else choice[g.name]
+                 for g in groups}
+        if effective_bits(groups, trial) > budget_bits + 1e-9:
+            break
+        choice = trial
+    return choice

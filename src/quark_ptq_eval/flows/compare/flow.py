@@ -27,7 +27,9 @@ from quark_ptq_eval.base.errors import CheckpointPending, QpeError, UsageError
 from quark_ptq_eval.base.gates import Approver, Gate, Gatekeeper
 from quark_ptq_eval.base.state import RunState, WorkdirLock
 from quark_ptq_eval.base.ui import Reporter, noise_to_log
-from quark_ptq_eval.flows.compare.options import CompareOptions, scheme_label
+from quark_ptq_eval.execute.runner import EngineRunner, run_command
+from quark_ptq_eval.flows.compare.budget import searched_cells
+from quark_ptq_eval.flows.compare.options import CompareOptions, budget_asked, scheme_label
 
 Progress = Callable[[str, str], None]  # (event, scheme): "done" / "failed" / "skipped"
 
@@ -56,12 +58,13 @@ class Comparison:
         self.progress = progress or (lambda event, scheme: None)
         self.state: RunState
         self.gates: Gatekeeper
+        self.engine_runner: EngineRunner = run_command  # the budget side by side runs its engines in process
 
     def run(self, options: CompareOptions) -> dict[str, Any]:
         self.root.mkdir(parents=True, exist_ok=True)
         with WorkdirLock(self.root):
             self.state = RunState.load(self.root)
-            opts = options.merged_over(self.state.options)
+            opts = searched_cells(self.root, options.merged_over(self.state.options))  # a budget: the search's plans
             opts.check()
             self.state.options = opts.to_state()
             self.state.save()
@@ -98,6 +101,14 @@ class Comparison:
         from quark_ptq_eval.flows.compare.results import write_comparison
 
         doc = write_comparison(self, opts, baseline)
+        if budget_asked(opts):
+            from quark_ptq_eval.base.fsio import write_json
+            from quark_ptq_eval.evaluate.report import json_safe
+            from quark_ptq_eval.flows.compare.budget import report_measured
+            from quark_ptq_eval.flows.compare.results import JSON_NAME
+
+            report_measured(self.root, opts, doc)
+            write_json(self.root / JSON_NAME, json_safe(doc))
         card_for_chosen(self, doc, opts.base_model)  # the chosen scheme's card, after every scheme's evaluation
         return doc
 
@@ -238,13 +249,17 @@ class Comparison:
     def _recipe(self, opts: CompareOptions, scheme: str, granted: set[str], quiet: bool):
         from quark_ptq_eval.flows.pipeline import Recipe
 
-        return Recipe(self.workdir(scheme), _Delegate(self.approver, granted), Reporter(quiet=quiet))
+        return Recipe(self.workdir(scheme), _Delegate(self.approver, granted), Reporter(quiet=quiet),
+                      engine_runner=self.engine_runner)
 
     def _run_options(self, opts: CompareOptions, scheme: str):
+        from quark_ptq_eval.flows.compare.options import cell_request
         from quark_ptq_eval.flows.pipeline import RunOptions
 
-        return RunOptions.from_given(model=opts.model, output_dir=str(self.output_dir(scheme)),
-                          request={**opts.plan, "scheme": scheme}, overwrite=opts.overwrite, offline=opts.offline,
+        # mixes measured beside a budget search: Tier 1's text is given, so calibration keeps all of its own
+        held = {"eval_data": str(opts.eval.eval_data)} if opts.cells and opts.eval.eval_data else None
+        return RunOptions.from_given(model=opts.model, output_dir=str(self.output_dir(scheme)), eval=held,
+                          request=cell_request(opts, scheme), overwrite=opts.overwrite, offline=opts.offline,
                           card="none",  # the comparison writes the card of the scheme it chooses
                           base_model=opts.base_model)  # in each scheme's run state: its card, written later, names it
 

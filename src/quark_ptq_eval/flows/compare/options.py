@@ -22,7 +22,7 @@ from quark_ptq_eval.base.options import OFFLINE_HELP, Part, build, concern, flag
 from quark_ptq_eval.evaluate.options import DEFAULT_SEQ_LEN, SERVING, EvalOptions
 from quark_ptq_eval.evaluate.ppl.baseline_cache import DEFAULT_TOP_K
 from quark_ptq_eval.evaluate.speed.workload import WITH_TIER3, SpeedOptions
-from quark_ptq_eval.plan.request import CHOICE, PlanRequest
+from quark_ptq_eval.plan.request import CHOICE, SEARCH_FIELDS, PlanRequest
 from quark_ptq_eval.publish import BASE_MODEL_HELP, check_base_model
 from quark_ptq_eval.runtime.vllm_host import ENV_VAR as VLLM_PYTHON_ENV
 
@@ -32,6 +32,14 @@ MEASURE = "measure"  # --speed: serving speed measured beside accuracy
 RAY_HELP = ("run {what} as a Ray task on the cluster at ADDRESS (default auto: the one `ray start` brought up; "
             "local: start one on this host; write --ray=ADDRESS before a positional argument); needs the [ray] extra")
 NOT_STORED = ("ray",)
+
+
+@dataclass(frozen=True)
+class MixCell:
+    """One compared plan given as a mix: the global scheme and the per-pattern overrides."""
+
+    scheme: str
+    layer_quant_config: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,8 +75,12 @@ class CompareOptions:
     # Where this call runs, not what the comparison is: never stored, so a resume runs where it is told to.
     ray: str | None = field(default=None, metadata=flag(
         "--ray", nargs="?", const="auto", metavar="ADDRESS", help=RAY_HELP.format(what="each scheme")) | concern(RUN))
+    # A cell that is a mix rather than one scheme: label (in ``schemes``) -> its plan's global scheme and
+    # overrides (the budget search's side by side, flows/budget_side.py); no flag, stored with the comparison.
+    cells: dict[str, MixCell] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.cells = {k: v if isinstance(v, MixCell) else MixCell(**v) for k, v in self.cells.items()}
         if isinstance(self.eval, dict):
             self.eval = build(EvalOptions, self.eval)
         if self.eval.seq_len is None:
@@ -103,7 +115,9 @@ class CompareOptions:
             raise UsageError(f"compare needs the model as a local directory; {self.model} is not one.",
                              "Download it first (huggingface-cli download) and pass the local directory.")
         if not self.schemes:
-            raise UsageError("No schemes to compare.", "Pass --schemes, e.g. --schemes fp8,int8,int4_wo_128,mxfp4.")
+            raise UsageError("No schemes to compare.", "Pass --schemes, e.g. --schemes fp8,int8,int4_wo_128,mxfp4, "
+                                                       "or a budget (--budget-bits, --budget-size) to compare the "
+                                                       "search's plans.")
         if len(set(self.schemes)) != len(self.schemes):
             raise UsageError(f"A scheme is listed twice in --schemes {','.join(self.schemes)}.")
         check_base_model(self.base_model)
@@ -171,6 +185,21 @@ def options_from(model: str | Path | None, schemes: list[str] | str | None, out_
                              tier_options=SPEED_WORKLOAD.given(args))
     return CompareOptions(model=str(model) if model else None, schemes=list(schemes or []), out_root=str(out_root),
                           plan=plan, eval=evaluation, **own)
+
+
+def cell_request(opts: CompareOptions, label: str) -> dict[str, Any]:
+    """The plan request of one compared cell: the shared plan options (less the budget search's: the search ran
+    once, flows/compare/budget.py) with its scheme, or its mix."""
+    shared = {k: v for k, v in opts.plan.items() if k not in SEARCH_FIELDS}
+    cell = opts.cells.get(label)
+    if cell is None:
+        return {**shared, "scheme": label}
+    return {**shared, "scheme": cell.scheme, "layer_quant_config": dict(cell.layer_quant_config)}
+
+
+def budget_asked(opts: CompareOptions) -> bool:
+    """A comparison of the budget search's plans (--budget-bits or --budget-size), not of named schemes."""
+    return any(opts.plan.get(k) is not None for k in SEARCH_FIELDS[:2])
 
 
 def scheme_label(scheme: str) -> str:
