@@ -53,6 +53,7 @@ class Emulation:
     quantized: set[str] = field(default_factory=set)  # weights decoded (and activations quantized)
     skipped: dict[str, str] = field(default_factory=dict)  # quantized module -> why it is not emulated
     activation: dict[str, ActivationQuantizer] = field(default_factory=dict)  # module -> its input quantizer
+    output: dict[str, ActivationQuantizer] = field(default_factory=dict)  # module -> its output quantizer
     handles: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
@@ -63,19 +64,23 @@ class Emulation:
 
     def activations_off(self) -> _Switch:
         """A context in which the activation quantizers pass their input through (weights alone)."""
-        return _Switch(self.activation)
+        return _Switch([*self.activation.values(), *self.output.values()])
+
+    def outputs_off(self) -> _Switch:
+        """A context in which only the output quantizers (a KV cache's) pass their input through."""
+        return _Switch(list(self.output.values()))
 
 
 class _Switch:
-    def __init__(self, quantizers: dict[str, ActivationQuantizer]):
+    def __init__(self, quantizers: list[ActivationQuantizer]):
         self.quantizers = quantizers
 
     def __enter__(self) -> None:
-        for q in self.quantizers.values():
+        for q in self.quantizers:
             q.enabled = False
 
     def __exit__(self, *exc: object) -> None:
-        for q in self.quantizers.values():
+        for q in self.quantizers:
             q.enabled = True
 
 
@@ -149,6 +154,7 @@ def _quantize_activations(module: torch.nn.Module, name: str, output: dict[str, 
         emulation.activation[name] = pre
         emulation.handles.append(module.register_forward_pre_hook(_on_input(pre)))
     if post is not None:
+        emulation.output[name] = post
         emulation.handles.append(module.register_forward_hook(_on_output(post)))
 
 
@@ -172,6 +178,9 @@ class EmulatedOutputs:
     emulation: Emulation
     outputs: dict[tuple[str, str, str | None], torch.Tensor] = field(default_factory=dict)
     weights_only: dict[tuple[str, str, str | None], torch.Tensor] = field(default_factory=dict)
+    # units whose module quantizes its output (a KV cache's k/v projections): the output before that
+    # quantizer, where a value within rounding of a grid boundary may land on either side (load_judge.py)
+    before_output: dict[tuple[str, str, str | None], torch.Tensor] = field(default_factory=dict)
     note: str = ""
 
     def covers(self, unit: ReplayUnit) -> bool:
@@ -209,6 +218,10 @@ def emulate_outputs(ctx: CheckInputs, model: torch.nn.Module, owners: list[str],
     with emulation.activations_off():
         for unit, out in replay.unit_outputs(units, captures, modules, torch.float32).items():
             result.weights_only[unit_key(unit)] = out
+    quantizing = [u for u in units if u.module in emulation.output]
+    with emulation.outputs_off():
+        for unit, out in replay.unit_outputs(quantizing, captures, modules, torch.float32).items():
+            result.before_output[unit_key(unit)] = out
     return result
 
 
