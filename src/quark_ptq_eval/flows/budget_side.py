@@ -19,8 +19,8 @@ from pathlib import Path
 
 from quark_ptq_eval.base.artifacts import QuantPlan
 from quark_ptq_eval.base.errors import CheckpointPending, QpeError
-from quark_ptq_eval.evaluate.ppl.baseline_cache import DEFAULT_TOP_K
 from quark_ptq_eval.evaluate.options import EvalOptions
+from quark_ptq_eval.evaluate.ppl.baseline_cache import DEFAULT_TOP_K
 from quark_ptq_eval.flows.budget_report import (
     SEARCH_JSON,
     Measured,
