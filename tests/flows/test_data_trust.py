@@ -186,32 +186,26 @@ def _wait_exit(proc: subprocess.Popen, timeout: float) -> int | None:
 @pytest.mark.usefixtures("source_guard")
 def test_two_runs_one_output_then_sigkill_status_and_resume(cli, tiny_llama, corpus, tmp_path):
     """A second run on an output another run is writing exits 5 before its engine starts. The holder
-    and its engine are frozen (SIGSTOP) once the engine quantizes, so the second run always meets a held
-    claim and the engine is still mid-run when its holder dies, however fast this host quantizes; it was
+    is frozen (SIGSTOP) once its engine quantizes, so the second run always meets a held claim; it was
     a race when both started together and the first finished before the second reached its claim.
     The holder is then SIGKILLed: `status` says interrupted, `resume` completes without asking to
     delete anything, and the export is that run's."""
     out = tmp_path / "out"
-    # 200 samples: the resume quantizes them again (the frozen engine needs no more work to stay mid-run)
-    extra = ("--num-calib-samples", "200", "--calib-seq-len", "64", "--yes", "--eval-tier", "skip", "--no-load-check")
+    extra = ("--num-calib-samples", "600", "--calib-seq-len", "64", "--yes", "--eval-tier", "skip", "--no-load-check")
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
     win_wd, lose_wd = tmp_path / "a" / "wd", tmp_path / "b" / "wd"
     run = Started(tmp_path / "a", *run_args(tiny_llama, out, win_wd, corpus, *extra))
-    engine = run.wait_for(run.engine, "the engine process")
     run.wait_for(lambda: "[quark-ptq-eval] quantizing" in engine_log(win_wd), "the engine to start quantizing")
-    engine.suspend()
     os.kill(run.proc.pid, signal.SIGSTOP)  # the claim's holder, alive but going nowhere
     try:
         rc, err = Started(tmp_path / "b", *run_args(tiny_llama, out, lose_wd, corpus, *extra)).finish(timeout=300)
     finally:
-        os.kill(run.proc.pid, signal.SIGKILL)  # works on a stopped process; its engine follows (PDEATHSIG) ...
-        engine.resume()  # ... once it runs again to receive it
+        os.kill(run.proc.pid, signal.SIGKILL)  # works on a stopped process; its engine follows (PDEATHSIG)
     assert rc == ExitCode.LOCKED, err
     assert f"Another quark-ptq-eval run (work dir {win_wd}, pid {run.proc.pid}) is writing the output" in err
     assert not engine_log(lose_wd) and "Traceback" not in err
     assert _wait_exit(run.proc, 60) == -signal.SIGKILL
-    engine.wait(timeout=60)  # the engine followed its holder: nothing of that run writes on
     status = cli("status", "--workdir", win_wd)
     assert "interrupted: the process that ran execute is gone" in status.out, status.out
     assert f"continue with: quark-ptq-eval resume --workdir {win_wd}" in status.out
