@@ -31,14 +31,7 @@ def write_pareto_chart(rows: list[dict[str, Any]], fronts: dict[str, list[str]],
 
 def _panel(ax, points: list[dict], front: list[str], metric: str, label: str) -> None:
     sizes = [r["size_bytes"] / 2**20 for r in points]
-    values = [r.get(metric) for r in points]
-    on_front = [r["scheme"] in front for r in points]
-    ax.scatter(sizes, values, c=["#d62728" if f else "#7f7f7f" for f in on_front], zorder=3)
-    for r, x, y in zip(points, sizes, values, strict=True):
-        ax.annotate(r["scheme"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    frontier = sorted((x, y) for x, y, f in zip(sizes, values, on_front, strict=True) if f)
-    if len(frontier) > 1:
-        ax.step([p[0] for p in frontier], [p[1] for p in frontier], where="post", color="#d62728", lw=1)
+    _front_scatter(ax, points, sizes, [r.get(metric) for r in points], front, stepped=True)
     base = next((r.get("baseline_perplexity") for r in points if r.get("baseline_perplexity")), None)
     if metric == "perplexity" and base:
         ax.axhline(base, color="#1f77b4", ls="--", lw=1, label=f"baseline {base:.4g}")
@@ -75,16 +68,25 @@ def write_speed_chart(rows: list[dict[str, Any]], speed: dict[str, Any], path: P
     return path
 
 
-def _speed_panel(ax, points: list[dict], front: list[str], metric: str, label: str, base: float | None) -> None:
-    drawn = [r for r in points if r.get(metric) is not None]
-    xs, ys = [r["output_tokens_per_s"] for r in drawn], [r[metric] for r in drawn]
-    on_front = [r["scheme"] in front for r in drawn]
+def _front_scatter(ax, points: list[dict], xs: list, ys: list, front: list[str], stepped: bool) -> None:
+    """Each scheme a labelled point, the Pareto front's red and joined (a step where size is the axis)."""
+    on_front = [r["scheme"] in front for r in points]
     ax.scatter(xs, ys, c=["#d62728" if f else "#7f7f7f" for f in on_front], zorder=3)
-    for r, x, y in zip(drawn, xs, ys, strict=True):
+    for r, x, y in zip(points, xs, ys, strict=True):
         ax.annotate(r["scheme"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     frontier = sorted((x, y) for x, y, f in zip(xs, ys, on_front, strict=True) if f)
     if len(frontier) > 1:
-        ax.plot([p[0] for p in frontier], [p[1] for p in frontier], color="#d62728", lw=1)
+        line = ([p[0] for p in frontier], [p[1] for p in frontier])
+        if stepped:
+            ax.step(*line, where="post", color="#d62728", lw=1)
+        else:
+            ax.plot(*line, color="#d62728", lw=1)
+
+
+def _speed_panel(ax, points: list[dict], front: list[str], metric: str, label: str, base: float | None) -> None:
+    drawn = [r for r in points if r.get(metric) is not None]
+    _front_scatter(ax, drawn, [r["output_tokens_per_s"] for r in drawn], [r[metric] for r in drawn], front,
+                   stepped=False)
     if base:  # the unquantized model: no accuracy lost, its own throughput
         ax.scatter([base], [0.0], marker="s", color="#1f77b4", zorder=3, label=f"baseline {base:.4g} tok/s")
         ax.legend(fontsize=8)
