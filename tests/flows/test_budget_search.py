@@ -203,15 +203,9 @@ def test_the_size_model_matches_a_real_export(quantized, tiny_llama):
 
 def _moe8(base: Path, out: Path) -> Path:
     """Tiny qwen3_moe (transformers' config class, random BF16 weights) with 8 routed experts a layer, 2 per token."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from tests.fixtures.families import with_experts
 
-    config = AutoConfig.from_pretrained(base)
-    config.num_experts, config.num_experts_per_tok = 8, 2
-    torch.manual_seed(8)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)
-    return out
+    return with_experts(base, out, experts=8, per_token=2, seed=8)
 
 
 def test_an_moe_with_8_experts_is_mixed_layer_by_layer_from_real_scans(cli, tiny_model, shared_assets, corpus, tmp_path):

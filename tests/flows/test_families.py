@@ -194,16 +194,11 @@ def test_an_awq_export_whose_norms_were_rewritten_passes_the_load_check_layer_by
 def _wide_moe(setup: Setup) -> Path:
     """qwen3_moe with 32 experts, one per token: the probe leaves several experts without a token, as
     DeepSeek-V3's 256 (top-8) do at full size."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from tests.fixtures.families import with_experts
 
     base, wide = _family(setup, "qwen3_moe"), setup.work / "models" / "qwen3_moe_wide"
     if not (wide / "config.json").exists():
-        config = AutoConfig.from_pretrained(base)
-        config.num_experts, config.num_experts_per_tok = 32, 1
-        torch.manual_seed(1)
-        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(wide)
-        AutoTokenizer.from_pretrained(base).save_pretrained(wide)
+        with_experts(base, wide, experts=32, per_token=1, seed=1)
     return wide
 
 
