@@ -99,6 +99,38 @@ def test_unknown_task_is_refused_before_any_model_loads(tmp_path):
         evaluate(unloadable, lm_eval_options(tasks=[]), tmp_path, FlagApprover())
 
 
+def test_the_task_index_is_built_once_per_process_and_again_when_a_yaml_changes(tmp_path, monkeypatch):
+    """lm-eval's TaskManager indexes ~15,000 YAMLs (8 s): a Tier 2 run asks for it once per model it scores.
+    Here a TaskManager that counts its builds stands in for lm-eval's (the real one runs in every test above)."""
+    from quark_ptq_eval.evaluate.lmeval import tasks
+
+    built = []
+
+    class Counting:
+        def __init__(self, include_path):
+            built.append(include_path)
+
+    monkeypatch.setattr(tasks, "_import_lm_eval", lambda: (None, Counting))
+    tasks._indexed.cache_clear()
+    ours = tmp_path / "tasks"
+    ours.mkdir()
+    (ours / "a.yaml").write_text("task: a\n")
+    try:
+        first = tasks.task_manager(ours)
+        assert tasks.task_manager(ours) is first and tasks.task_manager(None) is tasks.task_manager(None)
+        assert built == [str(ours), None]
+        (ours / "a.yaml").write_text("task: a2\n")  # an edited task: a new index
+        assert tasks.task_manager(ours) is not first and built[-1] == str(ours)
+        (ours / "sub").mkdir()
+        (ours / "sub" / "b.yml").write_text("task: b\n")  # an added one, at any depth
+        tasks.task_manager(ours)
+        assert len(built) == 4
+        with pytest.raises(UsageError, match="is not a directory"):
+            tasks.task_manager(tmp_path / "missing")
+    finally:
+        tasks._indexed.cache_clear()  # the other tests' real index is built afresh
+
+
 @pytest.mark.parametrize(("b", "c"), [(0, 0), (5, 0), (0, 5), (3, 1), (7, 7), (2, 11), (40, 25), (130, 100)])
 def test_mcnemar_is_the_exact_binomial_test_on_discordant_pairs(b, c):
     ours = mcnemar(b, c)

@@ -273,8 +273,9 @@ def test_interactive_mode_asks_at_every_gate_on_the_terminal(tiny_llama, corpus,
     import sys
 
     wd, out = tmp_path / "work", tmp_path / "out"
+    # --no-load-check: the prompts are this test's subject (run_yes above loads and runs the exports)
     args = [sys.executable, "-m", "quark_ptq_eval", *map(str, run_args(tiny_llama, out, wd, corpus, "--scheme", "int8")),
-            "--execution-mode", "interactive_execute"]
+            "--execution-mode", "interactive_execute", "--no-load-check"]
     # intake, plan, execute: yes; result: no -> stops at checkpoint 4 with the output kept.
     proc = subprocess.run(args, input="y\ny\nyes\nn\n", capture_output=True, text=True, timeout=900)
     assert proc.returncode == 3, proc.stderr[-2000:]

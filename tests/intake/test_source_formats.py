@@ -4,11 +4,12 @@ The FP8 releases are made here from the families' BF16 instances by tests/fp8_re
 release format exactly (F8_E4M3 weights, 128x128 ``weight_scale_inv`` blocks, quantization_config).
 Real runs (marked slow): the releases of deepseek_v3, the trained qwen3 and minimax_m2 -> mxfp4 and
 -> int8 with calibration, each validated and with Tier 1 against the dequantized release; the
-.bin-only llama -> int8.
+.bin-only llama -> int8; their engines in this process (the recipe's in-process runner).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -227,16 +228,31 @@ def test_output_size_comes_from_the_release_headers(release, catalog, tmp_path):
     assert abs(resources.output_bytes(a, "mxfp4", info) / count - 1) < 0.10
 
 
+# Every release run's engine runs in this process (execute/in_process.py, as the family matrix's cells do):
+# ``import quark.torch`` and a child's start are paid once for the file, not once per run (~15 s each). The
+# engine in a child process is what tests/flows/test_pipeline.py and tests/reliability/ run.
+@functools.cache
+def _engine_in_process():
+    from quark_ptq_eval.execute.in_process import InProcessRunner
+
+    return InProcessRunner()
+
+
 def _run_release(model: Path, tmp_path: Path, scheme: str, corpus: Path, eval_text: Path | None) -> dict:
+    """The recipe of ``api.run`` (the same options, built the same way), its engine in this process."""
+    from quark_ptq_eval.base.ui import Reporter
     from quark_ptq_eval.evaluate import BASELINE_FROM_SOURCE
-    from quark_ptq_eval.flows import api
+    from quark_ptq_eval.flows.pipeline import Recipe
+    from quark_ptq_eval.flows.run_options import run_options
 
     wd, out = tmp_path / "work", tmp_path / "out"
     tier = "ppl" if eval_text else "skip"
     eval_options = {"eval_data": str(eval_text), "seq_len": 64, "baseline": BASELINE_FROM_SOURCE} if eval_text else {}
-    summary = api.run(model, out, workdir=wd, approver=FlagApprover(all_gates=True), eval_tier=tier,
-                      eval_options=eval_options, offline=True, scheme=scheme, calib_data=str(corpus),
-                      num_calib_samples=8, calib_seq_len=64)
+    options = run_options(model, out, dict(eval_tier=tier, eval_options=eval_options, offline=True, scheme=scheme,
+                                           calib_data=str(corpus), num_calib_samples=8, calib_seq_len=64))
+    recipe = Recipe(wd, FlagApprover(all_gates=True), Reporter(quiet=True), engine_runner=_engine_in_process())
+    summary = recipe.run(options)
+    assert "(in this process)" in (wd / "logs" / "engine.log").read_text()
     report = json.loads((wd / "validation_report.json").read_text())
     return {"summary": summary, "report": report, "wd": wd, "out": out,
             "plan": json.loads((wd / "quant_plan.json").read_text())}
