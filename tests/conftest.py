@@ -38,7 +38,7 @@ os.environ.setdefault("QUARK_PTQ_EVAL_CACHE", str(ROOT / ".pytest_cache" / "quar
 # the other's as free), and both comparisons read the one local comparison (`compared`).
 SHARED_WORKER = {
     "tests/evaluate/test_tier3_real_vllm.py": "vllm", "tests/publish/test_model_card.py": "vllm",
-    "tests/evaluate/test_speed_real_vllm.py": "vllm", "tests/plan/test_plan_groups.py": "vllm",
+    "tests/evaluate/test_speed_real_vllm.py": "vllm",
     "tests/flows/test_budget_search.py": "vllm",  # its run's serve check and side-by-side start vLLM
     "tests/flows/test_compare.py": "compare", "tests/flows/test_compare_ray.py": "compare",
 }
