@@ -80,6 +80,8 @@ def searched(cli, shared_assets, corpus, tmp_path_factory):
 @pytest.mark.skipif(not (ROOT / ".venv-vllm" / ".installed").is_file(),
                     reason="no .venv-vllm: build the project's vLLM with `make vllm-env`")
 def test_the_searched_mix_is_served_and_beats_the_plans_tried_by_hand_on_the_same_windows(searched):
+    from tests.evaluate.test_tier3_real_vllm import our_servers
+
     res, model, wd, out = searched
     assert res.rc == 0, res.err[-3000:]
     plan = json.loads((wd / "quant_plan.json").read_text())
@@ -107,6 +109,13 @@ def test_the_searched_mix_is_served_and_beats_the_plans_tried_by_hand_on_the_sam
     text = (wd / "search_report.md").read_text()
     assert "## Predicted front" in text and "## Measured side by side" in text
     assert (wd / "search_report.png").read_bytes()[:4] == b"\x89PNG"
+    # Tier 1 with --vllm-python: HF's and vLLM's perplexities of the same windows agree (the run's own server)
+    details = json.loads((wd / "eval_results.json").read_text())["details"]
+    check = details["hf_vs_vllm"]
+    assert check["windows"] == details["quantized"]["windows"] == 16 and check["agree"], check
+    assert check["hf_perplexity"] == pytest.approx(details["quantized"]["perplexity"], rel=1e-9)
+    assert "HF and vLLM agree on perplexity over the same 16 windows" in (wd / "eval_report.md").read_text()
+    assert not our_servers(out, model)  # its servers stopped
 
 
 @pytest.mark.skipif(not (ROOT / ".venv-vllm" / ".installed").is_file(), reason="the module's run serves its export")

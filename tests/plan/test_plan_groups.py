@@ -2,7 +2,8 @@
 
 q/k/v share one scheme, gate/up one, an MoE layer's routed experts one: an override or exclusion that
 splits a group is refused at the plan step naming the group (exit 2, nothing run), or widened to the
-whole group with ``--widen-groups``; the widened export is served by the project's vLLM.
+whole group with ``--widen-groups``; the widened export (`*up_proj*` int4_wo_128 over int8) is quantized, validated
+and served by the project's vLLM in the model card's run (tests/publish/test_model_card.py), which serves one anyway.
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ import pytest
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.plan.groups import deployment_groups, settle_groups
-
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def _llama_names(layers: int = 2) -> list[str]:
@@ -96,24 +94,6 @@ def test_a_per_expert_override_that_splits_a_layers_experts_is_refused_or_widene
     plan = json.loads((wd / "quant_plan.json").read_text())
     assert plan["layer_quant_config"] == {"model.layers.1.mlp.experts.*": "int4_wo_32",
                                           "model.layers.1.mlp.experts.2.*": "int4_wo_32"}
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not (ROOT / ".venv-vllm" / ".installed").is_file(),
-                    reason="no .venv-vllm: build the project's vLLM with `make vllm-env`")
-def test_a_widened_mix_is_quantized_validated_and_served_by_vllm(cli, tiny_llama, corpus, tmp_path):
-    """`*up_proj*` int4_wo_128 over int8, widened: gate/up at int4, the rest int8; the serving check passes."""
-    wd, out = tmp_path / "wd", tmp_path / "out"
-    res = cli("run", tiny_llama, "-o", out, "--workdir", wd, "--calib-data", corpus, "--offline", "--yes",
-              "--scheme", "int8", "--layer-quant-scheme", "*up_proj*", "int4_wo_128", "--widen-groups",
-              "--num-calib-samples", "8", "--calib-seq-len", "64", "--eval-tier", "skip", "--vllm-python", VLLM_PYTHON)
-    assert res.rc == 0, res.err[-3000:]
-    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]["layer_quant_config"]
-    assert {"model.layers.*.mlp.gate_proj", "*up_proj*"} <= set(qconfig)
-    report = json.loads((wd / "validation_report.json").read_text())
-    assert report["status"] == "success", report["evidence"]
-    serve = report["checks"]["serve"]
-    assert serve["status"] == "pass" and serve["stats"]["served"] is True, serve
 
 
 def test_validation_names_a_split_export_that_vllm_would_refuse(quantized, tiny_llama):

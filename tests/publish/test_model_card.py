@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,17 @@ from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.publish import write_card
 from quark_ptq_eval.publish.metadata import BASE_SUFFIX
 from quark_ptq_eval.runtime.vllm_host import free_port
-from tests.evaluate.test_tier3_real_vllm import assert_scored, our_servers, port_free, tier3_args
+from tests.evaluate.test_tier3_real_vllm import (
+    assert_scored,
+    assert_tier3_served_both_sized_and_measured,
+    control_with_vllms_default,
+    other_jobs_holding_memory,
+    our_servers,
+    port_free,
+    tier3_args,
+)
 from tests.fixtures.exports import assert_reloadable_export
+from tests.fixtures.speed_checks import SPEED_ARGS
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -109,10 +119,12 @@ def _digests(directory: Path) -> dict[str, str]:
 
 
 def _eval_args(corpus: Path, port: int) -> list:
-    """With the project's vLLM: Tier 3 (the serving check and Tier 3 each start a server); without it,
-    Tier 1 with the baseline (the card's Tier 1 figures are also checked on test_plan_goals' --baseline run)."""
+    """With the project's vLLM: Tier 3 with the baseline and --speed (the serving check and Tier 3 each start the
+    export's server; Tier 3 starts the baseline's; the benchmark runs on Tier 3's own servers); without it, Tier 1
+    with the baseline (the card's Tier 1 figures are also checked on test_plan_goals' --baseline run)."""
     if HAS_VLLM:
-        return ["--eval-tier", "vllm", *tier3_args(port)]
+        return ["--eval-tier", "vllm", "--baseline", *tier3_args(port, "--vllm-arg=--max-num-seqs=16"), "--speed",
+                *SPEED_ARGS]
     return ["--eval-tier", "ppl", "--eval-data", corpus, "--seq-len", "64", "--max-windows", "16", "--baseline"]
 
 
@@ -120,20 +132,31 @@ def _eval_args(corpus: Path, port: int) -> list:
 def test_a_run_carries_the_base_card_serve_checks_and_scores_tier3_and_its_card_states_it(
         cli, copy_model, tiny_llama, corpus, tmp_path):
     """One real `run` of a base model with its own card, to Tier 3 with the project's vLLM: validation's
-    serving check starts vLLM on the int8 export (served), then Tier 3 serves it and scores it, and the
-    card states what the run's artifacts hold."""
+    serving check starts vLLM on the export (served), then Tier 3 serves it and its source, scores both and
+    measures their serving speed on those servers, while other jobs hold memory (test_tier3_real_vllm's checks);
+    the card states what the run's artifacts hold. The export is int8 with `*up_proj*` at int4_wo_128, widened
+    to gate/up (the group vLLM fuses, issue 41, tests/plan/test_plan_groups.py): the widened mix is what vLLM
+    serves here."""
     source = copy_model(tiny_llama, "base-with-card")
     (source / "README.md").write_text(BASE_README)
     before = _digests(source)
     wd, out, port = tmp_path / "work", tmp_path / "base-with-card-int8", free_port()
-    res = cli("run", source, "-o", out, "--workdir", wd, "--scheme", "int8", "--calib-data", corpus,
-              "--num-calib-samples", "8", "--calib-seq-len", "64", "--offline", "--yes", *_eval_args(corpus, port))
+    with other_jobs_holding_memory() if HAS_VLLM else nullcontext() as figures:
+        res = cli("run", source, "-o", out, "--workdir", wd, "--scheme", "int8", "--layer-quant-scheme", "*up_proj*",
+                  "int4_wo_128", "--widen-groups", "--calib-data", corpus, "--num-calib-samples", "8",
+                  "--calib-seq-len", "64", "--offline", "--yes", *_eval_args(corpus, port))
+        control = (control_with_vllms_default(cli, out, port, tmp_path / "default")
+                   if HAS_VLLM and figures is not None and res.rc == 0 else None)
     assert res.rc == 0, res.err[-3000:]
     assert res.err.strip().splitlines()[-1] == f"To publish it on the Hugging Face Hub (not run): hf upload {out.name} {out} ."
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]["layer_quant_config"]
+    assert {"model.layers.*.mlp.gate_proj", "*up_proj*"} <= set(qconfig)  # gate/up at int4, the rest int8
     validation = json.loads((wd / "validation_report.json").read_text())
+    assert validation["status"] == "success", validation["evidence"]
     assert_reloadable_export(validation["status"], out, wd)  # test_pipeline's run_yes for llama int8
     if HAS_VLLM:
         _assert_served_and_scored(wd, out, port)
+        assert_tier3_served_both_sized_and_measured(res, wd, port, figures, control, out, source)
     card = assert_card_matches(out, wd)
     # the base card's licence, language and tags carried over; its results and text not copied
     assert (card.data.license, card.data.language) == ("apache-2.0", "en") and {"docstrings", "tiny"} <= set(card.data.tags)
@@ -159,6 +182,6 @@ def _assert_served_and_scored(wd: Path, out: Path, port: int) -> None:
     assert serve["status"] == "pass" and serve["stats"]["served"] is True, serve
     assert serve["stats"]["argv"][0] == str(VLLM_PYTHON.absolute())
     results = json.loads((wd / "eval_results.json").read_text())
-    assert_scored(results, with_baseline=False)
+    assert_scored(results)
     assert results["details"]["stderr"]["quantized"]["qpe_docstring_mc"]["acc"] > 0
     assert not our_servers(out, f"--port {port}") and port_free(port)  # nothing left behind
