@@ -232,9 +232,9 @@ def search_groups(shapes: dict[str, tuple[int, int]], scans: dict[str, dict[str,
     """(groups with their bytes and KL per format, each group's scan units' patterns): vLLM's fused groups
     and the scan's units (an MoE layer's experts) merged, so that no group splits either. An MoE layer's experts
     may take only the formats not ``refused`` for experts (``experts_refused``)."""
-    experts_only = tuple(f for f in formats if f not in (refused or {})) if refused else ()
     from quark_ptq_eval.base.schemes import load_scheme_table
 
+    experts_only = tuple(f for f in formats if f not in refused) if refused else ()
     table = load_scheme_table() or {"schemes": {}}
     rows = {f: {r["layer"]: r for r in scans[f]["layers"]} for f in formats}
     units = rows[formats[0]]
@@ -246,10 +246,21 @@ def search_groups(shapes: dict[str, tuple[int, int]], scans: dict[str, dict[str,
         kl = {f: sum(float(rows[f][u]["kl"]) for u in unit_names if u in rows[f]) for f in formats}
         size = {f: sum(linear_bytes(table["schemes"].get(f, {}).get("weight"), *shapes[n], scale_bytes)
                        for n in linears) for f in formats}
-        only = experts_only if any(ROUTED.match(n) for n in linears) else ()
-        groups.append(GroupCost(key, sum(r * c for r, c in (shapes[n] for n in linears)), size, kl, only))
-        members[key] = [units[u].get("pattern", u) if u in units else u for u in unit_names]
+        experts = any(ROUTED.match(n) for n in linears)
+        groups.append(GroupCost(key, sum(r * c for r, c in (shapes[n] for n in linears)), size, kl,
+                                experts_only if experts else ()))
+        members[key] = [experts_pattern(key)] if experts else \
+            [units[u].get("pattern", u) if u in units else u for u in unit_names]
     return groups, members
+
+
+def experts_pattern(moe: str) -> str:
+    """The override pattern of an MoE layer's routed experts that Quark and vLLM both read: Quark matches it against
+    the per-expert linears (``model.layers.0.mlp.experts.3.gate_proj``), vLLM against its fused-MoE module's own name
+    (``model.layers.0.mlp.experts``; quark.py ``_find_matched_config``, fnmatch), which the scan unit's
+    ``...experts.*`` does not match: vLLM then reads the experts under the global scheme (measured:
+    bench/bench_moe_expert_serving.py, int4 experts over an int8 global refused with "shape '[]' is invalid")."""
+    return f"{moe}*"
 
 
 def _unit_of(name: str, units: dict[str, Any]) -> str:
