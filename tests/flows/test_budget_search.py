@@ -234,9 +234,26 @@ def test_an_moe_budget_the_target_cannot_serve_is_refused_before_anything_is_mea
     assert "sensitivity:" not in res.out + res.err and not (wd / "search_report.json").exists()
 
 
+def test_a_plan_that_puts_moe_experts_where_the_target_cannot_serve_them_says_so_and_how_to_fix_it(cli, moe8, corpus,
+                                                                                                   tmp_path):
+    """The same rule on a plan the user names (allowed, as a format the target does not run natively is: a warning
+    row), with the override that fixes it: naming the experts by the fused module vLLM reads them by."""
+    def warnings(*extra: str) -> list[str]:
+        res, wd = _plan(cli, moe8, tmp_path / str(len(extra)), corpus, "--scheme", "int4_wo_32", *extra)
+        assert res.rc == 0, res.err[-1500:]
+        return [d["reason"] for d in json.loads((wd / "quant_plan.json").read_text())["decisions"]
+                if d["decision"] == "warning" and "routed experts" in d["reason"]]
+
+    said = warnings()
+    assert len(said) == 1 and "2 MoE layer(s) are planned in int4_wo_32" in said[0], said
+    assert "No WNA16 MoE backend" in said[0] and "--layer-quant-scheme '*mlp.experts*' int8" in said[0]
+    assert warnings("--layer-quant-scheme", "*mlp.experts*", "int8") == []
+
+
 @pytest.mark.skipif(not (ROOT / ".venv-vllm" / ".installed").is_file(),
                     reason="no .venv-vllm: build the project's vLLM with `make vllm-env`")
-def test_an_moe_budget_mix_is_served_and_compare_measures_it_as_a_cell_like_the_others(cli, moe8, corpus, tmp_path):
+def test_an_moe_budget_mix_is_served_and_compare_measures_it_as_a_cell_like_the_others(cli, moe8, corpus,
+                                                                                      compare_eval_text, tmp_path):
     """`compare --budget-bits 7.5 --formats int4_wo_32,int8` on a tiny qwen3_moe with 8 experts (fused 3-D in the
     checkpoint), every cell's export served by the project's vLLM (the serving check, through
     QUARK_PTQ_EVAL_VLLM_PYTHON): the search decides each layer's 24 expert linears as one group, and only in int8,
@@ -244,7 +261,8 @@ def test_an_moe_budget_mix_is_served_and_compare_measures_it_as_a_cell_like_the_
     compared cell quantized, validated, served and scored like the others, its size and KL in comparison.json."""
     root = tmp_path / "cmp"
     res = cli("compare", moe8, "-o", root, "--calib-data", corpus, "--offline", "--yes", "--num-calib-samples", "16",
-              "--calib-seq-len", "128", "--seq-len", "128", "--max-windows", "8", "--budget-bits", MOE_BUDGET,
+              "--calib-seq-len", "128", "--eval-data", compare_eval_text, "--seq-len", "128", "--max-windows", "8",
+              "--budget-bits", MOE_BUDGET,
               "--formats", FORMATS, env={"QUARK_PTQ_EVAL_VLLM_PYTHON": str(VLLM_PYTHON)}, timeout=1500)
     assert res.rc == 0, res.err[-3000:]
     plan = json.loads((root / "search" / "quant_plan.json").read_text())

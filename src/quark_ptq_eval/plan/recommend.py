@@ -300,8 +300,8 @@ def _expert_warnings(analysis: ModelAnalysis, tc: Deployment, scheme: str, overr
     (given, why), layers = next(iter(refused.values())), len(refused)
     loads = tc.family.moe[0] if tc.family and tc.family.moe else "int8"
     return [f"the routed experts of {layers} MoE layer(s) are planned in {given}, but {why}: to serve it on "
-            f"{tc.name}, give them a format it loads (--layer-quant-scheme '*mlp.experts.*' {loads}) or keep them "
-            "unquantized (--exclude)"]
+            f"{tc.name}, give them a format it loads (--layer-quant-scheme '*mlp.experts*' {loads}, a pattern that "
+            "also matches the fused-MoE module vLLM reads them by) or keep them unquantized (--exclude)"]
 
 
 def _groups_row(settled: Settled) -> list[Decision]:
