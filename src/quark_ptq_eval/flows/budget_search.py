@@ -108,9 +108,9 @@ def _solve(ask: BudgetAsk, bits: float | None, groups: list[GroupCost], formats:
         assert ask.max_kl is not None  # a floor
         mix = solve_floor(groups, formats, ask.max_kl)
         if mix.status != "optimal":
-            widest = min(sum(g.kl[f] for g in groups) for f in formats)
+            best = sum(min(g.kl[f] for f in formats if g.allows(f)) for g in groups)
             raise UsageError(f"No mix of {', '.join(formats)} keeps the predicted KL within {ask.max_kl:.4g} "
-                             f"({ask.given}): the most accurate format alone predicts {widest:.4g}.",
+                             f"({ask.given}): the most accurate mix predicts {best:.4g}.",
                              "Relax the floor, or add a wider format to --formats.")
         return mix
     mix = solve_with_bound(groups, formats, bits)
