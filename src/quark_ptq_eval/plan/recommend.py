@@ -323,6 +323,12 @@ def _plan_calibration(req: PlanRequest, analysis: ModelAnalysis, analysis_ref: P
     return calibration, why, size, size_why
 
 
+def _warning_rows(target: dict[str, Any], more: list[str], scheme: str) -> list[Decision]:
+    """The target's warnings, with the routed experts' (added to the target's list), as plan rows."""
+    target["warnings"] += more
+    return [Decision("warning", scheme, w) for w in target["warnings"]]
+
+
 def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: QuarkCatalog, analysis_ref: Path,
               output_dir: Path) -> QuantPlan:
     model_type = analysis.model_type
@@ -371,8 +377,7 @@ def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: 
         Decision("output_format", "Hugging Face safetensors (Quark format)", "what vLLM/transformers load"),
     ]
     target, fit = _target_and_fit(work, tc, env, output_dir, engine)
-    target["warnings"] += _expert_warnings(analysis, tc, scheme, overrides, excludes)
-    decisions += [Decision("warning", scheme, w) for w in target["warnings"]]
+    decisions += _warning_rows(target, _expert_warnings(analysis, tc, scheme, overrides, excludes), scheme)
     decisions += [Decision.of(row) for row in fit.pop("rows") + source_reading.disk_problem(reading, fit)]
     plan = QuantPlan(
         model={"model_type": model_type, "analysis_ref": str(analysis_ref), "model_path": analysis.model["model_path"]},
