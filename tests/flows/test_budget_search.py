@@ -298,6 +298,21 @@ def test_an_moe_budget_mix_is_served_and_compare_measures_it_as_a_cell_like_the_
     assert doc["budget_search"]["recommendation"]["label"] in cells
 
 
+def two_moe_layers(expert_kl) -> tuple[dict[str, tuple[int, int]], list[dict]]:
+    """Two MoE layers' weight shapes (q/k/v/o, 4 experts of gate/up/down) and their scan rows as the scan writes
+    them: one row per attention linear (KL 1e-4) and one per layer's routed experts (KL ``expert_kl(layer)``)."""
+    shapes = {}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes |= {p + f"self_attn.{x}_proj": (128, 128) for x in "qkvo"}
+        shapes |= {p + f"mlp.experts.{e}.{x}_proj": ((64, 128) if x != "down" else (128, 64))
+                   for e in range(4) for x in ("gate", "up", "down")}
+    rows = [{"layer": n, "kl": 1e-4, "params": 128 * 128, "pattern": n} for n in shapes if ".experts." not in n]
+    rows += [{"layer": f"model.layers.{i}.mlp.experts", "kl": expert_kl(i), "params": 12 * 64 * 128,
+              "pattern": f"model.layers.{i}.mlp.experts.*", "kind": "routed_experts"} for i in range(2)]
+    return shapes, rows
+
+
 def test_the_targets_rule_for_routed_experts_is_one_and_the_search_and_the_sensitivity_proposal_follow_it():
     """plan/targets.py ``expert_refusal`` says which formats a target's vLLM loads for an MoE's routed experts (on
     this CPU int8 only, measured: bench/bench_moe_expert_serving.py); the search's groups, its solver, its side plans
@@ -313,19 +328,11 @@ def test_the_targets_rule_for_routed_experts_is_one_and_the_search_and_the_sensi
     assert "vllm-cpu" in expert_refusal("mxfp4", cpu)
     assert [expert_refusal(f, mi355) for f in ("mxfp4", "fp8", "int4_wo_128")] == [None] * 3
     assert expert_refusal("nvfp4", b200) is None and "Unsupported FusedMoe scheme" in expert_refusal("mx6", mi355)
-    shapes = {}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        shapes |= {p + f"self_attn.{x}_proj": (128, 128) for x in "qkvo"}
-        shapes |= {p + f"mlp.experts.{e}.{x}_proj": ((64, 128) if x != "down" else (128, 64))
-                   for e in range(4) for x in ("gate", "up", "down")}
+    shapes, rows = two_moe_layers(lambda i: 1e-3)
     names = list(shapes)
     assert set(refused_experts(names, "int4_wo_32", {}, [], cpu)) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
     assert refused_experts(names, "int4_wo_32", {"*mlp.experts.*": "int8"}, [], cpu) == {}
     assert refused_experts(names, "int4_wo_32", {}, ["*mlp.experts.*"], cpu) == {}  # unquantized: served anywhere
-    rows = [{"layer": n, "kl": 1e-4, "params": 128 * 128, "pattern": n} for n in names if ".experts." not in n]
-    rows += [{"layer": f"model.layers.{i}.mlp.experts", "kl": 1e-3, "params": 12 * 64 * 128,
-              "pattern": f"model.layers.{i}.mlp.experts.*", "kind": "routed_experts"} for i in range(2)]
     formats = ["int4_wo_32", "int8"]
     scans = {"int4_wo_32": {"layers": rows}, "int8": {"layers": [dict(r, kl=r["kl"] * 10) for r in rows]}}
     refused = {"int4_wo_32": expert_refusal("int4_wo_32", cpu)}
@@ -357,15 +364,7 @@ def test_an_moe_layers_experts_are_one_search_group_and_the_mix_names_them_by_la
     from quark_ptq_eval.plan.budget import solve
     from quark_ptq_eval.plan.groups import settle_groups
 
-    shapes = {}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        shapes |= {p + f"self_attn.{x}_proj": (128, 128) for x in "qkvo"}
-        shapes |= {p + f"mlp.experts.{e}.{x}_proj": ((64, 128) if x != "down" else (128, 64))
-                   for e in range(4) for x in ("gate", "up", "down")}
-    rows = [{"layer": n, "kl": 1e-4, "params": 128 * 128, "pattern": n} for n in shapes if ".experts." not in n]
-    rows += [{"layer": f"model.layers.{i}.mlp.experts", "kl": 1e-3 * (i + 1), "params": 12 * 64 * 128,
-              "pattern": f"model.layers.{i}.mlp.experts.*", "kind": "routed_experts"} for i in range(2)]
+    shapes, rows = two_moe_layers(lambda i: 1e-3 * (i + 1))
     scans = {"int4_wo_32": {"layers": rows}, "int8": {"layers": [dict(r, kl=r["kl"] / 10) for r in rows]}}
     groups, members = search_groups(shapes, scans, ["int4_wo_32", "int8"])
     names = {g.name for g in groups}
