@@ -31,6 +31,14 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 # Quark's capability catalog is cached per checkout (computing it imports quark.torch: ~25 s).
 os.environ.setdefault("QUARK_PTQ_EVAL_CACHE", str(ROOT / ".pytest_cache" / "quark-ptq-eval"))
 
+# Each xdist worker gets its share of the cores for torch's threads (and its children's, which inherit it):
+# two workers of two OpenMP threads each on two cores spin-wait on each other. Measured on this host, the same
+# 304 tests on two workers (validate, sensitivity, plan, intake, Tier 1), A/B/A/B: 285 and 292 s with the
+# default threads, 232 and 188 s with one each (load 2-2.8; /tmp/r14/omp_ab.sh).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
 
 # `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup). Each test file is one
 # group, so a file's module fixtures are built once; these files share a worker: the real vLLM
