@@ -34,7 +34,7 @@ os.environ.setdefault("QUARK_PTQ_EVAL_CACHE", str(ROOT / ".pytest_cache" / "quar
 # Each xdist worker gets its share of the cores for torch's threads (and its children's, which inherit it):
 # two workers of two OpenMP threads each on two cores spin-wait on each other. Measured on this host, the same
 # 304 tests on two workers (validate, sensitivity, plan, intake, Tier 1), A/B/A/B: 285 and 292 s with the
-# default threads, 232 and 188 s with one each (load 2-2.8; /tmp/r14/omp_ab.sh).
+# default threads, 232 and 188 s with one each (load 2-2.8; bench/suite_threads.sh).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
