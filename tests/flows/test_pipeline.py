@@ -166,9 +166,10 @@ def test_non_empty_output_needs_overwrite_and_is_set_aside_not_deleted(cli, tiny
     res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8", "--yes"))
     assert res.rc == 2 and "is not empty" in res.err and "--overwrite" in res.err
     assert (out / "precious.txt").read_text() == "mine"
-    # the run to the end is also the algorithm path's through the CLI (AWQ): its export validates and reloads
+    # the run to the end is also the algorithm path's through the CLI (AWQ): its export validates and reloads;
+    # 2 calibration samples (not 8: AWQ's search is ~10 s a layer with 8 here), its accuracy is not checked
     res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int4_wo_128", "--algorithm", "awq", "--yes",
-                        "--overwrite", "--eval-tier", "skip", "--card", "none", "--json"))
+                        "--overwrite", "--eval-tier", "skip", "--card", "none", "--json", "--num-calib-samples", "2"))
     assert res.rc == 0, res.err[-3000:]
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("out.set-aside-")]
     assert len(aside) == 1 and (aside[0] / "precious.txt").read_text() == "mine"
