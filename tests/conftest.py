@@ -56,7 +56,7 @@ SHARED_WORKER = {
 # (longest-first scheduling). Groups not named here follow, the files with more tests first (xdist's own order).
 GROUP_SECONDS = {
     "vllm": 1400, "compare": 400, "tests/intake/test_source_formats.py": 100, "tests/flows/test_pipeline.py": 170,
-    "tests/reliability/test_reliability_crash.py": 160, "tests/reliability/test_reliability_interrupts.py": 120,
+    "tests/reliability/test_reliability_crash.py": 110, "tests/reliability/test_reliability_interrupts.py": 120,
     "tests/evaluate/test_eval_lmeval.py": 50, "tests/flows/test_families.py": 85,
     "tests/architecture/test_registry.py": 85, "tests/execute/test_quark_cli_engine.py": 70,
     "tests/sensitivity/test_sensitivity_moe.py": 65, "tests/flows/test_data_trust.py": 130,

@@ -29,7 +29,7 @@ def status(cli, wd):
 
 def test_each_approval_advances_exactly_one_gate(cli, tiny_llama, corpus, tmp_path):
     wd, out = tmp_path / "work", tmp_path / "out"
-    # --no-load-check: the gates are this test's subject (run_yes below loads and runs the exports)
+    # --no-load-check: the gates are this test's subject (the runs to the end below load and run the exports)
     # --base-model: the Hub id a model run from a local directory has; every `resume` below keeps it
     res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8", "--no-load-check", "--base-model", "acme/tiny"))
     assert res.rc == 3, res.err
@@ -166,12 +166,15 @@ def test_non_empty_output_needs_overwrite_and_is_set_aside_not_deleted(cli, tiny
     res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8", "--yes"))
     assert res.rc == 2 and "is not empty" in res.err and "--overwrite" in res.err
     assert (out / "precious.txt").read_text() == "mine"
-    res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int8", "--yes", "--overwrite", "--eval-tier", "skip",
-                        "--no-load-check", "--card", "none"))
-    assert res.rc == 0, res.err
+    # the run to the end is also the algorithm path's through the CLI (AWQ): its export validates and reloads;
+    # 2 calibration samples (not 8: AWQ's search is ~10 s a layer with 8 here), its accuracy is not checked
+    res = cli(*run_args(tiny_llama, out, wd, corpus, "--scheme", "int4_wo_128", "--algorithm", "awq", "--yes",
+                        "--overwrite", "--eval-tier", "skip", "--card", "none", "--json", "--num-calib-samples", "2"))
+    assert res.rc == 0, res.err[-3000:]
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("out.set-aside-")]
     assert len(aside) == 1 and (aside[0] / "precious.txt").read_text() == "mine"
-    assert (out / "model.safetensors").exists()
+    assert_reloadable_export(json.loads(res.out)["validation"], out, wd)
+    assert json.loads((wd / "quant_plan.json").read_text())["algorithm"] == "awq"
     assert not (out / "README.md").exists()  # --card none: no card, and no copy of the base model's either
     assert status(cli, wd)["steps"]["card"]["status"] == "none"
 
@@ -195,19 +198,11 @@ def test_missing_model_and_too_little_disk(cli, corpus, tmp_path):
     assert "Not enough disk space" in res.err and not (tmp_path / "out").exists()
 
 
-# Through the CLI: one scheme per architecture and the algorithm path (llama int8: the model card's run,
-# tests/publish/test_model_card.py); the pipeline is the same for every scheme, so the other schemes' exports
-# are loaded and validated in-process below (each CLI run pays two `import quark.torch`, ~25 s each).
-SCHEMES = [("llama", "int4_wo_128", "awq"), ("qwen3", "int8", None)]
-
-
-@pytest.mark.parametrize("arch, scheme, algorithm", SCHEMES, ids=["-".join(filter(None, s)) for s in SCHEMES])
-def test_run_yes_produces_a_model_transformers_reloads(cli, tiny_model, corpus, tmp_path, arch, scheme, algorithm):
-    wd, out = tmp_path / "work", tmp_path / "out"
-    extra = ["--scheme", scheme, "--yes", "--eval-tier", "skip", "--json"] + (["--algorithm", algorithm] if algorithm else [])
-    res = cli(*run_args(tiny_model(arch), out, wd, corpus, *extra))
-    assert res.rc == 0, res.err[-3000:]
-    assert_reloadable_export(json.loads(res.out)["validation"], out, wd)
+# Through the CLI, runs to the end that transformers reloads: one per architecture and the algorithm path, each
+# folded into a test that runs to the end already (each CLI run pays two `import quark.torch`, ~25 s each):
+# llama int4_wo_128 + AWQ (test_non_empty_output_...), qwen3 int8 (test_interactive_mode_...), llama int8 (the
+# model card's run, tests/publish/test_model_card.py). The pipeline is the same for every scheme, so the other
+# schemes' exports are loaded and validated in-process below.
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int4_wo_128", "mxfp4"])
@@ -268,14 +263,15 @@ def test_quark_cli_on_cpu_refuses_static_schemes_before_running(cli, tiny_llama,
     assert not (tmp_path / "out").exists()
 
 
-def test_interactive_mode_asks_at_every_gate_on_the_terminal(tiny_llama, corpus, tmp_path):
+def test_interactive_mode_asks_at_every_gate_on_the_terminal(tiny_model, corpus, tmp_path):
     import subprocess
     import sys
 
     wd, out = tmp_path / "work", tmp_path / "out"
-    # --no-load-check: the prompts are this test's subject (run_yes above loads and runs the exports)
-    args = [sys.executable, "-m", "quark_ptq_eval", *map(str, run_args(tiny_llama, out, wd, corpus, "--scheme", "int8")),
-            "--execution-mode", "interactive_execute", "--no-load-check"]
+    # qwen3: this run to the end is also the second architecture's through the CLI (its export reloads, below)
+    args = [sys.executable, "-m", "quark_ptq_eval",
+            *map(str, run_args(tiny_model("qwen3"), out, wd, corpus, "--scheme", "int8")),
+            "--execution-mode", "interactive_execute"]
     # intake, plan, execute: yes; result: no -> stops at checkpoint 4 with the output kept.
     proc = subprocess.run(args, input="y\ny\nyes\nn\n", capture_output=True, text=True, timeout=900)
     assert proc.returncode == 3, proc.stderr[-2000:]
@@ -288,3 +284,4 @@ def test_interactive_mode_asks_at_every_gate_on_the_terminal(tiny_llama, corpus,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Which evaluation tier?" in proc.stderr and "Evaluation skipped" in proc.stderr
+    assert_reloadable_export(json.loads((wd / "validation_report.json").read_text())["status"], out, wd)
