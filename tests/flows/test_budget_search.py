@@ -25,10 +25,6 @@ from quark_ptq_eval.plan.scheme_fit import linear_shapes
 FORMATS = "int4_wo_32,int8"
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-# The 8-block model's training steps: a third of the demo's 150, which cost this file 137-509 s of its wall time
-# (round 13). Trained this far its layers already differ in sensitivity enough that the searched mix beats uniform
-# int4_wo_32 and the naive mix on the measured KL (the module's run checks exactly that, on every run).
-TRAIN_STEPS = 50
 
 
 def _plan(cli, model: Path, root: Path, corpus: Path, *extra: str):
@@ -71,8 +67,8 @@ def searched(cli, shared_assets, corpus, tmp_path_factory):
     from quark_ptq_eval.flows.demo import TinyShape, build_tiny_model
     from tests.conftest import build_once
 
-    model = build_once(shared_assets / f"tiny-llama8-{TRAIN_STEPS}",
-                       lambda out: build_tiny_model(out, corpus, shape=TinyShape(layers=8), train_steps=TRAIN_STEPS))
+    model = build_once(shared_assets / "tiny-llama8",
+                       lambda out: build_tiny_model(out, corpus, shape=TinyShape(layers=8)))
     root = tmp_path_factory.mktemp("budget-run")
     wd, out = root / "wd", root / "out"
     res = cli("run", model, "-o", out, "--workdir", wd, "--calib-data", corpus, "--offline", "--yes",
