@@ -89,6 +89,7 @@ def emulate_export(model: torch.nn.Module, output: dict[str, TensorInfo], source
     """Turn ``model`` (the source, already captured) into the export's emulation, in place, in float32."""
     import torch
 
+    runtime = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     model.float()
     emulation = Emulation()
     targets, unchecked = find_targets(output, source, qconfig)
@@ -107,7 +108,7 @@ def emulate_export(model: torch.nn.Module, output: dict[str, TensorInfo], source
             emulation.skipped.setdefault(module, "the model holds this weight under another name")
             continue
         try:
-            _quantize_activations(modules[module], module, output, qconfig, emulation)
+            _quantize_activations(modules[module], module, output, qconfig, emulation, runtime)
         except UnsupportedSpec as exc:
             emulation.skipped[module] = str(exc)
             continue
@@ -141,15 +142,16 @@ def _decode(t: DecodeTarget, emulation: Emulation, module: str) -> np.ndarray | 
 
 
 def _quantize_activations(module: torch.nn.Module, name: str, output: dict[str, TensorInfo],
-                          qconfig: dict[str, Any], emulation: Emulation) -> None:
-    """Hooks quantizing the module's input and output as its config and the export's scales say."""
+                          qconfig: dict[str, Any], emulation: Emulation, runtime: torch.dtype) -> None:
+    """Hooks quantizing the module's input and output as its config and the export's scales say, dividing by
+    a static scale in ``runtime``, the dtype the loaded model computes in (the source's)."""
     config = module_config(qconfig, name)
     inputs = as_spec_list(config.input_tensors if config else None)
     outputs = as_spec_list((config.output_tensors if config else None) or kv_cache_output(qconfig, name))
     if len(inputs) > 1 or len(outputs) > 1:
         raise UnsupportedSpec("two-level activation scales")
-    pre = quantizer_for(inputs[0], output, f"{name}.input") if inputs else None
-    post = quantizer_for(outputs[0], output, f"{name}.output") if outputs else None
+    pre = quantizer_for(inputs[0], output, f"{name}.input", runtime) if inputs else None
+    post = quantizer_for(outputs[0], output, f"{name}.output", runtime) if outputs else None
     if pre is not None:
         emulation.activation[name] = pre
         emulation.handles.append(module.register_forward_pre_hook(_on_input(pre)))

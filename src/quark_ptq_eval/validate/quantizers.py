@@ -1,7 +1,8 @@
 """Activation quantizers as an export's ``quantization_config`` defines them, written from the spec.
 
 Each spec Quark writes for ``input_tensors`` / ``output_tensors`` (dtype, qscheme, static or dynamic,
-symmetric, scale format) becomes one fake-quantizer in float32: the value the loader's kernels must
+symmetric, scale format) becomes one fake-quantizer in float32 (a static FP8 scale divides in the model's dtype,
+as the loader does: ``compute_dtype``): the value the loader's kernels must
 reproduce up to floating-point rounding. Static scales (and zero points) are read from the export's
 own ``<module>.input_scale`` / ``.output_scale`` tensors; dynamic ones are computed from the tensor
 as Quark's dynamic quantizers do (symmetric: absmax / half the integer range; floats: absmax / the
@@ -43,6 +44,12 @@ class ActivationQuantizer:
     group_size: int = 0
     mx_element: str | None = None
     enabled: bool = True
+    # The dtype the loaded model computes in (its source's: BF16 for a BF16 model). A static FP8 quantizer divides
+    # by its scale in that dtype, as the loader does (Quark's per-tensor FP8 fake-quantizer divides in the
+    # activation's dtype; its integer one converts to float32 first): x / scale rounded to BF16 before the cast
+    # to FP8 moves ~2 % of a BF16 model's activations to the neighbouring grid point (double rounding), which read
+    # 1.8-3 % on an FP8 KV cache's v_proj against a float32 division (docs/reliability.md).
+    compute_dtype: torch.dtype | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
@@ -53,8 +60,8 @@ class ActivationQuantizer:
         scale = self._dynamic_scale(x) if self.dynamic else self.scale
         assert scale is not None  # a static quantizer is built with its scale (quantizer_for)
         if self.dtype in FLOAT_MAX:
-            return _float(x, scale, self.dtype)
-        return _integer(x, scale, self.zero_point, self.dtype)
+            return _float(_divide(x, scale, None if self.dynamic else self.compute_dtype), scale, self.dtype)
+        return _integer(x / scale, scale, self.zero_point, self.dtype)
 
     def _dynamic_scale(self, x: torch.Tensor) -> torch.Tensor:
         import torch
@@ -69,8 +76,10 @@ class ActivationQuantizer:
         return torch.clamp(amax / top, min=torch.finfo(torch.float32).tiny)
 
 
-def quantizer_for(spec: dict[str, Any], output: dict[str, TensorInfo], prefix: str) -> ActivationQuantizer | None:
-    """The quantizer of one activation spec; ``prefix``: ``<module>.input`` or ``<module>.output``."""
+def quantizer_for(spec: dict[str, Any], output: dict[str, TensorInfo], prefix: str,
+                  compute_dtype: torch.dtype | None = None) -> ActivationQuantizer | None:
+    """The quantizer of one activation spec; ``prefix``: ``<module>.input`` or ``<module>.output``;
+    ``compute_dtype``: the dtype the loaded model computes in (None: float32)."""
     import torch
 
     dtype, qscheme = str(spec.get("dtype")), str(spec.get("qscheme"))
@@ -95,7 +104,8 @@ def quantizer_for(spec: dict[str, Any], output: dict[str, TensorInfo], prefix: s
         raise UnsupportedSpec(f"no {prefix}_scale tensor in the export")
     zero = read_scale(output, f"{prefix}_zero_point")
     return ActivationQuantizer(dtype, qscheme, False, torch.from_numpy(scale).reshape(()),
-                               None if zero is None else torch.from_numpy(zero).reshape(()))
+                               None if zero is None else torch.from_numpy(zero).reshape(()),
+                               compute_dtype=None if compute_dtype == torch.float32 else compute_dtype)
 
 
 def read_scale(output: dict[str, TensorInfo], name: str) -> np.ndarray | None:
@@ -119,21 +129,28 @@ def int_range(dtype: str) -> tuple[int, int]:
     return (0, (1 << bits) - 1) if dtype.startswith("uint") else (-(1 << (bits - 1)), (1 << (bits - 1)) - 1)
 
 
-def _integer(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: str) -> torch.Tensor:
+def _divide(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``x / scale`` in float32, or rounded to ``dtype`` where the runtime divides in it."""
+    if dtype is None:
+        return x / scale
+    return (x.to(dtype) / scale.to(dtype)).float()
+
+
+def _integer(ratio: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: str) -> torch.Tensor:
     import torch
 
     low, high = int_range(dtype)
     z = zero.float() if zero is not None else torch.zeros((), dtype=torch.float32)
-    codes = torch.clamp(torch.round(x / scale) + z, low, high)  # torch.round: half to even, Quark's half_even
+    codes = torch.clamp(torch.round(ratio) + z, low, high)  # torch.round: half to even, Quark's half_even
     return (codes - z) * scale
 
 
-def _float(x: torch.Tensor, scale: torch.Tensor, dtype: str) -> torch.Tensor:
+def _float(ratio: torch.Tensor, scale: torch.Tensor, dtype: str) -> torch.Tensor:
     import torch
 
     top = FLOAT_MAX[dtype]
     target = torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.float8_e5m2
-    return torch.clamp(x / scale, -top, top).to(target).float() * scale
+    return torch.clamp(ratio, -top, top).to(target).float() * scale
 
 
 def _mx(x: torch.Tensor, element: str, block: int) -> torch.Tensor:
