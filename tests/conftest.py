@@ -41,21 +41,21 @@ if _WORKERS > 1:
 
 
 # `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup). Each test file is one
-# group, so a file's module fixtures are built once; these files share a worker: both comparisons read the one
-# local comparison (`compared`). The real-vLLM files are groups of their own and two may run at once: each server's
-# KV cache is sized to what it needs (runtime/vllm_sizing.py: a few hundred MiB for these models, not a share of
-# the free memory), and the memory-held Tier 3 run leaves at least 4 GiB free (test_tier3_real_vllm.py). Round 13
-# kept them on one worker: that worker's ~1250 s of real-vLLM tests were the suite's critical path.
+# group, so a file's module fixtures are built once; these files share a worker: the real vLLM
+# servers size their KV cache from the memory free when they start (two at once would each count
+# the other's as free), and both comparisons read the one local comparison (`compared`).
 SHARED_WORKER = {
+    "tests/evaluate/test_tier3_real_vllm.py": "vllm", "tests/publish/test_model_card.py": "vllm",
+    "tests/evaluate/test_speed_real_vllm.py": "vllm",
+    "tests/flows/test_budget_search.py": "vllm",  # its run's serve check and side-by-side start vLLM
     "tests/flows/test_compare.py": "compare", "tests/flows/test_compare_ray.py": "compare",
 }
-# A group's seconds on one worker of `make test` (round 13's durations at load ~3, less what round 14 cut): the
+# A group's seconds on one worker of `make test` (round 12's durations at load ~3, less what round 13 cut; "vllm":
+# its files run alone at load 3-3.5 in round 13, after its checks were folded onto fewer vLLM starts): the
 # longest go first, so that the last group to start is a short one and neither worker idles at the end
 # (longest-first scheduling). Groups not named here follow, the files with more tests first (xdist's own order).
 GROUP_SECONDS = {
-    "tests/flows/test_budget_search.py": 620, "tests/evaluate/test_speed_real_vllm.py": 400,
-    "tests/publish/test_model_card.py": 250, "tests/evaluate/test_tier3_real_vllm.py": 50,
-    "compare": 400, "tests/intake/test_source_formats.py": 100, "tests/flows/test_pipeline.py": 170,
+    "vllm": 1400, "compare": 400, "tests/intake/test_source_formats.py": 100, "tests/flows/test_pipeline.py": 170,
     "tests/reliability/test_reliability_crash.py": 110, "tests/reliability/test_reliability_interrupts.py": 120,
     "tests/evaluate/test_eval_lmeval.py": 50, "tests/flows/test_families.py": 85,
     "tests/architecture/test_registry.py": 85, "tests/execute/test_quark_cli_engine.py": 70,
