@@ -100,9 +100,9 @@ def run_command_plan(ctx: TierInputs, plan: CommandPlan, executor: Executor, det
             _wait_port_free(executor, options.vllm_port, label, PORT_FREE_TIMEOUT_S if i else 0)
             ctx.log(f"{serve.purpose}: {shell_line(serve.argv)}")
             process = executor.start(serve.argv, f"vllm_{label}.log")
-            if beside is not None:
-                beside.start(label)
-            try:
+            try:  # the server is stopped however this ends, a failed start of the work beside it included
+                if beside is not None:
+                    beside.start(label)
                 _wait_healthy(executor, process, label, ctx.workdir / f"vllm_{label}.log", options)
                 ctx.log(f"{evaluate_cmd.purpose}: {shell_line(evaluate_cmd.argv)}")
                 before = results_files(plan.output_dirs[label])

@@ -312,8 +312,9 @@ def _measure(ctx: TierInputs, prepared: SpeedPrepared, model: ServedModel) -> tu
     log_path = ctx.workdir.resolve() / "speed" / f"vllm_{label}.log"
     ctx.log(f"serve the {label} model: {shell_line(prepared.serve[label])}")
     process = start_server(prepared.serve[label], log_path)
-    bench = start_bench(prepared, label)  # imports vLLM while the server starts; no request before `go`
-    try:
+    bench: PendingBench | None = None
+    try:  # the server is stopped however this ends, a failed start of the benchmark included
+        bench = start_bench(prepared, label)  # imports vLLM while the server starts; no request before `go`
         if not wait_healthy(process, options.vllm_port, options.vllm_health_timeout_s):
             if process.poll() is None:
                 raise QpeError(f"The vLLM server for the {label} model was not healthy after "
@@ -324,7 +325,8 @@ def _measure(ctx: TierInputs, prepared: SpeedPrepared, model: ServedModel) -> tu
         ctx.log(f"benchmark the {label} model: {shell_line(prepared.bench[label])}")
         return bench.run(), stats.server_capacity(log_path)
     finally:
-        bench.cancel()
+        if bench is not None:
+            bench.cancel()
         stop_group(process)
 
 
