@@ -7,6 +7,8 @@ ONNX commands), so the parsed set is cached on disk per amd-quark version.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -14,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from quark_ptq_eval.base.catalog import quark_version
@@ -56,9 +59,26 @@ def _flags_for(version: str, cache_dir: str) -> frozenset[str]:
     cached = _read_cache(cache_file)
     if cached is not None:
         return cached
-    flags = frozenset(parse_help_flags(_run_help()))
-    _write_cache(cache_file, version, flags)
-    return flags
+    with _held(cache_file.with_suffix(".lock")):  # two commands asking at once pay one --help (~45 s)
+        cached = _read_cache(cache_file)
+        if cached is None:
+            cached = frozenset(parse_help_flags(_run_help()))
+            _write_cache(cache_file, version, cached)
+    return cached
+
+
+@contextlib.contextmanager
+def _held(lock_file: Path) -> Iterator[None]:
+    """An exclusive lock on ``lock_file`` while the block runs; none where the cache dir is read-only."""
+    try:
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(lock_file, "w")  # noqa: SIM115 - held across the yield
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def parse_help_flags(help_text: str) -> set[str]:
