@@ -1,5 +1,4 @@
-import sys
-
+from quark_ptq_eval.base.process_exit import exit_now
 from quark_ptq_eval.flows.cli import main
 
-sys.exit(main())
+exit_now(main())

@@ -128,4 +128,7 @@ def describe(spec: Any) -> str:
 
 
 if __name__ == "__main__":
+    from quark_ptq_eval.base.process_exit import exit_now
+
     print(json.dumps(dump_scheme_table()))
+    exit_now(0)

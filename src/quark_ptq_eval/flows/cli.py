@@ -316,5 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.INTERRUPTED
 
 
+def entry() -> None:
+    """The `quark-ptq-eval` console script: main(), then out without the interpreter's teardown
+    (base/process_exit.py)."""
+    from quark_ptq_eval.base.process_exit import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

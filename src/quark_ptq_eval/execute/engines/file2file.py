@@ -101,4 +101,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from quark_ptq_eval.base.process_exit import exit_now
+
+    exit_now(main())  # the export is written and closed: skip the teardown of Quark and torch
