@@ -159,6 +159,29 @@ def test_every_emitted_flag_exists_in_installed_quark_cli(monkeypatch):
     assert quark_cli.quark_cli_flags(cache_dir) == flags
 
 
+def test_two_callers_that_miss_the_flag_cache_at_once_run_one_help(tmp_path, monkeypatch):
+    """`--help` costs ~45 s: the first caller runs it under the cache's lock, the other waits and reads its file."""
+    import threading
+
+    calls = []
+
+    def slow_help() -> str:
+        calls.append(1)
+        time.sleep(0.5)
+        return "  --model_dir MODEL_DIR   the model\n  -h, --help  show this help"
+
+    monkeypatch.setattr(quark_cli, "_run_help", slow_help)
+    quark_cli._flags_for.cache_clear()
+    got: list[set[str]] = []
+    threads = [threading.Thread(target=lambda: got.append(quark_cli.quark_cli_flags(tmp_path))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    quark_cli._flags_for.cache_clear()
+    assert len(calls) == 1 and got == [{"--model_dir", "-h", "--help"}] * 2
+
+
 # ---------------------------------------------------------------- slow: the real engine
 
 

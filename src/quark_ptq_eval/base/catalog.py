@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from quark_ptq_eval.base.errors import QpeError
-from quark_ptq_eval.base.fsio import cache_dir, write_json
+from quark_ptq_eval.base.fsio import cache_dir, held_lock, read_cache, write_json
 
 CATALOG_FORMAT = 3  # bump when dump_catalog() describes more
 
@@ -69,12 +69,14 @@ def catalog_built() -> bool:
 
 def load_catalog() -> QuarkCatalog:
     path = catalog_path()
-    if path.exists():
-        try:
-            cached: QuarkCatalog = json.loads(path.read_text(encoding="utf-8"))
-            return cached
-        except json.JSONDecodeError:
-            pass  # a damaged cache is rebuilt below
+    cached: QuarkCatalog | None = read_cache(path)
+    if cached is None:
+        with held_lock(path.with_suffix(".lock")):  # two commands at once: one builds it, the other reads it
+            cached = read_cache(path) or _build_catalog(path)
+    return cached
+
+
+def _build_catalog(path: Path) -> QuarkCatalog:
     from quark_ptq_eval.base.first_use import announce_catalog_build
 
     announce_catalog_build()  # once per Quark install: say why this first run pauses

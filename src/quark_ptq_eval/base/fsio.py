@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -176,3 +178,26 @@ def cache_dir() -> Path:
     if os.environ.get("QUARK_PTQ_EVAL_CACHE"):
         return Path(os.environ["QUARK_PTQ_EVAL_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quark-ptq-eval"
+
+
+def read_cache(path: Path) -> Any:
+    """A cache file's JSON, or None where it is absent or damaged (the caller builds it again)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def held_lock(lock_file: Path) -> Iterator[None]:
+    """An exclusive lock on ``lock_file`` while the block runs, for a cache several processes may fill at once
+    (the first fills it, the others wait and read it); none where the cache dir is read-only."""
+    try:
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(lock_file, "w")  # noqa: SIM115 - held across the yield
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from quark_ptq_eval.base.fsio import cache_dir, write_json
+from quark_ptq_eval.base.fsio import cache_dir, held_lock, read_cache, write_json
 
 TABLE_FORMAT = 2  # 2: the KV-cache layer patterns of every template
 # The fields of a QTensorConfig that decide what is stored; observers and rounding only shape values.
@@ -44,12 +44,14 @@ def load_scheme_table() -> dict[str, Any] | None:
     path = _cache_path()
     if path is None:
         return None
-    if path.exists():
-        try:
-            cached: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-            return cached
-        except json.JSONDecodeError:
-            pass  # a damaged cache is rebuilt
+    cached: dict[str, Any] | None = read_cache(path)
+    if cached is None:
+        with held_lock(path.with_suffix(".lock")):  # two commands at once: one builds it, the other reads it
+            cached = read_cache(path) or _build_scheme_table(path)
+    return cached
+
+
+def _build_scheme_table(path: Path) -> dict[str, Any] | None:
     proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval.base.schemes"], capture_output=True, text=True)
     if proc.returncode != 0 or not proc.stdout.strip():
         return None

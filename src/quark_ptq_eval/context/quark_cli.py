@@ -7,8 +7,6 @@ ONNX commands), so the parsed set is cached on disk per amd-quark version.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import json
 import os
@@ -16,12 +14,11 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from quark_ptq_eval.base.catalog import quark_version
 from quark_ptq_eval.base.errors import QpeError
-from quark_ptq_eval.base.fsio import cache_dir
+from quark_ptq_eval.base.fsio import cache_dir, held_lock
 
 _OPTION_LINE = re.compile(r"^ {1,8}(-{1,2}[A-Za-z0-9][\w-]*.*)$")
 _FLAG = re.compile(r"(?:^|, )(-{1,2}[A-Za-z0-9][\w-]*)")
@@ -59,26 +56,12 @@ def _flags_for(version: str, cache_dir: str) -> frozenset[str]:
     cached = _read_cache(cache_file)
     if cached is not None:
         return cached
-    with _held(cache_file.with_suffix(".lock")):  # two commands asking at once pay one --help (~45 s)
+    with held_lock(cache_file.with_suffix(".lock")):  # two commands asking at once pay one --help (~45 s)
         cached = _read_cache(cache_file)
         if cached is None:
             cached = frozenset(parse_help_flags(_run_help()))
             _write_cache(cache_file, version, cached)
     return cached
-
-
-@contextlib.contextmanager
-def _held(lock_file: Path) -> Iterator[None]:
-    """An exclusive lock on ``lock_file`` while the block runs; none where the cache dir is read-only."""
-    try:
-        lock_file.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(lock_file, "w")  # noqa: SIM115 - held across the yield
-    except OSError:
-        yield
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
 
 
 def parse_help_flags(help_text: str) -> set[str]:
