@@ -34,8 +34,10 @@ $(VLLM_STAMP): requirements-vllm.txt
 
 vllm-env: $(VLLM_STAMP)
 
-# Two workers for two cores (pytest-xdist); tests/conftest.py says which files share one.
-test: $(STAMP) $(VLLM_STAMP)
+# Two workers for two cores (pytest-xdist); tests/conftest.py says which files share one. On a fresh clone the
+# two environments install side by side (pip waits on the network and the disk as much as on a core).
+test:
+	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 demo: $(STAMP)
