@@ -287,10 +287,11 @@ def compared(cli, tiny_llama, corpus, compare_eval_text, tmp_path_factory):
     return run_local_compare(cli, tiny_llama, corpus, compare_eval_text, tmp_path_factory.mktemp("compare") / "out")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One real Ray cluster for the whole test run (ray.cluster_utils.Cluster): a head and a second
-    node on this host, 1 CPU and an 80 MB object store each, all on loopback (RECIPE "Known facts").
+    """One real Ray cluster for the module that uses it (ray.cluster_utils.Cluster): a head and a second
+    node on this host, 1 CPU and an 80 MB object store each, all on loopback (RECIPE "Known facts"); shut
+    down with the module, so its daemons and warmed workers do not idle beside the rest of the suite.
     A test that removes the second node adds a new one before it ends (``ray_cluster.restore()``)."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     from ray.cluster_utils import Cluster

@@ -1,5 +1,5 @@
 """compare --ray and sweep on a real Ray cluster (ray.cluster_utils.Cluster: a head and a second node on
-this host, 1 CPU each, one cluster for the whole test run: conftest.py's ``ray_cluster``).
+this host, 1 CPU each, one cluster for this module, shut down after it: conftest.py's ``ray_cluster``).
 
 Two runs are shared by the tests here: the Ray comparison of the same schemes as test_compare.py's local
 comparison (``compared``), during which the second node is removed while its cell runs; and a sweep of
