@@ -1,4 +1,3 @@
-from quark_ptq_eval.base.process_exit import exit_now
-from quark_ptq_eval.flows.cli import main
+from quark_ptq_eval.flows.cli import entry
 
-exit_now(main())
+entry()

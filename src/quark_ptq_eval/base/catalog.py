@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from quark_ptq_eval.base.errors import QpeError
-from quark_ptq_eval.base.fsio import cache_dir, held_lock, read_cache, write_json
+from quark_ptq_eval.base.fsio import cache_dir, fill_once, write_json
 
 CATALOG_FORMAT = 3  # bump when dump_catalog() describes more
 
@@ -69,11 +69,8 @@ def catalog_built() -> bool:
 
 def load_catalog() -> QuarkCatalog:
     path = catalog_path()
-    cached: QuarkCatalog | None = read_cache(path)
-    if cached is None:
-        with held_lock(path.with_suffix(".lock")):  # two commands at once: one builds it, the other reads it
-            cached = read_cache(path) or _build_catalog(path)
-    return cached
+    catalog: QuarkCatalog = fill_once(path, _build_catalog)  # two commands at once: one builds it
+    return catalog
 
 
 def _build_catalog(path: Path) -> QuarkCatalog:

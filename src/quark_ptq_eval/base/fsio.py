@@ -16,7 +16,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -186,6 +186,18 @@ def read_cache(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def fill_once(path: Path, build: Callable[[Path], Any], read: Callable[[Path], Any] = read_cache) -> Any:
+    """``read(path)``, else ``build(path)`` (which writes it) under a lock beside it: two processes that miss at once
+    build it once, the second waits and reads what the first wrote."""
+    cached = read(path)
+    if cached is None:
+        with held_lock(path.with_suffix(".lock")):
+            cached = read(path)
+            if cached is None:
+                cached = build(path)
+    return cached
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from quark_ptq_eval.base.fsio import cache_dir, held_lock, read_cache, write_json
+from quark_ptq_eval.base.fsio import cache_dir, fill_once, write_json
 
 TABLE_FORMAT = 2  # 2: the KV-cache layer patterns of every template
 # The fields of a QTensorConfig that decide what is stored; observers and rounding only shape values.
@@ -44,11 +44,8 @@ def load_scheme_table() -> dict[str, Any] | None:
     path = _cache_path()
     if path is None:
         return None
-    cached: dict[str, Any] | None = read_cache(path)
-    if cached is None:
-        with held_lock(path.with_suffix(".lock")):  # two commands at once: one builds it, the other reads it
-            cached = read_cache(path) or _build_scheme_table(path)
-    return cached
+    table: dict[str, Any] | None = fill_once(path, _build_scheme_table)  # two commands at once: one builds it
+    return table
 
 
 def _build_scheme_table(path: Path) -> dict[str, Any] | None:

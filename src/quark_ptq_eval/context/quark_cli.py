@@ -18,7 +18,7 @@ from pathlib import Path
 
 from quark_ptq_eval.base.catalog import quark_version
 from quark_ptq_eval.base.errors import QpeError
-from quark_ptq_eval.base.fsio import cache_dir, held_lock
+from quark_ptq_eval.base.fsio import cache_dir, fill_once
 
 _OPTION_LINE = re.compile(r"^ {1,8}(-{1,2}[A-Za-z0-9][\w-]*.*)$")
 _FLAG = re.compile(r"(?:^|, )(-{1,2}[A-Za-z0-9][\w-]*)")
@@ -53,15 +53,13 @@ def quark_cli_flags(cache_dir: Path | None = None) -> set[str]:
 @functools.cache
 def _flags_for(version: str, cache_dir: str) -> frozenset[str]:
     cache_file = Path(cache_dir) / f"quark-cli-{SUBCOMMAND}-flags-{version}.json"
-    cached = _read_cache(cache_file)
-    if cached is not None:
-        return cached
-    with held_lock(cache_file.with_suffix(".lock")):  # two commands asking at once pay one --help (~45 s)
-        cached = _read_cache(cache_file)
-        if cached is None:
-            cached = frozenset(parse_help_flags(_run_help()))
-            _write_cache(cache_file, version, cached)
-    return cached
+    def build(path: Path) -> frozenset[str]:
+        flags = frozenset(parse_help_flags(_run_help()))
+        _write_cache(path, version, flags)
+        return flags
+
+    found: frozenset[str] = fill_once(cache_file, build, _read_cache)  # two commands at once pay one --help (~45 s)
+    return found
 
 
 def parse_help_flags(help_text: str) -> set[str]:
