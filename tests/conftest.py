@@ -100,6 +100,40 @@ def pytest_xdist_make_scheduler(config, log):
 TRAITS = "-traits"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engine_host(tmp_path_factory):
+    """A warm engine host for this worker's session (execute/engine_host.py): every run a test starts forks its
+    Quark engine from it instead of importing torch, transformers and Quark again (~15 s of each engine's 17 s
+    here). Runs the host cannot take exactly as a fresh child would start one fresh, as without a host. Tests of
+    the fresh child itself (the engine as the CLI's own child: interrupts, a lost Ray node) use ``fresh_engines``.
+    QPE_TEST_FRESH_ENGINES=1 runs the whole suite without it."""
+    from quark_ptq_eval.execute.engine_host import HOST_ENV
+
+    if os.environ.get("QPE_TEST_FRESH_ENGINES") or HOST_ENV in os.environ:
+        yield None
+        return
+    import tempfile
+
+    sock = Path(tempfile.mkdtemp(prefix="qpe-host-")) / "engine.sock"  # short: a socket path holds 107 bytes
+    log = tmp_path_factory.getbasetemp() / "engine_host.log"
+    with open(log, "w") as out:
+        host = subprocess.Popen([sys.executable, "-m", "quark_ptq_eval.execute.engine_host", "--socket", str(sock)],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    os.environ[HOST_ENV] = str(sock)  # runs started before it listens start their engines fresh
+    yield sock
+    os.environ.pop(HOST_ENV, None)
+    host.terminate()
+    host.wait(timeout=60)
+
+
+@pytest.fixture
+def fresh_engines(monkeypatch):
+    """This test's runs start their engines as fresh children (no engine host)."""
+    from quark_ptq_eval.execute.engine_host import HOST_ENV
+
+    monkeypatch.delenv(HOST_ENV, raising=False)
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("assets")
@@ -296,6 +330,11 @@ def ray_cluster():
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     from ray.cluster_utils import Cluster
 
+    from quark_ptq_eval.execute.engine_host import HOST_ENV
+
+    # Ray's workers start the cells' engines as their own children (test_compare_ray finds them by command line)
+    host = os.environ.pop(HOST_ENV, None)
+
     node_args = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}
     cluster = Cluster(initialize_head=True, connect=True, head_node_args=node_args)
     handle = RayTestCluster(cluster, node_args)
@@ -305,6 +344,8 @@ def ray_cluster():
 
     ray.shutdown()
     cluster.shutdown()
+    if host is not None:
+        os.environ[HOST_ENV] = host
 
 
 class RayTestCluster:

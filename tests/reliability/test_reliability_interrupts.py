@@ -23,7 +23,8 @@ import yaml
 from quark_ptq_eval.base.errors import ExitCode
 from tests.reliability.test_reliability_guard import source_guard  # noqa: F401 - arms the session guard early
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("source_guard")]
+# the engine as the CLI's own child, found among its children (a hosted engine is the engine host's child)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("source_guard", "fresh_engines")]
 
 
 def run_args(model, out, wd, corpus, *extra, samples: int = 1500):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
+import signal
 import sys
 import threading
 from typing import NoReturn
@@ -28,3 +30,10 @@ def exit_now(code: int | None) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
             stream.flush()
     os._exit(status)
+
+
+def die_with_parent() -> None:
+    """In a child we start: if its parent is SIGKILLed, the kernel sends the child SIGTERM (Linux
+    PR_SET_PDEATHSIG), so an engine cannot go on writing an output nobody will verify."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG

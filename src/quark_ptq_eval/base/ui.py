@@ -14,14 +14,22 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
 MILESTONES = (25, 50, 75, 100)  # percent: the plain-text progress lines
+
+
+class TextSink(Protocol):
+    """What stands in for sys.stdout / sys.stderr: a real stream, a NoiseFilter, an engine's log."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
 
 
 class Reporter:
@@ -204,7 +212,7 @@ def streams_to(out: Any, err: Any) -> Iterator[None]:
     (noise_to_log's filters; the in-process engine's log, execute/in_process.py)."""
     saved = sys.stdout, sys.stderr
     # Libraries imported before hold the real streams in their logging handlers.
-    swapped = _swap_handler_streams({id(saved[0]): out, id(saved[1]): err})
+    swapped = swap_handler_streams({id(saved[0]): out, id(saved[1]): err})
     sys.stdout, sys.stderr = out, err
     try:
         yield
@@ -214,10 +222,10 @@ def streams_to(out: Any, err: Any) -> Iterator[None]:
             handler.setStream(stream)
         # Handlers created inside (transformers makes its own on first use) hold ours: give them the
         # real streams, or a later run's filter would not recognise them.
-        _swap_handler_streams({id(out): saved[0], id(err): saved[1]})
+        swap_handler_streams({id(out): saved[0], id(err): saved[1]})
 
 
-def _swap_handler_streams(streams: dict[int, Any]) -> list[tuple[logging.StreamHandler[Any], Any]]:
+def swap_handler_streams(streams: Mapping[int, TextSink]) -> list[tuple[logging.StreamHandler[Any], Any]]:
     loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
                                       if isinstance(lg, logging.Logger))]
     swapped = []

@@ -3,8 +3,6 @@ streamed progress, full log under the work dir; Ctrl-C / SIGTERM stop the whole 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import re
 import signal
@@ -18,6 +16,8 @@ from types import FrameType
 from typing import Any, NoReturn, Protocol
 
 from quark_ptq_eval.base.errors import Interrupted
+from quark_ptq_eval.base.process_exit import die_with_parent
+from quark_ptq_eval.execute.engine_host import HOST_ENV, HostedChild, start_hosted
 
 
 @dataclass
@@ -42,14 +42,7 @@ class EngineRunner(Protocol):
                  echo: LineSink | None = ...) -> RunResult: ...
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: if we are SIGKILLed, the kernel sends the engine SIGTERM
-    (Linux PR_SET_PDEATHSIG), so it cannot go on writing an output nobody will verify."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def _stop_group(proc: subprocess.Popen[str], grace: float = 10.0) -> None:
+def _stop_group(proc: subprocess.Popen[str] | HostedChild, grace: float = 10.0) -> None:
     """SIGTERM the child's process group, then SIGKILL what is left after ``grace`` seconds."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         try:
@@ -90,6 +83,20 @@ class EngineEcho:
         self.ui.end_progress()
 
 
+def _start(argv: list[str], env: dict[str, str], cwd: Path, log: Any) -> subprocess.Popen[str] | HostedChild:
+    """The engine as a child of its own: forked by the warm engine host where one is named and can take it
+    (engine_host.py), else a fresh process; the log says which."""
+    if os.environ.get(HOST_ENV):
+        hosted, why = start_hosted(argv, env, cwd)
+        if hosted is not None:
+            log.write(f"=== forked by the engine host at {os.environ[HOST_ENV]} (pid {hosted.pid})\n")
+            return hosted
+        log.write(f"=== started fresh: {why}\n")
+    return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
+                            preexec_fn=die_with_parent)
+
+
 def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd: Path,
                 echo: LineSink | None = sys.stderr) -> RunResult:
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,11 +113,9 @@ def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {argv}\n")
         # The handler goes in before the child exists: a SIGTERM in between must not leave it orphaned.
         signal.signal(signal.SIGTERM, on_signal)
-        proc = None
+        proc: subprocess.Popen[str] | HostedChild | None = None
         try:
-            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
-                                    preexec_fn=_die_with_parent)
+            proc = _start(argv, env, cwd, log)
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)

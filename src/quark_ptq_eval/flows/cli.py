@@ -137,6 +137,9 @@ def _add_tool_commands(add) -> None:
     p = add("status", "Show where the run in --workdir stands.")
     p.add_argument("--workdir", type=Path, default=Path("."))
     p.add_argument("--json", action="store_true")
+    p = add("engine-host", "Keep torch, transformers and Quark imported and fork each engine of the runs that name "
+                           "this host in $QUARK_PTQ_EVAL_ENGINE_HOST (many runs in a row on one CPU host).")
+    p.add_argument("--socket", required=True, type=Path, help="the path the runs name in $QUARK_PTQ_EVAL_ENGINE_HOST")
 
 
 def _approver(args: argparse.Namespace):
@@ -285,6 +288,15 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 HANDLERS["sweep"] = _cmd_sweep
+
+
+def _cmd_engine_host(args: argparse.Namespace) -> int:
+    from quark_ptq_eval.execute.engine_host import main as host_main
+
+    return host_main(["--socket", str(args.socket)])
+
+
+HANDLERS["engine-host"] = _cmd_engine_host
 
 
 def _terminate(signum, frame):  # noqa: ARG001
