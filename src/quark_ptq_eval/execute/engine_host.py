@@ -43,7 +43,10 @@ ENGINE_MODULES = ("quark_ptq_eval.execute.quark_api_engine", "quark_ptq_eval.exe
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "CUDA", "HIP", "ROCR", "ROCM",
                         "OMP_", "KMP_", "MKL_", "OPENBLAS", "GOMP", "QUARK", "PYTHON", "LD_", "TOKENIZERS", "TRITON",
                         "XDG_", "HOME", "TMPDIR", "MALLOC", "JEMALLOC", "NUMEXPR", "VECLIB")
-RUNTIME_ONLY = {"PYTHONUNBUFFERED", HOST_ENV}  # the child's streams are line-buffered anyway
+# Not read at import, or read at import only for what an engine never does: PYTHONUNBUFFERED (the child's streams
+# are line-buffered anyway), PYTHONBREAKPOINT (read at each breakpoint()), HF_XET_HIGH_PERFORMANCE (a Hub download's
+# transfer mode; lm_eval's import sets it in the asking run, and an engine reads a local directory).
+RUNTIME_ONLY = {"PYTHONUNBUFFERED", "PYTHONBREAKPOINT", "HF_XET_HIGH_PERFORMANCE", HOST_ENV}
 STARTING_ENV: dict[str, str] = {}  # the host's environment as it started, before the imports that set some
 KILL_GRACE_S = 10.0
 
@@ -240,7 +243,8 @@ class Host:
     def serve_forever(self) -> None:
         while True:
             conns = [h.conn for h in self.by_pid.values() if h.kill_at is None]
-            readable, _, _ = select.select([self.listener, *conns], [], [], 0.2)
+            # idle, it sleeps until asked; with engines running it wakes to reap them and to stop overdue ones
+            readable, _, _ = select.select([self.listener, *conns], [], [], 0.2 if self.by_pid else None)
             for sock in readable:
                 if sock is self.listener:
                     self._accept()
