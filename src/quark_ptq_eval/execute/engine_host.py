@@ -36,7 +36,6 @@ from typing import Any
 from quark_ptq_eval.base.errors import UsageError
 
 HOST_ENV = "QUARK_PTQ_EVAL_ENGINE_HOST"
-ENGINE_PACKAGE = "quark_ptq_eval.execute."
 ENGINE_MODULES = ("quark_ptq_eval.execute.quark_api_engine", "quark_ptq_eval.execute.engines.file2file")
 # Read by the imported libraries when they import (huggingface_hub's offline flag, torch's and OpenMP's
 # threads, CUDA's devices...): a command whose environment differs in one of these is started fresh.
@@ -66,7 +65,7 @@ def admission(req: dict[str, Any], uid: int) -> str | None:
     argv = req["argv"]
     if uid != os.getuid():
         return "another user asked"
-    if len(argv) < 3 or argv[1] != "-m" or argv[2] not in ENGINE_MODULES:
+    if not is_engine_module(argv):
         return "not one of our engine modules"
     if os.path.abspath(argv[0]) != os.path.abspath(sys.executable):
         return f"another interpreter ({argv[0]}; the host runs {sys.executable})"
@@ -82,6 +81,11 @@ def admission(req: dict[str, Any], uid: int) -> str | None:
         if host_hard != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > host_hard):
             return f"its {name} is above the host's"
     return None
+
+
+def is_engine_module(argv: list[str]) -> bool:
+    """``argv`` is ``PYTHON -m`` one of our engine modules (what a host may fork; quark-cli keeps its own process)."""
+    return len(argv) >= 3 and argv[1] == "-m" and argv[2] in ENGINE_MODULES
 
 
 def _env_changes(env: dict[str, str]) -> list[str]:
@@ -426,7 +430,7 @@ class HostedChild:
 
         if self.returncode is None:
             try:
-                line = _read_line(self._conn, self._buffer, timeout)
+                line = _split_line(self._conn, self._buffer, timeout)[0]
             except TimeoutError:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
             # the host gone without a word: its death took the engine with it (PR_SET_PDEATHSIG)
@@ -440,7 +444,7 @@ def start_hosted(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[Hoste
     path = os.environ.get(HOST_ENV)
     if not path:
         return None, ""
-    if len(argv) < 3 or argv[1] != "-m" or argv[2] not in ENGINE_MODULES:
+    if not is_engine_module(argv):
         return None, "not one of our engine modules"
     read_end, write_end = os.pipe()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -479,9 +483,6 @@ def _split_line(conn: socket.socket, buffered: bytes, timeout: float | None) -> 
     line, _, rest = buffered.partition(b"\n")
     return line, rest
 
-
-def _read_line(conn: socket.socket, buffered: bytes, timeout: float | None) -> bytes:
-    return _split_line(conn, buffered, timeout)[0]
 
 
 if __name__ == "__main__":
