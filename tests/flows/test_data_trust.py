@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 
 import pytest
 import yaml
@@ -16,7 +17,7 @@ from quark_ptq_eval.base.calibration_text import OPTIMISTIC, calibration_documen
 from quark_ptq_eval.base.context_window import model_context
 from quark_ptq_eval.base.errors import ExitCode, UsageError
 from tests.reliability.test_reliability_guard import source_guard  # noqa: F401 - arms the session guard early
-from tests.reliability.test_reliability_interrupts import Started, engine_log
+from tests.reliability.test_reliability_interrupts import Started, engine_log, sigterm_pending
 
 
 def run_args(model, out, wd, calib, *extra):
@@ -186,10 +187,11 @@ def _wait_exit(proc: subprocess.Popen, timeout: float) -> int | None:
 @pytest.mark.usefixtures("source_guard")
 def test_two_runs_one_output_then_sigkill_status_and_resume(cli, tiny_llama, corpus, tmp_path):
     """A second run on an output another run is writing exits 5 before its engine starts. The holder
-    is frozen (SIGSTOP) once its engine quantizes, so the second run always meets a held claim; it was
-    a race when both started together and the first finished before the second reached its claim.
-    The holder is then SIGKILLed: `status` says interrupted, `resume` completes without asking to
-    delete anything, and the export is that run's."""
+    and its engine are frozen (SIGSTOP) once the engine quantizes, so the second run always meets a held
+    claim and the engine cannot finish meanwhile (both were races on a fast host). The holder is then
+    SIGKILLed and its engine follows: a fresh engine by PR_SET_PDEATHSIG, a hosted one by the engine host,
+    each a SIGTERM. `status` says interrupted, `resume` completes without asking to delete anything,
+    and the export is that run's."""
     out = tmp_path / "out"
     extra = ("--num-calib-samples", "600", "--calib-seq-len", "64", "--yes", "--eval-tier", "skip", "--no-load-check")
     for name in ("a", "b"):
@@ -197,11 +199,20 @@ def test_two_runs_one_output_then_sigkill_status_and_resume(cli, tiny_llama, cor
     win_wd, lose_wd = tmp_path / "a" / "wd", tmp_path / "b" / "wd"
     run = Started(tmp_path / "a", *run_args(tiny_llama, out, win_wd, corpus, *extra))
     run.wait_for(lambda: "[quark-ptq-eval] quantizing" in engine_log(win_wd), "the engine to start quantizing")
+    engine = run.any_engine(win_wd)
+    assert engine is not None, engine_log(win_wd)
+    engine.suspend()
     os.kill(run.proc.pid, signal.SIGSTOP)  # the claim's holder, alive but going nowhere
     try:
         rc, err = Started(tmp_path / "b", *run_args(tiny_llama, out, lose_wd, corpus, *extra)).finish(timeout=300)
     finally:
-        os.kill(run.proc.pid, signal.SIGKILL)  # works on a stopped process; its engine follows (PDEATHSIG)
+        os.kill(run.proc.pid, signal.SIGKILL)  # works on a stopped process
+    deadline = time.monotonic() + 60
+    while not sigterm_pending(engine) and time.monotonic() < deadline:
+        time.sleep(0.1)  # a poll bounded by the deadline: the host notices the closed connection within ~1 s
+    assert sigterm_pending(engine), "the holder's death sent its engine no SIGTERM"
+    engine.resume()  # the queued SIGTERM ends it before it runs on
+    engine.wait(timeout=60)
     assert rc == ExitCode.LOCKED, err
     assert f"Another quark-ptq-eval run (work dir {win_wd}, pid {run.proc.pid}) is writing the output" in err
     assert not engine_log(lose_wd) and "Traceback" not in err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -57,6 +58,11 @@ class Started:
                 continue
         return None
 
+    def any_engine(self, wd: Path) -> psutil.Process | None:
+        """The run's engine, forked by an engine host (its log names the pid) or the CLI's own child."""
+        hosted = re.search(r"^=== forked by the engine host at .* \(pid (\d+)\)$", engine_log(wd), re.M)
+        return psutil.Process(int(hosted.group(1))) if hosted else self.engine()
+
     def wait_for(self, condition, what: str, timeout: float = 600):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -76,6 +82,12 @@ class Started:
 def engine_log(wd: Path) -> str:
     log = wd / "logs" / "engine.log"
     return log.read_text(errors="replace") if log.exists() else ""
+
+
+def sigterm_pending(proc: psutil.Process) -> bool:
+    """A SIGTERM is queued for ``proc`` (a stopped process keeps it until SIGCONT)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines())
+    return any(int(fields[k].strip(), 16) & (1 << (signal.SIGTERM - 1)) for k in ("SigPnd", "ShdPnd"))
 
 
 def live_members(pgid: int) -> list[int]:
