@@ -123,3 +123,17 @@ def test_the_benchmark_waits_for_go_and_a_cancelled_one_sends_nothing(tmp_path):
     short = PendingBench([sys.executable, "-c", STAND_IN, str(out), "2"], out, 3)  # writes two of three
     with pytest.raises(QpeError, match=r"serving benchmark failed \(exit 0, repeat_3.json not written\)"):
         short.run()
+
+
+def test_a_repeat_whose_requests_failed_is_no_measurement(tmp_path):
+    """vLLM's benchmark of a server whose engine died writes a result with 0 tokens/s and ``failed`` set (seen
+    here: int4 on an AMX CPU before its server was allowed AMX): counted as failures, never as a speed."""
+    import json
+
+    from quark_ptq_eval.evaluate.speed.bench import failed_requests
+
+    good, bad = tmp_path / "repeat_1.json", tmp_path / "repeat_2.json"
+    good.write_text(json.dumps({"completed": 8, "failed": 0, "output_throughput": 1041.4}))
+    bad.write_text(json.dumps({"completed": 0, "failed": 8, "output_throughput": 0.0}))
+    assert failed_requests([good]) is None
+    assert failed_requests([good, bad]) == "8 of 16 requests failed (repeat_2.json)"

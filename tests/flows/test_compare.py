@@ -127,17 +127,23 @@ def test_task_scores_carry_a_paired_test_against_the_baseline_evaluated_once(com
     assert "## Task scores (Tier 2, lm-eval)" in report and "significant at 5 %" in report and "McNemar" in report
 
 
-def test_plan_time_estimate_comes_from_measurements_on_this_host(compared):
+def test_plan_time_estimate_comes_from_measurements_on_this_host(compared, monkeypatch):
     from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
+    from quark_ptq_eval.flows.compare import plans as compare_plans
     from quark_ptq_eval.flows.compare.options import CompareOptions
-    from quark_ptq_eval.flows.compare.plans import engine_history, estimate_totals
+    from quark_ptq_eval.plan import resources
 
     root = compared["root"]
-    recorded = [r for r in engine_history() if r["scheme"] in ("int8", "int4_wo_32") and r["calib_tokens"] == 8 * 64]
+    analysis = ModelAnalysis.load(root)
+    # One reading of the host's shared history for both sides: the other worker's runs append to it meanwhile.
+    history = compare_plans.engine_history()
+    monkeypatch.setattr(compare_plans, "engine_history", lambda: history)
+    recorded = [r for r in history if r["scheme"] in ("int8", "int4_wo_32") and r["calib_tokens"] == 8 * 64
+                and r["params"] == resources.param_count(analysis)]
     assert {"int8", "int4_wo_32"} <= {r["scheme"] for r in recorded}  # this comparison's engine runs
     plans = {s: QuantPlan.load(root / "work" / s) for s in ("int8", "int4_wo_32")}
     opts = CompareOptions(**{k: v for k, v in RunState.load(root).options.items()})
-    totals = estimate_totals(ModelAnalysis.load(root), plans, opts)
+    totals = compare_plans.estimate_totals(analysis, plans, opts)
     assert all(e["basis"] == "measured" for e in totals["schemes"].values())
     assert "GFLOP/s (a matmul timed here now)" in totals["text"] and totals["rate_flops"] > 0
     assert [e["quantize_s"] for e in totals["schemes"].values()] == [

@@ -109,7 +109,8 @@ def run_command(argv: list[str], env_extra: dict[str, str], log_path: Path, cwd:
     def on_signal(signum: int, frame: FrameType | None) -> NoReturn:  # noqa: ARG001
         raise KeyboardInterrupt
 
-    with open(log_path, "a", encoding="utf-8", errors="replace") as log:
+    # line-buffered: the log is what a person (or a test) tails while the engine runs, so it is current
+    with open(log_path, "a", encoding="utf-8", errors="replace", buffering=1) as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {argv}\n")
         # The handler goes in before the child exists: a SIGTERM in between must not leave it orphaned.
         signal.signal(signal.SIGTERM, on_signal)

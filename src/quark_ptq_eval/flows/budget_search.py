@@ -88,7 +88,7 @@ def experts_refused(plan: QuantPlan, formats: list[str], shapes: dict[str, tuple
     """The formats the search may not give an MoE layer's routed experts, each with why: those the target's vLLM
     does not load for experts (plan/targets.py ``expert_refusal``, the one rule). A model without routed experts,
     or an unknown target: none. Refused (exit 2) when no format given is left for the experts."""
-    from quark_ptq_eval.plan.targets import FAMILIES, expert_refusal
+    from quark_ptq_eval.plan.targets import FAMILIES, expert_refusal, keep_experts_unquantized
 
     if not any(ROUTED.match(n) for n in shapes):
         return {}
@@ -96,9 +96,12 @@ def experts_refused(plan: QuantPlan, formats: list[str], shapes: dict[str, tuple
     refused = {f: why for f in formats if (why := expert_refusal(f, family))}
     if len(refused) == len(formats):
         where = plan.target.get("label") or "this target"
+        fix = (f"Add a format its MoE kernels serve to --formats (e.g. {family.moe[0]}), keep the experts "
+               "unquantized" if family and family.moe else "Keep the experts unquantized")
+        keep = keep_experts_unquantized(list(plan.exclude_layers))
         raise UsageError(f"None of {', '.join(formats)} is served for this MoE's routed experts on {where}: "
-                         f"{refused[formats[0]]}.", f"Add a format its MoE kernels load to --formats "
-                         f"(e.g. {family.moe[0] if family and family.moe else 'int8'}), or name another --target.")
+                         f"{refused[formats[0]]}.", f"{fix} ({keep}: the search then mixes the other linears), "
+                         "or name another --target.")
     return refused
 
 

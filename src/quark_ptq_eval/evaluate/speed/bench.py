@@ -7,6 +7,7 @@ once the server is healthy and nothing else is using it. A server that never get
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -15,6 +16,23 @@ from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.evaluate.speed.driver import WAIT_FOR_GO
 
 STOP_TIMEOUT_S = 30
+
+
+class RequestsFailed(QpeError):
+    """The server answered /health but failed requests of the benchmark: what it returned is no measurement."""
+
+
+def failed_requests(paths: list[Path]) -> str | None:
+    """``8 of 8 requests failed (repeat_1.json, ...)`` from vLLM's own result files, or None when all completed."""
+    failed = total = 0
+    where = []
+    for path in paths:
+        result = json.loads(path.read_text(encoding="utf-8"))
+        n_failed = int(result.get("failed") or 0)
+        failed, total = failed + n_failed, total + n_failed + int(result.get("completed") or 0)
+        if n_failed:
+            where.append(path.name)
+    return f"{failed} of {total} requests failed ({', '.join(where)})" if failed else None
 
 
 class PendingBench:
@@ -45,6 +63,9 @@ class PendingBench:
             raise QpeError(f"vLLM's serving benchmark failed (exit {code}"
                            + (f", {', '.join(missing)} not written" if missing else "") + f"): "
                            f"{tail[0][:300] if tail else 'no output'}; see {self.log_path}.")
+        warmup = self.out / "warmup.json"
+        if failed := failed_requests([*([warmup] if warmup.is_file() else []), *self.expected]):
+            raise RequestsFailed(f"the server failed requests: {failed}")
         return self.expected
 
     def cancel(self) -> None:

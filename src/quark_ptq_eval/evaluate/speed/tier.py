@@ -29,7 +29,7 @@ from quark_ptq_eval.evaluate.serving.commands import (
     shell_line,
 )
 from quark_ptq_eval.evaluate.speed import stats
-from quark_ptq_eval.evaluate.speed.bench import PendingBench
+from quark_ptq_eval.evaluate.speed.bench import PendingBench, RequestsFailed
 from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload, fit_workload
 from quark_ptq_eval.runtime.vllm_host import (
     HostVllm,
@@ -323,7 +323,12 @@ def _measure(ctx: TierInputs, prepared: SpeedPrepared, model: ServedModel) -> tu
             reason = failure_reason(log_path) or "it exited before it was healthy"
             return f"vLLM does not serve it: {reason.rstrip('.')} (log: {log_path})."
         ctx.log(f"benchmark the {label} model: {shell_line(prepared.bench[label])}")
-        return bench.run(), stats.server_capacity(log_path)
+        try:
+            return bench.run(), stats.server_capacity(log_path)
+        except RequestsFailed as exc:  # healthy, then its engine died on the first forward (a kernel fault)
+            cause = failure_reason(log_path)
+            return f"vLLM does not serve it: {exc.message}" + (f"; {cause.rstrip('.')}" if cause else "") \
+                + f" (log: {log_path})."
     finally:
         if bench is not None:
             bench.cancel()
