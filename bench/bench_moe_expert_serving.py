@@ -2,8 +2,9 @@
 
 A tiny qwen3_moe (8 routed experts a layer, 2 per token, transformers' own config class, random BF16) is quantized
 by Quark's API once per plan below, then each export is served by the project's vLLM (``--vllm-python``) through
-the product's serving check (validate/servecheck.py: started until /health answers, or vLLM's refusal). Prints
-one line per plan: the experts' format, the rest's format, served or the refusal, the seconds.
+the product's serving check (validate/servecheck.py: started until /health answers and a 2-token completion comes
+back, or vLLM's refusal). Prints one line per plan: the experts' format, the rest's format, served or the
+refusal, the seconds.
 
     /work/cpuslot .venv/bin/python -m bench.bench_moe_expert_serving --vllm-python .venv-vllm/bin/python \
         --work /tmp/moe-serve
