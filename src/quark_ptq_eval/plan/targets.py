@@ -7,6 +7,7 @@ priority. Every reason names the target fact it rests on.
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -266,8 +267,6 @@ EXPERTS_PATTERN = "*mlp.experts*"  # Quark's per-expert linears and the fused-Mo
 
 def keep_experts_unquantized(excludes: list[str]) -> str:
     """The --exclude that keeps the routed experts unquantized, with the plan's own exclusions (it replaces them)."""
-    import shlex
-
     return "--exclude " + " ".join(shlex.quote(p) for p in dict.fromkeys([*excludes, EXPERTS_PATTERN]))
 
 

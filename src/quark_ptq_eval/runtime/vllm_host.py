@@ -163,15 +163,21 @@ def wait_healthy(process: subprocess.Popen[bytes], port: int, timeout_s: float) 
     return False
 
 
+def post_completion(base_url: str, body: dict[str, Any], timeout_s: float) -> Any:
+    """vLLM's ``/v1/completions`` answer to ``body``, decoded; urllib's errors (HTTPError carries vLLM's
+    reason in its body) and a body that is not JSON (ValueError) are the caller's to word."""
+    request = urllib.request.Request(f"{base_url.rstrip('/')}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
 def first_completion(port: int, served_name: str, timeout_s: float = 300.0) -> str | None:
     """One short completion from a healthy server: None when it answers, else what went wrong. /health only
     says the weights loaded; a kernel that kills the engine on its first forward is found here."""
-    body = json.dumps({"model": served_name, "prompt": "The", "max_tokens": 2, "temperature": 0}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = {"model": served_name, "prompt": "The", "max_tokens": 2, "temperature": 0}
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            answer = json.loads(response.read())
+        answer = post_completion(f"http://127.0.0.1:{port}", body, timeout_s)
     except urllib.error.HTTPError as exc:
         return f"HTTP {exc.code}: {exc.read(300).decode('utf-8', 'replace')}"
     except (OSError, ValueError) as exc:

@@ -8,12 +8,10 @@ none), exactly the ``n - 1`` predictions HF Tier 1 averages per window (ppl.tier
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 import time
 import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -55,12 +53,11 @@ class BackendComparison:
 def window_nll(base_url: str, model: str, window: list[int], timeout_s: float = 600) -> float:
     """Mean negative log-likelihood of ``window[1:]`` given what precedes each token, from vLLM."""
     # echo: the prompt's log-probabilities come back before the one generated token (discarded)
+    from quark_ptq_eval.runtime.vllm_host import post_completion
+
     body = {"model": model, "prompt": window, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
-    request = urllib.request.Request(f"{base_url.rstrip('/')}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            choice = json.loads(response.read())["choices"][0]
+        choice = post_completion(base_url, body, timeout_s)["choices"][0]
     except urllib.error.HTTPError as exc:  # vLLM says why in the body
         said = exc.read().decode(errors="replace")[:300]
         raise QpeError(f"The vLLM server at {base_url} refused the window ({exc.code}: {said}).") from None
