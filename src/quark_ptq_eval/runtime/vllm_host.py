@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 from quark_ptq_eval.base.errors import UsageError
 
@@ -163,7 +163,18 @@ def wait_healthy(process: subprocess.Popen[bytes], port: int, timeout_s: float) 
     return False
 
 
-def post_completion(base_url: str, body: dict[str, Any], timeout_s: float) -> Any:
+class CompletionRequest(TypedDict, total=False):
+    """The fields of vLLM's ``/v1/completions`` request we send (OpenAI's names)."""
+
+    model: Required[str]
+    prompt: Required[str | list[int]]
+    max_tokens: int
+    temperature: float
+    echo: bool
+    logprobs: int
+
+
+def post_completion(base_url: str, body: CompletionRequest, timeout_s: float) -> Any:
     """vLLM's ``/v1/completions`` answer to ``body``, decoded; urllib's errors (HTTPError carries vLLM's
     reason in its body) and a body that is not JSON (ValueError) are the caller's to word."""
     request = urllib.request.Request(f"{base_url.rstrip('/')}/v1/completions", data=json.dumps(body).encode(),
@@ -175,7 +186,7 @@ def post_completion(base_url: str, body: dict[str, Any], timeout_s: float) -> An
 def first_completion(port: int, served_name: str, timeout_s: float = 300.0) -> str | None:
     """One short completion from a healthy server: None when it answers, else what went wrong. /health only
     says the weights loaded; a kernel that kills the engine on its first forward is found here."""
-    body = {"model": served_name, "prompt": "The", "max_tokens": 2, "temperature": 0}
+    body: CompletionRequest = {"model": served_name, "prompt": "The", "max_tokens": 2, "temperature": 0}
     try:
         answer = post_completion(f"http://127.0.0.1:{port}", body, timeout_s)
     except urllib.error.HTTPError as exc:
