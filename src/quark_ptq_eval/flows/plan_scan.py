@@ -8,6 +8,7 @@ writes only its cache and the sensitivity_report.* files in the work dir).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,14 +47,18 @@ def run_plan_scan(plan: QuantPlan, max_kl: float | None, workdir: Path) -> ScanR
     opts = ScanOptions(model_dir=model_dir, scheme=plan.global_scheme, calib_data=Path(calibration_text(plan, workdir)),
                        exclude=list(plan.exclude_layers), device=plan.device_strategy.get("device", "cpu"),
                        trust_remote_code=plan.trust_remote_code)
-    done = run_sensitivity(opts, workdir, max_kl)
-    assert done.proposal is not None  # the plan's scan runs to its end (it has no --estimate-only)
-    from quark_ptq_eval.plan.scheme_fit import linear_shapes
     from quark_ptq_eval.plan.targets import FAMILIES
 
-    family = FAMILIES.get(plan.target.get("arch") or "")
-    proposal = served_on_target(done.proposal, list(linear_shapes(str(model_dir), [])), family)
-    return _scan_result(proposal, str(done.reports["md"]))
+    done = run_sensitivity(opts, workdir, max_kl, served=target_rule(model_dir, FAMILIES.get(plan.target.get("arch") or "")))
+    assert done.proposal is not None  # the plan's scan runs to its end (it has no --estimate-only)
+    return _scan_result(done.proposal, str(done.reports["md"]))
+
+
+def target_rule(model_dir: Path, family: ArchFamily | None) -> Callable[[Proposal], Proposal]:
+    """The sensitivity proposal held to what ``family``'s vLLM serves for ``model_dir``'s linears."""
+    from quark_ptq_eval.plan.scheme_fit import linear_shapes
+
+    return lambda proposal: served_on_target(proposal, list(linear_shapes(str(model_dir), [])), family)
 
 
 def served_on_target(proposal: Proposal, names: list[str], family: ArchFamily | None) -> Proposal:

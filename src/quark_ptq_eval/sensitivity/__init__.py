@@ -39,9 +39,11 @@ class SensitivityOutcome:
 
 
 def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = None,
-                    progress: Callable[[str], None] = print, wider: str | None = "auto") -> SensitivityOutcome:
+                    progress: Callable[[str], None] = print, wider: str | None = "auto",
+                    served: Callable[[Proposal], Proposal] | None = None) -> SensitivityOutcome:
     """Scan (or reuse the cached scan), propose exclusions for ``max_kl``, measure the same layers at
-    ``wider`` ("auto": fp8 for fp4/fp6 formats, int8 for int4; None: exclusions only), write the reports."""
+    ``wider`` ("auto": fp8 for fp4/fp6 formats, int8 for int4; None: exclusions only), write the reports.
+    ``served`` holds the proposal to what the target serves before the reports say it (flows/plan_scan.py)."""
     if not (Path(opts.model_dir) / "config.json").exists():
         raise UsageError(f"The sensitivity scan needs a local model directory; {opts.model_dir} has no config.json.")
     check_scheme_runs(opts.model_dir, opts.scheme, opts.exclude, opts.layer_config)  # before anything loads
@@ -64,6 +66,8 @@ def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = Non
     proposal = propose(result, budget, measure)
     try_wider(opts, proposal, result, lambda: _batches(opts), wider_scheme(opts.scheme) if wider == "auto" else wider,
               progress)
+    if served is not None:
+        proposal = served(proposal)
     if opts.use_cache and len(known) != before:
         ScanCache(result["key"], opts.cache_root).save_final({k: v for k, v in result.items() if k != "cache_hit"})
     command = scan_command(opts.model_dir, opts.scheme, opts.calib_data, out_dir)

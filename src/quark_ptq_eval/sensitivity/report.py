@@ -115,6 +115,7 @@ def _proposal_md(p: dict[str, Any]) -> list[str]:
                   f"measured {measured}: {'meets' if p['met'] else 'does NOT meet'} the budget.", ""]
     if w := p.get("wider"):
         verdict = ("**chosen**: the plan keeps them in `layer_quant_config` at this scheme" if w["chosen"] else
+                   f"not chosen: {w['refused']}" if w.get("refused") else
                    "not chosen: it misses what keeping them unquantized reaches")
         lines += [f"The same layers at `{w['scheme']}` ({w['bits']:g} bits per weight) instead: measured KL "
                   f"{w['measured_kl']:.4g} for +{w['extra_bytes'] / 2**20:.2f} MiB (+{w['extra_pct']:.1f} %); "

@@ -263,9 +263,8 @@ class Comparison:
         from quark_ptq_eval.flows.compare.options import cell_request
         from quark_ptq_eval.flows.pipeline import RunOptions
 
-        # mixes measured beside a budget search: Tier 1's text is given, so calibration keeps all of its own
-        held = {"eval_data": str(opts.eval.eval_data)} if opts.cells and opts.eval.eval_data else None
-        return RunOptions.from_given(model=opts.model, output_dir=str(self.output_dir(scheme)), eval=held,
+        return RunOptions.from_given(model=opts.model, output_dir=str(self.output_dir(scheme)),
+                          eval=_cell_eval_fields(opts),
                           request=cell_request(opts, scheme), overwrite=opts.overwrite, offline=opts.offline,
                           card="none",  # the comparison writes the card of the scheme it chooses
                           base_model=opts.base_model)  # in each scheme's run state: its card, written later, names it
@@ -290,3 +289,16 @@ class Comparison:
         self.state.wait_for(gate, None, f"[{scheme}] {exc.message}", command)
         raise CheckpointPending(f"Scheme {scheme}: {exc.message}", f"To continue: {command}") from None
 
+
+def _cell_eval_fields(opts: CompareOptions) -> dict[str, object]:
+    """What a cell's own run takes of compare's evaluation options (its Tier 1 is compare's, against the
+    cached baseline): the vLLM named with --vllm-python serves each cell in its validation's serving check,
+    as in `run`; mixes measured beside a budget search keep all of their calibration text (Tier 1's is given)."""
+    held: dict[str, object] = {}
+    if opts.cells and opts.eval.eval_data:
+        held["eval_data"] = str(opts.eval.eval_data)
+    if opts.eval.vllm_python:
+        held["vllm_python"] = str(opts.eval.vllm_python)
+    if opts.eval.vllm_args:
+        held["vllm_args"] = list(opts.eval.vllm_args)
+    return held
