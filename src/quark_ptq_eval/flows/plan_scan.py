@@ -49,7 +49,8 @@ def run_plan_scan(plan: QuantPlan, max_kl: float | None, workdir: Path) -> ScanR
                        trust_remote_code=plan.trust_remote_code)
     from quark_ptq_eval.plan.targets import FAMILIES
 
-    done = run_sensitivity(opts, workdir, max_kl, served=target_rule(model_dir, FAMILIES.get(plan.target.get("arch") or "")))
+    family = FAMILIES.get(plan.target.get("arch") or "")
+    done = run_sensitivity(opts, workdir, max_kl, served=target_rule(model_dir, family))
     assert done.proposal is not None  # the plan's scan runs to its end (it has no --estimate-only)
     return _scan_result(done.proposal, str(done.reports["md"]))
 

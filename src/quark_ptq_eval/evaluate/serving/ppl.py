@@ -55,7 +55,8 @@ def window_nll(base_url: str, model: str, window: list[int], timeout_s: float = 
     # echo: the prompt's log-probabilities come back before the one generated token (discarded)
     from quark_ptq_eval.runtime.vllm_host import CompletionRequest, post_completion
 
-    body: CompletionRequest = {"model": model, "prompt": window, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
+    body: CompletionRequest = {"model": model, "prompt": window, "max_tokens": 1, "echo": True, "logprobs": 0,
+                               "temperature": 0}
     try:
         choice = post_completion(base_url, body, timeout_s)["choices"][0]
     except urllib.error.HTTPError as exc:  # vLLM says why in the body
