@@ -116,6 +116,9 @@ class PerplexityDetails(TierDetails):
     required: Required = field(default_factory=dict)
     hf_vs_vllm: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # --vllm-python's cross-check
     baseline_cache: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)  # compare's cached baseline
+    # streamed Tier 1 with a baseline: per decoder block, the quantized hidden states' relative distance from the
+    # baseline's after it, and what it added (evaluate/ppl/stream.py)
+    per_block: list[dict[str, float]] | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass

@@ -108,6 +108,7 @@ TIERS: Registry[Tier] = Registry("evaluation tier", entry_type=Tier, check=check
         scores_text=True,
         default=True,
         report_section="quark_ptq_eval.evaluate.ppl.tier:section",
+        options="quark_ptq_eval.evaluate.ppl.options:PplOptions",
     ),
     Tier(
         "lm_eval",

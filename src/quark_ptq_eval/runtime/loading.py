@@ -100,6 +100,15 @@ def _has_per_expert_tensors(model_dir: Path) -> bool:
         return False
 
 
+def pick_loader(model_dir: Path, config: dict[str, Any]) -> tuple[str, str]:
+    """(loader, reason) for a model directory: its config's, and Quark's importer for per-expert MoE exports."""
+    chosen, reason = choose_loader(config)
+    if chosen == TRANSFORMERS and reason.startswith("Quark export") and _has_per_expert_tensors(model_dir):
+        chosen, reason = QUARK, ("Quark export of per-expert MoE linears: transformers 5 fuses them back into "
+                                 "3-D parameters its quantized forward cannot run")
+    return chosen, reason
+
+
 def resolve_device(device: str) -> str:
     if device != "auto":
         return device
@@ -118,10 +127,7 @@ def load_model(
     weights) unless ``allow_missing`` (the load check, which reports them as a finding)."""
     model_dir = Path(model_dir)
     config = read_config_or_raise(model_dir)
-    chosen, reason = choose_loader(config)
-    if chosen == TRANSFORMERS and reason.startswith("Quark export") and _has_per_expert_tensors(model_dir):
-        chosen, reason = QUARK, ("Quark export of per-expert MoE linears: transformers 5 fuses them back into "
-                                 "3-D parameters its quantized forward cannot run")
+    chosen, reason = pick_loader(model_dir, config)
     if loader is not None:
         chosen, reason = loader, f"forced {loader} loader"
     device = resolve_device(device)

@@ -55,8 +55,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from quark_ptq_eval.evaluate.eval_report import EvalReport
+    from quark_ptq_eval.evaluate.ppl.stream import StreamPrepared
 
 TASK = "perplexity"
+# in-memory Tier 1 holds the weights as loaded plus start-up and a batch's logits: streamed when that exceeds the
+# RAM free now (the in-memory path would be killed by the host; docs/streamed_tier1.md)
+IN_MEMORY_OVERHEAD = 1.25
 __all__ = [  # what other modules, the tests and the benches import from here
     "CPU_TOKENS_PER_BATCH", "FINISH_S", "LOGIT_BUDGET", "MAX_AUTO_BATCH", "ROW_CHUNK_ELEMENTS", "TASK", "Accumulator",
     "Clock", "PilotTiming", "PplPrepared", "auto_batch_size", "distribution", "eval_texts", "fast_nll",
@@ -88,8 +92,39 @@ class PplPrepared:
     window_note: str | None = None  # why the default window was clamped to the model's context
 
 
-def prepare(ctx: TierInputs) -> PplPrepared:
-    """Load the data and the model(s), score the first batch as a pilot, and estimate the rest."""
+def prepare(ctx: TierInputs) -> PplPrepared | StreamPrepared:
+    """Load the data and the model(s), score the first batch as a pilot, and estimate the rest; streamed
+    one decoder block at a time when asked or when the models do not fit this host (evaluate/ppl/stream.py)."""
+    why = stream_reason(ctx)
+    if why:
+        from quark_ptq_eval.evaluate.ppl import stream
+
+        ctx.log(f"Tier 1 streamed one decoder block at a time: {why}")
+        return stream.prepare(ctx)
+    return _prepare_in_memory(ctx)
+
+
+def stream_reason(ctx: TierInputs) -> str | None:
+    """Why Tier 1 streams (--stream-blocks, or the models it would load exceed the RAM free now), else None."""
+    from quark_ptq_eval.base.safetensors_io import read_model_headers
+    from quark_ptq_eval.evaluate.ppl.options import PplOptions
+    from quark_ptq_eval.plan.host_memory import mem_available_bytes
+
+    if ctx.options.of(PplOptions).stream_blocks:
+        return "asked (--stream-blocks)"
+    dirs = [ctx.model_dir] + ([ctx.options.baseline] if ctx.options.baseline else [])
+    try:
+        needed = sum(t.nbytes for d in dirs for t in read_model_headers(d).values())
+    except Exception:  # noqa: BLE001 - unreadable headers: the load itself reports them
+        return None
+    free = mem_available_bytes()
+    if free is None or needed * IN_MEMORY_OVERHEAD <= free:
+        return None
+    return (f"the models hold {needed / 2**30:.1f} GiB of weights and this host has {free / 2**30:.1f} GiB free; "
+            "at most one block of each is held instead")
+
+
+def _prepare_in_memory(ctx: TierInputs) -> PplPrepared:
     window_note = fit_eval_window(ctx)  # before anything loads: a window beyond the context is refused
     options, clock = ctx.options, Clock()
     texts = eval_texts(options.eval_data, options.eval_text_limit)  # fails before any model loads
@@ -144,7 +179,11 @@ def _load_baseline(ctx: TierInputs, texts: list[str], tokenizer: PreTrainedToken
     return baseline
 
 
-def score(prepared: PplPrepared) -> TierOutcome:
+def score(prepared: PplPrepared | StreamPrepared) -> TierOutcome:
+    if not isinstance(prepared, PplPrepared):
+        from quark_ptq_eval.evaluate.ppl import stream
+
+        return stream.score(prepared)
     ctx, acc, windows, size = prepared.ctx, prepared.acc, prepared.windows, prepared.batch_size
     baseline_model = prepared.baseline.model if prepared.baseline else None
     total = math.ceil(windows.shape[0] / size)
@@ -281,7 +320,25 @@ def section(report: EvalReport) -> list[str]:
             f"{_num(paired['perplexity_ratio'])}"
         )
     lines.append(f"- loader: {details.get('loader')}")
-    return [*lines, "", *kld_report_lines(details.get("kld_report"))]
+    return [*lines, "", *per_block_lines(details.get("per_block")), *kld_report_lines(details.get("kld_report"))]
+
+
+def per_block_lines(rows: list[dict[str, float]] | None) -> list[str]:
+    """The streamed tier's chart of where the error enters: the quantized hidden states' relative distance
+    from the baseline's after each block, a bar per block, and the blocks that add most."""
+    if not rows:
+        return []
+    top = max(r["relative_distance"] for r in rows) or 1.0
+    worst = sorted(rows, key=lambda r: r["added"], reverse=True)[:3]
+    lines = ["## Where the error enters (per block)", "",
+             "Relative distance ||h_q − h_base|| / ||h_base|| of the hidden states after each decoder block "
+             "(mean over tokens), and what the block added to it.", "",
+             "| block | distance | added | |", "|---:|---:|---:|:---|"]
+    for r in rows:
+        bar = "█" * max(0, round(30 * r["relative_distance"] / top)) if math.isfinite(r["relative_distance"]) else ""
+        lines.append(f"| {int(r['block'])} | {r['relative_distance']:.4g} | {r['added']:+.3g} | {bar} |")
+    lines += ["", "Blocks adding most: " + ", ".join(f"{int(r['block'])} ({r['added']:+.3g})" for r in worst), ""]
+    return lines
 
 
 def _agreement_table(kl: dict[str, Any], paired: dict[str, Any] | None) -> list[str]:
