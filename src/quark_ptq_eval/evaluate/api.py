@@ -24,7 +24,7 @@ from quark_ptq_eval.evaluate.context import (
 from quark_ptq_eval.evaluate.eval_report import EvalReport
 from quark_ptq_eval.evaluate.options import BASELINE_FROM_SOURCE, EvalOptions
 from quark_ptq_eval.evaluate.reference import align_scale, merge_references, model_card_reference
-from quark_ptq_eval.evaluate.remedies import suggest_remedies, validation_evidence
+from quark_ptq_eval.evaluate.remedies import block_remedies, suggest_remedies, validation_evidence
 from quark_ptq_eval.evaluate.scan_followup import sensitivity_followup
 from quark_ptq_eval.evaluate.tiers import TIERS, get_tier
 from quark_ptq_eval.evaluate.verdict import TierEvidence, compare_all, overall_verdict
@@ -152,7 +152,8 @@ def build_report(ctx: TierInputs, outcome: TierOutcome, estimate: RuntimeEstimat
     details = outcome.details.as_dict()  # the report holds them as eval_results.json writes them
     remedies = []
     if verdict in ("hurt", "watch"):  # what validation measured per module first: the evidence behind the verdict
-        remedies = validation_evidence(ctx.workdir)[1:] + suggest_remedies(ctx.plan, _num_layers(ctx.model_dir))
+        remedies = (validation_evidence(ctx.workdir)[1:] + block_remedies(details.get("per_block"))
+                    + suggest_remedies(ctx.plan, _num_layers(ctx.model_dir)))
     return EvalReport(
         tier=options.tier,
         model_dir=ctx.model_dir,

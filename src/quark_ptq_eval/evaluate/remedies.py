@@ -85,6 +85,21 @@ def _exclusion_remedies(excluded: str, num_layers: int | None) -> list[str]:
     return remedies
 
 
+def block_remedies(per_block: list[dict[str, float]] | None, shown: int = 2) -> list[str]:
+    """The streamed Tier 1 measured each block's own error: the blocks adding most, named first (their
+    share of the sum), with the exclusion that keeps them unquantized."""
+    rows = [r for r in per_block or [] if r.get("own_error") == r.get("own_error")]  # NaN-free
+    total = sum(r["own_error"] for r in rows)
+    if not rows or total <= 0:
+        return []
+    worst = sorted(rows, key=lambda r: r["own_error"], reverse=True)[:shown]
+    named = ", ".join(f"block {int(r['block'])} ({100 * r['own_error'] / total:.0f} % of the summed per-block error)"
+                      for r in worst)
+    patterns = " ".join(f"'model.layers.{int(r['block'])}.*'" for r in worst)
+    return [f"Measured where the error enters (Tier 1, streamed): {named}; keep them unquantized or wider "
+            f"(--exclude {patterns}) and measure again."]
+
+
 def validation_evidence(workdir: Path) -> list[str]:
     """What validation measured for Phase 3 (``for_evaluation`` in the run's validation_report.json: the
     load check's largest quantization error, its cause and the remedies worth measuring); [] without one."""

@@ -130,12 +130,10 @@ class StreamedModel:
     loader_reason: str
     device: str
     dtype: Any
-    rename: Any  # checkpoint name -> the model's state-dict name (the loader's own renaming)
-    after_load: Any  # the loader's post-load step on a module holding one part
+    load_config: Any  # transformers' LoadStateDictConfig for its loader; None for Quark's importer
+    quark_config: Any  # Quark's PretrainedConfig of the export for its importer; None for transformers
     read_bytes: int = 0
-    config: Any = None
-    quark_config: Any = None
-    loaded: set[str] = field(default_factory=set)
+    loaded: dict[str, list[str]] = field(default_factory=dict)  # part -> the tensor names its load filled
 
     @property
     def num_blocks(self) -> int:
@@ -160,42 +158,61 @@ def open_streamed(model_dir: Path, device: str = "cpu", trust_remote_code: bool 
     loader, reason = pick_loader(model_dir, config_dict)
     headers = read_model_headers(model_dir)
     if loader == QUARK:
-        model, rename, after, quark_config = _quark_skeleton(model_dir, trust_remote_code)
+        model, load_config, quark_config = _quark_skeleton(model_dir, trust_remote_code)
     else:
-        model, rename, after, quark_config = _transformers_skeleton(model_dir, config_dict, trust_remote_code)
+        model, load_config, quark_config = _transformers_skeleton(model_dir, config_dict, trust_remote_code)
     layers_path, layers = _decoder_layers(model)
-    parts = _split_parts(headers, layers_path, rename)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    return StreamedModel(model_dir, model, layers, layers_path, parts, loader, reason, device, dtype, rename, after,
-                         config=model.config, quark_config=quark_config)
+    parts = _split_parts(headers, layers_path)
+    dtype = getattr(model, "dtype", None)
+    return StreamedModel(model_dir, model, layers, layers_path, parts, loader, reason, device, dtype, load_config,
+                         quark_config)
 
 
 def _transformers_skeleton(model_dir: Path, config_dict: dict[str, Any], trust_remote_code: bool) -> tuple[Any, ...]:
-    """transformers' class on meta, dtype as ``from_pretrained(dtype="auto")``; a Quark export's linears
-    mapped by transformers' own Quark quantizer, its checkpoint keys renamed by that quantizer's table."""
+    """transformers' class built as ``from_pretrained(dtype="auto")`` builds it (on meta; a Quark export's linears
+    mapped by transformers' Quark quantizer's ``preprocess_model``); each part then goes through transformers'
+    own ``convert_and_load_state_dict_in_model`` with the model's weight conversions (per-expert tensors fused
+    into 3-D parameters, the quantizer's key table), so the loaded tensors are the loader's."""
     import torch
-    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.modeling_utils import LoadStateDictConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     dtype = getattr(config, "dtype", None) or torch.float32
-    with init_empty_weights():
+    quantizer = None
+    if (config_dict.get("quantization_config") or {}).get("quant_method"):
+        from transformers.quantizers.auto import AutoHfQuantizer
+
+        quantizer = AutoHfQuantizer.from_config(config.quantization_config)
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    _rotary_buffers(model, config, trust_remote_code)
+    if quantizer is not None:
+        quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None, use_kernels=False)
     model.eval()
-    qconfig = config_dict.get("quantization_config") or {}
-    if qconfig.get("quant_method") != "quark":
-        return model, (lambda name: name), (lambda module: None), None
-    from transformers.quantizers.auto import AutoHfQuantizer
-    from transformers.quantizers.quantizer_quark import CHECKPOINT_KEYS
+    conversions = get_model_conversion_mapping(model, None, quantizer)
+    load_config = LoadStateDictConfig(pretrained_model_name_or_path=str(model_dir), dtype=dtype,
+                                      dtype_plan=model._get_dtype_plan(dtype), hf_quantizer=quantizer,
+                                      weight_mapping=conversions)
+    return model, load_config, None
 
-    quantizer = AutoHfQuantizer.from_config(config.quantization_config)
-    quantizer._process_model_before_weight_loading(model)  # QuarkHfQuantizer: Quark's _map_to_quark
 
-    def rename(name: str) -> str:
-        head, _, leaf = name.rpartition(".")
-        return f"{head}.{CHECKPOINT_KEYS[leaf]}" if leaf in CHECKPOINT_KEYS else name
+def _rotary_buffers(model: Any, config: Any, trust_remote_code: bool) -> None:
+    """Non-persistent buffers (rotary ``inv_freq``) computed on the CPU, as a real instance computes them:
+    they are never in the checkpoint."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
 
-    return model, rename, (lambda module: None), config.quantization_config
+    with init_empty_weights(include_buffers=False):
+        real = AutoModelForCausalLM.from_config(config, dtype=model.dtype, trust_remote_code=trust_remote_code)
+    buffers = dict(real.named_buffers())
+    for name, value in model.named_buffers():
+        if value.device.type == "meta" and name in buffers:
+            owner_path, _, leaf = name.rpartition(".")
+            model.get_submodule(owner_path)._buffers[leaf] = buffers[name]
+    del real
 
 
 def _quark_skeleton(model_dir: Path, trust_remote_code: bool) -> tuple[Any, ...]:
@@ -222,14 +239,7 @@ def _quark_skeleton(model_dir: Path, trust_remote_code: bool) -> tuple[Any, ...]
     model_config = PretrainedConfig(pretrained_dir=str(model_dir))
     model = _build_quantized_model(model, model_config, {})
     model.eval()
-    mode = model_config.quantization_config["quant_method"]
-
-    def rename(name: str) -> str:
-        fixed = _fix_loaded_weights_key_mismatch({name: None}, weight_format=model_config.weight_format,
-                                                 custom_mode=mode)
-        return next(iter(fixed))
-
-    return model, rename, (lambda module: _convert_quantized_model(module, model_config)), model_config
+    return model, None, model_config
 
 
 def _decoder_layers(model: Any) -> tuple[str, Any]:
@@ -244,7 +254,7 @@ def _decoder_layers(model: Any) -> tuple[str, Any]:
                    "family cannot be streamed block by block.")
 
 
-def _split_parts(headers: dict[str, TensorInfo], layers_path: str, rename: Any) -> dict[str, list[TensorInfo]]:
+def _split_parts(headers: dict[str, TensorInfo], layers_path: str) -> dict[str, list[TensorInfo]]:
     """Tensors by part: a block's under ``<layers_path>.<i>.``, the rest split between the entry
     (embeddings, before the blocks) and the exit (final norm, lm_head)."""
     parts: dict[str, list[TensorInfo]] = {}
@@ -254,7 +264,7 @@ def _split_parts(headers: dict[str, TensorInfo], layers_path: str, rename: Any) 
             index = name[len(prefix):].split(".", 1)[0]
             parts.setdefault(index, []).append(info)
         else:
-            part = ENTRY if "embed" in rename(name) else EXIT
+            part = ENTRY if "embed" in name else EXIT
             parts.setdefault(part, []).append(info)
     return parts
 
@@ -265,31 +275,55 @@ def part_module(streamed: StreamedModel, part: str) -> Any:
 
 
 def load(streamed: StreamedModel, part: str) -> None:
-    """Read ``part``'s tensors (only those) and put them into the meta model on the streamed device."""
-    import torch
-
-    tensors = {streamed.rename(t.name): read_tensor(t) for t in streamed.parts.get(part, [])}
+    """Read ``part``'s tensors (only those) and load them into the meta model through the loader's own code."""
+    tensors = {t.name: read_tensor(t) for t in streamed.parts.get(part, [])}
     streamed.read_bytes += streamed.part_bytes(part)
-    holder = streamed.model
-    with torch.no_grad():
-        for name, value in tensors.items():
-            _assign(holder, name, value, streamed.device)
-    if part in (ENTRY, EXIT):
-        _tie(streamed)
-        streamed.after_load(_Only(streamed, part))
+    before = _meta_names(streamed.model)
+    if streamed.load_config is not None:
+        _load_with_transformers(streamed, tensors)
     else:
-        streamed.after_load(part_module(streamed, part))
+        _load_with_quark(streamed, part, tensors)
+    _tie(streamed)
+    streamed.loaded[part] = sorted(before - _meta_names(streamed.model))
+    if part not in (ENTRY, EXIT):
         missing = [n for n, t in _named_tensors(part_module(streamed, part)) if t.device.type == "meta"]
         if missing:
             raise QpeError(f"{streamed.path.name}: block {part}'s tensors {', '.join(missing[:3])} are not in its "
-                           "files; the checkpoint is incomplete.")
-    streamed.loaded.add(part)
+                           "files, or not under the names its loader expects; the checkpoint is incomplete.")
+
+
+def _load_with_transformers(streamed: StreamedModel, tensors: dict[str, Any]) -> None:
+    """transformers' own loading step (renames, fused experts, the quantizer's conversions, dtype casts)."""
+    import dataclasses
+
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
+    config = dataclasses.replace(streamed.load_config, device_map={"": streamed.device})
+    convert_and_load_state_dict_in_model(streamed.model, tensors, config)
+
+
+def _load_with_quark(streamed: StreamedModel, part: str, tensors: dict[str, Any]) -> None:
+    """Quark's importer's steps on one part: its key renaming, ``load_state_dict(assign=True)``, its
+    post-load conversion of the modules the part holds."""
+    from quark.torch.export.utils import _convert_quantized_model, _fix_loaded_weights_key_mismatch
+
+    model_config = streamed.quark_config
+    fixed = _fix_loaded_weights_key_mismatch(tensors, weight_format=model_config.weight_format,
+                                             custom_mode=model_config.quantization_config["quant_method"])
+    fixed = {k: v.to(streamed.device) for k, v in fixed.items()}
+    streamed.model.load_state_dict(fixed, assign=True, strict=False)
+    holder = _Only(streamed) if part in (ENTRY, EXIT) else part_module(streamed, part)
+    _convert_quantized_model(holder, model_config)
+
+
+def _meta_names(model: Any) -> set[str]:
+    return {n for n, t in _named_tensors(model) if t.device.type == "meta"}
 
 
 class _Only:
     """The model seen without its decoder layers (a loader's post-load step over the entry or exit)."""
 
-    def __new__(cls, streamed: StreamedModel, part: str) -> Any:
+    def __new__(cls, streamed: StreamedModel) -> Any:
         import torch
 
         holder = torch.nn.Module()
@@ -300,29 +334,7 @@ class _Only:
 
 
 def _named_tensors(module: Any) -> list[tuple[str, Any]]:
-    return [*module.named_parameters(), *module.named_buffers()]
-
-
-def _assign(model: Any, name: str, value: torch.Tensor, device: str) -> None:
-    """Put ``value`` at ``name``, in the dtype the mapped module declared for it where it is floating
-    (as transformers casts a checkpoint's float tensors to the model's dtype), else as stored."""
-    import torch
-
-    owner_path, _, leaf = name.rpartition(".")
-    try:
-        owner = model.get_submodule(owner_path)
-    except AttributeError:
-        return  # a tensor the loader does not load either (e.g. rotary inv_freq of old checkpoints)
-    current = getattr(owner, leaf, None)
-    if isinstance(current, torch.Tensor) and current.is_floating_point() and value.is_floating_point():
-        value = value.to(current.dtype)
-    value = value.to(device)
-    if leaf in owner._parameters:
-        owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
-    elif leaf in owner._buffers:
-        owner._buffers[leaf] = value
-    else:
-        setattr(owner, leaf, value)
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
 
 
 def _tie(streamed: StreamedModel) -> None:
@@ -335,39 +347,21 @@ def _tie(streamed: StreamedModel) -> None:
 
 
 def free(streamed: StreamedModel, part: str) -> None:
-    """Return a part's tensors to meta (their memory freed)."""
-    module = part_module(streamed, part)
-    if part in (ENTRY, EXIT):
-        for info in streamed.parts.get(part, []):
-            _to_meta(streamed.model, streamed.rename(info.name))
-        _tie_meta(streamed)
-    else:
-        for name, _ in _named_tensors(module):
-            _to_meta(module, name)
-    streamed.loaded.discard(part)
+    """Return the tensors a part's load filled to meta (their memory freed)."""
+    for name in streamed.loaded.pop(part, []):
+        _to_meta(streamed.model, name)
 
 
 def _to_meta(model: Any, name: str) -> None:
     import torch
 
     owner_path, _, leaf = name.rpartition(".")
-    try:
-        owner = model.get_submodule(owner_path)
-    except AttributeError:
-        return
+    owner = model.get_submodule(owner_path)
     if leaf in owner._parameters and owner._parameters[leaf] is not None:
         old = owner._parameters[leaf]
         owner._parameters[leaf] = torch.nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=False)
     elif leaf in owner._buffers and owner._buffers[leaf] is not None:
         owner._buffers[leaf] = torch.empty_like(owner._buffers[leaf], device="meta")
-
-
-def _tie_meta(streamed: StreamedModel) -> None:
-    model = streamed.model
-    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "get_output_embeddings"):
-        output = model.get_output_embeddings()
-        if output is not None and output.weight.device.type != "meta":
-            output.weight = model.get_input_embeddings().weight
 
 
 def entry(streamed: StreamedModel, batch: torch.Tensor) -> tuple[torch.Tensor, dict[int, Recorded]]:

@@ -64,7 +64,8 @@ class StreamPrepared:
     pilot_s: float = 0.0
     window_note: str | None = None
     sides: list[_Side] = field(default_factory=list)
-    distance: list[list[float]] = field(default_factory=list)  # per block: [sum of per-token distances, tokens]
+    # per block: [sum of per-token distances, tokens, sum of the block's own per-token error, tokens]
+    distance: list[list[float]] = field(default_factory=list)
     next_block: int = 1  # the pilot ran chunk 0's entry and block 0
     peak_note: str = ""
 
@@ -167,30 +168,47 @@ def _start_chunk(prepared: StreamPrepared, chunk: int) -> None:
 
 
 def _block(prepared: StreamPrepared, index: int) -> None:
-    """Block ``index`` of each model read, applied to every batch, freed; then the distance recorded."""
+    """Block ``index`` of each model read, applied to every batch, freed. With a baseline, the distance of
+    the hidden states after it, and the block's own error: the quantized block on the baseline's input of
+    the chunk's first batch, against the baseline block's output (where the error enters, not where it grew)."""
     for side in prepared.sides:
         blocks.load(side.model, str(index))
-        for b, hidden in enumerate(side.states):
-            side.states[b] = blocks.run_block(side.model, index, hidden, side.recorded[b][index])
+    local = None
+    for b in range(len(prepared.sides[0].states)):
+        if b == 0 and len(prepared.sides) == 2:
+            local = blocks.run_block(prepared.quantized, index, prepared.sides[1].states[0],
+                                     prepared.sides[1].recorded[0][index])
+        for side in prepared.sides:
+            side.states[b] = blocks.run_block(side.model, index, side.states[b], side.recorded[b][index])
+    for side in prepared.sides:
         synchronize(side.model.device)
         blocks.free(side.model, str(index))
-        release_freed_memory()
-    if len(prepared.sides) == 2:
-        _record_distance(prepared, index)
+    if local is not None:
+        _record_distance(prepared, index, local)
+    release_freed_memory()
 
 
-def _record_distance(prepared: StreamPrepared, index: int) -> None:
-    """Mean over tokens of ||h_q - h_b|| / ||h_b|| after block ``index`` (float32)."""
+def _relative(q: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """||q - b|| / ||b|| per token (float32)."""
     import torch
 
+    qf, bf = q.float(), b.float()
+    return torch.linalg.vector_norm(qf - bf, dim=-1) / torch.linalg.vector_norm(bf, dim=-1).clamp_min(1e-30)
+
+
+def _record_distance(prepared: StreamPrepared, index: int, local: torch.Tensor) -> None:
+    """Sums over tokens: the distance after block ``index`` (every batch), its own error (the first batch)."""
     while len(prepared.distance) <= index:
-        prepared.distance.append([0.0, 0.0])
+        prepared.distance.append([0.0, 0.0, 0.0, 0.0])
     quantized, base = prepared.sides
+    row = prepared.distance[index]
     for q, b in zip(quantized.states, base.states, strict=True):
-        qf, bf = q.float(), b.float()
-        ratio = torch.linalg.vector_norm(qf - bf, dim=-1) / torch.linalg.vector_norm(bf, dim=-1).clamp_min(1e-30)
-        prepared.distance[index][0] += float(ratio.sum())
-        prepared.distance[index][1] += ratio.numel()
+        ratio = _relative(q, b)
+        row[0] += float(ratio.sum())
+        row[1] += ratio.numel()
+    own = _relative(local, base.states[0])
+    row[2] += float(own.sum())
+    row[3] += own.numel()
 
 
 def _exit(prepared: StreamPrepared, chunk: int) -> None:
@@ -296,10 +314,12 @@ def _progress(ctx: TierInputs, chunk: int, index: int, total: int) -> None:
 
 
 def per_block_rows(distance: list[list[float]]) -> list[dict[str, float]]:
-    """Per block: the relative distance after it, and what it added over the one before."""
+    """Per block: the relative distance after it, what that grew by over the block before, and the block's
+    own error (its quantized copy on the baseline's input: the error this block alone adds)."""
     rows, before = [], 0.0
-    for index, (total, count) in enumerate(distance):
+    for index, (total, count, own, own_count) in enumerate(distance):
         value = total / count if count else float("nan")
-        rows.append({"block": index, "relative_distance": value, "added": value - before})
+        rows.append({"block": index, "relative_distance": value, "added": value - before,
+                     "own_error": own / own_count if own_count else float("nan")})
         before = value
     return rows

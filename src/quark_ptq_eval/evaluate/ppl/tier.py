@@ -324,20 +324,22 @@ def section(report: EvalReport) -> list[str]:
 
 
 def per_block_lines(rows: list[dict[str, float]] | None) -> list[str]:
-    """The streamed tier's chart of where the error enters: the quantized hidden states' relative distance
-    from the baseline's after each block, a bar per block, and the blocks that add most."""
+    """The streamed tier's chart of where the error enters: each block's own error (its quantized copy on the
+    baseline's input), a bar per block, the distance of the hidden states after it, and the blocks adding most."""
     if not rows:
         return []
-    top = max(r["relative_distance"] for r in rows) or 1.0
-    worst = sorted(rows, key=lambda r: r["added"], reverse=True)[:3]
+    top = max((r["own_error"] for r in rows if math.isfinite(r["own_error"])), default=0.0) or 1.0
+    worst = sorted(rows, key=lambda r: r["own_error"], reverse=True)[:3]
     lines = ["## Where the error enters (per block)", "",
-             "Relative distance ||h_q − h_base|| / ||h_base|| of the hidden states after each decoder block "
-             "(mean over tokens), and what the block added to it.", "",
-             "| block | distance | added | |", "|---:|---:|---:|:---|"]
+             "Own error: the block's quantized copy run on the baseline's input, ||Q(h) − B(h)|| / ||B(h)|| (mean "
+             "over the first batch's tokens). Distance: ||h_q − h_base|| / ||h_base|| of the hidden states after "
+             "the block (mean over every token), the error carried so far.", "",
+             "| block | own error | | distance after |", "|---:|---:|:---|---:|"]
     for r in rows:
-        bar = "█" * max(0, round(30 * r["relative_distance"] / top)) if math.isfinite(r["relative_distance"]) else ""
-        lines.append(f"| {int(r['block'])} | {r['relative_distance']:.4g} | {r['added']:+.3g} | {bar} |")
-    lines += ["", "Blocks adding most: " + ", ".join(f"{int(r['block'])} ({r['added']:+.3g})" for r in worst), ""]
+        own = r["own_error"]
+        bar = "█" * max(0, round(30 * own / top)) if math.isfinite(own) else ""
+        lines.append(f"| {int(r['block'])} | {own:.4g} | {bar} | {r['relative_distance']:.4g} |")
+    lines += ["", "Blocks adding most: " + ", ".join(f"{int(r['block'])} ({r['own_error']:.3g})" for r in worst), ""]
     return lines
 
 
