@@ -194,15 +194,14 @@ def _transformers_skeleton(model_dir: Path, config_dict: dict[str, Any], trust_r
     conversions = get_model_conversion_mapping(model, None, quantizer)
     load_config = LoadStateDictConfig(pretrained_model_name_or_path=str(model_dir), dtype=dtype,
                                       dtype_plan=model._get_dtype_plan(dtype), hf_quantizer=quantizer,
-                                      weight_mapping=conversions)
+                                      weight_mapping=conversions)  # type: ignore[arg-type]
     return model, load_config, None
 
 
 def _rotary_buffers(model: Any, config: Any, trust_remote_code: bool) -> None:
     """Non-persistent buffers (rotary ``inv_freq``) computed on the CPU, as a real instance computes them:
     they are never in the checkpoint."""
-    import torch
-    from accelerate import init_empty_weights
+    from accelerate import init_empty_weights  # type: ignore[import-untyped]
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
@@ -219,13 +218,11 @@ def _quark_skeleton(model_dir: Path, trust_remote_code: bool) -> tuple[Any, ...]
     """Quark's importer, its steps applied to the meta model once and to each part as it loads:
     ``create_model_skeleton``, ``_build_quantized_model`` (its MoE preprocessing, ``_map_to_quark``),
     its key renaming, and ``_convert_quantized_model`` after each part's tensors are in."""
+    from quark.torch.export.main_import.pretrained_config import PretrainedConfig
     from quark.torch.export.utils import (
         _build_quantized_model,
-        _convert_quantized_model,
-        _fix_loaded_weights_key_mismatch,
     )
     from quark.torch.utils.llm.model_preparation import create_model_skeleton
-    from quark.torch.export.main_import.pretrained_config import PretrainedConfig
 
     model = None
     for attention in ("sdpa", "eager"):  # as runtime/loading.py: eager where a family has no SDPA path

@@ -67,14 +67,6 @@ class StreamPrepared:
     # per block: [sum of per-token distances, tokens, sum of the block's own per-token error, tokens]
     distance: list[list[float]] = field(default_factory=list)
     next_block: int = 1  # the pilot ran chunk 0's entry and block 0
-    peak_note: str = ""
-
-
-def stream_wanted(ctx: TierInputs) -> bool:
-    """--stream-blocks, or the models do not fit this host's memory (the plan says the same)."""
-    from quark_ptq_eval.evaluate.options import PplOptions
-
-    return bool(ctx.options.of(PplOptions).stream_blocks)
 
 
 def prepare(ctx: TierInputs) -> StreamPrepared:
@@ -127,7 +119,7 @@ def _placeholder() -> RuntimeEstimate:
 def _itemsize(dtype: Any) -> int:
     import torch
 
-    return torch.empty((), dtype=dtype or torch.float32).element_size()
+    return int(torch.empty((), dtype=dtype or torch.float32).element_size())
 
 
 def _same_tokenizer(ctx: TierInputs, texts: list[str], tokenizer: Any) -> None:
@@ -193,7 +185,8 @@ def _relative(q: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     import torch
 
     qf, bf = q.float(), b.float()
-    return torch.linalg.vector_norm(qf - bf, dim=-1) / torch.linalg.vector_norm(bf, dim=-1).clamp_min(1e-30)
+    ratio: torch.Tensor = torch.linalg.vector_norm(qf - bf, dim=-1) / torch.linalg.vector_norm(bf, dim=-1).clamp_min(1e-30)
+    return ratio
 
 
 def _record_distance(prepared: StreamPrepared, index: int, local: torch.Tensor) -> None:
@@ -250,7 +243,7 @@ def _score(prepared: StreamPrepared, batch: torch.Tensor, logits: list[torch.Ten
 
 
 def _chunks(prepared: StreamPrepared) -> int:
-    return math.ceil(prepared.windows.shape[0] / prepared.chunk_windows)
+    return int(math.ceil(prepared.windows.shape[0] / prepared.chunk_windows))
 
 
 def _estimate(prepared: StreamPrepared, entry_s: float, block_s: float) -> RuntimeEstimate:
