@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -133,6 +134,8 @@ class StreamedModel:
     load_config: Any  # transformers' LoadStateDictConfig for its loader; None for Quark's importer
     quark_config: Any  # Quark's PretrainedConfig of the export for its importer; None for transformers
     read_bytes: int = 0
+    read_s: float = 0.0  # reading the parts' bytes
+    load_s: float = 0.0  # reading and loading them (the loader's own step included)
     loaded: dict[str, list[str]] = field(default_factory=dict)  # part -> the tensor names its load filled
 
     @property
@@ -157,6 +160,12 @@ def open_streamed(model_dir: Path, device: str = "cpu", trust_remote_code: bool 
     config_dict = read_config_or_raise(model_dir)
     loader, reason = pick_loader(model_dir, config_dict)
     headers = read_model_headers(model_dir)
+    if (config_dict.get("quantization_config") or {}).get("quant_method") == "quark":
+        from quark_ptq_eval.base.first_use import announce_quark_import
+        from quark_ptq_eval.base.quark_import import import_quark_torch
+
+        announce_quark_import(f"loading the Quark export {model_dir.name}")  # as runtime/loading.py does
+        import_quark_torch()  # through our cache of Quark's transformers scan (quark_import.py)
     if loader == QUARK:
         model, load_config, quark_config = _quark_skeleton(model_dir, trust_remote_code)
     else:
@@ -273,8 +282,10 @@ def part_module(streamed: StreamedModel, part: str) -> Any:
 
 def load(streamed: StreamedModel, part: str) -> None:
     """Read ``part``'s tensors (only those) and load them into the meta model through the loader's own code."""
+    started = time.perf_counter()
     tensors = {t.name: read_tensor(t) for t in streamed.parts.get(part, [])}
     streamed.read_bytes += streamed.part_bytes(part)
+    streamed.read_s += time.perf_counter() - started
     before = _meta_names(streamed.model)
     if streamed.load_config is not None:
         _load_with_transformers(streamed, tensors)
@@ -282,6 +293,7 @@ def load(streamed: StreamedModel, part: str) -> None:
         _load_with_quark(streamed, part, tensors)
     _tie(streamed)
     streamed.loaded[part] = sorted(before - _meta_names(streamed.model))
+    streamed.load_s += time.perf_counter() - started
     if part not in (ENTRY, EXIT):
         missing = [n for n, t in _named_tensors(part_module(streamed, part)) if t.device.type == "meta"]
         if missing:
@@ -378,6 +390,19 @@ def entry(streamed: StreamedModel, batch: torch.Tensor) -> tuple[torch.Tensor, d
         for index, layer in enumerate(originals):
             streamed.layers[index] = layer
     return sink[0].hidden, sink
+
+
+def first_rows(recorded: Recorded, rows: int, batch: int) -> Recorded:
+    """The arguments of a sub-batch: every tensor whose first dimension is the batch cut to ``rows``."""
+
+    def cut(value: Any) -> Any:
+        if hasattr(value, "shape") and value.ndim and value.shape[0] == batch:
+            return value[:rows]
+        if isinstance(value, tuple | list):
+            return type(value)(cut(v) for v in value)
+        return value
+
+    return Recorded(tuple(cut(a) for a in recorded.args), {k: cut(v) for k, v in recorded.kwargs.items()})
 
 
 def run_block(streamed: StreamedModel, index: int, hidden: torch.Tensor, recorded: Recorded) -> torch.Tensor:

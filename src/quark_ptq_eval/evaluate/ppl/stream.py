@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from quark_ptq_eval.runtime.blocks import Recorded, StreamedModel
 
 STATE_BUDGET = 3 * 2**30  # bytes of hidden states held at once (both models); more windows go in chunks
+OWN_ERROR_WINDOWS = 1  # windows a block's own error is measured on (each chunk's first): its tokens are the sample
 
 
 @dataclass
@@ -71,8 +72,6 @@ class StreamPrepared:
 
 def prepare(ctx: TierInputs) -> StreamPrepared:
     """Open both checkpoints on meta, tokenize, and run chunk 0's entry and block 0 as the pilot."""
-    from transformers import AutoTokenizer
-
     from quark_ptq_eval.evaluate.ppl.tier import fit_eval_window
 
     window_note = fit_eval_window(ctx)
@@ -80,8 +79,10 @@ def prepare(ctx: TierInputs) -> StreamPrepared:
     texts = eval_texts(options.eval_data, options.eval_text_limit)
     clock.lap("data")
     device = resolve_device(options.device)
-    tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir, trust_remote_code=options.trust_remote_code)
     quantized = blocks.open_streamed(ctx.model_dir, device, options.trust_remote_code)
+    from transformers import AutoTokenizer  # after Quark's import, as runtime/loading.py: its scan is cached
+
+    tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir, trust_remote_code=options.trust_remote_code)
     baseline = None
     if options.baseline:
         baseline = blocks.open_streamed(options.baseline, device, options.trust_remote_code)
@@ -162,14 +163,16 @@ def _start_chunk(prepared: StreamPrepared, chunk: int) -> None:
 def _block(prepared: StreamPrepared, index: int) -> None:
     """Block ``index`` of each model read, applied to every batch, freed. With a baseline, the distance of
     the hidden states after it, and the block's own error: the quantized block on the baseline's input of
-    the chunk's first batch, against the baseline block's output (where the error enters, not where it grew)."""
+    the chunk's first window, against the baseline block's output (where the error enters, not where it grew)."""
     for side in prepared.sides:
         blocks.load(side.model, str(index))
     local = None
     for b in range(len(prepared.sides[0].states)):
-        if b == 0 and len(prepared.sides) == 2:
-            local = blocks.run_block(prepared.quantized, index, prepared.sides[1].states[0],
-                                     prepared.sides[1].recorded[0][index])
+        if b == 0 and len(prepared.sides) == 2:  # on the first window only: ~1/batch of a block's compute
+            base = prepared.sides[1]
+            local = blocks.run_block(prepared.quantized, index, base.states[0][:OWN_ERROR_WINDOWS],
+                                     blocks.first_rows(base.recorded[0][index], OWN_ERROR_WINDOWS,
+                                                       base.states[0].shape[0]))
         for side in prepared.sides:
             side.states[b] = blocks.run_block(side.model, index, side.states[b], side.recorded[b][index])
     for side in prepared.sides:
@@ -199,7 +202,7 @@ def _record_distance(prepared: StreamPrepared, index: int, local: torch.Tensor) 
         ratio = _relative(q, b)
         row[0] += float(ratio.sum())
         row[1] += ratio.numel()
-    own = _relative(local, base.states[0])
+    own = _relative(local, base.states[0][:OWN_ERROR_WINDOWS])
     row[2] += float(own.sum())
     row[3] += own.numel()
 
@@ -294,8 +297,10 @@ def score(prepared: StreamPrepared) -> TierOutcome:
     if prepared.distance:
         outcome.details.per_block = per_block_rows(prepared.distance)
     read = sum(m.read_bytes for m in _models(prepared))
-    outcome.notes.append(f"Streamed block by block: {read / 2**30:.2f} GiB read from the checkpoints "
-                         f"({_chunks(prepared)} pass(es)); at most one block of each model was in memory.")
+    read_s, load_s = (sum(getattr(m, k) for m in _models(prepared)) for k in ("read_s", "load_s"))
+    outcome.notes.append(f"Streamed block by block: {read / 2**30:.2f} GiB read from the checkpoints in {read_s:.1f} s "
+                         f"({load_s:.1f} s with the loader's own step; {_chunks(prepared)} pass(es)); at most one "
+                         "block of each model was in memory.")
     return outcome
 
 
