@@ -78,9 +78,9 @@ def run_eval(source: Path, export: Path, text: Path, out: Path, stream: bool, ar
     argv += ["--stream-blocks"] if stream else []
     load = os.getloadavg()[0]
     started = time.perf_counter()
-    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(out.with_suffix(".log"), "w"),
-                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    _, status, usage = os.wait4(child.pid, 0)
+    with open(out.with_suffix(".log"), "w") as log:
+        child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - started
     return {"rc": os.waitstatus_to_exitcode(status), "wall_s": wall, "peak_rss_gib": usage.ru_maxrss / 2**20,
             "load": (load, os.getloadavg()[0])}
@@ -112,8 +112,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    tokenizer, text = tokenizer_dir(args.work), None
-    text = eval_text(args.work)
+    tokenizer, text = tokenizer_dir(args.work), eval_text(args.work)
     for name in args.case or ["1b"]:
         source, export = build(name, args.work, tokenizer)
         print(f"{name}: {args.windows} windows of {args.seq_len} tokens, baseline {source.name}, export {export.name}")
