@@ -203,3 +203,20 @@ def test_docs_speed_md_states_the_measurement_the_plan_sizes_for_mi300x_and_h200
     for words in ("--kv-cache-dtype fp8", "--max-model-len 32768", "--random-input-len 1024",
                   "--random-output-len 1024", "--max-concurrency 64", "--num-prompts 320", "### MI300X", "### H200"):
         assert words in part, words
+
+
+def test_a_70b_plan_on_this_host_states_the_streamed_tier1_memory_instead_of_a_warning(plan, catalog,
+                                                                                          tmp_path_factory):
+    """Llama-3-70B's shape (header-only, sparse) on a 24 GiB host: in memory Tier 1 would hold ~265 GiB, so the
+    plan states the streamed memory (one block of each model at a time) and warns of nothing about evaluation."""
+    model = header_only_llama(tmp_path_factory.mktemp("llama70b") / "llama-70b", hidden_size=8192,
+                              intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                              num_key_value_heads=8, vocab_size=128256)
+    analysis = analyze_model(str(model), offline=True, catalog=catalog)
+    made = plan(analysis, scheme="ptpc_fp8", env=cpu_env(24.0))
+    names = [d["decision"] for d in made.decisions]
+    assert "warning: evaluation RAM" not in names
+    row = decision(made, "host memory (evaluate)")
+    assert "streamed one decoder block at a time" in row["reason"] and "in memory it would need ~2" in row["reason"]
+    streamed_gib = float(row["value"].strip("~").split()[0])
+    assert 4 < streamed_gib < 10, row  # start-up, two blocks (~2.4 GiB), the 2 GiB lm_head bound, windows

@@ -14,6 +14,7 @@ from quark_ptq_eval.plan.resources import (
     QuantizeWorkload,
     engine_estimate,
     estimate_eval,
+    estimate_eval_streamed,
     estimate_file2file,
     estimate_quantize,
     output_basis,
@@ -72,6 +73,11 @@ def assess(work: QuantizeWorkload, host: dict[str, Any], rerun: list[str], engin
     out = output_bytes(analysis, scheme, info)
     ev = estimate_eval(analysis, out)
     ev["with_baseline_bytes"] = estimate_eval(analysis, out, baseline=True)["host_peak_bytes"]
+    ram = host["ram_bytes"]
+    if ram and ev["with_baseline_bytes"] > ram * HEADROOM:  # Tier 1 streams one block at a time here
+        streamed = estimate_eval_streamed(analysis, out)
+        ev = {**streamed, "with_baseline_bytes": streamed["host_peak_bytes"],
+              "in_memory_bytes": ev["host_peak_bytes"], "in_memory_with_baseline_bytes": ev["with_baseline_bytes"]}
     problems = _problems(est, out, ev, host, device)
     fits = not any(p["blocking"] for p in problems)
     proposals = [] if fits else _proposals(work, host, est, rerun)

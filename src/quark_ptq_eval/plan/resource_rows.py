@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.sizes import gb
-from quark_ptq_eval.plan.resources import output_basis
+from quark_ptq_eval.plan.resources import STREAM_STATE_BYTES, output_basis
 
 
 def rerun_command(model: str, output_dir: Path | None, scheme: str, algorithm: str | None, kv: str | None,
@@ -42,9 +42,17 @@ def decision_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     rows.append({"decision": "output size on disk", "value": f"~{gb(res['output_bytes'])}",
                  "reason": res.get("output_basis") or output_basis(None)})
     ev = res["evaluate"]
-    rows.append({"decision": "host memory (evaluate)", "value": f"~{gb(ev['host_peak_bytes'])}",
-                 "reason": f"Tier 1 (modelled): start-up, the model as loaded, {gb(ev['logits_bytes'])} of logits per "
-                           f"batch; ~{gb(ev['with_baseline_bytes'])} with the baseline"})
+    if ev.get("streamed"):
+        rows.append({"decision": "host memory (evaluate)", "value": f"~{gb(ev['host_peak_bytes'])}",
+                     "reason": f"Tier 1 streamed one decoder block at a time, the baseline included (modelled: "
+                               f"~{gb(ev['fixed_bytes'])} for start-up, one block of each model "
+                               f"({gb(ev['block_bytes'])}) and a batch's logits, plus {gb(ev['per_window_bytes'])} "
+                               f"per 2048-token window held, at most {gb(STREAM_STATE_BYTES)} of them at once); in "
+                               f"memory it would need ~{gb(ev['in_memory_with_baseline_bytes'])}, more than this host"})
+    else:
+        rows.append({"decision": "host memory (evaluate)", "value": f"~{gb(ev['host_peak_bytes'])}",
+                     "reason": f"Tier 1 (modelled): start-up, the model as loaded, {gb(ev['logits_bytes'])} of logits "
+                               f"per batch; ~{gb(ev['with_baseline_bytes'])} with the baseline"})
     for p in res["problems"]:
         if p.get("live"):
             continue  # a reading of this moment (free RAM) is kept in resources, out of the approved table

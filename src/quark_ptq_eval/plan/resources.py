@@ -221,6 +221,36 @@ def estimate_eval(analysis: ModelAnalysis, out_bytes: int, baseline: bool = Fals
     return {"host_peak_bytes": int(peak), "model_bytes": w, "baseline": baseline, "logits_bytes": logits}
 
 
+# The streamed Tier 1 (evaluate/ppl/stream.py; measured by bench/bench_stream_tier1.py, docs/streamed_tier1.md):
+# start-up, one decoder block of each model as loaded, the larger of one embedding or lm_head, the hidden states
+# of the windows held (at most STREAM_STATE_BYTES, more windows go in chunks), a linear dequantized in its
+# forward, and one batch's logits.
+STREAM_STATE_BYTES = 3 * GIB  # evaluate.ppl.stream.STATE_BUDGET
+
+
+def estimate_eval_streamed(analysis: ModelAnalysis, out_bytes: int, seq_len: int = 2048,
+                           windows: int | None = None) -> dict[str, Any]:
+    """Tier 1 streamed one decoder block at a time, with the baseline (the models are never held whole).
+    ``windows``: the windows scored (None: as many as fill a chunk, the most that is ever held)."""
+    arch = _arch(analysis)
+    layers = max(1, int(arch.get("num_hidden_layers") or 1))
+    hidden, vocab = int(arch.get("hidden_size") or 0), int(arch.get("vocab_size") or 0)
+    inter = int(arch.get("intermediate_size") or hidden * 4)
+    per = bytes_per_param(analysis)
+    edge = int(vocab * hidden * per)  # one embedding or lm_head
+    edges = edge * (1 if arch.get("tie_word_embeddings") else 2)
+    w = loaded_bytes(analysis)
+    source_block = max(0, w - edges) / layers
+    export_block = max(0, out_bytes - edges) / layers
+    per_window = seq_len * hidden * per * 2 * 2  # both models' hidden states, and a block's output beside them
+    states = STREAM_STATE_BYTES if windows is None else min(STREAM_STATE_BYTES, windows * per_window)
+    logits = min(EVAL_LOGIT_BUDGET, max(seq_len * vocab, 1)) * 4 * EVAL_LOGIT_COPIES
+    fixed = BASE_BYTES + max(source_block + export_block, edge) + hidden * inter * per + logits
+    return {"host_peak_bytes": int(fixed + states), "model_bytes": w, "baseline": True, "logits_bytes": logits,
+            "streamed": True, "block_bytes": int(source_block + export_block), "fixed_bytes": int(fixed),
+            "per_window_bytes": int(per_window)}
+
+
 # ---- the target ----------------------------------------------------------------------------------
 def kv_bytes_per_token(analysis: ModelAnalysis, kv_scheme: str | None) -> int:
     return kv_bytes_per_token_of(_arch(analysis), kv_scheme)  # the formula vLLM's sizing shares

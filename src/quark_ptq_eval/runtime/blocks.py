@@ -280,12 +280,19 @@ def part_module(streamed: StreamedModel, part: str) -> Any:
     return streamed.model if part in (ENTRY, EXIT) else streamed.layers[int(part)]
 
 
-def load(streamed: StreamedModel, part: str) -> None:
-    """Read ``part``'s tensors (only those) and load them into the meta model through the loader's own code."""
+def read_part(streamed: StreamedModel, part: str) -> dict[str, Any]:
+    """``part``'s tensors as stored, by checkpoint name (safe in a helper thread: one file handle per tensor)."""
+    return {t.name: read_tensor(t) for t in streamed.parts.get(part, [])}
+
+
+def load(streamed: StreamedModel, part: str, tensors: dict[str, Any] | None = None) -> None:
+    """Read ``part``'s tensors (only those; ``tensors``: already read by a prefetch) and load them into the meta
+    model through the loader's own code."""
     started = time.perf_counter()
-    tensors = {t.name: read_tensor(t) for t in streamed.parts.get(part, [])}
+    if tensors is None:
+        tensors = read_part(streamed, part)
+        streamed.read_s += time.perf_counter() - started
     streamed.read_bytes += streamed.part_bytes(part)
-    streamed.read_s += time.perf_counter() - started
     before = _meta_names(streamed.model)
     if streamed.load_config is not None:
         _load_with_transformers(streamed, tensors)
@@ -403,6 +410,22 @@ def first_rows(recorded: Recorded, rows: int, batch: int) -> Recorded:
         return value
 
     return Recorded(tuple(cut(a) for a in recorded.args), {k: cut(v) for k, v in recorded.kwargs.items()})
+
+
+def join_rows(first: Recorded, extra: Recorded, batch: int) -> Recorded:
+    """The arguments of ``first``'s batch with ``extra``'s rows appended: tensors whose first dimension is the
+    batch are concatenated, the rest (shared) kept."""
+    import torch
+
+    def join(a: Any, b: Any) -> Any:
+        if hasattr(a, "shape") and a.ndim and a.shape[0] == batch:
+            return torch.cat([a, b.to(a.dtype)])
+        if isinstance(a, tuple | list):
+            return type(a)(join(x, y) for x, y in zip(a, b, strict=True))
+        return a
+
+    return Recorded(tuple(join(a, b) for a, b in zip(first.args, extra.args, strict=True)),
+                    {k: join(v, extra.kwargs[k]) for k, v in first.kwargs.items()})
 
 
 def run_block(streamed: StreamedModel, index: int, hidden: torch.Tensor, recorded: Recorded) -> torch.Tensor:
