@@ -72,6 +72,10 @@ def check_load(ctx: CheckInputs) -> CheckResult:
     if ctx.shared.structural_failed:
         result.skipped_reason = "a structural check failed: loading weights known to be wrong proves nothing"
         return result
+    too_big = memory_refusal(ctx)
+    if too_big:  # said before anything loads: the kernel's OOM killer would end validate with no report
+        result.skipped_reason = too_big
+        return result
     try:
         _probe(ctx, result)
     except QpeError as exc:
@@ -83,6 +87,29 @@ def check_load(ctx: CheckInputs) -> CheckResult:
     finally:
         gc.collect()
     return result
+
+
+# The probe holds one whole model at a time (the source, then its emulation in place, then the export as loaded)
+# with start-up and its captures: MODEL_OVERHEAD x the larger model's bytes + START_BYTES.
+MODEL_OVERHEAD = 1.25
+START_BYTES = int(1.4 * 2**30)
+
+
+def memory_refusal(ctx: CheckInputs, available: int | None = None) -> str | None:
+    """Why the load check cannot run within the RAM free now (with what it would need), else None."""
+    from quark_ptq_eval.plan.host_memory import mem_available_bytes
+
+    sizes = [sum(t.nbytes for t in tensors.values()) for tensors in (ctx.tensors("source"), ctx.tensors("output"))
+             if tensors is not None]
+    free = available if available is not None else mem_available_bytes()
+    if not sizes or free is None:
+        return None
+    needed = int(max(sizes) * MODEL_OVERHEAD) + START_BYTES
+    if needed <= free:
+        return None
+    return (f"not run: it loads the whole source and then the whole export (about {needed / 2**30:.1f} GiB of RAM at "
+            f"its peak) and this host has {free / 2**30:.1f} GiB free; the other checks' results stand (run it "
+            "on a host with that memory; Tier 1 streams such a model one block at a time: eval --stream-blocks)")
 
 
 def _probe(ctx: CheckInputs, result: CheckResult) -> None:
