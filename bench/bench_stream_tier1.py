@@ -99,6 +99,17 @@ def read_floor(*models: Path) -> tuple[float, float]:
     return time.perf_counter() - started, total / 2**30
 
 
+def planned_gib(source: Path, export: Path, args: argparse.Namespace) -> float:
+    """The plan's model of the streamed tier's peak (plan/resources.py) for these windows."""
+    from quark_ptq_eval.base.catalog import load_catalog
+    from quark_ptq_eval.intake import analyze_model
+    from quark_ptq_eval.plan.resources import estimate_eval_streamed
+
+    analysis = analyze_model(str(source), offline=True, catalog=load_catalog())
+    out = sum(f.stat().st_size for f in export.glob("*.safetensors"))
+    return estimate_eval_streamed(analysis, out, args.seq_len, args.windows)["host_peak_bytes"] / 2**30
+
+
 def show(label: str, r: dict) -> None:
     print(f"  {label:<10} rc {r['rc']}  wall {r['wall_s']:7.1f} s  peak RSS {r['peak_rss_gib']:5.2f} GiB  "
           f"(load {r['load'][0]:.2f} -> {r['load'][1]:.2f})", flush=True)
@@ -117,6 +128,9 @@ def main() -> None:
         source, export = build(name, args.work, tokenizer)
         print(f"{name}: {args.windows} windows of {args.seq_len} tokens, baseline {source.name}, export {export.name}")
         streamed = run_eval(source, export, text, args.work / f"{name}-streamed", True, args)
+        planned = planned_gib(source, export, args)
+        print(f"  plan's model of the streamed peak: {planned:.2f} GiB; measured {streamed['peak_rss_gib']:.2f} GiB "
+              f"({streamed['peak_rss_gib'] / planned - 1:+.0%})", flush=True)
         if name == "70b":
             show("streamed", streamed)
             seconds, gib = read_floor(source, export)

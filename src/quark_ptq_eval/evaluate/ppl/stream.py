@@ -40,9 +40,6 @@ if TYPE_CHECKING:
     from quark_ptq_eval.runtime.blocks import Recorded, StreamedModel
 
 STATE_BUDGET = 3 * 2**30  # bytes of hidden states held at once (both models); more windows go in chunks
-# The next block of each model is read while the current one computes, so one more block of each is in memory;
-# off where that would not fit the RAM free now (PREFETCH_HEADROOM x those blocks).
-PREFETCH_HEADROOM = 4
 OWN_ERROR_WINDOWS = 1  # windows a block's own error is measured on (each chunk's first): its tokens are the sample
 
 
@@ -71,10 +68,6 @@ class StreamPrepared:
     # per block: [sum of per-token distances, tokens, sum of the block's own per-token error, tokens]
     distance: list[list[float]] = field(default_factory=list)
     next_block: int = 1  # the pilot ran chunk 0's entry and block 0
-    prefetch: bool = True  # read the next block while this one computes (PREFETCH_NOTE)
-    reader: Any = None  # the prefetch thread
-    prefetched: dict[Any, Any] = field(default_factory=dict)  # model path -> future of its next block's tensors
-    prefetched_index: int = -1
 
 
 def prepare(ctx: TierInputs) -> StreamPrepared:
@@ -108,7 +101,6 @@ def prepare(ctx: TierInputs) -> StreamPrepared:
     chunk = max(batch_size, (STATE_BUDGET // max(1, per_window)) // batch_size * batch_size)
     prepared = StreamPrepared(ctx, quantized, baseline, windows, batch_size, min(chunk, windows.shape[0]),
                               Accumulator(), _placeholder(), window_note=window_note)
-    prepared.prefetch = _prefetch_fits(prepared)
     started = time.perf_counter()
     _start_chunk(prepared, 0)
     entry_s = time.perf_counter() - started
@@ -119,14 +111,6 @@ def prepare(ctx: TierInputs) -> StreamPrepared:
     prepared.estimate = _estimate(prepared, entry_s, block_s)
     prepared.estimate.parts = clock.parts
     return prepared
-
-
-def _prefetch_fits(prepared: StreamPrepared) -> bool:
-    from quark_ptq_eval.plan.host_memory import mem_available_bytes
-
-    free = mem_available_bytes()
-    block = sum(m.block_bytes(0) for m in _models(prepared))
-    return free is None or free > PREFETCH_HEADROOM * block
 
 
 def _placeholder() -> RuntimeEstimate:
@@ -177,28 +161,11 @@ def _start_chunk(prepared: StreamPrepared, chunk: int) -> None:
 
 
 def _prefetch(prepared: StreamPrepared, index: int) -> None:
-    """Read block ``index`` of each model in a helper thread while the current block computes (the read
-    releases the GIL): a disk's time overlaps the compute, and on a GPU the host's."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    if index >= prepared.quantized.num_blocks:
-        return
-    if prepared.reader is None:
-        prepared.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="block-prefetch")
-    prepared.prefetched = {side.model.path: prepared.reader.submit(blocks.read_part, side.model, str(index))
-                           for side in prepared.sides}
-    prepared.prefetched_index = index
-
-
-def _load_block(prepared: StreamPrepared, side: _Side, index: int) -> None:
-    future = prepared.prefetched.pop(side.model.path, None) if prepared.prefetched_index == index else None
-    if future is None:
-        blocks.load(side.model, str(index))
-        return
-    waited = time.perf_counter()
-    tensors = future.result()
-    side.model.read_s += time.perf_counter() - waited  # only the wait: the rest overlapped the compute
-    blocks.load(side.model, str(index), tensors)
+    """The next block of each model asked of the disk while the current one computes (the kernel's
+    readahead into the page cache, ``blocks.advise_part``: no process memory held for it)."""
+    if index < prepared.quantized.num_blocks:
+        for side in prepared.sides:
+            blocks.advise_part(side.model, str(index))
 
 
 def _block(prepared: StreamPrepared, index: int) -> None:
@@ -206,9 +173,8 @@ def _block(prepared: StreamPrepared, index: int) -> None:
     the hidden states after it, and the block's own error: the quantized block on the baseline's input of
     the chunk's first window, against the baseline block's output (where the error enters, not where it grew)."""
     for side in prepared.sides:
-        _load_block(prepared, side, index)
-    if prepared.prefetch:
-        _prefetch(prepared, index + 1)
+        blocks.load(side.model, str(index))
+    _prefetch(prepared, index + 1)
     local = None
     for b in range(len(prepared.sides[0].states)):
         if b == 0 and len(prepared.sides) == 2:
@@ -350,8 +316,6 @@ def score(prepared: StreamPrepared) -> TierOutcome:
             _block(prepared, index)
             _progress(ctx, chunk, index, total)
         _exit(prepared, chunk)
-    if prepared.reader is not None:
-        prepared.reader.shutdown()
     seq_len = ctx.options.seq_len
     assert seq_len is not None
     outcome = outcome_from(prepared.acc, seq_len, prepared)
