@@ -9,19 +9,13 @@ tensors from the safetensors files (their byte ranges, from the headers: no mmap
 shard), renames them as the loader does, puts them into the meta model with the dtypes the
 loader gives them, and runs the loader's own post-load step; ``free(part)`` returns it to meta.
 
-A forward is then three stages over the same windows (``entry``, each ``block``, ``exit``):
-the entry runs the model's own forward with every decoder layer replaced by a recorder, so the
-hidden states entering block 0 and the arguments the model hands each layer (its causal or
-sliding-window mask, rotary position embeddings) are the model's own; a block applies one real
-decoder layer; the exit runs the model's own forward again with the layers replaced by a replay
-of the last block's output (embedding zeroed: never read), so the final norm, lm_head and any
-logit scaling or soft-capping are the model's own. Used by Tier 1 (``evaluate/ppl/stream.py``).
+The forward over a part (entry, one block, exit) is ``runtime/block_pass.py``. Used by Tier 1
+(``evaluate/ppl/stream.py``).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,61 +58,6 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
 
 
 @dataclass
-class Recorded:
-    """What the model's forward handed one decoder layer (positional and keyword arguments)."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    hidden: Any = None  # the hidden states it was given (kept for block 0 only: the entry's output)
-
-
-class _EntryDone(Exception):
-    """Raised by the last recorder: the entry pass has all it needs."""
-
-
-class _Recorder:
-    """Stands in for decoder layer ``index`` during the entry pass: keeps its arguments, passes the
-    hidden states through unchanged (so no layer's weights are needed)."""
-
-    def __new__(cls, original: Any, index: int, sink: dict[int, Recorded], last: int) -> Any:
-        import torch
-
-        class Recorder(torch.nn.Module):
-            def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-                kept = {k: v for k, v in kwargs.items() if k != "past_key_values"}
-                sink[index] = Recorded(args, kept, hidden_states if index == 0 else None)
-                if index == last:
-                    raise _EntryDone  # the norm and lm_head after the blocks are not loaded: stop here
-                return hidden_states
-
-        module = Recorder()
-        _copy_layer_attributes(original, module)
-        return module
-
-
-class _Replay:
-    """Stands in for every decoder layer during the exit pass: the last one returns the stored output."""
-
-    def __new__(cls, original: Any, final: torch.Tensor | None) -> Any:
-        import torch
-
-        class Replay(torch.nn.Module):
-            def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-                return hidden_states if final is None else final
-
-        module = Replay()
-        _copy_layer_attributes(original, module)
-        return module
-
-
-def _copy_layer_attributes(original: Any, module: Any) -> None:
-    """The plain attributes the model's forward reads off its layers (``attention_type`` picks the mask)."""
-    for name in ("attention_type", "layer_idx", "is_sliding", "sliding_window"):
-        if hasattr(original, name):
-            setattr(module, name, getattr(original, name))
-
-
-@dataclass
 class StreamedModel:
     """A checkpoint's model on meta, its tensors by part, and the loader that maps them."""
 
@@ -147,9 +86,6 @@ class StreamedModel:
 
     def part_bytes(self, part: str) -> int:
         return sum(t.nbytes for t in self.parts.get(part, []))
-
-
-_BLOCK_NAME = re.compile(r"^(?P<prefix>.+?)\.(?P<index>\d+)\.")
 
 
 def open_streamed(model_dir: Path, device: str = "cpu", trust_remote_code: bool = False) -> StreamedModel:
@@ -392,94 +328,3 @@ def _to_meta(model: Any, name: str) -> None:
         owner._parameters[leaf] = torch.nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=False)
     elif leaf in owner._buffers and owner._buffers[leaf] is not None:
         owner._buffers[leaf] = torch.empty_like(owner._buffers[leaf], device="meta")
-
-
-def entry(streamed: StreamedModel, batch: torch.Tensor) -> tuple[torch.Tensor, dict[int, Recorded]]:
-    """The hidden states entering block 0 and what the model hands each layer, for one batch."""
-    import torch
-
-    sink: dict[int, Recorded] = {}
-    originals = list(streamed.layers)
-    try:
-        for index, layer in enumerate(originals):
-            streamed.layers[index] = _Recorder(layer, index, sink, len(originals) - 1)
-        with torch.inference_mode():
-            streamed.model(batch.to(streamed.device), use_cache=False)
-    except _EntryDone:
-        pass
-    finally:
-        for index, layer in enumerate(originals):
-            streamed.layers[index] = layer
-    return sink[0].hidden, sink
-
-
-def first_rows(recorded: Recorded, rows: int, batch: int) -> Recorded:
-    """The arguments of a sub-batch: every tensor whose first dimension is the batch cut to ``rows``."""
-
-    def cut(value: Any) -> Any:
-        if hasattr(value, "shape") and value.ndim and value.shape[0] == batch:
-            return value[:rows]
-        if isinstance(value, tuple | list):
-            return type(value)(cut(v) for v in value)
-        return value
-
-    return Recorded(tuple(cut(a) for a in recorded.args), {k: cut(v) for k, v in recorded.kwargs.items()})
-
-
-def join_rows(first: Recorded, extra: Recorded, batch: int) -> Recorded:
-    """The arguments of ``first``'s batch with ``extra``'s rows appended: tensors whose first dimension is the
-    batch are concatenated, the rest (shared) kept."""
-    import torch
-
-    def join(a: Any, b: Any) -> Any:
-        if hasattr(a, "shape") and a.ndim and a.shape[0] == batch:
-            return torch.cat([a, b.to(a.dtype)])
-        if isinstance(a, tuple | list):
-            return type(a)(join(x, y) for x, y in zip(a, b, strict=True))
-        return a
-
-    return Recorded(tuple(join(a, b) for a, b in zip(first.args, extra.args, strict=True)),
-                    {k: join(v, extra.kwargs[k]) for k, v in first.kwargs.items()})
-
-
-def run_block(streamed: StreamedModel, index: int, hidden: torch.Tensor, recorded: Recorded) -> torch.Tensor:
-    """Decoder layer ``index`` (loaded) applied to ``hidden`` with the arguments the model gave it."""
-    import torch
-
-    with torch.inference_mode():
-        out = streamed.layers[index](hidden, *recorded.args, **recorded.kwargs)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def exit_logits(streamed: StreamedModel, batch: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
-    """The model's own forward after the blocks: final norm, lm_head and its logit processing."""
-    import torch
-
-    originals = list(streamed.layers)
-    embeddings = streamed.model.get_input_embeddings()
-    streamed.model.set_input_embeddings(_ZeroEmbedding(embeddings, final))
-    try:
-        for index, layer in enumerate(originals):
-            streamed.layers[index] = _Replay(layer, final if index == len(originals) - 1 else None)
-        with torch.inference_mode():
-            logits: torch.Tensor = streamed.model(batch.to(streamed.device), use_cache=False).logits
-    finally:
-        for index, layer in enumerate(originals):
-            streamed.layers[index] = layer
-        streamed.model.set_input_embeddings(embeddings)
-    return logits
-
-
-class _ZeroEmbedding:
-    """The embedding during the exit pass: zeros of the right shape (the replay overrides them)."""
-
-    def __new__(cls, original: Any, like: torch.Tensor) -> Any:
-        import torch
-
-        class Zero(torch.nn.Module):
-            def forward(self, ids: torch.Tensor) -> torch.Tensor:
-                return torch.zeros((*ids.shape, like.shape[-1]), dtype=like.dtype, device=like.device)
-
-        module = Zero()
-        module.weight = original.weight  # tied heads and configs read it; never multiplied
-        return module

@@ -31,13 +31,14 @@ from quark_ptq_eval.evaluate.ppl.data import auto_batch_size, eval_texts, token_
 from quark_ptq_eval.evaluate.ppl.kernels import pair_stats, synchronize, token_stats
 from quark_ptq_eval.evaluate.ppl.pilot import FINISH_S, Clock, resolution_warning
 from quark_ptq_eval.evaluate.ppl.stats import Accumulator
-from quark_ptq_eval.runtime import blocks
+from quark_ptq_eval.runtime import block_pass, blocks
 from quark_ptq_eval.runtime.loading import require_finite, resolve_device
 
 if TYPE_CHECKING:
     import torch
 
-    from quark_ptq_eval.runtime.blocks import Recorded, StreamedModel
+    from quark_ptq_eval.runtime.block_pass import Recorded
+    from quark_ptq_eval.runtime.blocks import StreamedModel
 
 STATE_BUDGET = 3 * 2**30  # bytes of hidden states held at once (both models); more windows go in chunks
 OWN_ERROR_WINDOWS = 1  # windows a block's own error is measured on (each chunk's first): its tokens are the sample
@@ -152,7 +153,7 @@ def _start_chunk(prepared: StreamPrepared, chunk: int) -> None:
         blocks.load(model, blocks.ENTRY)
         side = _Side(model)
         for batch in _chunk_batches(prepared, chunk):
-            hidden, recorded = blocks.entry(model, batch)
+            hidden, recorded = block_pass.entry(model, batch)
             side.states.append(hidden)
             side.recorded.append(recorded)
         blocks.free(model, blocks.ENTRY)
@@ -180,10 +181,10 @@ def _block(prepared: StreamPrepared, index: int) -> None:
         if b == 0 and len(prepared.sides) == 2:
             local = _quantized_with_own_error(prepared, index)
             base = prepared.sides[1]
-            base.states[0] = blocks.run_block(base.model, index, base.states[0], base.recorded[0][index])
+            base.states[0] = block_pass.run_block(base.model, index, base.states[0], base.recorded[0][index])
             continue
         for side in prepared.sides:
-            side.states[b] = blocks.run_block(side.model, index, side.states[b], side.recorded[b][index])
+            side.states[b] = block_pass.run_block(side.model, index, side.states[b], side.recorded[b][index])
     for side in prepared.sides:
         synchronize(side.model.device)
         blocks.free(side.model, str(index))
@@ -203,9 +204,9 @@ def _quantized_with_own_error(prepared: StreamPrepared, index: int) -> torch.Ten
     quantized, base = prepared.sides
     rows = quantized.states[0].shape[0]
     joined = torch.cat([quantized.states[0], base.states[0][:OWN_ERROR_WINDOWS].to(quantized.states[0].dtype)])
-    extra = blocks.first_rows(base.recorded[0][index], OWN_ERROR_WINDOWS, base.states[0].shape[0])
-    arguments = blocks.join_rows(quantized.recorded[0][index], extra, rows)
-    out = blocks.run_block(quantized.model, index, joined, arguments)
+    extra = block_pass.first_rows(base.recorded[0][index], OWN_ERROR_WINDOWS, base.states[0].shape[0])
+    arguments = block_pass.join_rows(quantized.recorded[0][index], extra, rows)
+    out = block_pass.run_block(quantized.model, index, joined, arguments)
     quantized.states[0] = out[:rows]
     return out[rows:]
 
@@ -242,7 +243,7 @@ def _exit(prepared: StreamPrepared, chunk: int) -> None:
         parts = _exit_parts(side.model)
         for part in parts:
             blocks.load(side.model, part)
-        logits_by_side.append([blocks.exit_logits(side.model, batch, side.states[b]) for b, batch in enumerate(batches)])
+        logits_by_side.append([block_pass.exit_logits(side.model, batch, side.states[b]) for b, batch in enumerate(batches)])
         side.states = []
         for part in parts:
             blocks.free(side.model, part)
