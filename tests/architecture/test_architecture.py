@@ -24,7 +24,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "quark_ptq_eval"
 # The layers, lowest first: a module imports its own package, the base and the packages before
 # its own. The package's entry points (quark_ptq_eval/__init__.py, __main__.py) stand with the flows.
 LAYERS = ("base", "context", "intake", "plan", "manifest", "execute", "runtime", "validate", "evaluate", "sensitivity",
-          "publish", "flows")
+          "budget", "publish", "flows")
 
 
 def _import_statements(root: Path = SRC) -> list[tuple[str, str, str]]:

@@ -46,8 +46,6 @@ KNOWN_UNTYPED = {
     ("plan.resources", "serving_fit"): "plan/: the serving-fit record compare/ reports",
     ("plan.resources", "serving_text"): "plan/: the same record",
     ("plan.resources", "weight_bits"): "plan/: the scheme-info record",
-    ("plan.budget", "linear_bytes"): "a scheme's weight spec row from the bundled schemes table (as as_spec_list)",
-    ("sensitivity.scan", "scan"): "the scan's cached JSON record; the budget search (this round) reads it too",
 }
 
 

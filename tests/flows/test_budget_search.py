@@ -17,10 +17,11 @@ import pytest
 
 from quark_ptq_eval.base.safetensors_io import read_model_headers
 from quark_ptq_eval.base.schemes import load_scheme_table
-from quark_ptq_eval.flows.budget_report import export_bits
-from quark_ptq_eval.plan.budget import linear_bytes
+from quark_ptq_eval.budget.knapsack import linear_bytes
+from quark_ptq_eval.budget.measured import export_bits
 from quark_ptq_eval.plan.groups import scheme_of
 from quark_ptq_eval.plan.scheme_fit import linear_shapes
+from quark_ptq_eval.sensitivity.scan import ScanResult
 
 FORMATS = "int4_wo_32,int8"
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,8 +125,8 @@ def test_a_size_budget_counts_the_export_on_disk(searched):
     """--budget-size turned into effective bits, on the run's own export: its size on disk leaves its linears no
     more bits than they take (the headers' estimate never undercounts, so a searched export stays within the size)
     and not much fewer (the kept tensors and headers are counted, not guessed wide)."""
-    from quark_ptq_eval.flows.budget_search import size_bits
-    from quark_ptq_eval.plan.budget_ask import BudgetAsk
+    from quark_ptq_eval.budget.ask import BudgetAsk
+    from quark_ptq_eval.budget.cost import size_bits
 
     res, model, wd, out = searched
     plan = json.loads((wd / "quant_plan.json").read_text())
@@ -153,7 +154,7 @@ def test_an_accuracy_floor_takes_the_fewest_bits_within_it(searched, cli, corpus
 
 def test_what_the_budget_ask_reads():
     from quark_ptq_eval.base.errors import UsageError
-    from quark_ptq_eval.plan.budget_ask import budget_ask, default_formats, goal_ppl_pct, parse_size
+    from quark_ptq_eval.budget.ask import budget_ask, default_formats, goal_ppl_pct, parse_size
     from quark_ptq_eval.plan.request import PlanRequest
 
     assert (parse_size("4.5GB"), parse_size("800 MiB"), parse_size("1234")) == (4_500_000_000, 800 * 2**20, 1234)
@@ -176,7 +177,7 @@ def test_the_floor_and_the_budget_are_exact_on_every_small_instance():
     import itertools
     import random
 
-    from quark_ptq_eval.plan.budget import GroupCost, effective_bits, predicted_kl, solve, solve_floor
+    from quark_ptq_eval.budget.knapsack import GroupCost, effective_bits, predicted_kl, solve, solve_floor
 
     rng, formats = random.Random(41), ["a", "b", "c"]
     for _ in range(5):
@@ -192,7 +193,7 @@ def test_the_floor_and_the_budget_are_exact_on_every_small_instance():
 
 
 def test_the_naive_mix_widens_the_first_and_last_blocks_while_the_budget_allows():
-    from quark_ptq_eval.plan.budget import GroupCost, effective_bits, naive_choice
+    from quark_ptq_eval.budget.knapsack import GroupCost, effective_bits, naive_choice
 
     groups = [GroupCost(f"model.layers.{b}.mlp.down_proj", 100, {"n": 50.0, "w": 100.0}, {"n": 1.0, "w": 0.0})
               for b in range(6)]
@@ -313,14 +314,19 @@ def two_moe_layers(expert_kl) -> tuple[dict[str, tuple[int, int]], list[dict]]:
     return shapes, rows
 
 
+def scanned(rows: list[dict]) -> ScanResult:
+    """A complete scan of ``rows`` as the budget search reads it (the whole-model KL is not read by the groups)."""
+    return ScanResult.of({"layers": rows, "whole_model_kl": sum(r["kl"] for r in rows)})
+
+
 def test_the_targets_rule_for_routed_experts_is_one_and_the_search_and_the_sensitivity_proposal_follow_it():
     """plan/targets.py ``expert_refusal`` says which formats a target's vLLM serves for an MoE's routed experts (on
     this CPU none quantized, measured: bench/bench_moe_expert_serving.py; on a GPU target not Quark's int8, whose
     static activation scales vLLM 0.32's INT8 MoE method gives no kernel); the search's groups, its solver, its
     side plans and a sensitivity proposal's wider scheme all read it."""
-    from quark_ptq_eval.flows.budget_search import search_groups, side_plans
+    from quark_ptq_eval.budget.groups import search_groups, side_plans
+    from quark_ptq_eval.budget.knapsack import bits_range, naive_choice, solve, solve_floor
     from quark_ptq_eval.flows.plan_scan import served_on_target
-    from quark_ptq_eval.plan.budget import bits_range, naive_choice, solve, solve_floor
     from quark_ptq_eval.plan.targets import FAMILIES, expert_refusal, refused_experts
     from quark_ptq_eval.sensitivity.proposal import Proposal
 
@@ -338,7 +344,7 @@ def test_the_targets_rule_for_routed_experts_is_one_and_the_search_and_the_sensi
     assert refused_experts(names, "int8", {"*mlp.experts.*": "fp8"}, [], mi355) == {}
     assert refused_experts(names, "int4_wo_32", {}, ["*mlp.experts.*"], cpu) == {}  # unquantized: served anywhere
     formats = ["int4_wo_32", "int8"]
-    scans = {"int4_wo_32": {"layers": rows}, "int8": {"layers": [dict(r, kl=r["kl"] * 10) for r in rows]}}
+    scans = {"int4_wo_32": scanned(rows), "int8": scanned([dict(r, kl=r["kl"] * 10) for r in rows])}
     refused = {"int4_wo_32": expert_refusal("int4_wo_32", cpu)}
     groups, members = search_groups(shapes, scans, formats, 2, refused)
     experts = [g for g in groups if g.name.endswith(".experts")]
@@ -364,12 +370,12 @@ def test_the_targets_rule_for_routed_experts_is_one_and_the_search_and_the_sensi
 def test_an_moe_layers_experts_are_one_search_group_and_the_mix_names_them_by_layer():
     """Scan rows as the scan writes them for an MoE (one unit per layer's routed experts): the search decides each
     layer's experts together, fused q/k/v and gate/up together, and the mix's patterns never split either."""
-    from quark_ptq_eval.flows.budget_search import mix_config, search_groups
-    from quark_ptq_eval.plan.budget import solve
+    from quark_ptq_eval.budget.groups import mix_config, search_groups
+    from quark_ptq_eval.budget.knapsack import solve
     from quark_ptq_eval.plan.groups import settle_groups
 
     shapes, rows = two_moe_layers(lambda i: 1e-3 * (i + 1))
-    scans = {"int4_wo_32": {"layers": rows}, "int8": {"layers": [dict(r, kl=r["kl"] / 10) for r in rows]}}
+    scans = {"int4_wo_32": scanned(rows), "int8": scanned([dict(r, kl=r["kl"] / 10) for r in rows])}
     groups, members = search_groups(shapes, scans, ["int4_wo_32", "int8"])
     names = {g.name for g in groups}
     assert {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts", "model.layers.0.self_attn.qkv_proj"} <= names

@@ -1,6 +1,6 @@
 """Issue 41: the budget search's solver is exact, at 70 B scale.
 
-The program (plan/budget.py) minimises the summed per-group KL under an effective-bits budget. Its
+The program (budget/knapsack.py) minimises the summed per-group KL under an effective-bits budget. Its
 answers are checked independently: against brute force over every mix of a small instance, and on a
 70 B-shaped plan against the LP relaxation's bound (a multiple-choice knapsack's relaxation has at
 most one fractional group, so the exact optimum lies within one group's KL spread of the bound).
@@ -15,7 +15,7 @@ import resource
 import pytest
 
 from quark_ptq_eval.base.schemes import load_scheme_table
-from quark_ptq_eval.plan.budget import (
+from quark_ptq_eval.budget.knapsack import (
     GroupCost,
     bits_range,
     effective_bits,

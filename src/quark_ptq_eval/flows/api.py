@@ -41,20 +41,18 @@ def plan_quantization(analysis: ModelAnalysis, output_dir: str | Path, *, env_co
     """``request`` takes PlanRequest fields: goal, scheme, algorithm, calib_data, exclude_layers, ..."""
     from quark_ptq_eval.base.catalog import load_catalog
     from quark_ptq_eval.context.preflight import detect_env
-    from quark_ptq_eval.flows.budget_search import budget_request, with_budget_search
-    from quark_ptq_eval.flows.plan_scan import with_sensitivity_scan
+    from quark_ptq_eval.flows.plan_scan import plan_from_request
     from quark_ptq_eval.plan import PlanRequest, make_plan
 
     wd = Path(workdir or ".")
-    req = budget_request(PlanRequest(**request))
+    req = PlanRequest(**request)
     env = env_context or detect_env()
 
     def replan(r: PlanRequest) -> QuantPlan:
         return make_plan(analysis, env, r, load_catalog(), ModelAnalysis.path_in(wd).resolve(),
                          Path(output_dir).resolve())
 
-    result = with_sensitivity_scan(replan(req), req, wd.resolve())
-    result = with_budget_search(result, req, wd.resolve(), replan)  # --budget-bits: the scans, then the mix
+    result = plan_from_request(req, replan, wd.resolve())  # --sensitivity or a budget: the scans run here
     if workdir is not None:
         result.write(workdir)
     return result

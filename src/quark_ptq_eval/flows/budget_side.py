@@ -1,7 +1,7 @@
 """The budget search's plans measured side by side, through compare's machinery.
 
 After a `run --budget-bits` has evaluated its own export at Tier 1, the plans the search report names
-(flows/budget_search.py ``side_plans``: the search's mix, each uniform format within the budget, the naive
+(budget/groups.py ``side_plans``: the search's mix, each uniform format within the budget, the naive
 mix with the first and last blocks in the widest format, the search again at the naive mix's bits) are each
 quantized, validated and scored by a comparison (flows/compare) in ``<workdir>/side_by_side``: one baseline
 cached once, the run's Tier 1 text, windows and calibration documents, so every plan is measured on the same
@@ -19,18 +19,12 @@ from pathlib import Path
 
 from quark_ptq_eval.base.artifacts import QuantPlan
 from quark_ptq_eval.base.errors import CheckpointPending, QpeError
+from quark_ptq_eval.budget.knapsack import SidePlan
+from quark_ptq_eval.budget.measured import SEARCH_JSON, CellRow, Measured, read_side_plans, record_measured
 from quark_ptq_eval.evaluate.options import EvalOptions
 from quark_ptq_eval.evaluate.ppl.baseline_cache import DEFAULT_TOP_K
-from quark_ptq_eval.flows.budget_report import (
-    SEARCH_JSON,
-    Measured,
-    measured_row,
-    side_plans_of,
-    write_measured,
-)
 from quark_ptq_eval.flows.compare.options import PLAN, TIER1, CompareOptions, MixCell
 from quark_ptq_eval.flows.recipe_flow import Flow
-from quark_ptq_eval.plan.budget import SidePlan
 from quark_ptq_eval.plan.request import SEARCH_FIELDS
 
 SIDE_DIR = "side_by_side"  # under the run's work dir: a comparison's own root
@@ -48,8 +42,7 @@ def measure_side_by_side(flow: Flow, plan: QuantPlan) -> list[Measured]:
     row = plan.decision("budget_search")
     if row is None or not path.is_file() or flow.model_path is None:
         return []
-    data = json.loads(path.read_text(encoding="utf-8"))
-    sides = side_plans_of(data)
+    sides = read_side_plans(flow.run.workdir)
     if not sides:
         return []
     flow.run.ui.info(f"Budget search: measuring {len(sides)} plans side by side on the same windows "
@@ -64,11 +57,8 @@ def measure_side_by_side(flow: Flow, plan: QuantPlan) -> list[Measured]:
     except QpeError as exc:  # the run's own export and evaluation stand; the report says what is missing
         flow.run.ui.info(f"Budget search: the side-by-side comparison failed: {exc.message} (see {root})")
         return []
-    rows = {r["scheme"]: r for r in doc.get("schemes") or []}
-    excluded = list(plan.exclude_layers)
-    measured = [measured_row(s, rows.get(s.label, {}), flow.model_path, excluded) for s in sides]
-    write_measured(flow.run.workdir, data, measured)
-    return measured
+    cells = {r["scheme"]: CellRow.of(r) for r in doc.get("schemes") or []}
+    return record_measured(flow.run.workdir, cells, flow.model_path, list(plan.exclude_layers)).measured
 
 
 def _options(flow: Flow, plan: QuantPlan, sides: list[SidePlan], root: Path) -> CompareOptions:

@@ -1,4 +1,7 @@
-"""`--sensitivity` at plan time: the flow runs the scan on the plan's choices, then the plan takes
+"""The scans at plan time, and ``plan_from_request``: the one way `run`, the Python API and `compare` make a plan
+from a request (the budget's first format, the plan, then the sensitivity scan or the budget search it asks for).
+
+`--sensitivity` at plan time: the flow runs the scan on the plan's choices, then the plan takes
 its result (plan/scan_decision.py), approved at checkpoint 2 like any decision.
 
 Giving ``--sensitivity`` is the user's explicit yes to read the model and run the scan now (it
@@ -15,12 +18,23 @@ from typing import TYPE_CHECKING
 
 from quark_ptq_eval.base.artifacts import QuantPlan
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.budget.request import budget_request
+from quark_ptq_eval.budget.search import with_budget_search
 from quark_ptq_eval.plan.request import PlanRequest
 from quark_ptq_eval.plan.scan_decision import ScanResult, take_scan_result
 
 if TYPE_CHECKING:
     from quark_ptq_eval.plan.targets import ArchFamily
     from quark_ptq_eval.sensitivity.proposal import Proposal
+
+
+def plan_from_request(req: PlanRequest, replan: Callable[[PlanRequest], QuantPlan], workdir: Path) -> QuantPlan:
+    """The plan ``req`` asks for, made by ``replan`` (the caller's ``make_plan`` with its analysis, host and output):
+    with a budget and no scheme the first format is planned first; then ``--sensitivity`` runs its scan, or a budget
+    its search (budget/search.py: one scan per format, then the plan made again with the mix), in ``workdir``."""
+    req = budget_request(req)
+    plan = with_sensitivity_scan(replan(req), req, workdir)  # --sensitivity: the flow runs the scan
+    return with_budget_search(plan, req, workdir, replan, calibration_text)  # a budget: the scans, then the mix
 
 
 def with_sensitivity_scan(plan: QuantPlan, req: PlanRequest, workdir: Path) -> QuantPlan:

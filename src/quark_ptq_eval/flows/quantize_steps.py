@@ -13,8 +13,7 @@ from quark_ptq_eval.base.artifacts import Artifact, ModelAnalysis, QuantPlan, Ru
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.evaluate.ppl.text import refuse_without_tier1_text
 from quark_ptq_eval.execute.step import VerifiedOutput, estimated_output_bytes, execute_manifest
-from quark_ptq_eval.flows.budget_search import budget_request, with_budget_search
-from quark_ptq_eval.flows.plan_scan import with_sensitivity_scan
+from quark_ptq_eval.flows.plan_scan import plan_from_request
 from quark_ptq_eval.flows.recipe_flow import Flow
 from quark_ptq_eval.flows.run_options import RunOptions
 from quark_ptq_eval.plan import PlanRequest, make_plan
@@ -49,14 +48,12 @@ def plan_step(flow: Flow, analysis: ModelAnalysis) -> QuantPlan:
     run = flow.run
     plan = _hand_edited_plan(flow, analysis)
     if plan is None:
-        req = budget_request(dataclasses.replace(flow.opts.request, offline=flow.ctx.offline,
-                                                 hold_out_eval=_hold_out(flow)))
+        req = dataclasses.replace(flow.opts.request, offline=flow.ctx.offline, hold_out_eval=_hold_out(flow))
 
         def replan(r: PlanRequest) -> QuantPlan:
             return make_plan(analysis, flow.ctx.env, r, flow.catalog, ModelAnalysis.path_in(run.workdir), flow.output())
 
-        plan = with_sensitivity_scan(replan(req), req, run.workdir)  # --sensitivity: the flow runs the scan
-        plan = with_budget_search(plan, req, run.workdir, replan)  # --budget-bits: the scans, then the mix
+        plan = plan_from_request(req, replan, run.workdir)  # --sensitivity or a budget: the scans run here
     approved = run.state.is_approved("plan", plan.digest)
     plan.requires_confirmation = not approved
     plan.write_if_changed(run.workdir)  # on disk before checkpoint 2: the file is what the user reads and edits

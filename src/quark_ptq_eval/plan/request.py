@@ -65,7 +65,7 @@ class PlanRequest:
     sensitivity: bool = field(default=False, metadata=flag(  # the flow's scan at plan time (flows/plan_scan.py)
         "--sensitivity", action="store_true",
         help="run the sensitivity scan at plan time and propose layers to keep unquantized") | concern(CHOICE))
-    budget_bits: float | None = field(default=None, metadata=flag(  # the flow's search (flows/budget_search.py)
+    budget_bits: float | None = field(default=None, metadata=flag(  # the flow's search (budget/search.py)
         "--budget-bits", type=float, metavar="BITS",
         help="search the per-group mix of --formats with the least predicted KL within this many effective bits "
              "per weight (scales and zero points included); runs one sensitivity scan per format now")

@@ -85,6 +85,39 @@ class Session:
     passes: float = 0.0  # model passes spent in measurements (a replay of k of N blocks counts k/N)
 
 
+@dataclass(frozen=True)
+class UnitKL:
+    """One scan unit as read outside the scan: its name, its KL quantized alone, the pattern naming its linears."""
+
+    layer: str
+    kl: float
+    pattern: str
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    """A complete scan as the budget search reads it: each unit's KL alone, the whole-model KL and the measurement
+    passes it took. The scan's JSON record (its cache, sensitivity_report.json) stays as ``scan`` writes it."""
+
+    layers: tuple[UnitKL, ...]
+    whole_model_kl: float
+    measurement_passes: float | None = None
+    cache_hit: bool | None = None
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> ScanResult:
+        """The typed view of a complete scan's record."""
+        units = tuple(UnitKL(r["layer"], float(r["kl"]), r.get("pattern", r["layer"])) for r in record["layers"])
+        return cls(units, float(record["whole_model_kl"]), record.get("cost", {}).get("measurement_passes"),
+                   record.get("cache_hit"))
+
+
+def scan_result(opts: ScanOptions, progress: Progress = print) -> ScanResult:
+    """The complete scan of ``opts`` (cached, or measured now: its session is let go), typed."""
+    record, _ = scan(opts, progress)
+    return ScanResult.of(record)
+
+
 def scan(opts: ScanOptions, progress: Progress = print) -> tuple[dict[str, Any], Session | None]:
     """The scan result (cached or measured: per-layer KL plus the whole-model KL) and, when it was
     measured now, the live session (for re-measuring combinations without quantizing again)."""

@@ -1,7 +1,7 @@
 """`compare MODEL --budget-bits B` (or `--budget-size SIZE`, with `--formats`): a comparison of the budget search's
 plans instead of named schemes.
 
-The search runs once, in ``ROOT/search`` (flows/budget_search.py: one scan per format, cached; the exact program);
+The search runs once, in ``ROOT/search`` (budget/search.py: one scan per format, cached; the exact program);
 the plans its report names side by side (the search's mix, each uniform format within the budget, the naive mix,
 the search at the naive mix's bits) become the compared cells, each quantized, validated and scored by Tier 1
 against the one cached baseline, as `run --budget-bits` measures them after its own run. search_report.{md,json} in
@@ -12,13 +12,12 @@ measured best); comparison.json carries it as ``budget_search``.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.flows.budget_report import SEARCH_JSON, measured_row, side_plans_of, write_measured
+from quark_ptq_eval.budget.measured import CellRow, read_side_plans, record_measured
 from quark_ptq_eval.flows.compare.options import CompareOptions, MixCell, budget_asked
 
 SEARCH_DIR = "search"
@@ -39,7 +38,7 @@ def searched_cells(root: Path, opts: CompareOptions) -> CompareOptions:
                          "Download it first and pass the local directory.")
     wd = root / SEARCH_DIR
     _search(wd, opts)
-    sides = side_plans_of(json.loads((wd / SEARCH_JSON).read_text(encoding="utf-8")))
+    sides = read_side_plans(wd)
     return dataclasses.replace(opts, schemes=[s.label for s in sides],
                                cells={s.label: MixCell(s.scheme, dict(s.overrides)) for s in sides})
 
@@ -48,7 +47,7 @@ def _search(wd: Path, opts: CompareOptions) -> QuantPlan:
     """The budget search's plan of the model, in ``wd`` (its scans and search_report)."""
     from quark_ptq_eval.base.catalog import load_catalog
     from quark_ptq_eval.context.preflight import detect_env
-    from quark_ptq_eval.flows.budget_search import budget_request, with_budget_search
+    from quark_ptq_eval.flows.plan_scan import plan_from_request
     from quark_ptq_eval.intake import analyze_model
     from quark_ptq_eval.plan import PlanRequest, make_plan
 
@@ -58,13 +57,13 @@ def _search(wd: Path, opts: CompareOptions) -> QuantPlan:
     analysis = analyze_model(opts.model, offline=bool(opts.offline), catalog=catalog,
                              trust_remote_code=bool(opts.plan.get("trust_remote_code")))
     analysis.write(wd)
-    req = budget_request(PlanRequest(**opts.plan, offline=bool(opts.offline)))
+    req = PlanRequest(**opts.plan, offline=bool(opts.offline))
     env = detect_env()
 
     def replan(r: PlanRequest) -> QuantPlan:
         return make_plan(analysis, env, r, catalog, ModelAnalysis.path_in(wd).resolve(), (wd / "plan-output").resolve())
 
-    plan = with_budget_search(replan(req), req, wd.resolve(), replan)
+    plan = plan_from_request(req, replan, wd.resolve())  # compare takes no --sensitivity: the search alone
     plan.write(wd)
     return plan
 
@@ -74,9 +73,8 @@ def report_measured(root: Path, opts: CompareOptions, doc: dict[str, Any]) -> No
     if not budget_asked(opts) or opts.model is None:
         return
     wd = root / SEARCH_DIR
-    data = json.loads((wd / SEARCH_JSON).read_text(encoding="utf-8"))
     excluded = list(QuantPlan.load(wd).exclude_layers)
-    rows = {r["scheme"]: r for r in doc.get("schemes") or []}
-    measured = [measured_row(s, rows.get(s.label, {}), Path(opts.model), excluded) for s in side_plans_of(data)]
-    write_measured(wd, data, measured)
-    doc["budget_search"] = {"report": str(wd / "search_report.md"), "recommendation": data.get("recommendation")}
+    cells = {r["scheme"]: CellRow.of(r) for r in doc.get("schemes") or []}
+    best = record_measured(wd, cells, Path(opts.model), excluded).recommendation
+    doc["budget_search"] = {"report": str(wd / "search_report.md"),
+                            "recommendation": None if best is None else dataclasses.asdict(best)}

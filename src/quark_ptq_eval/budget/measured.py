@@ -4,12 +4,13 @@ side (flows/budget_side.py) and after `compare --budget-bits` (flows/compare/bud
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quark_ptq_eval.plan.budget import SidePlan
+from quark_ptq_eval.budget.knapsack import SidePlan
 
 SEARCH_JSON = "search_report.json"
 
@@ -34,17 +35,67 @@ class Measured:
         return self.predicted_kl / self.kl if self.kl else None
 
 
-def side_plans_of(data: dict[str, Any]) -> list[SidePlan]:
-    """The side-by-side plans search_report.json names."""
+@dataclass(frozen=True)
+class CellRow:
+    """A compared cell as comparison.json has it, the part the side by side reads (a cell not there: not run)."""
+
+    model_dir: str | None = None
+    kl_mean: float | None = None
+    ppl_increase_pct: float | None = None
+    validation: str | None = None
+    status: str = "not run"
+
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> CellRow:
+        return cls(row.get("model_dir"), row.get("kl_mean"), row.get("ppl_increase_pct"), row.get("validation"),
+                   str(row.get("status", "not run")))
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The measured best within the constraint, as search_report.json states it."""
+
+    label: str
+    kind: str
+    bits: float | None
+    kl: float | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class MeasuredReport:
+    """The side-by-side plans as measured, and the recommendation among them (None: none validated within)."""
+
+    measured: list[Measured]
+    recommendation: Recommendation | None
+
+
+def read_side_plans(workdir: Path) -> list[SidePlan]:
+    """The side-by-side plans the search report in ``workdir`` names."""
+    return _side_plans_of(_read(workdir))
+
+
+def record_measured(workdir: Path, cells: dict[str, CellRow], model: Path, excluded: list[str]) -> MeasuredReport:
+    """search_report.{json,md} in ``workdir`` with each side-by-side plan as its compared cell (by label) measured."""
+    data = _read(workdir)
+    measured = [_measured_row(s, cells.get(s.label, CellRow()), model, excluded) for s in _side_plans_of(data)]
+    return MeasuredReport(measured, _write_measured(workdir, data, measured))
+
+
+def _read(workdir: Path) -> dict[str, Any]:
+    return dict(json.loads((workdir / SEARCH_JSON).read_text(encoding="utf-8")))
+
+
+def _side_plans_of(data: dict[str, Any]) -> list[SidePlan]:
     return [SidePlan(**s) for s in data.get("side_by_side") or []]
 
 
-def measured_row(side: SidePlan, row: dict[str, Any], model: Path, excluded: list[str]) -> Measured:
-    """A side-by-side plan as its comparison row has it (comparison.json), its export's bits read from the headers."""
-    out = Path(row["model_dir"]) if row.get("model_dir") else None
+def _measured_row(side: SidePlan, row: CellRow, model: Path, excluded: list[str]) -> Measured:
+    """A side-by-side plan as its comparison cell has it, its export's bits read from the headers."""
+    out = Path(row.model_dir) if row.model_dir else None
     bits = export_bits(model, out, excluded) if out is not None and out.is_dir() else None
-    return Measured(side.label, side.kind, side.bits, bits, side.predicted_kl, row.get("kl_mean"),
-                    row.get("ppl_increase_pct"), row.get("validation"), str(row.get("status", "not run")))
+    return Measured(side.label, side.kind, side.bits, bits, side.predicted_kl, row.kl_mean, row.ppl_increase_pct,
+                    row.validation, row.status)
 
 
 def export_bits(model: Path, out: Path, excluded: list[str]) -> float:
@@ -67,7 +118,7 @@ def recommended(measured: list[Measured], budget_bits: float, max_kl: float | No
     return min((m for m in done if (m.bits or 0.0) <= budget_bits + 1e-9), key=lambda m: m.kl or 0.0, default=None)
 
 
-def write_measured(workdir: Path, data: dict[str, Any], measured: list[Measured]) -> None:
+def _write_measured(workdir: Path, data: dict[str, Any], measured: list[Measured]) -> Recommendation | None:
     """search_report.{json,md} with the measurements, the additivity check and the recommendation."""
     budget, floor = float(data["chosen"]["budget_bits"]), data["chosen"].get("max_kl")
     best = recommended(measured, budget, floor)
@@ -77,11 +128,12 @@ def write_measured(workdir: Path, data: dict[str, Any], measured: list[Measured]
                                    "statement": "a plan's KL is predicted as the sum of its groups' KLs, each group "
                                                 "quantized alone (the scans); the ratio is that sum over the plan's "
                                                 "Tier 1 KL measured on its export"}
-    data["recommendation"] = None if best is None else {
-        "label": best.label, "kind": best.kind, "bits": best.bits, "kl": best.kl,
-        "reason": f"the fewest effective bits among the validated exports whose measured Tier 1 KL is within {floor:.4g}"
+    chosen = None if best is None else Recommendation(
+        best.label, best.kind, best.bits, best.kl,
+        f"the fewest effective bits among the validated exports whose measured Tier 1 KL is within {floor:.4g}"
         if floor is not None else f"the least measured Tier 1 KL among the validated exports within {budget:.3f} "
-                                  "effective bits"}
+                                  "effective bits")
+    data["recommendation"] = None if chosen is None else dataclasses.asdict(chosen)
     (workdir / SEARCH_JSON).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     md = workdir / "search_report.md"
     lines = ["", "## Measured side by side (same windows, one cached baseline)", "",
@@ -92,9 +144,10 @@ def write_measured(workdir: Path, data: dict[str, Any], measured: list[Measured]
     lines += ["", f"Additivity: {data['additivity_measured']['statement']}; ratio "
                   f"{_f(min(ratios, default=None), '.3f')} to {_f(max(ratios, default=None), '.3f')} here.", "",
               "Recommendation: " + (f"**{best.label}** ({best.kind}), measured KL {best.kl:.4g} at {best.bits} bits: "
-                                    f"{data['recommendation']['reason']}." if best else
+                                    f"{chosen.reason}." if best and chosen else
                                     "none: no validated export within the budget was measured.")]
     md.write_text(md.read_text(encoding="utf-8") + "\n".join(lines) + "\n", encoding="utf-8")
+    return chosen
 
 
 def _f(value: float | None, spec: str) -> str:

@@ -1,6 +1,6 @@
 """What the budget search is asked: a bits budget, a size budget (the export on disk) or an accuracy floor.
 
-- ``--budget-bits B``: effective bits over the quantizable linears (plan/budget.py);
+- ``--budget-bits B``: effective bits over the quantizable linears (budget/knapsack.py);
 - ``--budget-size SIZE``: the export's safetensors on disk; turned into effective bits by taking off what the
   export keeps as it is (the tensors of everything but the quantized linears, in the source's width);
 - an accuracy floor, ``--max-kl K`` or ``--max-ppl-increase-pct P`` (or, with ``--formats``, a goal such as
