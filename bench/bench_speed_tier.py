@@ -65,7 +65,7 @@ def measure(model: Path, python: Path, rounds: int) -> dict:
     from types import SimpleNamespace
 
     from quark_ptq_eval.evaluate.serving.commands import ServedModel
-    from quark_ptq_eval.evaluate.speed import tier
+    from quark_ptq_eval.evaluate.speed import commands as tier
     from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, fit_workload
     from quark_ptq_eval.runtime import vllm_host
 

@@ -25,7 +25,7 @@ def render(plans: dict[str, PlanJson], quantized: Path, source: Path, workdir: P
     """The generated part for ``plans`` (target name -> its plan), paths shown as SHOWN names them."""
     from quark_ptq_eval.evaluate.options import EvalOptions
     from quark_ptq_eval.evaluate.serving.commands import served_models, server_argv, server_sizing, shell_line
-    from quark_ptq_eval.evaluate.speed.tier import DRIVER, bench_argv
+    from quark_ptq_eval.evaluate.speed.commands import DRIVER, bench_argv
     from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, fit_workload
 
     workload, options = fit_workload(SpeedOptions(), gpu=True), EvalOptions()

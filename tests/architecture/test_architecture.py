@@ -158,6 +158,30 @@ def test_no_function_over_60_lines():
     assert long == []
 
 
+MAX_FILE_LINES = 400
+
+
+def _long_files(root: Path = SRC, limit: int = MAX_FILE_LINES) -> list[str]:
+    """The .py files under ``root`` longer than ``limit`` lines, each with its length."""
+    found = []
+    for f in sorted(root.rglob("*.py")):
+        if (n := len(f.read_text(encoding="utf-8").splitlines())) > limit:
+            found.append(f"{f.relative_to(root)} ({n} lines)")
+    return found
+
+
+def test_no_src_file_over_400_lines():
+    long = _long_files()
+    assert long == [], "split these into cohesive modules (one concern each):\n" + "\n".join(long)
+
+
+def test_the_file_length_rule_fails_on_a_planted_long_file(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "short.py").write_text("x = 1\n" * MAX_FILE_LINES, encoding="utf-8")
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * (MAX_FILE_LINES + 1), encoding="utf-8")
+    assert _long_files(tmp_path) == [f"pkg/long.py ({MAX_FILE_LINES + 1} lines)"]
+
+
 def _parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """Parameters as a caller sees them: every named one, *args and **kwargs one each; self/cls not."""
     a = node.args

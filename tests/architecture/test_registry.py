@@ -407,10 +407,11 @@ def test_a_tier_row_that_lacks_the_contract_is_refused_when_registered():
 
 # What a tier is made of (its own sub-package of evaluate/, docs/extending.md), and what compare may import
 # from them: the baseline's cache (compare's own store); the speed tier's options (its row's `options`), its
-# measurement of one model alone and its statistics (compare --speed)
+# measurement of one model alone, its servers' sizing and its statistics (compare --speed)
 TIER_PACKAGES = ("ppl", "lmeval", "vllm", "serving", "speed")
 COMPARE_MAY_IMPORT = ("quark_ptq_eval.evaluate.ppl.baseline_cache", "quark_ptq_eval.evaluate.speed.workload",
-                      "quark_ptq_eval.evaluate.speed.tier", "quark_ptq_eval.evaluate.speed.stats")
+                      "quark_ptq_eval.evaluate.speed.tier", "quark_ptq_eval.evaluate.speed.commands",
+                      "quark_ptq_eval.evaluate.speed.stats")
 
 
 def test_compare_scores_through_the_tiers_interfaces_never_their_modules():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
 import resource
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.execute.engine_child import STARTING_ENV, become_engine
 
 HOST_ENV = "QUARK_PTQ_EVAL_ENGINE_HOST"
 ENGINE_MODULES = ("quark_ptq_eval.execute.quark_api_engine", "quark_ptq_eval.execute.engines.file2file")
@@ -46,7 +46,6 @@ IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH"
 # are line-buffered anyway), PYTHONBREAKPOINT (read at each breakpoint()), HF_XET_HIGH_PERFORMANCE (a Hub download's
 # transfer mode; lm_eval's import sets it in the asking run, and an engine reads a local directory).
 RUNTIME_ONLY = {"PYTHONUNBUFFERED", "PYTHONBREAKPOINT", "HF_XET_HIGH_PERFORMANCE", HOST_ENV}
-STARTING_ENV: dict[str, str] = {}  # the host's environment as it started, before the imports that set some
 KILL_GRACE_S = 10.0
 
 
@@ -125,109 +124,6 @@ def _handler(sig: int) -> Any:
 
 
 # --- the forked child: become the engine a fresh `python -m MODULE ARGS` would have been -------------------
-
-def become_engine(req: dict[str, Any], out_fd: int) -> None:
-    """In the forked child: never returns (the process exits with the engine's code)."""
-    code = 1
-    try:
-        _inherit(req, out_fd)
-        code = _run_module(req["argv"][2], req["argv"][3:])
-    except BaseException:  # noqa: BLE001 - the child must not return into the host's loop
-        import traceback
-
-        with contextlib.suppress(Exception):
-            traceback.print_exc()
-    finally:
-        _finish(code)
-
-
-def _inherit(req: dict[str, Any], out_fd: int) -> None:
-    os.setsid()  # its own process group, as start_new_session gives a fresh child
-    from quark_ptq_eval.base.process_exit import die_with_parent
-
-    die_with_parent()  # the host gone, the engine goes too
-    _signals_as_exec(set(req["ignored_signals"]))
-    for name, limits in req["rlimits"].items():
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(getattr(resource, name), tuple(limits))
-    os.setpriority(os.PRIO_PROCESS, 0, req["nice"])
-    os.sched_setaffinity(0, req["affinity"])
-    os.umask(req["umask"])
-    os.chdir(req["cwd"])
-    # what the imports set in the host (KMP_INIT_AT_FORK, TORCHINDUCTOR_CACHE_DIR...) a fresh engine's would set
-    set_by_imports = {k: v for k, v in os.environ.items() if k not in STARTING_ENV}
-    os.environ.clear()
-    os.environ.update({**set_by_imports, **req["env"]})
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
-    for fd in (devnull, out_fd):
-        os.close(fd)
-    _fresh_streams()
-    _forget_host_exit_hooks()
-
-
-def _signals_as_exec(ignored: set[int]) -> None:
-    """Dispositions as exec leaves them (handled ones default, ignored ones kept), then Python's own start."""
-    for sig in signal.valid_signals():
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            continue
-        with contextlib.suppress(ValueError, OSError):
-            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
-    if signal.SIGINT not in ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # what CPython ignores at start-up
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def _fresh_streams() -> None:
-    """sys.stdout / sys.stderr on fds 1 / 2, and the logging handlers that held the host's streams."""
-    from quark_ptq_eval.base.ui import swap_handler_streams
-
-    def stream(fd: int) -> io.TextIOWrapper:
-        return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-                                line_buffering=True, write_through=True)
-
-    out, err = stream(1), stream(2)
-    old = {id(sys.stdout): out, id(sys.__stdout__): out, id(sys.stderr): err, id(sys.__stderr__): err}
-    swap_handler_streams(old)
-    sys.stdout, sys.stderr = out, err
-    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - the process's stdin
-
-
-def _forget_host_exit_hooks() -> None:
-    """The host's exit hooks and finalizers are the host's (its temp dirs): not run when this child exits."""
-    import atexit
-    import weakref
-
-    atexit._clear()
-    for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
-        finalizer.atexit = False
-    weakref.finalize._registered_with_atexit = False  # type: ignore[attr-defined]
-
-
-def _run_module(module: str, args: list[str]) -> int:
-    import runpy
-
-    sys.argv = [module, *args]
-    sys.modules.pop(module, None)  # run as __main__ afresh (runpy warns of a copy already imported); its imports stay
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            return int(exc.code or 0)
-        print(exc.code, file=sys.stderr)
-        return 1
-    return 0
-
-
-def _finish(code: int) -> None:
-    from quark_ptq_eval.base.process_exit import exit_now
-
-    with contextlib.suppress(BaseException):
-        exit_now(code)  # exit hooks, flushed streams, os._exit
-    os._exit(code)
 
 
 # --- the host -------------------------------------------------------------------------------------------
@@ -416,73 +312,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 # --- asking the host (the runner's side) ------------------------------------------------------------------
-
-class HostedChild:
-    """An engine the host forked for us, as much of subprocess.Popen as the runner uses."""
-
-    def __init__(self, args: list[str], pid: int, conn: socket.socket, stdout: io.TextIOWrapper, buffered: bytes):
-        self.args, self.pid, self.stdout = args, pid, stdout
-        self.returncode: int | None = None
-        self._conn, self._buffer = conn, buffered
-
-    def wait(self, timeout: float | None = None) -> int:
-        import subprocess
-
-        if self.returncode is None:
-            try:
-                line = _split_line(self._conn, self._buffer, timeout)[0]
-            except TimeoutError:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
-            # the host gone without a word: its death took the engine with it (PR_SET_PDEATHSIG)
-            self.returncode = int(json.loads(line)["exit"]) if line else -signal.SIGTERM
-            self._conn.close()
-        return self.returncode
-
-
-def start_hosted(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[HostedChild | None, str]:
-    """(the engine forked by the host named in $QUARK_PTQ_EVAL_ENGINE_HOST, "") or (None, why it was not)."""
-    path = os.environ.get(HOST_ENV)
-    if not path:
-        return None, ""
-    if not is_engine_module(argv):
-        return None, "not one of our engine modules"
-    read_end, write_end = os.pipe()
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.settimeout(10)
-        conn.connect(path)
-        socket.send_fds(conn, [json.dumps(request_for(argv, env, cwd)).encode() + b"\n"], [write_end])
-        os.close(write_end)
-        write_end = -1
-        line, rest = _split_line(conn, b"", 30)
-        reply = json.loads(line)
-    except (OSError, ValueError) as exc:
-        conn.close()
-        os.close(read_end)
-        return None, f"no engine host answered at {path} ({exc})"
-    finally:
-        if write_end >= 0:
-            os.close(write_end)
-    if "pid" not in reply:
-        conn.close()
-        os.close(read_end)
-        return None, f"the engine host declined: {reply.get('refused', reply)}"
-    conn.settimeout(None)
-    stdout = open(read_end, encoding="utf-8", errors="replace")  # noqa: SIM115 - the engine's output, read to its end
-    return HostedChild(argv, int(reply["pid"]), conn, stdout, rest), ""
-
-
-def _split_line(conn: socket.socket, buffered: bytes, timeout: float | None) -> tuple[bytes, bytes]:
-    """(the next line, what came after it); an empty line when the host closed the connection first."""
-    conn.settimeout(timeout)
-    while b"\n" not in buffered:
-        more = conn.recv(4096)
-        if not more:
-            return b"", b""
-        buffered += more
-    line, _, rest = buffered.partition(b"\n")
-    return line, rest
-
 
 
 if __name__ == "__main__":

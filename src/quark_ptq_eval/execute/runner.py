@@ -17,7 +17,8 @@ from typing import Any, NoReturn, Protocol
 
 from quark_ptq_eval.base.errors import Interrupted
 from quark_ptq_eval.base.process_exit import die_with_parent
-from quark_ptq_eval.execute.engine_host import HOST_ENV, HostedChild, start_hosted
+from quark_ptq_eval.execute.engine_client import HostedChild, start_hosted
+from quark_ptq_eval.execute.engine_host import HOST_ENV
 
 
 @dataclass

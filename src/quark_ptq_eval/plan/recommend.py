@@ -7,7 +7,6 @@ combination is refused with its reason before anything runs.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,8 @@ from quark_ptq_eval.base.textdata import check_text_source
 from quark_ptq_eval.context.preflight import HostEnv
 from quark_ptq_eval.plan import decode_speed, host_fit, host_memory, resource_rows, resources, source_reading
 from quark_ptq_eval.plan.calibration_check import check_calibration_text, source_note
+from quark_ptq_eval.plan.choices import check_compatible, choose_algorithm, choose_scheme, gpu_of
 from quark_ptq_eval.plan.engines import ENGINES, choose_engine, get_engine
-from quark_ptq_eval.plan.family_limits import check_family_limits
 from quark_ptq_eval.plan.groups import Settled, settle_groups
 from quark_ptq_eval.plan.request import PlanRequest
 from quark_ptq_eval.plan.scheme_fit import SchemeChoice, fit_to_model, linear_shapes
@@ -32,105 +31,10 @@ from quark_ptq_eval.plan.targets import (
     format_family,
     keep_experts_unquantized,
     recommend_kv,
-    recommend_scheme,
     refused_experts,
     scheme_warnings,
     target_fallbacks,
 )
-
-# Goal phrases -> scheme, most specific first. Matched on the lower-cased goal.
-GOAL_SCHEMES: tuple[tuple[str, str], ...] = (
-    (r"\bnvfp4\b", "nvfp4"), (r"\bmxfp4\b|\bfp4\b", "mxfp4"), (r"\bptpc", "ptpc_fp8"),
-    (r"\bfp8\b|\bw8a8[- ]?fp8", "fp8"), (r"\bint8\b|\bw8a8\b", "int8"),
-    (r"\bint4\b|\bw4a16\b|4[- ]?bit", "int4_wo_128"),
-)
-# Hardware preference when the goal names no format: (accelerator, arch prefix) -> scheme, reason.
-HARDWARE_DEFAULTS: tuple[tuple[str, str, str, str], ...] = (
-    ("amd-rocm", "gfx950", "mxfp4", "MI350-class GPUs (gfx950) run OCP MXFP4 natively"),
-    ("amd-rocm", "gfx94", "fp8", "MI300-class GPUs (gfx942) have native FP8 matrix cores"),
-    ("nvidia-cuda", "sm_9", "fp8", "Hopper GPUs have native FP8 tensor cores"),
-    ("nvidia-cuda", "sm_10", "nvfp4", "Blackwell GPUs run NVFP4 natively"),
-    ("amd-rocm", "", "int4_wo_128", "weight-only INT4 runs on every ROCm GPU"),
-    ("nvidia-cuda", "", "int4_wo_128", "weight-only INT4 runs on every CUDA GPU"),
-    ("cpu", "", "int8", "INT8 weights and activations are the format CPU backends accelerate"),
-    ("unknown", "", "int8", "no accelerator was detected; INT8 is the portable choice"),
-)
-# Algorithms that reshape weights for low-bit weight-only formats vs those that need activations.
-WEIGHT_ONLY_ALGORITHMS = {"awq", "gptq", "gptaq", "qronos", "autoround"}
-ACTIVATION_ALGORITHMS = {"smoothquant", "autosmoothquant"}
-ACCURACY_FIRST = re.compile(r"accura|quality|best")
-
-
-def _gpu(env: HostEnv) -> tuple[str, str]:
-    hw = env["hardware"]
-    return hw["accelerator"], (hw.get("gpu_arch") or "").lower()
-
-
-def _choose_scheme(req: PlanRequest, env: HostEnv, catalog: QuarkCatalog, tc: Deployment,
-                   fits: BudgetCheck | None = None) -> tuple[str, str]:
-    if req.scheme:
-        return req.scheme, "asked for explicitly"
-    goal = req.goal.lower()
-    for pattern, scheme in GOAL_SCHEMES:
-        if re.search(pattern, goal):
-            return scheme, f"the goal {req.goal!r} asks for it"
-    picked = recommend_scheme(tc, catalog, fits)  # target x priority (targets.py)
-    if picked:
-        return picked
-    if tc.priority == "size" and "int4_wo_128" in catalog["schemes"]:
-        return "int4_wo_128", "smallest model: weight-only INT4 stores weights in 4 bits, on any accelerator"
-    acc, arch = _gpu(env)
-    for accelerator, prefix, scheme, why in HARDWARE_DEFAULTS:
-        if acc == accelerator and arch.startswith(prefix) and scheme in catalog["schemes"]:
-            return scheme, why
-    return "int8", "portable default"
-
-
-def _choose_algorithm(req: PlanRequest, scheme_info: dict[str, Any], template_algorithms: list[str] | None = None
-                      ) -> tuple[str | None, str]:
-    if req.algorithm is not None:
-        return (req.algorithm or None), "asked for explicitly" if req.algorithm else "disabled explicitly"
-    low_bit_weight_only = scheme_info.get("weight_only") and (scheme_info.get("weight_bits") or 16) <= 4
-    if low_bit_weight_only and ACCURACY_FIRST.search(req.goal.lower()):
-        return "awq", "accuracy first on a 4-bit weight-only scheme: AWQ protects salient channels"
-    int8_activations = "int8" in (scheme_info.get("activation_dtypes") or [])
-    if int8_activations and ACCURACY_FIRST.search(req.goal.lower()) and "smoothquant" in (template_algorithms or []):
-        return "smoothquant", "accuracy first with INT8 activations: SmoothQuant moves activation outliers into weights"
-    if any(d.startswith("fp8") for d in scheme_info.get("activation_dtypes") or []):
-        return None, ("plain PTQ: FP8's exponent range absorbs activation outliers; add --algorithm smoothquant "
-                      "if accuracy drops")
-    return None, "plain PTQ; add --algorithm awq/gptq (weight-only) or smoothquant (W8A8) if accuracy drops"
-
-
-def _check_compatible(model_type: str, scheme: str, algorithm: str | None, kv: str | None,
-                      overrides: dict[str, str], analysis: ModelAnalysis, catalog: QuarkCatalog) -> None:
-    if not analysis.template["available"]:
-        raise UsageError(f"The installed Quark {catalog['quark_version']} has no template for model_type {model_type!r}.",
-                         f"Supported model types: {', '.join(sorted(catalog['templates']))}.")
-    for s in [scheme, *overrides.values()]:
-        if s not in catalog["schemes"]:
-            raise UsageError(f"Quark {catalog['quark_version']} does not support the scheme {s!r}.",
-                             f"Supported: {', '.join(catalog['schemes'])}.")
-    check_family_limits(model_type, scheme, algorithm)  # known Quark/transformers limits (docs/families.md)
-    info = catalog["scheme_info"].get(scheme, {})
-    for algo in (algorithm or "").split(","):
-        if not algo:
-            continue
-        if algo not in catalog["algorithms"] or algo not in analysis.template.get("algorithms", catalog["algorithms"]):
-            own = analysis.template.get("algorithms", catalog["algorithms"])  # [] : the template has none
-            hint = (f"Available: {', '.join(own)}." if own else f"Quark's {model_type} template has no built-in "
-                    "algorithm config: run without --algorithm (plain PTQ).")
-            raise UsageError(f"The algorithm {algo!r} is not available for model_type {model_type!r} in this Quark.",
-                             hint)
-        if algo in WEIGHT_ONLY_ALGORITHMS and not info.get("weight_only"):
-            raise UsageError(f"{algo} is a weight-only algorithm and cannot be combined with {scheme}, "
-                             "which also quantizes activations.", "Use smoothquant for W8A8 schemes, or a *_wo_* scheme.")
-        if algo in ACTIVATION_ALGORITHMS and info.get("weight_only"):
-            raise UsageError(f"{algo} migrates activation outliers and has no effect on the weight-only scheme {scheme}.",
-                             "Use awq or gptq for weight-only schemes.")
-    if kv is not None and kv not in catalog["kv_cache_schemes"]:
-        raise UsageError(f"The template for {model_type!r} rejects the KV-cache scheme {kv!r}.",
-                         f"Supported KV-cache schemes: {', '.join(catalog['kv_cache_schemes'])}.")
 
 
 def _calibration(req: PlanRequest, accelerator: str, model_config: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -150,7 +54,7 @@ def _calibration(req: PlanRequest, accelerator: str, model_config: dict[str, Any
 
 
 def _device(req: PlanRequest, env: HostEnv, size_bytes: int) -> dict[str, Any]:
-    acc, _ = _gpu(env)
+    acc, _ = gpu_of(env)
     device = req.device or ("cpu" if acc in ("cpu", "unknown") else "cuda")
     mem = env["hardware"].get("memory_gb") or 0
     multi = req.multi_device or (device == "cuda" and mem and size_bytes > 0.8 * mem * 2**30)
@@ -251,7 +155,7 @@ def _fitting_scheme(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, cat
                     tc: Deployment) -> tuple[str, str]:
     """The scheme the request and target ask for, held against every quantized linear's group and
     block sizes: a planner's choice falls back to the nearest that fits, a named one is refused."""
-    scheme, why = _choose_scheme(req, env, catalog, tc, _budget_check(tc, analysis, catalog, req))
+    scheme, why = choose_scheme(req, env, catalog, tc, _budget_check(tc, analysis, catalog, req))
     return fit_to_model(analysis.model["model_path"], SchemeChoice(scheme, why, bool(req.scheme), target_fallbacks(tc)),
                         req.layer_quant_config, _exclusions(req, analysis)[0], catalog["schemes"])
 
@@ -335,13 +239,13 @@ def _warning_rows(target: dict[str, Any], more: list[str], scheme: str) -> list[
 def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: QuarkCatalog, analysis_ref: Path,
               output_dir: Path) -> QuantPlan:
     model_type = analysis.model_type
-    accelerator, arch = _gpu(env)
+    accelerator, arch = gpu_of(env)
     tc = deployment_of(req.target, req.goal, env)
     scheme, scheme_why = _fitting_scheme(analysis, env, req, catalog, tc)
     info = catalog["scheme_info"].get(scheme, {})
-    algorithm, algo_why = _choose_algorithm(req, info, analysis.template.get("algorithms"))
+    algorithm, algo_why = choose_algorithm(req, info, analysis.template.get("algorithms"))
     kv, kv_why = _choose_kv(req, tc, catalog, analysis)
-    _check_compatible(model_type, scheme, algorithm, kv, req.layer_quant_config, analysis, catalog)
+    check_compatible(model_type, scheme, algorithm, kv, req.layer_quant_config, analysis, catalog)
     groups, ex_source, ex_why = _grouped_choices(req, analysis, scheme, catalog)
     excludes, overrides = groups.excludes, groups.overrides
     if analysis.model.get("has_custom_code") and not req.trust_remote_code and not analysis.template["available"]:
@@ -396,7 +300,7 @@ def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: 
 
 def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: QuarkCatalog) -> None:
     """Re-check a (hand-edited) plan against the installed Quark, as make_plan does."""
-    _check_compatible(analysis.model_type, plan.global_scheme, plan.algorithm, plan.kv_cache_scheme,
+    check_compatible(analysis.model_type, plan.global_scheme, plan.algorithm, plan.kv_cache_scheme,
                       plan.layer_quant_config, analysis, catalog)
     fit_to_model(analysis.model["model_path"], SchemeChoice(plan.global_scheme), plan.layer_quant_config,
                  list(plan.exclude_layers), catalog["schemes"])

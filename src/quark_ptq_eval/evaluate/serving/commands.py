@@ -4,7 +4,6 @@ that serve each model with vLLM and run lm_eval over its OpenAI endpoint, for do
 from __future__ import annotations
 
 import getpass
-import json
 import math
 import re
 import shlex
@@ -15,6 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.evaluate.serving.detect import Environment
+from quark_ptq_eval.evaluate.serving.model_facts import (
+    DEFAULT_TASKS,
+    generation_budget,
+    is_generation_task,
+    model_traits,
+)
 from quark_ptq_eval.evaluate.serving.multinode import parallel_args
 from quark_ptq_eval.runtime.vllm_host import HostVllm, host_server_argv, lm_eval_command
 from quark_ptq_eval.runtime.vllm_sizing import ServerArg, ServerSizing, sized_for
@@ -22,23 +27,6 @@ from quark_ptq_eval.runtime.vllm_sizing import ServerArg, ServerSizing, sized_fo
 if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.options import EvalOptions
 
-DEFAULT_TASKS = ["gsm8k"]
-GENERATE_TASK_PREFIXES = (
-    "gsm8k",
-    "math",
-    "minerva",
-    "humaneval",
-    "mbpp",
-    "ifeval",
-    "bbh",
-    "gpqa",
-    "aime",
-    "drop",
-    "triviaqa",
-    "nq_open",
-    "coqa",
-)
-REASONING_GEN_TOKS = 32768
 VLLM_KV_DTYPES = {"fp8": "fp8"}  # Quark's KV-cache scheme -> vLLM's --kv-cache-dtype
 LM_EVAL_CONCURRENT = 32  # requests lm-eval keeps in flight: the sequences a server's KV cache is sized for
 
@@ -86,43 +74,6 @@ class CommandPlan:
 
 
 # ---------------------------------------------------------------- model facts
-
-
-def model_traits(model_dir: Path) -> dict[str, Any]:
-    """Chat template? Reasoning (thinking) model? Context length? From the model's own files."""
-    config = _read_json(model_dir / "config.json")
-    tok_config = _read_json(model_dir / "tokenizer_config.json")
-    template = str(tok_config.get("chat_template") or "")
-    if not template and (model_dir / "chat_template.jinja").is_file():
-        template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
-    reasoning = "<think>" in template or "enable_thinking" in template
-    return {
-        "chat": bool(template),
-        "reasoning": reasoning,
-        "max_model_len": config.get("max_position_embeddings"),
-    }
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-        return data
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def is_generation_task(task: str) -> bool:
-    return task.startswith(GENERATE_TASK_PREFIXES)
-
-
-def generation_budget(traits: dict[str, Any], requested: int | None) -> int | None:
-    """Reasoning models think before answering: give them room, bounded by their context length."""
-    if requested:
-        return requested
-    if not traits["reasoning"]:
-        return None
-    limit = traits.get("max_model_len") or REASONING_GEN_TOKS
-    return max(1024, min(REASONING_GEN_TOKS, int(limit) - 2048))
 
 
 # ---------------------------------------------------------------- planning

