@@ -148,3 +148,23 @@ def scan(sources: dict[str, str]) -> list[Seam]:
                 continue
             found |= {Seam(where[0], name, part, caller) for part in any_dict_parts(where[1])}
     return sorted(found)
+
+
+def _is_dataclass(node: ast.ClassDef) -> bool:
+    for d in node.decorator_list:
+        target = d.func if isinstance(d, ast.Call) else d
+        if _name(target) == "dataclass":
+            return True
+    return False
+
+
+def dict_fields(sources: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(module, class, field) of every dataclass field in ``sources`` annotated with a ``dict[str, Any]``
+    (the records a dataclass carries, where they stay open)."""
+    found = []
+    for module, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and _is_dataclass(node):
+                found += [(module, node.name, st.target.id) for st in node.body if isinstance(st, ast.AnnAssign)
+                          and isinstance(st.target, ast.Name) and any_dict(st.annotation)]
+    return sorted(found)

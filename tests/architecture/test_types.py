@@ -96,3 +96,93 @@ def test_the_seam_scan_fails_on_a_planted_dict_of_any_anywhere_in_src() -> None:
                      Seam("quark_ptq_eval.sensitivity.planted", "helper", "extra", "quark_ptq_eval.execute.reexport_user")}
     with pytest.raises(AssertionError, match=r"sensitivity\.planted\.helper \(extra\), used from"):
         check_seams(planted)
+
+
+# --- dataclass fields: no dict[str, Any] in a new one -------------------------------------------------------------
+# Each dataclass that still carries an open record, its fields, and why: the list only shrinks (a field typed since
+# fails the test until it is struck off here, a new one fails until it is typed).
+ARTIFACT = "a step's JSON artifact, its schema in base/schemas (typed records of it: a later round)"
+KNOWN_DICT_FIELDS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
+    ("base.artifacts", "Decision"): (("extra",), "a plan row's extra facts, open per decision"),
+    ("base.artifacts", "ModelAnalysis"): (("architecture", "model", "quantization_targets", "risks", "size",
+                                           "source_format", "template"), ARTIFACT),
+    ("base.artifacts", "QuantPlan"): (("calibration", "device_strategy", "engine", "model", "resources",
+                                       "source_reading", "target"), ARTIFACT),
+    ("base.artifacts", "RunManifest"): (("checkpoints", "command", "engine", "inputs", "observed", "outputs", "runs",
+                                         "steps"), ARTIFACT),
+    ("base.options", "Flag"): (("argparse",), "argparse's own keywords for add_argument, open by nature"),
+    ("flows.import_command", "Flag"): (("kwargs",), "argparse's own keywords for add_argument, open by nature"),
+    ("base.state", "RunState"): (("options", "pending", "steps"), "run_state.json, the resumable run's record"),
+    ("context.preflight", "Contexts"): (("pytorch", "quark", "session", "workspace"), "environment probes' records"),
+    ("evaluate.context", "ScoredText"): (("baseline_cache",), "the baseline cache's JSON summary"),
+    ("evaluate.context", "TierOutcome"): (("deferred_commands",), "eval_results.json's deferred command rows"),
+    ("evaluate.details", "PerplexityDetails"): (("baseline_cache", "distribution", "hf_vs_vllm", "kld_report", "paired"),
+                                                "eval_results.json's details, as written"),
+    ("evaluate.details", "ServerDetails"): (("commands", "environment", "paired_tests", "server_args", "speed", "stderr",
+                                             "vllm"), "eval_results.json's details, as written"),
+    ("evaluate.details", "TaskDetails"): (("paired_tests", "workload"), "eval_results.json's details, as written"),
+    ("evaluate.eval_report", "EvalReport"): (("deferred_commands", "details", "sensitivity", "settings"),
+                                             "eval_results.json, as written and read back"),
+    ("evaluate.options", "EvalOptions"): (("tier_options",), "a registered tier's own options, open per tier"),
+    ("evaluate.ppl.baseline_cache", "BaselineEntry"): (("meta",), "the cache entry's JSON metadata"),
+    ("evaluate.speed.tier", "ModelSpeed"): (("measured", "server_args", "workload"), "the speed record (SpeedRecord: issue 53)"),
+    ("evaluate.speed.tier", "SpeedDetails"): (("speed",), "the speed record mutated by the tier (SpeedRecord: issue 53)"),
+    ("flows.compare.options", "CompareOptions"): (("plan",), "PlanRequest keywords given to compare (generic flags)"),
+    ("flows.compare.ray_cell", "CellSpec"): (("options",), "a cell's options sent to a Ray worker as JSON"),
+    ("flows.compare.ray_cell", "SpeedSpec"): (("options",), "the same, for a speed cell"),
+    ("flows.sweep", "Grid"): (("options",), "a sweep's shared keywords for run()"),
+    ("intake.formats", "SourceEvidence"): (("config", "qc"), "transformers' config.json and its quantization_config"),
+    ("plan.resources", "QuantizeWorkload"): (("calibration", "device", "info"), "plan/: the plan's records it sizes"),
+    ("plan.targets", "Deployment"): (("budget",), "the target's budget row (serving fit record)"),
+    ("publish.base_card", "BaseCard"): (("carried",), "the base model card's YAML front matter, open by nature"),
+    ("publish.facts", "RunFacts"): (("evaluation", "validation"), "the reports' JSON, as written"),
+    ("runtime.block_pass", "Recorded"): (("kwargs",), "a decoder block's forward keywords, as the model passes them"),
+    ("validate.replay", "Capture"): (("kwargs",), "a decoder block's forward keywords, as the model passes them"),
+    ("sensitivity", "SensitivityOutcome"): (("result",), "the scan's JSON record (ScanResult types what the search reads)"),
+    ("sensitivity.proposal", "Proposal"): (("rechecks", "wider"), "sensitivity_report.json's proposal record"),
+    ("sensitivity.replay", "Decoder"): (("inputs",), "a decoder block's forward keywords, as the model passes them"),
+    ("sensitivity.scan", "Session"): (("layers", "share"), "Quark's quantizers per module (live objects)"),
+    ("validate.decode_blocks", "DecodeTarget"): (("spec",), "a Quark quantization spec (quantization_config JSON)"),
+    ("validate.layout", "LayoutInputs"): (("export_qconfig", "qconfig"), "quantization_config JSON, open by nature"),
+    ("validate.plan_conformance", "PlanExpectation"): (("qconfig",), "quantization_config JSON, open by nature"),
+    ("validate.registry", "CheckInputs"): (("out_config", "plan", "src_config"), "config.json and the plan's JSON"),
+    ("validate.registry", "Handoffs"): (("expected_qconfig",), "quantization_config JSON, open by nature"),
+    ("validate.report", "CheckResult"): (("stats",), "a check's statistics, open per check"),
+}
+
+
+def check_fields(sources: dict[str, str]) -> None:
+    """Fail on a dataclass field typed ``dict[str, Any]`` that is not known, and on a known one typed since."""
+    from tests.architecture.seams import ROOT_PACKAGE, dict_fields
+
+    found: dict[tuple[str, str], set[str]] = {}
+    for module, cls, field in dict_fields(sources):
+        found.setdefault((module.removeprefix(f"{ROOT_PACKAGE}."), cls), set()).add(field)
+    new = sorted(f"{m}.{c}.{f}" for (m, c), fields in found.items() for f in fields
+                 if f not in KNOWN_DICT_FIELDS.get((m, c), ((), ""))[0])
+    assert not new, "a dataclass field is a dict[str, Any] (type it: a dataclass or a TypedDict):\n" + "\n".join(new)
+    typed_since = sorted(f"{m}.{c}.{f}" for (m, c), (fields, _) in KNOWN_DICT_FIELDS.items() for f in fields
+                         if f not in found.get((m, c), set()))
+    assert not typed_since, f"typed since: strike these off KNOWN_DICT_FIELDS: {typed_since}"
+
+
+def test_no_new_dataclass_field_is_a_dict_of_any() -> None:
+    from tests.architecture.seams import src_sources
+
+    check_fields(src_sources())
+
+
+def test_the_field_scan_fails_on_a_planted_dict_field_and_on_a_stale_entry() -> None:
+    from tests.architecture.seams import src_sources
+
+    real = src_sources()
+    planted = {**real, "quark_ptq_eval.budget.planted": "from dataclasses import dataclass, field\n"
+               "from typing import Any\n@dataclass(frozen=True)\nclass Row:\n    name: str\n"
+               "    facts: 'dict[str, Any]' = field(default_factory=dict)\n"}
+    with pytest.raises(AssertionError, match=r"budget\.planted\.Row\.facts"):
+        check_fields(planted)
+    module = "quark_ptq_eval.sensitivity.proposal"  # one known field typed: its entry is stale
+    typed = {**real, module: real[module].replace("    wider: dict[str, Any] | None", "    wider: WiderResult | None")}
+    assert typed[module] != real[module]
+    with pytest.raises(AssertionError, match=r"typed since.*Proposal\.wider"):
+        check_fields(typed)
