@@ -235,13 +235,11 @@ def read_part(streamed: StreamedModel, part: str) -> dict[str, Any]:
     return {t.name: read_tensor(t) for t in streamed.parts.get(part, [])}
 
 
-def load(streamed: StreamedModel, part: str, tensors: dict[str, Any] | None = None) -> None:
-    """Read ``part``'s tensors (only those; ``tensors``: already read by a prefetch) and load them into the meta
-    model through the loader's own code."""
+def load(streamed: StreamedModel, part: str) -> None:
+    """Read ``part``'s tensors (only those) and load them into the meta model through the loader's own code."""
     started = time.perf_counter()
-    if tensors is None:
-        tensors = read_part(streamed, part)
-        streamed.read_s += time.perf_counter() - started
+    tensors = read_part(streamed, part)
+    streamed.read_s += time.perf_counter() - started
     streamed.read_bytes += streamed.part_bytes(part)
     before = _meta_names(streamed.model)
     if streamed.load_config is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,10 +72,8 @@ class StreamPrepared:
     next_block: int = 1  # the pilot ran chunk 0's entry and block 0
 
 
-def prepare(ctx: TierInputs) -> StreamPrepared:
+def prepare(ctx: TierInputs, fit_eval_window: Callable[[TierInputs], str | None]) -> StreamPrepared:
     """Open both checkpoints on meta, tokenize, and run chunk 0's entry and block 0 as the pilot."""
-    from quark_ptq_eval.evaluate.ppl.tier import fit_eval_window
-
     window_note = fit_eval_window(ctx)
     options, clock = ctx.options, Clock()
     texts = eval_texts(options.eval_data, options.eval_text_limit)
@@ -304,10 +303,8 @@ def _estimate(prepared: StreamPrepared, entry_s: float, block_s: float) -> Runti
     )
 
 
-def score(prepared: StreamPrepared) -> TierOutcome:
+def score(prepared: StreamPrepared, outcome_from: Callable[[Accumulator, int, StreamPrepared], TierOutcome]) -> TierOutcome:
     """The rest of chunk 0's blocks, its exit, then every further chunk whole; the outcome as in memory."""
-    from quark_ptq_eval.evaluate.ppl.tier import outcome_from
-
     ctx = prepared.ctx
     total = prepared.quantized.num_blocks
     for chunk in range(_chunks(prepared)):

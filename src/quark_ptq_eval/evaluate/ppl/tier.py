@@ -55,7 +55,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from quark_ptq_eval.evaluate.eval_report import EvalReport
-    from quark_ptq_eval.evaluate.ppl.stream import StreamPrepared
 
 TASK = "perplexity"
 # in-memory Tier 1 holds the weights as loaded plus start-up and a batch's logits: streamed when that exceeds the
@@ -92,7 +91,14 @@ class PplPrepared:
     window_note: str | None = None  # why the default window was clamped to the model's context
 
 
-def prepare(ctx: TierInputs) -> PplPrepared | StreamPrepared:
+class Prepared(Protocol):
+    """What the tier's contract asks of a prepared run (in memory, or streamed: evaluate/ppl/stream.py)."""
+
+    @property
+    def estimate(self) -> RuntimeEstimate: ...
+
+
+def prepare(ctx: TierInputs) -> Prepared:
     """Load the data and the model(s), score the first batch as a pilot, and estimate the rest; streamed
     one decoder block at a time when asked or when the models do not fit this host (evaluate/ppl/stream.py)."""
     why = stream_reason(ctx)
@@ -100,7 +106,7 @@ def prepare(ctx: TierInputs) -> PplPrepared | StreamPrepared:
         from quark_ptq_eval.evaluate.ppl import stream
 
         ctx.log(f"Tier 1 streamed one decoder block at a time: {why}")
-        return stream.prepare(ctx)
+        return stream.prepare(ctx, fit_eval_window)  # passed in: stream.py never imports this module
     return _prepare_in_memory(ctx)
 
 
@@ -179,11 +185,12 @@ def _load_baseline(ctx: TierInputs, texts: list[str], tokenizer: PreTrainedToken
     return baseline
 
 
-def score(prepared: PplPrepared | StreamPrepared) -> TierOutcome:
+def score(prepared: Prepared) -> TierOutcome:
     if not isinstance(prepared, PplPrepared):
         from quark_ptq_eval.evaluate.ppl import stream
 
-        return stream.score(prepared)
+        assert isinstance(prepared, stream.StreamPrepared)
+        return stream.score(prepared, outcome_from)
     ctx, acc, windows, size = prepared.ctx, prepared.acc, prepared.windows, prepared.batch_size
     baseline_model = prepared.baseline.model if prepared.baseline else None
     total = math.ceil(windows.shape[0] / size)
