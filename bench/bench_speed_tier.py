@@ -67,7 +67,7 @@ def measure(model: Path, python: Path, rounds: int) -> dict:
     from quark_ptq_eval.evaluate.serving.commands import ServedModel
     from quark_ptq_eval.evaluate.speed import commands as tier
     from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, fit_workload
-    from quark_ptq_eval.runtime import vllm_host
+    from quark_ptq_eval.runtime import vllm_host, vllm_server
 
     host = vllm_host.find_host_vllm(python)
     port = vllm_host.free_port()
@@ -78,22 +78,23 @@ def measure(model: Path, python: Path, rounds: int) -> dict:
     argv = tier.bench_argv(served, work, workload, options, host)
     bench_args = argv[argv.index("--") + 1:]
     log = work / "server.log"
-    process = vllm_host.start_server(vllm_host.host_server_argv(host, model, port, "quantized"), log)
-    rows = []
     try:
-        if not vllm_host.wait_healthy(process, port, 900):
-            raise SystemExit(f"vLLM did not become healthy; see {log}")
-        for i in range(rounds):
-            before = load()
-            ours_s, ours_tput = ours(argv, tier.result_dir(work, "quantized"), workload.repeats)
-            peer_s, peer_tput = peer(host.python, bench_args, work / f"by_hand_{i}", workload.repeats,
-                                     workload.warmup_prompts)
-            rows.append({"ours_s": ours_s, "peer_s": peer_s, "ours_spread": spread(ours_tput),
-                         "peer_spread": spread(peer_tput), "ours_tput": statistics.median(ours_tput),
-                         "peer_tput": statistics.median(peer_tput), "load": f"{before} -> {load()}"})
-    finally:
-        vllm_host.stop_group(process)
+        with vllm_server.vllm_server(vllm_host.host_server_argv(host, model, port, "quantized"), port, log, 900):
+            rows = [_round(argv, bench_args, work, workload, host.python, i) for i in range(rounds)]
+    except vllm_server.ServerNotHealthy:
+        raise SystemExit(f"vLLM did not become healthy; see {log}") from None
     return {"rows": rows, "vllm": host.describe(), "workload": workload}
+
+
+def _round(argv: list[str], bench_args: list[str], work: Path, workload, python: str, i: int) -> dict:
+    from quark_ptq_eval.evaluate.speed import commands as tier
+
+    before = load()
+    ours_s, ours_tput = ours(argv, tier.result_dir(work, "quantized"), workload.repeats)
+    peer_s, peer_tput = peer(python, bench_args, work / f"by_hand_{i}", workload.repeats, workload.warmup_prompts)
+    return {"ours_s": ours_s, "peer_s": peer_s, "ours_spread": spread(ours_tput),
+            "peer_spread": spread(peer_tput), "ours_tput": statistics.median(ours_tput),
+            "peer_tput": statistics.median(peer_tput), "load": f"{before} -> {load()}"}
 
 
 def run(quick: bool = False) -> list[dict]:

@@ -50,21 +50,18 @@ def hf_side(model: Path, windows) -> tuple[list[float], float, float]:
 
 def vllm_side(model: Path, windows, python: Path) -> tuple[list[float], float, float, str]:
     from quark_ptq_eval.evaluate.serving import ppl as vllm_ppl
-    from quark_ptq_eval.runtime import vllm_host
+    from quark_ptq_eval.runtime import vllm_host, vllm_server
 
     host = vllm_host.find_host_vllm(python)
     port = vllm_host.free_port()
     argv = vllm_host.host_server_argv(host, model, port, "bench") + ["--max-model-len", "2048"]
     log = Path("/tmp") / f"bench_vllm_ppl_{port}.log"
-    started = time.perf_counter()
-    process = vllm_host.start_server(argv, log)
     try:
-        if not vllm_host.wait_healthy(process, port, 900):
-            raise SystemExit(f"vLLM did not become healthy; see {log}")
-        start_s = time.perf_counter() - started
-        nlls, score_s = vllm_ppl.vllm_window_nlls(f"http://127.0.0.1:{port}", "bench", windows)
-    finally:
-        vllm_host.stop_group(process)
+        with vllm_server.vllm_server(argv, port, log, 900) as server:
+            start_s = server.healthy_after_s
+            nlls, score_s = vllm_ppl.vllm_window_nlls(f"http://127.0.0.1:{port}", "bench", windows)
+    except vllm_server.ServerNotHealthy:
+        raise SystemExit(f"vLLM did not become healthy; see {log}") from None
     return nlls, start_s, score_s, host.describe()
 
 

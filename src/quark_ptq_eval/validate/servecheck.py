@@ -11,7 +11,6 @@ own Quark config classes (no server). Elsewhere the report says it was not check
 from __future__ import annotations
 
 import importlib.util
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ from quark_ptq_eval.validate.report import CheckResult, Finding
 
 if TYPE_CHECKING:
     from quark_ptq_eval.runtime.vllm_host import HostVllm
+    from quark_ptq_eval.runtime.vllm_server import ServerNotHealthy
 
 SERVE_TIMEOUT_S = 600.0  # a tiny model is healthy in 20-25 s on 2 CPU cores; large ones load for minutes
 MAX_MODEL_LEN = 2048  # the check needs the weights to load, not a long context: keeps the KV cache small
@@ -87,15 +87,7 @@ def fused_split(qconfig: dict[str, Any], names: list[str]) -> str | None:
 def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[str, ...] = ()) -> None:
     """Start vLLM on the export (sized as Tier 3 sizes it), wait for health or its exit, ask it for one
     short completion, stop it: served, or its reason."""
-    from quark_ptq_eval.runtime.vllm_host import (
-        failure_reason,
-        first_completion,
-        free_port,
-        host_server_argv,
-        start_server,
-        stop_group,
-        wait_healthy,
-    )
+    from quark_ptq_eval.runtime.vllm_host import failure_reason, free_port, host_server_argv
     from quark_ptq_eval.runtime.vllm_sizing import ServerDoesNotFit, sized_for
 
     try:
@@ -110,17 +102,8 @@ def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[st
     argv = host_server_argv(host, model, port, "serve-check", sizing)
     result.stats["server_args"] = sizing.as_dict()
     result.notes += [f"server argument {line}" for line in sizing.lines()]
-    started = time.perf_counter()
-    process = start_server(argv, log)
-    unanswered = None
-    try:
-        healthy = wait_healthy(process, port, SERVE_TIMEOUT_S)
-        seconds = time.perf_counter() - started
-        if healthy:
-            unanswered = first_completion(port, "serve-check")
-    finally:
-        stop_group(process)
-    served = healthy and unanswered is None
+    failed, seconds, unanswered = _started(argv, port, log, SERVE_TIMEOUT_S, "serve-check")
+    served = failed is None and unanswered is None
     result.stats.update(served=served, vllm=host.describe(), seconds_to_healthy=round(seconds, 1), argv=argv)
     result.notes.append(f"command: {' '.join(argv)}")
     if served:
@@ -131,11 +114,26 @@ def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[st
     if unanswered:  # loaded, then failed its first forward: the root cause is in its log, if it logged one
         reason = f"it loads the export but failed its first request ({failure_reason(log) or unanswered})"
     else:
-        reason = failure_reason(log) or (f"not healthy after {SERVE_TIMEOUT_S:g} s" if process.returncode is None
-                                         else f"it exited with code {process.returncode}")
+        assert failed is not None
+        reason = failed.reason or (f"not healthy after {SERVE_TIMEOUT_S:g} s" if not failed.exited
+                                   else f"it exited with code {failed.returncode}")
     result.findings.append(Finding(
         "serving", f"{host.distribution} {host.version} does not serve this export: {reason.rstrip('.')}.",
         side="environment", evidence=f"the server's log: {log}"))
+
+
+def _started(argv: list[str], port: int, log: Path, timeout_s: float,
+             served_name: str) -> tuple[ServerNotHealthy | None, float, str | None]:
+    """The server started, asked for one short completion once healthy, and stopped: why it was not healthy
+    (None: it was), the seconds to healthy (or to giving up), and what went wrong with the completion."""
+    from quark_ptq_eval.runtime.vllm_host import first_completion
+    from quark_ptq_eval.runtime.vllm_server import ServerNotHealthy, vllm_server
+
+    try:
+        with vllm_server(argv, port, log, timeout_s, what="the serving check") as server:
+            return None, server.healthy_after_s, first_completion(port, served_name)
+    except ServerNotHealthy as exc:
+        return exc, exc.seconds, None
 
 
 def _scratch_log(port: int) -> Path:

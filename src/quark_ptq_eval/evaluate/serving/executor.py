@@ -4,21 +4,17 @@ servers by pid, its container by id). Scores come only from results this run wro
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.evaluate.context import TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import ServerDetails
 from quark_ptq_eval.evaluate.serving.commands import CommandPlan, shell_line
-from quark_ptq_eval.runtime.vllm_host import HEALTH_POLL_S, failure_reason, start_server, stop_group
-
-if TYPE_CHECKING:
-    from quark_ptq_eval.evaluate.options import EvalOptions
+from quark_ptq_eval.runtime import vllm_server
+from quark_ptq_eval.runtime.vllm_host import start_server, stop_group
+from quark_ptq_eval.runtime.vllm_server import ServerControl, wait_port_free
 
 HEALTH_TIMEOUT_S = 1800  # large models take a long time to load and compile
 PORT_FREE_TIMEOUT_S = 120  # a stopped server releases its port once its workers have exited
@@ -56,16 +52,10 @@ class Executor:
 
     def port_free(self, port: int) -> bool:
         """Nothing listens on the port (a connection is refused)."""
-        with socket.socket() as sock:
-            sock.settimeout(2)
-            return sock.connect_ex(("127.0.0.1", port)) != 0
+        return vllm_server.port_free(port)
 
     def healthy(self, port: int) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                return bool(response.status == 200)
-        except OSError:
-            return False
+        return vllm_server.answers_health(port)
 
     def stop_server(self, process: subprocess.Popen[bytes], pid_file: Path | None, container: str | None) -> None:
         if container and pid_file and pid_file.is_file():
@@ -74,6 +64,12 @@ class Executor:
                 # sh's own kill: a slim image may have no /bin/kill
                 subprocess.run(["docker", "exec", container, "sh", "-c", f"kill -TERM {pid}"], capture_output=True)
         stop_group(process)  # the server (or `docker exec`) and whatever it spawned, nothing else
+
+    def control(self, log_name: str, pid_file: Path, container: str | None) -> ServerControl:
+        """This executor's start, health check, stop and port check, for runtime/vllm_server.py's lifecycle."""
+        return ServerControl(start=lambda argv, _log: self.start(argv, log_name), healthy=self.healthy,
+                             stop=lambda process: self.stop_server(process, pid_file, container),
+                             port_free=self.port_free)
 
 
 def run_command_plan(ctx: TierInputs, plan: CommandPlan, executor: Executor, details: ServerDetails,
@@ -95,30 +91,14 @@ def run_command_plan(ctx: TierInputs, plan: CommandPlan, executor: Executor, det
             output = executor.run(command.argv, timeout=3600)
             if command is plan.setup[0] and plan.create_container:
                 container_id = output.strip().splitlines()[-1]  # `docker run -d` prints the new id
-        for i, (label, (serve, _health, evaluate_cmd)) in enumerate(plan.per_model.items()):
-            # Never health-check someone else's server: the previous one must have let go of the port.
-            _wait_port_free(executor, options.vllm_port, label, PORT_FREE_TIMEOUT_S if i else 0)
-            ctx.log(f"{serve.purpose}: {shell_line(serve.argv)}")
-            process = executor.start(serve.argv, f"vllm_{label}.log")
-            try:  # the server is stopped however this ends, a failed start of the work beside it included
-                if beside is not None:
-                    beside.start(label)
-                _wait_healthy(executor, process, label, ctx.workdir / f"vllm_{label}.log", options)
-                ctx.log(f"{evaluate_cmd.purpose}: {shell_line(evaluate_cmd.argv)}")
-                before = results_files(plan.output_dirs[label])
-                executor.run(evaluate_cmd.argv)
-                if beside is not None:
-                    beside.run(label, ctx.workdir / f"vllm_{label}.log")
-            finally:
-                if beside is not None:
-                    beside.cancel(label)
-                executor.stop_server(process, ctx.workdir.resolve() / f"vllm_{label}.pid", plan.container)
+        for i, label in enumerate(plan.per_model):
+            before = _serve_and_evaluate(ctx, plan, executor, label, beside, i)
             results = results_of_this_run(plan.output_dirs[label], before)
             scores[label], stderrs[label], directions = scores_from(results)
             samples[label] = samples_of_this_run(plan.output_dirs[label], before)
             lm_eval_version = results.get("lm_eval_version") or lm_eval_version
         if plan.per_model:  # the last server's port released too: nothing of ours left listening
-            _wait_port_free(executor, options.vllm_port, "next", PORT_FREE_TIMEOUT_S)
+            wait_port_free(options.vllm_port, PORT_FREE_TIMEOUT_S, "the next model", executor.port_free)
     finally:
         container_id = container_id or created_container_id(plan)
         if container_id:  # only a container this run created, addressed by its id
@@ -157,32 +137,34 @@ def created_container_id(plan: CommandPlan) -> str | None:
     return path.read_text().strip() or None
 
 
-def _wait_port_free(executor: Executor, port: int, label: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not executor.port_free(port):
-        if time.monotonic() >= deadline:
-            raise QpeError(f"Port {port} is still in use, so the {label} model's vLLM server cannot start: "
-                           "stop what holds it, or choose another --vllm-port, and rerun.")
-        time.sleep(1)
-
-
-def _wait_healthy(executor: Executor, process: subprocess.Popen[bytes], label: str, log_path: Path, options: EvalOptions) -> None:
-    """Until the server answers /health; else one sentence: its own reason when it exited, the timeout
-    when it did not (the caller stops it either way)."""
-    timeout_s = getattr(options, "vllm_health_timeout_s", HEALTH_TIMEOUT_S)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if executor.healthy(options.vllm_port):
-            return
-        if process.poll() is not None:
-            reason = failure_reason(log_path)
-            raise QpeError(
-                f"The vLLM server for the {label} model exited (code {process.returncode}) before it was healthy"
-                + (f": {reason.rstrip('.')}" if reason else "") + f"; its log is {log_path}."
-            )
-        time.sleep(min(HEALTH_POLL_S, max(0.1, deadline - time.monotonic())))
-    raise QpeError(f"The vLLM server for the {label} model was not healthy after {timeout_s:g} s, so it was "
-                   f"stopped; see {log_path}, or allow more time with --vllm-health-timeout.")
+def _serve_and_evaluate(ctx: TierInputs, plan: CommandPlan, executor: Executor, label: str,
+                        beside: BesideServer | None, index: int) -> dict[Path, int]:
+    """``label``'s server (runtime/vllm_server.py), lm-eval on it and the work beside it, the server stopped
+    however this ends; lm-eval's results files before its run. Never health-checks someone else's server: the
+    previous one must have let go of the port."""
+    serve, _health, evaluate_cmd = plan.per_model[label]
+    log_name, options = f"vllm_{label}.log", ctx.options
+    wait_port_free(options.vllm_port, PORT_FREE_TIMEOUT_S if index else 0, f"the {label} model", executor.port_free)
+    ctx.log(f"{serve.purpose}: {shell_line(serve.argv)}")
+    control = executor.control(log_name, ctx.workdir.resolve() / f"vllm_{label}.pid", plan.container)
+    try:  # the work beside it is cancelled however this ends (a failed start of it included)
+        with vllm_server.vllm_server(serve.argv, options.vllm_port, ctx.workdir / log_name,
+                                     getattr(options, "vllm_health_timeout_s", HEALTH_TIMEOUT_S),
+                                     what=f"the {label} model", control=control,
+                                     while_starting=(lambda: beside.start(label)) if beside is not None else None):
+            try:
+                ctx.log(f"{evaluate_cmd.purpose}: {shell_line(evaluate_cmd.argv)}")
+                before = results_files(plan.output_dirs[label])
+                executor.run(evaluate_cmd.argv)
+                if beside is not None:
+                    beside.run(label, ctx.workdir / log_name)
+            finally:
+                if beside is not None:
+                    beside.cancel(label)
+    finally:
+        if beside is not None:
+            beside.cancel(label)  # a no-op once cancelled
+    return before
 
 
 def results_files(output: Path) -> dict[Path, int]:

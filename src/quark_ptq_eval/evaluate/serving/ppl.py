@@ -99,15 +99,8 @@ def cross_check(ctx: TierInputs, windows: torch.Tensor, hf_nll: list[float],
     """Tier 1 with --vllm-python: the quantized model's windows scored again by that vLLM, compared with
     HF's. None without an explicit --vllm-python (an environment variable alone never starts a server
     here). A server that does not become healthy is a QpeError in one sentence, as in Tier 3."""
-    from quark_ptq_eval.runtime.vllm_host import (
-        failure_reason,
-        find_host_vllm,
-        free_port,
-        host_server_argv,
-        start_server,
-        stop_group,
-        wait_healthy,
-    )
+    from quark_ptq_eval.runtime.vllm_host import find_host_vllm, free_port, host_server_argv
+    from quark_ptq_eval.runtime.vllm_server import ServerNotHealthy, vllm_server
     from quark_ptq_eval.runtime.vllm_sizing import sized_for
 
     if ctx.options.vllm_python is None:
@@ -122,14 +115,13 @@ def cross_check(ctx: TierInputs, windows: torch.Tensor, hf_nll: list[float],
     argv = host_server_argv(host, ctx.model_dir, port, "tier1", sizing)
     log = ctx.workdir / "logs" / "vllm_tier1.log"
     ctx.log(f"HF vs vLLM: scoring the same {windows.shape[0]} windows with {shlex.join(argv)}")
-    process = start_server(argv, log)
+    timeout_s = ctx.options.vllm_health_timeout_s
     try:
-        if not wait_healthy(process, port, ctx.options.vllm_health_timeout_s):
-            reason = failure_reason(log) or f"not healthy after {ctx.options.vllm_health_timeout_s:g} s"
-            raise QpeError(f"The vLLM server for the HF vs vLLM check did not serve the model: "
-                           f"{reason.rstrip('.')}; its log is {log}.")
-        nlls, seconds = vllm_window_nlls(f"http://127.0.0.1:{port}", "tier1", windows)
-    finally:
-        stop_group(process)
+        with vllm_server(argv, port, log, timeout_s, what="the HF vs vLLM check"):
+            nlls, seconds = vllm_window_nlls(f"http://127.0.0.1:{port}", "tier1", windows)
+    except ServerNotHealthy as exc:
+        reason = exc.reason or f"not healthy after {timeout_s:g} s"
+        raise QpeError(f"The vLLM server for the HF vs vLLM check did not serve the model: "
+                       f"{reason.rstrip('.')}; its log is {log}.") from None
     return compare(hf_nll, nlls, hf_seconds=hf_seconds, vllm_seconds=seconds)
 

@@ -11,12 +11,11 @@ the commands are recorded for a host that has one.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quark_ptq_eval.base.errors import QpeError, UsageError
+from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import as_gatekeeper
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import TierDetails
@@ -39,14 +38,8 @@ from quark_ptq_eval.evaluate.speed.commands import (
 )
 from quark_ptq_eval.evaluate.speed.report import section
 from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload, fit_workload
-from quark_ptq_eval.runtime.vllm_host import (
-    HostVllm,
-    failure_reason,
-    find_host_vllm,
-    start_server,
-    stop_group,
-    wait_healthy,
-)
+from quark_ptq_eval.runtime.vllm_host import HostVllm, failure_reason, find_host_vllm
+from quark_ptq_eval.runtime.vllm_server import ServerNotHealthy, vllm_server, wait_port_free
 
 if TYPE_CHECKING:
     from quark_ptq_eval.runtime.vllm_sizing import ServerSizing
@@ -228,51 +221,42 @@ def _measure(ctx: TierInputs, prepared: SpeedPrepared, model: ServedModel) -> tu
     """Serve ``model``, run the benchmark, stop the server: vLLM's result files of the repeats and what the
     server said about its KV cache, or the server's refusal in one sentence."""
     options, label = ctx.options, model.label
-    _wait_port_free(options.vllm_port, label)
+    wait_port_free(options.vllm_port, PORT_FREE_TIMEOUT_S, f"the {label} model")
     log_path = ctx.workdir.resolve() / "speed" / f"vllm_{label}.log"
     ctx.log(f"serve the {label} model: {shell_line(prepared.serve[label])}")
-    process = start_server(prepared.serve[label], log_path)
-    bench: PendingBench | None = None
+    pending: list[PendingBench] = []  # imports vLLM while the server starts; no request before `go`
     try:  # the server is stopped however this ends, a failed start of the benchmark included
-        bench = start_bench(prepared, label)  # imports vLLM while the server starts; no request before `go`
-        if not wait_healthy(process, options.vllm_port, options.vllm_health_timeout_s):
-            if process.poll() is None:
-                raise QpeError(f"The vLLM server for the {label} model was not healthy after "
-                               f"{options.vllm_health_timeout_s:g} s, so it was stopped; see {log_path}, or allow "
-                               "more time with --vllm-health-timeout.")
-            reason = failure_reason(log_path) or "it exited before it was healthy"
-            return f"vLLM does not serve it: {reason.rstrip('.')} (log: {log_path})."
-        ctx.log(f"benchmark the {label} model: {shell_line(prepared.bench[label])}")
-        try:
-            return bench.run(), stats.server_capacity(log_path)
-        except RequestsFailed as exc:  # healthy, then its engine died on the first forward (a kernel fault)
-            cause = failure_reason(log_path)
-            return f"vLLM does not serve it: {exc.message}" + (f"; {cause.rstrip('.')}" if cause else "") \
-                + f" (log: {log_path})."
+        with vllm_server(prepared.serve[label], options.vllm_port, log_path, options.vllm_health_timeout_s,
+                         what=f"the {label} model",
+                         while_starting=lambda: pending.append(start_bench(prepared, label))) as server:
+            try:
+                return _bench_on(prepared, label, server.log_path, pending[0])
+            finally:
+                pending[0].cancel()
+    except ServerNotHealthy as exc:
+        if not exc.exited:
+            raise
+        return f"vLLM does not serve it: {(exc.reason or 'it exited before it was healthy').rstrip('.')} " \
+            f"(log: {log_path})."
     finally:
-        if bench is not None:
+        for bench in pending:
             bench.cancel()
-        stop_group(process)
+
+
+def _bench_on(prepared: SpeedPrepared, label: str, log_path: Path,
+              bench: PendingBench) -> tuple[list[Path], Any] | str:
+    prepared.ctx.log(f"benchmark the {label} model: {shell_line(prepared.bench[label])}")
+    try:
+        return bench.run(), stats.server_capacity(log_path)
+    except RequestsFailed as exc:  # healthy, then its engine died on the first forward (a kernel fault)
+        cause = failure_reason(log_path)
+        return f"vLLM does not serve it: {exc.message}" + (f"; {cause.rstrip('.')}" if cause else "") \
+            + f" (log: {log_path})."
 
 
 def start_bench(prepared: SpeedPrepared, label: str) -> PendingBench:
     """``label``'s benchmark, started now beside its server (bench.py): it waits for the server to be ready."""
     return PendingBench(prepared.bench[label], result_dir(prepared.ctx.workdir, label), prepared.workload.repeats)
-
-
-def _wait_port_free(port: int, label: str) -> None:
-    import socket
-
-    deadline = time.monotonic() + PORT_FREE_TIMEOUT_S
-    while True:
-        with socket.socket() as sock:
-            sock.settimeout(2)
-            if sock.connect_ex(("127.0.0.1", port)) != 0:
-                return
-        if time.monotonic() >= deadline:
-            raise QpeError(f"Port {port} is still in use, so the {label} model's vLLM server cannot start: stop "
-                           "what holds it, or choose another --vllm-port, and rerun.")
-        time.sleep(1)
 
 
 def outcome_of(prepared: SpeedPrepared, speed: dict[str, Any]) -> TierOutcome:
