@@ -410,7 +410,7 @@ def test_a_tier_row_that_lacks_the_contract_is_refused_when_registered():
 # measurement of one model alone, its servers' sizing and its statistics (compare --speed)
 TIER_PACKAGES = ("ppl", "lmeval", "vllm", "serving", "speed")
 COMPARE_MAY_IMPORT = ("quark_ptq_eval.evaluate.ppl.baseline_cache", "quark_ptq_eval.evaluate.speed.workload",
-                      "quark_ptq_eval.evaluate.speed.tier", "quark_ptq_eval.evaluate.speed.commands",
+                      "quark_ptq_eval.evaluate.speed.alone", "quark_ptq_eval.evaluate.speed.commands",
                       "quark_ptq_eval.evaluate.speed.stats")
 
 

@@ -125,8 +125,6 @@ KNOWN_DICT_FIELDS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
                                              "eval_results.json, as written and read back"),
     ("evaluate.options", "EvalOptions"): (("tier_options",), "a registered tier's own options, open per tier"),
     ("evaluate.ppl.baseline_cache", "BaselineEntry"): (("meta",), "the cache entry's JSON metadata"),
-    ("evaluate.speed.tier", "ModelSpeed"): (("measured", "server_args", "workload"), "the speed record (SpeedRecord: issue 53)"),
-    ("evaluate.speed.tier", "SpeedDetails"): (("speed",), "the speed record mutated by the tier (SpeedRecord: issue 53)"),
     ("flows.compare.options", "CompareOptions"): (("plan",), "PlanRequest keywords given to compare (generic flags)"),
     ("flows.compare.ray_cell", "CellSpec"): (("options",), "a cell's options sent to a Ray worker as JSON"),
     ("flows.compare.ray_cell", "SpeedSpec"): (("options",), "the same, for a speed cell"),

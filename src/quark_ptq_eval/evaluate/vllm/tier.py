@@ -131,10 +131,10 @@ def score(prepared: VllmPrepared, executor: Executor | None = None) -> TierOutco
     # Bound to the exact commands, container creation included: other commands ask again.
     as_gatekeeper(ctx.approver).require("eval", [c.argv for c in plan.all_commands()] + bench, summary,
                                         "to run these exact commands.")
-    record = speed_tier.new_record(speed) if speed else {}
-    beside = speed_tier.BenchBeside(speed, record) if speed else None
+    record = speed_tier.new_record(speed) if speed else None
+    beside = speed_tier.BenchBeside(speed, record) if speed and record else None
     outcome = run_command_plan(ctx, plan, executor or Executor(ctx.workdir), details, commands, beside)
-    if speed is not None:
+    if speed is not None and record is not None:
         _with_speed(outcome, speed_tier.outcome_of(speed, record))
     outcome.notes += prepared.estimate.settings  # each server argument with its reason, in the report
     return outcome
@@ -149,7 +149,7 @@ def _with_speed(outcome: TierOutcome, speed: TierOutcome) -> None:
     outcome.directions.update(speed.directions)
     outcome.informational = (*outcome.informational, *speed.informational)
     assert isinstance(outcome.details, ServerDetails) and isinstance(speed.details, speed_tier.SpeedDetails)
-    outcome.details.speed = speed.details.speed
+    outcome.details.speed = speed.details.speed.to_dict()  # eval_results.json's shape, as the speed tier writes it
     outcome.notes += speed.notes[:1]
     outcome.artifacts.update(speed.artifacts)
 

@@ -1,5 +1,5 @@
 """`compare --speed`: every usable cell and the baseline served once each and measured with vLLM's own
-serving benchmark, by the speed tier's own code (evaluate/speed/tier.py ``measure_alone``: the same
+serving benchmark, by the speed tier's own code (evaluate/speed/alone.py ``measure_alone``: the same
 server sizing, workload, warm-up and repeats as `eval --tier speed`), one model at a time.
 
 Each model's measurement is kept as ``speed.json`` in its own folder (a cell's work dir / ``serving``, the
@@ -92,7 +92,7 @@ def measure_cell(cell: SpeedCell, opts: CompareOptions, approver: Any, log: Call
     speed.json. An error of its own (a server that never got healthy, a failing benchmark) is recorded for
     this cell; the others are still measured. A pending gate is the user's to answer: raised."""
     from quark_ptq_eval.evaluate.context import TierInputs
-    from quark_ptq_eval.evaluate.speed.tier import measure_alone
+    from quark_ptq_eval.evaluate.speed.alone import measure_alone
     from quark_ptq_eval.runtime.vllm_host import free_port
 
     options = dataclasses.replace(opts.eval, baseline=None, vllm_port=free_port(),
