@@ -81,14 +81,20 @@ def copy_layer_attributes(original: Any, module: Any) -> None:
             setattr(module, name, getattr(original, name))
 
 
-def entry(streamed: StreamedModel, batch: torch.Tensor) -> tuple[torch.Tensor, dict[int, Recorded]]:
+def no_grad(inference: bool) -> Any:
+    """``torch.inference_mode`` (the fastest), or ``no_grad`` where tensors made here are reused outside it (the
+    load check replays a loaded module on captured inputs: an inference tensor cannot be updated there)."""
+    return torch.inference_mode() if inference else torch.no_grad()
+
+
+def entry(streamed: StreamedModel, batch: torch.Tensor, inference: bool = True) -> tuple[torch.Tensor, dict[int, Recorded]]:
     """The hidden states entering block 0 and what the model hands each layer, for one batch."""
     sink: dict[int, Recorded] = {}
     originals = list(streamed.layers)
     try:
         for index, layer in enumerate(originals):
             streamed.layers[index] = Recorder(layer, index, sink, len(originals) - 1)
-        with torch.inference_mode():
+        with no_grad(inference):
             streamed.model(batch.to(streamed.device), use_cache=False)
     except _EntryDone:
         pass
@@ -125,14 +131,15 @@ def join_rows(first: Recorded, extra: Recorded, batch: int) -> Recorded:
                     {k: join(v, extra.kwargs[k]) for k, v in first.kwargs.items()})
 
 
-def run_block(streamed: StreamedModel, index: int, hidden: torch.Tensor, recorded: Recorded) -> torch.Tensor:
+def run_block(streamed: StreamedModel, index: int, hidden: torch.Tensor, recorded: Recorded,
+              inference: bool = True) -> torch.Tensor:
     """Decoder layer ``index`` (loaded) applied to ``hidden`` with the arguments the model gave it."""
-    with torch.inference_mode():
+    with no_grad(inference):
         out = streamed.layers[index](hidden, *recorded.args, **recorded.kwargs)
     return out[0] if isinstance(out, tuple) else out
 
 
-def exit_logits(streamed: StreamedModel, batch: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+def exit_logits(streamed: StreamedModel, batch: torch.Tensor, final: torch.Tensor, inference: bool = True) -> torch.Tensor:
     """The model's own forward after the blocks: final norm, lm_head and its logit processing."""
     originals = list(streamed.layers)
     embeddings = streamed.model.get_input_embeddings()
@@ -140,7 +147,7 @@ def exit_logits(streamed: StreamedModel, batch: torch.Tensor, final: torch.Tenso
     try:
         for index, layer in enumerate(originals):
             streamed.layers[index] = Replay(layer, final if index == len(originals) - 1 else None)
-        with torch.inference_mode():
+        with no_grad(inference):
             logits: torch.Tensor = streamed.model(batch.to(streamed.device), use_cache=False).logits
     finally:
         for index, layer in enumerate(originals):

@@ -216,6 +216,13 @@ def part_module(streamed: StreamedModel, part: str) -> Any:
     return streamed.model if part in (ENTRY, EXIT) else streamed.layers[int(part)]
 
 
+def exit_parts(streamed: StreamedModel) -> list[str]:
+    """The exit's parts: its tensors, and the embedding too where lm_head is tied to it (its file holds one tensor)."""
+    head_in_files = any("lm_head" in t.name for t in streamed.parts.get(EXIT, []))
+    tied = getattr(streamed.model.config, "tie_word_embeddings", False)
+    return [EXIT, ENTRY] if tied and not head_in_files else [EXIT]
+
+
 def advise_part(streamed: StreamedModel, part: str) -> None:
     """Ask the kernel to read ``part``'s byte ranges into the page cache now (``POSIX_FADV_WILLNEED``): the
     disk works while the current block computes, and the pages count against no process's memory."""

@@ -85,20 +85,24 @@ class _Switch:
 
 
 def emulate_export(model: torch.nn.Module, output: dict[str, TensorInfo], source: dict[str, TensorInfo],
-                   qconfig: dict[str, Any]) -> Emulation:
-    """Turn ``model`` (the source, already captured) into the export's emulation, in place, in float32."""
+                   qconfig: dict[str, Any], roots: list[str] | None = None) -> Emulation:
+    """Turn ``model`` (the source, already captured) into the export's emulation, in place, in float32. With
+    ``roots`` only the modules under them (a streamed model's loaded part) become the emulation."""
     import torch
 
     runtime = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    model.float()
+    for root in roots if roots is not None else [""]:
+        model.get_submodule(root).float()
     emulation = Emulation()
     targets, unchecked = find_targets(output, source, qconfig)
-    by_module = {t.module: t for t in targets}
-    emulation.skipped.update({name.rpartition(".")[0]: why for name, why in unchecked})
+    by_module = {t.module: t for t in targets if _under(t.module, roots)}
+    emulation.skipped.update({module: why for name, why in unchecked if _under(module := name.rpartition(".")[0], roots)})
     modules = dict(model.named_modules())
     with torch.no_grad():
         for name, param in model.named_parameters():
             module = name.rpartition(".")[0]
+            if param.device.type == "meta" or not _under(module, roots):
+                continue  # a part the streamed model has not loaded
             if module in by_module and name == f"{module}.weight":
                 _set(param, _decode(by_module[module], emulation, module))
             elif name in output and tuple(output[name].shape) == tuple(param.shape) and module not in by_module:
@@ -114,6 +118,10 @@ def emulate_export(model: torch.nn.Module, output: dict[str, TensorInfo], source
             continue
         emulation.quantized.add(module)
     return emulation
+
+
+def _under(module: str, roots: list[str] | None) -> bool:
+    return roots is None or any(module == r or module.startswith(r + ".") or not r for r in roots)
 
 
 def _set(param: torch.Tensor, values: np.ndarray | None) -> None:
@@ -197,7 +205,7 @@ def unit_key(unit: ReplayUnit) -> tuple[str, str, str | None]:
 
 
 def emulate_outputs(ctx: CheckInputs, model: torch.nn.Module, owners: list[str],
-                    captures: dict[str, Capture]) -> EmulatedOutputs:
+                    captures: dict[str, Capture], roots: list[str] | None = None) -> EmulatedOutputs:
     """Turn the source ``model`` into the export's emulation and run every unit the replay may pick on
     it; the model stays the emulation (its hooks installed) until ``emulation.close()``. Before the export
     is loaded its classes are unknown: the candidates are every weight owner and fold unit that is a single
@@ -211,7 +219,7 @@ def emulate_outputs(ctx: CheckInputs, model: torch.nn.Module, owners: list[str],
         return EmulatedOutputs(Emulation(), note="the headers were not read: nothing emulated")
     if set(algorithms(qconfig, ctx.plan)) & ROTATING:
         return EmulatedOutputs(Emulation(), note="a rotation: no module is emulated alone")
-    emulation = emulate_export(model, output, source, qconfig)
+    emulation = emulate_export(model, output, source, qconfig, roots)
     modules = dict(model.named_modules())
     units = _candidates(owners, captures, modules, qconfig)
     result = EmulatedOutputs(emulation)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from quark_ptq_eval.validate.folds import ReplayUnit
+    from quark_ptq_eval.validate.load_judge import Judged
     from quark_ptq_eval.validate.replay import Capture
 
 # Plain English and code (what the demo model was trained on), long enough for ~60 positions.
@@ -45,10 +46,11 @@ AGREEMENT_THRESHOLD = 0.6  # share of probe positions whose greedy next token ma
 MAX_LISTED = 5
 
 
-def load_check_alone(source: Path, quantized: Path, plan: dict[str, Any] | None = None) -> CheckResult:
+def load_check_alone(source: Path, quantized: Path, plan: dict[str, Any] | None = None,
+                     stream_blocks: bool | None = None) -> CheckResult:
     """The load check on its own, whatever the structural checks say (a loader diagnosis: since the
     decode check, a fault planted in a weight's file stops validation before the load check runs)."""
-    ctx = CheckInputs(Path(source), Path(quantized), plan, load_check=True)
+    ctx = CheckInputs(Path(source), Path(quantized), plan, load_check=True, stream_blocks=stream_blocks)
     ctx.src_config, ctx.out_config = read_config_or_empty(ctx.source), read_config_or_empty(ctx.quantized)
     ctx.read_headers()  # the emulation decodes the export's tensors through them
     return check_load(ctx)
@@ -72,12 +74,12 @@ def check_load(ctx: CheckInputs) -> CheckResult:
     if ctx.shared.structural_failed:
         result.skipped_reason = "a structural check failed: loading weights known to be wrong proves nothing"
         return result
-    too_big = memory_refusal(ctx)
+    streamed, too_big = load_mode(ctx)
     if too_big:  # said before anything loads: the kernel's OOM killer would end validate with no report
         result.skipped_reason = too_big
         return result
     try:
-        _probe(ctx, result)
+        _probe(ctx, result, streamed)
     except QpeError as exc:
         result.findings.append(Finding("load", exc.message, side="environment",
                                        evidence=exc.hint or "the loader raised while reading the export"))
@@ -109,16 +111,58 @@ def memory_refusal(ctx: CheckInputs, available: int | None = None) -> str | None
         return None
     return (f"not run: it loads the whole source and then the whole export (about {needed / 2**30:.1f} GiB of RAM at "
             f"its peak) and this host has {free / 2**30:.1f} GiB free; the other checks' results stand (run it "
-            "on a host with that memory; Tier 1 streams such a model one block at a time: eval --stream-blocks)")
+            "on a host with that memory, or let it stream the model one part at a time: the default where the "
+            "whole model does not fit)")
 
 
-def _probe(ctx: CheckInputs, result: CheckResult) -> None:
+def load_mode(ctx: CheckInputs, available: int | None = None) -> tuple[bool, str | None]:
+    """(streamed, why it cannot run at all): the whole model where it fits the RAM free (or as asked), else one
+    part at a time where that fits; the reason names the memory the check would need."""
+    from quark_ptq_eval.plan.host_memory import mem_available_bytes
+
+    free = available if available is not None else mem_available_bytes()
+    whole_refused = memory_refusal(ctx, free)
+    streamed = ctx.stream_blocks if ctx.stream_blocks is not None else bool(whole_refused)
+    if streamed:
+        return True, stream_refusal(ctx, free)
+    return False, whole_refused
+
+
+def stream_refusal(ctx: CheckInputs, available: int | None = None) -> str | None:
+    """Why even the streamed load check (one part at a time) cannot run within the RAM free now, else None."""
+    from quark_ptq_eval.plan.host_memory import mem_available_bytes
+    from quark_ptq_eval.validate.load_stream import stream_bytes
+
+    free = available if available is not None else mem_available_bytes()
+    needed = stream_bytes(ctx)
+    if free is None or needed <= free:
+        return None
+    return (f"not run: even one decoder block at a time it needs about {needed / 2**30:.1f} GiB of RAM and this host "
+            f"has {free / 2**30:.1f} GiB free; the other checks' results stand (run it on a host with that memory)")
+
+
+def _probe(ctx: CheckInputs, result: CheckResult, streamed: bool = False) -> None:
+    trust = bool((ctx.plan or {}).get("trust_remote_code"))  # the user approved it in the plan, or not at all
+    if streamed:
+        from transformers import AutoTokenizer
+
+        from quark_ptq_eval.validate.load_stream import probe_streamed
+
+        tokenizer = AutoTokenizer.from_pretrained(ctx.source, trust_remote_code=trust)
+        ids = tokenizer(PROBE, return_tensors="pt").input_ids[:, :MAX_PROBE_TOKENS]
+        result.notes.append("streamed one part at a time: the whole model does not fit the RAM free"
+                            if ctx.stream_blocks is None else "streamed one part at a time, as asked")
+        probe_streamed(ctx, result, tokenizer, ids, trust)
+        return
+    _probe_whole(ctx, result, trust)
+
+
+def _probe_whole(ctx: CheckInputs, result: CheckResult, trust: bool) -> None:
     from quark_ptq_eval.runtime.loading import TRANSFORMERS, load_model, missing_weights_message
     from quark_ptq_eval.validate import experts, replay
     from quark_ptq_eval.validate.emulate import emulate_outputs
     from quark_ptq_eval.validate.scale_ranges import check_static_scales
 
-    trust = bool((ctx.plan or {}).get("trust_remote_code"))  # the user approved it in the plan, or not at all
     # The source first, its module inputs kept; then it becomes the export's emulation (emulate.py) and
     # the emulated outputs are kept; then it is freed: one model in memory at a time.
     src = load_model(ctx.source, device="auto", trust_remote_code=trust, loader=TRANSFORMERS)
@@ -140,17 +184,24 @@ def _probe(ctx: CheckInputs, result: CheckResult) -> None:
                                                               f"{', '.join(out.missing_weights[:MAX_LISTED])}"))
     got = replay.run_probe(out.model, ids)
     exported = dict(out.model.named_modules())
-    outputs = replay.unit_outputs(_units(ctx, owners, captures, exported, result), captures, exported)
+    outputs = replay.unit_outputs(replay_units(ctx, owners, captures, exported, result), captures, exported)
     del out, exported
+    from quark_ptq_eval.validate.load_judge import judge_units
+
+    finish_probe(ctx, result, (got, want), loader, judge_units(outputs, captures, emulated), len(owners))
+
+
+def finish_probe(ctx: CheckInputs, result: CheckResult, logits: tuple[torch.Tensor, torch.Tensor], loader: str,
+                 judged: Judged, owners: int) -> None:
+    """The verdict once every unit was replayed: finite logits (the export's, then the source's), then the units'
+    judgment and the greedy agreement (decisive only where no unit could be replayed)."""
+    got, want = logits
     if _logits_finite(got, loader, result):
-        from quark_ptq_eval.validate.load_judge import judge_units
-
-        judged = judge_units(outputs, captures, emulated)
-        judged.report(len(owners), loader, result, _error_limit(ctx))
-        _judge_agreement(got, want, ids.shape[1], loader, result, decisive=not outputs)
+        judged.report(owners, loader, result, _error_limit(ctx))
+        _judge_agreement(got, want, got.shape[-2], loader, result, decisive=not (judged.loader or judged.fallback))
 
 
-def _units(ctx: CheckInputs, owners: list[str], captures: dict[str, Capture], exported: dict[str, Any],
+def replay_units(ctx: CheckInputs, owners: list[str], captures: dict[str, Capture], exported: dict[str, Any],
            result: CheckResult) -> list[ReplayUnit]:
     """What to replay: each module; under AWQ/SmoothQuant the smallest unit holding its folded scales
     (folds.py); nothing where the algorithm rotated the residual stream (only the whole model is

@@ -42,6 +42,7 @@ class CheckInputs:
     seed: int = 0
     workers: int | None = None
     load_check: bool = False
+    stream_blocks: bool | None = None  # the load check one part at a time (None: when the whole model does not fit)
     vllm_python: Path | None = None  # the serving check's vLLM (None: $QUARK_PTQ_EVAL_VLLM_PYTHON, if set)
     vllm_args: tuple[str, ...] = ()  # the user's --vllm-arg values, over the sized ones (runtime/vllm_sizing.py)
     progress: Progress | None = None

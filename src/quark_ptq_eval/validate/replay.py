@@ -20,13 +20,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
 from quark_ptq_eval.validate.folds import ReplayUnit
 
+T = TypeVar("T")
 MAX_CLIMB = 3  # the owner, its parent (an MoE block for fused experts), grandparent (DBRX: experts.mlp -> ffn)
 
 
@@ -51,14 +52,24 @@ def weight_owners(model: torch.nn.Module) -> list[str]:
 def capture(model: torch.nn.Module, ids: torch.Tensor) -> tuple[dict[str, Capture], list[str], torch.Tensor]:
     """Run ``model`` once on ``ids`` recording the inputs and output of every module holding parameters
     and of the weight owners' ancestors; returns the captures, the owners' names and the logits."""
+    captures, owners, logits = capture_during(model, lambda: run_probe(model, ids))
+    return captures, owners, logits
+
+
+def capture_during(model: torch.nn.Module, run: Callable[[], T], inside: Callable[[str], bool] = lambda _: True,
+                   ) -> tuple[dict[str, Capture], list[str], T]:
+    """``capture`` around any call of ``model``'s modules: ``run()``'s result with the captures. Only the
+    modules ``inside`` names are watched: a streamed model runs one part at a time, and a module holding
+    parts not loaded (the decoder stack around one block) is no unit (``validate/load_stream.py``)."""
     import torch
 
-    owners = weight_owners(model)
+    owners = [name for name in weight_owners(model) if inside(name)]
     wanted = {".".join(owner.split(".")[:depth]) for owner in owners for depth in range(1, owner.count(".") + 2)}
     modules = dict(model.named_modules())
     # norms too: where an algorithm folded scales into one, it is replayed ahead of its consumer (folds.py)
     wanted |= {name for name, module in modules.items() if name and any(True for _ in module.parameters(recurse=False))}
-    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    wanted = {name for name in wanted if inside(name)}
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters() if p.device.type != "meta"}
     captures: dict[str, Capture] = {}
 
     def hook(name: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
@@ -75,11 +86,11 @@ def capture(model: torch.nn.Module, ids: torch.Tensor) -> tuple[dict[str, Captur
     handles = [modules[name].register_forward_hook(hook(name), with_kwargs=True)
                for name in sorted(wanted) if name in modules and _callable(modules[name])]
     try:
-        logits = run_probe(model, ids)
+        result = run()
     finally:
         for handle in handles:
             handle.remove()
-    return captures, owners, logits
+    return captures, owners, result
 
 
 def run_probe(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -72,26 +72,48 @@ def static_scales(ctx: CheckInputs, modules: set[str]) -> list[StaticScale]:
     return found
 
 
+@dataclass
+class Observation:
+    """What re-observing the static scales takes: the scales, the calibration windows (batch of one each)."""
+
+    scales: list[StaticScale]
+    windows: list[torch.Tensor]
+    capped: bool
+
+
 def check_static_scales(ctx: CheckInputs, model: torch.nn.Module, tokenizer: Any, result: CheckResult) -> None:
     """Findings for static scales outside what the calibration text gives; a note when it cannot judge."""
+    observation = prepare_observation(ctx, {name for name, _ in model.named_modules()}, tokenizer, result)
+    if observation is not None:
+        judge_observation(observation, _observe(model, observation.windows, observation.scales), result)
+
+
+def prepare_observation(ctx: CheckInputs, modules: set[str], tokenizer: Any, result: CheckResult) -> Observation | None:
+    """The scales to re-observe among ``modules`` and the windows to run; None (with a note) when there is none
+    or it cannot judge them."""
     from quark_ptq_eval.validate.rewrites import ROTATING, SCALING, algorithms
 
-    scales = static_scales(ctx, {name for name, _ in model.named_modules()})
+    scales = static_scales(ctx, modules)
     if not scales:
-        return
+        return None
     rewrites = sorted(set(algorithms(ctx.qconfig, ctx.plan)) & (SCALING | ROTATING))
     if rewrites:
         result.notes.append(f"{len(scales)} static activation scales not re-observed: {', '.join(rewrites)} "
                             "calibrated a rewritten float model the export does not store")
-        return
+        return None
     calibration = (ctx.plan or {}).get("calibration") or {}
     path = calibration.get("path")
     if not path or not Path(path).exists():
         result.notes.append(f"{len(scales)} static activation scales not re-observed: the run's calibration text "
                             "is not a local file recorded in the plan")
-        return
+        return None
     windows, capped = _windows(tokenizer, calibration)
-    maxima = _observe(model, windows, scales)
+    return Observation(scales, windows, capped)
+
+
+def judge_observation(observation: Observation, maxima: dict[tuple[str, str], list[float]], result: CheckResult) -> None:
+    """Each scale against the resampled spread of its windows' maxima: findings for those outside it."""
+    scales, windows, capped = observation.scales, observation.windows, observation.capped
     result.stats["static_scales_checked"] = len(scales)
     bad = [(s, bounds) for s in scales if (bounds := _bounds(maxima[(s.module, s.side)], s.top, capped))
            and not bounds[0] <= s.exported <= bounds[1]]
@@ -122,34 +144,49 @@ def _observe(model: torch.nn.Module, windows: list[torch.Tensor],
     """Per (module, side): the absmax of each window."""
     import torch
 
-    modules = dict(model.named_modules())
     maxima: dict[tuple[str, str], list[float]] = {(s.module, s.side): [] for s in scales}
-    current: dict[tuple[str, str], float] = {}
-
-    def keep(key: tuple[str, str], value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            current[key] = max(current.get(key, 0.0), float(value.detach().abs().amax()))
-
-    handles = []
-    for module, side in maxima:
-        if side == "input":
-            handles.append(modules[module].register_forward_pre_hook(  # before the module's own quantizer
-                lambda _m, args, key=(module, side): keep(key, args[0] if args else None), prepend=True))
-        else:
-            handles.append(modules[module].register_forward_hook(
-                lambda _m, _a, out, key=(module, side): keep(key, out)))
     device = next(model.parameters()).device
-    try:
-        with torch.no_grad():
-            for ids in windows:
-                current.clear()
-                model(ids.to(device), use_cache=False)
-                for key in maxima:
-                    maxima[key].append(current.get(key, 0.0))
-    finally:
-        for handle in handles:
-            handle.remove()
+    with torch.no_grad(), Watch(dict(model.named_modules()), scales) as watch:
+        for ids in windows:
+            model(ids.to(device), use_cache=False)
+            watch.window_done(maxima)
     return maxima
+
+
+class Watch:
+    """Hooks keeping the absmax each watched module sees (its input, before its own quantizer; or its output),
+    over the calls since the last ``window_done``."""
+
+    def __init__(self, modules: dict[str, Any], scales: list[StaticScale]):
+        self.modules, self.keys = modules, [(s.module, s.side) for s in scales if s.module in modules]
+        self.current: dict[tuple[str, str], float] = {}
+        self.handles: list[Any] = []
+
+    def keep(self, key: tuple[str, str], value: Any) -> None:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            self.current[key] = max(self.current.get(key, 0.0), float(value.detach().abs().amax()))
+
+    def __enter__(self) -> Watch:
+        for module, side in self.keys:
+            if side == "input":
+                self.handles.append(self.modules[module].register_forward_pre_hook(  # before its own quantizer
+                    lambda _m, args, key=(module, side): self.keep(key, args[0] if args else None), prepend=True))
+            else:
+                self.handles.append(self.modules[module].register_forward_hook(
+                    lambda _m, _a, out, key=(module, side): self.keep(key, out)))
+        return self
+
+    def window_done(self, maxima: dict[tuple[str, str], list[float]]) -> None:
+        for key in self.keys:
+            maxima[key].append(self.current.get(key, 0.0))
+        self.current.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
 
 def _bounds(maxima: list[float], top: float, capped: bool) -> tuple[float, float] | None:

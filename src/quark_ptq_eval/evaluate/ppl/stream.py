@@ -239,7 +239,7 @@ def _exit(prepared: StreamPrepared, chunk: int) -> None:
     batches = _chunk_batches(prepared, chunk)
     logits_by_side: list[list[Any]] = []
     for side in prepared.sides:
-        parts = _exit_parts(side.model)
+        parts = blocks.exit_parts(side.model)
         for part in parts:
             blocks.load(side.model, part)
         logits_by_side.append([block_pass.exit_logits(side.model, batch, side.states[b]) for b, batch in enumerate(batches)])
@@ -249,13 +249,6 @@ def _exit(prepared: StreamPrepared, chunk: int) -> None:
     for b, batch in enumerate(batches):
         _score(prepared, batch, [side_logits[b] for side_logits in logits_by_side])
     release_freed_memory()
-
-
-def _exit_parts(model: StreamedModel) -> list[str]:
-    """The exit's tensors, and the embedding too where lm_head is tied to it (its file holds one tensor)."""
-    head_in_files = any("lm_head" in t.name for t in model.parts.get(blocks.EXIT, []))
-    tied = getattr(model.model.config, "tie_word_embeddings", False)
-    return [blocks.EXIT, blocks.ENTRY] if tied and not head_in_files else [blocks.EXIT]
 
 
 def _score(prepared: StreamPrepared, batch: torch.Tensor, logits: list[torch.Tensor]) -> None:

@@ -1,0 +1,245 @@
+"""The load check one part at a time (embeddings, each decoder block, final norm and lm_head), for a model larger
+than the RAM free: the same verdict as the whole-model probe (``loadcheck.py``), never the whole model in memory.
+
+Both checkpoints are opened on meta by the block streamer (``runtime/blocks.py``: the export's parts go through
+the loader the evaluator would pick, transformers' Quark integration or Quark's importer, so what is judged is
+what that loader makes of the files). For each part in order:
+
+1. the source's part is read and run on the source's own hidden states, every module's input and output
+   captured (``replay.capture_during``); its output is the next part's input;
+2. that part becomes the export's emulation in float32 (``emulate.py``: weights decoded from the files,
+   activations quantized as exported) and each unit's emulated output is kept; the part is freed;
+3. the export's part is read, each unit replayed on the captured inputs (``loadcheck.replay_units``) and judged
+   (``load_judge.judge_units``); the export's part also runs on the export's own hidden states, for the logits
+   and the greedy agreement; then it is freed.
+
+Memory: the larger of one source part in float32 and its captures, plus one export part. The judgment of each part
+is kept, its tensors are not: a part's verdict cannot depend on another's outputs (errors do not compound from
+module to module: replay.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from quark_ptq_eval.validate.report import CheckResult
+
+if TYPE_CHECKING:
+    import torch
+
+    from quark_ptq_eval.runtime.block_pass import Recorded
+    from quark_ptq_eval.runtime.blocks import StreamedModel
+    from quark_ptq_eval.validate.load_judge import Judged
+    from quark_ptq_eval.validate.registry import CheckInputs
+    from quark_ptq_eval.validate.scale_ranges import Observation
+
+# What the probe holds beyond one source part in float32 (twice its BF16 bytes) and one export part: captures
+# of one part's modules on the probe, the embeddings' and lm_head's float copies, start-up.
+STREAM_START_BYTES = int(1.6 * 2**30)
+
+
+@dataclass
+class _Side:
+    """One checkpoint streamed: its hidden states on the probe and what its model hands each layer."""
+
+    model: StreamedModel
+    hidden: Any = None
+    recorded: dict[int, Recorded] = field(default_factory=dict)
+    logits: Any = None
+
+
+def stream_bytes(ctx: CheckInputs) -> int:
+    """RAM the streamed probe needs at its peak: the largest source part twice (its float32 emulation beside the
+    stored BF16) with the largest export part (a tied lm_head's exit holds the embedding too)."""
+    largest = {side: max(_part_sizes(ctx, side).values(), default=0) for side in ("source", "output")}
+    return 2 * largest["source"] + largest["output"] + STREAM_START_BYTES
+
+
+def _part_sizes(ctx: CheckInputs, side: str) -> Counter[str]:
+    from quark_ptq_eval.runtime.blocks import ENTRY, EXIT
+
+    parts: Counter[str] = Counter()
+    tensors = ctx.tensors(side) or {}
+    for name, info in tensors.items():
+        parts[_part_of(name)] += info.nbytes
+    config = ctx.src_config if side == "source" else ctx.out_config
+    if config.get("tie_word_embeddings") and not any("lm_head" in name for name in tensors):
+        parts[EXIT] += parts[ENTRY]
+    return parts
+
+
+def _part_of(name: str) -> str:
+    """A tensor's part by its name alone (before any model is built): ``layers.<i>.`` is block i."""
+    from quark_ptq_eval.runtime.blocks import ENTRY, EXIT
+
+    head, sep, rest = name.partition("layers.")
+    if sep and rest.split(".", 1)[0].isdigit():
+        return rest.split(".", 1)[0]
+    return ENTRY if "embed" in name else EXIT
+
+
+def probe_streamed(ctx: CheckInputs, result: CheckResult, tokenizer: Any, ids: torch.Tensor, trust: bool) -> None:
+    """The load check's probe over streamed checkpoints: findings and notes into ``result``. The static activation
+    scales are re-observed on the way, each calibration window run through the source's parts as they pass."""
+    from quark_ptq_eval.runtime import blocks
+    from quark_ptq_eval.validate.load_judge import Judged
+    from quark_ptq_eval.validate.loadcheck import finish_probe
+    from quark_ptq_eval.validate.scale_ranges import judge_observation, prepare_observation
+
+    src = _Side(blocks.open_streamed(ctx.source, trust_remote_code=trust))
+    out = _Side(blocks.open_streamed(ctx.quantized, trust_remote_code=trust))
+    walk = _Walk(ctx, src, out, ids, Judged())
+    walk.observation = prepare_observation(ctx, {name for name, _ in src.model.model.named_modules()}, tokenizer, result)
+    for part in [blocks.ENTRY, *(str(i) for i in range(out.model.num_blocks)), blocks.EXIT]:
+        walk.part(part)
+    walk.report_notes(result)
+    if walk.observation is not None:
+        judge_observation(walk.observation, walk.maxima, result)
+    loader = out.model.loader
+    result.stats.update(probe_tokens=int(ids.shape[1]), loader=loader, streamed_blocks=out.model.num_blocks)
+    read = src.model.read_bytes + out.model.read_bytes
+    result.notes.append(f"loaded with {loader} ({out.model.loader_reason}) one part at a time: "
+                        f"{out.model.num_blocks} decoder blocks, {read / 2**30:.1f} GiB read from both checkpoints "
+                        f"in {src.model.load_s + out.model.load_s:.1f} s")
+    finish_probe(ctx, result, (out.logits, src.logits), loader, walk.judged, walk.owners)
+
+
+@dataclass
+class _Walk:
+    ctx: CheckInputs
+    src: _Side
+    out: _Side
+    ids: Any
+    judged: Judged
+    owners: int = 0
+    notes: Counter[str] = field(default_factory=Counter)
+    stats: Counter[str] = field(default_factory=Counter)
+    observation: Observation | None = None  # static scales to re-observe, and the calibration windows
+    windows: list[_Side] = field(default_factory=list)  # each window's pass through the source
+    maxima: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+
+    def part(self, part: str) -> None:
+        """Part ``part`` of both checkpoints captured, emulated, replayed and judged, then freed."""
+        from quark_ptq_eval.validate import experts, replay
+        from quark_ptq_eval.validate.emulate import emulate_outputs
+        from quark_ptq_eval.validate.load_judge import judge_units
+
+        src = self.src.model
+        parts = _load(src, part)
+        inside = _inside(src, part)
+        captures, owners, _ = replay.capture_during(src.model, lambda: self._run(self.src, part, self.ids), inside)
+        experts.route_every_expert(src.model, captures)
+        self._observe(part, inside)  # on the source's weights, before they become the emulation
+        roots = _roots(src, parts)
+        emulated = emulate_outputs(self.ctx, src.model, owners, captures, roots)
+        emulated.emulation.close()
+        for root in roots:  # back to the source's dtype: a part's free keeps it for the next load of its tensors
+            src.model.get_submodule(root).to(src.dtype)
+        _free(src, parts)
+        outputs = self._replay(part, owners, captures)
+        self.owners += len(owners)
+        self._merge(judge_units(outputs, captures, emulated))
+
+    def _replay(self, part: str, owners: list[str], captures: dict[str, Any]) -> dict[Any, Any]:
+        from quark_ptq_eval.validate import replay
+        from quark_ptq_eval.validate.loadcheck import replay_units
+
+        out = self.out.model
+        parts = _load(out, part)
+        exported = dict(out.model.named_modules())
+        scratch = CheckResult("load")
+        units = replay_units(self.ctx, owners, captures, exported, scratch)
+        outputs = replay.unit_outputs(units, captures, exported)
+        self._run(self.out, part, self.ids)
+        _free(out, parts)
+        self.notes.update(scratch.notes)
+        self.stats.update({k: v for k, v in scratch.stats.items() if isinstance(v, int)})
+        return outputs
+
+    def _observe(self, part: str, inside: Any) -> None:
+        """Each calibration window through the source's part, the absmax each watched module sees kept per window
+        (as the whole-model check's pass over the windows keeps it: ``scale_ranges._observe``)."""
+        import torch
+
+        from quark_ptq_eval.runtime import blocks
+        from quark_ptq_eval.validate.scale_ranges import Watch
+
+        if self.observation is None:
+            return
+        scales = [s for s in self.observation.scales if inside(s.module)]
+        if part == blocks.EXIT and not scales:
+            return  # no logits needed: the windows' pass ends here
+        if not self.windows:
+            self.windows = [_Side(self.src.model) for _ in self.observation.windows]
+            self.maxima = {(s.module, s.side): [] for s in self.observation.scales}
+        with torch.no_grad(), Watch(dict(self.src.model.model.named_modules()), scales) as watch:
+            for side, ids in zip(self.windows, self.observation.windows, strict=True):
+                self._run(side, part, ids)
+                side.logits = None
+                watch.window_done(self.maxima)
+
+    def _run(self, side: _Side, part: str, ids: torch.Tensor) -> None:
+        """The part's forward on the side's own hidden states (the entry: the token ids)."""
+        from quark_ptq_eval.runtime import block_pass, blocks
+
+        if part == blocks.ENTRY:
+            side.hidden, side.recorded = block_pass.entry(side.model, ids, inference=False)
+        elif part == blocks.EXIT:
+            side.logits = block_pass.exit_logits(side.model, ids, side.hidden, inference=False).float().cpu()
+        else:
+            index = int(part)
+            side.hidden = block_pass.run_block(side.model, index, side.hidden, side.recorded[index], inference=False)
+
+    def _merge(self, part: Judged) -> None:
+        self.judged.loader.update(part.loader)
+        self.judged.fallback.update(part.fallback)
+        self.judged.quantization.extend(part.quantization)
+        self.judged.note = self.judged.note or part.note
+
+    def report_notes(self, result: CheckResult) -> None:
+        """The parts' notes once each (with how many parts gave it) and their counts summed."""
+        for note, times in self.notes.items():
+            result.notes.append(note if times == 1 else f"{note} (in each of {times} parts)")
+        result.stats.update(self.stats)
+
+
+def _load(streamed: StreamedModel, part: str) -> list[str]:
+    from quark_ptq_eval.runtime import blocks
+
+    parts = blocks.exit_parts(streamed) if part == blocks.EXIT else [part]
+    for name in parts:
+        blocks.load(streamed, name)
+    return parts
+
+
+def _free(streamed: StreamedModel, parts: list[str]) -> None:
+    from quark_ptq_eval.base.allocator import release_freed_memory
+    from quark_ptq_eval.runtime import blocks
+
+    for name in parts:
+        blocks.free(streamed, name)
+    release_freed_memory()
+
+
+def _inside(streamed: StreamedModel, part: str) -> Any:
+    """Which module names belong to ``part``: a block's own; for the entry and exit every module outside the
+    decoder stack that holds none of it (the model around the stack is no unit: its blocks are not loaded)."""
+    from quark_ptq_eval.runtime import blocks
+
+    stack = streamed.layers_path
+    if part not in (blocks.ENTRY, blocks.EXIT):
+        root = f"{stack}.{part}"
+        return lambda name: name == root or name.startswith(root + ".")
+    return lambda name: not (name == stack or name.startswith(stack + ".") or stack.startswith(name + "."))
+
+
+def _roots(streamed: StreamedModel, parts: list[str]) -> list[str]:
+    """The modules that hold the tensors ``parts`` loaded (what becomes the emulation)."""
+    from quark_ptq_eval.runtime import blocks
+
+    if parts[0] not in (blocks.ENTRY, blocks.EXIT):
+        return [f"{streamed.layers_path}.{parts[0]}"]
+    owners = {name.rpartition(".")[0] for part in parts for name in streamed.loaded.get(part, [])}
+    return sorted(owner for owner in owners if not any(owner.startswith(o + ".") for o in owners if o != owner))
