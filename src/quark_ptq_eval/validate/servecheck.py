@@ -20,7 +20,7 @@ from quark_ptq_eval.validate.report import CheckResult, Finding
 
 if TYPE_CHECKING:
     from quark_ptq_eval.runtime.vllm_host import HostVllm
-    from quark_ptq_eval.runtime.vllm_server import ServerNotHealthy
+    from quark_ptq_eval.runtime.vllm_server import ServerHandover, ServerNotHealthy, ServerPlan
 
 SERVE_TIMEOUT_S = 600.0  # a tiny model is healthy in 20-25 s on 2 CPU cores; large ones load for minutes
 MAX_MODEL_LEN = 2048  # the check needs the weights to load, not a long context: keeps the KV cache small
@@ -86,52 +86,79 @@ def fused_split(qconfig: dict[str, Any], names: list[str]) -> str | None:
 
 def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[str, ...] = ()) -> None:
     """Start vLLM on the export (sized as Tier 3 sizes it), wait for health or its exit, ask it for one
-    short completion, stop it: served, or its reason."""
-    from quark_ptq_eval.runtime.vllm_host import failure_reason, free_port, host_server_argv
-    from quark_ptq_eval.runtime.vllm_sizing import ServerDoesNotFit, sized_for
+    short completion, stop it: served, or its reason. Where a later user of the model's server was named
+    (compare --speed: the cell's speed measurement, runtime/vllm_server.handing_over), the server is the one it
+    asks for, sized for it, and handed to it before it stops: the export is served once for both."""
+    from quark_ptq_eval.runtime.vllm_host import failure_reason
+    from quark_ptq_eval.runtime.vllm_server import handover_now
+    from quark_ptq_eval.runtime.vllm_sizing import ServerDoesNotFit
 
-    try:
-        sizing = sized_for(model, host.cpu, vllm_args, context=MAX_MODEL_LEN, context_origin="check",
-                           context_reason="the check needs the weights to load, not a long context")
-    except ServerDoesNotFit as exc:
-        result.stats.update(served=False, vllm=host.describe())
-        result.findings.append(Finding("serving", f"not started: {exc.message}", side="environment"))
-        return
-    port = free_port()
-    log = _scratch_log(port)  # never inside the user's export
-    argv = host_server_argv(host, model, port, "serve-check", sizing)
-    result.stats["server_args"] = sizing.as_dict()
-    result.notes += [f"server argument {line}" for line in sizing.lines()]
-    failed, seconds, unanswered = _started(argv, port, log, SERVE_TIMEOUT_S, "serve-check")
+    handover = handover_now()
+    plan = handover.server_plan() if handover is not None else None
+    if plan is None:
+        handover = None
+        try:
+            plan = _own_plan(model, host, vllm_args)
+        except ServerDoesNotFit as exc:
+            result.stats.update(served=False, vllm=host.describe())
+            result.findings.append(Finding("serving", f"not started: {exc.message}", side="environment"))
+            return
+    log = plan.log_path
+    result.stats["server_args"] = plan.sizing.as_dict()
+    result.notes += [f"server argument {line}" for line in plan.sizing.lines()]
+    failed, seconds, unanswered = _started(plan, handover)
     served = failed is None and unanswered is None
-    result.stats.update(served=served, vllm=host.describe(), seconds_to_healthy=round(seconds, 1), argv=argv)
-    result.notes.append(f"command: {' '.join(argv)}")
+    result.stats.update(served=served, vllm=host.describe(), seconds_to_healthy=round(seconds, 1), argv=plan.argv)
+    result.notes.append(f"command: {' '.join(plan.argv)}")
+    if handover is not None:
+        result.stats["server_log"] = str(log)
+        result.notes.append(f"the server was the speed measurement's, handed to it before it stopped (log: {log})")
     if served:
         result.notes.append(f"served by {host.distribution} {host.version}: healthy after {seconds:.0f} s, "
                             "and it answered a 2-token completion")
-        log.unlink(missing_ok=True)
+        if handover is None:
+            log.unlink(missing_ok=True)
         return
+    if handover is not None:
+        handover.not_served(failed or unanswered or "")
     if unanswered:  # loaded, then failed its first forward: the root cause is in its log, if it logged one
         reason = f"it loads the export but failed its first request ({failure_reason(log) or unanswered})"
     else:
         assert failed is not None
-        reason = failed.reason or (f"not healthy after {SERVE_TIMEOUT_S:g} s" if not failed.exited
+        reason = failed.reason or (f"not healthy after {plan.health_timeout_s:g} s" if not failed.exited
                                    else f"it exited with code {failed.returncode}")
     result.findings.append(Finding(
         "serving", f"{host.distribution} {host.version} does not serve this export: {reason.rstrip('.')}.",
         side="environment", evidence=f"the server's log: {log}"))
 
 
-def _started(argv: list[str], port: int, log: Path, timeout_s: float,
-             served_name: str) -> tuple[ServerNotHealthy | None, float, str | None]:
-    """The server started, asked for one short completion once healthy, and stopped: why it was not healthy
-    (None: it was), the seconds to healthy (or to giving up), and what went wrong with the completion."""
+def _own_plan(model: Path, host: HostVllm, vllm_args: tuple[str, ...]) -> ServerPlan:
+    """The check's own server: a short context (the weights must load), a free port, a scratch log."""
+    from quark_ptq_eval.runtime.vllm_host import free_port, host_server_argv
+    from quark_ptq_eval.runtime.vllm_server import ServerPlan
+    from quark_ptq_eval.runtime.vllm_sizing import sized_for
+
+    sizing = sized_for(model, host.cpu, vllm_args, context=MAX_MODEL_LEN, context_origin="check",
+                       context_reason="the check needs the weights to load, not a long context")
+    port = free_port()
+    log = _scratch_log(port)  # never inside the user's export
+    return ServerPlan(host_server_argv(host, model, port, "serve-check", sizing), port, log, "serve-check", sizing,
+                      SERVE_TIMEOUT_S)
+
+
+def _started(plan: ServerPlan, handover: ServerHandover | None) -> tuple[ServerNotHealthy | None, float, str | None]:
+    """The server started, asked for one short completion once healthy (then handed over, if it answered), and
+    stopped: why it was not healthy (None: it was), the seconds to healthy (or to giving up), and what went
+    wrong with the completion."""
     from quark_ptq_eval.runtime.vllm_host import first_completion
     from quark_ptq_eval.runtime.vllm_server import ServerNotHealthy, vllm_server
 
     try:
-        with vllm_server(argv, port, log, timeout_s, what="the serving check") as server:
-            return None, server.healthy_after_s, first_completion(port, served_name)
+        with vllm_server(plan.argv, plan.port, plan.log_path, plan.health_timeout_s, what="the serving check") as server:
+            unanswered = first_completion(plan.port, plan.served_name)
+            if unanswered is None and handover is not None:
+                handover.take(server)
+            return None, server.healthy_after_s, unanswered
     except ServerNotHealthy as exc:
         return exc, exc.seconds, None
 

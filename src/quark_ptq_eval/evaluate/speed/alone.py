@@ -13,6 +13,7 @@ from quark_ptq_eval.evaluate.speed.outcome import SpeedDetails
 from quark_ptq_eval.evaluate.speed.record import ModelSpeed
 from quark_ptq_eval.evaluate.speed.tier import (
     SpeedPrepared,
+    ask_to_run,
     bench_or_refusal,
     measured_from,
     new_record,
@@ -25,17 +26,22 @@ if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.context import TierInputs
     from quark_ptq_eval.runtime.vllm_server import VllmServer
 
-__all__ = ["ModelSpeed", "measure_alone", "measured_on", "prepare_alone", "refused_alone"]
+__all__ = ["ModelSpeed", "SpeedPrepared", "measure_alone", "measured_on", "prepare_alone", "refused_alone"]
 
 
-def prepare_alone(ctx: TierInputs, label: str) -> SpeedPrepared:
+def prepare_alone(ctx: TierInputs, label: str, ask: bool = False) -> SpeedPrepared:
     """``ctx.model_dir`` (no baseline) to be measured under ``label``: its estimate said first (vLLM's refusal
-    known before the gate among it). Raises UsageError without a named vLLM."""
+    known before the gate among it); ``ask``: then the ``eval`` gate for its exact commands, and its server's
+    command said. Raises UsageError without a named vLLM, CheckpointPending at a gate still to answer."""
     prepared = prepare(ctx, label)
     if prepared.host is None:
         raise UsageError("Measuring serving speed needs a vLLM on this host: name its interpreter with "
                          "--vllm-python (e.g. .venv-vllm/bin/python from `make vllm-env`).")
     ctx.log(prepared.estimate.summary())
+    if ask:
+        ask_to_run(prepared)
+        ctx.log(f"serve the {label} model: {shell_line(prepared.serve[label])} (a server started for another use "
+                "first, then handed to the speed measurement)")
     return prepared
 
 

