@@ -9,9 +9,11 @@ the count here follows the same rule, so the plan says what calibration will rea
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,83 @@ SCAN_CHARS = 20_000_000  # each side's text compared at most (the overlap check 
 OVERLAP_RULE = (f"the same file, or at least {OVERLAP_DOCS:.0%} of the evaluation documents verbatim in the "
                 f"calibration text, or at least {OVERLAP_NGRAMS:.0%} of its {NGRAM}-word sequences there")
 OPTIMISTIC = "optimistic: scored on calibration text"
+
+
+# ---------------------------------------------------------------- the records (plan.json's ``calibration``)
+
+
+@dataclass(frozen=True)
+class CalibrationSize:
+    """What calibration really gets from the text (the engine's windowing): the plan's ``calibration["actual"]``."""
+
+    tokens: int | None  # counted (up to what the plan needs); None: no tokenizer loaded
+    samples: int | None
+    tokens_per_sample: int | None
+    short: bool  # fewer samples than the plan asked for
+    text: str  # in words, e.g. "8 samples of 512 tokens"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any]) -> CalibrationSize:
+        return cls(row.get("tokens"), row.get("samples"), row.get("tokens_per_sample"), bool(row.get("short")),
+                   str(row.get("text") or ""))
+
+
+@dataclass(frozen=True)
+class HeldOutSplit:
+    """The text split in two (the plan's ``calibration["split"]``): calibration reads the first part,
+    Tier 1 scores on the held-out rest."""
+
+    documents: int
+    calibration_documents: int
+    heldout_documents: int
+    dropped_duplicates: int  # held-out documents also in the calibration part, dropped
+    calibration_path: str
+    heldout_path: str
+    rule: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any]) -> HeldOutSplit:
+        return cls(**{f.name: row[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class CalibrationOverlap:
+    """How the evaluation text overlaps the calibration text (eval_results.json's ``calibration_overlap``)."""
+
+    kind: str  # same file | same documents | shared n-grams
+    share: float
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class PlannedCalibration:
+    """The plan's calibration record (plan.json's ``calibration``), the fields read here."""
+
+    source: str | None = None  # local_file | dataset | ...
+    path: str | None = None  # what the engine reads (the calibration part when split)
+    source_path: str | None = None  # the text as given, when ``path`` is a part or a copy of it
+    dataset: str | None = None
+    num_samples: int | None = None
+    seq_len: int | None = None
+    actual: CalibrationSize | None = None
+    split: HeldOutSplit | None = None
+
+    @classmethod
+    def from_dict(cls, calibration: Mapping[str, Any]) -> PlannedCalibration:
+        actual, split = calibration.get("actual"), calibration.get("split")
+        return cls(calibration.get("source"), calibration.get("path"), calibration.get("source_path"),
+                   calibration.get("dataset"), calibration.get("num_samples"), calibration.get("seq_len"),
+                   CalibrationSize.from_dict(actual) if actual else None,
+                   HeldOutSplit.from_dict(split) if split else None)
 
 
 # ---------------------------------------------------------------- reading
@@ -91,39 +170,37 @@ def count_tokens(documents: list[str], model_dir: Path, needed: int, chunk_chars
     return total
 
 
-def actual_size(tokens: int | None, num_samples: int, seq_len: int) -> dict[str, Any]:
+def actual_size(tokens: int | None, num_samples: int, seq_len: int) -> CalibrationSize:
     """What calibration really gets from ``tokens`` (the engine's windowing)."""
     if tokens is None:
-        return {"tokens": None, "samples": None, "tokens_per_sample": None, "short": False,
-                "text": "not counted: the model has no tokenizer this step could load"}
+        return CalibrationSize(None, None, None, False, "not counted: the model has no tokenizer this step could load")
     full = tokens // seq_len
     samples, per = (min(full, num_samples), seq_len) if full else (1, tokens)
     short = full < num_samples
     text = f"{samples} sample{'s' if samples != 1 else ''} of {per} tokens"
-    return {"tokens": tokens, "samples": samples, "tokens_per_sample": per, "short": short, "text": text}
+    return CalibrationSize(tokens, samples, per, short, text)
 
 
 def describe_used(plan: QuantPlan) -> str:
     """One line: the calibration the plan's run actually used (manifest, validation report, summary)."""
-    calibration = plan.calibration
-    source = calibration.get("source_path") or calibration.get("path") or calibration.get("dataset")
-    actual = calibration.get("actual") or {}
-    size = actual.get("text") or f"{calibration.get('num_samples')} x {calibration.get('seq_len')} tokens (not counted)"
-    split = calibration.get("split")
-    part = f" (documents 1-{split['calibration_documents']} of {split['documents']}; the rest held out for " \
+    calibration = PlannedCalibration.from_dict(plan.calibration)
+    source = calibration.source_path or calibration.path or calibration.dataset
+    actual, split = calibration.actual, calibration.split
+    size = (actual.text if actual else "") or f"{calibration.num_samples} x {calibration.seq_len} tokens (not counted)"
+    part = f" (documents 1-{split.calibration_documents} of {split.documents}; the rest held out for " \
            "evaluation)" if split else ""
-    asked = f"; the plan asked for {calibration.get('num_samples')} x {calibration.get('seq_len')}" \
-        if actual.get("short") else ""
+    asked = f"; the plan asked for {calibration.num_samples} x {calibration.seq_len}" \
+        if actual and actual.short else ""
     return f"{size} from {source}{part}{asked}"
 
 
-def short_message(calibration: dict[str, Any]) -> str | None:
+def short_message(calibration: PlannedCalibration) -> str | None:
     """Why the plan must be approved by name: the text gives less than the calibration size."""
-    actual = calibration.get("actual") or {}
-    if not actual.get("short"):
+    actual = calibration.actual
+    if actual is None or not actual.short:
         return None
-    return (f"The calibration text gives only {actual['text']}, not the plan's "
-            f"{calibration['num_samples']} x {calibration['seq_len']} tokens: give more text or lower "
+    return (f"The calibration text gives only {actual.text}, not the plan's "
+            f"{calibration.num_samples} x {calibration.seq_len} tokens: give more text or lower "
             "--num-calib-samples / --calib-seq-len.")
 
 
@@ -134,7 +211,7 @@ def _norm(doc: str) -> str:
     return " ".join(doc.split())
 
 
-def hold_out(documents: list[str], workdir: Path) -> dict[str, Any] | None:
+def hold_out(documents: list[str], workdir: Path) -> HeldOutSplit | None:
     """Write the calibration part and the held-out evaluation part (jsonl, field ``text``) under
     the work dir; None when there are too few documents to split. A held-out document that also
     occurs in the calibration part (a duplicate paragraph) is dropped: the parts share none."""
@@ -150,9 +227,8 @@ def hold_out(documents: list[str], workdir: Path) -> dict[str, Any] | None:
     paths = {}
     for name, docs in ((CALIB_PART, calib), (HELDOUT_PART, heldout)):
         paths[name] = atomic_write_text(folder / name, "".join(_jsonl(d) for d in docs))
-    return {"documents": len(documents), "calibration_documents": len(calib), "heldout_documents": len(heldout),
-            "dropped_duplicates": len(rest) - len(heldout), "calibration_path": str(paths[CALIB_PART]),
-            "heldout_path": str(paths[HELDOUT_PART]), "rule": f"the last {HELDOUT_SHARE:.0%} of the documents"}
+    return HeldOutSplit(len(documents), len(calib), len(heldout), len(rest) - len(heldout), str(paths[CALIB_PART]),
+                        str(paths[HELDOUT_PART]), f"the last {HELDOUT_SHARE:.0%} of the documents")
 
 
 def _jsonl(doc: str) -> str:
@@ -189,25 +265,24 @@ def _ngrams(documents: list[str]) -> set[int]:
     return grams
 
 
-def overlap(calibration: dict[str, Any], eval_path: Path, eval_docs: list[str]) -> dict[str, Any] | None:
+def overlap(calibration: PlannedCalibration, eval_path: Path, eval_docs: list[str]) -> CalibrationOverlap | None:
     """How the evaluation text overlaps the plan's calibration text (OVERLAP_RULE), or None."""
-    calib_path = calibration.get("path")
-    if calibration.get("source") != "local_file" or not calib_path:
+    if calibration.source != "local_file" or not calibration.path:
         return None
-    calib_path, eval_path = Path(calib_path), Path(eval_path)
-    sources = {calib_path.resolve(), Path(calibration.get("source_path") or calib_path).resolve()}
+    calib_path, eval_path = Path(calibration.path), Path(eval_path)
+    sources = {calib_path.resolve(), Path(calibration.source_path or calib_path).resolve()}
     if eval_path.resolve() in sources or (eval_path.is_file() and calib_path.is_file()
                                           and _file_digest(eval_path) == _file_digest(calib_path)):
-        return {"kind": "same file", "share": 1.0, "text": f"the evaluation text is the calibration file {calib_path}"}
+        return CalibrationOverlap("same file", 1.0, f"the evaluation text is the calibration file {calib_path}")
     calib_docs = calibration_documents(calib_path)
     seen = {_norm(d) for d in calib_docs}
     shared_docs = sum(_norm(d) in seen for d in eval_docs) / max(1, len(eval_docs))
     if shared_docs >= OVERLAP_DOCS:
-        return {"kind": "same documents", "share": shared_docs,
-                "text": f"{shared_docs:.0%} of the evaluation documents are in the calibration text"}
+        return CalibrationOverlap("same documents", shared_docs,
+                                  f"{shared_docs:.0%} of the evaluation documents are in the calibration text")
     grams = _ngrams(eval_docs)
     shared = len(grams & _ngrams(calib_docs)) / max(1, len(grams))
     if shared >= OVERLAP_NGRAMS:
-        return {"kind": "shared n-grams", "share": shared,
-                "text": f"{shared:.0%} of the evaluation text's {NGRAM}-word sequences are in the calibration text"}
+        return CalibrationOverlap("shared n-grams", shared,
+                                  f"{shared:.0%} of the evaluation text's {NGRAM}-word sequences are in the calibration text")
     return None

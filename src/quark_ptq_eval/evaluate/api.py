@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.artifacts import PlanJson
-from quark_ptq_eval.base.calibration_text import OPTIMISTIC
+from quark_ptq_eval.base.calibration_text import OPTIMISTIC, CalibrationOverlap
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import Approver, Gatekeeper, as_gatekeeper
 from quark_ptq_eval.evaluate import report as report_files
@@ -66,9 +66,9 @@ def evaluate(
         outcome = module.score(prepared)
     report = build_report(ctx, outcome, estimate, None)
     if overlap is not None:
-        report.details["calibration_overlap"] = overlap
+        report.details["calibration_overlap"] = overlap.to_dict()
         report.verdict_qualifier = OPTIMISTIC
-        report.notes.append(f"Scored on calibration text: {overlap['text']}; perplexity and KL measured on the "
+        report.notes.append(f"Scored on calibration text: {overlap.text}; perplexity and KL measured on the "
                             "text the scales were fitted to are optimistic. Evaluate on held-out text.")
     report_files.write_all(report, timed_from=timed_from)
     ctx.log(f"{report.one_line()}; report: {report.report_path}")
@@ -92,9 +92,9 @@ def estimate_runtime(
         return estimate
 
 
-def calibration_overlap(ctx: TierInputs) -> dict[str, Any] | None:
+def calibration_overlap(ctx: TierInputs) -> CalibrationOverlap | None:
     """Tier 1 text that overlaps the plan's calibration text (calibration_text.OVERLAP_RULE), said now."""
-    from quark_ptq_eval.base.calibration_text import overlap
+    from quark_ptq_eval.base.calibration_text import PlannedCalibration, overlap
     from quark_ptq_eval.base.textdata import split_plain_text
     from quark_ptq_eval.evaluate.context import text_scorer
 
@@ -104,9 +104,9 @@ def calibration_overlap(ctx: TierInputs) -> dict[str, Any] | None:
     docs = text_scorer().eval_texts(options.eval_data, options.eval_text_limit)
     if Path(options.eval_data).suffix == ".txt":
         docs = split_plain_text("\n".join(docs))
-    found = overlap(ctx.plan.get("calibration") or {}, Path(options.eval_data), docs)
+    found = overlap(PlannedCalibration.from_dict(ctx.plan.get("calibration") or {}), Path(options.eval_data), docs)
     if found is not None:
-        ctx.log(f"warning: {found['text']}: the verdict will be {OPTIMISTIC}; give held-out --eval-data for an "
+        ctx.log(f"warning: {found.text}: the verdict will be {OPTIMISTIC}; give held-out --eval-data for an "
                 "unbiased one")
     return found
 

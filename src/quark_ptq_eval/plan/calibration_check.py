@@ -36,12 +36,13 @@ def check_calibration_text(calibration: dict[str, Any], req: PlanRequest, analys
     documents = calibration_documents(calibration["path"], field)
     engine_text = _engine_input(calibration, documents, field, req.hold_out_eval, workdir)
     tokens = count_tokens(engine_text, Path(analysis.model["model_path"]), num * seq)
-    actual = calibration["actual"] = actual_size(tokens, num, seq)
+    actual = actual_size(tokens, num, seq)
+    calibration["actual"] = actual.to_dict()
     if tokens is None:
-        return f"{size_why}; {actual['text']}", asked
-    if actual["short"]:
+        return f"{size_why}; {actual.text}", asked
+    if actual.short:
         return (f"the text holds only {tokens} tokens, less than {num} x {seq}: calibration sees "
-                f"{actual['text']} (needs approval by name)"), f"{actual['text']} (asked: {asked})"
+                f"{actual.text} (needs approval by name)"), f"{actual.text} (asked: {asked})"
     return f"{size_why}; the text holds enough ({tokens:,}+ tokens counted)", asked
 
 
@@ -51,8 +52,8 @@ def _engine_input(calibration: dict[str, Any], documents: list[str], field: str,
     source = calibration["path"]
     split = hold_out(documents, workdir) if split_wanted else None
     if split is not None:
-        calibration.update(source_path=source, path=split["calibration_path"], split=split, text_field=field)
-        return documents[: split["calibration_documents"]]
+        calibration.update(source_path=source, path=split.calibration_path, split=split.to_dict(), text_field=field)
+        return documents[: split.calibration_documents]
     if field != "text":  # every engine reads the field "text": give it a copy that has it
         calibration.update(source_path=source, path=str(normalized_copy(documents, workdir)), text_field=field)
         return documents
