@@ -28,15 +28,19 @@ import time
 from pathlib import Path
 
 from bench.bench_real_size_plans import write_sparse
-from bench.bench_validate_memory import QCONFIG, fill_scales, fp8_export, llama
+from bench.bench_validate_memory import (
+    QCONFIG,
+    TOKENIZER_FILES,
+    fill_scales,
+    fp8_export,
+    llama,
+    tokenizer_dir,
+)
 
 CASES = {
     "1b": llama(2048, 5632, 22, 32, 4, 32000, 1),  # TinyLlama-1.1B
     "70b": llama(8192, 28672, 80, 64, 8, 128256, 30),  # Llama-3.1-70B
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
-
-
 def build(name: str, work: Path, tokenizer: Path) -> tuple[Path, Path]:
     config, tensors, shards = CASES[name]()
     config = {**config, "max_position_embeddings": 4096}
@@ -51,16 +55,6 @@ def build(name: str, work: Path, tokenizer: Path) -> tuple[Path, Path]:
             if (tokenizer / f).exists():
                 shutil.copy(tokenizer / f, folder / f)
     return source, export
-
-
-def tokenizer_dir(work: Path) -> Path:
-    """The demo model's tokenizer (trained once, one step: only its files are used)."""
-    from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
-
-    out = work / "tokenizer"
-    if not (out / "config.json").exists():
-        build_tiny_model(out, build_corpus(work / "corpus.txt"), train_steps=1)
-    return out
 
 
 def eval_text(work: Path) -> Path:

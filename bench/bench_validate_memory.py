@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,6 +117,19 @@ def build(name: str, work: Path) -> tuple[Path, Path, int]:
     return source, export, decoded
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+def tokenizer_dir(work: Path) -> Path:
+    """The demo model's tokenizer (trained once, one step: only its files are used)."""
+    from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
+
+    out = work / "tokenizer"
+    if not (out / "config.json").exists():
+        build_tiny_model(out, build_corpus(work / "corpus.txt"), train_steps=1)
+    return out
+
+
 def _read_bytes(pid: int) -> int:
     """Bytes the child has read through read(2)/preadv(2) so far (the decode check's reads; the md5
     check maps its windows, so they do not count here)."""
@@ -128,11 +142,12 @@ def _read_bytes(pid: int) -> int:
 
 
 def run_validate(source: Path, export: Path, workers: int | None, work: Path, decode_bytes: int,
-                 limit_s: float | None) -> dict:
+                 limit_s: float | None, load_check: bool = False) -> dict:
     """One ``validate`` child: wall, CPU and peak RSS (``wait4``'s ``ru_maxrss``); with ``limit_s``
-    stopped there, with the share of the decode check's bytes read by then and the wall time projected."""
+    stopped there, with the share of the decode check's bytes read by then and the wall time projected.
+    With ``load_check`` validate runs with its defaults (the load check streams a model this host cannot hold)."""
     argv = [sys.executable, "-m", "quark_ptq_eval", "validate", "--source", str(source), "--quantized", str(export),
-            "--no-load-check", "--workdir", str(work / "wd")]
+            *([] if load_check else ["--no-load-check"]), "--workdir", str(work / "wd")]
     if workers:
         argv += ["--workers", str(workers)]
     load = os.getloadavg()[0]
@@ -165,7 +180,17 @@ def run_validate(source: Path, export: Path, workers: int | None, work: Path, de
                    projected_wall_s=round(wall / share) if share else None)
     else:
         row["verdict"] = next(line for line in out.splitlines() if line.startswith("Validation"))
+        row["check_s"] = _check_seconds(work / "wd" / "validation_report.json")
     return row
+
+
+def _check_seconds(report: Path) -> dict[str, float]:
+    """Each check's seconds, from the report validate wrote."""
+    try:
+        checks = json.loads(report.read_text()).get("checks", {})
+    except (OSError, ValueError):
+        return {}
+    return {name: round(float(c.get("seconds") or 0), 1) for name, c in checks.items()}
 
 
 def main() -> None:
@@ -173,15 +198,23 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--case", choices=sorted(CASES), action="append")
     p.add_argument("--workers", type=int, nargs="+", default=[0], help="worker counts to run (0: the default)")
+    p.add_argument("--load-check", action="store_true",
+                   help="validate with its defaults, the load check included (the demo tokenizer copied beside the weights)")
     p.add_argument("--limit-s", type=float, default=None,
                    help="stop each run after this many seconds and project its wall time from the bytes read")
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="validate-memory-"))
     for name in args.case or ["13b"]:
         source, export, decoded = build(name, work)
+        if args.load_check:  # a checkpoint as shipped: its tokenizer beside the weights
+            tokenizer = tokenizer_dir(work)
+            for folder in (source, export):
+                for f in TOKENIZER_FILES:
+                    if (tokenizer / f).exists():
+                        shutil.copy(tokenizer / f, folder / f)
         read_gb = decoded * 3 / 1e9  # each FP8 code (1 byte) and its BF16 source (2 bytes)
         for workers in args.workers:
-            r = run_validate(source, export, workers or None, work, int(read_gb * 1e9), args.limit_s)
+            r = run_validate(source, export, workers or None, work, int(read_gb * 1e9), args.limit_s, args.load_check)
             r.update(case=name, workers=workers or "default", decoded_elements=decoded, decode_read_gb=round(read_gb, 1),
                      s_per_gb=round((r.get("projected_wall_s") or r["wall_s"]) / read_gb, 2))
             print(json.dumps(r), flush=True)

@@ -9,7 +9,7 @@ what that loader makes of the files). For each part in order:
    captured (``replay.capture_during``); its output is the next part's input;
 2. that part becomes the export's emulation in float32 (``emulate.py``: weights decoded from the files,
    activations quantized as exported) and each unit's emulated output is kept; the part is freed;
-3. the export's part is read, each unit replayed on the captured inputs (``loadcheck.replay_units``) and judged
+3. the export's part is read, each unit replayed on the captured inputs (``load_verdict.replay_units``) and judged
    (``load_judge.judge_units``); the export's part also runs on the export's own hidden states, for the logits
    and the greedy agreement; then it is freed.
 
@@ -85,7 +85,7 @@ def probe_streamed(ctx: CheckInputs, result: CheckResult, tokenizer: Any, ids: t
     scales are re-observed on the way, each calibration window run through the source's parts as they pass."""
     from quark_ptq_eval.runtime import blocks
     from quark_ptq_eval.validate.load_judge import Judged
-    from quark_ptq_eval.validate.loadcheck import finish_probe
+    from quark_ptq_eval.validate.load_verdict import finish_probe
     from quark_ptq_eval.validate.scale_ranges import judge_observation, prepare_observation
 
     src = _Side(blocks.open_streamed(ctx.source, trust_remote_code=trust))
@@ -144,7 +144,7 @@ class _Walk:
 
     def _replay(self, part: str, owners: list[str], captures: dict[str, Any]) -> dict[Any, Any]:
         from quark_ptq_eval.validate import replay
-        from quark_ptq_eval.validate.loadcheck import replay_units
+        from quark_ptq_eval.validate.load_verdict import replay_units
 
         out = self.out.model
         parts = _load(out, part)

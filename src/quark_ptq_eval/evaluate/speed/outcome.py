@@ -16,7 +16,7 @@ from quark_ptq_eval.evaluate.speed.record import DecodePredictionRow, Gain, Pred
 from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload
 
 if TYPE_CHECKING:
-    from quark_ptq_eval.evaluate.speed.tier import SpeedPrepared
+    from quark_ptq_eval.evaluate.speed.prepared import SpeedPrepared
 
 TASK = "speed"  # the scores' task name
 

