@@ -37,7 +37,6 @@ KNOWN_UNTYPED = {
     ("base.schemes", "as_spec_list"): "a scheme's spec rows from the bundled schemes table (YAML)",
     ("base.schemes", "load_scheme_table"): "the same table",
     ("base.schemes", "meaning"): "the same table's row",
-    ("base.tensor_names", "align_source_names"): "safetensors headers (name -> header entry) of validate/",
     ("plan.resources", "_arch"): "plan/: another engineer's area this round (the serving-fit record)",
     ("plan.resources", "serving_fit"): "plan/: the serving-fit record compare/ reports",
     ("plan.resources", "serving_text"): "plan/: the same record",

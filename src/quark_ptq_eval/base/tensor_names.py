@@ -13,8 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Collection, Mapping
 
 from quark_ptq_eval.base.safetensors_io import TensorInfo
 
@@ -32,7 +31,7 @@ LEGACY_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 
 
-def export_name(name: str, output: dict[str, Any] | None = None) -> str:
+def export_name(name: str, output: Collection[str] | None = None) -> str:
     """The legacy name rewritten; with ``output``, the first of (all rules, all but the MoE block
     rename) that the export holds (Granite keeps ``block_sparse_moe``, Mixtral's becomes ``mlp``)."""
     candidates = []
@@ -46,8 +45,10 @@ def export_name(name: str, output: dict[str, Any] | None = None) -> str:
     return candidates[0]
 
 
-def align_source_names(source: dict[str, Any], output: dict[str, Any], model_type: str | None = None) -> dict[str, Any]:
-    """``source`` keyed by the export's names where only the legacy name differs, and fused 3-D
+def align_source_names(source: Mapping[str, TensorInfo], output: Collection[str],
+                       model_type: str | None = None) -> dict[str, TensorInfo]:
+    """``source`` (the source's safetensors headers, name -> entry) keyed by the export's names (``output``: the
+    export's tensor names, e.g. its headers) where only the legacy name differs, and fused 3-D
     expert tensors split per expert where the export holds them per expert; else unchanged.
     Names still unmatched then go through transformers' own checkpoint renamings for
     ``model_type`` (DeepSeek-V4's ``ffn.*``/``attn.*``/``head``), imported only in that case."""
@@ -77,8 +78,9 @@ def _transformers_renamer(model_type: str) -> Callable[[str], str] | None:
     return (lambda n: rename_source_key(n, rules, [])[0]) if rules else None
 
 
-def _align(source: dict[str, Any], output: dict[str, Any], pre: Callable[[str], str]) -> dict[str, Any]:
-    renamed: dict[str, Any] = {}
+def _align(source: Mapping[str, TensorInfo], output: Collection[str],
+           pre: Callable[[str], str]) -> dict[str, TensorInfo]:
+    renamed: dict[str, TensorInfo] = {}
     for name, info in source.items():
         split = _split_fused_expert(name, info, output) or _split_granite_moe(name, info, output)
         if split:
@@ -95,7 +97,7 @@ def _align(source: dict[str, Any], output: dict[str, Any], pre: Callable[[str], 
 _FUSED = re.compile(r"^(?P<experts>.*\.experts(?:\.mlp)?)\.(?P<proj>[a-z0-9_]+?)(?P<bias>_bias)?$")
 
 
-def _split_fused_expert(name: str, info: TensorInfo, output: dict[str, Any]) -> dict[str, Any] | None:
+def _split_fused_expert(name: str, info: TensorInfo, output: Collection[str]) -> dict[str, TensorInfo] | None:
     """A fused expert tensor on disk (gpt-oss ``experts.gate_up_proj`` [E, in, out], DBRX
     ``experts.mlp.w1`` [E*I, H]) -> ``experts.<e>.<proj>.weight`` per expert, as Quark exports it:
     equal slices of the leading dimension, exact byte ranges of the same tensor."""
@@ -122,7 +124,7 @@ def _split_fused_expert(name: str, info: TensorInfo, output: dict[str, Any]) -> 
 _GRANITE = re.compile(r"^(?P<moe>.*\.block_sparse_moe)\.(?P<which>input|output)_linear\.weight$")
 
 
-def _split_granite_moe(name: str, info: TensorInfo, output: dict[str, Any]) -> dict[str, Any] | None:
+def _split_granite_moe(name: str, info: TensorInfo, output: Collection[str]) -> dict[str, TensorInfo] | None:
     """Granite MoE: ``input_linear`` [E, 2I, H] holds gate then up rows, ``output_linear`` [E, H, I]
     the down projection; Quark exports ``experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``."""
     m = _GRANITE.match(name)
@@ -144,6 +146,6 @@ def _split_granite_moe(name: str, info: TensorInfo, output: dict[str, Any]) -> d
     return split
 
 
-def _in_output(alias: str, output: dict[str, Any]) -> bool:
+def _in_output(alias: str, output: Collection[str]) -> bool:
     module = alias.rsplit(".", 1)[0]
     return alias in output or f"{module}.weight" in output
