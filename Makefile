@@ -41,7 +41,7 @@ test:
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 demo: $(STAMP)
-	$(PY) -m quark_ptq_eval.flows.demo_run demo-work
+	$(PY) -m quark_ptq_eval.cli.demo demo-work
 
 bench: $(STAMP)
 	$(PY) -m bench.run_all
@@ -56,7 +56,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 docs: $(STAMP)
-	$(PY) -m quark_ptq_eval.flows.docs_gen docs/cli.md
+	$(PY) -m quark_ptq_eval.cli.docs_gen docs/cli.md
 
 clean-demo:
 	rm -rf demo-work

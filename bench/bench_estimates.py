@@ -42,7 +42,7 @@ def build_demo(root: Path) -> Path:
     """The demo's tiny model, corpus and int8 export (the demo's own commands, evaluation skipped)."""
     if (root / "tiny-llama-int8" / "config.json").exists():
         return root
-    from quark_ptq_eval.flows.cli import main as cli_main
+    from quark_ptq_eval.cli.main import main as cli_main
     from quark_ptq_eval.flows.demo import build_corpus, build_tiny_model
 
     root.mkdir(parents=True, exist_ok=True)

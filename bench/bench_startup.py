@@ -29,7 +29,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZ
 # Runs in a fresh interpreter: our main() in-process, then the heavy modules it left loaded.
 IMPORT_PROBE = """
 import contextlib, io, json, sys
-from quark_ptq_eval.flows.cli import main
+from quark_ptq_eval.cli.main import main
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
     try:
         main(json.loads(sys.argv[1]))

@@ -1,6 +1,6 @@
 """Crash campaign: the demo recipe SIGKILLed at random instants, resumed, compared with a clean run.
 
-One clean reference run of the demo recipe (``flows/demo_run.demo_args``: the embedded tiny Llama,
+One clean reference run of the demo recipe (``cli/demo.demo_args``: the embedded tiny Llama,
 int8, Tier 1 with the baseline) gives the end state every trial must reach and the span instants
 are drawn over. Each trial then starts the same recipe from scratch in a fresh work dir and output,
 SIGKILLs the whole process tree (its process group and the engine's, which runs in a session of its
@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from quark_ptq_eval.base.state import LOCK_FILE, STATE_FILE  # noqa: E402
 from quark_ptq_eval.base.step_table import STEP_NAMES  # noqa: E402
-from quark_ptq_eval.flows.demo_run import demo_args  # noqa: E402
+from quark_ptq_eval.cli.demo import demo_args  # noqa: E402
 
 FINISHED = ("done", "succeeded", "success", "skipped", "written", "none")  # "written"/"none": the card step
 WORK_ARTIFACTS_SKIPPED = ("logs", LOCK_FILE)  # logs differ by design; the lock is checked on its own

@@ -1,3 +1,3 @@
-from quark_ptq_eval.flows.cli import entry
+from quark_ptq_eval.cli.main import entry
 
 entry()

@@ -22,9 +22,10 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "quark_ptq_eval"
 
 
 # The layers, lowest first: a module imports its own package, the base and the packages before
-# its own. The package's entry points (quark_ptq_eval/__init__.py, __main__.py) stand with the flows.
+# its own. The command line (cli/) stands on top: nothing imports it but the package's entry points
+# (quark_ptq_eval/__init__.py, __main__.py), which stand above the layers.
 LAYERS = ("base", "context", "intake", "plan", "manifest", "execute", "runtime", "validate", "evaluate", "sensitivity",
-          "budget", "publish", "flows")
+          "budget", "publish", "flows", "cli")
 
 
 def _import_statements(root: Path = SRC) -> list[tuple[str, str, str]]:
@@ -133,9 +134,14 @@ def test_no_import_cycle_in_the_benchmarks():
 def test_every_import_follows_the_layer_order():
     statements = _import_statements()
     assert {_layer(m) for m, _, _ in statements} >= set(LAYERS)  # every layer was read
-    # the rule itself: a step importing a flow, and the base importing a step, are refused
-    assert _against_layers([("quark_ptq_eval.plan.x", "plan/x.py:1", "quark_ptq_eval.flows.api"),
-                            ("quark_ptq_eval.base.y", "base/y.py:2", "quark_ptq_eval.context.preflight")])[1:]
+    # the rule itself: a step importing a flow, the base importing a step and a flow importing the command
+    # line are refused; the command line importing a flow, and the entry point the command line, are not
+    planted = [("quark_ptq_eval.plan.x", "plan/x.py:1", "quark_ptq_eval.flows.api"),
+               ("quark_ptq_eval.base.y", "base/y.py:2", "quark_ptq_eval.context.preflight"),
+               ("quark_ptq_eval.flows.z", "flows/z.py:3", "quark_ptq_eval.cli.main"),
+               ("quark_ptq_eval.cli.commands.run", "cli/commands/run.py:4", "quark_ptq_eval.flows.pipeline"),
+               ("quark_ptq_eval.__main__", "__main__.py:5", "quark_ptq_eval.cli.main")]
+    assert [w.split(":")[0] for w in _against_layers(planted)] == ["plan/x.py", "base/y.py", "flows/z.py"]
     wrong = _against_layers(statements)
     assert wrong == [], "imports against the layer order:\n" + "\n".join(wrong)
 
@@ -207,8 +213,8 @@ def test_compare_takes_its_options_from_the_per_concern_dataclasses():
     import dataclasses
 
     from quark_ptq_eval.base.options import flag_dest, flagged_fields
+    from quark_ptq_eval.cli.main import build_parser
     from quark_ptq_eval.evaluate.options import EvalOptions
-    from quark_ptq_eval.flows.cli import build_parser
     from quark_ptq_eval.flows.compare import compare
     from quark_ptq_eval.flows.compare import options as copts
     from quark_ptq_eval.plan.request import CHOICE, PlanRequest
@@ -238,9 +244,9 @@ def test_each_option_is_declared_once_on_its_dataclass_and_feeds_parser_and_api(
 
     from quark_ptq_eval import run
     from quark_ptq_eval.base.options import flag_dest, flagged_fields, given
+    from quark_ptq_eval.cli.main import build_parser
     from quark_ptq_eval.evaluate.cli import eval_options_from_args
     from quark_ptq_eval.evaluate.options import EvalOptions, Thresholds
-    from quark_ptq_eval.flows.cli import build_parser
     from quark_ptq_eval.plan.request import PlanRequest
 
     run_parser = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
@@ -313,7 +319,7 @@ def test_gatekeeper_binds_each_approval_to_content_and_records_how_to_continue(t
 
 
 def test_engine_names_come_from_the_registry_everywhere():
-    from quark_ptq_eval.flows.cli import build_parser
+    from quark_ptq_eval.cli.main import build_parser
 
     schema = contracts.own_schema("quant_plan")
     assert schema["properties"]["engine"]["properties"]["name"]["enum"] == list(ENGINE_NAMES)
@@ -332,7 +338,7 @@ def test_engine_names_come_from_the_registry_everywhere():
 
 
 def test_tier_names_come_from_the_registry_everywhere():
-    from quark_ptq_eval.flows.cli import build_parser
+    from quark_ptq_eval.cli.main import build_parser
 
     run = build_parser()._subparsers._group_actions[0].choices["run"]
     tier_flag = next(a for a in run._actions if "--eval-tier" in a.option_strings)

@@ -564,7 +564,7 @@ def test_a_tier_with_its_own_option_is_one_module_and_one_row(tiny_llama, tmp_pa
     pkg = option_tier_package(tmp_path / "pkg")
     env = {**os.environ, "PYTHONPATH": str(pkg)}
     docs = tmp_path / "cli.md"  # what `make docs` runs, on the extended package
-    subprocess.run([sys.executable, "-m", "quark_ptq_eval.flows.docs_gen", str(docs)], env=env, check=True,
+    subprocess.run([sys.executable, "-m", "quark_ptq_eval.cli.docs_gen", str(docs)], env=env, check=True,
                    capture_output=True)
     original = (SRC.parent / "docs" / "cli.md").read_text(encoding="utf-8").splitlines()
     diff = [d for d in difflib.ndiff(original, docs.read_text(encoding="utf-8").splitlines()) if d[:1] in "+-"]

@@ -34,13 +34,12 @@ KNOWN_UNTYPED = {
     ("base.options", "given"): "the same: the flags given, as keywords for their dataclass",
     ("base.options", "json_values"): "the same, as JSON",
     ("evaluate.cli", "eval_options_from_args"): "the EvalOptions keywords given on the command line",
+    ("flows.compare", "compare"): "comparison.json's content, which `compare --json` prints (seen since the command "
+                                  "line left flows/ for cli/; flows/compare was out of reach that round)",
+    ("flows.sweep", "sweep"): "sweep_summary.json's content, which `sweep --json` prints (the same)",
     ("base.schemes", "as_spec_list"): "a scheme's spec rows from the bundled schemes table (YAML)",
     ("base.schemes", "load_scheme_table"): "the same table",
     ("base.schemes", "meaning"): "the same table's row",
-    ("plan.resources", "_arch"): "plan/: another engineer's area this round (the serving-fit record)",
-    ("plan.resources", "serving_fit"): "plan/: the serving-fit record compare/ reports",
-    ("plan.resources", "serving_text"): "plan/: the same record",
-    ("plan.resources", "weight_bits"): "plan/: the scheme-info record",
 }
 
 
@@ -106,7 +105,7 @@ KNOWN_DICT_FIELDS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("base.artifacts", "RunManifest"): (("checkpoints", "command", "engine", "inputs", "observed", "outputs", "runs",
                                          "steps"), ARTIFACT),
     ("base.options", "Flag"): (("argparse",), "argparse's own keywords for add_argument, open by nature"),
-    ("flows.import_command", "Flag"): (("kwargs",), "argparse's own keywords for add_argument, open by nature"),
+    ("cli.quark_cli_flags", "Flag"): (("kwargs",), "argparse's own keywords for add_argument, open by nature"),
     ("base.state", "RunState"): (("options", "pending", "steps"), "run_state.json, the resumable run's record"),
     ("context.preflight", "Contexts"): (("pytorch", "quark", "session", "workspace"), "environment probes' records"),
     ("evaluate.context", "ScoredText"): (("baseline_cache",), "the baseline cache's JSON summary"),
@@ -125,8 +124,7 @@ KNOWN_DICT_FIELDS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("flows.compare.ray_cell", "SpeedSpec"): (("options",), "the same, for a speed cell"),
     ("flows.sweep", "Grid"): (("options",), "a sweep's shared keywords for run()"),
     ("intake.formats", "SourceEvidence"): (("config", "qc"), "transformers' config.json and its quantization_config"),
-    ("plan.resources", "QuantizeWorkload"): (("calibration", "device", "info"), "plan/: the plan's records it sizes"),
-    ("plan.targets", "Deployment"): (("budget",), "the target's budget row (serving fit record)"),
+    ("plan.resources", "QuantizeWorkload"): (("calibration", "device"), "plan/: the plan's records it sizes"),
     ("publish.base_card", "BaseCard"): (("carried",), "the base model card's YAML front matter, open by nature"),
     ("publish.facts", "RunFacts"): (("evaluation", "validation"), "the reports' JSON, as written"),
     ("runtime.block_pass", "Recorded"): (("kwargs",), "a decoder block's forward keywords, as the model passes them"),

@@ -240,7 +240,7 @@ def test_non_finite_logits_are_refused(tiny_llama, copy_model, eval_text, tmp_pa
 
 
 def test_eval_command_through_the_main_cli(tiny_llama, eval_text, tmp_path):
-    from quark_ptq_eval.flows.cli import main
+    from quark_ptq_eval.cli.main import main
 
     argv = [
         "eval",

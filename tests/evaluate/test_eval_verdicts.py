@@ -70,7 +70,7 @@ def test_a_non_finite_reference_is_refused(value):
 
 
 def test_a_non_finite_reference_exits_2_with_one_sentence(tmp_path, capsys):
-    from quark_ptq_eval.flows.cli import main
+    from quark_ptq_eval.cli.main import main
 
     rc = main(["eval", "--quantized", str(tmp_path), "--workdir", str(tmp_path), "--tier", "ppl",
                "--reference", "perplexity:perplexity=nan"])
@@ -266,7 +266,7 @@ def scale_tensor(model_dir: Path, name: str, factor: float) -> None:
 @pytest.mark.slow
 def test_a_badly_broken_export_is_hurt_with_its_numbers(quantized, copy_model, tiny_llama, eval_text, capsys):
     """lm_head x 1e30 in a real int8 export: logits near 1e30, whose exp() overflows any float."""
-    from quark_ptq_eval.flows.cli import main
+    from quark_ptq_eval.cli.main import main
 
     broken = copy_model(quantized("int8"), "huge-lm-head")
     scale_tensor(broken, "lm_head.weight", 1e30)

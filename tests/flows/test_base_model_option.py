@@ -14,7 +14,7 @@ import pytest
 from quark_ptq_eval.base.errors import CheckpointPending, UsageError
 from quark_ptq_eval.base.gates import FlagApprover
 from quark_ptq_eval.base.state import RunState
-from quark_ptq_eval.flows.cli import main
+from quark_ptq_eval.cli.main import main
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,

@@ -98,7 +98,7 @@ def test_compare_speed_without_a_vllm_is_refused_before_anything_runs(tmp_path, 
 def test_the_compare_and_sweep_commands_take_speed():
     import argparse
 
-    from quark_ptq_eval.flows.cli import build_parser
+    from quark_ptq_eval.cli.main import build_parser
 
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     args = commands["compare"].parse_args(["m", "-o", "out", "--speed", "--vllm-python", "p", "--speed-input-len", "8"])

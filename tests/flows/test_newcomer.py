@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from quark_ptq_eval.base import first_use
-from quark_ptq_eval.evaluate.ppl import text as tier1_text
-from quark_ptq_eval.flows.cli import build_parser, main
-from quark_ptq_eval.flows.import_command import (
+from quark_ptq_eval.cli.main import build_parser, main
+from quark_ptq_eval.cli.quark_cli_flags import (
     NOT_TRANSLATED,
     QUARK_CLI_FLAGS,
     SAME_SPELLING,
     rewrite_model_dir,
     translate,
 )
+from quark_ptq_eval.evaluate.ppl import text as tier1_text
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS_DIR = Path(__file__).parents[1] / "data" / "eval_tasks"
@@ -128,7 +128,7 @@ def test_import_command_shows_the_plan_for_approval(cli, tiny_llama, corpus, tmp
 
 def test_preflight_is_one_screen_with_fixes_and_no_quark_import(tmp_path, monkeypatch):
     no_hf_cache(monkeypatch, tmp_path)
-    code = ("import sys, json; from quark_ptq_eval.flows.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys, json; from quark_ptq_eval.cli.main import main; rc = main(sys.argv[1:]); "
             "print(json.dumps({'rc': rc, 'quark.torch': 'quark.torch' in sys.modules, 'torch': 'torch' in sys.modules}))")
     proc = subprocess.run([sys.executable, "-c", code, "preflight", "--workdir", str(tmp_path / "w")],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ))
@@ -352,12 +352,12 @@ def test_readme_first_run_preflight_is_what_a_fresh_machine_prints(tmp_path):
 
 def test_readme_session_is_the_command_make_demo_runs(tmp_path, monkeypatch, capsys):
     """`make demo`'s first lines as README describes them, and the command its transcript shows."""
-    from quark_ptq_eval.flows import demo_run
+    from quark_ptq_eval.cli import demo as demo_run
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     session = _section(readme, "## A real session", "## Install")
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
-    assert "$(PY) -m quark_ptq_eval.flows.demo_run demo-work" in makefile
+    assert "$(PY) -m quark_ptq_eval.cli.demo demo-work" in makefile
     building = re.search(r"`(Building the embedded tiny model and corpus in) <checkout>/demo-work \.\.\.`", session)
     assert building and building.group(1) in Path(demo_run.__file__).read_text(encoding="utf-8")
     root = tmp_path / "demo-work"

@@ -244,7 +244,7 @@ def test_engine_failure_is_classified_and_nothing_is_reported_as_success(cli, co
 
 
 def test_help_and_status_do_not_import_torch(cli, tmp_path):
-    code = ("import sys, quark_ptq_eval.flows.cli as c\n"
+    code = ("import sys, quark_ptq_eval.cli.main as c\n"
             "try:\n    c.main(['--help'])\nexcept SystemExit: pass\n"
             "c.main(['status', '--workdir', sys.argv[1]])\n"
             "print(sorted(m for m in ('torch', 'quark', 'transformers', 'lm_eval', 'datasets') if m in sys.modules))")

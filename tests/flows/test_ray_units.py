@@ -13,7 +13,7 @@ from quark_ptq_eval.base.errors import UsageError
 
 
 def test_the_cli_imports_no_ray_until_asked():
-    code = ("import sys, quark_ptq_eval.flows.cli as c; a = c.build_parser().parse_args(['compare', '--ray', '-o', 'x']);"
+    code = ("import sys, quark_ptq_eval.cli.main as c; a = c.build_parser().parse_args(['compare', '--ray', '-o', 'x']);"
             "c.build_parser().parse_args(['sweep', 'g.yaml', '--ray=local', '-o', 'y']);"
             "import quark_ptq_eval.flows.compare.on_ray, quark_ptq_eval.flows.sweep; print(a.ray, 'ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

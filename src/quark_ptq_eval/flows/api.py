@@ -20,6 +20,7 @@ from quark_ptq_eval.flows.run_options import run_options
 
 if TYPE_CHECKING:
     from quark_ptq_eval.context.preflight import HostEnv
+    from quark_ptq_eval.flows.summary import RunSummary
 
 __all__ = ["analyze_model", "build_manifest", "compare", "evaluate_model", "execute_plan", "plan_quantization", "run",
            "run_options", "validate_model"]
@@ -70,7 +71,7 @@ def build_manifest(quant_plan: QuantPlan, workdir: str | Path, *, offline: bool 
 
 def run(model: str | Path | None, output_dir: str | Path | None, *, workdir: str | Path = ".",
         approver: Approver | None = None, stop_after: str | None = None, quiet: bool = True,
-        **options: Any) -> dict[str, Any]:
+        **options: Any) -> RunSummary:
     """The whole recipe (or up to ``stop_after``: intake, plan, manifest, execute). Raises
     ``CheckpointPending`` at a gate the approver refuses; call again to resume. ``options``: the
     RunOptions fields (eval_tier, offline, overwrite, no_load_check, base_model, ...), ``eval_options`` (a dict of
@@ -83,7 +84,7 @@ def run(model: str | Path | None, output_dir: str | Path | None, *, workdir: str
                       Reporter(quiet=quiet), stop_after, measure_side_by_side)
 
 
-def execute_plan(workdir: str | Path, *, approver: Approver | None = None, quiet: bool = True) -> dict[str, Any]:
+def execute_plan(workdir: str | Path, *, approver: Approver | None = None, quiet: bool = True) -> RunSummary:
     """Run the approved manifest of an earlier ``run`` in ``workdir`` (Phase 1 step 4)."""
     return run(None, None, workdir=workdir, approver=approver, stop_after="execute", quiet=quiet)
 

@@ -17,7 +17,7 @@ import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from quark_ptq_eval.base.catalog import load_catalog
 from quark_ptq_eval.base.errors import CheckpointPending, UsageError
@@ -39,6 +39,7 @@ from quark_ptq_eval.flows.quantize_steps import (
 )
 from quark_ptq_eval.flows.recipe_flow import AfterEval, Evaluator, Flow, RunServices
 from quark_ptq_eval.flows.run_options import RunOptions
+from quark_ptq_eval.flows.summary import RunSummary
 
 RUN_LOG = "run.log"  # in-process library output of a run (the engine's own is engine.log)
 ProducedT = TypeVar("ProducedT")
@@ -68,7 +69,7 @@ class Recipe:
         self._clock = 0.0
 
     # -- the flow ---------------------------------------------------------------------------
-    def run(self, options: RunOptions, stop_after: str | None = None) -> dict[str, Any]:
+    def run(self, options: RunOptions, stop_after: str | None = None) -> RunSummary:
         """The recipe (to ``stop_after``) with ``options`` over those stored by an earlier run in the
         work dir; returns run_summary.json's content. Raises CheckpointPending at a refused gate."""
         if stop_after is not None and stop_after not in STEP_NAMES:
@@ -89,7 +90,7 @@ class Recipe:
                 return self._run_locked(opts, services, bool(options.request_given), stop_after)
 
     def _run_locked(self, opts: RunOptions, services: RunServices, plan_flags_given: bool,
-                    stop_after: str | None) -> dict[str, Any]:
+                    stop_after: str | None) -> RunSummary:
         from quark_ptq_eval.intake import resolve_model
 
         self._clock = time.monotonic()
@@ -148,7 +149,7 @@ class Recipe:
             raise UsageError("No output directory given.", "Pass -o/--output-dir for the quantized model.")
         return check_output_target(Path(opts.output_dir), model_path, self.workdir)
 
-    def _summary(self, flow: Flow, stopped_at: str | None) -> dict[str, Any]:
+    def _summary(self, flow: Flow, stopped_at: str | None) -> RunSummary:
         from quark_ptq_eval.flows.summary import build_summary
 
         summary = build_summary(self.workdir, flow.opts.model, flow.opts.output_dir, self.timings, stopped_at,
@@ -166,7 +167,7 @@ def content_digest(produced: object) -> str:
 
 
 def run_recipe(options: RunOptions, workdir: str | Path, approver: Approver, reporter: Reporter,
-               stop_after: str | None = None, after_eval: AfterEval | None = None) -> dict[str, Any]:
+               stop_after: str | None = None, after_eval: AfterEval | None = None) -> RunSummary:
     """The one entry point of `run`, `resume` and the step commands, and of the Python API's ``run``."""
     return Recipe(workdir, approver, reporter, after_eval=after_eval).run(options, stop_after=stop_after)
 

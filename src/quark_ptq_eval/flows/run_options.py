@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from quark_ptq_eval.base.options import build, check_names, flag
 from quark_ptq_eval.evaluate.options import EvalOptions
@@ -120,13 +121,13 @@ def _given_json(options: PlanRequest | EvalOptions, names: tuple[str, ...]) -> d
     return {name: plain(values[name]) for name in names}
 
 
-def run_options(model: str | Path | None, output_dir: str | Path | None, options: dict[str, Any]) -> RunOptions:
+def run_options(model: str | Path | None, output_dir: str | Path | None, options: Mapping[str, object]) -> RunOptions:
     """RunOptions from ``run``'s keywords, the one way the CLI and the Python API build them: each keyword
     goes to the dataclass that declares it (``eval_options``: a dict of EvalOptions fields, every keyword
     that is no RunOptions field: a PlanRequest field); an unknown name is refused."""
     own = {f.name for f in dataclasses.fields(RunOptions)} - set(COMPOSED)
     run_given = {k: v for k, v in options.items() if k in own}
-    eval_given = dict(options.get("eval_options") or {})
+    eval_given = dict(cast("Mapping[str, object]", options.get("eval_options") or {}))
     request_given = {k: v for k, v in options.items() if k not in own and k != "eval_options"}
     check_names(PlanRequest, request_given, "plan")
     check_names(EvalOptions, eval_given, "evaluation")

@@ -3,11 +3,39 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from quark_ptq_eval.base.calibration_text import describe_used
 from quark_ptq_eval.base.step_table import STEP_NAMES, artifact_files
 from quark_ptq_eval.publish import upload_command
+
+
+class EvalSummary(TypedDict):
+    """The evaluation's line of the summary: its tier, verdict and report."""
+
+    tier: str
+    verdict: str
+    report: str
+    verdict_qualifier: str | None
+
+
+class RunSummary(TypedDict):
+    """run_summary.json: what a run (or the step it stopped after) produced, as the commands print it."""
+
+    status: str  # "done" or "stopped"
+    stopped_after: str | None
+    workdir: str
+    model: str | None
+    scheme: str | None
+    algorithm: str | None
+    size_before_bytes: int | None
+    size_after_bytes: int | None
+    calibration: str | None
+    validation: str | None
+    evaluation: EvalSummary | str | None  # None: not reached; "skipped"
+    artifacts: dict[str, str]
+    timings_s: dict[str, float]
+    upload: str | None  # the line that publishes the export: printed last, never run
 
 
 def _dir_bytes(path: Path) -> int | None:
@@ -17,7 +45,7 @@ def _dir_bytes(path: Path) -> int | None:
 
 
 def build_summary(wd: Path, model: str | None, output_dir: str | None, timings: dict[str, float],
-                  stopped_at: str | None, parts: dict[str, Any]) -> dict[str, Any]:
+                  stopped_at: str | None, parts: dict[str, Any]) -> RunSummary:
     """``parts``: what each step produced, by its ``Step.part`` name."""
     plan = parts.get("plan")
     analysis = parts.get("analysis")
@@ -52,7 +80,7 @@ def _executed(stopped_at: str | None) -> bool:
     return stopped_at is None or STEP_NAMES.index(stopped_at) >= STEP_NAMES.index("execute")
 
 
-def _eval_summary(evaluation: Any) -> Any:
+def _eval_summary(evaluation: Any) -> EvalSummary | str | None:
     """``None`` (not reached), ``"skipped"``, or the tier, verdict and report of an EvalReport."""
     if evaluation is None or isinstance(evaluation, str):
         return evaluation
@@ -60,7 +88,7 @@ def _eval_summary(evaluation: Any) -> Any:
             "verdict_qualifier": getattr(evaluation, "verdict_qualifier", None)}
 
 
-def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
     rows = [(name, path) for name, path in summary["artifacts"].items()]
     mib = lambda b: f"{b / 2**20:.2f} MiB" if b else "-"  # noqa: E731
     rows += [("scheme", f"{summary['scheme']}" + (f" + {summary['algorithm']}" if summary["algorithm"] else "")),
@@ -71,7 +99,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _verdict_text(evaluation: Any) -> str:
+def _verdict_text(evaluation: EvalSummary | str | None) -> str:
     if isinstance(evaluation, dict):
         qualifier = f", {evaluation['verdict_qualifier']}" if evaluation.get("verdict_qualifier") else ""
         return f"{evaluation['verdict']} (tier {evaluation['tier']}{qualifier})"

@@ -60,7 +60,7 @@ class PlanRequest:
     trust_remote_code: bool = field(default=False, metadata=flag(
         "--trust-remote-code", action="store_true", help="allow the model repository's own code to run (never implied)"))
     evaluation_intent: str = field(default="smoke", metadata=flag("--eval-intent", choices=("none", "smoke", "full")))
-    offline: bool = False  # its flag is a run-control option (cli._common): it applies to every step
+    offline: bool = False  # its flag is a run-control option (cli/args.py: add_run_control): it applies to every step
     hold_out_eval: bool = False  # set by the run: split off a held-out part of the text for Tier 1
     sensitivity: bool = field(default=False, metadata=flag(  # the flow's scan at plan time (flows/plan_scan.py)
         "--sensitivity", action="store_true",

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from quark_ptq_eval.base.ui import noise_to_log
+from quark_ptq_eval.cli.main import main as cli_main
 from quark_ptq_eval.evaluate.tiers import text_tier
-from quark_ptq_eval.flows.cli import main as cli_main
 
 
 def main(argv: list[str] | None = None) -> int:

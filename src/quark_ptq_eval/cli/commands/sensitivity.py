@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from quark_ptq_eval.plan.targets import ArchFamily
 
 
-def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     from quark_ptq_eval.plan.request import PlanRequest
     from quark_ptq_eval.sensitivity.scan import ScanOptions
 
@@ -40,7 +40,7 @@ def add_sensitivity_arguments(p: argparse.ArgumentParser) -> None:
     add_offline_flag(p)
 
 
-def cmd_sensitivity(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from quark_ptq_eval.flows.plan_scan import target_rule
     from quark_ptq_eval.sensitivity import ScanOptions, run_sensitivity
     from quark_ptq_eval.sensitivity.emulation import check_scheme_runs

@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 from quark_ptq_eval.base.errors import ExitCode
-from quark_ptq_eval.base.gates import Approver
 from quark_ptq_eval.base.ui import noise_to_log
+from quark_ptq_eval.cli.args import add_gate_flags, approver
 
 
-def add_compare_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of compare/options.py's parts (the options are declared on their dataclasses' fields)."""
     from quark_ptq_eval.flows.compare.options import (
         BUDGET_PART,
@@ -47,25 +47,13 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", "-q", action="store_true")
 
 
-def add_gate_flags(g) -> None:
-    """--approve and --yes: the gates answered by name (compare, sweep)."""
-    g.add_argument("--approve", default="", metavar="GATES", help="comma-separated approvals: intake,plan,execute,result,...")
-    g.add_argument("--yes", "-y", action="store_true", help="approve every gate except overwrite and baseline")
-
-
-def add_ray_flag(g, what: str) -> None:
-    from quark_ptq_eval.flows.compare.options import RAY_HELP
-
-    g.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS", help=RAY_HELP.format(what=what))
-
-
-def cmd_compare(args: argparse.Namespace, approver: Approver) -> int:
+def run(args: argparse.Namespace) -> int:
     from quark_ptq_eval.flows.compare import compare
     from quark_ptq_eval.flows.compare.options import keywords
 
     given = {k: getattr(args, k) for k in keywords() if getattr(args, k, None) is not None}
     with noise_to_log(Path(args.out_root).resolve() / "logs" / "compare.log"):  # library chatter: the log
-        result = compare(args.model, args.schemes, args.out_root, approver=approver, quiet=args.quiet or args.json,
+        result = compare(args.model, args.schemes, args.out_root, approver=approver(args), quiet=args.quiet or args.json,
                          **given)
     if args.json:
         print(json.dumps(result, indent=2))

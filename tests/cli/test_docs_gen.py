@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from quark_ptq_eval.base.errors import ExitCode
-from quark_ptq_eval.flows import docs_gen
-from quark_ptq_eval.flows.cli import build_parser
+from quark_ptq_eval.cli import docs_gen
+from quark_ptq_eval.cli.main import build_parser
 
 CLI_MD = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
@@ -70,7 +70,7 @@ def test_check_mode(tmp_path):
 
 def test_generating_imports_nothing_heavy(tmp_path):
     probe = (
-        "import json, sys; from quark_ptq_eval.flows import docs_gen; docs_gen.render(); "
+        "import json, sys; from quark_ptq_eval.cli import docs_gen; docs_gen.render(); "
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'quark', 'transformers', 'lm_eval', 'datasets'))))"
     )

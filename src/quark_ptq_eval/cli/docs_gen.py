@@ -1,6 +1,6 @@
 """Generate the CLI reference (docs/cli.md) from the real argparse parser, so it is never written twice.
 
-``python -m quark_ptq_eval.flows.docs_gen docs/cli.md`` (what ``make docs`` runs) writes one section per
+``python -m quark_ptq_eval.cli.docs_gen docs/cli.md`` (what ``make docs`` runs) writes one section per
 subcommand (description, usage, one options table per argument group) and the exit codes, read
 from :class:`quark_ptq_eval.base.errors.ExitCode`. ``--check`` exits 1 when the file is stale. The output
 does not depend on the terminal width, and nothing heavy (torch, Quark) is imported.
@@ -18,9 +18,9 @@ from quark_ptq_eval.base.errors import ExitCode
 
 HEADER = """# CLI reference
 
-<!-- Generated from quark_ptq_eval.flows.cli.build_parser() by `make docs`
-     (python -m quark_ptq_eval.flows.docs_gen docs/cli.md). Do not edit by hand:
-     tests/flows/test_docs_gen.py fails when this file and the parser disagree. -->
+<!-- Generated from quark_ptq_eval.cli.main.build_parser() by `make docs`
+     (python -m quark_ptq_eval.cli.docs_gen docs/cli.md). Do not edit by hand:
+     tests/cli/test_docs_gen.py fails when this file and the parser disagree. -->
 """
 NOTE = ("Options without a value are switches. An empty default means the option is not set: the plan "
         "recommends a value (shown with its reason in quant_plan.json) or an earlier run's value in the same "
@@ -129,7 +129,7 @@ def exit_codes() -> list[tuple[str, int, str]]:
 
 def render(parser: argparse.ArgumentParser | None = None) -> str:
     if parser is None:
-        from quark_ptq_eval.flows.cli import build_parser
+        from quark_ptq_eval.cli.main import build_parser
 
         parser = build_parser()
     subs, helps = _subparsers(parser), _subcommand_help(parser)
@@ -145,7 +145,7 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m quark_ptq_eval.flows.docs_gen", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m quark_ptq_eval.cli.docs_gen", description=__doc__.splitlines()[0])
     p.add_argument("output", type=Path, nargs="?", default=Path("docs/cli.md"))
     p.add_argument("--check", action="store_true", help="exit 1 if OUTPUT differs from the parser instead of writing")
     args = p.parse_args(argv)

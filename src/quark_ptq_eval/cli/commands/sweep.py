@@ -7,17 +7,15 @@ import json
 from pathlib import Path
 
 from quark_ptq_eval.base.errors import ExitCode
-from quark_ptq_eval.base.gates import Approver
 from quark_ptq_eval.base.ui import noise_to_log
+from quark_ptq_eval.cli.args import add_gate_flags, add_ray_flag, approver
 
 
-def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("grid", type=Path, help="YAML or JSON: models (paths, or label: path), schemes, optional goals, "
                                            "and options (compare's, by keyword: calib_data, eval_data, ...)")
     p.add_argument("-o", "--output-root", dest="out_root", type=Path, required=True,
                    help="one comparison directory per model (and goal) under it, and the summary table")
-    from quark_ptq_eval.flows.compare.command import add_gate_flags, add_ray_flag
-
     add_gate_flags(p)
     add_ray_flag(p, "every comparison's cells, each")
     from quark_ptq_eval.publish import BASE_MODEL_HELP
@@ -33,7 +31,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true")
 
 
-def cmd_sweep(args: argparse.Namespace, approver: Approver) -> int:
+def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from quark_ptq_eval.flows.sweep import load_grid, sweep
@@ -42,7 +40,7 @@ def cmd_sweep(args: argparse.Namespace, approver: Approver) -> int:
     if args.speed:  # as `speed: true` in the grid's options: every comparison runs compare --speed
         grid = replace(grid, options={**grid.options, "speed": True})
     with noise_to_log(Path(args.out_root).resolve() / "logs" / "sweep.log"):
-        summary = sweep(grid, args.out_root, approver=approver, quiet=args.quiet or args.json, ray=args.ray,
+        summary = sweep(grid, args.out_root, approver=approver(args), quiet=args.quiet or args.json, ray=args.ray,
                         base_models=args.base_models)
     if args.json:
         print(json.dumps(summary, indent=2))
