@@ -260,7 +260,9 @@ def test_each_option_is_declared_once_on_its_dataclass_and_feeds_parser_and_api(
         == {"offline", "hold_out_eval"}
     args = run_parser.parse_args(["m", "--scheme", "fp8", "--layer-quant-scheme", "*down_proj", "int8",
                                   "--tasks", "arc_easy, gsm8k", "--hurt-pct", "7", "--eval-batch-size", "2"])
-    assert given(PlanRequest, args) == {"scheme": "fp8", "layer_quant_config": {"*down_proj": "int8"}}
+    plan = given(PlanRequest, args)
+    assert plan.values == {"scheme": "fp8", "layer_quant_config": {"*down_proj": "int8"}}
+    assert (plan.names, plan.build().scheme, plan.build().num_calib_samples) == (("scheme", "layer_quant_config"), "fp8", None)
     opts = eval_options_from_args(args)
     assert opts.tasks == ["arc_easy", "gsm8k"] and opts.batch_size == 2
     assert (opts.thresholds.healthy_pct, opts.thresholds.hurt_pct) == (2.0, 7.0)

@@ -30,10 +30,6 @@ KNOWN_UNTYPED = {
     ("base.context_window", "read_model_config"): "the same config.json",
     ("base.sizes", "kv_bytes_per_token_of"): "the same config.json",
     ("runtime.loading", "read_config_or_raise"): "the same config.json",
-    ("base.options", "build"): "keyword values for any options dataclass (the generic flag machinery)",
-    ("base.options", "given"): "the same: the flags given, as keywords for their dataclass",
-    ("base.options", "json_values"): "the same, as JSON",
-    ("evaluate.cli", "eval_options_from_args"): "the EvalOptions keywords given on the command line",
     ("flows.compare", "compare"): "comparison.json's content, which `compare --json` prints (seen since the command "
                                   "line left flows/ for cli/; flows/compare was out of reach that round)",
     ("flows.sweep", "sweep"): "sweep_summary.json's content, which `sweep --json` prints (the same)",

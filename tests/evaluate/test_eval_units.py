@@ -12,6 +12,7 @@ import pytest
 
 from quark_ptq_eval.base.errors import CheckpointPending, UsageError
 from quark_ptq_eval.base.gates import FlagApprover
+from quark_ptq_eval.base.options import given
 from quark_ptq_eval.evaluate import (
     TIERS,
     EvalOptions,
@@ -226,7 +227,7 @@ def test_cli_options_for_eval_and_for_run(tmp_path):
             "10",
         ]
     )
-    explicit = eval_options_from_args(run_args, explicit_only=True)
+    explicit = given(EvalOptions, run_args).values  # what `run` keeps: the fields given, not the defaults
     assert explicit == {"batch_size": 2, "tasks": ["arc_easy", "gsm8k"], "limit": 10.0, "tier": "lm_eval"}
     assert run_args.batch_size == 8  # the calibration batch size is untouched
 

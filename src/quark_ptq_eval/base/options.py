@@ -3,7 +3,7 @@
     scheme: str | None = field(default=None, metadata=flag("--scheme", help="exact Quark scheme name"))
 
 ``add_flags`` turns a dataclass's flagged fields into argparse arguments, ``given`` reads back the
-ones the user actually gave (as keyword arguments for the dataclass), so the CLI, the Python API
+ones the user actually gave (by field name, and the dataclass they build), so the CLI, the Python API
 and ``docs/cli.md`` (generated from the parser) cannot drift apart. Every generated argument
 defaults to ``None``: "not given" stays distinguishable from a default, which ``resume`` needs.
 """
@@ -12,14 +12,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 _KEY = "cli"
 _NESTED = "cli_nested"  # a field holding another dataclass whose fields carry flags (e.g. thresholds)
 _CONCERN = "concern"  # the concern an option belongs to (see ``concern``)
 _EXTENSIONS = "cli_extensions"  # a dict field holding the options of dataclasses declared elsewhere (see ``extensions``)
+
+
+class DataclassInstance(Protocol):
+    """Any dataclass (as typeshed's own protocol, which is no module at run time)."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+
+OptionsT = TypeVar("OptionsT", bound=DataclassInstance)  # an options dataclass whose fields declare their flags
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ class Part:
         add_flags(group, self.cls, standalone=standalone, only=self.names())
 
     def given(self, args: argparse.Namespace) -> dict[str, Any]:
-        return given(self.cls, args, only=self.names())
+        return _given_values(self.cls, args, only=self.names())
 
     def names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.cls) if self.takes(f)]
@@ -122,19 +131,40 @@ def add_flags(group: argparse._ActionsContainer, cls: type, *, standalone: bool 
         group.add_argument(*names, dest=flag_dest(field, spec), help=help_text, **kwargs)
 
 
-def given(cls: type, args: argparse.Namespace, *, only: Iterable[str] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Given(Generic[OptionsT]):
+    """The options of one dataclass a command line gave: their values by field name (converted; every other
+    field not given: "not given" is not "the default", which a `resume` needs) and the dataclass they build."""
+
+    cls: type[OptionsT]
+    values: Mapping[str, object]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.values)
+
+    def build(self, **more: object) -> OptionsT:
+        """``cls`` from the options given (and ``more``: fields no flag sets), the rest at their defaults."""
+        return build(self.cls, {**self.values, **more})
+
+
+def given(cls: type[OptionsT], args: argparse.Namespace, *, only: Iterable[str] | None = None) -> Given[OptionsT]:
     """The flagged fields of ``cls`` present in ``args`` and not None, converted to field values."""
+    return Given(cls, _given_values(cls, args, only=only))
+
+
+def _given_values(cls: type, args: argparse.Namespace, *, only: Iterable[str] | None = None) -> dict[str, Any]:
     wanted = set(only) if only is not None else None
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         if wanted is not None and field.name not in wanted:
             continue
         if _NESTED in field.metadata:
-            inner = given(field.metadata[_NESTED], args)
+            inner = _given_values(field.metadata[_NESTED], args)
             if inner:
                 values[field.name] = field.metadata[_NESTED](**inner)
             continue
-        extended = {k: v for cls_ in field.metadata.get(_EXTENSIONS, list)() for k, v in given(cls_, args).items()}
+        extended = {k: v for cls_ in field.metadata.get(_EXTENSIONS, list)() for k, v in _given_values(cls_, args).items()}
         if extended:
             values[field.name] = extended
         spec = field.metadata.get(_KEY)
@@ -146,7 +176,7 @@ def given(cls: type, args: argparse.Namespace, *, only: Iterable[str] | None = N
     return values
 
 
-def build(cls: type, values: dict[str, Any]) -> Any:
+def build(cls: type[OptionsT], values: Mapping[str, object]) -> OptionsT:
     """``cls`` from field values; a dataclass-typed field given as a dict (as JSON stores it) is rebuilt."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     built = {}
@@ -156,11 +186,11 @@ def build(cls: type, values: dict[str, Any]) -> Any:
     return cls(**built)
 
 
-def json_values(values: dict[str, Any]) -> dict[str, Any]:
+def json_values(values: Mapping[str, object]) -> dict[str, object]:
     """Field values as JSON holds them (a state file): paths as absolute strings, dataclasses as dicts."""
     import os
 
-    def plain(value: Any) -> Any:
+    def plain(value: object) -> object:
         if isinstance(value, os.PathLike):
             return os.path.abspath(os.path.expanduser(os.fspath(value)))
         return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value

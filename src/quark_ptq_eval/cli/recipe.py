@@ -45,22 +45,21 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     """RunOptions from the command line, built as the Python API builds them (``run_options``): the
     keywords are the flags given, paths made absolute (run_state.json serves a `resume` from anywhere)."""
     from quark_ptq_eval.base.options import given
-    from quark_ptq_eval.evaluate import eval_options_from_args
-    from quark_ptq_eval.evaluate.options import BASELINE_FROM_SOURCE
+    from quark_ptq_eval.evaluate.options import BASELINE_FROM_SOURCE, EvalOptions
     from quark_ptq_eval.flows.run_options import RunOptions, run_options
     from quark_ptq_eval.plan.request import PlanRequest
 
-    plan = given(PlanRequest, args)
+    plan = dict(given(PlanRequest, args).values)
     if "calib_data" in plan:
-        plan["calib_data"] = absolute(plan["calib_data"])
-    eval_opts = eval_options_from_args(args, explicit_only=True) if hasattr(args, "eval_tier") else {}
+        plan["calib_data"] = absolute(str(plan["calib_data"]))
+    eval_opts = dict(given(EvalOptions, args).values) if hasattr(args, "eval_tier") else {}
     eval_opts = {k: absolute(v) if isinstance(v, Path) and v != BASELINE_FROM_SOURCE else v
                  for k, v in eval_opts.items()}
     model = getattr(args, "model", None)
     own = {"overwrite": bool(getattr(args, "overwrite", None)), "eval_tier": getattr(args, "eval_tier", None),
            "offline": getattr(args, "offline", None), "execution_mode": getattr(args, "execution_mode", None),
            "contexts": {k: str(getattr(args, k)) if getattr(args, k, None) else None for k in CONTEXT_KINDS},
-           **given(RunOptions, args)}
+           **given(RunOptions, args).values}
     return run_options(absolute(model) if model and Path(model).exists() else model,
                        absolute(getattr(args, "output_dir", None)), {**plan, **own, "eval_options": eval_opts})
 

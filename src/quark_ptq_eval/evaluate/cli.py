@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import ExitCode, UsageError
 from quark_ptq_eval.base.gates import Gatekeeper
@@ -48,16 +48,11 @@ class _DeprecatedAlias(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-@overload
-def eval_options_from_args(args: argparse.Namespace, explicit_only: Literal[False] = ...) -> EvalOptions: ...
-@overload
-def eval_options_from_args(args: argparse.Namespace, explicit_only: Literal[True]) -> dict[str, Any]: ...
-def eval_options_from_args(args: argparse.Namespace, explicit_only: bool = False) -> EvalOptions | dict[str, Any]:
-    """EvalOptions from parsed args; ``explicit_only``: a dict of the fields actually given (for `run`)."""
+def eval_options_from_args(args: argparse.Namespace) -> EvalOptions:
+    """EvalOptions from parsed args (the fields not given at their defaults)."""
     from quark_ptq_eval.evaluate.options import EvalOptions
 
-    explicit = given(EvalOptions, args)
-    return explicit if explicit_only else EvalOptions(**explicit)
+    return given(EvalOptions, args).build()
 
 
 def cmd_eval(args: argparse.Namespace, approver: Approver) -> int:

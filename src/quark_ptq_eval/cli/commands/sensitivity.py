@@ -56,8 +56,7 @@ def run(args: argparse.Namespace) -> int:
         _check_scheme(args.wider)
     check_scheme_runs(Path(args.model), args.scheme, args.exclude, None)  # before the corpus or the model
     calib = check_text_source(args.calib_data, "calibration data") if args.calib_data else _demo_corpus(args.out)
-    opts = ScanOptions(**{**given(ScanOptions, args), "model_dir": Path(args.model).resolve(),
-                          "calib_data": Path(calib).resolve()})
+    opts = given(ScanOptions, args).build(model_dir=Path(args.model).resolve(), calib_data=Path(calib).resolve())
     say = (lambda _msg: None) if args.quiet or args.json else (lambda msg: print(msg, flush=True))
     # Quark and transformers print to stdout: keep --json parseable, and their chatter goes to the log
     with _stdout_to_stderr(args.json), noise_to_log(args.out.resolve() / "logs" / "sensitivity.log"):
