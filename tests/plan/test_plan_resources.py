@@ -104,7 +104,9 @@ def test_kv_cache_and_serving_fit_of_an_8b_llama(llama8b_analysis):
     assert R.kv_bytes_per_token(llama8b_analysis, "fp8") == 2 * 32 * 8 * 128  # K and V, 8 KV heads of 128, 1 byte
     assert R.kv_bytes_per_token(llama8b_analysis, None) == 2 * 2 * 32 * 8 * 128
     fit = R.serving_fit(llama8b_analysis, 8 * 10**9, "fp8", 80, {"devices": 1, "context": 131072, "batch": 16})
-    assert fit["kv_cache_bytes"] == 65536 * 131072 * 16 and not fit["fits_budget"] and fit["devices_needed"] == 4
+    assert fit.kv_cache_bytes == 65536 * 131072 * 16 and not fit.fits_budget and fit.devices_needed == 4
+    assert list(fit.to_dict()) == ["weights_bytes", "kv_cache_bytes", "context", "batch", "device_memory_gb",
+                                   "devices_needed", "fits_budget"]  # plan.json's target.serving_fit, as written
 
 
 def test_only_a_named_approval_or_plan_only_lets_an_unfit_plan_past_the_checkpoint(llama8b_analysis, catalog,

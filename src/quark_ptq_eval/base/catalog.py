@@ -29,13 +29,24 @@ class TemplateInfo(TypedDict):
     algorithms: list[str]
 
 
+class SchemeInfo(TypedDict, total=False):
+    """One scheme as dump_catalog() reads it from the config Quark builds for it (or the ``error`` it raised)."""
+
+    weight_dtypes: list[str]
+    activation_dtypes: list[str]
+    weight_only: bool
+    static_activations: bool
+    weight_bits: float | None  # of the first weight dtype, without scales
+    error: str
+
+
 class QuarkCatalog(TypedDict):
     """The catalog as dump_catalog() writes it (and the cache holds it): the installed Quark's
     schemes, each scheme's weight / activation dtypes (``scheme_info``, or its ``error``),
     algorithms, KV-cache schemes and per-model-type templates."""
 
     quark_version: str
-    scheme_info: dict[str, dict[str, Any]]
+    scheme_info: dict[str, SchemeInfo]
     schemes: list[str]
     algorithms: list[str]
     kv_cache_schemes: list[str]
@@ -118,7 +129,7 @@ def _dtypes(spec: Any) -> list[str]:  # a Quark QuantizationSpec, a list of them
     return [getattr(s.dtype, "value", str(s.dtype)) for s in specs]
 
 
-def _scheme_info(template: Any, name: str) -> dict[str, Any]:  # a Quark LLMTemplate (no stubs)
+def _scheme_info(template: Any, name: str) -> SchemeInfo:  # a Quark LLMTemplate (no stubs)
     """Weight / activation dtypes of a scheme, read from the config Quark builds for it."""
     try:
         g = template.get_config(scheme=name).global_quant_config

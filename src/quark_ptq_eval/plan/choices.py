@@ -4,10 +4,9 @@ the host's accelerator), and the refusal of what the installed Quark's template 
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis
-from quark_ptq_eval.base.catalog import QuarkCatalog
+from quark_ptq_eval.base.catalog import QuarkCatalog, SchemeInfo
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.context.preflight import HostEnv
 from quark_ptq_eval.plan.family_limits import check_family_limits
@@ -66,7 +65,7 @@ def choose_scheme(req: PlanRequest, env: HostEnv, catalog: QuarkCatalog, tc: Dep
     return "int8", "portable default"
 
 
-def choose_algorithm(req: PlanRequest, scheme_info: dict[str, Any], template_algorithms: list[str] | None = None
+def choose_algorithm(req: PlanRequest, scheme_info: SchemeInfo, template_algorithms: list[str] | None = None
                       ) -> tuple[str | None, str]:
     if req.algorithm is not None:
         return (req.algorithm or None), "asked for explicitly" if req.algorithm else "disabled explicitly"

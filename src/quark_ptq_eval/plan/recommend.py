@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.artifacts import Decision, ModelAnalysis, QuantPlan
-from quark_ptq_eval.base.catalog import QuarkCatalog
+from quark_ptq_eval.base.catalog import QuarkCatalog, SchemeInfo
 from quark_ptq_eval.base.context_window import fit_window, read_model_config
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.sizes import gb
@@ -82,7 +82,7 @@ def _budget_check(tc: Deployment, analysis: ModelAnalysis, catalog: QuarkCatalog
     def fits(scheme: str) -> tuple[bool, str]:
         out = resources.output_bytes(analysis, scheme, catalog["scheme_info"].get(scheme, {}))
         fit = resources.serving_fit(analysis, out, kv, target.memory_gb, tc.budget)
-        return fit["fits_budget"], resources.serving_text(fit, target.label, kv)
+        return fit.fits_budget, resources.serving_text(fit, target.label, kv)
 
     return fits
 
@@ -98,7 +98,7 @@ def _scheme_reason(why: str, tc: Deployment, scheme: str) -> str:
     return f"{why}; {tc.label} " + ("runs it natively" if native else "has no native support for it (see the warning)")
 
 
-def _calibration_size(req: PlanRequest, calibration: dict[str, Any], info: dict[str, Any], algorithm: str | None, kv: str | None,
+def _calibration_size(req: PlanRequest, calibration: dict[str, Any], info: SchemeInfo, algorithm: str | None, kv: str | None,
                       accelerator: str) -> str:
     if req.num_calib_samples:
         return "explicit"
@@ -120,10 +120,10 @@ def _target_and_fit(work: resources.QuantizeWorkload, tc: Deployment, env: HostE
     if tc.target is not None:
         serving = resources.serving_fit(analysis, resources.output_bytes(analysis, scheme, info), kv,
                                         tc.target.memory_gb, tc.budget)
-        target["serving_fit"] = serving
+        target["serving_fit"] = serving.to_dict()
         stated = "from your goal" if tc.budget else "assumed: state one in the goal, e.g. 'fit one MI300X with 32k context'"
-        need = gb(serving["weights_bytes"] + serving["kv_cache_bytes"])
-        value = f"{serving['devices_needed']} x {tc.target.label}" if serving["devices_needed"] else f"{need} of RAM"
+        need = gb(serving.weights_bytes + serving.kv_cache_bytes)
+        value = f"{serving.devices_needed} x {tc.target.label}" if serving.devices_needed else f"{need} of RAM"
         rows.append({"decision": "serving fit", "value": value,
                      "reason": f"{resources.serving_text(serving, tc.target.label, kv)} (context and batch {stated})"})
     speedup = decode_speed.plan_prediction(analysis, resources.output_bytes(analysis, scheme, info), kv, tc, scheme)
@@ -222,7 +222,7 @@ def _groups_row(settled: Settled) -> list[Decision]:
 
 
 def _plan_calibration(req: PlanRequest, analysis: ModelAnalysis, analysis_ref: Path, accelerator: str,
-                      info: dict[str, Any], algorithm: str | None, kv: str | None) -> tuple[dict[str, Any], str, str, str]:
+                      info: SchemeInfo, algorithm: str | None, kv: str | None) -> tuple[dict[str, Any], str, str, str]:
     """The calibration source and its size, the text read and tokenized now (before anything runs)."""
     calibration, why = _calibration(req, accelerator, read_model_config(analysis.model.get("model_path")))
     size_why = _calibration_size(req, calibration, info, algorithm, kv, accelerator)

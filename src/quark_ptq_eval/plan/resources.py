@@ -14,16 +14,18 @@ that does not fit (``fit_gate.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from quark_ptq_eval.base.sizes import GIB, gb, kv_bytes_per_token_of  # noqa: F401 (gb: callers use resources.gb)
 from quark_ptq_eval.intake.formats import FORMATS, release_of
 
 if TYPE_CHECKING:
     from quark_ptq_eval.base.artifacts import ModelAnalysis
+    from quark_ptq_eval.base.catalog import SchemeInfo
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class QuantizeWorkload:
 
     analysis: ModelAnalysis
     scheme: str
-    info: dict[str, Any]
+    info: SchemeInfo
     algorithm: str | None
     calibration: dict[str, Any]
     device: dict[str, Any] = field(default_factory=lambda: {"device": "cpu", "multi_device": False})
@@ -60,33 +62,50 @@ F2F_RECOVERY_BYTES_PER_FP8_BYTE = 4.0  # an FP8 shard recovered to float32 befor
 
 
 # ---- what the model is made of -------------------------------------------------------------------
-def _arch(analysis: ModelAnalysis) -> dict[str, Any]:
-    return analysis.architecture
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of the analysis' architecture (config.json) the memory model reads; 0 where it is silent."""
+
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+
+
+def model_shape(analysis: ModelAnalysis) -> ModelShape:
+    a = analysis.architecture
+
+    def dim(key: str) -> int:
+        return int(a.get(key) or 0)
+
+    return ModelShape(dim("hidden_size"), dim("vocab_size"), dim("num_hidden_layers"), dim("num_attention_heads"),
+                      dim("num_key_value_heads"), dim("intermediate_size"), bool(a.get("tie_word_embeddings")))
 
 
 def param_count(analysis: ModelAnalysis) -> int:
     """Parameters from the safetensors headers, else from config.json (dense Llama-style formula)."""
     if analysis.size.get("params"):
         return int(analysis.size["params"])
-    a = _arch(analysis)
-    h, vocab = a.get("hidden_size") or 0, a.get("vocab_size") or 0
-    embeds = vocab * h * (1 if a.get("tie_word_embeddings") else 2)
+    a = model_shape(analysis)
+    embeds = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
     return quantizable_params(analysis) + embeds
 
 
 def quantizable_params(analysis: ModelAnalysis) -> int:
     """Parameters of the decoder's linear layers (what a scheme quantizes; lm_head is a template exclusion)."""
-    a = _arch(analysis)
-    h, layers = a.get("hidden_size") or 0, a.get("num_hidden_layers") or 0
-    heads = a.get("num_attention_heads") or 1
-    kv = a.get("num_key_value_heads") or heads
-    inter = a.get("intermediate_size") or 4 * h
+    a = model_shape(analysis)
+    h, layers = a.hidden_size, a.num_hidden_layers
+    heads = a.num_attention_heads or 1
+    kv = a.num_key_value_heads or heads
+    inter = a.intermediate_size or 4 * h
     per_layer = 2 * h * h + 2 * h * (h // heads) * kv + 3 * h * inter
     linear = layers * per_layer
     total = int(analysis.size.get("params") or 0)
     if total:
-        vocab = a.get("vocab_size") or 0
-        linear = min(linear, max(total - vocab * h, 0))
+        linear = min(linear, max(total - a.vocab_size * h, 0))
     return linear
 
 
@@ -95,7 +114,7 @@ def bytes_per_param(analysis: ModelAnalysis) -> float:
     return analysis.size["bytes"] / params if params and analysis.size.get("bytes") else 2.0
 
 
-def weight_bits(scheme: str, info: dict[str, Any]) -> float:
+def weight_bits(scheme: str, info: SchemeInfo) -> float:
     """Stored bits per quantized weight, scales included (MX: one E8M0 per 32; NVFP4: one FP8 per 16)."""
     bits = float(info.get("weight_bits") or 16)
     if scheme.startswith(("mxfp", "mx", "amdfp4")):
@@ -108,7 +127,7 @@ def weight_bits(scheme: str, info: dict[str, Any]) -> float:
     return bits
 
 
-def output_bytes(analysis: ModelAnalysis, scheme: str, info: dict[str, Any]) -> int:
+def output_bytes(analysis: ModelAnalysis, scheme: str, info: SchemeInfo) -> int:
     """The quantized checkpoint's size on disk: quantized linears at the scheme's bits + everything else
     as the engine writes it. With the source's header counts (intake/formats.py): the template's linears
     from their shapes, the rest at its bytes once read (FP8 layers left out are written dequantized to
@@ -139,19 +158,19 @@ def output_basis(analysis: ModelAnalysis | None) -> str:
 # ---- the engine ----------------------------------------------------------------------------------
 def calibration_activation_bytes(analysis: ModelAnalysis, calibration: dict[str, Any]) -> int:
     """Live tensors of one calibration forward (fp32): hidden states, MLP intermediates and logits."""
-    a = _arch(analysis)
+    a = model_shape(analysis)
     tokens = calibration["batch_size"] * calibration["seq_len"]
-    width = 4 * (a.get("hidden_size") or 0) + 2 * (a.get("intermediate_size") or 0) + (a.get("vocab_size") or 0)
+    width = 4 * a.hidden_size + 2 * a.intermediate_size + a.vocab_size
     return int(tokens * width * 4)
 
 
 def calibration_cache_bytes(analysis: ModelAnalysis, calibration: dict[str, Any]) -> int:
     """Every calibration sample's input to one decoder layer, as AWQ/GPTQ keep them (model dtype)."""
-    h = _arch(analysis).get("hidden_size") or 0
+    h = model_shape(analysis).hidden_size
     return int(calibration["num_samples"] * calibration["seq_len"] * h * bytes_per_param(analysis))
 
 
-def estimate_quantize(analysis: ModelAnalysis, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any], device: str) -> dict[str, Any]:
+def estimate_quantize(analysis: ModelAnalysis, info: SchemeInfo, algorithm: str | None, calibration: dict[str, Any], device: str) -> dict[str, Any]:
     """Peak host RAM (and GPU memory on a GPU device) of the engine for this plan, with its terms."""
     w = loaded_bytes(analysis)
     act = calibration_activation_bytes(analysis, calibration)
@@ -202,7 +221,7 @@ def estimate_file2file(analysis: ModelAnalysis, device: str) -> dict[str, Any]:
             "terms": terms, "basis": "modelled (file-to-file on a GPU: not measured here)"}
 
 
-def engine_estimate(engine: str | None, analysis: ModelAnalysis, info: dict[str, Any], algorithm: str | None, calibration: dict[str, Any],
+def engine_estimate(engine: str | None, analysis: ModelAnalysis, info: SchemeInfo, algorithm: str | None, calibration: dict[str, Any],
                     device: str) -> dict[str, Any]:
     from quark_ptq_eval.plan.engines import holds_one_shard
 
@@ -215,7 +234,7 @@ def estimate_eval(analysis: ModelAnalysis, out_bytes: int, baseline: bool = Fals
     """Tier 1 on the CPU: the quantized model held dequantized (its source size), the baseline when
     asked, and the logits of one batch (evaluate.ppl.tier caps a batch at EVAL_LOGIT_BUDGET elements)."""
     w = loaded_bytes(analysis)
-    vocab = _arch(analysis).get("vocab_size") or 0
+    vocab = model_shape(analysis).vocab_size
     logits = min(EVAL_LOGIT_BUDGET, max(seq_len * vocab, 1)) * 4 * EVAL_LOGIT_COPIES
     peak = BASE_BYTES + w + (w if baseline else 0) + logits
     return {"host_peak_bytes": int(peak), "model_bytes": w, "baseline": baseline, "logits_bytes": logits}
@@ -232,13 +251,13 @@ def estimate_eval_streamed(analysis: ModelAnalysis, out_bytes: int, seq_len: int
                            windows: int | None = None) -> dict[str, Any]:
     """Tier 1 streamed one decoder block at a time, with the baseline (the models are never held whole).
     ``windows``: the windows scored (None: as many as fill a chunk, the most that is ever held)."""
-    arch = _arch(analysis)
-    layers = max(1, int(arch.get("num_hidden_layers") or 1))
-    hidden, vocab = int(arch.get("hidden_size") or 0), int(arch.get("vocab_size") or 0)
-    inter = int(arch.get("intermediate_size") or hidden * 4)
+    arch = model_shape(analysis)
+    layers = max(1, arch.num_hidden_layers or 1)
+    hidden, vocab = arch.hidden_size, arch.vocab_size
+    inter = arch.intermediate_size or hidden * 4
     per = bytes_per_param(analysis)
     edge = int(vocab * hidden * per)  # one embedding or lm_head
-    edges = edge * (1 if arch.get("tie_word_embeddings") else 2)
+    edges = edge * (1 if arch.tie_word_embeddings else 2)
     w = loaded_bytes(analysis)
     source_block = max(0, w - edges) / layers
     export_block = max(0, out_bytes - edges) / layers
@@ -253,10 +272,36 @@ def estimate_eval_streamed(analysis: ModelAnalysis, out_bytes: int, seq_len: int
 
 # ---- the target ----------------------------------------------------------------------------------
 def kv_bytes_per_token(analysis: ModelAnalysis, kv_scheme: str | None) -> int:
-    return kv_bytes_per_token_of(_arch(analysis), kv_scheme)  # the formula vLLM's sizing shares
+    return kv_bytes_per_token_of(analysis.architecture, kv_scheme)  # the formula vLLM's sizing shares
 
 
-def serving_fit(analysis: ModelAnalysis, out_bytes: int, kv_scheme: str | None, memory_gb: float, budget: dict[str, Any] | None) -> dict[str, Any]:
+class ServingBudget(TypedDict):
+    """The serving budget a goal states (plan.json's ``target.budget``; plan/targets.py reads it from the goal)."""
+
+    devices: int
+    context: int  # tokens
+    batch: int
+
+
+@dataclass(frozen=True)
+class ServingFit:
+    """Weights + KV cache against the serving budget on the target's devices (plan.json's ``target.serving_fit``;
+    compare reports whether a measured export fits)."""
+
+    weights_bytes: int
+    kv_cache_bytes: int
+    context: int  # tokens
+    batch: int
+    device_memory_gb: float  # one device, vendor GB; 0: no device (this host's RAM)
+    devices_needed: int | None  # a power of two (tensor parallelism); None without a device
+    fits_budget: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def serving_fit(analysis: ModelAnalysis, out_bytes: int, kv_scheme: str | None, memory_gb: float,
+                budget: ServingBudget | None) -> ServingFit:
     """Weights + KV cache at the budget's context and batch on one device of ``memory_gb`` (vendor GB)."""
     budget = budget or {"devices": 1, "context": 4096, "batch": 1}
     kv = kv_bytes_per_token(analysis, kv_scheme) * budget["context"] * budget["batch"]
@@ -264,14 +309,13 @@ def serving_fit(analysis: ModelAnalysis, out_bytes: int, kv_scheme: str | None, 
     per_device = memory_gb * 1e9 * HEADROOM
     devices = max(1, math.ceil(need / per_device)) if per_device else None
     tp = 1 << (devices - 1).bit_length() if devices else None  # tensor parallelism goes in powers of two
-    return {"weights_bytes": out_bytes, "kv_cache_bytes": kv, "context": budget["context"], "batch": budget["batch"],
-            "device_memory_gb": memory_gb, "devices_needed": tp,
-            "fits_budget": bool(per_device) and need <= per_device * budget["devices"]}
+    return ServingFit(out_bytes, kv, budget["context"], budget["batch"], memory_gb, tp,
+                      bool(per_device) and need <= per_device * budget["devices"])
 
 
-def serving_text(fit: dict[str, Any], label: str, kv: str | None) -> str:
-    what = (f"weights {gb(fit['weights_bytes'])} + {(kv or 'BF16').upper()} KV cache {gb(fit['kv_cache_bytes'])} "
-            f"at {fit['context']} tokens x batch {fit['batch']} on {label}")
-    if not fit["devices_needed"]:
+def serving_text(fit: ServingFit, label: str, kv: str | None) -> str:
+    what = (f"weights {gb(fit.weights_bytes)} + {(kv or 'BF16').upper()} KV cache {gb(fit.kv_cache_bytes)} "
+            f"at {fit.context} tokens x batch {fit.batch} on {label}")
+    if not fit.devices_needed:
         return f"{what}: that much memory on the serving host"
-    return f"{what} ({fit['device_memory_gb']:g} GB, {HEADROOM:.0%} usable): {fit['devices_needed']} device(s)"
+    return f"{what} ({fit.device_memory_gb:g} GB, {HEADROOM:.0%} usable): {fit.devices_needed} device(s)"

@@ -10,11 +10,14 @@ import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.catalog import QuarkCatalog
 from quark_ptq_eval.base.registry import Registry
 from quark_ptq_eval.context.preflight import HostEnv
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.plan.resources import ServingBudget
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ def priority(goal: str) -> str:
     return next((p for p, pattern in PRIORITIES if re.search(pattern, text)), "balanced")
 
 
-def memory_budget(goal: str) -> dict[str, Any] | None:
+def memory_budget(goal: str) -> ServingBudget | None:
     """{"devices", "context", "batch"} when the goal states a serving budget ("fit one MI300X with 32k context")."""
     text = goal.lower()
     fit, ctx = BUDGET.search(text), CONTEXT.search(text)
@@ -306,7 +309,7 @@ class Deployment:
     source: str
     family: ArchFamily | None
     priority: str
-    budget: dict[str, Any] | None
+    budget: ServingBudget | None
 
     @property
     def label(self) -> str:

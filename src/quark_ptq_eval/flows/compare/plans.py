@@ -21,6 +21,7 @@ import math
 import time
 from typing import Any
 
+from quark_ptq_eval.base.catalog import SchemeInfo
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.flows.compare.options import CompareOptions
 from quark_ptq_eval.plan import resources
@@ -42,7 +43,7 @@ def measured_rate(analysis, device: str) -> float:
     """FLOP/s of a matmul shaped like one of the model's projections, timed on ``device`` here."""
     import torch
 
-    hidden = int(resources._arch(analysis).get("hidden_size") or 1024)
+    hidden = resources.model_shape(analysis).hidden_size or 1024
     n = max(64, min(hidden, 4096))
     on_gpu = device == "cuda" and torch.cuda.is_available()
     dev, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
@@ -119,7 +120,7 @@ def scheme_estimate(analysis, plan, opts: CompareOptions, rate: float, history: 
     quantize_s, basis = _engine_seconds(analysis, plan, history, rate)
     eval_s = 2 * resources.param_count(analysis) * _eval_tokens(opts) / rate
     out = plan.resources.get("output_bytes") or 0
-    info = {"weight_bits": None}
+    info: SchemeInfo = {"weight_bits": None}
     try:
         from quark_ptq_eval.base.catalog import load_catalog
 

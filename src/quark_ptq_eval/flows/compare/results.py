@@ -70,7 +70,7 @@ def _serving_fields(comparison, wd: Path, size: int) -> dict[str, Any]:
         return {}
     fit = resources.serving_fit(ModelAnalysis.load(comparison.root), size, plan.kv_cache_scheme, target["memory_gb"],
                                 target["budget"])
-    return {"fits_serving_budget": fit["fits_budget"],
+    return {"fits_serving_budget": fit.fits_budget,
             "serving_fit_text": resources.serving_text(fit, str(target.get("label") or target.get("name")), plan.kv_cache_scheme)}
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from quark_ptq_eval.base.catalog import SchemeInfo
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.registry import Registry, load
 
@@ -24,7 +25,7 @@ class Engine(Protocol):
     def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
         """Why this engine is the automatic choice for such a plan, or None when it is not."""
 
-    def check_constraints(self, scheme_info: dict[str, Any], algorithm: str | None, device: dict[str, Any]) -> None:
+    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: dict[str, Any]) -> None:
         """Raise UsageError (what is wrong + what to do) when it cannot serve this plan."""
 
     def argv(self, plan: Any, model_dir: Path, out: Path) -> list[str]:
@@ -106,7 +107,7 @@ def get_engine(name: str) -> Engine:
 class OneShardEngine(Engine, Protocol):
     """An engine that holds one shard at a time (``memory=ONE_SHARD``): it says which plans it cannot serve."""
 
-    def unsupported_reason(self, scheme_info: dict[str, Any], algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
+    def unsupported_reason(self, scheme_info: SchemeInfo, algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
         """Why it cannot serve this plan, or None when it can."""
 
     def refusal(self, why: str) -> UsageError:

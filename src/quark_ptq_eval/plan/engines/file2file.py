@@ -15,13 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from quark_ptq_eval.base.catalog import SchemeInfo
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.plan.engines.flags import tail_flags
 
 CHILD_MODULE = "quark_ptq_eval.execute.engines.file2file"
 
 
-def unsupported_reason(scheme_info: dict[str, Any], algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
+def unsupported_reason(scheme_info: SchemeInfo, algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
     """Why file-to-file cannot serve this plan (it never runs the model), or None when it can."""
     if scheme_info.get("error") or not scheme_info.get("weight_dtypes"):
         return "the installed Quark cannot build this scheme's weight quantizer"
@@ -51,13 +52,13 @@ class File2FileEngine:
     def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
         return None  # chosen by the host's memory (plan/host_fit.engine_for_host), never by the accelerator
 
-    def unsupported_reason(self, scheme_info: dict[str, Any], algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
+    def unsupported_reason(self, scheme_info: SchemeInfo, algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
         return unsupported_reason(scheme_info, algorithm, kv_cache_scheme)
 
     def refusal(self, why: str) -> UsageError:
         return refusal(why)
 
-    def check_constraints(self, scheme_info: dict[str, Any], algorithm: str | None, device: dict[str, Any]) -> None:
+    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: dict[str, Any]) -> None:
         why = unsupported_reason(scheme_info, algorithm, None)
         if why:
             raise refusal(why)

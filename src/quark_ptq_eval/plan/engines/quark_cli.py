@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from quark_ptq_eval.base.catalog import SchemeInfo
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.legacy_exclusions import loaded_name_exclusions
 from quark_ptq_eval.context.quark_cli import SUBCOMMAND, find_quark_cli
@@ -28,7 +29,7 @@ class QuarkCliEngine:
             return "quark-cli with your text served from a private offline datasets cache"
         return "the public Quark CLI serves this plan as is"
 
-    def check_constraints(self, scheme_info: dict[str, Any], algorithm: str | None, device: dict[str, Any]) -> None:
+    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: dict[str, Any]) -> None:
         """quark-cli 0.13 always loads with device_map='auto'; without a GPU accelerate offloads the
         model to disk, which only weight-only / dynamic-activation schemes survive (measured)."""
         if device["device"] != "cpu":
