@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from quark_ptq_eval.validate.registry import CheckInputs
     from quark_ptq_eval.validate.scale_ranges import Observation
 
-# What the probe holds beyond one source part in float32 (twice its BF16 bytes) and one export part: captures
-# of one part's modules on the probe, the embeddings' and lm_head's float copies, start-up.
+# What the probe holds beyond one source part and its float32 emulation: torch, transformers and Quark imported,
+# both models' skeletons on meta, one part's captures on the probe (measured: 1.0-1.1 GiB between parts).
 STREAM_START_BYTES = int(1.6 * 2**30)
 
 
@@ -51,10 +51,10 @@ class _Side:
 
 
 def stream_bytes(ctx: CheckInputs) -> int:
-    """RAM the streamed probe needs at its peak: the largest source part twice (its float32 emulation beside the
-    stored BF16) with the largest export part (a tied lm_head's exit holds the embedding too)."""
-    largest = {side: max(_part_sizes(ctx, side).values(), default=0) for side in ("source", "output")}
-    return 2 * largest["source"] + largest["output"] + STREAM_START_BYTES
+    """RAM the streamed probe needs at its peak: the largest source part three times (stored in BF16 beside its
+    float32 emulation), start-up. An export part is loaded once the source's is freed, and is no larger."""
+    largest = max(_part_sizes(ctx, "source").values(), default=0)
+    return 3 * largest + STREAM_START_BYTES
 
 
 def _part_sizes(ctx: CheckInputs, side: str) -> Counter[str]:
@@ -90,7 +90,7 @@ def probe_streamed(ctx: CheckInputs, result: CheckResult, tokenizer: Any, ids: t
 
     src = _Side(blocks.open_streamed(ctx.source, trust_remote_code=trust))
     out = _Side(blocks.open_streamed(ctx.quantized, trust_remote_code=trust))
-    walk = _Walk(ctx, src, out, ids, Judged())
+    walk = _Walk(ctx, src, out, ids, Judged(), result.name)
     walk.observation = prepare_observation(ctx, {name for name, _ in src.model.model.named_modules()}, tokenizer, result)
     for part in [blocks.ENTRY, *(str(i) for i in range(out.model.num_blocks)), blocks.EXIT]:
         walk.part(part)
@@ -113,6 +113,7 @@ class _Walk:
     out: _Side
     ids: Any
     judged: Judged
+    check: str  # the result's name (the load check's, as its registry row says)
     owners: int = 0
     notes: Counter[str] = field(default_factory=Counter)
     stats: Counter[str] = field(default_factory=Counter)
@@ -149,7 +150,7 @@ class _Walk:
         out = self.out.model
         parts = _load(out, part)
         exported = dict(out.model.named_modules())
-        scratch = CheckResult("load")
+        scratch = CheckResult(self.check)  # its notes are counted over the parts, then reported once
         units = replay_units(self.ctx, owners, captures, exported, scratch)
         outputs = replay.unit_outputs(units, captures, exported)
         self._run(self.out, part, self.ids)
