@@ -2,7 +2,7 @@
 
 On a trained 8-block tiny Llama: `run --budget-bits B --formats int4_wo_32,int8 --eval-tier ppl --baseline` per
 budget (the first with the project's vLLM, where it is built: the serving check). Each run measures, by itself,
-the plans its search report names side by side (flows/budget_side.py: the search's mix, uniform int4_wo_32, the
+the plans its search report names side by side (flows/recipe/budget_side.py: the search's mix, uniform int4_wo_32, the
 naive mix with the first and last blocks in int8, the search again at the naive mix's bits) through one
 comparison: Tier 1 KL on the same windows against one cached baseline, each export's effective bits read from
 its headers. The first run measures the two scans (their cost in model passes is in the table); the later

@@ -168,7 +168,7 @@ def cell_recipe(setup: Setup, base: Path):
     """A recipe for one cell in ``base`` (work/ and out/ under it), quiet, its engine in this process."""
     from quark_ptq_eval.base.gates import FlagApprover
     from quark_ptq_eval.base.ui import Reporter
-    from quark_ptq_eval.flows.pipeline import Recipe
+    from quark_ptq_eval.flows.recipe.pipeline import Recipe
 
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -179,7 +179,7 @@ def cell_options(setup: Setup, model_dir: Path, base: Path, plan: dict):
     """The run's options: ``plan`` (PlanRequest fields) on this CPU, calibrating on a few short windows,
     then Tier 1 with the source (an FP8 release as dequantized) as the baseline."""
     from quark_ptq_eval.evaluate import BASELINE_FROM_SOURCE
-    from quark_ptq_eval.flows.pipeline import RunOptions
+    from quark_ptq_eval.flows.recipe.pipeline import RunOptions
 
     plan = {"calib_data": str(setup.corpus), "num_calib_samples": setup.calib_samples, "calib_seq_len": 64,
             "device": "cpu", "engine": "quark-api", **plan}

@@ -18,7 +18,7 @@ _EXPORTS = {
     "Approver": "base.gates", "FlagApprover": "base.gates", "TerminalApprover": "base.gates",
     "CallbackApprover": "base.gates", "Gate": "base.gates",
     "QpeError": "base.errors", "CheckpointPending": "base.errors", "ValidationFailed": "base.errors", "ExitCode": "base.errors",
-    "Recipe": "flows.pipeline", "RunOptions": "flows.pipeline",
+    "Recipe": "flows.recipe.pipeline", "RunOptions": "flows.recipe.pipeline",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -15,7 +15,7 @@ from quark_ptq_eval.base.gates import FlagApprover, Gatekeeper
 from quark_ptq_eval.base.state import RunState
 from quark_ptq_eval.base.step_table import STEP_NAMES, STEPS
 from quark_ptq_eval.evaluate.tiers import TIERS, tier_checkpoint
-from quark_ptq_eval.flows.status import describe_status
+from quark_ptq_eval.flows.recipe.status import describe_status
 from quark_ptq_eval.plan.engines import ENGINE_NAMES, choose_engine, get_engine
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "quark_ptq_eval"
@@ -139,7 +139,7 @@ def test_every_import_follows_the_layer_order():
     planted = [("quark_ptq_eval.plan.x", "plan/x.py:1", "quark_ptq_eval.flows.api"),
                ("quark_ptq_eval.base.y", "base/y.py:2", "quark_ptq_eval.context.preflight"),
                ("quark_ptq_eval.flows.z", "flows/z.py:3", "quark_ptq_eval.cli.main"),
-               ("quark_ptq_eval.cli.commands.run", "cli/commands/run.py:4", "quark_ptq_eval.flows.pipeline"),
+               ("quark_ptq_eval.cli.commands.run", "cli/commands/run.py:4", "quark_ptq_eval.flows.recipe.pipeline"),
                ("quark_ptq_eval.__main__", "__main__.py:5", "quark_ptq_eval.cli.main")]
     assert [w.split(":")[0] for w in _against_layers(planted)] == ["plan/x.py", "base/y.py", "flows/z.py"]
     wrong = _against_layers(statements)

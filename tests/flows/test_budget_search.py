@@ -326,7 +326,7 @@ def test_the_targets_rule_for_routed_experts_is_one_and_the_search_and_the_sensi
     side plans and a sensitivity proposal's wider scheme all read it."""
     from quark_ptq_eval.budget.groups import search_groups, side_plans
     from quark_ptq_eval.budget.knapsack import bits_range, naive_choice, solve, solve_floor
-    from quark_ptq_eval.flows.plan_scan import served_on_target
+    from quark_ptq_eval.flows.recipe.plan_scan import served_on_target
     from quark_ptq_eval.plan.targets import FAMILIES, expert_refusal, refused_experts
     from quark_ptq_eval.sensitivity.proposal import Proposal
 

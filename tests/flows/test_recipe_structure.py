@@ -14,7 +14,7 @@ from quark_ptq_eval.base.step_table import STEP_NAMES, STEPS
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "quark_ptq_eval"
 FLOWS = SRC / "flows"
-PIPELINE = FLOWS / "pipeline.py"
+PIPELINE = FLOWS / "recipe" / "pipeline.py"
 # Called by every step (or by the flow helpers the steps call) across a package boundary: scanned
 # even if a refactoring stopped calling one of them directly.
 NAMED_CALLEES = ("execute_manifest", "make_plan", "build_manifest", "validate_model", "evaluate")
@@ -124,7 +124,7 @@ def _getattr_on_steps(tree: ast.AST, step_words: set[str]) -> list[str]:
 def test_no_step_is_looked_up_by_name_in_the_flows():
     words = set(STEP_NAMES) | {f for _, f in step_calls(_recipe_methods()["_steps"])}
     recipe_modules = {module for module, _ in step_functions().values()} | {
-        "quark_ptq_eval.flows.pipeline", "quark_ptq_eval.flows.recipe_flow", "quark_ptq_eval.flows.run_options"}
+        "quark_ptq_eval.flows.recipe.pipeline", "quark_ptq_eval.flows.recipe.recipe_flow", "quark_ptq_eval.flows.recipe.run_options"}
     wrong = []
     for path in sorted(FLOWS.rglob("*.py")):
         tree = _parse(path)

@@ -242,8 +242,8 @@ def _run_release(model: Path, tmp_path: Path, scheme: str, corpus: Path, eval_te
     """The recipe of ``api.run`` (the same options, built the same way), its engine in this process."""
     from quark_ptq_eval.base.ui import Reporter
     from quark_ptq_eval.evaluate import BASELINE_FROM_SOURCE
-    from quark_ptq_eval.flows.pipeline import Recipe
-    from quark_ptq_eval.flows.run_options import run_options
+    from quark_ptq_eval.flows.recipe.pipeline import Recipe
+    from quark_ptq_eval.flows.recipe.run_options import run_options
 
     wd, out = tmp_path / "work", tmp_path / "out"
     tier = "ppl" if eval_text else "skip"

@@ -417,7 +417,7 @@ HOSTILE_NAMES = {
 def test_hostile_names_travel_as_exact_arguments(tmp_path, monkeypatch, case):
     from quark_ptq_eval.base.gates import FlagApprover
     from quark_ptq_eval.base.ui import Reporter
-    from quark_ptq_eval.flows.pipeline import Recipe, RunOptions
+    from quark_ptq_eval.flows.recipe.pipeline import Recipe, RunOptions
 
     name = HOSTILE_NAMES[case]
     monkeypatch.chdir(tmp_path)

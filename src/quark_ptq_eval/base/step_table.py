@@ -2,7 +2,7 @@
 
 ``run``, ``resume`` and ``--stop-after`` follow this table; ``status`` lists it; the summary
 collects its artifacts; the run manifest's step list is derived from it. The steps themselves are
-functions in ``flows/``, called in this order by ``flows/pipeline.Recipe._steps`` (one call per row,
+functions in ``flows/``, called in this order by ``flows/recipe/pipeline.Recipe._steps`` (one call per row,
 checked by tests/test_recipe_structure.py). Adding a step is one row here plus its function and its
 call there (see docs/extending.md).
 """

@@ -89,7 +89,7 @@ def mix_config(mix: Mix, groups: list[GroupCost], members: dict[str, list[str]],
 
 def side_plans(mix: Mix, groups: list[GroupCost], members: dict[str, list[str]], names: list[str],
                formats: list[str]) -> list[SidePlan]:
-    """The plans measured beside the search's mix (flows/budget_side.py): the mix, each uniform format within the
+    """The plans measured beside the search's mix (flows/recipe/budget_side.py): the mix, each uniform format within the
     budget, the naive mix (first and last blocks in the widest format) and the search again at the naive mix's
     bits, so that the search is also judged at no more bits than the naive mix."""
     def side(label: str, kind: str, choice: dict[str, str]) -> SidePlan:

@@ -1,6 +1,6 @@
 """search_report's measured part: each side-by-side plan's export bits and Tier 1 KL beside its prediction, the
 additivity check and the recommendation (the measured best within the constraint). Written after `run`'s side by
-side (flows/budget_side.py) and after `compare --budget-bits` (flows/compare/budget.py)."""
+side (flows/recipe/budget_side.py) and after `compare --budget-bits` (flows/compare/budget.py)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from quark_ptq_eval.sensitivity.scan import ScanResult
 @dataclass
 class SearchFacts:
     """What search_report.{json,md,png} states: the formats, the chosen mix, the front, the scans behind them
-    and the plans measured beside the mix (flows/budget_side.py)."""
+    and the plans measured beside the mix (flows/recipe/budget_side.py)."""
 
     formats: list[str]
     mix: Mix

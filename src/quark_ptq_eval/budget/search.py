@@ -30,7 +30,7 @@ from quark_ptq_eval.plan.request import PlanRequest
 from quark_ptq_eval.plan.scheme_fit import linear_shapes
 from quark_ptq_eval.sensitivity.scan import ScanResult
 
-# The plan's calibration text, the scans' input: (plan, work dir) -> a local text file (flows/plan_scan.py's)
+# The plan's calibration text, the scans' input: (plan, work dir) -> a local text file (flows/recipe/plan_scan.py's)
 CalibrationText = Callable[[QuantPlan, Path], str]
 
 

@@ -13,7 +13,7 @@ from quark_ptq_eval.cli.args import absolute, add_model_and_output, add_plan_fla
 from quark_ptq_eval.context.preflight import CONTEXT_KINDS
 
 if TYPE_CHECKING:
-    from quark_ptq_eval.flows.run_options import RunOptions
+    from quark_ptq_eval.flows.recipe.run_options import RunOptions
 
 
 def add_step_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser, model_required: bool) -> No
     from quark_ptq_eval.base.options import add_flags
     from quark_ptq_eval.cli.quark_cli_flags import add_hidden_aliases
     from quark_ptq_eval.evaluate import add_eval_arguments
-    from quark_ptq_eval.flows.run_options import RunOptions
+    from quark_ptq_eval.flows.recipe.run_options import RunOptions
 
     add_model_and_output(p, model_required=model_required)
     add_flags(p, RunOptions, only=["no_load_check", "card", "base_model"])
@@ -46,7 +46,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     keywords are the flags given, paths made absolute (run_state.json serves a `resume` from anywhere)."""
     from quark_ptq_eval.base.options import given
     from quark_ptq_eval.evaluate.options import BASELINE_FROM_SOURCE, EvalOptions
-    from quark_ptq_eval.flows.run_options import RunOptions, run_options
+    from quark_ptq_eval.flows.recipe.run_options import RunOptions, run_options
     from quark_ptq_eval.plan.request import PlanRequest
 
     plan = dict(given(PlanRequest, args).values)
@@ -68,9 +68,9 @@ def run_recipe(args: argparse.Namespace) -> int:
     """The recipe up to the step ``args.command`` stops after, then its summary (a table, or JSON)."""
     from quark_ptq_eval.base.step_table import STOP_AFTER
     from quark_ptq_eval.base.ui import Reporter
-    from quark_ptq_eval.flows.budget_side import measure_side_by_side
-    from quark_ptq_eval.flows.pipeline import run_recipe as run_steps
-    from quark_ptq_eval.flows.summary import summary_rows
+    from quark_ptq_eval.flows.recipe.budget_side import measure_side_by_side
+    from quark_ptq_eval.flows.recipe.pipeline import run_recipe as run_steps
+    from quark_ptq_eval.flows.recipe.summary import summary_rows
 
     ui = Reporter(quiet=args.quiet or args.json)
     summary = run_steps(run_options(args), args.workdir, approver(args), ui, STOP_AFTER[args.command],

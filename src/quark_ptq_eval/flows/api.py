@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis, PlanJson, QuantPlan, RunManifest
 from quark_ptq_eval.base.gates import Approver, FlagApprover
-from quark_ptq_eval.flows.run_options import run_options
+from quark_ptq_eval.flows.recipe.run_options import run_options
 
 if TYPE_CHECKING:
     from quark_ptq_eval.context.preflight import HostEnv
-    from quark_ptq_eval.flows.summary import RunSummary
+    from quark_ptq_eval.flows.recipe.summary import RunSummary
 
 __all__ = ["analyze_model", "build_manifest", "compare", "evaluate_model", "execute_plan", "plan_quantization", "run",
            "run_options", "validate_model"]
@@ -42,7 +42,7 @@ def plan_quantization(analysis: ModelAnalysis, output_dir: str | Path, *, env_co
     """``request`` takes PlanRequest fields: goal, scheme, algorithm, calib_data, exclude_layers, ..."""
     from quark_ptq_eval.base.catalog import load_catalog
     from quark_ptq_eval.context.preflight import detect_env
-    from quark_ptq_eval.flows.plan_scan import plan_from_request
+    from quark_ptq_eval.flows.recipe.plan_scan import plan_from_request
     from quark_ptq_eval.plan import PlanRequest, make_plan
 
     wd = Path(workdir or ".")
@@ -77,8 +77,8 @@ def run(model: str | Path | None, output_dir: str | Path | None, *, workdir: str
     RunOptions fields (eval_tier, offline, overwrite, no_load_check, base_model, ...), ``eval_options`` (a dict of
     EvalOptions fields) and, every other keyword, a PlanRequest field (scheme, calib_data, ...)."""
     from quark_ptq_eval.base.ui import Reporter
-    from quark_ptq_eval.flows.budget_side import measure_side_by_side
-    from quark_ptq_eval.flows.pipeline import run_recipe
+    from quark_ptq_eval.flows.recipe.budget_side import measure_side_by_side
+    from quark_ptq_eval.flows.recipe.pipeline import run_recipe
 
     return run_recipe(run_options(model, output_dir, options), workdir, approver or FlagApprover(),
                       Reporter(quiet=quiet), stop_after, measure_side_by_side)

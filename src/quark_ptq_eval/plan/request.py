@@ -62,7 +62,7 @@ class PlanRequest:
     evaluation_intent: str = field(default="smoke", metadata=flag("--eval-intent", choices=("none", "smoke", "full")))
     offline: bool = False  # its flag is a run-control option (cli/args.py: add_run_control): it applies to every step
     hold_out_eval: bool = False  # set by the run: split off a held-out part of the text for Tier 1
-    sensitivity: bool = field(default=False, metadata=flag(  # the flow's scan at plan time (flows/plan_scan.py)
+    sensitivity: bool = field(default=False, metadata=flag(  # the flow's scan at plan time (flows/recipe/plan_scan.py)
         "--sensitivity", action="store_true",
         help="run the sensitivity scan at plan time and propose layers to keep unquantized") | concern(CHOICE))
     budget_bits: float | None = field(default=None, metadata=flag(  # the flow's search (budget/search.py)

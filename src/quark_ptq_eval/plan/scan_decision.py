@@ -1,6 +1,6 @@
 """The plan takes a sensitivity scan's result as a decision; it never runs a scan.
 
-The flow runs the scan on the plan's own choices (flows/plan_scan.py) and hands the outcome here.
+The flow runs the scan on the plan's own choices (flows/recipe/plan_scan.py) and hands the outcome here.
 The proposed layers are added to ``exclude_layers``, or to ``layer_quant_config`` when the scan
 chose a wider scheme for them (the user can edit both in quant_plan.json like any decision), and a
 ``sensitivity`` decision row carries the reason: measured KL before/after and the size.

@@ -43,7 +43,7 @@ def run_sensitivity(opts: ScanOptions, out_dir: Path, max_kl: float | None = Non
                     served: Callable[[Proposal], Proposal] | None = None) -> SensitivityOutcome:
     """Scan (or reuse the cached scan), propose exclusions for ``max_kl``, measure the same layers at
     ``wider`` ("auto": fp8 for fp4/fp6 formats, int8 for int4; None: exclusions only), write the reports.
-    ``served`` holds the proposal to what the target serves before the reports say it (flows/plan_scan.py)."""
+    ``served`` holds the proposal to what the target serves before the reports say it (flows/recipe/plan_scan.py)."""
     if not (Path(opts.model_dir) / "config.json").exists():
         raise UsageError(f"The sensitivity scan needs a local model directory; {opts.model_dir} has no config.json.")
     check_scheme_runs(opts.model_dir, opts.scheme, opts.exclude, opts.layer_config)  # before anything loads

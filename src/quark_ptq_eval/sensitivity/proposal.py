@@ -78,7 +78,7 @@ class Proposal:
     def _wider_note(self) -> str:
         if not self.wider:
             return ""
-        if self.wider.get("refused"):  # the target does not serve it there (flows/plan_scan.py served_on_target)
+        if self.wider.get("refused"):  # the target does not serve it there (flows/recipe/plan_scan.py served_on_target)
             return (f"; at {self.wider['scheme']} they would measure {self.wider['measured_kl']:.4g}, but "
                     f"{self.wider['refused']}")
         return (f"; at {self.wider['scheme']} they would measure {self.wider['measured_kl']:.4g} "

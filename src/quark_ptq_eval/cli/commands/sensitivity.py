@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quark_ptq_eval.flows.plan_scan import target_rule
+    from quark_ptq_eval.flows.recipe.plan_scan import target_rule
     from quark_ptq_eval.sensitivity import ScanOptions, run_sensitivity
     from quark_ptq_eval.sensitivity.emulation import check_scheme_runs
 

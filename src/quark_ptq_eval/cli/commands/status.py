@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quark_ptq_eval.flows.status import describe_status
+    from quark_ptq_eval.flows.recipe.status import describe_status
 
     report = describe_status(args.workdir)
     print(json.dumps(report, indent=2) if args.json else report["text"])

@@ -47,7 +47,7 @@ def _search(wd: Path, opts: CompareOptions) -> QuantPlan:
     """The budget search's plan of the model, in ``wd`` (its scans and search_report)."""
     from quark_ptq_eval.base.catalog import load_catalog
     from quark_ptq_eval.context.preflight import detect_env
-    from quark_ptq_eval.flows.plan_scan import plan_from_request
+    from quark_ptq_eval.flows.recipe.plan_scan import plan_from_request
     from quark_ptq_eval.intake import analyze_model
     from quark_ptq_eval.plan import PlanRequest, make_plan
 

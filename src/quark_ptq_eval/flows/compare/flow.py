@@ -75,7 +75,7 @@ class Comparison:
                 from quark_ptq_eval.execute.in_process import InProcessRunner
 
                 # the search's scans imported Quark here: its plans' engines run here too (one import, not one a
-                # cell), as the run's side by side does (flows/budget_side.py)
+                # cell), as the run's side by side does (flows/recipe/budget_side.py)
                 self.engine_runner = InProcessRunner()
             opts.check()
             self.state.options = opts.to_state()
@@ -277,14 +277,14 @@ class Comparison:
         return self.root / "models" / scheme_label(scheme)
 
     def _recipe(self, opts: CompareOptions, scheme: str, granted: set[str], quiet: bool):
-        from quark_ptq_eval.flows.pipeline import Recipe
+        from quark_ptq_eval.flows.recipe.pipeline import Recipe
 
         return Recipe(self.workdir(scheme), _Delegate(self.approver, granted), Reporter(quiet=quiet),
                       engine_runner=self.engine_runner)
 
     def _run_options(self, opts: CompareOptions, scheme: str):
         from quark_ptq_eval.flows.compare.options import cell_request
-        from quark_ptq_eval.flows.pipeline import RunOptions
+        from quark_ptq_eval.flows.recipe.pipeline import RunOptions
 
         return RunOptions.from_given(model=opts.model, output_dir=str(self.output_dir(scheme)),
                           eval=_cell_eval_fields(opts),

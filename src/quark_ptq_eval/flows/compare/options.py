@@ -76,7 +76,7 @@ class CompareOptions:
     ray: str | None = field(default=None, metadata=flag(
         "--ray", nargs="?", const="auto", metavar="ADDRESS", help=RAY_HELP.format(what="each scheme")) | concern(RUN))
     # A cell that is a mix rather than one scheme: label (in ``schemes``) -> its plan's global scheme and
-    # overrides (the budget search's side by side, flows/budget_side.py); no flag, stored with the comparison.
+    # overrides (the budget search's side by side, flows/recipe/budget_side.py); no flag, stored with the comparison.
     cells: dict[str, MixCell] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

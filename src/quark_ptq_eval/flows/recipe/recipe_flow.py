@@ -19,7 +19,7 @@ from quark_ptq_eval.base.ui import Reporter
 from quark_ptq_eval.context import preflight
 from quark_ptq_eval.evaluate.ppl.text import refuse_without_tier1_text, tier1_lacks_text
 from quark_ptq_eval.execute.runner import EngineRunner
-from quark_ptq_eval.flows.run_options import RunOptions
+from quark_ptq_eval.flows.recipe.run_options import RunOptions
 
 # (output dir, source as compared, the plan as quant_plan.json holds it) -> the evaluation report:
 # Phase 3 given by the caller (compare: Tier 1 against its cached baseline)
@@ -40,7 +40,7 @@ class RunServices:
     claims: contextlib.ExitStack  # what the run holds until it ends (the output's claim)
     evaluator: Evaluator | None = None  # Phase 3 in place of the tier choice
     # after a Tier 1 evaluation of the run's own (`run` and `resume`: a budget search's plans measured side by
-    # side, flows/budget_side.py; given by the entry points, so the recipe's modules need not import compare's)
+    # side, flows/recipe/budget_side.py; given by the entry points, so the recipe's modules need not import compare's)
     after_eval: AfterEval | None = None
 
 

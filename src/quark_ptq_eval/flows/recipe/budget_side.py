@@ -24,7 +24,7 @@ from quark_ptq_eval.budget.measured import SEARCH_JSON, CellRow, Measured, read_
 from quark_ptq_eval.evaluate.options import EvalOptions
 from quark_ptq_eval.evaluate.ppl.baseline_cache import DEFAULT_TOP_K
 from quark_ptq_eval.flows.compare.options import PLAN, TIER1, CompareOptions, MixCell
-from quark_ptq_eval.flows.recipe_flow import Flow
+from quark_ptq_eval.flows.recipe.recipe_flow import Flow
 from quark_ptq_eval.plan.request import SEARCH_FIELDS
 
 SIDE_DIR = "side_by_side"  # under the run's work dir: a comparison's own root

@@ -3,7 +3,7 @@ their artifacts, so it carries what the run proved (``publish/``)."""
 
 from __future__ import annotations
 
-from quark_ptq_eval.flows.recipe_flow import Flow
+from quark_ptq_eval.flows.recipe.recipe_flow import Flow
 
 
 def card_step(flow: Flow) -> str | None:

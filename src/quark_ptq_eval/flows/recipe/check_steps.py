@@ -16,7 +16,7 @@ from quark_ptq_eval.evaluate.options import BASELINE_FROM_SOURCE
 from quark_ptq_eval.evaluate.ppl.text import TIER1_NO_TEXT, ask_tier1_text
 from quark_ptq_eval.evaluate.remedies import validation_evidence
 from quark_ptq_eval.evaluate.tiers import TIERS, runs, scores_text, text_tier, tier_checkpoint
-from quark_ptq_eval.flows.recipe_flow import Flow
+from quark_ptq_eval.flows.recipe.recipe_flow import Flow
 from quark_ptq_eval.plan.source_reading import effective_source
 from quark_ptq_eval.validate import ValidationReport, fix_and_revalidate, validate_model
 

@@ -13,9 +13,9 @@ from quark_ptq_eval.base.artifacts import Artifact, ModelAnalysis, QuantPlan, Ru
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.evaluate.ppl.text import refuse_without_tier1_text
 from quark_ptq_eval.execute.step import VerifiedOutput, estimated_output_bytes, execute_manifest
-from quark_ptq_eval.flows.plan_scan import plan_from_request
-from quark_ptq_eval.flows.recipe_flow import Flow
-from quark_ptq_eval.flows.run_options import RunOptions
+from quark_ptq_eval.flows.recipe.plan_scan import plan_from_request
+from quark_ptq_eval.flows.recipe.recipe_flow import Flow
+from quark_ptq_eval.flows.recipe.run_options import RunOptions
 from quark_ptq_eval.plan import PlanRequest, make_plan
 
 ArtifactT = TypeVar("ArtifactT", bound=Artifact)

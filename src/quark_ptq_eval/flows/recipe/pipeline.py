@@ -28,18 +28,18 @@ from quark_ptq_eval.base.step_table import STEP_NAMES, STEPS, SUMMARY_FILE, Step
 from quark_ptq_eval.base.ui import Reporter, noise_to_log
 from quark_ptq_eval.context import preflight
 from quark_ptq_eval.execute.runner import EngineRunner, run_command
-from quark_ptq_eval.flows.card_step import card_step
-from quark_ptq_eval.flows.check_steps import eval_step, validate_step
-from quark_ptq_eval.flows.quantize_steps import (
+from quark_ptq_eval.flows.recipe.card_step import card_step
+from quark_ptq_eval.flows.recipe.check_steps import eval_step, validate_step
+from quark_ptq_eval.flows.recipe.quantize_steps import (
     execute_step,
     intake_step,
     manifest_step,
     plan_step,
     refuse_early,
 )
-from quark_ptq_eval.flows.recipe_flow import AfterEval, Evaluator, Flow, RunServices
-from quark_ptq_eval.flows.run_options import RunOptions
-from quark_ptq_eval.flows.summary import RunSummary
+from quark_ptq_eval.flows.recipe.recipe_flow import AfterEval, Evaluator, Flow, RunServices
+from quark_ptq_eval.flows.recipe.run_options import RunOptions
+from quark_ptq_eval.flows.recipe.summary import RunSummary
 
 RUN_LOG = "run.log"  # in-process library output of a run (the engine's own is engine.log)
 ProducedT = TypeVar("ProducedT")
@@ -150,7 +150,7 @@ class Recipe:
         return check_output_target(Path(opts.output_dir), model_path, self.workdir)
 
     def _summary(self, flow: Flow, stopped_at: str | None) -> RunSummary:
-        from quark_ptq_eval.flows.summary import build_summary
+        from quark_ptq_eval.flows.recipe.summary import build_summary
 
         summary = build_summary(self.workdir, flow.opts.model, flow.opts.output_dir, self.timings, stopped_at,
                                 flow.parts)
