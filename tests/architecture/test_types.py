@@ -30,9 +30,6 @@ KNOWN_UNTYPED = {
     ("base.context_window", "read_model_config"): "the same config.json",
     ("base.sizes", "kv_bytes_per_token_of"): "the same config.json",
     ("runtime.loading", "read_config_or_raise"): "the same config.json",
-    ("flows.compare", "compare"): "comparison.json's content, which `compare --json` prints (seen since the command "
-                                  "line left flows/ for cli/; flows/compare was out of reach that round)",
-    ("flows.sweep", "sweep"): "sweep_summary.json's content, which `sweep --json` prints (the same)",
     ("base.schemes", "as_spec_list"): "a scheme's spec rows from the bundled schemes table (YAML)",
     ("base.schemes", "load_scheme_table"): "the same table",
     ("base.schemes", "meaning"): "the same table's row",

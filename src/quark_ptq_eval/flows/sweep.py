@@ -28,6 +28,7 @@ from typing import Any
 from quark_ptq_eval.base.errors import CheckpointPending, QpeError, UsageError
 from quark_ptq_eval.base.fsio import atomic_write_text, write_json
 from quark_ptq_eval.base.gates import Approver, FlagApprover
+from quark_ptq_eval.flows.compare.document import SweepSummary
 
 SUMMARY_JSON, SUMMARY_MD = "sweep_summary.json", "sweep_summary.md"
 PATH_OPTIONS = ("calib_data", "eval_data", "include_path")
@@ -116,7 +117,7 @@ def with_base_models(grid: Grid, given: list[str], where: str = "--base-model") 
 
 def sweep(grid: str | Path | Grid, out_root: str | Path, *, approver: Approver | None = None, quiet: bool = True,
           ray: str | None = None, progress: Callable[[str, str], None] | None = None,
-          base_models: list[str] | None = None) -> dict[str, Any]:
+          base_models: list[str] | None = None) -> SweepSummary:
     """Every comparison of the grid (resumed where it stopped); returns sweep_summary.json's content.
     Raises ``CheckpointPending`` after the last comparison when any of them waits at a gate.
     ``base_models``: ``LABEL=ORG/NAME`` each (``ORG/NAME`` alone for a grid of one model). The grid's options
@@ -144,7 +145,7 @@ def sweep(grid: str | Path | Grid, out_root: str | Path, *, approver: Approver |
             except QpeError as exc:
                 entry.update(status="failed", message=exc.message, hint=exc.hint)
             entries.append(entry)
-    summary = {"schema": "quark-ptq-eval/sweep/1", "schemes": given.schemes, "comparisons": entries}
+    summary: SweepSummary = {"schema": "quark-ptq-eval/sweep/1", "schemes": given.schemes, "comparisons": entries}
     write_json(root / SUMMARY_JSON, summary)
     atomic_write_text(root / SUMMARY_MD, summary_markdown(summary))
     waiting = [e for e in entries if e["status"] == "waiting"]
@@ -168,7 +169,7 @@ def _speed_cell(row: dict[str, Any]) -> str:
     return f"{row['output_tokens_per_s']:.1f}" + (f" ({gain:.2f}x)" if gain is not None else "")
 
 
-def summary_markdown(summary: dict[str, Any]) -> str:
+def summary_markdown(summary: SweepSummary) -> str:
     lines = ["# Sweep summary", "", "| model | goal | scheme | status | size MiB | bits/weight | ppl +% | KL mean | "
              "output tok/s (gain) | node | recommended |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary["comparisons"]:

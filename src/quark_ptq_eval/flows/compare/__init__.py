@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from quark_ptq_eval.base.gates import Approver, FlagApprover
+from quark_ptq_eval.flows.compare.document import ComparisonDocument
 from quark_ptq_eval.flows.compare.options import CompareOptions
 
 
 def compare(model: str | Path | None, schemes: list[str] | str | None, out_root: str | Path, *,
             approver: Approver | None = None, quiet: bool = True,
-            progress: Callable[[str, str], None] | None = None, **options: Any) -> dict[str, Any]:
+            progress: Callable[[str, str], None] | None = None, **options: Any) -> ComparisonDocument:
     """Run (or resume) the comparison in ``out_root``; returns comparison.json's content. Raises
     ``CheckpointPending`` at a gate the approver refuses: call again (same ``out_root``) to go on.
     ``options`` are the command's options by their flag's dest (``options.keywords()``): the PlanRequest
@@ -40,7 +41,7 @@ def compare(model: str | Path | None, schemes: list[str] | str | None, out_root:
                                                opts.ray)
     else:
         comparison = Comparison(out_root, approver or FlagApprover(), Reporter(quiet=quiet), progress)
-    return comparison.run(opts)
+    return cast(ComparisonDocument, comparison.run(opts))  # results.py writes it
 
 
-__all__ = ["CompareOptions", "compare"]
+__all__ = ["CompareOptions", "ComparisonDocument", "compare"]
