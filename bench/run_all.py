@@ -1,4 +1,4 @@
-"""`make bench`: run every bench/bench_*.py and print one table of ratios against the peers.
+"""`make bench`: run every bench/benchmarks/bench_*.py and print one table of ratios against the peers.
 
 Each module exposes ``run(quick: bool) -> list[dict]`` with rows {"benchmark", "ours_s", "peer",
 "peer_s", "ratio"} (optionally "target", "ok", "note"). A module that fails to import or run
@@ -20,8 +20,8 @@ import time
 import traceback
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-RESULTS = BENCH_DIR.parent / ".bench" / "results.json"
+BENCH_DIR = Path(__file__).resolve().parent / "benchmarks"  # the doc generators and suite tools beside it are not run
+RESULTS = BENCH_DIR.parents[1] / ".bench" / "results.json"
 COLUMNS = ("benchmark", "ours", "peer", "peer time", "ratio", "target")
 
 
@@ -36,7 +36,7 @@ def run_module(name: str, quick: bool) -> tuple[list[dict], float]:
     """The module's rows, or one error row; never raises."""
     t0 = time.perf_counter()
     try:
-        module = importlib.import_module(f"bench.{name}")
+        module = importlib.import_module(f"bench.benchmarks.{name}")
         rows = [dict(r, module=name, quick=quick) for r in module.run(quick=quick)]
     except Exception as exc:  # noqa: BLE001 - one broken benchmark must not hide the others
         traceback.print_exc(file=sys.stderr)

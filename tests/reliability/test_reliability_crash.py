@@ -1,4 +1,4 @@
-"""The crash campaign's slice in the suite (bench/crash_campaign.py runs the figure): one clean demo
+"""The crash campaign's slice in the suite (bench/benchmarks/crash_campaign.py runs the figure): one clean demo
 run shared by the module, then the same recipe from scratch SIGKILLed (its whole process tree) at
 seeded instants over that run's span, resumed (its first resume killed once more) until
 it finishes; `status` right at every stop, the export byte-identical to the clean run's, the reports
@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from bench import crash_campaign
+from bench.benchmarks import crash_campaign
 from tests.reliability.test_reliability_guard import source_guard  # noqa: F401 - arms the session guard early
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("source_guard")]
@@ -28,7 +28,7 @@ def reference(tmp_path_factory, tiny_llama, corpus):
 # One trial: the `run` killed at 24 % of the reference's span, its first `resume` (if still running then) at
 # 37 % of it; the next `resume` finishes. A trial killed once (a killed `run`, one `resume` to the end) checked nothing
 # this one does not: the same status checks at a stop, the same end state after a resume; the instants over
-# the whole span (every phase) are the campaign's to cover (bench/crash_campaign.py, 60 trials).
+# the whole span (every phase) are the campaign's to cover (bench/benchmarks/crash_campaign.py, 60 trials).
 SEED, REKILL, MAX_KILLS = 3, 1.0, 2
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints its figures beside the peers' and the load average (python -m bench.benchmarks.<name>)."""

@@ -1,0 +1,1 @@
+"""Doc generators: matrices run for real and the pages they write (python -m bench.docgen.<name>)."""
