@@ -48,7 +48,7 @@ bench: $(STAMP)
 
 # Every Quark-templated family x scheme, run for real on tiny offline models; writes docs/families.md.
 matrix: $(STAMP)
-	$(PY) -m bench.matrix
+	$(PY) -m bench.docgen.matrix
 
 # ruff, then mypy over src/ (configured in pyproject.toml: strict on the base and the steps)
 lint: $(STAMP)

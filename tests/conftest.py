@@ -34,7 +34,7 @@ os.environ.setdefault("QUARK_PTQ_EVAL_CACHE", str(ROOT / ".pytest_cache" / "quar
 # Each xdist worker gets its share of the cores for torch's threads (and its children's, which inherit it):
 # two workers of two OpenMP threads each on two cores spin-wait on each other. Measured on this host, the same
 # 304 tests on two workers (validate, sensitivity, plan, intake, Tier 1), A/B/A/B: 285 and 292 s with the
-# default threads, 232 and 188 s with one each (load 2-2.8; bench/suite_threads.sh).
+# default threads, 232 and 188 s with one each (load 2-2.8; bench/suite/suite_threads.sh).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
@@ -45,7 +45,7 @@ if _WORKERS > 1:
 # threads): one import of vLLM fewer per start, and no pinning of every server to core 0 with core 1 reserved (the
 # reason round 14's two servers at once were slower). Measured here, one start to a healthy server: 29.2 -> 16.9 s
 # quiet, 25.0 -> 18.3 s beside one busy core. The product's own default is untouched (it passes the environment
-# on); tests/evaluate/test_speed_real_vllm.py's `eval --tier speed` serves with vLLM's default layout.
+# on); tests/evaluate/speed/test_speed_real_vllm.py's `eval --tier speed` serves with vLLM's default layout.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup). Each test file is one
@@ -59,10 +59,10 @@ SHARED_WORKER = {
 # cut): the longest go first, so that the last group to start is a short one and neither worker idles at the end
 # (longest-first scheduling). Groups not named here follow, the files with more tests first (xdist's own order).
 GROUP_SECONDS = {
-    "compare": 640, "tests/evaluate/test_speed_real_vllm.py": 600, "tests/flows/test_budget_search.py": 420,
+    "compare": 640, "tests/evaluate/speed/test_speed_real_vllm.py": 600, "tests/flows/test_budget_search.py": 420,
     "tests/publish/test_model_card.py": 330, "tests/flows/test_pipeline.py": 240,
     "tests/reliability/test_reliability_crash.py": 140, "tests/execute/test_quark_cli_engine.py": 125,
-    "tests/evaluate/test_tier3_real_vllm.py": 95, "tests/reliability/test_reliability_interrupts.py": 85,
+    "tests/evaluate/vllm/test_tier3_real_vllm.py": 95, "tests/reliability/test_reliability_interrupts.py": 85,
     "tests/reliability/test_reliability_writes.py": 80, "tests/plan/test_plan_goals.py": 65,
     "tests/flows/test_data_trust.py": 60, "tests/architecture/test_types.py": 55, "tests/flows/test_newcomer.py": 55,
     "tests/architecture/test_registry.py": 50, "tests/reliability/test_hostile_cli.py": 50,

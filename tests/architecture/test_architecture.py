@@ -125,9 +125,9 @@ def test_no_import_cycle_not_even_under_type_checking():
 
 
 def test_no_import_cycle_in_the_benchmarks():
-    """bench/ too: the matrix runner and the page it writes share its columns through bench/matrix_columns.py."""
+    """bench/ too: the matrix runner and the page it writes share its columns through bench/docgen/matrix_columns.py."""
     graph = _module_graph(SRC.parents[1] / "bench")
-    assert "bench.families_doc" in graph["bench.matrix"] and "tests.fixtures.families" not in graph  # bench/ alone
+    assert "bench.docgen.families_doc" in graph["bench.docgen.matrix"] and "tests.fixtures.families" not in graph  # bench/ alone
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 

@@ -82,7 +82,7 @@ def searched(cli, shared_assets, corpus, tmp_path_factory):
 @pytest.mark.skipif(not (ROOT / ".venv-vllm" / ".installed").is_file(),
                     reason="no .venv-vllm: build the project's vLLM with `make vllm-env`")
 def test_the_searched_mix_is_served_and_beats_the_plans_tried_by_hand_on_the_same_windows(searched):
-    from tests.evaluate.test_tier3_real_vllm import our_servers
+    from tests.evaluate.vllm.test_tier3_real_vllm import our_servers
 
     res, model, wd, out = searched
     assert res.rc == 0, res.err[-3000:]
@@ -321,7 +321,7 @@ def scanned(rows: list[dict]) -> ScanResult:
 
 def test_the_targets_rule_for_routed_experts_is_one_and_the_search_and_the_sensitivity_proposal_follow_it():
     """plan/targets.py ``expert_refusal`` says which formats a target's vLLM serves for an MoE's routed experts (on
-    this CPU none quantized, measured: bench/bench_moe_expert_serving.py; on a GPU target not Quark's int8, whose
+    this CPU none quantized, measured: bench/benchmarks/bench_moe_expert_serving.py; on a GPU target not Quark's int8, whose
     static activation scales vLLM 0.32's INT8 MoE method gives no kernel); the search's groups, its solver, its
     side plans and a sensitivity proposal's wider scheme all read it."""
     from quark_ptq_eval.budget.groups import search_groups, side_plans

@@ -1,4 +1,4 @@
-"""A CI slice of the family x scheme matrix (``make matrix`` runs all of it, bench/matrix.py).
+"""A CI slice of the family x scheme matrix (``make matrix`` runs all of it, bench/docgen/matrix.py).
 
 Tiny random instances of real transformers architectures, built offline from their config
 classes, go through the recipe's steps: one dense family, one MoE with fused 3-D experts, one
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.matrix import Setup, build_release, cell_dir, export_dir, matrix_params, run_cell
+from bench.docgen.matrix import Setup, build_release, cell_dir, export_dir, matrix_params, run_cell
 from quark_ptq_eval.base.errors import QpeError, UsageError
 from quark_ptq_eval.base.safetensors_io import read_model_headers
 from quark_ptq_eval.validate.configdiff import HeaderFacts, check_config

@@ -66,7 +66,7 @@ def test_the_sweep_grid_is_checked_before_anything_runs(tmp_path):
 
 def test_an_address_nothing_listens_on_is_refused_in_seconds_not_retried():
     """Ray 2.60's `ray.init` on a dead HOST:PORT retries its GCS for minutes; --ray checks the port first
-    (how long each takes: `python -m bench.bench_ray_dead_address`)."""
+    (how long each takes: `python -m bench.benchmarks.bench_ray_dead_address`)."""
     import socket
 
     from quark_ptq_eval.flows.compare.ray_cluster import check_answers

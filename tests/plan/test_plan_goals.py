@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.matrix import Setup
-from bench.plan_matrix import run_goal_cell
+from bench.docgen.matrix import Setup
+from bench.docgen.plan_matrix import run_goal_cell
 from quark_ptq_eval.base.errors import ExitCode, UsageError
 from quark_ptq_eval.intake import analyze_model
 from quark_ptq_eval.plan import PlanRequest, make_plan

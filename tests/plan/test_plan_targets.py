@@ -187,7 +187,7 @@ def test_docs_speed_md_states_the_measurement_the_plan_sizes_for_mi300x_and_h200
     docs/speed.md says exactly that (QPE_UPDATE_DOCS=1 rewrites its generated part)."""
     import os
 
-    from bench.speed_targets_doc import GOALS, current_part, render, replace_part
+    from bench.docgen.speed_targets_doc import GOALS, current_part, render, replace_part
 
     source = Path(llama8b_analysis.model["model_path"])
     export = tmp_path / "export"

@@ -20,7 +20,7 @@ from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.publish import write_card
 from quark_ptq_eval.publish.metadata import BASE_SUFFIX
 from quark_ptq_eval.runtime.vllm_host import free_port
-from tests.evaluate.test_tier3_real_vllm import (
+from tests.evaluate.vllm.test_tier3_real_vllm import (
     assert_scored,
     assert_tier3_served_both_sized_and_measured,
     control_with_vllms_default,

@@ -136,7 +136,7 @@ def test_free_memory_is_the_smallest_of_the_kernels_vllms_and_the_cgroups_figure
 
 
 def test_tier3_estimate_shows_each_sized_argument_with_its_reason_and_the_report_records_it(tmp_path, monkeypatch):
-    from tests.evaluate.test_eval_vllm import NO_ROCM, fake_model
+    from tests.evaluate.vllm.test_eval_vllm import NO_ROCM, fake_model
 
     monkeypatch.setattr(vs, "host_memory", lambda: free(6))
     model = fake_model(tmp_path, "q", max_pos=2048)
@@ -157,7 +157,7 @@ def test_tier3_estimate_shows_each_sized_argument_with_its_reason_and_the_report
 def test_the_serving_check_is_sized_the_same_way_and_a_host_without_room_is_one_finding(tmp_path, monkeypatch):
     from quark_ptq_eval.validate import servecheck
     from quark_ptq_eval.validate.report import CheckResult
-    from tests.evaluate.test_eval_vllm import fake_model
+    from tests.evaluate.vllm.test_eval_vllm import fake_model
 
     model = fake_model(tmp_path, "q", max_pos=4096)
     monkeypatch.setattr(vs, "host_memory", lambda: free(6))

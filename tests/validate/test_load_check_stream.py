@@ -1,5 +1,5 @@
 """The load check one part at a time (validate/load_stream.py) against the whole-model load check, on the models
-Tier 1's streaming is held to (tests/evaluate/test_stream_tier1.py: a trained 8-block tiny Llama in BF16 with outlier
+Tier 1's streaming is held to (tests/evaluate/ppl/test_stream_tier1.py: a trained 8-block tiny Llama in BF16 with outlier
 channels, a tiny qwen3_moe), and a fault planted in an export still fails, named.
 
 Both paths run the same transformers classes on the same probe, and load the export through the same loader's
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from quark_ptq_eval.validate.loadcheck import load_check_alone
-from tests.evaluate.test_stream_tier1 import export, llama8_traits  # noqa: F401 - the shared fixture
+from tests.evaluate.ppl.test_stream_tier1 import export, llama8_traits  # noqa: F401 - the shared fixture
 from tests.validate.test_validate_plan import plan_for
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def test_a_start_never_reads_an_earlier_failed_starts_log_on_the_same_port():
     """A failed check keeps its log as evidence and the server appends to it; three checks at once
-    (tests/evaluate/test_tier3_real_vllm.py) once got a port an earlier refusal had used and blamed
+    (tests/evaluate/vllm/test_tier3_real_vllm.py) once got a port an earlier refusal had used and blamed
     the mxfp4 export for the fp8 export's error."""
     from quark_ptq_eval.runtime.vllm_host import failure_reason
     from quark_ptq_eval.validate.servecheck import _scratch_log

@@ -448,7 +448,7 @@ def test_importing_the_validator_pulls_in_no_heavy_library():
             "print(time.perf_counter() - t); "
             "print(sorted(m for m in ('torch', 'transformers', 'quark', 'numpy', 'jsonschema') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
-    assert out[1] == "[]"  # its wall time is a benchmark row (bench/bench_validate.py), not a test
+    assert out[1] == "[]"  # its wall time is a benchmark row (bench/benchmarks/bench_validate.py), not a test
 
 
 def test_cmd_validate_config_only_failure_stops_without_asking_for_a_fix(tiny_llama, int8_copy, tmp_path, capsys):

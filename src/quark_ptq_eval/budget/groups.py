@@ -53,7 +53,7 @@ def experts_pattern(moe: str) -> str:
     the per-expert linears (``model.layers.0.mlp.experts.3.gate_proj``), vLLM against its fused-MoE module's own name
     (``model.layers.0.mlp.experts``; quark.py ``_find_matched_config``, fnmatch), which the scan unit's
     ``...experts.*`` does not match: vLLM then reads the experts under the global scheme (measured:
-    bench/bench_moe_expert_serving.py, int4 experts over an int8 global refused with "shape '[]' is invalid")."""
+    bench/benchmarks/bench_moe_expert_serving.py, int4 experts over an int8 global refused with "shape '[]' is invalid")."""
     return f"{moe}*"
 
 

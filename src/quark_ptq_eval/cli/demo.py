@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def demo_args(model: Path, corpus: Path, output: Path, workdir: Path) -> list[str]:
-    """The demo's `run` arguments (the crash campaign, bench/crash_campaign.py, runs exactly these)."""
+    """The demo's `run` arguments (the crash campaign, bench/benchmarks/crash_campaign.py, runs exactly these)."""
     return ["run", str(model), "-o", str(output), "--workdir", str(workdir),
             "--scheme", "int8", "--calib-data", str(corpus), "--num-calib-samples", "32", "--calib-seq-len", "256",
             # No --eval-data: Tier 1 scores the part of the corpus the plan holds out from calibration.

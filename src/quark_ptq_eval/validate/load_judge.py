@@ -6,7 +6,7 @@ Where a unit is emulated (emulate.py), two distances are measured on the source'
   loader can move it: a scale misread, a transposed or shuffled weight, weights left at random. It is
   held to ``ROUNDING_LIMIT``, floating-point rounding: float32 against float32 agrees to ~1e-6; a
   BF16 model rounds its inputs, weights and outputs (2**-8 each) and may move an activation across a
-  rounding boundary, ~1 % at most on the tiny models' int8/fp8/mx exports (bench/bench_load_check.py),
+  rounding boundary, ~1 % at most on the tiny models' int8/fp8/mx exports (bench/benchmarks/bench_load_check.py),
   where faults read 50 % to 300 %.
 - **quantization error**: the emulation against the source. The scheme's error, not a fault: it
   never fails the check; it is reported per module, the worst first, with what makes it so (the

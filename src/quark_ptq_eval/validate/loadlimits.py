@@ -8,7 +8,7 @@ correct int8 export of a model with one massive channel reads 15-17 % (tests/fix
 One limit for all (0.45, set by the noisiest scheme, mxfp4 on random weights) let an int8 export
 with a row of its attention negated pass at 10-25 %, where int8's healthy modules stay within a
 few percent. So the limit follows the export's weight format: the largest relative module error
-measured on healthy exports of that format (``bench/bench_load_check.py --no-faults``, numbers in
+measured on healthy exports of that format (``bench/benchmarks/bench_load_check.py --no-faults``, numbers in
 ``HEALTHY``) times ``MARGIN``, never above the old limit. AWQ and SmoothQuant are replayed in larger
 units (folds.py), so their own measured maxima apply. A mixed export (per-layer overrides) is held
 to the loosest format it uses.
@@ -24,12 +24,12 @@ from quark_ptq_eval.validate.rewrites import SCALING, algorithms
 MARGIN = 2.0  # the sweeps cover 8 families of 34: room for the others' spread
 CEILING = 0.45  # the former single limit: planted scale x4 faults read >= 0.52 over 159 exports
 # format -> largest healthy module error measured (docs/reliability.md, "Load-check limits per format"):
-# bench/bench_load_check.py --no-faults over a family-matrix subset (8 families, random BF16 weights,
+# bench/benchmarks/bench_load_check.py --no-faults over a family-matrix subset (8 families, random BF16 weights,
 # 2026-12-01) and the trained tiny Llama's exports; fp4 from the 34-family sweep (experts 0.33).
 HEALTHY = {"int8": 0.059, "fp8": 0.084, "int4": 0.184, "fp4": 0.33,
            "fp6": 0.33}  # fp6: one measurement only (0.071, trained Llama): held to fp4's figure
 # AWQ / SmoothQuant, replayed by fold unit: int4 AWQ from the 34-family sweep (all healthy <= 0.29),
-# int8 SmoothQuant from the plan matrix (bench/plan_matrix.py: phi3's fused-MLP fold unit 0.22 on
+# int8 SmoothQuant from the plan matrix (bench/docgen/plan_matrix.py: phi3's fused-MLP fold unit 0.22 on
 # random BF16 weights, its weights decoding within half a step; the trained tiny Llama read 0.071).
 HEALTHY_SCALING = {"int8": 0.22, "int4": 0.29}
 

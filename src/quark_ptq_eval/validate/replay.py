@@ -5,7 +5,7 @@ logits are flat (a random-weight tiny model amplifies a 4 % weight error into a 
 token at half the positions). One module given the source's exact input can: its output differs
 from the source module's by the scheme's rounding (at most 29 % relative, fp8 to mxfp4, over 159
 real exports of 34 families), where a scale read 4x measured 52 % to 300 % and weights left at
-random ~150 % (bench/bench_load_check.py). Errors do not compound from module to module.
+random ~150 % (bench/benchmarks/bench_load_check.py). Errors do not compound from module to module.
 
 (Not ``sensitivity/replay.py``: that one re-runs one model's decoder from a block onwards.)
 

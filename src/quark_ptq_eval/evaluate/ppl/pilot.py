@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from quark_ptq_eval.runtime.loading import LoadedModel
 
-FINISH_S = 1.0  # statistics, chart and report files after the last batch (bench/bench_estimates.py)
+FINISH_S = 1.0  # statistics, chart and report files after the last batch (bench/benchmarks/bench_estimates.py)
 
 
 class Clock:

@@ -11,7 +11,7 @@ At most one block of each model is in memory, and each checkpoint is read once p
 
 The numbers are the in-memory tier's: the same transformers classes, the same loader's modules
 (transformers' Quark integration or Quark's importer, mapped on meta and filled per block), the
-same batches, in the model's dtype: equal to the in-memory Tier 1 (tests/evaluate/test_stream_tier1.py).
+same batches, in the model's dtype: equal to the in-memory Tier 1 (tests/evaluate/ppl/test_stream_tier1.py).
 After each block the relative distance between the quantized and the baseline hidden states
 (mean over tokens of ||h_q - h_b|| / ||h_b||) is recorded: ``details.per_block``, where the error enters.
 """

@@ -72,7 +72,7 @@ def warm_worker() -> None:
     """Import what a cell runs in its worker process (validation's load check and Tier 1: torch,
     transformers, Quark's torch API; ~20 s cold; the engine itself is a child process), dispatched
     while the driver builds the baseline cache, so the cells that follow on this worker start warm
-    (bench/bench_ray_compare.py)."""
+    (bench/benchmarks/bench_ray_compare.py)."""
     from quark_ptq_eval.base.quark_import import import_quark_torch
 
     import_quark_torch()
