@@ -20,40 +20,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.benchmarks.bench_real_size_plans import write_sparse
-from bench.benchmarks.bench_validate_memory import (
-    QCONFIG,
-    TOKENIZER_FILES,
-    fill_scales,
-    fp8_export,
-    llama,
-    tokenizer_dir,
-)
+from bench.benchmarks.bench_validate_memory import copy_tokenizer, llama, tokenizer_dir, write_pair
 
 CASES = {
     "1b": llama(2048, 5632, 22, 32, 4, 32000, 1),  # TinyLlama-1.1B
     "70b": llama(8192, 28672, 80, 64, 8, 128256, 30),  # Llama-3.1-70B
 }
+
+
 def build(name: str, work: Path, tokenizer: Path) -> tuple[Path, Path]:
     config, tensors, shards = CASES[name]()
-    config = {**config, "max_position_embeddings": 4096}
-    source, export = work / f"{name}-source", work / f"{name}-fp8"
-    if not (source / "config.json").exists():
-        write_sparse(source, config, tensors, shards)
-    if not (export / "config.json").exists():
-        write_sparse(export, {**config, "quantization_config": QCONFIG}, fp8_export(tensors), shards)
-        fill_scales(export)
-    for folder in (source, export):
-        for f in TOKENIZER_FILES:
-            if (tokenizer / f).exists():
-                shutil.copy(tokenizer / f, folder / f)
+    source, export = write_pair(work, name, {**config, "max_position_embeddings": 4096}, tensors, shards)
+    copy_tokenizer(tokenizer, (source, export))
     return source, export
 
 

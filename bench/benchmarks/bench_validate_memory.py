@@ -107,14 +107,29 @@ def fill_scales(model: Path) -> int:
 def build(name: str, work: Path) -> tuple[Path, Path, int]:
     """(source, export, elements the decode check decodes), written once per work dir."""
     config, tensors, shards = CASES[name]()
+    source, export = write_pair(work, name, config, tensors, shards)
+    decoded = sum(math.prod(s) for n, d, s in fp8_export(tensors) if d == F8)
+    return source, export, decoded
+
+
+def write_pair(work: Path, name: str, config: dict, tensors: list[tuple[str, str, list[int]]],
+               shards: int) -> tuple[Path, Path]:
+    """The BF16 source and its FP8 export as sparse files under ``work``, written once."""
     source, export = work / f"{name}-source", work / f"{name}-fp8"
     if not (source / "config.json").exists():
         write_sparse(source, config, tensors, shards)
     if not (export / "config.json").exists():
         write_sparse(export, {**config, "quantization_config": QCONFIG}, fp8_export(tensors), shards)
         fill_scales(export)
-    decoded = sum(math.prod(s) for n, d, s in fp8_export(tensors) if d == F8)
-    return source, export, decoded
+    return source, export
+
+
+def copy_tokenizer(tokenizer: Path, folders: tuple[Path, ...]) -> None:
+    """A checkpoint as shipped: its tokenizer's files beside the weights."""
+    for folder in folders:
+        for f in TOKENIZER_FILES:
+            if (tokenizer / f).exists():
+                shutil.copy(tokenizer / f, folder / f)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
@@ -207,11 +222,7 @@ def main() -> None:
     for name in args.case or ["13b"]:
         source, export, decoded = build(name, work)
         if args.load_check:  # a checkpoint as shipped: its tokenizer beside the weights
-            tokenizer = tokenizer_dir(work)
-            for folder in (source, export):
-                for f in TOKENIZER_FILES:
-                    if (tokenizer / f).exists():
-                        shutil.copy(tokenizer / f, folder / f)
+            copy_tokenizer(tokenizer_dir(work), (source, export))
         read_gb = decoded * 3 / 1e9  # each FP8 code (1 byte) and its BF16 source (2 bytes)
         for workers in args.workers:
             r = run_validate(source, export, workers or None, work, int(read_gb * 1e9), args.limit_s, args.load_check)
