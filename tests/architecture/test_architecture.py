@@ -140,8 +140,14 @@ def test_every_import_follows_the_layer_order():
                ("quark_ptq_eval.base.y", "base/y.py:2", "quark_ptq_eval.context.preflight"),
                ("quark_ptq_eval.flows.z", "flows/z.py:3", "quark_ptq_eval.cli.main"),
                ("quark_ptq_eval.cli.commands.run", "cli/commands/run.py:4", "quark_ptq_eval.flows.recipe.pipeline"),
-               ("quark_ptq_eval.__main__", "__main__.py:5", "quark_ptq_eval.cli.main")]
-    assert [w.split(":")[0] for w in _against_layers(planted)] == ["plan/x.py", "base/y.py", "flows/z.py"]
+               ("quark_ptq_eval.__main__", "__main__.py:5", "quark_ptq_eval.cli.main"),
+               # the budget search goes one way: flows -> budget -> sensitivity / plan -> base, never back up
+               ("quark_ptq_eval.budget.w", "budget/w.py:6", "quark_ptq_eval.flows.recipe.plan_scan"),
+               ("quark_ptq_eval.sensitivity.v", "sensitivity/v.py:7", "quark_ptq_eval.budget.search"),
+               ("quark_ptq_eval.flows.recipe.u", "flows/recipe/u.py:8", "quark_ptq_eval.budget.search"),
+               ("quark_ptq_eval.budget.t", "budget/t.py:9", "quark_ptq_eval.sensitivity.scan")]
+    assert [w.split(":")[0] for w in _against_layers(planted)] == ["plan/x.py", "base/y.py", "flows/z.py",
+                                                                    "budget/w.py", "sensitivity/v.py"]
     wrong = _against_layers(statements)
     assert wrong == [], "imports against the layer order:\n" + "\n".join(wrong)
 
