@@ -180,7 +180,7 @@ def test_runs_vllm_args_reach_the_serving_check(tmp_path, monkeypatch):
     opts = run_options("m", tmp_path / "o", {"eval_options": {"vllm_args": ["--max-num-seqs=4"]}})
     seen = []
     monkeypatch.setattr(vllm_host, "find_host_vllm", lambda named: CPU_VLLM)
-    monkeypatch.setattr(servecheck, "_serve", lambda model, host, result, args=(): seen.append(args))
+    monkeypatch.setattr(servecheck, "_serve", lambda model, host, result, args=(), handover=None: seen.append(args))
     ctx = CheckInputs(tmp_path, tmp_path, None, vllm_args=tuple(opts.eval.vllm_args))
     servecheck.check_serving(ctx)
     assert seen == [("--max-num-seqs=4",)]

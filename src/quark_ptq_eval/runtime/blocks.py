@@ -16,7 +16,9 @@ The forward over a part (entry, one block, exit) is ``runtime/block_pass.py``. U
 from __future__ import annotations
 
 import os
+import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +36,7 @@ TORCH_DTYPES = {
     "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }
 ENTRY, EXIT = "entry", "exit"
+_STACK = re.compile(r"^(.*?)\.\d+\.")  # a name's first numbered container: the decoder stack
 
 
 def read_tensor(info: TensorInfo) -> torch.Tensor:
@@ -107,7 +110,7 @@ def open_streamed(model_dir: Path, device: str = "cpu", trust_remote_code: bool 
     else:
         model, load_config, quark_config = _transformers_skeleton(model_dir, config_dict, trust_remote_code)
     layers_path, layers = _decoder_layers(model)
-    parts = _split_parts(headers, layers_path)
+    parts = split_parts(headers, layers_path)
     dtype = getattr(model, "dtype", None)
     return StreamedModel(model_dir, model, layers, layers_path, parts, loader, reason, device, dtype, load_config,
                          quark_config)
@@ -196,7 +199,16 @@ def _decoder_layers(model: Any) -> tuple[str, Any]:
                    "family cannot be streamed block by block.")
 
 
-def _split_parts(headers: dict[str, TensorInfo], layers_path: str) -> dict[str, list[TensorInfo]]:
+def stack_path(names: Iterable[str]) -> str | None:
+    """Where a checkpoint's decoder blocks are, from its tensor names alone (``model.layers`` for
+    ``model.layers.0.mlp.up_proj.weight``): before any model is built, e.g. to size a streamed pass."""
+    for name in names:
+        if match := _STACK.match(name):
+            return match.group(1)
+    return None
+
+
+def split_parts(headers: dict[str, TensorInfo], layers_path: str) -> dict[str, list[TensorInfo]]:
     """Tensors by part: a block's under ``<layers_path>.<i>.``, the rest split between the entry
     (embeddings, before the blocks) and the exit (final norm, lm_head)."""
     parts: dict[str, list[TensorInfo]] = {}

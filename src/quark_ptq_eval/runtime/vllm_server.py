@@ -5,9 +5,9 @@ everything it spawned however the work on it ends; its log is kept.
 
 A server that is not healthy is a :class:`ServerNotHealthy`: the server's own reason from its log when it exited
 (vllm_host.failure_reason), the timeout when it did not; each caller words it as its own (a refusal, a finding).
-Also here, once for the whole package: the health check and the check that nothing listens on a port; and the
-hand-over of a server one caller starts to a later user of the same model (``handing_over``: compare --speed hands
-a cell's serving-check server to its speed measurement, so each cell's export is served once).
+Also here, once for the whole package: the health check and the check that nothing listens on a port; and what a
+later user of the same model's server answers (``ServerHandover``: compare --speed gives one to a cell's serving
+check, through the recipe and validate_model, so each cell's export is served once).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -173,21 +172,3 @@ class ServerHandover(Protocol):
     def take(self, server: VllmServer) -> None: ...
 
     def not_served(self, failure: ServerNotHealthy | str) -> None: ...
-
-
-_HANDOVER: ContextVar[ServerHandover | None] = ContextVar("quark_ptq_eval_server_handover", default=None)
-
-
-@contextmanager
-def handing_over(handover: ServerHandover | None) -> Iterator[None]:
-    """Inside the ``with``, a check that starts a server for the model asks ``handover`` first (``handover_now``)."""
-    token = _HANDOVER.set(handover)
-    try:
-        yield
-    finally:
-        _HANDOVER.reset(token)
-
-
-def handover_now() -> ServerHandover | None:
-    """The later user of this model's server, when the caller named one (``handing_over``)."""
-    return _HANDOVER.get()

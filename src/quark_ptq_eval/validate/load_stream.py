@@ -57,27 +57,18 @@ def stream_bytes(ctx: CheckInputs) -> int:
     return 3 * largest + STREAM_START_BYTES
 
 
-def _part_sizes(ctx: CheckInputs, side: str) -> Counter[str]:
-    from quark_ptq_eval.runtime.blocks import ENTRY, EXIT
+def _part_sizes(ctx: CheckInputs, side: str) -> dict[str, int]:
+    """Bytes of each part the streamer would load (``blocks.split_parts``; a tied lm_head's exit loads the
+    embedding too)."""
+    from quark_ptq_eval.runtime.blocks import ENTRY, EXIT, split_parts, stack_path
 
-    parts: Counter[str] = Counter()
     tensors = ctx.tensors(side) or {}
-    for name, info in tensors.items():
-        parts[_part_of(name)] += info.nbytes
+    parts = {part: sum(t.nbytes for t in infos)
+             for part, infos in split_parts(tensors, stack_path(tensors) or "model.layers").items()}
     config = ctx.src_config if side == "source" else ctx.out_config
     if config.get("tie_word_embeddings") and not any("lm_head" in name for name in tensors):
-        parts[EXIT] += parts[ENTRY]
+        parts[EXIT] = parts.get(EXIT, 0) + parts.get(ENTRY, 0)
     return parts
-
-
-def _part_of(name: str) -> str:
-    """A tensor's part by its name alone (before any model is built): ``layers.<i>.`` is block i."""
-    from quark_ptq_eval.runtime.blocks import ENTRY, EXIT
-
-    head, sep, rest = name.partition("layers.")
-    if sep and rest.split(".", 1)[0].isdigit():
-        return rest.split(".", 1)[0]
-    return ENTRY if "embed" in name else EXIT
 
 
 def probe_streamed(ctx: CheckInputs, result: CheckResult, tokenizer: Any, ids: torch.Tensor, trust: bool) -> None:

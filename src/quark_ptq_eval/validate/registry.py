@@ -16,6 +16,7 @@ from typing import Any
 from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.registry import load
 from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
+from quark_ptq_eval.runtime.vllm_server import ServerHandover
 from quark_ptq_eval.validate.report import CheckResult, Finding
 
 Progress = Callable[[str, int, int], None]
@@ -45,6 +46,7 @@ class CheckInputs:
     stream_blocks: bool | None = None  # the load check one part at a time (None: when the whole model does not fit)
     vllm_python: Path | None = None  # the serving check's vLLM (None: $QUARK_PTQ_EVAL_VLLM_PYTHON, if set)
     vllm_args: tuple[str, ...] = ()  # the user's --vllm-arg values, over the sized ones (runtime/vllm_sizing.py)
+    server_handover: ServerHandover | None = None  # the serving check's server, handed on (compare --speed)
     progress: Progress | None = None
     src_config: dict[str, Any] = field(default_factory=dict)
     out_config: dict[str, Any] = field(default_factory=dict)

@@ -10,6 +10,7 @@ from typing import Any, TypedDict, Unpack
 
 from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.runtime.vllm_server import ServerHandover
 from quark_ptq_eval.validate.registry import CheckInputs, Progress, read_config_or_empty
 from quark_ptq_eval.validate.report import ValidationReport
 
@@ -32,6 +33,7 @@ class ValidateOptions:
     load_check: bool = False
     vllm_python: Path | None = None
     vllm_args: tuple[str, ...] = ()
+    server_handover: ServerHandover | None = None  # a later user of the serving check's server (compare --speed)
 
 
 class ValidateKeywords(TypedDict, total=False):
@@ -44,6 +46,7 @@ class ValidateKeywords(TypedDict, total=False):
     load_check: bool
     vllm_python: Path | None
     vllm_args: tuple[str, ...]
+    server_handover: ServerHandover | None
 
 
 def validate_model(source: Path | None, quantized: Path, plan: PlanJson | None = None,
@@ -64,7 +67,8 @@ def validate_model(source: Path | None, quantized: Path, plan: PlanJson | None =
     plan_read: dict[str, Any] | None = dict(plan) if plan is not None else None  # the checks read it as JSON
     ctx = CheckInputs(source, quantized, plan_read, max_samples=opts.max_samples, seed=opts.seed,
                             workers=opts.workers, load_check=opts.load_check, vllm_python=opts.vllm_python,
-                            vllm_args=tuple(opts.vllm_args), progress=progress)
+                            vllm_args=tuple(opts.vllm_args), progress=progress,
+                            server_handover=opts.server_handover)
     ctx.src_config, ctx.out_config = read_config_or_empty(source), read_config_or_empty(quantized)
     ctx.exclude, ctx.exclusions_from = _exclusions(plan_read, ctx.qconfig)
     ctx.read_headers()

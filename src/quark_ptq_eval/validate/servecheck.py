@@ -43,7 +43,7 @@ def check_serving(ctx: CheckInputs) -> CheckResult:
         result.findings.append(Finding("vllm", exc.message, side="environment"))
         return result
     if host is not None:
-        _serve(ctx.quantized, host, result, ctx.vllm_args)
+        _serve(ctx.quantized, host, result, ctx.vllm_args, ctx.server_handover)
     elif importlib.util.find_spec("vllm") is not None:
         _against_classes(ctx.qconfig, result)
     else:
@@ -84,16 +84,15 @@ def fused_split(qconfig: dict[str, Any], names: list[str]) -> str | None:
     return None
 
 
-def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[str, ...] = ()) -> None:
+def _serve(model: Path, host: HostVllm, result: CheckResult, vllm_args: tuple[str, ...] = (),
+           handover: ServerHandover | None = None) -> None:
     """Start vLLM on the export (sized as Tier 3 sizes it), wait for health or its exit, ask it for one
     short completion, stop it: served, or its reason. Where a later user of the model's server was named
-    (compare --speed: the cell's speed measurement, runtime/vllm_server.handing_over), the server is the one it
+    (``handover``, compare --speed: the cell's speed measurement), the server is the one it
     asks for, sized for it, and handed to it before it stops: the export is served once for both."""
     from quark_ptq_eval.runtime.vllm_host import failure_reason
-    from quark_ptq_eval.runtime.vllm_server import handover_now
     from quark_ptq_eval.runtime.vllm_sizing import ServerDoesNotFit
 
-    handover = handover_now()
     plan = handover.server_plan() if handover is not None else None
     if plan is None:
         handover = None

@@ -60,7 +60,7 @@ def _checked(flow: Flow, source: Path | None, plan_json: PlanJson) -> Validation
     try:
         return validate_model(source, flow.output(), plan_json, load_check=not flow.opts.no_load_check,
                               progress=progress, vllm_python=flow.opts.eval.vllm_python,
-                              vllm_args=tuple(flow.opts.eval.vllm_args))
+                              vllm_args=tuple(flow.opts.eval.vllm_args), server_handover=flow.run.server_handover)
     finally:
         ui.end_progress()
 

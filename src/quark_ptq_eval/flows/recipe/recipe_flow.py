@@ -20,6 +20,7 @@ from quark_ptq_eval.context import preflight
 from quark_ptq_eval.evaluate.ppl.text import refuse_without_tier1_text, tier1_lacks_text
 from quark_ptq_eval.execute.runner import EngineRunner
 from quark_ptq_eval.flows.recipe.run_options import RunOptions
+from quark_ptq_eval.runtime.vllm_server import ServerHandover
 
 # (output dir, source as compared, the plan as quant_plan.json holds it) -> the evaluation report:
 # Phase 3 given by the caller (compare: Tier 1 against its cached baseline)
@@ -42,6 +43,8 @@ class RunServices:
     # after a Tier 1 evaluation of the run's own (`run` and `resume`: a budget search's plans measured side by
     # side, flows/recipe/budget_side.py; given by the entry points, so the recipe's modules need not import compare's)
     after_eval: AfterEval | None = None
+    # a later user of the serving check's server (compare --speed: the cell's speed measurement takes it over)
+    server_handover: ServerHandover | None = None
 
 
 @dataclass
