@@ -43,7 +43,8 @@ def test_the_plan_picks_file2file_when_the_whole_model_engine_does_not_fit_the_h
     reason = engine_row(p)["reason"]
     assert R.gb(whole) in reason and R.gb(host_gib * R.GIB) in reason and "file-to-file" in reason, reason
     assert p.resources["quantize"]["host_peak_bytes"] == f2f
-    # A static scheme needs calibration: the whole-model engine stays and the plan stops (file2file is no proposal).
+    # A static scheme needs calibration: the whole-model engine stays and the plan stops (file2file is no proposal;
+    # on a model this small one block and the embeddings are the model, so the sequential engine saves nothing).
     static = plan_for(tiny_analysis, catalog, corpus, tmp_path, host_gib, scheme="fp8")
     assert static.engine["name"] == "quark-api" and not static.resources["fits"]
     assert "--engine file2file" not in [x["change"] for x in static.resources["proposals"]]

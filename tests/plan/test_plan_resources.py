@@ -66,17 +66,26 @@ def test_peak_memory_estimate_within_25_percent_of_a_measured_engine_run(tiny_ll
 
 def test_an_8b_model_does_not_fit_a_24_gib_host_and_the_plan_proposes_what_does(llama8b_analysis, catalog,
                                                                                 corpus, tmp_path):
-    req = PlanRequest(scheme="fp8", calib_data=str(corpus), target="mi300x")
+    """The whole-model engine asked for does not fit: the plan stops and proposes what does, the sequential
+    engine among them; asked for nothing, the plan picks the sequential engine itself."""
+    req = PlanRequest(scheme="fp8", calib_data=str(corpus), target="mi300x", engine="quark-api")
     p = make_plan(llama8b_analysis, cpu_env(24), req, catalog, tmp_path / "a.json", tmp_path / "out")
     res = p.resources
     assert not res["fits"]
+    sequential = next(x for x in res["proposals"] if x["change"] == "--engine sequential")
+    assert "one decoder block at a time" in sequential["detail"] and "(fits)" in sequential["detail"]
+    auto = make_plan(llama8b_analysis, cpu_env(24), PlanRequest(scheme="fp8", calib_data=str(corpus), target="mi300x"),
+                     catalog, tmp_path / "a.json", tmp_path / "out")
+    assert auto.engine["name"] == "sequential" and auto.resources["fits"], auto.engine
+    reason = next(d for d in auto.decisions if d["decision"] == "engine")["reason"]
+    assert "file-to-file cannot run this plan (the scheme has static activation scales" in reason, reason
     assert res["quantize"]["host_peak_bytes"] > 2 * llama8b_analysis.size["bytes"]  # measured factor > 2
     assert [x["what"] for x in res["problems"] if x["blocking"]] == ["host RAM"]
     rerun = next(x for x in res["proposals"] if x["change"] == "another host")["command"]
     assert rerun.startswith("quark-ptq-eval run ") and "--device cuda" in rerun and "--target mi300x" in rerun
     assert any(d["decision"] == "does not fit: host RAM" and d["value"] == "STOP" for d in p.decisions)
     roomy = make_plan(llama8b_analysis, cpu_env(512), req, catalog, tmp_path / "a.json", tmp_path / "out")
-    assert roomy.resources["fits"] and not roomy.resources["proposals"]
+    assert roomy.resources["fits"] and not roomy.resources["proposals"] and roomy.engine["name"] == "quark-api"
 
 
 def test_fewer_samples_and_no_algorithm_are_proposed_with_their_estimates(llama8b_analysis, catalog):
@@ -112,7 +121,7 @@ def test_kv_cache_and_serving_fit_of_an_8b_llama(llama8b_analysis):
 def test_only_a_named_approval_or_plan_only_lets_an_unfit_plan_past_the_checkpoint(llama8b_analysis, catalog,
                                                                                   corpus, tmp_path):
     req = PlanRequest(scheme="fp8", calib_data=str(corpus))
-    p = make_plan(llama8b_analysis, cpu_env(8), req, catalog, tmp_path / "a.json", tmp_path / "out")
+    p = make_plan(llama8b_analysis, cpu_env(3), req, catalog, tmp_path / "a.json", tmp_path / "out")  # no engine fits
     assert "cannot hold this plan" in hold_message(p, "batch_execute", FlagApprover(all_gates=True), False)
     assert hold_message(p, "batch_execute", FlagApprover(["plan"]), False) is None
     assert hold_message(p, "plan_only", FlagApprover(all_gates=True), False) is None
@@ -120,7 +129,7 @@ def test_only_a_named_approval_or_plan_only_lets_an_unfit_plan_past_the_checkpoi
 
 def test_cli_stops_a_plan_this_host_cannot_hold_before_anything_runs(cli, llama8b, corpus, tmp_path):
     env = detect_env()
-    env["hardware"]["host_memory_gb"] = 16.0  # the host as the user states it
+    env["hardware"]["host_memory_gb"] = 3.0  # the host as the user states it: not even one block at a time fits
     (tmp_path / "env.json").write_text(json.dumps(env))
     wd, out = tmp_path / "work", tmp_path / "out"
     res = cli("run", llama8b, "-o", out, "--workdir", wd, "--scheme", "fp8", "--calib-data", corpus, "--offline",

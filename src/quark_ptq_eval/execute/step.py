@@ -25,7 +25,7 @@ from quark_ptq_eval.execute.file_modes import apply_umask
 from quark_ptq_eval.execute.inspect_output import inspect_output
 from quark_ptq_eval.execute.runner import EngineEcho, EngineRunner, RunResult, raise_if_interrupted
 from quark_ptq_eval.execute.staging import stage_source
-from quark_ptq_eval.plan.engines import get_engine
+from quark_ptq_eval.plan.engines import ENGINES, get_engine
 
 
 class ExecuteServices(Protocol):
@@ -159,14 +159,28 @@ def _prepare(recipe: ExecuteServices, on_disk: RunManifest, analysis: ModelAnaly
     claims.enter_context(OutputClaim(output_dir, recipe.workdir))  # a second run aimed here stops (exit 5)
     if staging.is_dir() and not staging.is_symlink() and not any(staging.iterdir()):
         staging.rmdir()  # an empty staging dir of a run that died before its engine wrote: nothing to keep
-    if staging.exists():
+    resuming = _engine_resumes(on_disk, staging)
+    if resuming:
+        recipe.ui.info(f"Resuming the engine's partial output in {staging}: the same approved command wrote it, "
+                       "and this engine goes on from its last finished step.")
+    elif staging.exists():
         _set_aside(recipe, staging, "holds a partial output from an interrupted or failed run")
     if is_nonempty_dir(output_dir):
         _set_aside(recipe, output_dir, "is not empty and will be replaced")
     get_engine(on_disk.engine["name"]).prepare_calibration(on_disk)
     stage_source(on_disk.inputs.get("source_reading") or {}, Path(on_disk.inputs["model_dir"]), recipe.ui.info)
-    make_staging(staging)  # exclusively: this run's alone
+    if not resuming:
+        make_staging(staging)  # exclusively: this run's alone
     return staging
+
+
+def _engine_resumes(on_disk: RunManifest, staging: Path) -> bool:
+    """Whether the partial output in ``staging`` is one the engine resumes (the sequential engine's finished
+    blocks): the engine keeps its state there, and the run that left it ran this same approved command."""
+    entry = ENGINES.get(on_disk.engine["name"])
+    last = on_disk.runs[-1] if on_disk.runs else {}
+    return bool(entry and entry.resumes_in and staging.is_dir() and not staging.is_symlink()
+                and (staging / entry.resumes_in).is_dir() and last.get("command_digest") == on_disk.command_digest)
 
 
 def _judge_run(recipe: ExecuteServices, on_disk: RunManifest, run: dict[str, Any], result: RunResult,

@@ -17,6 +17,7 @@ from quark_ptq_eval.plan.resources import (
     estimate_eval_streamed,
     estimate_file2file,
     estimate_quantize,
+    estimate_sequential,
     output_basis,
     output_bytes,
 )
@@ -30,41 +31,64 @@ def _fits(est: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> 
 
 
 def engine_for_host(work: QuantizeWorkload, engine: str, why: str, requested: str, env: HostEnv) -> tuple[str, str]:
-    """The plan's engine once this host's memory is known: file-to-file when the automatic choice's
-    whole-model engine does not fit and file-to-file does and can serve the plan (docs/planning.md)."""
-    from quark_ptq_eval.plan.engines import shard_engine
+    """The plan's engine once this host's memory is known: when the automatic choice's whole-model engine does not
+    fit, file-to-file where it fits and can serve the plan, else the sequential engine where it fits
+    (docs/planning.md)."""
+    from quark_ptq_eval.plan.engines import block_engine, shard_engine
 
-    analysis, info, algorithm, kv, device = work.analysis, work.info, work.algorithm, work.kv, work.device
-    calibration = work.calibration
-
-    shard = shard_engine()
-    if shard is not None and requested == shard.name:
-        why_not = shard.unsupported_reason(info, algorithm, kv)
-        if why_not:
-            raise shard.refusal(why_not)
-        return engine, why
-    from quark_ptq_eval.plan.source_reading import engine_reads_source
-
+    info, algorithm, kv, device = work.info, work.algorithm, work.kv, work.device
+    for fallback in (shard_engine(), block_engine()):
+        if fallback is not None and requested == fallback.name:
+            why_not = fallback.unsupported_reason(info, algorithm, kv)
+            if why_not:
+                raise fallback.refusal(why_not)
+            return engine, why
     host = host_capacity(env, None)
-    whole = estimate_quantize(analysis, info, algorithm, calibration, device["device"])
-    if (shard is None or requested != "auto" or _fits(whole, host, device)
-            or shard.unsupported_reason(info, algorithm, kv) or not engine_reads_source(shard.name, analysis, device["device"])):
+    whole = estimate_quantize(work.analysis, info, algorithm, work.calibration, device["device"])
+    if requested != "auto" or _fits(whole, host, device):
         return engine, why
-    f2f = estimate_file2file(analysis, device["device"])
-    if not _fits(f2f, host, device):
-        return engine, why  # neither fits: the plan stops at its checkpoint with proposals
     key, have = (("gpu_peak_bytes", host["gpu_bytes_per_device"]) if whole["gpu_peak_bytes"]
                  and not _fits({**whole, "host_peak_bytes": 0}, host, device) else ("host_peak_bytes", host["ram_bytes"]))
     where = "GPU memory" if key == "gpu_peak_bytes" else "RAM"
-    return shard.name, (f"the whole-model engine ({engine}) needs about {gb(whole[key])} of {where} at its peak and "
-                         f"this host has {gb(have)} (planning for at most {HEADROOM:.0%}); Quark's file-to-file "
-                         f"quantization holds one shard at a time: about {gb(f2f[key])} (largest shard "
-                         f"{gb(f2f['model_bytes'])}), and this scheme needs no calibration")
+    needs = (f"the whole-model engine ({engine}) needs about {gb(whole[key])} of {where} at its peak and this host "
+             f"has {gb(have)} (planning for at most {HEADROOM:.0%})")
+    return _shard_choice(work, host, key, needs) or _block_choice(work, host, key, needs) or (engine, why)
+
+
+def _shard_choice(work: QuantizeWorkload, host: dict[str, Any], key: str, needs: str) -> tuple[str, str] | None:
+    from quark_ptq_eval.plan.engines import shard_engine
+    from quark_ptq_eval.plan.source_reading import engine_reads_source
+
+    shard = shard_engine()
+    if (shard is None or shard.unsupported_reason(work.info, work.algorithm, work.kv)
+            or not engine_reads_source(shard.name, work.analysis, work.device["device"])):
+        return None
+    f2f = estimate_file2file(work.analysis, work.device["device"])
+    if not _fits(f2f, host, work.device):
+        return None
+    return shard.name, (f"{needs}; Quark's file-to-file quantization holds one shard at a time: about "
+                        f"{gb(f2f[key])} (largest shard {gb(f2f['model_bytes'])}), and this scheme needs no calibration")
+
+
+def _block_choice(work: QuantizeWorkload, host: dict[str, Any], key: str, needs: str) -> tuple[str, str] | None:
+    from quark_ptq_eval.plan.engines import block_engine, shard_engine
+
+    block, shard = block_engine(), shard_engine()
+    if block is None or block.unsupported_reason(work.info, work.algorithm, work.kv):
+        return None
+    seq = estimate_sequential(work.analysis, work.algorithm, work.calibration)
+    if not _fits(seq, host, work.device):
+        return None
+    f2f_why = shard.unsupported_reason(work.info, work.algorithm, work.kv) if shard else None
+    f2f = (f"file-to-file cannot run this plan ({f2f_why})" if f2f_why
+           else "file-to-file does not fit or read this source here")
+    return block.name, (f"{needs}; {f2f}; the sequential engine runs Quark on one decoder block at a time: about "
+                        f"{gb(seq['host_peak_bytes'])} (one block {gb(seq['model_bytes'])})")
 
 
 def assess(work: QuantizeWorkload, host: dict[str, Any], rerun: list[str], engine: str | None = None) -> dict[str, Any]:
     """Does this host hold the engine, the output and a Tier 1 evaluation? If not, what would."""
-    from quark_ptq_eval.plan.engines import holds_one_shard
+    from quark_ptq_eval.plan.engines import holds_one_block, holds_one_shard
 
     analysis, scheme, info, algorithm, device = work.analysis, work.scheme, work.info, work.algorithm, work.device
     calibration = work.calibration
@@ -81,8 +105,8 @@ def assess(work: QuantizeWorkload, host: dict[str, Any], rerun: list[str], engin
     problems = _problems(est, out, ev, host, device)
     fits = not any(p["blocking"] for p in problems)
     proposals = [] if fits else _proposals(work, host, est, rerun)
-    if not fits and not holds_one_shard(engine):
-        proposals[-1:-1] = _file2file_proposal(work, host)
+    if not fits and not holds_one_shard(engine) and not holds_one_block(engine):
+        proposals[-1:-1] = [*_file2file_proposal(work, host), *_sequential_proposal(work, host)]
     return {"quantize": est, "evaluate": ev, "output_bytes": out, "host": host, "output_basis": output_basis(analysis),
             "fits": fits, "problems": problems, "proposals": proposals}
 
@@ -172,3 +196,16 @@ def _file2file_proposal(work: QuantizeWorkload, host: dict[str, Any]) -> list[di
     return [{"change": f"--engine {shard.name}{no_kv}", "detail": f"--engine {shard.name}{no_kv}: one shard at a time, "
                                                                f"about {gb(e['host_peak_bytes'])} ({fits})"}]
 
+
+
+def _sequential_proposal(work: QuantizeWorkload, host: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sequential engine with its estimate, when it can serve this plan."""
+    from quark_ptq_eval.plan.engines import block_engine
+
+    block = block_engine()
+    if block is None or block.unsupported_reason(work.info, work.algorithm, work.kv):
+        return []
+    e = estimate_sequential(work.analysis, work.algorithm, work.calibration)
+    fits = "fits" if _fits(e, host, work.device) else "still too much"
+    return [{"change": f"--engine {block.name}", "detail": f"--engine {block.name}: one decoder block at a time, "
+                                                          f"about {gb(e['host_peak_bytes'])} ({fits})"}]

@@ -52,6 +52,8 @@ ALGO_WEIGHT_FACTOR = {"awq": 1.0, "gptq": 0.5, "smoothquant": 0.3, "autosmoothqu
 ALGO_CACHE_FACTOR = {"awq": 2.0, "gptq": 2.0, "smoothquant": 0.0}
 OTHER_ALGO_WEIGHT_FACTOR = 1.0  # algorithms not measured here: assume like AWQ
 MODELLED_GPU_FACTOR = 1.3  # GPU engine: weights + quantized copy in flight (modelled, not measured)
+SEQ_EXIT_FACTOR = 1.0  # the exit's embedding and lm_head as read (bench/benchmarks/bench_sequential.py)
+SEQ_FEED_COPIES = 4  # the sequential engine's hidden states: in and out, an algorithm's and calibration's phases
 HEADROOM = 0.9  # plan for at most 90 % of a memory, never all of it
 EVAL_LOGIT_COPIES = 3  # logits, log-softmax and the baseline's logits live together in Tier 1
 EVAL_LOGIT_BUDGET = 64 * 2**20  # elements per batch (evaluate.ppl.tier.LOGIT_BUDGET on CPU)
@@ -222,12 +224,35 @@ def estimate_file2file(analysis: ModelAnalysis, device: str) -> dict[str, Any]:
             "terms": terms, "basis": "modelled (file-to-file on a GPU: not measured here)"}
 
 
+def estimate_sequential(analysis: ModelAnalysis, algorithm: str | None, calibration: dict[str, Any]) -> dict[str, Any]:
+    """Peak host RAM of the sequential engine: start-up, the larger of one decoder block (times the whole-model
+    engine's factors: the block, its quantized copy, its export) and the exit's parts (embedding and lm_head held
+    together; lm_head excluded by the templates, so no quantized copy), one block's calibration forward, and the
+    hidden states kept between blocks. Measured: 5.21 GiB on a 2-block Llama-3-70B-shaped source (docs/planning.md)."""
+    arch = model_shape(analysis)
+    layers = max(1, arch.num_hidden_layers or 1)
+    per = bytes_per_param(analysis)
+    edge = int(arch.vocab_size * arch.hidden_size * per)
+    edges = edge * (1 if arch.tie_word_embeddings else 2)
+    block = max(0, loaded_bytes(analysis) - edges) / layers
+    algos = [a for a in (algorithm or "").split(",") if a]
+    factor = WEIGHT_FACTOR + sum(ALGO_WEIGHT_FACTOR.get(a, OTHER_ALGO_WEIGHT_FACTOR) for a in algos)
+    held = max(factor * block, SEQ_EXIT_FACTOR * edges)
+    act = calibration_activation_bytes(analysis, calibration)
+    feeds = SEQ_FEED_COPIES * calibration_cache_bytes(analysis, calibration)
+    terms = {"start-up": BASE_BYTES, "one part": held, "calibration activations": act, "hidden states kept": feeds}
+    return {"host_peak_bytes": int(BASE_BYTES + held + act + feeds), "gpu_peak_bytes": 0, "model_bytes": int(block),
+            "terms": terms, "basis": "modelled (the sequential engine: one block at a time)"}
+
+
 def engine_estimate(engine: str | None, analysis: ModelAnalysis, info: SchemeInfo, algorithm: str | None, calibration: dict[str, Any],
                     device: str) -> dict[str, Any]:
-    from quark_ptq_eval.plan.engines import holds_one_shard
+    from quark_ptq_eval.plan.engines import holds_one_block, holds_one_shard
 
     if holds_one_shard(engine):
         return estimate_file2file(analysis, device)
+    if holds_one_block(engine):
+        return estimate_sequential(analysis, algorithm, calibration)
     return estimate_quantize(analysis, info, algorithm, calibration, device)
 
 

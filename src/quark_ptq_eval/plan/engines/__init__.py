@@ -41,7 +41,7 @@ class Engine(Protocol):
         """The version of Quark behind this engine (recorded in the manifest)."""
 
 
-WHOLE_MODEL, ONE_SHARD = "whole_model", "one_shard"  # what an engine holds in memory at its peak
+WHOLE_MODEL, ONE_SHARD, ONE_BLOCK = "whole_model", "one_shard", "one_block"  # what an engine holds at its peak
 
 
 @dataclass(frozen=True)
@@ -62,12 +62,17 @@ class EngineEntry:
     summary: str
     # WHOLE_MODEL: the plan's estimate is the loaded model plus calibration; ONE_SHARD: a multiple of the
     # largest shard, and the plan picks it when a whole-model engine does not fit the host (plan/host_fit.py).
-    # A ONE_SHARD engine's ENGINE also answers unsupported_reason(scheme_info, algorithm, kv) and refusal(why).
+    # ONE_BLOCK: one decoder block plus the calibration states; the plan picks it when neither fits or file-to-file
+    # cannot run the plan. ONE_SHARD and ONE_BLOCK engines also answer unsupported_reason(scheme_info, algorithm,
+    # kv) and refusal(why).
     memory: str = WHOLE_MODEL
     # The source formats (by name) it reads itself, with no BF16 staging copy; a format not named is one it
     # does not read itself. Empty: it reads what the plan's source reading gives it (plan/source_reading.py).
     reads_sources: Mapping[str, SourceRead] = field(default_factory=dict)
     reads_text_file: bool = False  # its child reads a local calibration text itself: the plan checks the file
+    # A folder under its output where it keeps what it finished: a re-run of the same approved command resumes
+    # from it instead of setting the partial output aside (execute/step.py). "": it starts over.
+    resumes_in: str = ""
 
 
 # Quark 0.13's file-to-file engine on each source format it meets (measured: docs/planning.md).
@@ -95,6 +100,11 @@ ENGINES: Registry[EngineEntry] = Registry("engine", (
                 "Quark's file-to-file quantization: shard by shard, never the whole model (calibration-free "
                 "schemes; the plan picks it when the model does not fit the host)",
                 memory=ONE_SHARD, reads_sources=FILE2FILE_READS),
+    EngineEntry("sequential", "quark_ptq_eval.plan.engines.sequential",
+                "Quark's quantizer, algorithms and exporter on one decoder block at a time (static scales, "
+                "GPTQ, SmoothQuant, KV-cache scales; the plan picks it when the model does not fit the host and "
+                "file-to-file cannot run the plan)",
+                memory=ONE_BLOCK, reads_text_file=True, resumes_in=".sequential"),
 ))
 ENGINE_NAMES: tuple[str, ...] = ENGINES.names()
 
@@ -119,6 +129,17 @@ def shard_engine() -> OneShardEngine | None:
     entry = next(iter(ENGINES.where(lambda e: e.memory == ONE_SHARD)), None)
     engine: OneShardEngine | None = load(entry.module).ENGINE if entry else None
     return engine
+
+
+def block_engine() -> OneShardEngine | None:
+    """The engine the plan falls back on when neither a whole-model engine nor file-to-file serves the plan here."""
+    entry = next(iter(ENGINES.where(lambda e: e.memory == ONE_BLOCK)), None)
+    engine: OneShardEngine | None = load(entry.module).ENGINE if entry else None
+    return engine
+
+
+def holds_one_block(name: str | None) -> bool:
+    return name is not None and name in ENGINES and ENGINES[name].memory == ONE_BLOCK
 
 
 def holds_one_shard(name: str | None) -> bool:
