@@ -47,17 +47,20 @@ def llama8_traits(shared_assets, corpus) -> Path:
     return build_once(shared_assets / "tiny-llama8-traits", build)
 
 
-def export(shared_assets: Path, corpus: Path, model: Path, scheme: str) -> Path:
+def export(shared_assets: Path, corpus: Path, model: Path, scheme: str, *extra: str) -> Path:
+    """The whole-model engine's export of ``model`` (8 windows of 128 tokens); ``extra``: more engine flags
+    (``--quant_algo gptq``), part of the cached export's name."""
     from quark_ptq_eval.execute import quark_api_engine
     from tests.conftest import build_once
 
     def run(out: Path) -> None:
         argv = ["--model_dir", str(model), "--output_dir", str(out), "--quant_scheme", scheme,
-                "--calib_data", str(corpus), "--num_calib_data", "8", "--seq_len", "128"]
+                "--calib_data", str(corpus), "--num_calib_data", "8", "--seq_len", "128", *extra]
         assert quark_api_engine.main(argv) == 0
 
     (shared_assets / "stream").mkdir(exist_ok=True)
-    return build_once(shared_assets / "stream" / f"{model.name}-{scheme}", run)
+    name = "-".join([model.name, scheme, *(e.lstrip("-") for e in extra)])
+    return build_once(shared_assets / "stream" / name, run)
 
 
 def tier1(model: Path, baseline: Path, eval_text: Path, work: Path, stream: bool) -> dict:

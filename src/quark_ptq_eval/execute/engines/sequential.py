@@ -84,11 +84,13 @@ class Run:
         return self.state / f"feed-after-{index}.pt"
 
     def resume_point(self) -> int:
-        """The first block not finished by an earlier run (0: none was)."""
-        done = 0
-        while self.feed_file(done).is_file() and self.part_file(str(done)).is_file():
-            done += 1
-        return done
+        """The first block not finished by an earlier run (0: none was). Only the hidden states after the last
+        finished block are kept (their file is written after the block's part file, so it marks the block done)."""
+        feeds = [int(p.name[len("feed-after-"):-len(".pt")]) for p in self.state.glob("feed-after-*.pt")]
+        last = max(feeds, default=-1)
+        if any(not self.part_file(str(i)).is_file() for i in range(last + 1)):
+            return 0  # not a state this engine left: start over
+        return last + 1
 
 
 def _save_atomic(obj: Any, path: Path) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from quark_ptq_eval.base.catalog import SchemeInfo
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.plan.engines.fallback import MemoryFallback
 from quark_ptq_eval.plan.engines.flags import tail_flags
 
 CHILD_MODULE = "quark_ptq_eval.execute.engines.file2file"
@@ -46,22 +47,11 @@ def refusal(why: str) -> UsageError:
                       "with no algorithm and no KV-cache scheme, or another --engine.")
 
 
-class File2FileEngine:
+class File2FileEngine(MemoryFallback):
     name = "file2file"
 
-    def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
-        return None  # chosen by the host's memory (plan/host_fit.engine_for_host), never by the accelerator
-
-    def unsupported_reason(self, scheme_info: SchemeInfo, algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
-        return unsupported_reason(scheme_info, algorithm, kv_cache_scheme)
-
-    def refusal(self, why: str) -> UsageError:
-        return refusal(why)
-
-    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: dict[str, Any]) -> None:
-        why = unsupported_reason(scheme_info, algorithm, None)
-        if why:
-            raise refusal(why)
+    def __init__(self) -> None:
+        super().__init__(unsupported_reason, refusal)
 
     def argv(self, plan: Any, model_dir: Path, out: Path) -> list[str]:
         # No calibration flags: this engine reads weights only.

@@ -15,6 +15,7 @@ CHILD_MODULE = "quark_ptq_eval.execute.quark_api_engine"  # the child entry poin
 
 class QuarkApiEngine:
     name = "quark-api"
+    child_module = CHILD_MODULE
 
     def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
         if accelerator in ("cpu", "unknown") or device_is_cpu:
@@ -26,7 +27,7 @@ class QuarkApiEngine:
         return None  # any device, any scheme the installed Quark supports
 
     def argv(self, plan: Any, model_dir: Path, out: Path) -> list[str]:
-        argv = [sys.executable, "-m", CHILD_MODULE, *head_flags(plan, model_dir, out),
+        argv = [sys.executable, "-m", self.child_module, *head_flags(plan, model_dir, out),
                 "--calib_data", plan.calibration["path"]]
         if plan.trust_remote_code:
             argv.append("--trust_remote_code")

@@ -9,13 +9,10 @@ file-to-file cannot run the plan (plan/host_fit.py). A crash resumes after the l
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-from typing import Any
-
 from quark_ptq_eval.base.catalog import SchemeInfo
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.plan.engines.flags import head_flags, tail_flags
+from quark_ptq_eval.plan.engines.fallback import MemoryFallback
+from quark_ptq_eval.plan.engines.quark_api import QuarkApiEngine
 
 CHILD_MODULE = "quark_ptq_eval.execute.engines.sequential"
 STATE_DIR = ".sequential"  # under the output: finished blocks' files and the hidden states after the last one
@@ -41,40 +38,14 @@ def refusal(why: str) -> UsageError:
                       f"Use one of {', '.join(SEQUENTIAL_ALGORITHMS)} or none, or a host where --engine quark-api fits.")
 
 
-class SequentialEngine:
+class SequentialEngine(MemoryFallback, QuarkApiEngine):
+    """The quark-api engine's command and calibration (its child's flags), run one block at a time."""
+
     name = "sequential"
+    child_module = CHILD_MODULE
 
-    def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
-        return None  # chosen by the host's memory (plan/host_fit.py), never by the accelerator
-
-    def unsupported_reason(self, scheme_info: SchemeInfo, algorithm: str | None, kv_cache_scheme: str | None) -> str | None:
-        return unsupported_reason(scheme_info, algorithm, kv_cache_scheme)
-
-    def refusal(self, why: str) -> UsageError:
-        return refusal(why)
-
-    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: dict[str, Any]) -> None:
-        why = unsupported_reason(scheme_info, algorithm, None)
-        if why:
-            raise refusal(why)
-
-    def argv(self, plan: Any, model_dir: Path, out: Path) -> list[str]:
-        argv = [sys.executable, "-m", CHILD_MODULE, *head_flags(plan, model_dir, out),
-                "--calib_data", plan.calibration["path"]]
-        if plan.trust_remote_code:
-            argv.append("--trust_remote_code")
-        return [*argv, *tail_flags(plan)]
-
-    def env(self, plan: Any, workdir: Path) -> dict[str, str]:
-        return {}
-
-    def prepare_calibration(self, manifest: Any) -> None:
-        return None  # the child reads the local text itself
-
-    def version(self) -> str:
-        from quark_ptq_eval.base.catalog import quark_version
-
-        return quark_version()
+    def __init__(self) -> None:
+        MemoryFallback.__init__(self, unsupported_reason, refusal)
 
 
 ENGINE = SequentialEngine()
