@@ -23,8 +23,9 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "quark_ptq_eval"
 
 # The layers, lowest first: a module imports its own package, the base and the packages before
 # its own. The command line (cli/) stands on top: nothing imports it but the package's entry points
-# (quark_ptq_eval/__init__.py, __main__.py), which stand above the layers.
-LAYERS = ("base", "context", "intake", "plan", "manifest", "execute", "runtime", "validate", "evaluate", "sensitivity",
+# (quark_ptq_eval/__init__.py, __main__.py), which stand above the layers. runtime (running a model: the block
+# streamer, the vLLM server) stands below execute: the sequential engine runs Quark on the block streamer's parts.
+LAYERS = ("base", "context", "intake", "plan", "manifest", "runtime", "execute", "validate", "evaluate", "sensitivity",
           "budget", "publish", "flows", "cli")
 
 

@@ -146,7 +146,7 @@ class Calls:
 
 
 def _outputs(value: Any) -> torch.Tensor:
-    out = value[0] if isinstance(value, tuple) else value
+    out: torch.Tensor = value[0] if isinstance(value, tuple) else value
     return out.detach()
 
 
@@ -193,7 +193,7 @@ def set_path(model: Any, path: str, module: Any) -> None:
 
 def _window_hook(feed: Feed, calls: Calls) -> Any:
     def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        ids = args[0] if args else kwargs.get("input_ids")
+        ids: torch.Tensor = args[0] if args else kwargs["input_ids"]
         feed.current = window_key(ids)
         calls.in_forward = True
     return hook

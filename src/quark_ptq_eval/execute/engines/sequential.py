@@ -189,7 +189,7 @@ def _save_json_atomic(obj: Any, path: Path) -> None:
 def merged_config(run: Run) -> dict[str, Any]:
     """The exit's config.json (the model's own fields as the whole model writes them) with a block's
     quantization_config (the exit runs no algorithm) and every part's exclusions, in the model's order."""
-    config = json.loads((run.state / "exit-config.json").read_text(encoding="utf-8"))
+    config: dict[str, Any] = json.loads((run.state / "exit-config.json").read_text(encoding="utf-8"))
     block = json.loads((run.state / "config.json").read_text(encoding="utf-8"))
     kept = _read_kept(run)
     order = [*(str(i) for i in range(run.streamed.num_blocks)), EXIT]
@@ -209,7 +209,7 @@ def run_blocks(run: Run) -> list[list[Any]]:
     total = run.streamed.num_blocks
     if start:
         log(f"resuming after block {start - 1}: blocks 0-{start - 1} were finished by an earlier run")
-        phases = torch.load(run.feed_file(start - 1), weights_only=True)
+        phases: list[list[Any]] = torch.load(run.feed_file(start - 1), weights_only=True)
     else:
         phases = [entry_feed(run)]
     for index in range(start, total):
