@@ -20,20 +20,23 @@ Bounds, by algorithm (``bench/benchmarks/bench_decode.py`` measures the statisti
   same scales.
 - AWQ / SmoothQuant fold a per-channel scale: undone before comparing (``scaling_layers`` in the
   export: a norm's ratio source / export, exact; a linear's, from that linear's own rows, with the
-  estimate's standard error added to the bound).
+  estimate's standard error added to the bound). A row whose own codes cannot certify that scale
+  (the scheme rounded it to nearly nothing) is judged again with the scale its consumer's columns
+  certify; passing, it is quantization damage, recorded, not a finding (``decode_damage.py``).
 - rotation: not checked (each weight is the source's times a rotation the export does not store).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
+from quark_ptq_eval.validate import decode_damage as damage
 from quark_ptq_eval.validate import decode_formats as fmt
 from quark_ptq_eval.validate.byte_identity import default_workers
 from quark_ptq_eval.validate.decode_blocks import DecodeTarget
@@ -112,27 +115,23 @@ def decode_targets(targets: list[DecodeTarget], ctx: CheckInputs, result: CheckR
                             f"({worst[1]}); bound {bound.describe()}")
 
 
+Outcome = tuple[DecodeTarget, Fold | None, RowErrors | Exception]
+
+
 def _outcomes(targets: list[DecodeTarget], ctx: CheckInputs, result: CheckResult, algos: set[str],
-              bound: Bound) -> Iterator[tuple[DecodeTarget, Fold | None, RowErrors | Exception]]:
+              bound: Bound) -> Iterator[Outcome]:
     """(target, fold, comparison or the exception that stopped it), in order. Without folds the tensors
     are independent: a thread pool overlaps one tensor's reads with another's arithmetic (numpy releases
     the GIL); with folds a pair's first linear must come first, so they run in turn."""
-    def one(target: DecodeTarget, fold: Fold | None) -> tuple[DecodeTarget, Fold | None, RowErrors | Exception]:
+    def one(target: DecodeTarget, fold: Fold | None, row_stats: bool = False) -> Outcome:
         try:
             return target, fold, compare(target, bound.steps, fold, rtn_reference=bound.gain is not None,
-                                         clipped="awq" in algos)
+                                         clipped="awq" in algos, row_stats=row_stats)
         except (fmt.UnsupportedFormat, OSError, ValueError) as exc:
             return target, fold, exc
 
     if algos & SCALING:
-        folds = FoldFinder(ctx, targets)
-        for target in folds.ordered():
-            try:
-                fold = folds.fold_for(target, result)
-            except (fmt.UnsupportedFormat, OSError, ValueError) as exc:
-                yield target, None, exc
-                continue
-            yield one(target, fold)
+        yield from _folded(FoldFinder(ctx, targets), result, one)
         return
     order = sorted(targets, key=lambda t: (str(t.source.file), t.source.start))  # the files front to back
     workers = ctx.workers or default_workers()
@@ -145,3 +144,23 @@ def _outcomes(targets: list[DecodeTarget], ctx: CheckInputs, result: CheckResult
     fmt.prefetch([p for t in order[:workers] for p in t.tensors()])
     with ThreadPoolExecutor(max_workers=workers) as pool:
         yield from pool.map(prefetching, range(len(order)))
+
+
+def _folded(folds: FoldFinder, result: CheckResult, one: Callable[..., Outcome]) -> Iterator[Outcome]:
+    """Each weight after undoing its folds, in turn (a pair's first linear first); rows that fail for
+    want of a certified scale judged again with the one their consumer's columns took (decode_damage.py)."""
+    for target in folds.ordered():
+        try:
+            fold = folds.fold_for(target, result)
+        except (fmt.UnsupportedFormat, OSError, ValueError) as exc:
+            yield target, None, exc
+            continue
+        target, fold, outcome = one(target, fold)
+        if isinstance(outcome, RowErrors) and (refold := folds.refold(target, fold, outcome, result)) is not None:
+            again = one(target, refold, row_stats=True)
+            if isinstance(again[2], RowErrors):
+                folds.settle(target, refold, again[2])
+                target, fold, outcome = again
+        result.findings += folds.unfoldable(target, fold)
+        yield target, fold, outcome
+    damage.record(result, folds.damage)

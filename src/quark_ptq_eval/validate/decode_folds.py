@@ -1,7 +1,9 @@
 """AWQ / SmoothQuant folds for the decode check: the per-channel scale each weight took, undone before comparing.
 
 Read from the export's ``scaling_layers``: a norm's ratio source / export (exact); a linear's,
-from that linear's own rows (the estimate's standard error joins the bound, ``FOLD_SIGMAS`` of it).
+from that linear's own rows (the estimate's standard error joins the bound, ``FOLD_SIGMAS`` of it); where
+those rows cannot certify it (the scheme crushed them), from the columns their consumer took it in
+(``decode_damage.py``).
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from quark_ptq_eval.validate import decode_damage as damage
 from quark_ptq_eval.validate import decode_formats as fmt
 from quark_ptq_eval.validate.decode_blocks import DecodeTarget
 from quark_ptq_eval.validate.decode_judge import format_of, ranges
-from quark_ptq_eval.validate.decode_weights import Fold, Tolerance, compare
+from quark_ptq_eval.validate.decode_weights import Fold, RowErrors, Tolerance, compare
 from quark_ptq_eval.validate.folds import fold_groups, per_expert_folds
 from quark_ptq_eval.validate.registry import CheckInputs
 from quark_ptq_eval.validate.report import CheckResult, Finding
@@ -31,6 +34,9 @@ class FoldFinder:
         self.ctx, self.targets = ctx, {t.module: t for t in targets}
         self.groups = fold_groups(ctx.qconfig)
         self.row_scales: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # prev linear -> (s, relative standard error)
+        self.row_bounds: dict[str, np.ndarray] = {}  # prev linear -> the worst case its rows certify (decode_damage.py)
+        self.rejudged: dict[str, tuple[list[int], str, np.ndarray]] = {}  # rows, certifying consumer, its bound
+        self.damage: list[damage.Damage] = []
 
     def ordered(self) -> list[DecodeTarget]:
         """Linears another linear's fold comes from go first: their rows give that scale."""
@@ -55,7 +61,6 @@ class FoldFinder:
         rows, row_tol = None, None
         if self._feeds_a_fold(target, self.targets):
             rows, row_tol = self._row_scale(target.module, cols)
-            result.findings += _unfoldable_rows(target, rows)
             origins.append("its own rows")
         if cols is None and rows is None:
             return None
@@ -117,7 +122,69 @@ class FoldFinder:
                 residual = np.sqrt(np.maximum(c.rel_error ** 2 - (1 - c.gain) ** 2, 0))
                 se = (residual / (np.sqrt(max(c.cols - 1, 1)) * np.abs(c.gain))).astype(np.float32)
             self.row_scales[module] = (s, se)
+            self.row_bounds[module] = c.gain_bound if c.gain_bound is not None else np.zeros_like(s)
         return self.row_scales[module]
+
+    def refold(self, target: DecodeTarget, fold: Fold | None, c: RowErrors, result: CheckResult) -> Fold | None:
+        """``fold`` with the scale of each row that failed for want of a certified estimate read from the
+        consumer's columns instead (``decode_damage.py``); None where no row needs it or none can get it."""
+        tol = fold.tolerance if fold is not None else None
+        if fold is None or fold.rows is None or tol is None or tol.rows is None:
+            return None
+        rows = damage.uncertified(c, fold.rows, self.row_bounds[target.module], tol.sigmas * tol.rows + tol.slack)
+        try:
+            column = self._consumer_scale(target) if rows else None
+        except (fmt.UnsupportedFormat, OSError, ValueError) as exc:
+            result.notes.append(f"{target.weight.name}: its consumer's columns could not be read ({exc})")
+            return None
+        if column is None:
+            return None
+        s, bound, consumer = column
+        scale, row_tol = fold.rows.copy(), tol.rows.copy()
+        scale[rows], row_tol[rows] = s[rows], (bound[rows] + tol.slack) / tol.sigmas
+        self.rejudged[target.module] = (rows, consumer, bound)
+        origin = f"{fold.origin} (rows {ranges(rows)}: the scale {consumer} took in its columns)"
+        return Fold(fold.cols, scale, Tolerance(row_tol, tol.cols, tol.sigmas, tol.slack), origin)
+
+    def settle(self, target: DecodeTarget, fold: Fold, c: RowErrors) -> None:
+        """Re-judged rows that decode within the bound are damage, and their certified scale is the one
+        the consumer's check uses."""
+        rows, consumer, bound = self.rejudged.pop(target.module)
+        ok = damage.settled(c, rows)
+        if not ok or fold.rows is None or fold.tolerance is None or fold.tolerance.rows is None:
+            return
+        s, se = self.row_scales[target.module]
+        s[ok], se[ok] = fold.rows[ok], fold.tolerance.rows[ok]
+        assert c.nonzero is not None and c.peak is not None  # re-judged with row_stats
+        self.damage.append(damage.Damage(target.weight.name, ok, [int(c.nonzero[r]) for r in ok],
+                                         [float(c.peak[r]) for r in ok], c.cols, consumer,
+                                         float(max(bound[r] for r in ok))))
+
+    def unfoldable(self, target: DecodeTarget, fold: Fold | None) -> list[Finding]:
+        return _unfoldable_rows(target, fold.rows) if fold is not None and fold.rows is not None else []
+
+    def _consumer_scale(self, target: DecodeTarget) -> tuple[np.ndarray, np.ndarray, str] | None:
+        """``s`` per row of ``target`` as its consumers' columns took it, with its certified relative error;
+        None where a consumer carries other scales too (another fold into its columns, or its rows folded)."""
+        import numpy as np
+
+        local = self._local(target.module)
+        assert local is not None  # target feeds a fold
+        layer, rel, groups = local
+        names = [f"{layer}.{x}" for prev, layers in groups if prev == rel for x in layers]
+        consumers = [self.targets[n] for n in dict.fromkeys(names) if n in self.targets]
+        rows = len(self.row_scales[target.module][0])
+        sums = np.zeros((3, rows), np.float64)
+        for consumer in consumers:
+            if self._folds_into(consumer) != [target.module] or self._feeds_a_fold(consumer, self.targets):
+                return None
+            col_sums = compare(consumer, math.inf, col_stats=True).col_sums
+            assert col_sums is not None  # col_stats=True computes them
+            index = _to_columns(np.arange(rows, dtype=np.float64), col_sums.shape[1], self.ctx.src_config)
+            for k in range(3):
+                sums[k] += np.bincount(index.astype(np.int64), weights=col_sums[k], minlength=rows)
+        s, bound = damage.column_scale(sums)
+        return s, bound, " and ".join(c.module for c in consumers)
 
 
 # Model types whose RMSNorm scales by (1 + weight): Quark's UNIT_OFFSET_NORM_CLASSES by model type.

@@ -40,6 +40,11 @@ class RowErrors:
     rel_error: np.ndarray | None = None  # per row: ||w - w_hat|| / ||w||
     rtn_error: np.ndarray | None = None  # per row: the same for round-to-nearest with the export's scales
     zero_scale: dict[int, list[int]] = field(default_factory=dict)  # row -> groups: scale 0, source not 0
+    # row_stats: the gain's worst-case relative error were every code within half a step of its source (decode_damage.py)
+    gain_bound: np.ndarray | None = None
+    nonzero: np.ndarray | None = None  # row_stats: per row, codes that decode to something other than 0
+    peak: np.ndarray | None = None  # row_stats: per row, the largest |code| (from its zero point, in steps)
+    col_sums: np.ndarray | None = None  # col_stats: per input column <w,w>, <w,w_hat>, <|w|, step> (3 x cols)
 
 
 @dataclass(frozen=True)
@@ -82,12 +87,13 @@ def values_of(t: DecodeTarget, code_rows: np.ndarray) -> np.ndarray:
 
 
 def compare(t: DecodeTarget, limit: float, fold: Fold | None = None, rtn_reference: bool = False,
-            clipped: bool = False, row_stats: bool = False) -> RowErrors:
+            clipped: bool = False, row_stats: bool = False, col_stats: bool = False) -> RowErrors:
     """Decode ``t`` and compare it with its source, a tile at a time read through the file and a
     cache-sized chunk of it at a time decoded (see the module docstring); ``limit`` (steps) decides
     which rows and groups are listed as over. ``clipped``: the algorithm searched a clip range per
     group (AWQ), so a source value beyond it decodes to its group's extreme code. ``row_stats``
-    (implied by ``rtn_reference``): also each row's gain and error. Numeric warnings (a zero scale
+    (implied by ``rtn_reference``): also each row's gain and error, the gain's worst-case error, the
+    codes that survive and the largest; ``col_stats``: each input column's sums for the same. Numeric warnings (a zero scale
     divides by zero) are never printed: what they mean is in the result (``zero_scale``, ``over``)."""
     import numpy as np
 
@@ -95,17 +101,21 @@ def compare(t: DecodeTarget, limit: float, fold: Fold | None = None, rtn_referen
     rows, cols = reader.rows, reader.cols
     grid = fmt.grid(t.dtype)
     result = RowErrors(rows, cols, np.zeros(rows, np.float32), np.zeros(rows, np.int64))
-    sums = np.zeros((4, rows), np.float64)  # <w,w>, <w,w_hat>, ||w - w_hat||^2, ||w - rtn||^2
+    sums = np.zeros((7, rows), np.float64)  # <w,w>, <w,w_hat>, ||w - w_hat||^2, ||w - rtn||^2, <|w|, step>, codes, peak
+    col_sums = np.zeros((3, cols), np.float64) if col_stats else None  # <w,w>, <w,w_hat>, <|w|, step> per column
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         for tile in reader.tiles():
             step = max(1, CHUNK_ELEMENTS // max(tile.c1 - tile.c0, 1))
             for a in range(0, tile.r1 - tile.r0, step):
                 b = min(tile.r1 - tile.r0, a + step)
                 _compare_chunk(t, tile, (a, b), _Options(limit, fold, rtn_reference, clipped, row_stats, grid),
-                               result, sums)
+                               result, (sums, col_sums))
         result.gain = sums[1] / sums[0]
         result.rel_error = np.sqrt(sums[2] / sums[0])
         result.rtn_error = np.sqrt(sums[3] / sums[0]) if rtn_reference else None
+        if row_stats:
+            result.gain_bound, result.nonzero, result.peak = 0.5 * sums[4] / sums[1], sums[5].astype(int), sums[6]
+        result.col_sums = col_sums
     return result
 
 
@@ -120,7 +130,7 @@ class _Options:
 
 
 def _compare_chunk(t: DecodeTarget, tile: Tile, span: tuple[int, int], o: _Options, result: RowErrors,
-                   sums: np.ndarray) -> None:
+                   all_sums: tuple[np.ndarray, np.ndarray | None]) -> None:
     """Rows ``span`` of one tile (relative to it) judged, and their sums accumulated."""
     import numpy as np
 
@@ -137,9 +147,13 @@ def _compare_chunk(t: DecodeTarget, tile: Tile, span: tuple[int, int], o: _Optio
     if chunk.dead is not None:
         err = _zero_scales(result, chunk, w, err, r0, c0)
     _record(result, err, r0, c0, chunk.width, o.limit)
-    if o.row_stats or o.rtn_reference:
+    sums, col_sums = all_sums
+    if o.row_stats or o.rtn_reference or col_sums is not None:
         rtn = chunk.dequantized(_nearest(chunk.x, o.grid)) if o.rtn_reference else None
-        _accumulate(sums, r0, r1, w, chunk.dequantized(chunk.v), rtn)
+        w_hat = chunk.dequantized(chunk.v)
+        _accumulate(sums, r0, r1, w, w_hat, rtn)
+        if o.row_stats or col_sums is not None:
+            _accumulate_bounds(all_sums, (r0, r1, c0, c1), chunk, w, w_hat)
 
 
 def _zero_scales(result: RowErrors, chunk: _Chunk, w: np.ndarray, err: np.ndarray, r0: int, c0: int) -> np.ndarray:
@@ -283,6 +297,30 @@ def _record(result: RowErrors, err: np.ndarray, r0: int, c0: int, width: int, li
     for row in np.nonzero(worst > limit)[0]:
         groups = np.nonzero((err[row] > limit).reshape(-1, width).any(axis=1))[0] + c0 // width
         result.over.setdefault(r0 + int(row), []).extend(int(g) for g in groups)
+
+
+def _accumulate_bounds(all_sums: tuple[np.ndarray, np.ndarray | None], box: tuple[int, int, int, int],
+                       chunk: _Chunk, w: np.ndarray, w_hat: np.ndarray) -> None:
+    """What certifies a gain: <|w|, step> (a code within half a step moves <w, w_hat> by at most half of it),
+    per row and (``col_sums``) per column; per row also the codes off their zero point and the largest.
+    A minifloat's step is its smaller gap beside the code: an under-estimate (a row is excused less often, never more)."""
+    import numpy as np
+
+    sums, col_sums = all_sums
+    r0, r1, c0, c1 = box
+    step = chunk.spread(chunk.scale)
+    if chunk.t.dtype in fmt.MINIFLOATS:
+        step = step / fmt.inverse_min_gap(chunk.t.dtype)[chunk.codes]
+    with np.errstate(invalid="ignore", over="ignore"):
+        weighted = np.abs(w) * step
+        sums[4, r0:r1] += weighted.sum(axis=1, dtype=np.float64)
+        codes = np.abs(chunk.v - chunk.spread(chunk.zero))
+        sums[5, r0:r1] += (codes != 0).sum(axis=1)
+        sums[6, r0:r1] = np.maximum(sums[6, r0:r1], codes.max(axis=1))
+        if col_sums is not None:
+            col_sums[0, c0:c1] += np.einsum("ij,ij->j", w, w, dtype=np.float64)
+            col_sums[1, c0:c1] += np.einsum("ij,ij->j", w, w_hat, dtype=np.float64)
+            col_sums[2, c0:c1] += weighted.sum(axis=0, dtype=np.float64)
 
 
 def _accumulate(sums: np.ndarray, r0: int, r1: int, w: np.ndarray, w_hat: np.ndarray, rtn: np.ndarray | None) -> None:

@@ -1,0 +1,107 @@
+"""A faithful export of a harmful plan passes Phase 2 with its damage recorded; faults planted into it still fail.
+
+int8 + SmoothQuant on a trained 8-block tiny Qwen2 with outlier channels and a massive activation in block 0's
+MLP (tests/fixtures/traits.py): smoothing divides some rows of ``mlp.up_proj`` by a large scale (always the
+massive channel's; which others depends on the trained model, so on the session's corpus), and the per-tensor
+weight scale rounds them to (nearly) nothing. Their own codes cannot bound that scale, so the decode check
+used to fail them as an export fault (exit 4); the scale their consumer's columns certify shows they are
+exactly what round-to-nearest makes of the source (validate/decode_damage.py): quantization damage, Phase 3's
+to measure.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.decode_faults import scale_times, transpose
+from tests.validate.test_validate import read_tensors, write_tensors
+from tests.validate.test_validate_plan import failures, run_cli
+
+pytestmark = pytest.mark.slow
+SQUARE = "model.layers.0.self_attn.o_proj"  # 128 x 128: transposed, its shape still matches
+UP = "model.layers.0.mlp.up_proj"
+MASSIVE = 100  # block 0's MLP channel given a massive activation
+
+
+@pytest.fixture(scope="module")
+def harmful(shared_assets, corpus) -> tuple[Path, Path]:
+    """(source, export): the trained 8-block tiny Qwen2 with traits and a massive activation, and Quark's int8 +
+    SmoothQuant export of it."""
+    from quark_ptq_eval.execute import quark_api_engine
+    from tests.conftest import build_once
+    from tests.fixtures.traits import massive_activation, trained_with_traits
+
+    def build(out: Path) -> None:
+        trained_with_traits(out, corpus, arch="qwen2", layers=8)
+        massive_activation(out, 0, MASSIVE)
+
+    source = build_once(shared_assets / "tiny-qwen2-8-massive", build)
+
+    def export(out: Path) -> None:
+        argv = ["--model_dir", str(source), "--output_dir", str(out), "--quant_scheme", "int8", "--quant_algo",
+                "smoothquant", "--calib_data", str(corpus), "--num_calib_data", "16", "--seq_len", "128"]
+        assert quark_api_engine.main(argv) == 0
+
+    (shared_assets / "quantized").mkdir(exist_ok=True)
+    return source, build_once(shared_assets / "quantized" / "int8-smoothquant-qwen2-8-massive", export)
+
+
+@pytest.fixture(scope="module")
+def validated(harmful, tmp_path_factory) -> tuple[int, dict, Path]:
+    workdir = tmp_path_factory.mktemp("validate-harmful")
+    return (*run_cli(*harmful, workdir, None, "--no-load-check"), workdir)
+
+
+def _codes(export: Path, weight: str):
+    import numpy as np
+
+    dtype, shape, data = read_tensors(export)[weight]
+    assert dtype == "I8"
+    return np.frombuffer(data, np.int8).reshape(shape).astype(np.int32)
+
+
+def test_the_faithful_export_of_a_harmful_plan_passes_with_its_damage_recorded(harmful, validated):
+    rc, report, workdir = validated
+    decode = report["checks"]["decode"]
+    assert rc == 0 and report["status"] == "success", failures(report, "decode")
+    assert decode["status"] == "pass" and decode["stats"]["checked"] == decode["stats"]["quantized_weights"] == 56
+    damage = decode["stats"]["quantization_damage"]
+    assert decode["stats"]["damaged_rows"] == sum(len(d["rows"]) for d in damage)
+    block0 = next(d for d in damage if d["weight"] == f"{UP}.weight")
+    assert MASSIVE in block0["rows"]  # the scheme left it no code: before, "no positive multiple of the source's"
+    for d in damage:  # what the file holds, counted here: rows the scheme rounded to (nearly) nothing
+        assert d["weight"].endswith(".mlp.up_proj.weight") and d["scale_from"].endswith(".mlp.down_proj")
+        codes = _codes(harmful[1], d["weight"])[d["rows"]]
+        assert d["nonzero_codes"] == (codes != 0).sum(axis=1).tolist()
+        assert d["max_code"] == abs(codes).max(axis=1).tolist()
+        assert d["codes_per_row"] == codes.shape[1] == 128
+        assert max(d["nonzero_codes"]) <= 16 and max(d["max_code"]) <= 2, d
+        assert 0 < d["scale_error"] < 1  # the consumer's columns bound the scale (the row's own codes did not)
+    markdown = (workdir / "validation_report.md").read_text()
+    assert "quantization damage, not an export fault" in markdown and damage[0]["weight"] in markdown
+    print("damage:", [(d["weight"], d["rows"], d["nonzero_codes"], d["max_code"]) for d in damage])
+
+
+def _planted(export: Path, out: Path, plant) -> tuple[Path, str]:
+    shutil.copytree(export, out)
+    tensors = read_tensors(export)
+    what = plant(tensors)
+    write_tensors(out / "model.safetensors", tensors)
+    return out, what
+
+
+@pytest.mark.parametrize("fault", ["up_proj scale x1.5", "square weight transposed"])
+def test_a_fault_planted_into_the_damaged_export_still_fails_named(harmful, fault, tmp_path):
+    source, export = harmful
+    module = UP if "scale" in fault else SQUARE
+    plant = (lambda t: scale_times(t, module, 1.5)) if "scale" in fault else (lambda t: transpose(t, module))
+    out, what = _planted(export, tmp_path / "export", plant)
+    rc, report = run_cli(source, out, tmp_path, None, "--no-load-check")
+    text = failures(report, "decode")
+    assert rc == 4 and report["checks"]["decode"]["status"] == "fail", (what, text)
+    # the failing weight, or (a scale its own rows absorb) the fold's origin in its consumer's finding
+    assert (module if "scale" in fault else f"{module}.weight: decodes") in text, (what, text)
+    print(f"{what}: {text.splitlines()[0]}")
