@@ -139,7 +139,8 @@ TIERS: Registry[Tier] = Registry("evaluation tier", entry_type=Tier, check=check
         "speed",
         "serving speed",
         "vLLM's own serving benchmark (vllm.benchmarks.serve, random prompts) on the export and, with "
-        "--baseline, its source: a warm-up, then --speed-repeats repeats (needs --vllm-python)",
+        "--baseline, its source: a warm-up, then --speed-repeats repeats, with a baseline on a CPU vLLM alternately "
+        "until the gain is within --speed-precision (needs --vllm-python)",
         "minutes on a CPU with the small default workload; a server start per model",
         "quark_ptq_eval.evaluate.speed.tier",
         False,

@@ -44,10 +44,13 @@ def speed_lines(ev: dict[str, Any]) -> list[str]:
     measured = "; ".join(f"{label} {speed[label]['output_tokens_per_s']:.4g} output tokens/s, TPOT p50 "
                          f"{speed[label]['tpot_ms_p50']:.3g} ms" for label in ("quantized", "baseline")
                          if isinstance(speed.get(label), dict))
+    p = speed.get("precision")  # measured alternately until a precision (evaluate/speed/precision.py)
+    runs = (f"a warm-up, a pilot and {p['pairs']} pairs of repeats, quantized and baseline alternately" if p else
+            f"a warm-up and {w['repeats']} repeats")
     return ["", f"Serving speed (vLLM's own benchmark, `vllm bench serve`): {str(speed.get('verdict')).rstrip('.')} "
-                f"({measured or 'nothing measured'}). Workload: {w['prompts']} random prompts of {w['input_len']} "
-                f"-> {w['output_len']} tokens at concurrency {w['concurrency']}, a warm-up and {w['repeats']} "
-                f"repeats; hardware: {speed.get('hardware') or '-'}; {speed.get('vllm_version') or 'no vLLM'}."]
+                f"({measured or 'nothing measured'}). Workload: {p['repeat_prompts'] if p else w['prompts']} random "
+                f"prompts of {w['input_len']} -> {w['output_len']} tokens at concurrency {w['concurrency']}, {runs}; "
+                f"hardware: {speed.get('hardware') or '-'}; {speed.get('vllm_version') or 'no vLLM'}."]
 
 
 def _why_not_evaluated(facts: RunFacts) -> str:

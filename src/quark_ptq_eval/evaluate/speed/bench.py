@@ -16,6 +16,7 @@ from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.evaluate.speed.driver import WAIT_FOR_GO
 
 STOP_TIMEOUT_S = 30
+POLL_S = 0.1  # how often a stepped run's log is read for its result line
 
 
 class RequestsFailed(QpeError):
@@ -67,6 +68,34 @@ class PendingBench:
         if failed := failed_requests([*([warmup] if warmup.is_file() else []), *self.expected]):
             raise RequestsFailed(f"the server failed requests: {failed}")
         return self.expected
+
+    def one(self, name: str, seed: int, prompts: int, timeout_s: float) -> Path:
+        """One run asked for now (driver.py's ``run NAME SEED PROMPTS``) on its healthy, idle server: vLLM's result
+        file ``NAME.json``. Raises RequestsFailed when the server failed its requests, QpeError when the driver
+        ended or did not answer within ``timeout_s``."""
+        import time
+
+        assert self.process.stdin is not None
+        path = self.out / f"{name}.json"
+        path.unlink(missing_ok=True)
+        done = f"QPE_RESULT {name} "
+        try:
+            self.process.stdin.write(f"run {name} {seed} {prompts}\n".encode())
+            self.process.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # it ended (or was ended, its input closed): said below
+        deadline = time.monotonic() + timeout_s
+        while done not in self.log_path.read_text(encoding="utf-8", errors="replace"):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
+                raise QpeError(f"vLLM's serving benchmark failed at {name} ("
+                               + (f"exit {self.process.returncode}" if self.process.returncode is not None else
+                                  f"no result after {timeout_s:g} s") + f"): {tail[0][:300] if tail else 'no output'}; "
+                               f"see {self.log_path}.")
+            time.sleep(POLL_S)
+        if failed := failed_requests([path]):
+            raise RequestsFailed(f"the server failed requests: {failed}")
+        return path
 
     def cancel(self) -> None:
         """End it if it still waits or runs (its server failed, or the run was stopped): nothing is left behind.

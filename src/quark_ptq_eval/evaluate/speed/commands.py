@@ -19,16 +19,18 @@ if TYPE_CHECKING:
 DRIVER = Path(__file__).with_name("driver.py")
 
 
-def serve_argv(model: ServedModel, options: Any, host: HostVllm | None, sizing: ServerSizing) -> list[str]:
+def serve_argv(model: ServedModel, port: int, host: HostVllm | None, sizing: ServerSizing) -> list[str]:
     if host is not None:
-        return host_server_argv(host, model.path, options.vllm_port, model.served_name, sizing)
-    return ["vllm", "serve", str(model.path), "--port", str(options.vllm_port), "--served-model-name",
+        return host_server_argv(host, model.path, port, model.served_name, sizing)
+    return ["vllm", "serve", str(model.path), "--port", str(port), "--served-model-name",
             model.served_name, *sizing.argv()]
 
 
-def bench_argv(model: ServedModel, workdir: Path, workload: Workload, options: Any, host: HostVllm | None) -> list[str]:
-    """The driver's command (``vllm bench serve`` ARGS, run through vLLM's own modules) for one model."""
-    args = ["--base-url", f"http://127.0.0.1:{options.vllm_port}", "--model", str(model.path),
+def bench_argv(model: ServedModel, workdir: Path, workload: Workload, options: Any, host: HostVllm | None,
+               port: int) -> list[str]:
+    """The driver's command (``vllm bench serve`` ARGS, run through vLLM's own modules) for one model, whose
+    server listens on ``port``."""
+    args = ["--base-url", f"http://127.0.0.1:{port}", "--model", str(model.path),
             "--served-model-name", model.served_name, "--tokenizer", str(model.path),
             "--dataset-name", "random", "--random-input-len", str(workload.input_len),
             "--random-output-len", str(workload.output_len), "--num-prompts", str(workload.prompts),
@@ -76,6 +78,11 @@ def server_gpus(model_dir: Path, plan: PlanJson, as_baseline: bool) -> int | Non
 
 def result_dir(workdir: Path, label: str) -> Path:
     return workdir.resolve() / "speed" / label
+
+
+def server_log(workdir: Path, label: str) -> Path:
+    """The log of ``label``'s server started by the speed tier."""
+    return workdir.resolve() / "speed" / f"vllm_{label}.log"
 
 
 def predicted_refusal(model: ServedModel, host: HostVllm | None, plan: PlanJson | None) -> str | None:

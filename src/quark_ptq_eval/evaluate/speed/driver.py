@@ -13,6 +13,8 @@ With ``QPE_BENCH_WAIT_FOR_GO=1`` in its environment (the speed tier starts it be
 it imports vLLM first (~10 s on a CPU), prints ``QPE_READY`` and waits for a line ``go`` on its standard input
 before it sends a request: the import overlaps the server's start (and Tier 3's lm-eval), never a measurement.
 End of input instead of ``go`` (the server never became healthy) ends it with exit 3, nothing sent.
+Instead of ``go``, lines ``run NAME SEED PROMPTS`` run one benchmark each (``NAME.json``, on that seed, that many
+prompts), as the speed tier's stopping rule asks for them (``stepped.py``); end of input then ends it (exit 0).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 WAIT_FOR_GO = "QPE_BENCH_WAIT_FOR_GO"
 NOT_STARTED = 3  # told to stop before the server was ready: nothing measured
@@ -37,18 +40,29 @@ def run(argv: list[str]) -> int:
 
     parser = FlexibleArgumentParser(description="vllm bench serve")
     add_cli_args(parser)
-    if os.environ.get(WAIT_FOR_GO) == "1":
-        print("QPE_READY", flush=True)
-        if sys.stdin.readline().strip() != "go":
-            return NOT_STARTED
     runs = [("warmup", ["--num-prompts", str(warmup_prompts), "--seed", "0"])]
     runs += [(f"repeat_{i}", ["--seed", str(i)]) for i in range(1, repeats + 1)]
-    for name, extra in runs:  # a later flag wins in argparse: the run's own prompts and seed
-        args = parser.parse_args([*bench, *extra, "--save-result", "--result-dir", str(result_dir),
-                                  "--result-filename", f"{name}.json"])
-        bench_main(args)
-        print(f"QPE_RESULT {name} {result_dir / f'{name}.json'}", flush=True)
+    if os.environ.get(WAIT_FOR_GO) == "1":
+        print("QPE_READY", flush=True)
+        line = sys.stdin.readline().split()
+        if line[:1] == ["run"]:  # one run a line, as the tier asks for them, until the end of its input
+            while len(line) == 4 and line[0] == "run":
+                _one(parser, bench_main, bench, result_dir, line[1], ["--seed", line[2], "--num-prompts", line[3]])
+                line = sys.stdin.readline().split()
+            return 0
+        if line != ["go"]:
+            return NOT_STARTED
+    for name, extra in runs:
+        _one(parser, bench_main, bench, result_dir, name, extra)
     return 0
+
+
+def _one(parser: Any, bench_main: Any, bench: list[str], result_dir: Path, name: str, extra: list[str]) -> None:
+    """vLLM's benchmark once, saved as NAME.json (a later flag wins in argparse: the run's own prompts and seed)."""
+    args = parser.parse_args([*bench, *extra, "--save-result", "--result-dir", str(result_dir),
+                              "--result-filename", f"{name}.json"])
+    bench_main(args)
+    print(f"QPE_RESULT {name} {result_dir / f'{name}.json'}", flush=True)
 
 
 def _leave(status: int) -> None:

@@ -12,7 +12,13 @@ from quark_ptq_eval.evaluate.context import TierOutcome
 from quark_ptq_eval.evaluate.details import TierDetails
 from quark_ptq_eval.evaluate.speed import stats
 from quark_ptq_eval.evaluate.speed.commands import result_dir, weight_dtype
-from quark_ptq_eval.evaluate.speed.record import DecodePredictionRow, Gain, PredictedSpeed, SpeedRecord
+from quark_ptq_eval.evaluate.speed.record import (
+    DecodePredictionRow,
+    Gain,
+    Precision,
+    PredictedSpeed,
+    SpeedRecord,
+)
 from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload
 
 if TYPE_CHECKING:
@@ -43,8 +49,11 @@ def outcome_of(prepared: SpeedPrepared, record: SpeedRecord) -> TierOutcome:
     notes = [*prepared.notes, *(f"The {k} model was not measured: {v}" for k, v in record.refused.items())]
     record.judged, record.target = True, target
     if quantized and baseline:
-        point, ci = stats.gain(quantized.throughputs(), baseline.throughputs())
+        paired = record.precision is not None  # measured alternately in pairs (precision.py)
+        point, ci = (stats.paired_gain if paired else stats.gain)(quantized.throughputs(), baseline.throughputs())
         record.verdict, parts = stats.verdict_line(point, ci, target)
+        if record.precision is not None:
+            record.verdict = record.verdict[:-1] + "; " + precision_words(record.precision) + "."
         record.gain = Gain(point, list(ci), parts["beyond_noise"], parts["target"], parts["target_met"],
                            parts["target_met_whole_interval"])
         notes.insert(0, f"Speed: {record.verdict}")
@@ -65,6 +74,15 @@ def outcome_of(prepared: SpeedPrepared, record: SpeedRecord) -> TierOutcome:
         artifacts={f"vLLM benchmark results ({label})": str(result_dir(prepared.ctx.workdir, label))
                    for label in record.result_files},
     )
+
+
+def precision_words(p: Precision) -> str:
+    """How the alternation ended, in words: within the precision asked, or stopped by the cap short of it."""
+    reached = f"+-{p.reached_pct:.1f} % after {p.pairs} pairs of repeats"
+    if p.stopped == "precision":
+        return f"interval within the +-{p.target_pct:g} % asked ({reached})"
+    return (f"stopped at its cap (--speed-max-s {p.max_s:g}) with the interval at {reached}, short of the "
+            f"+-{p.target_pct:g} % asked")
 
 
 def predicted_speedup(prepared: SpeedPrepared) -> PredictedSpeed:

@@ -27,3 +27,5 @@ class SpeedPrepared:
     predicted_refusals: dict[str, str]
     estimate: RuntimeEstimate
     notes: list[str] = field(default_factory=list)
+    ports: dict[str, int] = field(default_factory=dict)  # each model's server port
+    alternate: bool = False  # both servers up at once, measured alternately until a precision (precision.py)

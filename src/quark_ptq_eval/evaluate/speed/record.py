@@ -135,6 +135,37 @@ class Gain:
 
 
 @dataclass
+class Precision:
+    """How the alternating measurement ended (precision.py): the precision asked and the one reached, the pairs
+    measured, why it stopped (``precision``: the interval is within it; ``cap``: --speed-max-s came first), and the
+    pilot that sized a repeat (its prompts and each model's duration, the repeat's prompts)."""
+
+    target_pct: float
+    max_s: float
+    stopped: str
+    pairs: int
+    elapsed_s: float
+    reached_pct: float | None
+    pilot_prompts: int
+    pilot_s: dict[str, float]
+    repeat_prompts: int
+    min_repeat_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target_pct": self.target_pct, "max_s": self.max_s, "stopped": self.stopped, "pairs": self.pairs,
+                "elapsed_s": self.elapsed_s, "reached_pct": self.reached_pct,
+                "pilot": {"prompts": self.pilot_prompts, "duration_s": dict(self.pilot_s),
+                          "min_repeat_s": self.min_repeat_s}, "repeat_prompts": self.repeat_prompts}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Precision:
+        pilot = doc["pilot"]
+        return cls(doc["target_pct"], doc["max_s"], doc["stopped"], doc["pairs"], doc["elapsed_s"],
+                   doc.get("reached_pct"), pilot["prompts"], dict(pilot["duration_s"]), doc["repeat_prompts"],
+                   pilot["min_repeat_s"])
+
+
+@dataclass
 class SpeedRecord:
     """details.speed: the workload and the servers' arguments first, then each model's measurement (or vLLM's
     refusal) and, once judged, the verdict with the gain. ``measured``'s models are written at the top level
@@ -153,6 +184,7 @@ class SpeedRecord:
     gain: Gain | None = None
     target: float | None = None  # asked with --speed-target (in ``gain`` when there is one)
     judged: bool = False
+    precision: Precision | None = None  # measured alternately until a precision or a cap (precision.py)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -161,6 +193,8 @@ class SpeedRecord:
             "bench_commands": {k: list(v) for k, v in self.bench_commands.items()}, "ci95_method": self.ci95_method,
             "result_files": {k: list(v) for k, v in self.result_files.items()}, "refused": dict(self.refused)}
         out |= {label: m.to_dict() for label, m in self.measured.items()}
+        if self.precision is not None:
+            out["precision"] = self.precision.to_dict()
         return out | self._verdict_dict()
 
     def _verdict_dict(self) -> dict[str, Any]:
@@ -182,7 +216,8 @@ class SpeedRecord:
                      {k: list(v) for k, v in (doc.get("bench_commands") or {}).items()}, doc.get("ci95_method", ""),
                      {k: list(v) for k, v in (doc.get("result_files") or {}).items()}, dict(doc.get("refused") or {}),
                      {k: Measured.from_dict(v) for k, v in doc.items() if isinstance(v, Mapping) and "spread_pct" in v},
-                     doc.get("verdict"), judged="throughput_gain" in doc, target=doc.get("target"))
+                     doc.get("verdict"), judged="throughput_gain" in doc, target=doc.get("target"),
+                     precision=Precision.from_dict(doc["precision"]) if doc.get("precision") else None)
         if doc.get("throughput_gain") is not None:
             low, high = doc["throughput_gain_ci95"]
             record.gain = Gain(doc["throughput_gain"], [low, high], doc["beyond_noise"], doc.get("target"),

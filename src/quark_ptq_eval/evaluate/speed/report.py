@@ -12,11 +12,23 @@ if TYPE_CHECKING:
 def section(report: EvalReport) -> list[str]:
     speed = report.details.get("speed") or {}
     lines = ["## Serving speed (vLLM's own benchmark)", "", f"**{speed.get('verdict', '-')}**", ""]
-    w = speed.get("workload") or {}
-    if w:
+    w, p = speed.get("workload") or {}, speed.get("precision")
+    on = f"{speed.get('vllm_version') or 'no vLLM'} on {speed.get('hardware') or '-'}"
+    if w and p:
+        pilot = ", ".join(f"{s:.2f} s ({label})" for label, s in p["pilot"]["duration_s"].items())
+        lines += [f"- workload: random prompts of {w['input_len']} tokens -> {w['output_len']} tokens (ignore_eos), "
+                  f"concurrency {w['concurrency']}; one warm-up of {w['warmup_prompts']} and a pilot of "
+                  f"{p['pilot']['prompts']} ({pilot}), then {p['repeat_prompts']} prompts a repeat (at least "
+                  f"{p['pilot']['min_repeat_s']:g} s); {on}",
+                  f"- precision: {p['pairs']} pairs of repeats, quantized and baseline alternately (the order turned "
+                  f"each pair), in {p['elapsed_s']:.0f} s; the interval reaches +-{p['reached_pct']:.1f} % of the "
+                  f"median gain; stopped "
+                  + (f"within the +-{p['target_pct']:g} % asked (--speed-precision)" if p["stopped"] == "precision"
+                     else f"at its cap (--speed-max-s {p['max_s']:g}), short of the +-{p['target_pct']:g} % asked"), ""]
+    elif w:
         lines += [f"- workload: {w['prompts']} random prompts of {w['input_len']} tokens -> {w['output_len']} "
                   f"tokens (ignore_eos), concurrency {w['concurrency']}; one warm-up of {w['warmup_prompts']}, then "
-                  f"{w['repeats']} repeats; {speed.get('vllm_version') or 'no vLLM'} on {speed.get('hardware') or '-'}", ""]
+                  f"{w['repeats']} repeats; {on}", ""]
     sides = [s for s in ("quantized", "baseline") if isinstance(speed.get(s), dict)]
     if sides:
         lines += ["| model | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "

@@ -6,6 +6,11 @@ samples; logs make the ratio a difference and the interval a ratio again): exp o
 mean(log q) - mean(log b) +- t(0.975, Welch df) * sqrt(var(log q)/n_q + var(log b)/n_b). It bounds the
 ratio of geometric means, which three to a few repeats' medians estimate too; with identical repeats it
 has zero width.
+
+Where the two servers are measured alternately (the speed tier with a baseline on a CPU vLLM: repeat i of each
+on the same prompts, one right after the other), the repeats are pairs and a drift of the host hits both sides of
+a pair: the interval is then the paired t interval on the pairs' log ratios, exp of
+mean(log q_i - log b_i) +- t(0.975, n - 1) * sd(log q_i - log b_i) / sqrt(n) (``paired_gain``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ METRICS = {
 HIGHER_IS_BETTER = {m: m.endswith("_per_s") for m in METRICS}
 CI_METHOD = ("Welch's t interval on log output tokens/s over the repeats (independent samples per server), "
              "exponentiated: a 95 % interval of the ratio of geometric means")
+PAIRED_CI_METHOD = ("paired t interval on the log ratio of output tokens/s of each pair of repeats (quantized and "
+                    "baseline alternately, on the same prompts), exponentiated: a 95 % interval of the geometric "
+                    "mean ratio")
 # vllm/v1/core/kv_cache_utils.py: "%s KV cache size: %s tokens, Maximum concurrency for %s tokens per request: %.2fx"
 _CAPACITY = re.compile(r"(\w[\w +]*?) KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per "
                        r"request: ([\d.]+)x")
@@ -40,8 +48,14 @@ def repeat_values(result: dict[str, Any], path: Path) -> dict[str, Any]:
                                                                          "completed": result.get("completed")}
 
 
+def read_result(path: Path) -> dict[str, Any]:
+    """vLLM's own result JSON of one run."""
+    result: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return result
+
+
 def read_repeats(paths: list[Path]) -> list[dict[str, Any]]:
-    return [repeat_values(json.loads(p.read_text(encoding="utf-8")), p) for p in paths]
+    return [repeat_values(read_result(p), p) for p in paths]
 
 
 def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -63,14 +77,34 @@ def gain(quantized: list[float], baseline: list[float]) -> tuple[float, tuple[fl
     lq, lb = [math.log(v) for v in quantized], [math.log(v) for v in baseline]
     vq, vb = statistics.variance(lq) / len(lq), statistics.variance(lb) / len(lb)
     centre = statistics.fmean(lq) - statistics.fmean(lb)
-    se = math.sqrt(vq + vb)
-    if se == 0:
-        return point, (math.exp(centre), math.exp(centre))
+    if vq + vb == 0:
+        return point, _exp_interval(centre, 0.0, 1.0)
     df = (vq + vb) ** 2 / (vq**2 / (len(lq) - 1) + vb**2 / (len(lb) - 1))
+    return point, _exp_interval(centre, math.sqrt(vq + vb), df)
+
+
+def paired_gain(quantized: list[float], baseline: list[float]) -> tuple[float, tuple[float, float]]:
+    """Median quantized over median baseline throughput, and the paired 95 % interval of repeat i of each
+    (measured one right after the other on the same prompts; module docstring). Needs two pairs or more."""
+    if len(quantized) != len(baseline) or len(quantized) < 2:
+        raise ValueError(f"a paired interval needs two or more pairs, not {len(quantized)} and {len(baseline)}")
+    point = statistics.median(quantized) / statistics.median(baseline)
+    diffs = [math.log(q) - math.log(b) for q, b in zip(quantized, baseline, strict=True)]
+    return point, _exp_interval(statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs)),
+                                len(diffs) - 1)
+
+
+def _exp_interval(centre: float, se: float, df: float) -> tuple[float, float]:
+    """exp(centre +- t(0.975, df) * se): a 95 % t interval on logs, as a ratio (zero width when se is 0)."""
     from scipy.stats import t
 
-    half = float(t.ppf(0.975, df)) * se
-    return point, (math.exp(centre - half), math.exp(centre + half))
+    half = float(t.ppf(0.975, df)) * se if se else 0.0
+    return math.exp(centre - half), math.exp(centre + half)
+
+
+def distance_pct(point: float, ci: tuple[float, float]) -> float:
+    """How far the interval reaches from the median gain, either way, in % of it: the precision it states."""
+    return 100.0 * max(point - ci[0], ci[1] - point) / point
 
 
 def verdict_line(gain_value: float, ci: tuple[float, float], target: float | None) -> tuple[str, dict[str, Any]]:

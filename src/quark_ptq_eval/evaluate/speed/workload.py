@@ -41,7 +41,17 @@ class SpeedOptions:
         "--speed-prompts", type=int, metavar="N",
         help="speed tier: requests per repeat (default: Quark's rule on a GPU, 8 on a CPU)"))
     speed_repeats: int = field(default=MIN_REPEATS, metadata=flag(
-        "--speed-repeats", type=int, metavar="N", help="speed tier: measured repeats after the warm-up (default 3)"))
+        "--speed-repeats", type=int, metavar="N",
+        help="speed tier: measured repeats after the warm-up (default 3; with --baseline on a CPU vLLM the fewest, "
+             "then more until --speed-precision is met)"))
+    speed_precision: float = field(default=10.0, metadata=flag(
+        "--speed-precision", type=float, metavar="PCT",
+        help="speed tier with --baseline: keep repeating, quantized and baseline alternately, until the gain's 95 percent "
+             "interval is within +-PCT percent of its median (default 10), or --speed-max-s is reached"))
+    speed_max_s: float = field(default=600.0, metadata=flag(
+        "--speed-max-s", type=float, metavar="SECONDS",
+        help="speed tier with --baseline: stop repeating after this long even if the precision is not reached "
+             "(default 600; the first --speed-repeats pairs always run)"))
     speed_target: float | None = field(default=None, metadata=flag(
         "--speed-target", type=float, metavar="GAIN",
         help="speed tier: the throughput gain (quantized / baseline) to meet, e.g. 1.55"))
@@ -54,6 +64,11 @@ class SpeedOptions:
         if self.speed_repeats < MIN_REPEATS:
             raise UsageError(f"--speed-repeats must be at least {MIN_REPEATS} (a median and its interval need "
                              f"three), not {self.speed_repeats}.")
+        if not 0 < self.speed_precision < 100:
+            raise UsageError(f"--speed-precision must be a percentage between 0 and 100, such as 10, not "
+                             f"{self.speed_precision}.")
+        if not self.speed_max_s > 0:
+            raise UsageError(f"--speed-max-s must be a positive number of seconds, not {self.speed_max_s}.")
         if self.speed_target is not None and not self.speed_target > 0:
             raise UsageError(f"--speed-target must be a positive gain such as 1.55, not {self.speed_target}.")
 
