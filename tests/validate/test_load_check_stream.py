@@ -101,3 +101,45 @@ def test_a_static_input_scale_planted_in_block_5_fails_the_streamed_check_as_cli
     assert [f.subject for f in load.failures] == [name], [f.line() for f in load.findings]
     assert "it clips activations the calibration text reaches" in load.failures[0].message
     assert load.stats["static_scales_off"] == 1
+
+
+def test_over_its_budget_the_streamed_check_replays_first_and_last_block_and_names_a_loader_fault_there(
+        llama8_traits, shared_assets, corpus, monkeypatch):  # noqa: F811
+    """A budget the first block alone overruns: blocks 0 and 7 are replayed, on the same hidden states on both
+    sides (the skipped blocks skipped on both), the loader held to the emulation as before, and the report names
+    the blocks and how to replay all. A loader that misreads block 7's scale is still named."""
+    from quark_ptq_eval.runtime import blocks
+
+    exported = export(shared_assets, corpus, llama8_traits, "int8")
+    healthy = load_check_alone(llama8_traits, exported, plan("int8", corpus), stream_blocks=True, load_budget_s=1e-6)
+    assert not healthy.findings, [f.line() for f in healthy.findings]
+    assert healthy.stats["blocks_replayed"] == 2 and healthy.stats["max_loader_error"] < 0.03
+    replayed = {q["module"].split(".")[2] for q in healthy.stats["quantization_error"] if ".layers." in q["module"]}
+    assert replayed == {"0", "7"}, replayed
+    assert any("replayed 2 of 8 decoder blocks (0, 7)" in n and "--load-check-minutes 0" in n for n in healthy.notes)
+    module, real = "model.layers.7.mlp.down_proj", blocks.load
+
+    def misreading(streamed, part):
+        real(streamed, part)
+        if streamed.path == exported and part == "7":
+            for name, t in [*streamed.model.get_submodule(module).named_parameters(),
+                            *streamed.model.get_submodule(module).named_buffers()]:
+                if name in ("weight_quantizer.scale", "weight_scale"):
+                    t.data.mul_(4)
+
+    monkeypatch.setattr(blocks, "load", misreading)
+    faulty = load_check_alone(llama8_traits, exported, stream_blocks=True, load_budget_s=1e-6)
+    assert [f.subject for f in faulty.failures] == [module], [f.line() for f in faulty.findings]
+
+
+def test_the_block_sample_is_every_block_within_budget_else_evenly_spaced_first_and_last_included():
+    from quark_ptq_eval.validate.load_sample import BlockSample, sample
+
+    assert sample(80, 600, 5.0) == list(range(80))  # 400 s: all
+    assert sample(80, 0, 100.0) == list(range(80))  # no budget: all
+    assert sample(126, 600, 100.0) == [0, 25, 50, 75, 100, 125]
+    assert sample(8, 1e-6, 1.0) == [0, 7]
+    chosen = BlockSample(8, 1e-6)
+    taken = [i for i in range(8) if chosen.take(i) and (chosen.timed(i, 1.0) or True)]
+    assert taken == [0, 7] and chosen.skipped == [1, 2, 3, 4, 5, 6]
+    assert "replayed 2 of 8 decoder blocks (0, 7)" in (chosen.note() or "")

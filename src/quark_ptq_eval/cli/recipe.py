@@ -34,7 +34,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser, model_required: bool) -> No
     from quark_ptq_eval.flows.recipe.run_options import RunOptions
 
     add_model_and_output(p, model_required=model_required)
-    add_flags(p, RunOptions, only=["no_load_check", "card", "base_model"])
+    add_flags(p, RunOptions, only=["no_load_check", "load_check_minutes", "card", "base_model"])
     add_plan_flags(p)
     add_eval_arguments(p, standalone=False)
     add_hidden_aliases(p, with_eval=True)
@@ -68,13 +68,13 @@ def run_recipe(args: argparse.Namespace) -> int:
     """The recipe up to the step ``args.command`` stops after, then its summary (a table, or JSON)."""
     from quark_ptq_eval.base.step_table import STOP_AFTER
     from quark_ptq_eval.base.ui import Reporter
-    from quark_ptq_eval.flows.recipe.budget_side import measure_side_by_side
     from quark_ptq_eval.flows.recipe.pipeline import run_recipe as run_steps
+    from quark_ptq_eval.flows.recipe.remedies_side import after_own_eval
     from quark_ptq_eval.flows.recipe.summary import summary_rows
 
     ui = Reporter(quiet=args.quiet or args.json)
     summary = run_steps(run_options(args), args.workdir, approver(args), ui, STOP_AFTER[args.command],
-                        measure_side_by_side)
+                        after_own_eval)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

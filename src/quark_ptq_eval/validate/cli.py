@@ -13,6 +13,7 @@ from quark_ptq_eval.base.fsio import read_json
 from quark_ptq_eval.base.gates import Approver, Gatekeeper
 from quark_ptq_eval.base.ui import noise_to_log
 from quark_ptq_eval.validate.fixes import fix_and_revalidate
+from quark_ptq_eval.validate.load_sample import LOAD_MINUTES_HELP, load_budget_s
 from quark_ptq_eval.validate.report import ValidationReport
 from quark_ptq_eval.validate.runner import validate_model
 
@@ -32,6 +33,8 @@ def add_validate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-load-check", action="store_true",
                         help="skip loading the export and running a probe through it (for models too large for "
                              "this host); the report says it was skipped")
+    parser.add_argument("--load-check-minutes", type=float, default=None, metavar="MINUTES",
+                        help=LOAD_MINUTES_HELP)
     parser.add_argument("--vllm-python", type=Path, default=None, metavar="PYTHON",
                         help="the serving check: start this vLLM environment's server on the export (e.g. "
                              ".venv-vllm/bin/python from `make vllm-env`; default $QUARK_PTQ_EVAL_VLLM_PYTHON)")
@@ -43,6 +46,7 @@ def cmd_validate(args: argparse.Namespace, approver: Approver) -> int:
     workdir = Path(getattr(args, "workdir", None) or ".")
     options = {"max_samples": args.max_samples, "seed": args.seed, "workers": args.workers,
                "load_check": not getattr(args, "no_load_check", False),
+               "load_budget_s": load_budget_s(getattr(args, "load_check_minutes", None)),
                "vllm_python": getattr(args, "vllm_python", None)}
     log = workdir / "logs" / "validate.log"
 

@@ -141,15 +141,20 @@ def prefetch(infos: list[TensorInfo]) -> None:
 
 def as_float(info: TensorInfo, raw: np.ndarray) -> np.ndarray:
     """A float tensor's values as float32 (BF16 is the upper half of a float32)."""
+    return float_of(info.dtype, raw)
+
+
+def float_of(dtype: str, raw: np.ndarray) -> np.ndarray:
+    """``as_float`` for elements stored as ``dtype`` (a safetensors dtype name)."""
     import numpy as np
 
-    if info.dtype == "BF16":
+    if dtype == "BF16":
         return (np.asarray(raw).astype(np.uint32) << 16).view(np.float32)
-    if info.dtype == "F16":
+    if dtype == "F16":
         return half_to_float(np.asarray(raw).view(np.uint16))
-    if info.dtype in NUMPY_FLOATS:
+    if dtype in NUMPY_FLOATS:
         return np.asarray(raw, dtype=np.float32)
-    raise UnsupportedFormat(f"a {info.dtype} source weight (dequantize it to BF16/F32 first)")
+    raise UnsupportedFormat(f"a {dtype} source weight (dequantize it to BF16/F32 first)")
 
 
 def half_to_float(bits: np.ndarray) -> np.ndarray:

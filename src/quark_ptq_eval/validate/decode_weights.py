@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from quark_ptq_eval.validate import decode_formats as fmt
 from quark_ptq_eval.validate.decode_blocks import DecodeTarget, Tile, TileReader
+from quark_ptq_eval.validate.decode_table import table_errors, table_for
 
 if TYPE_CHECKING:
     import numpy as np
@@ -103,11 +104,17 @@ def compare(t: DecodeTarget, limit: float, fold: Fold | None = None, rtn_referen
     result = RowErrors(rows, cols, np.zeros(rows, np.float32), np.zeros(rows, np.int64))
     sums = np.zeros((7, rows), np.float64)  # <w,w>, <w,w_hat>, ||w - w_hat||^2, ||w - rtn||^2, <|w|, step>, codes, peak
     col_sums = np.zeros((3, cols), np.float64) if col_stats else None  # <w,w>, <w,w_hat>, <|w|, step> per column
+    plain = fold is None and not (rtn_reference or clipped or row_stats or col_stats)
+    table = table_for(t, reader) if plain else None  # one scale over a 16-bit source: decoded once per pattern
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         for tile in reader.tiles():
             step = max(1, CHUNK_ELEMENTS // max(tile.c1 - tile.c0, 1))
             for a in range(0, tile.r1 - tile.r0, step):
                 b = min(tile.r1 - tile.r0, a + step)
+                if table is not None:
+                    err = table_errors(t, tile, (a, b), table, grid)
+                    _record(result, err, tile.r0 + a, tile.c0, reader.width, limit)
+                    continue
                 _compare_chunk(t, tile, (a, b), _Options(limit, fold, rtn_reference, clipped, row_stats, grid),
                                result, (sums, col_sums))
         result.gain = sums[1] / sums[0]

@@ -20,10 +20,13 @@ module to module: replay.py).
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from quark_ptq_eval.validate.load_sample import BlockSample
 from quark_ptq_eval.validate.report import CheckResult
 
 if TYPE_CHECKING:
@@ -83,9 +86,20 @@ def probe_streamed(ctx: CheckInputs, result: CheckResult, tokenizer: Any, ids: t
     out = _Side(blocks.open_streamed(ctx.quantized, trust_remote_code=trust))
     walk = _Walk(ctx, src, out, ids, Judged(), result.name)
     walk.observation = prepare_observation(ctx, {name for name, _ in src.model.model.named_modules()}, tokenizer, result)
-    for part in [blocks.ENTRY, *(str(i) for i in range(out.model.num_blocks)), blocks.EXIT]:
-        walk.part(part)
+    chosen = BlockSample(out.model.num_blocks, ctx.load_budget_s)
+    walk.part(blocks.ENTRY)
+    for index in range(out.model.num_blocks):
+        if not chosen.take(index):
+            walk.skip()
+            continue
+        started = time.perf_counter()
+        walk.part(str(index))
+        chosen.timed(index, time.perf_counter() - started)
+    walk.part(blocks.EXIT)
     walk.report_notes(result)
+    if (note := chosen.note()) is not None:
+        result.notes.append(note)
+        result.stats.update(blocks_replayed=out.model.num_blocks - len(chosen.skipped))
     if walk.observation is not None:
         judge_observation(walk.observation, walk.maxima, result)
     loader = out.model.loader
@@ -111,6 +125,7 @@ class _Walk:
     observation: Observation | None = None  # static scales to re-observe, and the calibration windows
     windows: list[_Side] = field(default_factory=list)  # each window's pass through the source
     maxima: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    observation_cut: bool = False  # blocks were skipped: no scale is re-observed past the first skip
 
     def part(self, part: str) -> None:
         """Part ``part`` of both checkpoints captured, emulated, replayed and judged, then freed."""
@@ -133,6 +148,14 @@ class _Walk:
         outputs = self._replay(part, owners, captures)
         self.owners += len(owners)
         self._merge(judge_units(outputs, captures, emulated))
+
+    def skip(self) -> None:
+        """A block left out of the sample (load_sample.py): both sides keep their hidden states. The calibration
+        windows would reach the next blocks' scales off their path: scales are judged up to here only."""
+        if self.observation is not None and not self.observation_cut:
+            self.observation_cut = True
+            kept = [s for s in self.observation.scales if self.maxima.get((s.module, s.side))]
+            self.observation = dataclasses.replace(self.observation, scales=kept) if kept else None
 
     def _replay(self, part: str, owners: list[str], captures: dict[str, Any]) -> dict[Any, Any]:
         from quark_ptq_eval.validate import replay
@@ -158,7 +181,7 @@ class _Walk:
         from quark_ptq_eval.runtime import blocks
         from quark_ptq_eval.validate.scale_ranges import Watch
 
-        if self.observation is None:
+        if self.observation is None or self.observation_cut:
             return
         scales = [s for s in self.observation.scales if inside(s.module)]
         if part == blocks.EXIT and not scales:

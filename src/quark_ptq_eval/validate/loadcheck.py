@@ -39,10 +39,12 @@ MAX_LISTED = 5
 
 
 def load_check_alone(source: Path, quantized: Path, plan: dict[str, Any] | None = None,
-                     stream_blocks: bool | None = None) -> CheckResult:
+                     stream_blocks: bool | None = None, load_budget_s: float | None = None) -> CheckResult:
     """The load check on its own, whatever the structural checks say (a loader diagnosis: since the
-    decode check, a fault planted in a weight's file stops validation before the load check runs)."""
-    ctx = CheckInputs(Path(source), Path(quantized), plan, load_check=True, stream_blocks=stream_blocks)
+    decode check, a fault planted in a weight's file stops validation before the load check runs).
+    ``load_budget_s``: the streamed check's time budget (load_sample.py; None: every block)."""
+    ctx = CheckInputs(Path(source), Path(quantized), plan, load_check=True, stream_blocks=stream_blocks,
+                      load_budget_s=load_budget_s)
     ctx.src_config, ctx.out_config = read_config_or_empty(ctx.source), read_config_or_empty(ctx.quantized)
     ctx.read_headers()  # the emulation decodes the export's tensors through them
     return check_load(ctx)

@@ -17,6 +17,7 @@ from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.registry import load
 from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
 from quark_ptq_eval.runtime.vllm_server import ServerHandover
+from quark_ptq_eval.validate.load_sample import DEFAULT_BUDGET_S
 from quark_ptq_eval.validate.report import CheckResult, Finding
 
 Progress = Callable[[str, int, int], None]
@@ -44,6 +45,7 @@ class CheckInputs:
     workers: int | None = None
     load_check: bool = False
     stream_blocks: bool | None = None  # the load check one part at a time (None: when the whole model does not fit)
+    load_budget_s: float | None = DEFAULT_BUDGET_S  # the streamed load check's blocks (load_sample.py; 0: all)
     vllm_python: Path | None = None  # the serving check's vLLM (None: $QUARK_PTQ_EVAL_VLLM_PYTHON, if set)
     vllm_args: tuple[str, ...] = ()  # the user's --vllm-arg values, over the sized ones (runtime/vllm_sizing.py)
     server_handover: ServerHandover | None = None  # the serving check's server, handed on (compare --speed)

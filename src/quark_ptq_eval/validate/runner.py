@@ -11,6 +11,7 @@ from typing import Any, TypedDict, Unpack
 from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.runtime.vllm_server import ServerHandover
+from quark_ptq_eval.validate.load_sample import DEFAULT_BUDGET_S
 from quark_ptq_eval.validate.registry import CheckInputs, Progress, read_config_or_empty
 from quark_ptq_eval.validate.report import ValidationReport
 
@@ -31,6 +32,7 @@ class ValidateOptions:
     workers: int | None = None
     progress: Progress | None = None
     load_check: bool = False
+    load_budget_s: float | None = DEFAULT_BUDGET_S  # the streamed load check's blocks (load_sample.py; 0: all)
     vllm_python: Path | None = None
     vllm_args: tuple[str, ...] = ()
     server_handover: ServerHandover | None = None  # a later user of the serving check's server (compare --speed)
@@ -44,6 +46,7 @@ class ValidateKeywords(TypedDict, total=False):
     workers: int | None
     progress: Progress | None
     load_check: bool
+    load_budget_s: float | None
     vllm_python: Path | None
     vllm_args: tuple[str, ...]
     server_handover: ServerHandover | None
@@ -66,7 +69,8 @@ def validate_model(source: Path | None, quantized: Path, plan: PlanJson | None =
     progress = opts.progress
     plan_read: dict[str, Any] | None = dict(plan) if plan is not None else None  # the checks read it as JSON
     ctx = CheckInputs(source, quantized, plan_read, max_samples=opts.max_samples, seed=opts.seed,
-                            workers=opts.workers, load_check=opts.load_check, vllm_python=opts.vllm_python,
+                            workers=opts.workers, load_check=opts.load_check,
+                            load_budget_s=opts.load_budget_s, vllm_python=opts.vllm_python,
                             vllm_args=tuple(opts.vllm_args), progress=progress,
                             server_handover=opts.server_handover)
     ctx.src_config, ctx.out_config = read_config_or_empty(source), read_config_or_empty(quantized)

@@ -19,6 +19,7 @@ from quark_ptq_eval.evaluate.tiers import TIERS, runs, scores_text, text_tier, t
 from quark_ptq_eval.flows.recipe.recipe_flow import Flow
 from quark_ptq_eval.plan.source_reading import effective_source
 from quark_ptq_eval.validate import ValidationReport, fix_and_revalidate, validate_model
+from quark_ptq_eval.validate.load_sample import load_budget_s
 
 SKIPPED = "skipped"  # what the evaluation step produced when no tier runs
 
@@ -59,6 +60,7 @@ def _checked(flow: Flow, source: Path | None, plan_json: PlanJson) -> Validation
 
     try:
         return validate_model(source, flow.output(), plan_json, load_check=not flow.opts.no_load_check,
+                              load_budget_s=load_budget_s(flow.opts.load_check_minutes),
                               progress=progress, vllm_python=flow.opts.eval.vllm_python,
                               vllm_args=tuple(flow.opts.eval.vllm_args), server_handover=flow.run.server_handover)
     finally:

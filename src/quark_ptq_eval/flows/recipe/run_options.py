@@ -18,6 +18,7 @@ from quark_ptq_eval.base.options import build, check_names, flag
 from quark_ptq_eval.evaluate.options import EvalOptions
 from quark_ptq_eval.plan.request import PlanRequest
 from quark_ptq_eval.publish import BASE_MODEL_HELP, CARD_CHOICES, check_base_model
+from quark_ptq_eval.validate.load_sample import LOAD_MINUTES_HELP
 
 OptionsT = TypeVar("OptionsT", PlanRequest, EvalOptions)
 COMPOSED = ("model", "output_dir", "request", "eval", "request_given", "eval_given")  # built by run_options, not keywords
@@ -43,6 +44,8 @@ class RunOptions:
         "--no-load-check", action="store_true",
         help="validation skips loading the export and running a probe through it (models too large for this "
              "host); the report says it was skipped"))
+    load_check_minutes: float | None = field(default=None, metadata=flag(
+        "--load-check-minutes", type=float, metavar="MINUTES", help=LOAD_MINUTES_HELP))
     card: str | None = field(default=None, metadata=flag(
         "--card", choices=CARD_CHOICES, help="the export's model card (README.md) at the end of the run: write "
                                              "(default) or none (no card, and no README.md of the base model)"))
