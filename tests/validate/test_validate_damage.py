@@ -6,7 +6,9 @@ massive channel's; which others depends on the trained model, so on the session'
 weight scale rounds them to (nearly) nothing. Their own codes cannot bound that scale, so the decode check
 used to fail them as an export fault (exit 4); the scale their consumer's columns certify shows they are
 exactly what round-to-nearest makes of the source (validate/decode_damage.py): quantization damage, Phase 3's
-to measure.
+to measure. The load check then replays block 0's MLP (the fold unit holding up_proj's scale) 100 % from the
+source's: the emulation of the export's files is as far, and the loader agrees with it within rounding, so that is
+the export's own error, reported (load_judge._as_exported); a loader that misreads a scale there still fails.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def harmful(shared_assets, corpus) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def validated(harmful, tmp_path_factory) -> tuple[int, dict, Path]:
     workdir = tmp_path_factory.mktemp("validate-harmful")
-    return (*run_cli(*harmful, workdir, None, "--no-load-check"), workdir)
+    return (*run_cli(*harmful, workdir, None), workdir)
 
 
 def _codes(export: Path, weight: str):
@@ -80,6 +82,11 @@ def test_the_faithful_export_of_a_harmful_plan_passes_with_its_damage_recorded(h
         assert d["codes_per_row"] == codes.shape[1] == 128
         assert max(d["nonzero_codes"]) <= 16 and max(d["max_code"]) <= 2, d
         assert 0 < d["scale_error"] < 1  # the consumer's columns bound the scale (the row's own codes did not)
+    load = report["checks"]["load"]  # the MLP the fold crushed: the export's own error, not the loader's
+    assert load["status"] == "pass", failures(report, "load")
+    assert load["stats"]["max_loader_error"] <= load["stats"]["loader_error_limit"] == 0.03
+    worst = load["stats"]["quantization_error"][0]
+    assert worst["module"] == "model.layers.0.mlp" and worst["error"] > 0.44, worst  # over the source limit
     markdown = (workdir / "validation_report.md").read_text()
     assert "quantization damage, not an export fault" in markdown and damage[0]["weight"] in markdown
     print("damage:", [(d["weight"], d["rows"], d["nonzero_codes"], d["max_code"]) for d in damage])
@@ -105,3 +112,38 @@ def test_a_fault_planted_into_the_damaged_export_still_fails_named(harmful, faul
     # the failing weight, or (a scale its own rows absorb) the fold's origin in its consumer's finding
     assert (module if "scale" in fault else f"{module}.weight: decodes") in text, (what, text)
     print(f"{what}: {text.splitlines()[0]}")
+
+
+@pytest.mark.parametrize("fault", ["up_proj scale read x1.5", "o_proj read transposed"])
+def test_a_loader_that_misreads_the_damaged_export_still_fails_the_load_check(harmful, fault, monkeypatch):
+    """The files are right, the loader is wrong. Block 0's MLP outputs exactly zero in this export (its input to
+    down_proj rounds to nothing): a misread inside it does not show in the MLP's output, so each linear in a fold
+    unit is also replayed alone, held to the emulation on the same input, and named."""
+    from quark_ptq_eval.runtime import loading
+    from quark_ptq_eval.validate.loadcheck import load_check_alone
+
+    source, export = harmful
+    module = UP if "scale" in fault else SQUARE
+    real = loading.load_model
+
+    def misreading(path, *args, **kwargs):
+        loaded = real(path, *args, **kwargs)
+        if Path(path) == export:
+            target = loaded.model.get_submodule(module)
+            if "scale" in fault:
+                scales = [t for n, t in [*target.named_parameters(), *target.named_buffers()]
+                          if n in ("weight_quantizer.scale", "weight_scale")]
+                assert scales, "the loaded module holds its weight scale under another name"
+                for scale in scales:
+                    scale.data.mul_(1.5)
+            else:
+                target.weight.data = target.weight.data.T.contiguous()
+        return loaded
+
+    monkeypatch.setattr(loading, "load_model", misreading)
+    load = load_check_alone(source, export, {"global_scheme": "int8", "algorithm": "smoothquant"})
+    text = "\n".join(f.line() for f in load.failures)
+    assert load.status == "fail" and f"{module}: gives outputs" in text, (load.notes, text)
+    assert "what the export says this module computes" in text
+    print(f"{fault}: {text.splitlines()[0]}")
+

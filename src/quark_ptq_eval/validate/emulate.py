@@ -209,6 +209,11 @@ class EmulatedOutputs:
     # units whose module quantizes its output (a KV cache's k/v projections): the output before that
     # quantizer, where a value within rounding of a grid boundary may land on either side (load_judge.py)
     before_output: dict[tuple[str, str, str | None], torch.Tensor] = field(default_factory=dict)
+    # fold units holding several modules (an MLP between its norm and down_proj, under SmoothQuant or AWQ):
+    # the emulation's output, with and without activations quantized; a second opinion, never the first
+    # (load_judge.py: a composite may compute inside what the emulation does not)
+    composite: dict[tuple[str, str, str | None], torch.Tensor] = field(default_factory=dict)
+    composite_weights_only: dict[tuple[str, str, str | None], torch.Tensor] = field(default_factory=dict)
     note: str = ""
 
     def covers(self, unit: ReplayUnit) -> bool:
@@ -239,8 +244,13 @@ def emulate_outputs(ctx: CheckInputs, model: torch.nn.Module, owners: list[str],
         return EmulatedOutputs(Emulation(), note="a rotation: no module is emulated alone")
     emulation = emulate_export(model, output, source, qconfig, roots)
     modules = dict(model.named_modules())
-    units = _candidates(owners, captures, modules, qconfig)
+    units, composites = _candidates(owners, captures, modules, qconfig)
     result = EmulatedOutputs(emulation)
+    for unit, out in replay.unit_outputs(composites, captures, modules, torch.float32).items():
+        result.composite[unit_key(unit)] = out
+    with emulation.activations_off():
+        for unit, out in replay.unit_outputs(composites, captures, modules, torch.float32).items():
+            result.composite_weights_only[unit_key(unit)] = out
     for unit, out in replay.unit_outputs(units, captures, modules, torch.float32).items():
         result.outputs[unit_key(unit)] = out
     with emulation.activations_off():
@@ -254,22 +264,25 @@ def emulate_outputs(ctx: CheckInputs, model: torch.nn.Module, owners: list[str],
 
 
 def _candidates(owners: list[str], captures: dict[str, Capture], modules: dict[str, Any],
-                qconfig: dict[str, Any]) -> list[ReplayUnit]:
-    """Single linears and embeddings only (each weight owner, or its fold unit: a norm then the linear). A
-    composite (an attention block, a decoder layer, an experts module, DeepSeek-V4's indexer) may compute
-    inside what the emulation does not (the indexer read 9 %): it is held to the source (load_judge.py)."""
-    import torch
-
+                qconfig: dict[str, Any]) -> tuple[list[ReplayUnit], list[ReplayUnit]]:
+    """(leaves, composites). Leaves: single linears and embeddings (each weight owner, or its fold unit: a
+    norm then the linear), held to the emulation. A composite (an attention block, a decoder layer, an
+    experts module, DeepSeek-V4's indexer) may compute inside what the emulation does not (the indexer read
+    9 %): it is held to the source (load_judge.py); a scaling algorithm's composite fold units are emulated
+    too, for the second opinion on one the scheme took far from the source."""
     from quark_ptq_eval.validate.folds import fold_groups, fold_units
 
     def runs_alone(name: str) -> bool:
         return replay.replayable(captures.get(name), modules.get(name))
 
     def leaf(unit: ReplayUnit) -> bool:
-        cap = captures.get(unit.key)
-        return cap is not None and issubclass(cap.cls, torch.nn.Linear | torch.nn.Embedding)
+        return replay.is_leaf(captures.get(unit.key))
 
     units = [ReplayUnit(owner) for owner in owners if runs_alone(owner)]
     targets = replay.replay_targets(owners, captures, modules)
-    units += [u for u in fold_units(targets, fold_groups(qconfig), set(owners), runs_alone) if u not in units]
-    return [u for u in units if leaf(u)]
+    groups = fold_groups(qconfig)
+    folded = fold_units(targets, groups, set(owners), runs_alone)
+    units += [u for u in folded if u not in units]
+    # without recorded folds fold_units names every decoder layer: nothing the loader's replay would pick
+    composites = [u for u in folded if groups and not leaf(u) and u.key in captures]
+    return [u for u in units if leaf(u)], composites

@@ -31,6 +31,9 @@ class ReplayUnit:
     norm: str | None = None
     residual: bool = False  # a decoder layer: its output carries its input along
     capture: str | None = None  # the source call replayed, where it is not the probe's own (experts.py)
+    # a linear inside a fold unit, replayed alone on the source's input: only the loader is judged (against the
+    # emulation, which takes the same input); its distance from the source is the fold's, not a quantization error
+    alone: bool = False
 
     @property
     def key(self) -> str:

@@ -143,19 +143,50 @@ def judge_units(outputs: dict[ReplayUnit, torch.Tensor], captures: dict[str, Cap
     for unit, got in outputs.items():
         cap = captures[unit.key]
         if not emulated.covers(unit):  # a composite (emulate._candidates), or a weight not decoded
-            judged.fallback[unit.key] = unit_error(unit, got, cap.output, cap)
+            if not _as_exported(judged, unit, got, cap, emulated):
+                judged.fallback[unit.key] = unit_error(unit, got, cap.output, cap)
             continue
         emu = emulated.outputs[unit_key(unit)]
         before = emulated.before_output.get(unit_key(unit))
         if before is not None:
             got = across_boundaries(got, emu, before, emulated.emulation.output[unit.module])
         judged.loader[unit.key] = unit_error(unit, got, emu, cap)
-        if unit.module not in emulated.emulation.quantized:
-            continue  # an unquantized module (lm_head, embeddings) or a unit holding several: no scheme error
+        if unit.module not in emulated.emulation.quantized or unit.alone:
+            continue  # an unquantized module (lm_head, embeddings), a unit holding several, a folded linear alone
         only = emulated.weights_only.get(unit_key(unit), emu)
         error, weights = unit_error(unit, emu, cap.output, cap), unit_error(unit, only, cap.output, cap)
         judged.quantization.append(_explain(unit.key, error, weights, cap, emulated))
     return judged
+
+
+def _as_exported(judged: Judged, unit: ReplayUnit, got: torch.Tensor, cap: Capture,
+                 emulated: EmulatedOutputs) -> bool:
+    """A composite fold unit the loader computes as the export's files do: judged as an emulated unit.
+
+    A composite is held to the source (the emulation may not compute all it does), within its format's
+    limit. But a scheme can take one far from the source by itself: SmoothQuant under a per-tensor int8
+    weight scale rounds rows of an MLP's up_proj to nothing (decode_damage.py), and its MLP reads 47-100 %
+    from the source in a faithful export. The emulation, computed from the export's files without the
+    loader, tells the two apart: where the loader agrees with it within floating-point rounding, the
+    loader reads the unit as exported, and its distance from the source is the export's own (the
+    quantization error, reported, evidence for Phase 3); where it does not, the composite is held to the
+    source as before, and a loader fault fails named. Only the files' own faults could fool it, and the
+    decode check, which runs first, holds them to the source."""
+    key = (unit.key, unit.module, unit.norm)
+    emu = emulated.composite.get(key)
+    if emu is None or any(name == unit.module or name.startswith(unit.module + ".")
+                          for name in emulated.emulation.skipped):
+        return False
+    loader = unit_error(unit, got, emu, cap)
+    if not loader <= ROUNDING_LIMIT:
+        return False
+    judged.loader[unit.key] = loader
+    error = unit_error(unit, emu, cap.output, cap)
+    weights = unit_error(unit, emulated.composite_weights_only.get(key, emu), cap.output, cap)
+    what = "weight rounding" if weights >= 0.5 * error else "activation rounding"
+    judged.quantization.append(QuantError(unit.key, error, weights, f"mostly {what} in a unit holding folded "
+                                          "scales, the loader agreeing with the export's files", _outlier_ratio(cap)))
+    return True
 
 
 def across_boundaries(got: torch.Tensor, emu: torch.Tensor, before: torch.Tensor,

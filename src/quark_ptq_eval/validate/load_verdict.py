@@ -62,9 +62,14 @@ def replay_units(ctx: CheckInputs, owners: list[str], captures: dict[str, Captur
                        lambda name: replay.replayable(captures.get(name), exported.get(name)))
     chained = sum(1 for u in units if u.norm)
     layers = sum(1 for u in units if u.residual)
+    # each linear a composite unit holds, alone too: the loader held to the emulation on the same input, where a
+    # fold unit's output can hide a misread (block 0's MLP that SmoothQuant crushed outputs exactly zero)
+    keys = {u.key for u in units}
+    alone = [ReplayUnit(t, alone=True) for t in targets if t not in keys and replay.is_leaf(captures.get(t))]
     result.notes.append(f"{', '.join(sorted(algos & SCALING))} folds scales between modules: {chained} unit(s) "
-                        f"replayed after their export's norm, {layers} decoder layer(s) replayed whole")
-    return units
+                        f"replayed after their export's norm, {layers} decoder layer(s) replayed whole, "
+                        f"{len(alone)} linear(s) inside the others also replayed alone (the loader judged)")
+    return units + alone
 
 
 def _logits_finite(got: torch.Tensor, loader: str, result: CheckResult) -> bool:

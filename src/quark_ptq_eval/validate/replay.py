@@ -125,6 +125,13 @@ def replay_targets(owners: list[str], captures: dict[str, Capture], exported: di
     return targets
 
 
+def is_leaf(cap: Capture | None) -> bool:
+    """A single linear or embedding: what the export's emulation computes as its files say (emulate.py)."""
+    import torch
+
+    return cap is not None and issubclass(cap.cls, torch.nn.Linear | torch.nn.Embedding)
+
+
 def unit_outputs(units: list[ReplayUnit], captures: dict[str, Capture], modules: dict[str, Any],
                  dtype: torch.dtype | None = None) -> dict[ReplayUnit, torch.Tensor]:
     """Each unit's output (float32, CPU) computed by ``modules`` (a loaded export, or the export's
