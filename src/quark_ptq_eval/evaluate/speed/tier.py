@@ -163,7 +163,7 @@ def _alternated_s(workload: Workload, speed: SpeedOptions, host: HostVllm) -> fl
     """Both servers started one after the other (the benchmarks import meanwhile), each model's warm-up and pilot,
     then the pairs expected, each repeat at least MIN_REPEAT_S; the cap bounds the measuring part."""
     start = 2 * HOST_START_S + BENCH_START_S
-    pairs = 2 * max(precision.MIN_REPEAT_S, _repeat_s(workload, host)) * precision.expected_pairs(speed)
+    pairs = 2 * max(precision.EXPECTED_REPEAT_S, _repeat_s(workload, host)) * precision.expected_pairs(speed)
     return start + 4 * _repeat_s(workload, host) + min(pairs, speed.speed_max_s)
 
 
