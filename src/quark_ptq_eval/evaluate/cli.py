@@ -67,6 +67,10 @@ def cmd_eval(args: argparse.Namespace, approver: Approver) -> int:
     if not Path(args.quantized).is_dir():
         raise UsageError(f"The model directory {args.quantized} does not exist.")
     options = eval_options_from_args(args)
+    if options.remedies:
+        raise UsageError("--remedies quantizes variants of the plan that made this export: `eval` on its own has no "
+                         "plan.", "Give it to the run: quark-ptq-eval run MODEL -o OUT ... --eval-tier ppl --baseline "
+                                  f"--remedies {options.remedies}.")
     workdir = Path(getattr(args, "workdir", None) or ".")
     with noise_to_log(workdir / "logs" / "eval.log"):  # library chatter: the log, not the terminal
         report = evaluate(

@@ -109,6 +109,11 @@ class EvalOptions:
     max_gen_toks: int | None = field(default=None, metadata=flag(  # None: task default, large for reasoning models
         "--max-gen-toks", type=int, help="generation budget (default: task's; large for reasoning models)") | concern("tasks"))
     thresholds: Thresholds = field(default_factory=Thresholds, metadata=nested(Thresholds))
+    remedies: int = field(default=0, metadata=flag(  # after Tier 1 against a baseline (flows/recipe/remedies_side.py)
+        "--remedies", type=int, metavar="N",
+        help="when Tier 1 (with --baseline) finds the model not healthy: quantize, validate and score the N most "
+             "promising remedies (the plan's algorithm removed or added, the worst block kept unquantized, more "
+             "calibration data, a wider format) on the same windows, and recommend the best measured one"))
     confirm_above_s: float = LONG_RUN_S  # ask the "eval" gate again when the estimate exceeds this
     vllm_runtime: str = field(default="auto", metadata=flag(
         "--vllm-runtime", choices=("auto", "docker", "host"), help="Tier 3 runtime (default auto)"))
@@ -140,6 +145,8 @@ class EvalOptions:
     def __post_init__(self) -> None:
         if self.seq_len is not None and self.seq_len < 2:
             raise UsageError(f"--seq-len must be at least 2 tokens, not {self.seq_len}.")
+        if self.remedies < 0:
+            raise UsageError(f"--remedies must not be negative, not {self.remedies}.")
         if self.batch_size is not None and self.batch_size < 1:
             raise UsageError(f"--batch-size must be a positive integer, not {self.batch_size}.")
         if self.eval_data is not None:

@@ -29,7 +29,7 @@ def suggest_remedies(plan: Mapping[str, Any] | None, num_layers: int | None = No
     """Concrete next steps, most effective first, skipping what the plan already does."""
     plan = plan or {}
     scheme = str(plan.get("global_scheme") or plan.get("scheme") or "")
-    algorithms = _algorithms(plan)
+    algorithms = plan_algorithms(plan)
     excluded = " ".join(plan.get("exclude_layers") or [])
     remedies = []
     remedies += _algorithm_remedies(scheme, algorithms)
@@ -50,7 +50,7 @@ def suggest_remedies(plan: Mapping[str, Any] | None, num_layers: int | None = No
     return remedies
 
 
-def _algorithms(plan: Mapping[str, Any]) -> set[str]:
+def plan_algorithms(plan: Mapping[str, Any]) -> set[str]:
     value = plan.get("algorithm") or plan.get("algorithms") or []
     items = value.split(",") if isinstance(value, str) else list(value)
     return {a.strip().lower() for a in items if a and a.strip()}

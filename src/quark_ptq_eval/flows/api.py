@@ -77,11 +77,11 @@ def run(model: str | Path | None, output_dir: str | Path | None, *, workdir: str
     RunOptions fields (eval_tier, offline, overwrite, no_load_check, base_model, ...), ``eval_options`` (a dict of
     EvalOptions fields) and, every other keyword, a PlanRequest field (scheme, calib_data, ...)."""
     from quark_ptq_eval.base.ui import Reporter
-    from quark_ptq_eval.flows.recipe.budget_side import measure_side_by_side
     from quark_ptq_eval.flows.recipe.pipeline import run_recipe
+    from quark_ptq_eval.flows.recipe.remedies_side import after_own_eval
 
     return run_recipe(run_options(model, output_dir, options), workdir, approver or FlagApprover(),
-                      Reporter(quiet=quiet), stop_after, measure_side_by_side)
+                      Reporter(quiet=quiet), stop_after, after_own_eval)
 
 
 def execute_plan(workdir: str | Path, *, approver: Approver | None = None, quiet: bool = True) -> RunSummary:

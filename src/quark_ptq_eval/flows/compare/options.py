@@ -40,6 +40,8 @@ class MixCell:
 
     scheme: str
     layer_quant_config: dict[str, str] = field(default_factory=dict)
+    # other plan options this cell sets over the shared ones (a remedy: its algorithm, exclusions, calibration size)
+    request: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -194,7 +196,7 @@ def cell_request(opts: CompareOptions, label: str) -> dict[str, Any]:
     cell = opts.cells.get(label)
     if cell is None:
         return {**shared, "scheme": label}
-    return {**shared, "scheme": cell.scheme, "layer_quant_config": dict(cell.layer_quant_config)}
+    return {**shared, **cell.request, "scheme": cell.scheme, "layer_quant_config": dict(cell.layer_quant_config)}
 
 
 def budget_asked(opts: CompareOptions) -> bool:

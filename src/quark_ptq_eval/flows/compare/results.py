@@ -83,6 +83,13 @@ def _manifest_runs(wd: Path) -> list[dict]:
         return []
 
 
+def export_row(eval_doc: dict, model_dir: Path, source: Path) -> dict[str, Any]:
+    """A run's own export as a comparison row: its size and Tier 1 results (eval_results.json's ``eval_doc``)."""
+    size = _bytes(model_dir)
+    return {"status": "evaluated", "model_dir": str(model_dir), "size_bytes": size,
+            "bits_per_weight": 8 * size / _source_params(source), **_eval_fields(eval_doc)}
+
+
 def _eval_fields(doc: dict) -> dict[str, Any]:
     d = doc.get("details") or {}
     q, b, kl, paired = d.get("quantized", {}), d.get("baseline", {}), d.get("kl", {}), d.get("paired", {})

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from quark_ptq_eval.base.artifacts import QuantPlan
 from quark_ptq_eval.base.errors import CheckpointPending, QpeError
-from quark_ptq_eval.budget.knapsack import SidePlan
 from quark_ptq_eval.budget.measured import SEARCH_JSON, CellRow, Measured, read_side_plans, record_measured
 from quark_ptq_eval.evaluate.options import EvalOptions
 from quark_ptq_eval.evaluate.ppl.baseline_cache import DEFAULT_TOP_K
@@ -34,10 +33,6 @@ EXACT_VOCAB = 8192  # up to this vocabulary the baseline cache keeps every log-p
 def measure_side_by_side(flow: Flow, plan: QuantPlan) -> list[Measured]:
     """Measure the search report's side-by-side plans (none: the plan has no budget search); search_report
     gets the measurements."""
-    from quark_ptq_eval.base.ui import Reporter
-    from quark_ptq_eval.execute.in_process import InProcessRunner
-    from quark_ptq_eval.flows.compare.flow import Comparison
-
     path = flow.run.workdir / SEARCH_JSON
     row = plan.decision("budget_search")
     if row is None or not path.is_file() or flow.model_path is None:
@@ -47,23 +42,35 @@ def measure_side_by_side(flow: Flow, plan: QuantPlan) -> list[Measured]:
         return []
     flow.run.ui.info(f"Budget search: measuring {len(sides)} plans side by side on the same windows "
                      f"({', '.join(s.label for s in sides)})")
-    root = flow.run.workdir / SIDE_DIR
+    cells = {s.label: MixCell(s.scheme, dict(s.overrides)) for s in sides}
+    doc = compare_cells(flow, plan, cells, flow.run.workdir / SIDE_DIR, "Budget search")
+    if doc is None:
+        return []
+    rows = {r["scheme"]: CellRow.of(r) for r in doc.get("schemes") or []}
+    return record_measured(flow.run.workdir, rows, flow.model_path, list(plan.exclude_layers)).measured
+
+
+def compare_cells(flow: Flow, plan: QuantPlan, cells: dict[str, MixCell], root: Path, what: str) -> dict | None:
+    """``cells`` quantized, validated and scored by a comparison in ``root`` on the run's Tier 1 windows, against
+    one cached baseline; comparison.json's content, or None where the comparison failed (said, with ``what``)."""
+    from quark_ptq_eval.base.ui import Reporter
+    from quark_ptq_eval.execute.in_process import InProcessRunner
+    from quark_ptq_eval.flows.compare.flow import Comparison
+
     comparison = Comparison(root, flow.run.approver, Reporter(quiet=True))
     comparison.engine_runner = InProcessRunner()  # Quark imported once here (the scans did), not once per plan
     try:
-        doc = comparison.run(_options(flow, plan, sides, root))
+        return comparison.run(_options(flow, plan, cells, root))
     except CheckpointPending:
         raise  # a gate of the comparison the user has not answered: the run stops there, resumable
     except QpeError as exc:  # the run's own export and evaluation stand; the report says what is missing
-        flow.run.ui.info(f"Budget search: the side-by-side comparison failed: {exc.message} (see {root})")
-        return []
-    cells = {r["scheme"]: CellRow.of(r) for r in doc.get("schemes") or []}
-    return record_measured(flow.run.workdir, cells, flow.model_path, list(plan.exclude_layers)).measured
+        flow.run.ui.info(f"{what}: the side-by-side comparison failed: {exc.message} (see {root})")
+        return None
 
 
-def _options(flow: Flow, plan: QuantPlan, sides: list[SidePlan], root: Path) -> CompareOptions:
+def _options(flow: Flow, plan: QuantPlan, cells: dict[str, MixCell], root: Path) -> CompareOptions:
     """The comparison of the side-by-side plans: the run's plan options (its calibration documents), Tier 1's
-    text, windows and compute, each plan a cell (its global scheme and overrides)."""
+    text, windows and compute, each plan a cell (its global scheme, overrides and other plan options)."""
     request = flow.opts.request
     shared = {k: v for k, v in PLAN.values(request).items()
               if k in flow.opts.request_given and v is not None and k not in SEARCH_FIELDS}  # searched already
@@ -72,10 +79,9 @@ def _options(flow: Flow, plan: QuantPlan, sides: list[SidePlan], root: Path) -> 
     shared["num_calib_samples"] = plan.calibration.get("num_samples")
     shared["calib_seq_len"] = plan.calibration.get("seq_len")
     shared["exclude_layers"] = list(plan.exclude_layers)
-    return CompareOptions(model=str(flow.model_path), schemes=[s.label for s in sides], out_root=str(root),
+    return CompareOptions(model=str(flow.model_path), schemes=list(cells), out_root=str(root),
                           plan=shared, eval=EvalOptions(**TIER1.values(flow.opts.eval)), offline=flow.ctx.offline,
-                          cells={s.label: MixCell(s.scheme, dict(s.overrides)) for s in sides}, overwrite=True,
-                          top_k=_top_k(Path(str(flow.model_path))))
+                          cells=cells, overwrite=True, top_k=_top_k(Path(str(flow.model_path))))
 
 
 def _top_k(model: Path) -> int:
