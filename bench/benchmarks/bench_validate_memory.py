@@ -5,10 +5,12 @@ left as holes that read as zeros) a BF16 Llama source of the published shape and
 Quark writes of it (``F8_E4M3`` weights, per-tensor ``weight_scale`` and ``input_scale``, ``lm_head``
 excluded): the scales are real non-zero values written into the holes, everything else reads as
 zeros, so every check (the decode check decoding every weight against its source included) runs
-in full on data that is right. Then ``quark-ptq-eval validate --no-load-check`` (the load check
-loads the model: not on this host) runs in a child: its wall and CPU time, peak RSS (the child's
-maximum resident set, from ``wait4``) and seconds per GB the decode check reads, per worker count,
-printed with the load average before and after each run (the host is shared). ``--limit-s`` stops
+in full on data that is right. Then ``quark-ptq-eval validate --no-load-check`` (``--load-check``: with
+its defaults, the streamed load check included) runs in a child: its wall and CPU time, peak RSS (the
+child's maximum resident set, from ``wait4``), each check's seconds and seconds per GB the decode check
+reads, per worker count, printed with the load average before and after each run (the host is shared),
+and its ratio to a cold read of every safetensors file of both checkpoints (``cold_read``, one reader
+per core: the floor of any check that reads every byte). ``--limit-s`` stops
 a run that would take too long (the 405 B case: ~1.2 TB read) and projects its wall time from the
 share of the decode check's bytes read by then (``/proc/PID/io``).
 
@@ -199,6 +201,32 @@ def run_validate(source: Path, export: Path, workers: int | None, work: Path, de
     return row
 
 
+def cold_read(folders: tuple[Path, ...], workers: int) -> float:
+    """Seconds to read every file of ``folders`` once from a cold page cache, ``workers`` files at a time: the floor
+    of any check that reads every byte (printed beside validate's wall time as their ratio)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = sorted((f for folder in folders for f in folder.iterdir() if f.suffix == ".safetensors"),
+                   key=lambda f: -f.stat().st_size)
+
+    def read(path: Path) -> int:
+        buf = memoryview(bytearray(16 << 20))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total = 0
+            while n := os.readv(fd, [buf]):
+                total += n
+            return total
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(read, files))
+    return time.perf_counter() - t0
+
+
 def _check_seconds(report: Path) -> dict[str, float]:
     """Each check's seconds, from the report validate wrote."""
     try:
@@ -224,10 +252,14 @@ def main() -> None:
         if args.load_check:  # a checkpoint as shipped: its tokenizer beside the weights
             copy_tokenizer(tokenizer_dir(work), (source, export))
         read_gb = decoded * 3 / 1e9  # each FP8 code (1 byte) and its BF16 source (2 bytes)
+        cold_s = cold_read((source, export), os.cpu_count() or 1)
+        print(json.dumps({"case": name, "cold_read_both_s": round(cold_s, 1), "load": round(os.getloadavg()[0], 2)}),
+              flush=True)
         for workers in args.workers:
             r = run_validate(source, export, workers or None, work, int(read_gb * 1e9), args.limit_s, args.load_check)
             r.update(case=name, workers=workers or "default", decoded_elements=decoded, decode_read_gb=round(read_gb, 1),
-                     s_per_gb=round((r.get("projected_wall_s") or r["wall_s"]) / read_gb, 2))
+                     s_per_gb=round((r.get("projected_wall_s") or r["wall_s"]) / read_gb, 2),
+                     over_cold_read=round((r.get("projected_wall_s") or r["wall_s"]) / cold_s, 2))
             print(json.dumps(r), flush=True)
 
 

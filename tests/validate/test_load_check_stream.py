@@ -139,6 +139,7 @@ def test_the_block_sample_is_every_block_within_budget_else_evenly_spaced_first_
     assert sample(80, 0, 100.0) == list(range(80))  # no budget: all
     assert sample(126, 600, 100.0) == [0, 25, 50, 75, 100, 125]
     assert sample(8, 1e-6, 1.0) == [0, 7]
+    assert sample(126, 300, 86.0, 2 * 20.0) == [0, 62, 125]  # the 405 B run: entry and exit ~20 s each
     chosen = BlockSample(8, 1e-6)
     taken = [i for i in range(8) if chosen.take(i) and (chosen.timed(i, 1.0) or True)]
     assert taken == [0, 7] and chosen.skipped == [1, 2, 3, 4, 5, 6]

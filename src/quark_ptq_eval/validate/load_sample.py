@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DEFAULT_BUDGET_S = 600.0  # ten minutes of blocks: a 70 B on this host replays ~a third of them, a 405 B a few
+DEFAULT_BUDGET_S = 300.0  # five minutes: a 70 B on this host replays ~a sixth of its blocks, a 405 B three
 MIN_SAMPLE = 2  # the first and the last block, whatever the budget
 LOAD_MINUTES_HELP = (f"time budget of the load check streamed one block at a time (default "
                      f"{DEFAULT_BUDGET_S / 60:.0f}): beyond it an evenly spaced sample of blocks, first and last "
@@ -40,6 +40,7 @@ class BlockSample:
     budget_s: float | None = DEFAULT_BUDGET_S
     chosen: list[int] | None = None  # None until the first block's time is known
     first_s: float = 0.0
+    ends_s: float = 0.0  # the entry's time, counted twice: the exit (lm_head) costs about what the entry did
     skipped: list[int] = field(default_factory=list)
 
     def take(self, index: int) -> bool:
@@ -49,12 +50,15 @@ class BlockSample:
             self.skipped.append(index)
         return taken
 
+    def entry_took(self, seconds: float) -> None:
+        self.ends_s = 2 * seconds
+
     def timed(self, index: int, seconds: float) -> None:
         """Block ``index`` took ``seconds``: after the first, the sample is fixed."""
         if self.chosen is not None:
             return
         self.first_s = seconds
-        self.chosen = sample(self.blocks, self.budget_s, seconds)
+        self.chosen = sample(self.blocks, self.budget_s, seconds, self.ends_s)
 
     @property
     def sampled(self) -> bool:
@@ -71,11 +75,12 @@ class BlockSample:
                 "block: --load-check-minutes 0)")
 
 
-def sample(blocks: int, budget_s: float | None, per_block_s: float) -> list[int]:
-    """Evenly spaced block indices, first and last included, as many as ``budget_s`` holds at ``per_block_s``."""
-    if not budget_s or per_block_s <= 0 or blocks * per_block_s <= budget_s:
+def sample(blocks: int, budget_s: float | None, per_block_s: float, ends_s: float = 0.0) -> list[int]:
+    """Evenly spaced block indices, first and last included, as many as ``budget_s`` holds at ``per_block_s`` after
+    ``ends_s`` (the entry and exit parts)."""
+    if not budget_s or per_block_s <= 0 or ends_s + blocks * per_block_s <= budget_s:
         return list(range(blocks))
-    n = max(MIN_SAMPLE, min(blocks, int(budget_s // per_block_s)))
+    n = max(MIN_SAMPLE, min(blocks, int((budget_s - ends_s) // per_block_s)))
     if blocks == 1:
         return [0]
     return sorted({round(k * (blocks - 1) / (n - 1)) for k in range(n)})

@@ -87,7 +87,9 @@ def probe_streamed(ctx: CheckInputs, result: CheckResult, tokenizer: Any, ids: t
     walk = _Walk(ctx, src, out, ids, Judged(), result.name)
     walk.observation = prepare_observation(ctx, {name for name, _ in src.model.model.named_modules()}, tokenizer, result)
     chosen = BlockSample(out.model.num_blocks, ctx.load_budget_s)
+    started = time.perf_counter()
     walk.part(blocks.ENTRY)
+    chosen.entry_took(time.perf_counter() - started)
     for index in range(out.model.num_blocks):
         if not chosen.take(index):
             walk.skip()
