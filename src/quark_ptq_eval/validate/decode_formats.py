@@ -239,6 +239,44 @@ def grid(dtype: str) -> Grid:
     return Grid(np.arange(low, high + 1, dtype=np.float32), integer=True)
 
 
+def code_values(dtype: str, codes: np.ndarray) -> np.ndarray:
+    """Codes as the grid values they stand for (minifloats: through the table; ints: themselves), float32."""
+    import numpy as np
+
+    if dtype in MINIFLOATS:
+        values: np.ndarray = minifloat_table(dtype)[codes]
+        return values
+    return codes.astype(np.float32)
+
+
+def nearest_on_grid(x: np.ndarray, grid: Grid) -> np.ndarray:
+    """The grid value nearest each x (ints: rounded half to even; beyond the ends: the end)."""
+    import numpy as np
+
+    if grid.integer:
+        rounded: np.ndarray = np.clip(np.rint(x), grid.lowest, grid.highest)
+        return rounded
+    idx = np.clip(np.searchsorted(grid.values, x), 1, len(grid.values) - 1)
+    lo, hi = grid.values[idx - 1], grid.values[idx]
+    return np.clip(np.where(x - lo <= hi - x, lo, hi), grid.lowest, grid.highest)
+
+
+def grid_steps(x: np.ndarray, v: np.ndarray, grid: Grid) -> np.ndarray:
+    """|x - v| in steps of the grid around x (beyond its ends: the distance to the end counts half)."""
+    import numpy as np
+
+    with np.errstate(invalid="ignore"):
+        dist = np.abs(x - v)
+        if grid.integer:
+            gap = np.maximum(1.0, 2.0 * np.maximum(grid.lowest - x, x - grid.highest))
+        else:
+            idx = np.clip(np.searchsorted(grid.values, x), 1, len(grid.values) - 1)
+            gap = grid.values[idx] - grid.values[idx - 1]
+            gap = np.maximum(gap, 2.0 * np.maximum(grid.lowest - x, x - grid.highest))
+        err = dist / gap
+    return np.where(np.isfinite(err), err, np.inf)  # a NaN code or scale is never within a bound
+
+
 def unpack_int4(raw: np.ndarray, signed: bool, reorder: bool) -> np.ndarray:
     """Quark's ``[in, out / 8]`` int32 words -> int8 codes ``[out, in]`` (``Pack_4_bits.unpack``)."""
     import numpy as np

@@ -50,8 +50,6 @@ def table_for(t: DecodeTarget, reader: TileReader) -> CodeTable | None:
 def _table(source_dtype: str, dtype: str, scale: float, zero: float) -> CodeTable:
     import numpy as np
 
-    from quark_ptq_eval.validate.decode_weights import _nearest, _steps
-
     w = fmt.float_of(source_dtype, np.arange(65536, dtype=np.uint16))
     grid = fmt.grid(dtype)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -59,8 +57,8 @@ def _table(source_dtype: str, dtype: str, scale: float, zero: float) -> CodeTabl
         x = x.reshape(65536)
         if zero:
             x = x + np.float32(zero)
-        nearest = _nearest(x, grid)
-        steps = _steps(x, nearest, grid).astype(np.float32)
+        nearest = fmt.nearest_on_grid(x, grid)
+        steps = fmt.grid_steps(x, nearest, grid).astype(np.float32)
     code = _codes_of(nearest, x, dtype)
     code[~np.isfinite(x)] = NO_CODE
     return CodeTable(code, steps)
@@ -91,8 +89,6 @@ def table_errors(t: DecodeTarget, tile: Tile, span: tuple[int, int], table: Code
     path's exact rule elsewhere."""
     import numpy as np
 
-    from quark_ptq_eval.validate.decode_weights import values_of
-
     a, b = span
     bits = tile.w[a:b].view(np.uint16)
     codes = tile.codes[a:b]
@@ -104,7 +100,7 @@ def table_errors(t: DecodeTarget, tile: Tile, span: tuple[int, int], table: Code
         scale, zero = tile.scale[a:b][rows, 0], tile.zero[a:b][rows, 0]
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             quotient = w / scale
-            err[rows, cols] = _exact(quotient + zero, quotient, zero, values_of(t, codes[rows, cols]), grid, t)
+            err[rows, cols] = _exact(quotient + zero, quotient, zero, fmt.code_values(t.dtype, codes[rows, cols]), grid, t)
     return err
 
 
@@ -114,9 +110,7 @@ def _exact(x: np.ndarray, quotient: np.ndarray, zero: np.ndarray, v: np.ndarray,
     half-float source the smaller of dividing in float32 and in the source's dtype (Quark may do either)."""
     import numpy as np
 
-    from quark_ptq_eval.validate.decode_weights import _steps
-
-    err = _steps(x, v, grid)
+    err = fmt.grid_steps(x, v, grid)
     half = fmt.round_to(t.source.dtype, quotient) + zero
-    exact: np.ndarray = np.minimum(err, _steps(half, v, grid)).astype(np.float32)
+    exact: np.ndarray = np.minimum(err, fmt.grid_steps(half, v, grid)).astype(np.float32)
     return exact

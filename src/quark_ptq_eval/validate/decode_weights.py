@@ -79,12 +79,8 @@ class Fold:
 
 
 def values_of(t: DecodeTarget, code_rows: np.ndarray) -> np.ndarray:
-    import numpy as np
 
-    if t.dtype in fmt.MINIFLOATS:
-        values: np.ndarray = fmt.minifloat_table(t.dtype)[code_rows]
-        return values
-    return code_rows.astype(np.float32)
+    return fmt.code_values(t.dtype, code_rows)
 
 
 def compare(t: DecodeTarget, limit: float, fold: Fold | None = None, rtn_reference: bool = False,
@@ -156,7 +152,7 @@ def _compare_chunk(t: DecodeTarget, tile: Tile, span: tuple[int, int], o: _Optio
     _record(result, err, r0, c0, chunk.width, o.limit)
     sums, col_sums = all_sums
     if o.row_stats or o.rtn_reference or col_sums is not None:
-        rtn = chunk.dequantized(_nearest(chunk.x, o.grid)) if o.rtn_reference else None
+        rtn = chunk.dequantized(fmt.nearest_on_grid(chunk.x, o.grid)) if o.rtn_reference else None
         w_hat = chunk.dequantized(chunk.v)
         _accumulate(sums, r0, r1, w, w_hat, rtn)
         if o.row_stats or col_sums is not None:
@@ -215,10 +211,10 @@ class _Chunk:
             err *= fmt.inverse_min_gap(self.t.dtype)[self.codes]
         suspect = _over(err, min(limit, 0.5))  # over half a step: the exact rule says
         if suspect is not None:
-            err[suspect] = _steps(self.x[suspect], self.v[suspect], grid)
+            err[suspect] = fmt.grid_steps(self.x[suspect], self.v[suspect], grid)
             if self.t.source.dtype in fmt.HALF_FLOATS:  # Quark may divide in the model's dtype: either is exact
                 x = fmt.round_to(self.t.source.dtype, self.quotient[suspect]) + self.spread(self.zero)[suspect]
-                err[suspect] = np.minimum(err[suspect], _steps(x, self.v[suspect], grid))
+                err[suspect] = np.minimum(err[suspect], fmt.grid_steps(x, self.v[suspect], grid))
         steps: Array = err  # (err *= ... made it Any to mypy)
         return steps
 
@@ -246,22 +242,6 @@ def _folded(w: np.ndarray, fold: Fold | None, r0: int, r1: int, c0: int, c1: int
     return w
 
 
-def _steps(x: np.ndarray, v: np.ndarray, grid: fmt.Grid) -> np.ndarray:
-    """|x - v| in steps of the grid around x (beyond its ends: the distance to the end counts half)."""
-    import numpy as np
-
-    with np.errstate(invalid="ignore"):
-        dist = np.abs(x - v)
-        if grid.integer:
-            gap = np.maximum(1.0, 2.0 * np.maximum(grid.lowest - x, x - grid.highest))
-        else:
-            idx = np.clip(np.searchsorted(grid.values, x), 1, len(grid.values) - 1)
-            gap = grid.values[idx] - grid.values[idx - 1]
-            gap = np.maximum(gap, 2.0 * np.maximum(grid.lowest - x, x - grid.highest))
-        err = dist / gap
-    return np.where(np.isfinite(err), err, np.inf)  # a NaN code or scale is never within a bound
-
-
 def _within_clip(err: np.ndarray, x: np.ndarray, v: np.ndarray, z: np.ndarray, width: int) -> np.ndarray:
     """An element on its group's largest (smallest) code with the source beyond it, but within what the
     clip search can cut (``MIN_CLIP`` of the group's range), was clipped: half a step."""
@@ -273,17 +253,6 @@ def _within_clip(err: np.ndarray, x: np.ndarray, v: np.ndarray, z: np.ndarray, w
     reach = np.abs(x - z) <= (np.abs(v - z) + 0.5) / MIN_CLIP
     clipped = ((v == top) & (x >= v) | (v == bottom) & (x <= v)) & reach
     return np.where(clipped, np.minimum(err, 0.5), err)
-
-
-def _nearest(x: np.ndarray, grid: fmt.Grid) -> np.ndarray:
-    import numpy as np
-
-    if grid.integer:
-        rounded: np.ndarray = np.clip(np.rint(x), grid.lowest, grid.highest)
-        return rounded
-    idx = np.clip(np.searchsorted(grid.values, x), 1, len(grid.values) - 1)
-    lo, hi = grid.values[idx - 1], grid.values[idx]
-    return np.clip(np.where(x - lo <= hi - x, lo, hi), grid.lowest, grid.highest)
 
 
 def _record(result: RowErrors, err: np.ndarray, r0: int, c0: int, width: int, limit: float) -> None:

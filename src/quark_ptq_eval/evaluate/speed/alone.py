@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.evaluate.serving.commands import shell_line
+from quark_ptq_eval.evaluate.speed.measured import measured_from
 from quark_ptq_eval.evaluate.speed.outcome import SpeedDetails
 from quark_ptq_eval.evaluate.speed.record import ModelSpeed
 from quark_ptq_eval.evaluate.speed.tier import (
     SpeedPrepared,
     ask_to_run,
     bench_or_refusal,
-    measured_from,
     new_record,
     prepare,
     score,

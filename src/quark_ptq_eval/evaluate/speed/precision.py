@@ -90,7 +90,7 @@ def measure_alternating(prepared: SpeedPrepared, record: SpeedRecord) -> None:
     """Both servers up at once, the warm-ups, the pilot, then pairs of repeats until the rule stops: each
     model's repeats, result files and server line into ``record`` with how it ended (``record.precision``); a
     model vLLM refuses is recorded so, and the other one measured alone at the fewest repeats."""
-    from quark_ptq_eval.evaluate.speed.tier import PORT_FREE_TIMEOUT_S, measured_from, server_refusal
+    from quark_ptq_eval.evaluate.speed.measured import PORT_FREE_TIMEOUT_S, measured_from, server_refusal
     from quark_ptq_eval.runtime.vllm_server import ServerNotHealthy, vllm_server, wait_port_free
 
     ctx = prepared.ctx
@@ -138,7 +138,7 @@ def _alternate(prepared: SpeedPrepared, record: SpeedRecord, benches: dict[str, 
                logs: dict[str, Path], started: float) -> dict[str, list[Path]]:
     """The runs on the servers that are up: each model's repeat files (a model whose requests failed drops out,
     its refusal recorded)."""
-    from quark_ptq_eval.evaluate.speed.tier import requests_refusal
+    from quark_ptq_eval.evaluate.speed.measured import requests_refusal
 
     ctx, workload, options = prepared.ctx, prepared.workload, prepared.ctx.options.of(SpeedOptions)
     live = [m.label for m in prepared.models if m.label in benches]

