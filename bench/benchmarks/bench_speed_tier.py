@@ -75,7 +75,7 @@ def measure(model: Path, python: Path, rounds: int) -> dict:
     served = ServedModel("quantized", model.resolve(), "quantized")
     options = SimpleNamespace(vllm_port=port, trust_remote_code=False)
     work = Path(tempfile.mkdtemp(prefix="bench-speed-"))
-    argv = tier.bench_argv(served, work, workload, options, host)
+    argv = tier.bench_argv(served, work, workload, options, host, port)
     bench_args = argv[argv.index("--") + 1:]
     log = work / "server.log"
     try:

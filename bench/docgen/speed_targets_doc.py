@@ -41,7 +41,7 @@ def render(plans: dict[str, PlanJson], quantized: Path, source: Path, workdir: P
             sizing = server_sizing(model, options, None, sequences=workload.concurrency)
             lines += [f"# the {model.label} model: serve, then benchmark (a warm-up and {workload.repeats} repeats)",
                       shell_line(server_argv(model, options, None, sizing)),
-                      shell_line(bench_argv(model, workdir, workload, options, None))]
+                      shell_line(bench_argv(model, workdir, workload, options, None, options.vllm_port))]
         lines += ["```"]
     text = "\n".join([*lines, "", END])
     for path, shown in ((str(DRIVER), SHOWN["driver"]), (str(workdir.resolve()), SHOWN["work"]),

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,23 @@ DECORATOR = "use_experts_implementation"
 CACHE_NAME = "quark-import-scan.json"
 
 
+_SPENT = [0.0]  # seconds this process spent in import_quark_torch's import (torch and transformers with it)
+
+
 def import_quark_torch(cache_file: Path | None = None) -> None:
     """``import quark.torch``, answering Quark's scan of transformers from the cache where it can."""
     if "quark.torch" in sys.modules:
         return
+    started = time.monotonic()
     with remembered_scan(cache_file or cache_dir() / CACHE_NAME):
         import quark.torch  # noqa: F401
+    _SPENT[0] += time.monotonic() - started
+
+
+def import_seconds() -> float:
+    """What importing quark.torch (and what it imports first) cost this process so far: a cold start, which a
+    process that imported it already does not pay again."""
+    return _SPENT[0]
 
 
 @contextlib.contextmanager

@@ -4,8 +4,8 @@
 scale into the weights and a per-tensor weight scale rounds rows to nothing). Here the top N become plans that
 differ from the run's in one thing, ranked by what this run measured:
 
-- the plan's scaling algorithm removed, first where validation found rows a fold crushed (the decode check's
-  ``quantization_damage``) or a unit holding folded scales far from the source (the load check);
+- the plan's scaling algorithm removed, first where validation found rows a fold crushed (a check's
+  ``quantization_damage``) or a unit holding folded scales far from the source (``quantization_error``);
 - the block the evidence names (the damage, else the load check's worst module) kept unquantized;
 - no algorithm in the plan: the one its scheme calls for added (SmoothQuant for W8A8, GPTQ weight-only);
 - more calibration data; a wider format.
@@ -19,11 +19,14 @@ the original, or not validated, is never recommended.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.evaluate.remedies import MIN_CALIBRATION, plan_algorithms
-from quark_ptq_eval.validate.rewrites import ALIASES, SCALING
+from quark_ptq_eval.plan.choices import SCALING_ALGORITHMS
+from quark_ptq_eval.plan.request import PlanChange
 
 LAYER_BLOCK = "model.layers."
 CALIBRATION_FACTOR = 4
@@ -40,62 +43,87 @@ class Variant:
     changed: str  # what differs from the run's plan, in words
     why: str  # the evidence that proposed it
     scheme: str
-    request: dict[str, Any] = field(default_factory=dict)  # plan options over the run's (PlanRequest fields)
+    request: PlanChange = field(default_factory=PlanChange)
 
     def as_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "request": self.request.overrides()}
 
 
-def propose(plan: dict[str, Any], validation: dict[str, Any] | None, count: int) -> list[Variant]:
-    """The ``count`` most promising variants of ``plan`` (quant_plan.json's content), given validation_report.json's
-    content (None: no evidence but the plan)."""
+@dataclass(frozen=True)
+class Evidence:
+    """What validation measured that names a remedy: weights with rows a fold crushed (quantization damage) and
+    the module with the largest quantization error (its cause and size)."""
+
+    damaged: tuple[str, ...] = ()
+    worst_module: str | None = None
+    worst_cause: str = ""
+    worst_error: float = 0.0
+
+    @classmethod
+    def of(cls, report: Mapping[str, object] | None) -> Evidence:
+        """From validation_report.json's content, whichever check recorded it (None: no report)."""
+        checks = (report or {}).get("checks")
+        damaged: list[str] = []
+        errors: list[Mapping[str, object]] = []
+        for check in (checks.values() if isinstance(checks, Mapping) else []):
+            stats = check.get("stats") if isinstance(check, Mapping) else None
+            if not isinstance(stats, Mapping):
+                continue
+            damaged += [str(d["weight"]) for d in _records(stats.get("quantization_damage")) if d.get("weight")]
+            errors += _records(stats.get("quantization_error"))
+        worst = max(errors, key=lambda e: _num(e.get("error"), -math.inf), default=None)
+        if worst is None:
+            return cls(tuple(damaged))
+        return cls(tuple(damaged), str(worst.get("module") or "") or None, str(worst.get("cause") or ""),
+                   _num(worst.get("error"), 0.0))
+
+    @property
+    def folded(self) -> bool:
+        """The largest error sits in a unit holding folded scales, and is large."""
+        return "folded scales" in self.worst_cause and self.worst_error > 0.1
+
+
+def _records(value: object) -> list[Mapping[str, object]]:
+    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
+
+
+def propose(plan: PlanJson, evidence: Evidence, count: int) -> list[Variant]:
+    """The ``count`` most promising variants of ``plan`` (quant_plan.json's content), given validation's evidence."""
     scheme = str(plan.get("global_scheme") or "")
     algos = plan_algorithms(plan)
-    excluded = list(plan.get("exclude_layers") or [])
-    damage, worst = _evidence(validation)
+    excluded = tuple(plan.get("exclude_layers") or [])
+    damage = list(evidence.damaged)
     ranked: list[tuple[float, Variant]] = []
-    scaling = sorted(a for a in algos if ALIASES.get(a, a) in SCALING)
+    scaling = sorted(a for a in algos if a in SCALING_ALGORITHMS)
     if scaling:
         rest = ",".join(sorted(algos - set(scaling)))
         why = (f"validation found rows of {', '.join(damage)} that the fold left (nearly) no codes (quantization "
                "damage)" if damage else f"{', '.join(scaling)} moves scale into the weights")
-        ranked.append((0.0 if damage or _folded(worst) else 2.0, Variant(
+        ranked.append((0.0 if damage or evidence.folded else 2.0, Variant(
             f"{scheme}-without-{'-'.join(scaling)}", "algorithm_removed", f"{', '.join(scaling)} removed", why, scheme,
-            {"algorithm": rest})))
-    block = _block(damage[0] if damage else (worst or {}).get("module"))
+            PlanChange(algorithm=rest))))
+    block = _block(damage[0] if damage else evidence.worst_module)
     if block is not None and not any(p.startswith(f"{LAYER_BLOCK}{block}.") for p in excluded):
         source = ("the rows the fold crushed are" if damage
-                  else f"the load check's largest error ({(worst or {}).get('module')}) is")
+                  else f"the load check's largest error ({evidence.worst_module}) is")
         ranked.append((1.0, Variant(f"{scheme}-keep-block-{block}", "block_kept",
                                     f"block {block} kept unquantized", f"{source} in block {block}", scheme,
-                                    {"exclude_layers": [*excluded, f"{LAYER_BLOCK}{block}.*"]})))
+                                    PlanChange(exclude_layers=(*excluded, f"{LAYER_BLOCK}{block}.*")))))
     if not algos:
         added = "gptq" if "_wo" in scheme else "smoothquant" if scheme.startswith("int8") else None
         if added:
             ranked.append((1.5, Variant(f"{scheme}-with-{added}", "algorithm_added", f"{added} added",
-                                        "the plan ran no accuracy-recovering algorithm", scheme, {"algorithm": added})))
-    samples = int((plan.get("calibration") or {}).get("num_samples") or 0)
+                                        "the plan ran no accuracy-recovering algorithm", scheme,
+                                        PlanChange(algorithm=added))))
+    samples = int(_num((plan.get("calibration") or {}).get("num_samples"), 0))
     if 0 < samples < MIN_CALIBRATION:
         more = min(MIN_CALIBRATION, CALIBRATION_FACTOR * samples)
         ranked.append((3.0, Variant(f"{scheme}-calib-{more}", "calibration", f"calibration {samples} -> {more} samples",
-                                    f"{samples} calibration samples", scheme, {"num_calib_samples": more})))
+                                    f"{samples} calibration samples", scheme, PlanChange(num_calib_samples=more))))
     wider = next((w for k, w in WIDER.items() if scheme.startswith(k)), None)
     if wider:
-        ranked.append((4.0, Variant(f"{wider}", "wider_format", f"{scheme} -> {wider}", "a wider format", wider, {})))
+        ranked.append((4.0, Variant(f"{wider}", "wider_format", f"{scheme} -> {wider}", "a wider format", wider)))
     return [v for _, v in sorted(ranked, key=lambda r: r[0])][:max(0, count)]
-
-
-def _evidence(validation: dict[str, Any] | None) -> tuple[list[str], dict[str, Any] | None]:
-    """(weights with rows a fold crushed, the load check's worst module) from validation_report.json."""
-    checks = (validation or {}).get("checks") or {}
-    damage = [d["weight"] for d in ((checks.get("decode") or {}).get("stats") or {}).get("quantization_damage") or []
-              if isinstance(d, dict) and d.get("weight")]
-    errors = ((checks.get("load") or {}).get("stats") or {}).get("quantization_error") or []
-    return damage, errors[0] if errors and isinstance(errors[0], dict) else None
-
-
-def _folded(worst: dict[str, Any] | None) -> bool:
-    return worst is not None and "folded scales" in str(worst.get("cause")) and (worst.get("error") or 0) > 0.1
 
 
 def _block(name: str | None) -> int | None:
@@ -105,110 +133,146 @@ def _block(name: str | None) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+@dataclass(frozen=True)
+class Scored:
+    """One export's Tier 1 beside the baseline, as a comparison row (or the run's own results) records it."""
+
+    status: str = "not run"
+    validation: str | None = None
+    verdict: str | None = None
+    kl_mean: float | None = None
+    delta_nll: float | None = None
+    delta_nll_ci95: tuple[float | None, float | None] = (None, None)
+    ppl_increase_pct: float | None = None
+    top1_agreement: float | None = None
+    size_bytes: float | None = None
+    bits_per_weight: float | None = None
+    model_dir: str | None = None
+    failed_step: str | None = None
+    error: str | None = None
+
+    @classmethod
+    def of(cls, row: Mapping[str, object]) -> Scored:
+        """The fields it holds from a comparison row (or eval_results' export row); the rest left unknown."""
+        known = {f.name for f in fields(cls)}
+        picked: dict[str, Any] = {k: v for k, v in row.items() if k in known and v is not None}
+        ci = picked.pop("delta_nll_ci95", None)
+        if isinstance(ci, list | tuple) and len(ci) == 2:
+            picked["delta_nll_ci95"] = (ci[0], ci[1])
+        return cls(**picked)
+
+    def as_json(self) -> dict[str, Any]:
+        return {**asdict(self), "delta_nll_ci95": list(self.delta_nll_ci95)}
+
+
+@dataclass(frozen=True)
+class RemedyRow:
+    """One variant measured and set beside the original."""
+
+    variant: Variant
+    scored: Scored
+    outcome: str
+    outcome_detail: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.scored.as_json(), **self.variant.as_json(), "outcome": self.outcome,
+                "outcome_detail": self.outcome_detail}
+
+
 @dataclass
 class Judged:
-    rows: list[dict[str, Any]]  # one per variant: its measurements, outcome and what changed
-    recommendation: dict[str, Any] | None
+    rows: list[RemedyRow]
+    recommendation: RemedyRow | None
     cause: str | None
 
 
-def judge(original: dict[str, Any], variants: list[Variant], measured: dict[str, dict[str, Any]],
+def judge(original: Scored, variants: list[Variant], measured: Mapping[str, Scored],
           original_verdict: str | None) -> Judged:
-    """Each variant's comparison row (``measured``, by label) set beside the original's."""
+    """Each variant's measurement (``measured``, by label) set beside the original's."""
     rows = []
     for v in variants:
-        row = {**measured.get(v.label, {"status": "not run"}), **v.as_json()}
-        row["outcome"], row["outcome_detail"] = _outcome(row, original)
-        rows.append(row)
-    eligible = [r for r in rows if r["outcome"] == HELPED]
-    eligible.sort(key=lambda r: (r.get("verdict") != "healthy", _num(r.get("kl_mean")), _num(r.get("size_bytes"))))
-    best = eligible[0] if eligible else None
-    return Judged(rows, None if best is None else {"label": best["label"], "changed": best["changed"],
-                                                   "verdict": best.get("verdict"), "kl_mean": best.get("kl_mean"),
-                                                   "model_dir": best.get("model_dir")},
-                  _cause(rows, original, original_verdict))
+        scored = measured.get(v.label, Scored())
+        rows.append(RemedyRow(v, scored, *_outcome(scored, original)))
+    eligible = [r for r in rows if r.outcome == HELPED]
+    eligible.sort(key=lambda r: (r.scored.verdict != "healthy", _num(r.scored.kl_mean), _num(r.scored.size_bytes)))
+    return Judged(rows, eligible[0] if eligible else None, _cause(rows, original, original_verdict))
 
 
-def _cause(rows: list[dict[str, Any]], original: dict[str, Any], verdict: str | None) -> str | None:
+def _cause(rows: list[RemedyRow], original: Scored, verdict: str | None) -> str | None:
     """What the measurements name as the harm: the algorithm, where the plan without it helped beyond noise; else
     the block, where keeping it unquantized did (saying that removing the algorithm did not)."""
     if verdict == "healthy":
         return None
-    by_kind = {r["kind"]: r for r in rows}
+    by_kind = {r.variant.kind: r for r in rows}
     removed, kept = by_kind.get("algorithm_removed"), by_kind.get("block_kept")
-    if removed is not None and removed["outcome"] == HELPED:
-        return (f"{removed['changed'].replace(' removed', '')} is the cause: the same plan without it is "
-                f"{removed.get('verdict')} (KL {_fmt(removed.get('kl_mean'))} against the original's "
-                f"{_fmt(original.get('kl_mean'))})")
-    if kept is not None and kept["outcome"] == HELPED:
+    if removed is not None and removed.outcome == HELPED:
+        return (f"{removed.variant.changed.replace(' removed', '')} is the cause: the same plan without it is "
+                f"{removed.scored.verdict} (KL {_fmt(removed.scored.kl_mean)} against the original's "
+                f"{_fmt(original.kl_mean)})")
+    if kept is not None and kept.outcome == HELPED:
         cleared = "" if removed is None else (
-            f"; without {removed['changed'].replace(' removed', '')} it is {removed.get('verdict')} "
-            f"(KL {_fmt(removed.get('kl_mean'))}, {removed['outcome']}): not the algorithm")
-        return (f"{kept['changed'].replace(' kept unquantized', '')} carries the harm: kept unquantized the model is "
-                f"{kept.get('verdict')} (KL {_fmt(kept.get('kl_mean'))} against the original's "
-                f"{_fmt(original.get('kl_mean'))}){cleared}")
+            f"; without {removed.variant.changed.replace(' removed', '')} it is {removed.scored.verdict} "
+            f"(KL {_fmt(removed.scored.kl_mean)}, {removed.outcome}): not the algorithm")
+        return (f"{kept.variant.changed.replace(' kept unquantized', '')} carries the harm: kept unquantized the model "
+                f"is {kept.scored.verdict} (KL {_fmt(kept.scored.kl_mean)} against the original's "
+                f"{_fmt(original.kl_mean)}){cleared}")
     return None
 
 
-def _outcome(row: dict[str, Any], original: dict[str, Any]) -> tuple[str, str]:
-    if row.get("status") != "evaluated" or row.get("validation") in (None, "failed"):
-        where = row.get("failed_step") or row.get("status")
-        return FAILED, f"{where}: {row.get('error') or 'validation ' + str(row.get('validation'))}"
+def _outcome(row: Scored, original: Scored) -> tuple[str, str]:
+    if row.status != "evaluated" or row.validation in (None, "failed"):
+        where = row.failed_step or row.status
+        return FAILED, f"{where}: {row.error or 'validation ' + str(row.validation)}"
     lo, hi = _interval(row)
     olo, ohi = _interval(original)
-    d, od = row.get("delta_nll"), original.get("delta_nll")
+    d, od = row.delta_nll, original.delta_nll
     said = f"ΔNLL {_fmt(d)} [{_fmt(lo)}, {_fmt(hi)}] against the original's {_fmt(od)} [{_fmt(olo)}, {_fmt(ohi)}]"
     if hi < olo:
         return HELPED, said
     if lo > ohi:
         return f"{WORSE} beyond noise", said
-    if _num(d) > _num(od) or _num(row.get("kl_mean")) > _num(original.get("kl_mean")):
+    if _num(d) > _num(od) or _num(row.kl_mean) > _num(original.kl_mean):
         return f"{WORSE} (within noise)", said
     return WITHIN, said
 
 
-def _interval(row: dict[str, Any]) -> tuple[float, float]:
-    ci = row.get("delta_nll_ci95") or [None, None]
-    lo, hi = ci[0], ci[1]
-    return (lo if _finite(lo) else math.inf), (hi if _finite(hi) else math.inf)
+def _interval(row: Scored) -> tuple[float, float]:
+    lo, hi = row.delta_nll_ci95
+    return _num(lo), _num(hi)
 
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, int | float) and math.isfinite(x)
+def _num(x: object, default: float = math.inf) -> float:
+    return float(x) if isinstance(x, int | float) and math.isfinite(x) else default
 
 
-def _num(x: Any) -> float:
-    return float(x) if _finite(x) else math.inf
+def _fmt(x: object, digits: int = 4) -> str:
+    return f"{x:.{digits}g}" if isinstance(x, int | float) and math.isfinite(x) else "-"
 
 
-def _fmt(x: Any, digits: int = 4) -> str:
-    return f"{x:.{digits}g}" if _finite(x) else "-"
-
-
-def table_markdown(original: dict[str, Any], judged: Judged, command: str | None) -> str:
+def table_markdown(original: Scored, judged: Judged, command: str | None) -> str:
     """The remedies section of eval_report.md."""
     head = ("| variant | what changed | bits/weight | size | KL | ΔPPL % | ΔNLL [95 % CI] | top-1 | validation | "
             "verdict | outcome |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
-    lines = [_line("original (this run)", "-", original, "-"), *(_line(r["label"], r["changed"], r, r["outcome"])
-                                                                   for r in judged.rows)]
+    lines = [_line("original (this run)", "-", original, "-"),
+             *(_line(r.variant.label, r.variant.changed, r.scored, r.outcome) for r in judged.rows)]
     text = ["## Remedies, measured", "",
             "Each variant differs from this run's plan in one thing; each was quantized, validated and scored on the "
             "same Tier 1 windows against the same baseline. Helped (or worse) beyond noise: its ΔNLL interval lies "
             "wholly below (above) the original's.", "", head + "\n".join(lines), ""]
-    text += [f"- {r['label']}: {r['why']}; {r['outcome_detail']}" for r in judged.rows]
+    text += [f"- {r.variant.label}: {r.variant.why}; {r.outcome_detail}" for r in judged.rows]
     if judged.cause:
         text += ["", f"**Cause:** {judged.cause}."]
     rec = judged.recommendation
-    text += ["", f"**Recommendation:** {rec['label']} ({rec['changed']}; {rec['verdict']}, KL {_fmt(rec['kl_mean'])})"
-             + (f", reproduced by `{command}`" if command else "") + "." if rec else
+    text += ["", f"**Recommendation:** {rec.variant.label} ({rec.variant.changed}; {rec.scored.verdict}, KL "
+             f"{_fmt(rec.scored.kl_mean)})" + (f", reproduced by `{command}`" if command else "") + "." if rec else
              "**Recommendation:** none: no variant helped beyond noise; none is better than the original."]
     return "\n".join(text) + "\n"
 
 
-def _line(label: str, changed: str, r: dict[str, Any], outcome: str) -> str:
-    size = _num(r.get("size_bytes"))
-    cells = [label, changed, _fmt(r.get("bits_per_weight"), 3), f"{size / 2**20:.2f} MiB" if math.isfinite(size) else "-",
-             _fmt(r.get("kl_mean")), _fmt(r.get("ppl_increase_pct"), 3),
-             f"{_fmt(r.get('delta_nll'))} [{', '.join(_fmt(x) for x in r.get('delta_nll_ci95') or [None, None])}]",
-             _fmt(r.get("top1_agreement"), 3), str(r.get("validation") or "-"), str(r.get("verdict") or "-"), outcome]
+def _line(label: str, changed: str, r: Scored, outcome: str) -> str:
+    size = _num(r.size_bytes)
+    cells = [label, changed, _fmt(r.bits_per_weight, 3), f"{size / 2**20:.2f} MiB" if math.isfinite(size) else "-",
+             _fmt(r.kl_mean), _fmt(r.ppl_increase_pct, 3),
+             f"{_fmt(r.delta_nll)} [{', '.join(_fmt(x) for x in r.delta_nll_ci95)}]",
+             _fmt(r.top1_agreement, 3), str(r.validation or "-"), str(r.verdict or "-"), outcome]
     return "| " + " | ".join(cells) + " |"

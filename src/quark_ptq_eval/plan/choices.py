@@ -37,6 +37,10 @@ WEIGHT_ONLY_ALGORITHMS = {"awq", "gptq", "gptaq", "qronos", "autoround"}
 
 ACTIVATION_ALGORITHMS = {"smoothquant", "autosmoothquant"}
 
+# Algorithms that fold per-channel scales into the weights (and the op before them), by every name Quark and users
+# give them: the ones a remedy removes first when validation finds rows a fold crushed.
+SCALING_ALGORITHMS = frozenset({"awq", "smoothquant", "smooth_quant", "smooth", "autosmoothquant"})
+
 ACCURACY_FIRST = re.compile(r"accura|quality|best")
 
 

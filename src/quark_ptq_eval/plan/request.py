@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from quark_ptq_eval.base.options import concern, flag
 from quark_ptq_eval.plan.engines import ENGINE_NAMES
@@ -89,3 +90,36 @@ class PlanRequest:
         "--max-ppl-increase-pct", type=float, metavar="PCT",
         help="the budget search's accuracy floor as a perplexity increase: a mean KL of log(1 + PCT/100)")
         | concern(CHOICE))
+
+
+@dataclass(frozen=True)
+class PlanChange:
+    """What one compared plan sets over the shared request (a remedy: its algorithm, its exclusions, its
+    calibration size); None leaves the shared value. ``algorithm=""`` runs none."""
+
+    algorithm: str | None = None
+    exclude_layers: tuple[str, ...] | None = None
+    num_calib_samples: int | None = None
+
+    @classmethod
+    def of(cls, given: PlanChange | dict[str, object] | None) -> PlanChange:
+        """From itself, or from its JSON (a stored comparison's state)."""
+        if given is None or isinstance(given, PlanChange):
+            return given or cls()
+        excluded = given.get("exclude_layers")
+        samples = given.get("num_calib_samples")
+        algorithm = given.get("algorithm")
+        return cls(None if algorithm is None else str(algorithm),
+                   None if not isinstance(excluded, list | tuple) else tuple(str(x) for x in excluded),
+                   None if samples is None else int(str(samples)))
+
+    def overrides(self) -> dict[str, Any]:
+        """The PlanRequest keywords it sets."""
+        out: dict[str, Any] = {}
+        if self.algorithm is not None:
+            out["algorithm"] = self.algorithm
+        if self.exclude_layers is not None:
+            out["exclude_layers"] = list(self.exclude_layers)
+        if self.num_calib_samples is not None:
+            out["num_calib_samples"] = self.num_calib_samples
+        return out

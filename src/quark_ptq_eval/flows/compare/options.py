@@ -22,7 +22,7 @@ from quark_ptq_eval.base.options import OFFLINE_HELP, Part, build, concern, flag
 from quark_ptq_eval.evaluate.options import DEFAULT_SEQ_LEN, SERVING, EvalOptions
 from quark_ptq_eval.evaluate.ppl.baseline_cache import DEFAULT_TOP_K
 from quark_ptq_eval.evaluate.speed.workload import WITH_TIER3, SpeedOptions
-from quark_ptq_eval.plan.request import CHOICE, SEARCH_FIELDS, PlanRequest
+from quark_ptq_eval.plan.request import CHOICE, SEARCH_FIELDS, PlanChange, PlanRequest
 from quark_ptq_eval.publish import BASE_MODEL_HELP, check_base_model
 from quark_ptq_eval.runtime.vllm_host import ENV_VAR as VLLM_PYTHON_ENV
 
@@ -41,7 +41,10 @@ class MixCell:
     scheme: str
     layer_quant_config: dict[str, str] = field(default_factory=dict)
     # other plan options this cell sets over the shared ones (a remedy: its algorithm, exclusions, calibration size)
-    request: dict[str, Any] = field(default_factory=dict)
+    request: PlanChange = field(default_factory=PlanChange)
+
+    def __post_init__(self) -> None:  # a stored comparison's state holds the change as JSON
+        object.__setattr__(self, "request", PlanChange.of(self.request))
 
 
 @dataclass
@@ -196,7 +199,7 @@ def cell_request(opts: CompareOptions, label: str) -> dict[str, Any]:
     cell = opts.cells.get(label)
     if cell is None:
         return {**shared, "scheme": label}
-    return {**shared, **cell.request, "scheme": cell.scheme, "layer_quant_config": dict(cell.layer_quant_config)}
+    return {**shared, **cell.request.overrides(), "scheme": cell.scheme, "layer_quant_config": dict(cell.layer_quant_config)}
 
 
 def budget_asked(opts: CompareOptions) -> bool:

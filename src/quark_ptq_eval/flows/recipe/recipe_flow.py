@@ -22,6 +22,8 @@ from quark_ptq_eval.execute.runner import EngineRunner
 from quark_ptq_eval.flows.recipe.run_options import RunOptions
 from quark_ptq_eval.runtime.vllm_server import ServerHandover
 
+IMPORT_SUFFIX = "_quark_import"  # a timed phase's share spent importing quark.torch (with torch and transformers)
+
 # (output dir, source as compared, the plan as quant_plan.json holds it) -> the evaluation report:
 # Phase 3 given by the caller (compare: Tier 1 against its cached baseline)
 Evaluator = Callable[[Path, Path | None, PlanJson], Any]
@@ -45,6 +47,9 @@ class RunServices:
     after_eval: AfterEval | None = None
     # a later user of the serving check's server (compare --speed: the cell's speed measurement takes it over)
     server_handover: ServerHandover | None = None
+    # each timed phase's seconds in this process (the step table's ``timing`` names): what the remedies' estimate
+    # scales from
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -16,17 +16,30 @@ from __future__ import annotations
 
 import re
 import shlex
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.artifacts import QuantPlan
 from quark_ptq_eval.base.fsio import atomic_write_text, read_json, write_json
-from quark_ptq_eval.evaluate.remedy_variants import Judged, Variant, judge, propose, table_markdown
+from quark_ptq_eval.evaluate.context import format_duration
+from quark_ptq_eval.evaluate.remedy_variants import (
+    Evidence,
+    Judged,
+    Scored,
+    Variant,
+    judge,
+    propose,
+    table_markdown,
+)
 from quark_ptq_eval.flows.compare.options import MixCell
 from quark_ptq_eval.flows.recipe.budget_side import compare_cells, measure_side_by_side
-from quark_ptq_eval.flows.recipe.recipe_flow import Flow
+from quark_ptq_eval.flows.recipe.recipe_flow import IMPORT_SUFFIX, Flow
 
 REMEDIES_DIR = "remedies"  # under the run's work dir: a comparison's own root
+OFFERED = 3  # remedies offered when none were asked for
+EXECUTE, VALIDATE = "phase1_execute", "phase2_validate"  # the step table's timing names
 SECTION = re.compile(r"\n## Remedies, measured\n.*", re.S)
 
 
@@ -37,51 +50,112 @@ def after_own_eval(flow: Flow, plan: QuantPlan) -> None:
 
 
 def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
-    """The remedies measured and reported (None: none asked for, the verdict is healthy, or no baseline)."""
+    """The remedies measured and reported (None: none asked for or accepted, the verdict is healthy, or no
+    baseline). Not asked for, a verdict that is not healthy gets the offer, with its estimate."""
     count, wd, ui = flow.opts.eval.remedies, flow.run.workdir, flow.run.ui
     results_path = wd / "eval_results.json"
-    if not count or flow.model_path is None or not results_path.is_file():
+    if flow.model_path is None or not results_path.is_file():
         return None
     results = read_json(results_path, "evaluation results")
     verdict = results.get("verdict")
-    if not (results.get("details") or {}).get("paired"):
-        ui.info("Remedies: not measured: they are judged against the baseline (Tier 1 with --baseline).")
-        return None
-    if verdict == "healthy":
-        ui.info("Remedies: not measured: the verdict is healthy.")
+    if verdict == "healthy" or not (results.get("details") or {}).get("paired"):
+        if count:
+            ui.info("Remedies: not measured: the verdict is healthy." if verdict == "healthy" else
+                    "Remedies: not measured: they are judged against the baseline (Tier 1 with --baseline).")
         return None
     validation_path = wd / "validation_report.json"
     validation = read_json(validation_path, "validation report") if validation_path.is_file() else None
-    variants = propose(dict(plan.as_json()), validation, count)
+    variants = propose(plan.as_json(), Evidence.of(validation), count or OFFERED)
     if not variants:
         ui.info("Remedies: none left to measure: the plan already does what they would change.")
         return None
+    estimate = estimate_s(flow.run.timings, results, variants, plan.calibration.get("num_samples"))
+    if not count and not _accepted(flow, len(variants), estimate):
+        return None
     ui.info(f"Remedies: measuring {len(variants)} variant(s) of the plan on the same windows, one quantization each "
-            f"({', '.join(v.label for v in variants)})")
-    cells = {v.label: MixCell(v.scheme, dict(plan.layer_quant_config), dict(v.request)) for v in variants}
+            f"({', '.join(v.label for v in variants)}){_about(estimate)}")
+    cells = {v.label: MixCell(v.scheme, dict(plan.layer_quant_config), v.request) for v in variants}
     root = wd / REMEDIES_DIR
+    started = time.monotonic()
     doc = compare_cells(flow, plan, cells, root, "Remedies")
-    measured = {r["scheme"]: r for r in (doc or {}).get("schemes") or []}
+    runtime = Runtime(estimate, time.monotonic() - started)
+    measured = {r["scheme"]: Scored.of(r) for r in (doc or {}).get("schemes") or []}
     from quark_ptq_eval.flows.compare.results import export_row
 
-    original = {**export_row(results, flow.output(), flow.model_path), "validation": (validation or {}).get("status")}
+    original = Scored.of({**export_row(results, flow.output(), flow.model_path),
+                          "validation": (validation or {}).get("status")})
     judged = judge(original, variants, measured, verdict)
-    best = next((v for v in variants if judged.recommendation and v.label == judged.recommendation["label"]), None)
+    best = None if judged.recommendation is None else judged.recommendation.variant
     command = None if best is None else reproduce(flow, plan, best)
-    _write(wd, results, original, judged, command, root)
+    _write(wd, results, original, judged, command, root, runtime)
     for row in judged.rows:
-        ui.info(f"  {row['label']}: {row['changed']}: {row['outcome']} ({row['outcome_detail']})")
+        ui.info(f"  {row.variant.label}: {row.variant.changed}: {row.outcome} ({row.outcome_detail})")
     if judged.cause:
         ui.info(f"Remedies: {judged.cause}.")
     ui.info(f"Remedies: recommended {best.label} ({best.changed}): {command}" if best else
             "Remedies: none helped beyond noise; none is recommended.")
+    ui.info(f"Remedies: {runtime.said()}")
     return judged
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The remedies' estimate before they ran, and the time they took (quantize, validate, score: all of them)."""
+
+    estimated_s: float | None
+    actual_s: float
+
+    def said(self) -> str:
+        ratio = "" if self.estimated_s is None else (f" against the {self.estimated_s:.0f} s estimated "
+                                                      f"(estimate/actual {self.estimated_s / self.actual_s:.2f})")
+        return f"measured in {self.actual_s:.0f} s{ratio}"
+
+    def as_json(self) -> dict[str, float | None]:
+        ratio = None if self.estimated_s is None or not self.actual_s else self.estimated_s / self.actual_s
+        return {"estimated_s": self.estimated_s, "actual_s": round(self.actual_s, 1), "estimated_over_actual": ratio}
+
+
+def estimate_s(timings: dict[str, float], results: dict[str, Any], variants: list[Variant],
+               samples: int | None) -> float | None:
+    """What ``variants`` cost, from what this run's own steps took in this process: each variant one quantization,
+    one validation and its side of Tier 1 (half of the run's, which scored both sides); the baseline's side once,
+    for the comparison's cache. The comparison runs its engines in this process, warm: the cold start this run's
+    validation paid (importing quark.torch, with torch and transformers: measured) is left out of the validations,
+    and out of the quantizations (the engine's child paid the same). A quantization on more calibration samples
+    scales with them. None where a step ran in an earlier process (a resumed run)."""
+    execute, validate = timings.get(EXECUTE), timings.get(VALIDATE)
+    tier1 = (results.get("runtime") or {}).get("actual_s")
+    if execute is None or validate is None or not isinstance(tier1, int | float):
+        return None
+    cold = timings.get(VALIDATE + IMPORT_SUFFIX, 0.0)
+    quantize, check = max(execute - cold, execute / 10), max(validate - cold, validate / 10)
+    total = tier1 / 2
+    for v in variants:
+        more = v.request.num_calib_samples
+        total += quantize * (more / samples if more and samples else 1.0) + check + tier1 / 2
+    return total
+
+
+def _about(estimate: float | None) -> str:
+    return "" if estimate is None else f": about {format_duration(estimate)}"
+
+
+def _accepted(flow: Flow, count: int, estimate: float | None) -> bool:
+    """The offer at the evaluation's end: asked where a person answers, said (with the flag) where none does."""
+    offer = (f"measure the {count} most promising remedies{_about(estimate)}, one quantization each, on the same "
+             "windows against the same baseline")
+    approver = flow.run.approver
+    if getattr(approver, "interactive", False) and hasattr(approver, "choose"):
+        return bool(approver.choose(f"The verdict is not healthy: {offer}?", ("yes", "no")) == "yes")
+    flow.run.ui.info(f"Remedies: the verdict is not healthy: to {offer}, run the same command with --remedies {count}.")
+    return False
 
 
 def reproduce(flow: Flow, plan: QuantPlan, v: Variant) -> str:
     """The `run` command that makes the variant's export: the run's model and calibration, the variant's plan."""
-    algorithm = v.request.get("algorithm", plan.algorithm)
-    excluded = v.request.get("exclude_layers", list(plan.exclude_layers))
+    change = v.request
+    algorithm = plan.algorithm if change.algorithm is None else change.algorithm
+    excluded = list(plan.exclude_layers if change.exclude_layers is None else change.exclude_layers)
     calib = plan.calibration
     parts = ["quark-ptq-eval", "run", str(flow.model_path), "-o", f"{flow.output()}-{v.label}", "--scheme", v.scheme]
     if algorithm is not None and (algorithm or plan.algorithm):
@@ -92,19 +166,23 @@ def reproduce(flow: Flow, plan: QuantPlan, v: Variant) -> str:
         parts += ["--layer-quant-scheme", pattern, scheme]
     if flow.opts.request.calib_data:
         parts += ["--calib-data", str(flow.opts.request.calib_data)]
-    parts += ["--num-calib-samples", str(v.request.get("num_calib_samples", calib.get("num_samples"))),
+    samples = calib.get("num_samples") if change.num_calib_samples is None else change.num_calib_samples
+    parts += ["--num-calib-samples", str(samples),
               "--calib-seq-len", str(calib.get("seq_len"))]
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def _write(wd: Path, results: dict[str, Any], original: dict[str, Any], judged: Judged, command: str | None,
-           root: Path) -> None:
+def _write(wd: Path, results: dict[str, Any], original: Scored, judged: Judged, command: str | None,
+           root: Path, runtime: Runtime) -> None:
     """details.remedies in eval_results.json; the remedies section of eval_report.md (replacing an earlier one)."""
     from quark_ptq_eval.evaluate.report import json_safe
 
+    rec = judged.recommendation
     results.setdefault("details", {})["remedies"] = {
-        "original": original, "variants": judged.rows, "cause": judged.cause, "comparison": str(root),
-        "recommendation": None if judged.recommendation is None else {**judged.recommendation, "command": command}}
+        "original": original.as_json(), "variants": [r.as_json() for r in judged.rows], "cause": judged.cause,
+        "comparison": str(root), "runtime": runtime.as_json(), "recommendation": None if rec is None else {
+            "label": rec.variant.label, "changed": rec.variant.changed, "verdict": rec.scored.verdict,
+            "kl_mean": rec.scored.kl_mean, "model_dir": rec.scored.model_dir, "command": command}}
     write_json(wd / "eval_results.json", json_safe(results))
     report = wd / "eval_report.md"
     text = report.read_text(encoding="utf-8") if report.is_file() else ""

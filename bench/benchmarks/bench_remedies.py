@@ -1,0 +1,89 @@
+"""`run --remedies N` on a model where one block carries the harm: what each remedy measured, and the estimate said
+before they ran against the time they took.
+
+The fixture: the trained 8-block tiny Llama with the traits real LLMs have (tests/fixtures/traits.py), plus a
+"super weight" in block ``BLOCK``'s MLP: down_proj's column ``CHANNEL`` x F and up_proj's row ``CHANNEL`` / F, an
+exact, function-preserving rescale (F a power of two) that leaves one input column of down_proj F times the others,
+as the few huge down_proj weights of trained LLMs are. Under a 4-bit weight-only scheme with groups of 128 along
+the input, that column sets its group's scale in every row and the group's other weights round to zero: the block
+carries the damage; the other blocks quantize as usual.
+
+The run: ``quark-ptq-eval run SRC --scheme int4_wo_128 --eval-tier ppl --baseline --remedies N --yes`` (validation
+with its defaults: the load check names the worst module). It prints each variant's KL, ΔNLL interval and outcome,
+the recommendation, the remedies' estimate (said before they ran) beside their measured time and the ratio, and
+the load average at the start and the end. The issue's bound on the estimate: within 30 % of the time taken.
+
+    .venv/bin/python -m bench.benchmarks.bench_remedies --work DIR [--remedies 2] [--factor 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BLOCK, CHANNEL = 3, 5
+
+
+def fixture(work: Path, factor: float) -> tuple[Path, Path]:
+    """(source, corpus): built once under ``work``."""
+    from quark_ptq_eval.flows.demo import build_corpus
+    from tests.fixtures.traits import mlp_outlier, trained_with_traits
+
+    corpus, source = work / "corpus.txt", work / f"tiny-llama-8-super-weight-{int(factor)}"
+    if not corpus.exists():
+        build_corpus(corpus)
+    if not (source / "config.json").exists():
+        trained_with_traits(source, corpus, arch="llama", layers=8)
+        mlp_outlier(source, BLOCK, CHANNEL, 1.0 / factor)  # up_proj's row / F, down_proj's column x F: exact
+    return source, corpus
+
+
+def run(work: Path, source: Path, corpus: Path, remedies: int) -> tuple[dict, float, int]:
+    wd, out = work / "run", work / "out"
+    argv = [sys.executable, "-m", "quark_ptq_eval", "run", str(source), "-o", str(out), "--workdir", str(wd),
+            "--scheme", "int4_wo_128", "--calib-data", str(corpus), "--num-calib-samples", "16", "--calib-seq-len",
+            "128", "--offline", "--yes", "--overwrite", "--eval-tier", "ppl", "--seq-len", "128", "--max-windows",
+            "16", "--baseline", "--remedies", str(remedies)]
+    started = time.perf_counter()
+    with open(work / "run.log", "w") as log:
+        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
+    results = json.loads((wd / "eval_results.json").read_text()) if (wd / "eval_results.json").exists() else {}
+    return results, time.perf_counter() - started, rc
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--remedies", type=int, default=2)
+    ap.add_argument("--factor", type=float, default=32.0, help="the super weight's factor (a power of two)")
+    args = ap.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    source, corpus = fixture(args.work, args.factor)
+    load_before = os.getloadavg()[0]
+    results, wall, rc = run(args.work, source, corpus, args.remedies)
+    remedies = (results.get("details") or {}).get("remedies") or {}
+    original = remedies.get("original") or {}
+    print(f"run rc {rc}, {wall:.0f} s; verdict {results.get('verdict')}; load {load_before:.2f} -> "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"original: KL {original.get('kl_mean')}, ΔNLL {original.get('delta_nll')} {original.get('delta_nll_ci95')}")
+    for row in remedies.get("variants") or []:
+        print(f"  {row['label']}: {row['changed']}: KL {row.get('kl_mean')}, ΔNLL {row.get('delta_nll')} "
+              f"{row.get('delta_nll_ci95')}, {row.get('verdict')}: {row['outcome']}")
+    print(f"cause: {remedies.get('cause')}")
+    print(f"recommended: {(remedies.get('recommendation') or {}).get('label')}")
+    runtime = remedies.get("runtime") or {}
+    ratio = runtime.get("estimated_over_actual")
+    print(f"remedies' time: estimated {runtime.get('estimated_s')} s, measured {runtime.get('actual_s')} s, "
+          f"estimate/actual {ratio if ratio is None else round(ratio, 2)} (bound: 0.7-1.3)")
+    (args.work / "remedies.json").write_text(json.dumps({"rc": rc, "wall_s": wall, "load_before": load_before,
+                                                          "remedies": remedies}, indent=2), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
