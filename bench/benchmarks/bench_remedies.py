@@ -2,11 +2,11 @@
 before they ran against the time they took.
 
 The fixture: the trained 8-block tiny Llama with the traits real LLMs have (tests/fixtures/traits.py), plus a
-"super weight" in block ``BLOCK``'s MLP: down_proj's column ``CHANNEL`` x F and up_proj's row ``CHANNEL`` / F, an
-exact, function-preserving rescale (F a power of two) that leaves one input column of down_proj F times the others,
-as the few huge down_proj weights of trained LLMs are. Under a 4-bit weight-only scheme with groups of 128 along
-the input, that column sets its group's scale in every row and the group's other weights round to zero: the block
-carries the damage; the other blocks quantize as usual.
+"super weight" in each group of 128 inputs of block ``BLOCK``'s down_proj and o_proj (traits.super_weights: an
+exact, function-preserving rescale by a power of two F with up_proj's and v_proj's rows, as the few huge down_proj
+weights of trained LLMs are). Under a 4-bit weight-only scheme with groups of 128 along the input, such a column
+sets its group's scale in every row and the group's other weights round to zero: the block carries the damage;
+the other blocks quantize as usual.
 
 The run: ``quark-ptq-eval run SRC --scheme int4_wo_128 --eval-tier ppl --baseline --remedies N --yes`` (validation
 with its defaults: the load check names the worst module). It prints each variant's KL, ΔNLL interval and outcome,
@@ -26,20 +26,20 @@ import sys
 import time
 from pathlib import Path
 
-BLOCK, CHANNEL = 3, 5
+BLOCK = 0  # the block a tiny trained model leans on (removing block 1 costs KL 0.001, block 0 KL 1.0)
 
 
 def fixture(work: Path, factor: float) -> tuple[Path, Path]:
     """(source, corpus): built once under ``work``."""
     from quark_ptq_eval.flows.demo import build_corpus
-    from tests.fixtures.traits import mlp_outlier, trained_with_traits
+    from tests.fixtures.traits import super_weights, trained_with_traits
 
-    corpus, source = work / "corpus.txt", work / f"tiny-llama-8-super-weight-{int(factor)}"
+    corpus, source = work / "corpus.txt", work / f"tiny-llama-8-super-weights-attn-{BLOCK}-{int(factor)}"
     if not corpus.exists():
         build_corpus(corpus)
     if not (source / "config.json").exists():
         trained_with_traits(source, corpus, arch="llama", layers=8)
-        mlp_outlier(source, BLOCK, CHANNEL, 1.0 / factor)  # up_proj's row / F, down_proj's column x F: exact
+        super_weights(source, BLOCK, factor)
     return source, corpus
 
 

@@ -35,6 +35,10 @@ def validate_step(flow: Flow, plan: QuantPlan) -> ValidationReport:
         report.write(run.workdir)
         run.ui.info(f"Validation found problems with a safe fix:\n{fixes}")
 
+    if not flow.opts.no_load_check:  # it loads models: their libraries' import timed as the cold start it is
+        from quark_ptq_eval.base.quark_import import import_torch_stack
+
+        import_torch_stack()
     report = _checked(flow, source, plan_json)
     report = fix_and_revalidate(report, run.gates, lambda: _checked(flow, source, plan_json), announce)
     if plan.calibration:

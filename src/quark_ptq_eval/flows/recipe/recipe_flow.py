@@ -22,7 +22,7 @@ from quark_ptq_eval.execute.runner import EngineRunner
 from quark_ptq_eval.flows.recipe.run_options import RunOptions
 from quark_ptq_eval.runtime.vllm_server import ServerHandover
 
-IMPORT_SUFFIX = "_quark_import"  # a timed phase's share spent importing quark.torch (with torch and transformers)
+IMPORT_SUFFIX = "_imports"  # a timed phase's share spent importing torch, transformers and quark.torch
 
 # (output dir, source as compared, the plan as quant_plan.json holds it) -> the evaluation report:
 # Phase 3 given by the caller (compare: Tier 1 against its cached baseline)

@@ -120,7 +120,7 @@ def estimate_s(timings: dict[str, float], results: dict[str, Any], variants: lis
     """What ``variants`` cost, from what this run's own steps took in this process: each variant one quantization,
     one validation and its side of Tier 1 (half of the run's, which scored both sides); the baseline's side once,
     for the comparison's cache. The comparison runs its engines in this process, warm: the cold start this run's
-    validation paid (importing quark.torch, with torch and transformers: measured) is left out of the validations,
+    validation paid (importing torch, transformers and quark.torch: measured) is left out of the validations,
     and out of the quantizations (the engine's child paid the same). A quantization on more calibration samples
     scales with them. None where a step ran in an earlier process (a resumed run)."""
     execute, validate = timings.get(EXECUTE), timings.get(VALIDATE)
