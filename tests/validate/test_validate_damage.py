@@ -195,8 +195,12 @@ def test_run_measures_the_remedies_of_a_harmful_plan_and_recommends_a_healthy_on
         if r["outcome"].startswith("rejected"):
             assert r["label"] != best["label"]
     assert remedies["recommendation"]["command"].startswith("quark-ptq-eval run ")
+    card = Path(remedies["recommendation"]["model_card"]).read_text()  # the chosen export's card says how
+    assert "Recommended by `run --remedies`" in card and best["changed"] in card
+    runtime = remedies["runtime"]  # the estimate said before they ran, beside the time they took
+    assert runtime["estimated_s"] > 0 and runtime["actual_s"] > 0
     markdown = (wd / "eval_report.md").read_text()
     assert "## Remedies, measured" in markdown and f"**Recommendation:** {best['label']}" in markdown
     print("remedies:", [(r["label"], r.get("kl_mean"), r.get("verdict"), r["outcome"]) for r in rows.values()],
           "original KL", remedies["original"]["kl_mean"], "cause", remedies["cause"],
-          "recommended", remedies["recommendation"])
+          "recommended", remedies["recommendation"], "runtime", remedies["runtime"])

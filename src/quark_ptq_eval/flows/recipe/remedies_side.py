@@ -27,6 +27,7 @@ from quark_ptq_eval.evaluate.context import format_duration
 from quark_ptq_eval.evaluate.remedy_variants import (
     Evidence,
     Judged,
+    RemedyRow,
     Scored,
     Variant,
     judge,
@@ -87,7 +88,8 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
     judged = judge(original, variants, measured, verdict)
     best = None if judged.recommendation is None else judged.recommendation.variant
     command = None if best is None else reproduce(flow, plan, best)
-    _write(wd, results, original, judged, command, root, runtime)
+    card = None if judged.recommendation is None else _card(flow, root, judged, judged.recommendation, verdict)
+    _write(wd, results, original, judged, command, root, runtime, card)
     for row in judged.rows:
         ui.info(f"  {row.variant.label}: {row.variant.changed}: {row.outcome} ({row.outcome_detail})")
     if judged.cause:
@@ -172,8 +174,33 @@ def reproduce(flow: Flow, plan: QuantPlan, v: Variant) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def _card(flow: Flow, root: Path, judged: Judged, best: RemedyRow, verdict: str | None) -> Path | None:
+    """The recommended variant's model card, saying it was chosen by measuring the remedies (the comparison's own
+    card, if it wrote one there, chose by its budget: replaced)."""
+    from quark_ptq_eval.base.errors import QpeError
+    from quark_ptq_eval.flows.compare.options import scheme_label
+    from quark_ptq_eval.publish import ComparisonChoice, write_card
+
+    label = scheme_label(best.variant.label)
+    reason = (f"Recommended by `run --remedies` for {flow.model_path}: the run's own plan measured {verdict}; this "
+              f"variant ({best.variant.changed}) measured {best.scored.verdict} (KL {_kl(best.scored.kl_mean)}) and helped "
+              "beyond noise on the same windows against the same baseline" + (f". {judged.cause}." if judged.cause
+                                                                                else "."))
+    choice = ComparisonChoice(reason, tuple(f"{r.variant.label} ({r.outcome})" for r in judged.rows),
+                              str(flow.run.workdir / "eval_report.md"))
+    try:
+        return write_card(root / "work" / label, root / "models" / label, comparison=choice)
+    except QpeError as exc:  # the measurements stand; the card is their hand-off
+        flow.run.ui.info(f"Remedies: no model card for {best.variant.label}: {exc.message}")
+        return None
+
+
+def _kl(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
 def _write(wd: Path, results: dict[str, Any], original: Scored, judged: Judged, command: str | None,
-           root: Path, runtime: Runtime) -> None:
+           root: Path, runtime: Runtime, card: Path | None) -> None:
     """details.remedies in eval_results.json; the remedies section of eval_report.md (replacing an earlier one)."""
     from quark_ptq_eval.evaluate.report import json_safe
 
@@ -182,7 +209,8 @@ def _write(wd: Path, results: dict[str, Any], original: Scored, judged: Judged, 
         "original": original.as_json(), "variants": [r.as_json() for r in judged.rows], "cause": judged.cause,
         "comparison": str(root), "runtime": runtime.as_json(), "recommendation": None if rec is None else {
             "label": rec.variant.label, "changed": rec.variant.changed, "verdict": rec.scored.verdict,
-            "kl_mean": rec.scored.kl_mean, "model_dir": rec.scored.model_dir, "command": command}}
+            "kl_mean": rec.scored.kl_mean, "model_dir": rec.scored.model_dir, "command": command,
+            "model_card": None if card is None else str(card)}}
     write_json(wd / "eval_results.json", json_safe(results))
     report = wd / "eval_report.md"
     text = report.read_text(encoding="utf-8") if report.is_file() else ""
