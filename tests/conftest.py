@@ -54,6 +54,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # is sized to its need (runtime/vllm_sizing.py), not a share of what is free, and no server is pinned to a core.
 SHARED_WORKER = {
     "tests/flows/test_compare.py": "compare", "tests/flows/test_compare_ray.py": "compare",
+    "tests/reliability/test_ray_chaos.py": "compare",  # the Ray files share a worker: one cluster up at a time
 }
 # A group's seconds on one worker of `make test` (round 14's fresh-clone durations, load 1.1-3.5, less what round 15
 # cut): the longest go first, so that the last group to start is a short one and neither worker idles at the end

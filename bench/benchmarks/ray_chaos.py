@@ -128,15 +128,19 @@ class LoopbackCluster:
         where.mkdir(parents=True, exist_ok=True)
         self.head = self._start("head", ["--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false",
                                          f"--dashboard-port={_free_port()}", f"--temp-dir={self.temp}"])
-        self._wait_gcs()
-        self.restore(workers)
+        try:
+            self._wait_gcs()
+            self.restore(workers)
+        except BaseException:
+            self.shutdown()
+            raise
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def _start(self, name: str, args: list[str]) -> Node:
-        log = open(self.where / f"node-{name}.log", "ab")  # noqa: SIM115 - the node's own, closed with it
+        log = open(self.where / f"node-{name}.log", "wb")  # noqa: SIM115 - the node's own, closed with it
         proc = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", *args,
                                  "--node-ip-address=127.0.0.1", f"--object-store-memory={80 * 2**20}",
                                  f"--dashboard-agent-listen-port={_free_port()}", "--disable-usage-stats", "--block"],
@@ -156,9 +160,11 @@ class LoopbackCluster:
             time.sleep(0.5)
         raise SystemExit(f"the Ray head did not come up; see {self.where / 'node-head.log'}")
 
-    def add_worker(self, tries: int = 3) -> Node:
-        """A worker node, once the GCS counts it alive (a start that times out on a busy host is tried again)."""
-        for _ in range(tries):
+    def add_worker(self, tries: int = 6) -> Node:
+        """A worker node, once it is registered with the GCS (`ray start` gives a raylet 30 s to register, which a
+        busy 2-core host can exceed: such a start is tried again)."""
+        for n in range(tries):
+            time.sleep(5.0 * n)
             self.counter += 1
             node = self._start(f"w{self.counter}", [f"--address={self.address}", "--num-cpus=1",
                                                     f"--node-manager-port={_free_port()}"])
@@ -166,7 +172,7 @@ class LoopbackCluster:
             deadline = time.monotonic() + 180
             while node.proc.poll() is None and time.monotonic() < deadline and not self._is_alive(node):
                 time.sleep(0.5)
-            if node.proc.poll() is None and self._is_alive(node):
+            if self._is_alive(node):
                 return node
             self.kill(node)
         raise SystemExit(f"no worker node came up in {tries} tries; see {self.where}")
@@ -185,25 +191,11 @@ class LoopbackCluster:
     def alive(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.proc.poll() is None]
 
-    def wait_dead(self, node_id: str | None, timeout: float = 120) -> None:
-        """Until the GCS no longer counts ``node_id`` alive (a node killed is noticed by its missed heartbeats)."""
-        import ray
-
-        deadline = time.monotonic() + timeout
-        while node_id and time.monotonic() < deadline:
-            if not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
-                return
-            time.sleep(0.5)
-
     def _is_alive(self, node: Node) -> bool:
-        """Whether the GCS counts ``node`` alive, asked by this process (a driver of its own, connected once)."""
-        import ray
-
-        if not ray.is_initialized():
-            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-            ray.init(address=self.address, log_to_driver=False, logging_level="ERROR")
-        node_id = self.node_id_of(node)
-        return bool(node_id) and any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+        """Whether ``node`` runs, registered: `ray start` says so once the GCS has its node info (no driver of
+        this process: a test process may be connected to a cluster of its own)."""
+        log = self.where / f"node-{node.name}.log"
+        return node.proc.poll() is None and "Ray runtime started" in log.read_text(encoding="utf-8", errors="replace")
 
     def kill(self, node: Node, sig: int = signal.SIGKILL) -> None:
         kill_group(node.proc.pid, sig)
@@ -222,12 +214,9 @@ class LoopbackCluster:
             self.add_worker()
 
     def shutdown(self) -> None:
-        import ray
-
         for driver in DRIVERS:
             if driver.poll() is None:
                 kill_group(driver.pid)
-        ray.shutdown()
         for node in [*self.nodes.values(), self.head]:
             kill_group(node.proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -408,7 +397,8 @@ def _wait(driver: subprocess.Popen, seconds: float) -> bool:
 
 def strike(trial: Trial, cluster: LoopbackCluster, driver: subprocess.Popen, out: Path, rng: random.Random,
            t0: float, mode: str | None) -> None:
-    """The trial's fault, at its instant (or, for an engine, at its moment after it)."""
+    """The trial's fault, at its instant (or, for an engine, at its moment after it; ``mode`` for a node kind:
+    ``engine``, the node of the first cell whose engine runs from the instant on)."""
     if not _wait(driver, trial.instant - (time.monotonic() - t0)):
         trial.fault = {"struck": False, "why": "the run ended before the instant"}
         return
@@ -418,6 +408,9 @@ def strike(trial: Trial, cluster: LoopbackCluster, driver: subprocess.Popen, out
         driver.wait()
         trial.fault = {"struck": True, "at": at, "what": "driver", "running": running_cells(trial.flow, out)}
     elif trial.kind in ("worker_kill", "node_replace"):
+        while mode == "engine" and driver.poll() is None and not running_cells(trial.flow, out):
+            time.sleep(0.05)  # the suite's slice: from the instant on, the first node to run a cell's engine
+        at = round(time.monotonic() - t0, 1)
         busy = {a[-1].get("node_id") for key, (root, s) in cells(trial.flow, out).items()
                 if key in running_cells(trial.flow, out) and (a := attempts_of(root, s))}
         workers = cluster.alive()
@@ -426,8 +419,7 @@ def strike(trial: Trial, cluster: LoopbackCluster, driver: subprocess.Popen, out
         trial.fault = {"struck": True, "at": at, "what": node.name, "node_id": cluster.node_id_of(node),
                        "held_cell": bool(holding)}
         cluster.kill(node, signal.SIGKILL if trial.kind == "worker_kill" else signal.SIGTERM)
-        if trial.kind == "node_replace":  # another node joins once the removed one is known gone
-            cluster.wait_dead(trial.fault["node_id"])
+        if trial.kind == "node_replace":  # another node joins once the removed one's processes are gone
             trial.fault["added"] = cluster.add_worker().name
     else:
         _strike_engine(trial, driver, out, rng, t0, mode or rng.choice(("export", "early")))
@@ -465,11 +457,13 @@ def _strike_engine(trial: Trial, driver: subprocess.Popen, out: Path, rng: rando
 
 def run_trial(number: int, flow: str, kind: str, span: float, refs: dict[str, CellResult], cluster: LoopbackCluster,
               assets: Assets, where: Path, rng: random.Random, plant: str | None = None,
-              engine_mode: str | None = None) -> Trial:
+              engine_mode: str | None = None, instant: float | None = None) -> Trial:
+    """One trial: ``instant`` (seconds after the driver's start) overrides the seeded draw over ``span``."""
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
     out, log = where / "out", where / "driver.log"
-    trial = Trial(number, flow, kind, round(rng.uniform(0.05, 0.8) * span, 1))
+    drawn = round(rng.uniform(0.05, 0.8) * span, 1)
+    trial = Trial(number, flow, kind, drawn if instant is None else instant)
     env = node_env(_plant_env(plant), driver=True)
     t0 = time.monotonic()
     driver = start_driver(first_argv(flow, assets, out, cluster.address), log, env)
@@ -596,15 +590,19 @@ def _names_retries(root: Path, scheme: str, trial: Trial, key: str) -> list[str]
 
 # --- the reference and the campaign ----------------------------------------------------------------------------
 def take_reference(flow: str, cluster: LoopbackCluster, assets: Assets, where: Path) -> tuple[float, dict[str, CellResult]]:
-    """The flow undisturbed: its wall time and each cell's result."""
-    shutil.rmtree(where, ignore_errors=True)
-    where.mkdir(parents=True)
-    out = where / "out"
-    t0 = time.monotonic()
-    rc = _finish(start_driver(first_argv(flow, assets, out, cluster.address), where / "driver.log", node_env(driver=True)))
-    seconds = time.monotonic() - t0
-    if rc != 0 or not _all_evaluated(flow, out):
-        raise SystemExit(f"the undisturbed {flow} did not finish (exit {rc}); see {where / 'driver.log'}")
+    """The flow undisturbed: its wall time and each cell's result (an earlier campaign's, under the same root,
+    when it finished: ``reference.json`` keeps its wall time)."""
+    out, kept = where / "out", where / "reference.json"
+    if not (kept.is_file() and _all_evaluated(flow, out)):
+        shutil.rmtree(where, ignore_errors=True)
+        where.mkdir(parents=True)
+        t0 = time.monotonic()
+        rc = _finish(start_driver(first_argv(flow, assets, out, cluster.address), where / "driver.log",
+                                  node_env(driver=True)))
+        if rc != 0 or not _all_evaluated(flow, out):
+            raise SystemExit(f"the undisturbed {flow} did not finish (exit {rc}); see {where / 'driver.log'}")
+        kept.write_text(json.dumps({"seconds": round(time.monotonic() - t0, 1)}), encoding="utf-8")
+    seconds = float(json.loads(kept.read_text(encoding="utf-8"))["seconds"])
     return seconds, {f"{flow}:{key}": cell_result(root, s) for key, (root, s) in cells(flow, out).items()}
 
 
@@ -656,8 +654,10 @@ def main(argv: list[str] | None = None) -> int:
     assets = build_assets(root / "assets")
     cluster = LoopbackCluster(root / "cluster")
     trials: list[Trial] = []
+    spans: dict[str, float] = {}
+    failure = None
     try:
-        spans, refs = {}, {}
+        refs: dict[str, CellResult] = {}
         for flow in FLOWS:
             spans[flow], got = take_reference(flow, cluster, assets, root / "reference" / flow)
             refs.update(got)
@@ -672,12 +672,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trial {n:3d} {flow:<7} {kind:<12} instant {trial.instant:6.1f} s; {json.dumps(trial.fault)}; "
                   f"runs {trial.runs}; retries {trial.retries}; {trial.seconds:.0f} s; load {os.getloadavg()[0]:.2f}; "
                   f"{'OK' if not trial.mismatches else 'MISMATCH: ' + ' | '.join(trial.mismatches)}", flush=True)
+    except (SystemExit, Exception) as exc:  # noqa: BLE001 - the harness stopped: the trials so far still count
+        failure = f"the campaign stopped after {len(trials)} trials: {exc}"
+        print(failure, flush=True)
     finally:
         cluster.shutdown()
-    summary = summarize(trials, spans, args.seed, started)
+    summary = {**summarize(trials, spans, args.seed, started), "stopped": failure}
     (root / "campaign.json").write_text(json.dumps({**summary, "detail": [asdict(t) for t in trials]}, indent=1))
     print(table(summary), flush=True)
-    return 1 if summary["mismatches"] else 0
+    return 1 if summary["mismatches"] or failure else 0
 
 
 if __name__ == "__main__":
