@@ -13,7 +13,10 @@ with its defaults: the load check names the worst module). It prints each varian
 the recommendation, the remedies' estimate (said before they ran) beside their measured time and the ratio, and
 the load average at the start and the end. The issue's bound on the estimate: within 30 % of the time taken.
 
-    .venv/bin/python -m bench.benchmarks.bench_remedies --work DIR [--remedies 2] [--factor 32]
+    .venv/bin/python -m bench.benchmarks.bench_remedies --work DIR [--case super-weights|smoothquant] [--remedies 2]
+
+``--case smoothquant``: the trained 8-block tiny Qwen2 with outlier channels (no massive activation), ``int8`` +
+SmoothQuant, the plan's own advice for int8: the remedies should measure the plan without SmoothQuant.
 """
 
 from __future__ import annotations
@@ -29,28 +32,38 @@ from pathlib import Path
 BLOCK = 0  # the block a tiny trained model leans on (removing block 1 costs KL 0.001, block 0 KL 1.0)
 
 
-def fixture(work: Path, factor: float) -> tuple[Path, Path]:
+def fixture(work: Path, case: str, factor: float) -> tuple[Path, Path]:
     """(source, corpus): built once under ``work``."""
     from quark_ptq_eval.flows.demo import build_corpus
     from tests.fixtures.traits import super_weights, trained_with_traits
 
-    corpus, source = work / "corpus.txt", work / f"tiny-llama-8-super-weights-attn-{BLOCK}-{int(factor)}"
+    corpus = work / "corpus.txt"
     if not corpus.exists():
         build_corpus(corpus)
+    if case == "smoothquant":  # the issue's Qwen2: outlier channels (exact rescales), no massive activation
+        source = work / "tiny-qwen2-8-traits"
+        if not (source / "config.json").exists():
+            trained_with_traits(source, corpus, arch="qwen2", layers=8)
+        return source, corpus
+    source = work / f"tiny-llama-8-super-weights-attn-{BLOCK}-{int(factor)}"
     if not (source / "config.json").exists():
         trained_with_traits(source, corpus, arch="llama", layers=8)
         super_weights(source, BLOCK, factor)
     return source, corpus
 
 
-def run(work: Path, source: Path, corpus: Path, remedies: int) -> tuple[dict, float, int]:
-    wd, out = work / "run", work / "out"
+CASES = {"super-weights": ["--scheme", "int4_wo_128"],  # one block carries the harm under a 4-bit scheme
+         "smoothquant": ["--scheme", "int8", "--algorithm", "smoothquant"]}  # the plan's advice for int8 as the harm
+
+
+def run(work: Path, case: str, source: Path, corpus: Path, remedies: int) -> tuple[dict, float, int]:
+    wd, out = work / f"run-{case}", work / f"out-{case}"
     argv = [sys.executable, "-m", "quark_ptq_eval", "run", str(source), "-o", str(out), "--workdir", str(wd),
-            "--scheme", "int4_wo_128", "--calib-data", str(corpus), "--num-calib-samples", "16", "--calib-seq-len",
+            *CASES[case], "--calib-data", str(corpus), "--num-calib-samples", "16", "--calib-seq-len",
             "128", "--offline", "--yes", "--overwrite", "--eval-tier", "ppl", "--seq-len", "128", "--max-windows",
             "16", "--baseline", "--remedies", str(remedies)]
     started = time.perf_counter()
-    with open(work / "run.log", "w") as log:
+    with open(work / f"run-{case}.log", "w") as log:
         rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
     results = json.loads((wd / "eval_results.json").read_text()) if (wd / "eval_results.json").exists() else {}
@@ -60,13 +73,14 @@ def run(work: Path, source: Path, corpus: Path, remedies: int) -> tuple[dict, fl
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--case", choices=sorted(CASES), default="super-weights")
     ap.add_argument("--remedies", type=int, default=2)
     ap.add_argument("--factor", type=float, default=32.0, help="the super weight's factor (a power of two)")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    source, corpus = fixture(args.work, args.factor)
+    source, corpus = fixture(args.work, args.case, args.factor)
     load_before = os.getloadavg()[0]
-    results, wall, rc = run(args.work, source, corpus, args.remedies)
+    results, wall, rc = run(args.work, args.case, source, corpus, args.remedies)
     remedies = (results.get("details") or {}).get("remedies") or {}
     original = remedies.get("original") or {}
     print(f"run rc {rc}, {wall:.0f} s; verdict {results.get('verdict')}; load {load_before:.2f} -> "
@@ -81,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     ratio = runtime.get("estimated_over_actual")
     print(f"remedies' time: estimated {runtime.get('estimated_s')} s, measured {runtime.get('actual_s')} s, "
           f"estimate/actual {ratio if ratio is None else round(ratio, 2)} (bound: 0.7-1.3)")
-    (args.work / "remedies.json").write_text(json.dumps({"rc": rc, "wall_s": wall, "load_before": load_before,
+    (args.work / f"remedies-{args.case}.json").write_text(json.dumps({"rc": rc, "wall_s": wall, "load_before": load_before,
                                                           "remedies": remedies}, indent=2), encoding="utf-8")
 
 
