@@ -89,7 +89,8 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
     best = None if judged.recommendation is None else judged.recommendation.variant
     command = None if best is None else reproduce(flow, plan, best)
     card = None if judged.recommendation is None else _card(flow, root, judged, judged.recommendation, verdict)
-    _write(wd, results, original, judged, command, root, runtime, card)
+    details = _details(original, judged, command, root, runtime, card)
+    _write(wd, results, details, table_markdown(original, judged, command))
     for row in judged.rows:
         ui.info(f"  {row.variant.label}: {row.variant.changed}: {row.outcome} ({row.outcome_detail})")
     if judged.cause:
@@ -199,19 +200,23 @@ def _kl(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
-def _write(wd: Path, results: dict[str, Any], original: Scored, judged: Judged, command: str | None,
-           root: Path, runtime: Runtime, card: Path | None) -> None:
+def _details(original: Scored, judged: Judged, command: str | None, root: Path, runtime: Runtime,
+             card: Path | None) -> dict[str, Any]:
+    """eval_results.json's details.remedies."""
+    rec = judged.recommendation
+    return {"original": original.as_json(), "variants": [r.as_json() for r in judged.rows], "cause": judged.cause,
+            "comparison": str(root), "runtime": runtime.as_json(), "recommendation": None if rec is None else {
+                "label": rec.variant.label, "changed": rec.variant.changed, "verdict": rec.scored.verdict,
+                "kl_mean": rec.scored.kl_mean, "model_dir": rec.scored.model_dir, "command": command,
+                "model_card": None if card is None else str(card)}}
+
+
+def _write(wd: Path, results: dict[str, Any], details: dict[str, Any], markdown: str) -> None:
     """details.remedies in eval_results.json; the remedies section of eval_report.md (replacing an earlier one)."""
     from quark_ptq_eval.evaluate.report import json_safe
 
-    rec = judged.recommendation
-    results.setdefault("details", {})["remedies"] = {
-        "original": original.as_json(), "variants": [r.as_json() for r in judged.rows], "cause": judged.cause,
-        "comparison": str(root), "runtime": runtime.as_json(), "recommendation": None if rec is None else {
-            "label": rec.variant.label, "changed": rec.variant.changed, "verdict": rec.scored.verdict,
-            "kl_mean": rec.scored.kl_mean, "model_dir": rec.scored.model_dir, "command": command,
-            "model_card": None if card is None else str(card)}}
+    results.setdefault("details", {})["remedies"] = details
     write_json(wd / "eval_results.json", json_safe(results))
     report = wd / "eval_report.md"
     text = report.read_text(encoding="utf-8") if report.is_file() else ""
-    atomic_write_text(report, SECTION.sub("", text).rstrip("\n") + "\n\n" + table_markdown(original, judged, command))
+    atomic_write_text(report, SECTION.sub("", text).rstrip("\n") + "\n\n" + markdown)
