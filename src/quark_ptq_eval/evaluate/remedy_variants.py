@@ -207,15 +207,15 @@ def _cause(rows: list[RemedyRow], original: Scored, verdict: str | None) -> str 
     removed, kept = by_kind.get("algorithm_removed"), by_kind.get("block_kept")
     if removed is not None and removed.outcome == HELPED:
         return (f"{removed.variant.changed.replace(' removed', '')} is the cause: the same plan without it is "
-                f"{removed.scored.verdict} (KL {_fmt(removed.scored.kl_mean)} against the original's "
-                f"{_fmt(original.kl_mean)})")
+                f"{removed.scored.verdict} (KL {fmt(removed.scored.kl_mean)} against the original's "
+                f"{fmt(original.kl_mean)})")
     if kept is not None and kept.outcome == HELPED:
         cleared = "" if removed is None else (
             f"; without {removed.variant.changed.replace(' removed', '')} it is {removed.scored.verdict} "
-            f"(KL {_fmt(removed.scored.kl_mean)}, {removed.outcome}): not the algorithm")
+            f"(KL {fmt(removed.scored.kl_mean)}, {removed.outcome}): not the algorithm")
         return (f"{kept.variant.changed.replace(' kept unquantized', '')} carries the harm: kept unquantized the model "
-                f"is {kept.scored.verdict} (KL {_fmt(kept.scored.kl_mean)} against the original's "
-                f"{_fmt(original.kl_mean)}){cleared}")
+                f"is {kept.scored.verdict} (KL {fmt(kept.scored.kl_mean)} against the original's "
+                f"{fmt(original.kl_mean)}){cleared}")
     return None
 
 
@@ -226,7 +226,7 @@ def _outcome(row: Scored, original: Scored) -> tuple[str, str]:
     lo, hi = _interval(row)
     olo, ohi = _interval(original)
     d, od = row.delta_nll, original.delta_nll
-    said = f"ΔNLL {_fmt(d)} [{_fmt(lo)}, {_fmt(hi)}] against the original's {_fmt(od)} [{_fmt(olo)}, {_fmt(ohi)}]"
+    said = f"ΔNLL {fmt(d)} [{fmt(lo)}, {fmt(hi)}] against the original's {fmt(od)} [{fmt(olo)}, {fmt(ohi)}]"
     if hi < olo:
         return HELPED, said
     if lo > ohi:
@@ -245,7 +245,8 @@ def _num(x: object, default: float = math.inf) -> float:
     return float(x) if isinstance(x, int | float) and math.isfinite(x) else default
 
 
-def _fmt(x: object, digits: int = 4) -> str:
+def fmt(x: object, digits: int = 4) -> str:
+    """A measured number as the remedies' table and card show it ('-' where unknown)."""
     return f"{x:.{digits}g}" if isinstance(x, int | float) and math.isfinite(x) else "-"
 
 
@@ -264,15 +265,15 @@ def table_markdown(original: Scored, judged: Judged, command: str | None) -> str
         text += ["", f"**Cause:** {judged.cause}."]
     rec = judged.recommendation
     text += ["", f"**Recommendation:** {rec.variant.label} ({rec.variant.changed}; {rec.scored.verdict}, KL "
-             f"{_fmt(rec.scored.kl_mean)})" + (f", reproduced by `{command}`" if command else "") + "." if rec else
+             f"{fmt(rec.scored.kl_mean)})" + (f", reproduced by `{command}`" if command else "") + "." if rec else
              "**Recommendation:** none: no variant helped beyond noise; none is better than the original."]
     return "\n".join(text) + "\n"
 
 
 def _line(label: str, changed: str, r: Scored, outcome: str) -> str:
     size = _num(r.size_bytes)
-    cells = [label, changed, _fmt(r.bits_per_weight, 3), f"{size / 2**20:.2f} MiB" if math.isfinite(size) else "-",
-             _fmt(r.kl_mean), _fmt(r.ppl_increase_pct, 3),
-             f"{_fmt(r.delta_nll)} [{', '.join(_fmt(x) for x in r.delta_nll_ci95)}]",
-             _fmt(r.top1_agreement, 3), str(r.validation or "-"), str(r.verdict or "-"), outcome]
+    cells = [label, changed, fmt(r.bits_per_weight, 3), f"{size / 2**20:.2f} MiB" if math.isfinite(size) else "-",
+             fmt(r.kl_mean), fmt(r.ppl_increase_pct, 3),
+             f"{fmt(r.delta_nll)} [{', '.join(fmt(x) for x in r.delta_nll_ci95)}]",
+             fmt(r.top1_agreement, 3), str(r.validation or "-"), str(r.verdict or "-"), outcome]
     return "| " + " | ".join(cells) + " |"

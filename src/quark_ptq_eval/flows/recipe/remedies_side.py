@@ -30,6 +30,7 @@ from quark_ptq_eval.evaluate.remedy_variants import (
     RemedyRow,
     Scored,
     Variant,
+    fmt,
     judge,
     propose,
     table_markdown,
@@ -108,14 +109,17 @@ class Runtime:
     estimated_s: float | None
     actual_s: float
 
+    @property
+    def ratio(self) -> float | None:
+        return None if self.estimated_s is None or not self.actual_s else self.estimated_s / self.actual_s
+
     def said(self) -> str:
-        ratio = "" if self.estimated_s is None else (f" against the {self.estimated_s:.0f} s estimated "
-                                                      f"(estimate/actual {self.estimated_s / self.actual_s:.2f})")
-        return f"measured in {self.actual_s:.0f} s{ratio}"
+        against = "" if self.ratio is None else (f" against the {self.estimated_s:.0f} s estimated "
+                                                  f"(estimate/actual {self.ratio:.2f})")
+        return f"measured in {self.actual_s:.0f} s{against}"
 
     def as_json(self) -> dict[str, float | None]:
-        ratio = None if self.estimated_s is None or not self.actual_s else self.estimated_s / self.actual_s
-        return {"estimated_s": self.estimated_s, "actual_s": round(self.actual_s, 1), "estimated_over_actual": ratio}
+        return {"estimated_s": self.estimated_s, "actual_s": round(self.actual_s, 1), "estimated_over_actual": self.ratio}
 
 
 def estimate_s(timings: dict[str, float], results: dict[str, Any], variants: list[Variant],
@@ -184,7 +188,7 @@ def _card(flow: Flow, root: Path, judged: Judged, best: RemedyRow, verdict: str 
 
     label = scheme_label(best.variant.label)
     reason = (f"Recommended by `run --remedies` for {flow.model_path}: the run's own plan measured {verdict}; this "
-              f"variant ({best.variant.changed}) measured {best.scored.verdict} (KL {_kl(best.scored.kl_mean)}) and helped "
+              f"variant ({best.variant.changed}) measured {best.scored.verdict} (KL {fmt(best.scored.kl_mean)}) and helped "
               "beyond noise on the same windows against the same baseline" + (f". {judged.cause}." if judged.cause
                                                                                 else "."))
     choice = ComparisonChoice(reason, tuple(f"{r.variant.label} ({r.outcome})" for r in judged.rows),
@@ -194,10 +198,6 @@ def _card(flow: Flow, root: Path, judged: Judged, best: RemedyRow, verdict: str 
     except QpeError as exc:  # the measurements stand; the card is their hand-off
         flow.run.ui.info(f"Remedies: no model card for {best.variant.label}: {exc.message}")
         return None
-
-
-def _kl(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
 
 
 def _details(original: Scored, judged: Judged, command: str | None, root: Path, runtime: Runtime,
