@@ -11,7 +11,9 @@ the other blocks quantize as usual.
 The run: ``quark-ptq-eval run SRC --scheme int4_wo_128 --eval-tier ppl --baseline --remedies N --yes`` (validation
 with its defaults: the load check names the worst module). It prints each variant's KL, ΔNLL interval and outcome,
 the recommendation, the remedies' estimate (said before they ran) beside their measured time and the ratio, and
-the load average at the start and the end. The issue's bound on the estimate: within 30 % of the time taken.
+the load average at the start and the end. The issue's bound on the estimate: within 30 % of the time taken. Two
+estimates: the one said before any variant ran (from the run's own steps, which paid a cold start the comparison's
+warm engines do not), and the pilot's (remedies_side.Pilot: the first variant timed, the others estimated from it).
 
     .venv/bin/python -m bench.benchmarks.bench_remedies --work DIR [--case super-weights|smoothquant] [--remedies 2]
 
@@ -95,6 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     ratio = runtime.get("estimated_over_actual")
     print(f"remedies' time: estimated {runtime.get('estimated_s')} s, measured {runtime.get('actual_s')} s, "
           f"estimate/actual {ratio if ratio is None else round(ratio, 2)} (bound: 0.7-1.3)")
+    pilot = runtime.get("pilot") or {}
+    print(f"pilot: {pilot.get('variant')} took {pilot.get('seconds')} s; the others estimated "
+          f"{pilot.get('rest_estimated_s')} s, measured {pilot.get('rest_actual_s')} s, estimate/actual "
+          f"{pilot.get('rest_estimated_over_actual')} (bound: 0.7-1.3)")
     (args.work / f"remedies-{args.case}.json").write_text(json.dumps({"rc": rc, "wall_s": wall, "load_before": load_before,
                                                           "remedies": remedies}, indent=2), encoding="utf-8")
 

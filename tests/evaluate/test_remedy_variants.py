@@ -3,6 +3,8 @@ and how measured variants are judged beside the original. The real run is tests/
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from quark_ptq_eval.evaluate.remedy_variants import HELPED, Evidence, Scored, judge, propose, table_markdown
 from quark_ptq_eval.plan.request import PlanChange
 
@@ -83,3 +85,54 @@ def test_the_estimate_scales_from_what_this_runs_own_steps_took():
     assert estimate_s({EXECUTE: 100.0, VALIDATE: 30.0}, results, variants[:1], 16) == 20 + (100 + 30 + 20)
     assert estimate_s({VALIDATE: 30.0}, results, variants, 16) is None
     assert estimate_s(timings, {}, variants, 16) is None
+
+
+def test_the_pilot_estimates_the_others_from_the_first_variant_as_it_ran_here(tmp_path, monkeypatch):
+    """The first variant is timed from its start to its end (the comparison's progress events); the others are said
+    from it at once, its quantization share (its run summary's steps) scaled by each one's calibration samples, and
+    set beside the time they took. Only one variant: nothing to estimate."""
+    from quark_ptq_eval.base.fsio import write_json
+    from quark_ptq_eval.flows.recipe import remedies_side
+    from quark_ptq_eval.flows.recipe.remedies_side import EXECUTE, Pilot
+
+    clock = iter([0.0, 10.0, 30.0, 95.0]).__next__  # began, first started, first done, the others ended
+    monkeypatch.setattr(remedies_side.time, "monotonic", clock)
+    variants = propose(SQ, DAMAGE, 3)  # the third: 16 -> 64 calibration samples
+    first = variants[0].label
+    write_json(tmp_path / "work" / first / "run_summary.json", {"timings_s": {EXECUTE: 6.0, "phase2_validate": 2.0,
+                                                                              "phase3_eval": 2.0, EXECUTE + "_imports": 50.0}})
+    said: list[str] = []
+    pilot = Pilot(variants, 16, tmp_path, said.append)
+    for event, label in [("started", first), ("done", first), ("started", variants[1].label)]:
+        pilot(event, label)
+    # 20 s each: 40 % others, 60 % quantization (the imports are not a step); the third's quantization x4
+    assert pilot.rest_estimated_s == 20.0 + 20 * (0.4 + 0.6 * 4)
+    assert len(said) == 1 and said[0].startswith(f"Remedies: {first} took 20 s here; the other 2: about "), said
+    result = pilot.result()
+    assert result is not None and result.rest_actual_s == 65.0 and result.seconds == 20.0
+    assert result.as_json()["rest_estimated_over_actual"] == round(76.0 / 65.0, 3)
+    monkeypatch.setattr(remedies_side.time, "monotonic", iter([0.0, 1.0, 2.0]).__next__)
+    lone = Pilot(variants[:1], 16, tmp_path, said.append)
+    lone("started", first)
+    lone("done", first)
+    assert lone.result() is None
+
+
+def test_what_the_target_serves_natively_is_shown_and_preferred():
+    """The served column follows the plan's own target (its native formats; weight-only runs anywhere), and among
+    healthy variants that helped beyond noise the one the target runs natively is recommended over a lower KL
+    it would emulate."""
+    from quark_ptq_eval.flows.recipe.remedies_side import on_target
+
+    mi300x = {"label": "MI300X", "native_formats": ["fp8", "int8"]}
+    assert on_target({"global_scheme": "int8", "target": mi300x}) == "native on MI300X"
+    assert on_target({"global_scheme": "int4_wo_128", "target": mi300x}) == "native on MI300X"
+    assert on_target({"global_scheme": "mxfp4", "target": mi300x}) == "emulated on MI300X"
+    assert on_target({"global_scheme": "int8"}) is None and on_target(None) is None
+    variants = propose(SQ, DAMAGE, 2)
+    original = _row(0.30, 0.25, 0.35, 0.30, "hurt")
+    emulated = replace(_row(0.001, -0.01, 0.01, 0.001, "healthy"), on_target="emulated on MI300X")
+    native = replace(_row(0.01, 0.0, 0.02, 0.01, "healthy"), on_target="native on MI300X")
+    judged = judge(original, variants, {variants[0].label: emulated, variants[1].label: native}, "hurt")
+    assert judged.recommendation is not None and judged.recommendation.variant == variants[1]
+    assert "| emulated on MI300X |" in table_markdown(original, judged, None)

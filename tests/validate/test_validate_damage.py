@@ -199,6 +199,10 @@ def test_run_measures_the_remedies_of_a_harmful_plan_and_recommends_a_healthy_on
     assert "Recommended by `run --remedies`" in card and best["changed"] in card
     runtime = remedies["runtime"]  # the estimate said before they ran, beside the time they took
     assert runtime["estimated_s"] > 0 and runtime["actual_s"] > 0
+    pilot = runtime["pilot"]  # the first variant timed here, the other two said from it, then measured
+    assert pilot["variant"] == "int8-without-smoothquant" and pilot["rest_estimated_s"] > 0 < pilot["rest_actual_s"]
+    assert pilot["seconds"] + pilot["rest_actual_s"] <= runtime["actual_s"]
+    assert {r["on_target"] for r in rows.values()} == {"native on this host"}  # int8: this CPU's native format
     markdown = (wd / "eval_report.md").read_text()
     assert "## Remedies, measured" in markdown and f"**Recommendation:** {best['label']}" in markdown
     print("remedies:", [(r["label"], r.get("kl_mean"), r.get("verdict"), r["outcome"]) for r in rows.values()],

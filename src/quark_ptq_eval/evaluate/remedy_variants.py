@@ -150,6 +150,7 @@ class Scored:
     model_dir: str | None = None
     failed_step: str | None = None
     error: str | None = None
+    on_target: str | None = None  # "native on <target>" / "emulated on <target>" (flows/recipe/remedies_side.on_target)
 
     @classmethod
     def of(cls, row: Mapping[str, object]) -> Scored:
@@ -194,7 +195,8 @@ def judge(original: Scored, variants: list[Variant], measured: Mapping[str, Scor
         scored = measured.get(v.label, Scored())
         rows.append(RemedyRow(v, scored, *_outcome(scored, original)))
     eligible = [r for r in rows if r.outcome == HELPED]
-    eligible.sort(key=lambda r: (r.scored.verdict != "healthy", _num(r.scored.kl_mean), _num(r.scored.size_bytes)))
+    eligible.sort(key=lambda r: (r.scored.verdict != "healthy", str(r.scored.on_target).startswith("emulated"),
+                                 _num(r.scored.kl_mean), _num(r.scored.size_bytes)))
     return Judged(rows, eligible[0] if eligible else None, _cause(rows, original, original_verdict))
 
 
@@ -253,7 +255,7 @@ def fmt(x: object, digits: int = 4) -> str:
 def table_markdown(original: Scored, judged: Judged, command: str | None) -> str:
     """The remedies section of eval_report.md."""
     head = ("| variant | what changed | bits/weight | size | KL | ΔPPL % | ΔNLL [95 % CI] | top-1 | validation | "
-            "verdict | outcome |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "served | verdict | outcome |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = [_line("original (this run)", "-", original, "-"),
              *(_line(r.variant.label, r.variant.changed, r.scored, r.outcome) for r in judged.rows)]
     text = ["## Remedies, measured", "",
@@ -275,5 +277,5 @@ def _line(label: str, changed: str, r: Scored, outcome: str) -> str:
     cells = [label, changed, fmt(r.bits_per_weight, 3), f"{size / 2**20:.2f} MiB" if math.isfinite(size) else "-",
              fmt(r.kl_mean), fmt(r.ppl_increase_pct, 3),
              f"{fmt(r.delta_nll)} [{', '.join(fmt(x) for x in r.delta_nll_ci95)}]",
-             fmt(r.top1_agreement, 3), str(r.validation or "-"), str(r.verdict or "-"), outcome]
+             fmt(r.top1_agreement, 3), str(r.validation or "-"), r.on_target or "-", str(r.verdict or "-"), outcome]
     return "| " + " | ".join(cells) + " |"

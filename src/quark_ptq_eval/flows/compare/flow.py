@@ -35,7 +35,7 @@ from quark_ptq_eval.runtime.vllm_server import ServerHandover
 if TYPE_CHECKING:
     from quark_ptq_eval.flows.compare.speed_handover import CellSpeed
 
-Progress = Callable[[str, str], None]  # (event, scheme): "done" / "failed" / "skipped"
+Progress = Callable[[str, str], None]  # (event, scheme): "started" / "done" / "failed" / "skipped"
 
 
 class _Delegate:
@@ -217,6 +217,7 @@ class Comparison:
         if self._is_current(scheme, baseline):
             return
         self.ui.headline(f"Compare · {scheme}: quantize → validate → evaluate")
+        self.progress("started", scheme)  # what a cell costs is timed from here (run --remedies' pilot)
         runs_before = len(self._engine_runs(scheme))
         # the recipe's own steps to the end; its Phase 3 is Tier 1 against the baseline cached once
         recipe = self._recipe(opts, scheme, {"intake", "plan", "execute"}, quiet=self.ui.quiet)

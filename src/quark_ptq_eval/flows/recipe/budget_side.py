@@ -15,6 +15,7 @@ Giving --budget-bits with a Tier 1 evaluation is the user's yes to these runs, a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from quark_ptq_eval.base.artifacts import QuantPlan
@@ -50,14 +51,16 @@ def measure_side_by_side(flow: Flow, plan: QuantPlan) -> list[Measured]:
     return record_measured(flow.run.workdir, rows, flow.model_path, list(plan.exclude_layers)).measured
 
 
-def compare_cells(flow: Flow, plan: QuantPlan, cells: dict[str, MixCell], root: Path, what: str) -> dict | None:
+def compare_cells(flow: Flow, plan: QuantPlan, cells: dict[str, MixCell], root: Path, what: str,
+                  progress: Callable[[str, str], None] | None = None) -> dict | None:
     """``cells`` quantized, validated and scored by a comparison in ``root`` on the run's Tier 1 windows, against
-    one cached baseline; comparison.json's content, or None where the comparison failed (said, with ``what``)."""
+    one cached baseline; comparison.json's content, or None where the comparison failed (said, with ``what``).
+    ``progress`` hears each cell start and end."""
     from quark_ptq_eval.base.ui import Reporter
     from quark_ptq_eval.execute.in_process import InProcessRunner
     from quark_ptq_eval.flows.compare.flow import Comparison
 
-    comparison = Comparison(root, flow.run.approver, Reporter(quiet=True))
+    comparison = Comparison(root, flow.run.approver, Reporter(quiet=True), progress)
     comparison.engine_runner = InProcessRunner()  # Quark imported once here (the scans did), not once per plan
     try:
         return comparison.run(_options(flow, plan, cells, root))

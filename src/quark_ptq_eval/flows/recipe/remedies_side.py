@@ -17,11 +17,13 @@ from __future__ import annotations
 import re
 import shlex
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.artifacts import QuantPlan
+from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.base.fsio import atomic_write_text, read_json, write_json
 from quark_ptq_eval.evaluate.context import format_duration
 from quark_ptq_eval.evaluate.remedy_variants import (
@@ -78,14 +80,15 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
             f"({', '.join(v.label for v in variants)}){_about(estimate)}")
     cells = {v.label: MixCell(v.scheme, dict(plan.layer_quant_config), v.request) for v in variants}
     root = wd / REMEDIES_DIR
-    started = time.monotonic()
-    doc = compare_cells(flow, plan, cells, root, "Remedies")
-    runtime = Runtime(estimate, time.monotonic() - started)
-    measured = {r["scheme"]: Scored.of(r) for r in (doc or {}).get("schemes") or []}
+    pilot = Pilot(variants, plan.calibration.get("num_samples"), root, ui.info)
+    doc = compare_cells(flow, plan, cells, root, "Remedies", progress=pilot)
+    runtime = Runtime(estimate, time.monotonic() - pilot.began, pilot.result())
+    measured = {r["scheme"]: Scored.of({**r, "on_target": _served(root / "work" / r["scheme"])})
+                for r in (doc or {}).get("schemes") or []}
     from quark_ptq_eval.flows.compare.results import export_row
 
     original = Scored.of({**export_row(results, flow.output(), flow.model_path),
-                          "validation": (validation or {}).get("status")})
+                          "validation": (validation or {}).get("status"), "on_target": on_target(plan.as_json())})
     judged = judge(original, variants, measured, verdict)
     best = None if judged.recommendation is None else judged.recommendation.variant
     command = None if best is None else reproduce(flow, plan, best)
@@ -102,12 +105,106 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
     return judged
 
 
+class Pilot:
+    """The first variant, timed as it runs in this process, is the pilot of the others: the comparison's engines
+    and checks run warm here, which the run's own cold steps (a fresh engine process, a first validation) cannot
+    show, so the time the others will take is said from it as soon as it ends, and set beside what they took.
+    A variant on more calibration samples scales the pilot's quantization share by them."""
+
+    def __init__(self, variants: list[Variant], samples: int | None, root: Path, say: Callable[[str], None]):
+        self.variants, self.samples, self.root, self.say = {v.label: v for v in variants}, samples, root, say
+        self.began = time.monotonic()
+        self.first: str | None = None
+        self.first_began = self.rest_began = 0.0
+        self.pilot_s: float | None = None
+        self.rest_estimated_s: float | None = None
+
+    def __call__(self, event: str, label: str) -> None:  # the comparison's progress events
+        if event == "started" and self.first is None:
+            self.first, self.first_began = label, time.monotonic()
+        elif event in ("done", "failed") and label == self.first and self.pilot_s is None:
+            self.rest_began = time.monotonic()
+            self.pilot_s = self.rest_began - self.first_began
+            rest = [v for name, v in self.variants.items() if name != label]
+            if rest:
+                self.rest_estimated_s = sum(self._cost(v) for v in rest)
+                self.say(f"Remedies: {label} took {self.pilot_s:.0f} s here; the other {len(rest)}: about "
+                         f"{format_duration(self.rest_estimated_s)}")
+
+    def _cost(self, v: Variant) -> float:
+        assert self.first is not None and self.pilot_s is not None
+        share = _execute_share(self.root / "work" / self.first)
+        return self.pilot_s * (1 - share + share * self._calibration(v) / self._calibration(self.variants[self.first]))
+
+    def _calibration(self, v: Variant) -> float:
+        more = v.request.num_calib_samples
+        return more / self.samples if more and self.samples else 1.0
+
+    def result(self) -> PilotResult | None:
+        """The pilot and the rest's estimate beside the rest's time (None: no variant ended, or only one ran)."""
+        if self.first is None or self.pilot_s is None or self.rest_estimated_s is None:
+            return None
+        return PilotResult(self.first, self.pilot_s, self.rest_estimated_s, time.monotonic() - self.rest_began)
+
+
+def on_target(plan: Mapping[str, Any] | None) -> str | None:
+    """How the plan's deployment target serves its global scheme, by the rule the planner warns by
+    (plan/targets.py ``native_warning``: weight-only and the target's native formats run natively, any other format
+    is emulated or upcast there), from the target quant_plan.json records; None without a plan."""
+    from quark_ptq_eval.plan.targets import format_family
+
+    target = (plan or {}).get("target") or {}
+    scheme = str((plan or {}).get("global_scheme") or "")
+    if not scheme or not target:
+        return None
+    kind = format_family(scheme)
+    native = kind == "weight-only" or kind in (target.get("native_formats") or [])
+    return f"{'native' if native else 'emulated'} on {target.get('label') or 'the target'}"
+
+
+def _served(workdir: Path) -> str | None:
+    """How the deployment target serves a cell's export, by the rule of its own plan (None: no plan written)."""
+    try:
+        return on_target(read_json(workdir / "quant_plan.json", "plan"))
+    except QpeError:
+        return None
+
+
+def _execute_share(workdir: Path) -> float:
+    """The share of a finished cell's time its quantization took (its run summary's step timings; half if unknown)."""
+    try:
+        timings = read_json(workdir / "run_summary.json", "run summary").get("timings_s") or {}
+    except QpeError:  # a cell that failed early may have written none: the even split stands
+        return 0.5
+    steps = {k: float(v) for k, v in timings.items() if isinstance(v, int | float) and not k.endswith(IMPORT_SUFFIX)}
+    total = sum(steps.values())
+    return steps.get(EXECUTE, 0.0) / total if total > 0 else 0.5
+
+
+@dataclass(frozen=True)
+class PilotResult:
+    """The first variant's time, and the others' estimate from it beside the time they took."""
+
+    variant: str
+    seconds: float
+    rest_estimated_s: float
+    rest_actual_s: float
+
+    def as_json(self) -> dict[str, object]:
+        ratio = round(self.rest_estimated_s / self.rest_actual_s, 3) if self.rest_actual_s else None
+        return {"variant": self.variant, "seconds": round(self.seconds, 1),
+                "rest_estimated_s": round(self.rest_estimated_s, 1), "rest_actual_s": round(self.rest_actual_s, 1),
+                "rest_estimated_over_actual": ratio}
+
+
 @dataclass(frozen=True)
 class Runtime:
-    """The remedies' estimate before they ran, and the time they took (quantize, validate, score: all of them)."""
+    """The remedies' estimate before they ran, the time they took (quantize, validate, score: all of them), and the
+    pilot's estimate of the variants after the first beside their time."""
 
     estimated_s: float | None
     actual_s: float
+    piloted: PilotResult | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -116,10 +213,15 @@ class Runtime:
     def said(self) -> str:
         against = "" if self.ratio is None else (f" against the {self.estimated_s:.0f} s estimated "
                                                   f"(estimate/actual {self.ratio:.2f})")
-        return f"measured in {self.actual_s:.0f} s{against}"
+        p = None if self.piloted is None else self.piloted.as_json()
+        after = "" if p is None else (f"; after the first ({p['variant']}, {p['seconds']:.0f} s), the others: "
+                                      f"{p['rest_estimated_s']:.0f} s estimated, {p['rest_actual_s']:.0f} s taken "
+                                      f"(estimate/actual {p['rest_estimated_over_actual']:.2f})")
+        return f"measured in {self.actual_s:.0f} s{against}{after}"
 
-    def as_json(self) -> dict[str, float | None]:
-        return {"estimated_s": self.estimated_s, "actual_s": round(self.actual_s, 1), "estimated_over_actual": self.ratio}
+    def as_json(self) -> dict[str, Any]:
+        return {"estimated_s": self.estimated_s, "actual_s": round(self.actual_s, 1), "estimated_over_actual": self.ratio,
+                "pilot": None if self.piloted is None else self.piloted.as_json()}
 
 
 def estimate_s(timings: dict[str, float], results: dict[str, Any], variants: list[Variant],
@@ -182,7 +284,6 @@ def reproduce(flow: Flow, plan: QuantPlan, v: Variant) -> str:
 def _card(flow: Flow, root: Path, judged: Judged, best: RemedyRow, verdict: str | None) -> Path | None:
     """The recommended variant's model card, saying it was chosen by measuring the remedies (the comparison's own
     card, if it wrote one there, chose by its budget: replaced)."""
-    from quark_ptq_eval.base.errors import QpeError
     from quark_ptq_eval.flows.compare.options import scheme_label
     from quark_ptq_eval.publish import ComparisonChoice, write_card
 
