@@ -191,12 +191,18 @@ def format_family(scheme: str) -> str:
     return next((fam for pattern, fam in FORMAT_OF if re.search(pattern, scheme)), scheme)
 
 
+def runs_natively(scheme: str, native: tuple[str, ...] | list[str]) -> bool:
+    """Whether a target with these native format families runs ``scheme`` natively (weight-only runs anywhere)."""
+    kind = format_family(scheme)
+    return kind == "weight-only" or kind in native
+
+
 def native_warning(scheme: str, target: Target | ArchFamily, label: str) -> str | None:
     """A warning when ``scheme`` has no native support on the target (allowed, but emulated or slower)."""
     fam = target.family if isinstance(target, Target) else target
-    kind = format_family(scheme)
-    if kind == "weight-only" or kind in fam.native:
+    if runs_natively(scheme, fam.native):
         return None
+    kind = format_family(scheme)
     return (f"{scheme} ({kind.upper()}) has no native support on {label} ({fam.arch} runs "
             f"{'/'.join(x.upper() for x in fam.native)} natively): it will be emulated or upcast there, "
             "slower than a native format")

@@ -127,13 +127,13 @@ class Pilot:
             self.pilot_s = self.rest_began - self.first_began
             rest = [v for name, v in self.variants.items() if name != label]
             if rest:
-                self.rest_estimated_s = sum(self._cost(v) for v in rest)
+                share = _execute_share(self.root / "work" / label)  # its run summary, read once
+                self.rest_estimated_s = sum(self._cost(v, share) for v in rest)
                 self.say(f"Remedies: {label} took {self.pilot_s:.0f} s here; the other {len(rest)}: about "
                          f"{format_duration(self.rest_estimated_s)}")
 
-    def _cost(self, v: Variant) -> float:
+    def _cost(self, v: Variant, share: float) -> float:
         assert self.first is not None and self.pilot_s is not None
-        share = _execute_share(self.root / "work" / self.first)
         return self.pilot_s * (1 - share + share * self._calibration(v) / self._calibration(self.variants[self.first]))
 
     def _calibration(self, v: Variant) -> float:
@@ -149,16 +149,15 @@ class Pilot:
 
 def on_target(plan: Mapping[str, Any] | None) -> str | None:
     """How the plan's deployment target serves its global scheme, by the rule the planner warns by
-    (plan/targets.py ``native_warning``: weight-only and the target's native formats run natively, any other format
-    is emulated or upcast there), from the target quant_plan.json records; None without a plan."""
-    from quark_ptq_eval.plan.targets import format_family
+    (plan/targets.py ``runs_natively``, which ``native_warning`` uses: weight-only and the target's native formats run
+    natively, any other format is emulated or upcast there), from the target quant_plan.json records; None without a plan."""
+    from quark_ptq_eval.plan.targets import runs_natively
 
     target = (plan or {}).get("target") or {}
     scheme = str((plan or {}).get("global_scheme") or "")
     if not scheme or not target:
         return None
-    kind = format_family(scheme)
-    native = kind == "weight-only" or kind in (target.get("native_formats") or [])
+    native = runs_natively(scheme, target.get("native_formats") or [])
     return f"{'native' if native else 'emulated'} on {target.get('label') or 'the target'}"
 
 
