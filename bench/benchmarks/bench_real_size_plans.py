@@ -216,6 +216,7 @@ def child(model: str, work: str, scheme: str, target: str) -> None:
         "engine_reason": plan.engine["reason"], "reading": plan.source_reading.get("mode"),
         "reading_reason": plan.source_reading.get("reason"), "fits_here": res["fits"],
         "engine_peak": {"host": res["quantize"]["host_peak_bytes"], "gpu": res["quantize"]["gpu_peak_bytes"]},
+        "blocking": [p["message"] for p in res["problems"] if p["blocking"]],
         "proposals": [p["detail"] for p in res["proposals"]]}))
 
 
@@ -255,7 +256,8 @@ def main() -> None:
               f"({r['format']})\n  output {r['output_bytes'] / gb:.1f} GB vs header count {r['header_count'] / gb:.1f} GB "
               f"(ratio {r['ratio']})\n  serving fit: {r['serving']}\n  engine: {r['engine']} ({r['engine_reason']})\n"
               f"  source reading: {r['reading']}\n  engine peak: host {r['engine_peak']['host'] / 2**30:.0f} GiB, "
-              f"GPU {r['engine_peak']['gpu'] / 2**30:.0f} GiB; fits this host: {r['fits_here']}\n"
+              f"GPU {r['engine_peak']['gpu'] / 2**30:.0f} GiB; fits this host: {r['fits_here']}"
+              f"{''.join(' (' + m + ')' for m in r['blocking'])}\n"
               f"  proposals: {' | '.join(r['proposals']) or '-'}\n"
               f"  intake + plan: {r['seconds']} s, peak RSS {r['peak_rss_mib']} MiB (sparse build {r['build_seconds']} s)")
 

@@ -139,3 +139,21 @@ def test_cli_stops_a_plan_this_host_cannot_hold_before_anything_runs(cli, llama8
     saved = json.loads((wd / "quant_plan.json").read_text())
     assert saved["resources"]["fits"] is False and saved["resources"]["proposals"]
     assert not out.exists() and not (wd / "run_manifest.yaml").exists() and not (wd / "logs").exists()
+
+
+def test_a_plan_only_the_disk_blocks_proposes_another_disk_not_another_host(llama8b_analysis, catalog):
+    """The 405 B fp8 plan here fit the sequential engine in RAM but not its output on disk, and proposed "a host
+    with at least 17.3 GiB of RAM" on a 23.5 GiB host: the proposal now follows what blocks."""
+    info = catalog["scheme_info"]["fp8"]
+    host = {"ram_bytes": 512 * R.GIB, "ram_available_bytes": None, "gpu_bytes_per_device": 0, "gpu_count": 0,
+            "disk_free_bytes": 2 * R.GIB}
+    res = assess(R.QuantizeWorkload(llama8b_analysis, "fp8", info, None, calib(), {"device": "cpu",
+                                                                                  "multi_device": False}), host, [])
+    assert not res["fits"] and [x["what"] for x in res["problems"] if x["blocking"]] == ["disk"]
+    assert [x["change"] for x in res["proposals"]] == ["-o on another disk"]
+    assert R.gb(res["output_bytes"]) in res["proposals"][0]["detail"] and "memory is not the problem" in \
+        res["proposals"][0]["detail"]
+    host["ram_bytes"] = 8 * R.GIB  # memory blocks too: both said, the memory proposals after the disk's
+    changes = [x["change"] for x in assess(R.QuantizeWorkload(llama8b_analysis, "fp8", info, None, calib(),
+                                                             {"device": "cpu", "multi_device": False}), host, [])["proposals"]]
+    assert changes[0] == "-o on another disk" and changes[-1] == "another host"

@@ -104,8 +104,11 @@ def assess(work: QuantizeWorkload, host: dict[str, Any], rerun: list[str], engin
               "in_memory_bytes": ev["host_peak_bytes"], "in_memory_with_baseline_bytes": ev["with_baseline_bytes"]}
     problems = _problems(est, out, ev, host, device)
     fits = not any(p["blocking"] for p in problems)
-    proposals = [] if fits else _proposals(work, host, est, rerun)
-    if not fits and not holds_one_shard(engine) and not holds_one_block(engine):
+    blocked = {p["what"] for p in problems if p["blocking"]}
+    proposals = [*_disk_proposal(out, host, blocked)]
+    if blocked - {"disk"}:  # memory blocks: what would hold the engine (a disk alone needs none of these)
+        proposals += _proposals(work, host, est, rerun)
+    if blocked - {"disk"} and not holds_one_shard(engine) and not holds_one_block(engine):
         proposals[-1:-1] = [*_file2file_proposal(work, host), *_sequential_proposal(work, host)]
     return {"quantize": est, "evaluate": ev, "output_bytes": out, "host": host, "output_basis": output_basis(analysis),
             "fits": fits, "problems": problems, "proposals": proposals}
@@ -135,6 +138,17 @@ def _problems(est: dict[str, Any], out: int, ev: dict[str, Any], host: dict[str,
                          "message": f"only {gb(avail)} of RAM is free right now (other processes); "
                                     f"the engine needs about {gb(est['host_peak_bytes'])}"})
     return problems
+
+
+def _disk_proposal(out: int, host: dict[str, Any], blocked: set[str]) -> list[dict[str, Any]]:
+    """The output does not fit the disk: another output directory, on a disk that holds it (the engine's memory
+    has nothing to do with it, so no memory proposal is made for a disk alone)."""
+    if "disk" not in blocked:
+        return []
+    return [{"change": "-o on another disk",
+             "detail": f"-o on a disk with at least {gb(out)} free (the output's disk has "
+                       f"{gb(host['disk_free_bytes'])}); the plan's memory is not the problem"
+                       if blocked == {"disk"} else f"-o on a disk with at least {gb(out)} free"}]
 
 
 def _proposals(work: QuantizeWorkload, host: dict[str, Any], est: dict[str, Any], rerun: list[str]) -> list[dict[str, Any]]:
