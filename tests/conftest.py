@@ -59,7 +59,9 @@ SHARED_WORKER = {
 # A group's seconds on one worker of `make test` (round 14's fresh-clone durations, load 1.1-3.5, less what round 15
 # cut): the longest go first, so that the last group to start is a short one and neither worker idles at the end
 # (longest-first scheduling). Groups not named here follow, the files with more tests first (xdist's own order).
-# "compare" includes the Ray chaos slice since round 23 (~240 s of its own beyond the shared tiny model).
+# "compare" includes the Ray chaos slice since round 23 (its planted trial and a local reference since round 25:
+# ~200 s of its own beyond the shared tiny model; the campaign's checks on real code run on test_compare_ray's
+# comparison that loses a node).
 GROUP_SECONDS = {
     "compare": 880, "tests/evaluate/speed/test_speed_real_vllm.py": 600, "tests/flows/test_budget_search.py": 420,
     "tests/publish/test_model_card.py": 330, "tests/flows/test_pipeline.py": 240,
