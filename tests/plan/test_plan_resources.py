@@ -157,3 +157,24 @@ def test_a_plan_only_the_disk_blocks_proposes_another_disk_not_another_host(llam
     changes = [x["change"] for x in assess(R.QuantizeWorkload(llama8b_analysis, "fp8", info, None, calib(),
                                                              {"device": "cpu", "multi_device": False}), host, [])["proposals"]]
     assert changes[0] == "-o on another disk" and changes[-1] == "another host"
+
+
+def test_where_the_sequential_engine_is_over_the_host_with_the_plans_calibration_fewer_samples_are_proposed(
+        llama8b_analysis, catalog):
+    """Llama-3.1-405B fp8 for MI300X here: the sequential engine with the plan's 128 x 512 calibration is about
+    21.6 GiB on a 23.5 GiB host (over its 90 %), with 64 samples 17.6 GiB: the plan says both, the second as a
+    command that fits. Here the same on the 8 B shape, a host sized between the two estimates."""
+    info = catalog["scheme_info"]["fp8"]
+    work = R.QuantizeWorkload(llama8b_analysis, "fp8", info, None, calib(128, 2048), {"device": "cpu",
+                                                                                      "multi_device": False})
+    full = R.estimate_sequential(llama8b_analysis, None, calib(128, 2048))["host_peak_bytes"]
+    half = R.estimate_sequential(llama8b_analysis, None, calib(64, 2048))["host_peak_bytes"]
+    assert half < full
+    host = {"ram_bytes": int((full + half) / 2 / R.HEADROOM), "ram_available_bytes": None, "gpu_bytes_per_device": 0,
+            "gpu_count": 0, "disk_free_bytes": None}
+    said = {x["change"]: x["detail"] for x in assess(work, host, [])["proposals"]}
+    assert said["--engine sequential"].endswith("(still too much)")
+    assert said["--engine sequential --num-calib-samples 64"].endswith(f"about {R.gb(half)} (fits)")
+    host["ram_bytes"] = int(R.BASE_BYTES)  # nothing fits: no sample count is proposed
+    assert not any("--num-calib-samples" in c and "sequential" in c for c in
+                   (x["change"] for x in assess(work, host, [])["proposals"]))

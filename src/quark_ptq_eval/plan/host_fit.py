@@ -213,13 +213,34 @@ def _file2file_proposal(work: QuantizeWorkload, host: dict[str, Any]) -> list[di
 
 
 def _sequential_proposal(work: QuantizeWorkload, host: dict[str, Any]) -> list[dict[str, Any]]:
-    """The sequential engine with its estimate, when it can serve this plan."""
+    """The sequential engine with its estimate, when it can serve this plan; where the plan's calibration keeps it
+    over the host, also the most calibration samples with which it fits (its hidden states grow with them)."""
     from quark_ptq_eval.plan.engines import block_engine
 
     block = block_engine()
     if block is None or block.unsupported_reason(work.info, work.algorithm, work.kv):
         return []
     e = estimate_sequential(work.analysis, work.algorithm, work.calibration)
-    fits = "fits" if _fits(e, host, work.device) else "still too much"
-    return [{"change": f"--engine {block.name}", "detail": f"--engine {block.name}: one decoder block at a time, "
-                                                          f"about {gb(e['host_peak_bytes'])} ({fits})"}]
+    fits = _fits(e, host, work.device)
+    said = [{"change": f"--engine {block.name}", "detail": f"--engine {block.name}: one decoder block at a time, "
+                                                          f"about {gb(e['host_peak_bytes'])} "
+                                                          f"({'fits' if fits else 'still too much'})"}]
+    samples = _samples_that_fit(work, host) if not fits else None
+    if samples:
+        fewer = estimate_sequential(work.analysis, work.algorithm, {**work.calibration, "num_samples": samples})
+        said.append({"change": f"--engine {block.name} --num-calib-samples {samples}",
+                     "detail": f"--engine {block.name} --num-calib-samples {samples}: about "
+                               f"{gb(fewer['host_peak_bytes'])} (fits)"})
+    return said
+
+
+def _samples_that_fit(work: QuantizeWorkload, host: dict[str, Any], least: int = 8) -> int | None:
+    """The most calibration samples (halving from the plan's, not below ``least``) with which the sequential engine
+    fits this host; None where even ``least`` does not."""
+    samples = int(work.calibration.get("num_samples") or 0) // 2
+    while samples >= least:
+        if _fits(estimate_sequential(work.analysis, work.algorithm, {**work.calibration, "num_samples": samples}),
+                 host, work.device):
+            return samples
+        samples //= 2
+    return None
