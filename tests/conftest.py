@@ -56,22 +56,21 @@ SHARED_WORKER = {
     "tests/flows/test_compare.py": "compare", "tests/flows/test_compare_ray.py": "compare",
     "tests/reliability/test_ray_chaos.py": "compare",  # the Ray files share a worker: one cluster up at a time
 }
-# A group's seconds on one worker of `make test` (round 14's fresh-clone durations, load 1.1-3.5, less what round 15
-# cut): the longest go first, so that the last group to start is a short one and neither worker idles at the end
-# (longest-first scheduling). Groups not named here follow, the files with more tests first (xdist's own order).
-# "compare" includes the Ray chaos slice since round 23 (its planted trial and a local reference since round 25:
-# ~200 s of its own beyond the shared tiny model; the campaign's checks on real code run on test_compare_ray's
-# comparison that loses a node).
+# A group's seconds on one worker of `make test` (round 25's run on a quiet host, `--durations`, load 1.8-9.3 from the
+# suite itself): the longest go first, so that the last group to start is a short one and neither worker idles at
+# the end (longest-first scheduling). Groups not named here follow, the files with more tests first (xdist's own
+# order). "compare" includes the Ray chaos slice (its planted trial and a local reference since round 25; the
+# campaign's checks on real code run on test_compare_ray's comparison that loses a node).
 GROUP_SECONDS = {
-    "compare": 880, "tests/evaluate/speed/test_speed_real_vllm.py": 600, "tests/flows/test_budget_search.py": 420,
-    "tests/publish/test_model_card.py": 330, "tests/flows/test_pipeline.py": 240,
-    "tests/reliability/test_reliability_crash.py": 140, "tests/execute/test_quark_cli_engine.py": 125,
-    "tests/evaluate/vllm/test_tier3_real_vllm.py": 95, "tests/reliability/test_reliability_interrupts.py": 85,
-    "tests/reliability/test_reliability_writes.py": 80, "tests/plan/test_plan_goals.py": 65,
-    "tests/flows/test_data_trust.py": 60, "tests/architecture/test_types.py": 55, "tests/flows/test_newcomer.py": 55,
-    "tests/architecture/test_registry.py": 50, "tests/reliability/test_hostile_cli.py": 50,
-    "tests/manifest/test_plan_manifest.py": 45, "tests/sensitivity/test_sensitivity_moe.py": 42,
-    "tests/flows/test_families.py": 40,
+    "compare": 635, "tests/evaluate/speed/test_speed_real_vllm.py": 465, "tests/flows/test_budget_search.py": 380,
+    "tests/publish/test_model_card.py": 265, "tests/validate/test_validate_damage.py": 127,
+    "tests/flows/test_pipeline.py": 108, "tests/execute/test_quark_cli_engine.py": 86,
+    "tests/execute/test_sequential_engine.py": 85, "tests/reliability/test_reliability_crash.py": 70,
+    "tests/reliability/test_reliability_interrupts.py": 52, "tests/flows/test_newcomer.py": 52,
+    "tests/plan/test_plan_goals.py": 52, "tests/evaluate/vllm/test_tier3_real_vllm.py": 52,
+    "tests/architecture/test_registry.py": 50, "tests/reliability/test_reliability_writes.py": 49,
+    "tests/flows/test_families.py": 44, "tests/evaluate/ppl/test_stream_tier1.py": 38,
+    "tests/sensitivity/test_sensitivity_moe.py": 33, "tests/evaluate/vllm/test_tier3_script.py": 27,
 }
 
 
