@@ -161,7 +161,6 @@ def test_a_cell_on_a_lost_node_completes_on_the_head_retried_with_a_clean_export
         assert _digests(root / "models" / s) == _digests(compared["root"] / "models" / s)
 
 
-
 def test_the_chaos_campaigns_checks_hold_on_the_comparison_that_lost_a_node(ray_compared, compared, monkeypatch):
     """The Ray chaos campaign's real-code trial in the suite (bench/benchmarks/ray_chaos.py, its seeded slice with the
     planted bug in tests/reliability/test_ray_chaos.py): a node lost while its cell's engine runs, at the same
@@ -176,6 +175,7 @@ def test_the_chaos_campaigns_checks_hold_on_the_comparison_that_lost_a_node(ray_
     trial = ray_chaos.Trial(0, "compare", "worker_kill", 0.0)
     assert ray_chaos.check("compare", ray_compared["root"], refs, trial) == []
     assert trial.retries == 1 and trial.reported_retried == [f"compare/{ray_compared['removed']}"], trial
+
 
 # --- sweep: two tiny families x one scheme, one cell with a planted validator fault ----------------------
 @pytest.fixture(scope="module")

@@ -105,11 +105,11 @@ def assess(work: QuantizeWorkload, host: dict[str, Any], rerun: list[str], engin
     problems = _problems(est, out, ev, host, device)
     fits = not any(p["blocking"] for p in problems)
     blocked = {p["what"] for p in problems if p["blocking"]}
-    proposals = [*_disk_proposal(out, host, blocked)]
+    proposals = _disk_proposal(out, host, blocked)
     if blocked - {"disk"}:  # memory blocks: what would hold the engine (a disk alone needs none of these)
         proposals += _proposals(work, host, est, rerun)
-    if blocked - {"disk"} and not holds_one_shard(engine) and not holds_one_block(engine):
-        proposals[-1:-1] = [*_file2file_proposal(work, host), *_sequential_proposal(work, host)]
+        if not holds_one_shard(engine) and not holds_one_block(engine):
+            proposals[-1:-1] = [*_file2file_proposal(work, host), *_sequential_proposal(work, host)]
     return {"quantize": est, "evaluate": ev, "output_bytes": out, "host": host, "output_basis": output_basis(analysis),
             "fits": fits, "problems": problems, "proposals": proposals}
 
@@ -225,22 +225,20 @@ def _sequential_proposal(work: QuantizeWorkload, host: dict[str, Any]) -> list[d
     said = [{"change": f"--engine {block.name}", "detail": f"--engine {block.name}: one decoder block at a time, "
                                                           f"about {gb(e['host_peak_bytes'])} "
                                                           f"({'fits' if fits else 'still too much'})"}]
-    samples = _samples_that_fit(work, host) if not fits else None
-    if samples:
-        fewer = estimate_sequential(work.analysis, work.algorithm, {**work.calibration, "num_samples": samples})
-        said.append({"change": f"--engine {block.name} --num-calib-samples {samples}",
-                     "detail": f"--engine {block.name} --num-calib-samples {samples}: about "
-                               f"{gb(fewer['host_peak_bytes'])} (fits)"})
+    fewer = None if fits else _samples_that_fit(work, host)
+    if fewer:
+        change = f"--engine {block.name} --num-calib-samples {fewer[0]}"
+        said.append({"change": change, "detail": f"{change}: about {gb(fewer[1]['host_peak_bytes'])} (fits)"})
     return said
 
 
-def _samples_that_fit(work: QuantizeWorkload, host: dict[str, Any], least: int = 8) -> int | None:
+def _samples_that_fit(work: QuantizeWorkload, host: dict[str, Any], least: int = 8) -> tuple[int, dict[str, Any]] | None:
     """The most calibration samples (halving from the plan's, not below ``least``) with which the sequential engine
-    fits this host; None where even ``least`` does not."""
+    fits this host, with its estimate then; None where even ``least`` does not."""
     samples = int(work.calibration.get("num_samples") or 0) // 2
     while samples >= least:
-        if _fits(estimate_sequential(work.analysis, work.algorithm, {**work.calibration, "num_samples": samples}),
-                 host, work.device):
-            return samples
+        e = estimate_sequential(work.analysis, work.algorithm, {**work.calibration, "num_samples": samples})
+        if _fits(e, host, work.device):
+            return samples, e
         samples //= 2
     return None

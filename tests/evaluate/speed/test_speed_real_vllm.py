@@ -126,8 +126,9 @@ def test_eval_speed_with_baseline_repeats_both_alternately_until_its_precision_o
     """`eval --tier speed --baseline` on the comparison's int8 export: the speed tier starts both servers itself
     (the baseline's on the next port), sizes a repeat with a pilot, then measures the two alternately, the order
     turned each pair, until the gain's paired interval is within +-10 % or its cap (45 s here; three pairs at least,
-    whatever the cap: a repeat sized to last 5 s took ~28 s in the loaded suite) comes first, and says which. details.speed holds what vLLM's own result files hold. (Tier 3 with --speed, the benchmark on Tier 3's
-    own servers one at a time, is the model card's run.) No absolute time is asserted: the host is shared."""
+    whatever the cap: a repeat sized to last 5 s took ~28 s in the loaded suite) comes first, and says which.
+    details.speed holds what vLLM's own result files hold. (Tier 3 with --speed, the benchmark on Tier 3's own
+    servers one at a time, is the model card's run.) No absolute time is asserted: the host is shared."""
     source, export = speed_comparison["source"], speed_comparison["exports"]["int8"]
     port = free_port()
     while not port_free(port + 1):
