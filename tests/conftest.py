@@ -297,12 +297,16 @@ class CliResult:
 
 @pytest.fixture(scope="session")
 def cli():
-    """Run ``quark-ptq-eval ARGS`` in a child process (the way users run it)."""
+    """Run ``quark-ptq-eval ARGS`` in a child process (the way users run it), forked by this worker's engine host
+    where it can take it as a script's commands are (README "Many runs in a row": QUARK_PTQ_EVAL_HOST_COMMANDS=1; a
+    fresh process imports torch, transformers and Quark, ~20 s a command here). Tests of the process itself (signals,
+    crashes, what a fresh start prints) start their own, or pass ``env={COMMANDS_ENV: "0"}``."""
+    from quark_ptq_eval.execute.engine_host import COMMANDS_ENV
 
     def run(*args: str | Path, cwd: Path | None = None, timeout: int = 600, env: dict | None = None) -> CliResult:
         proc = subprocess.run([sys.executable, "-m", "quark_ptq_eval", *map(str, args)], capture_output=True,
                               text=True, cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL,
-                              env={**os.environ, **(env or {})})
+                              env={**os.environ, COMMANDS_ENV: "1", **(env or {})})
         return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
     return run

@@ -1,6 +1,8 @@
 """The warm engine host (execute/engine_host.py): an engine it forks writes the bytes a fresh engine writes,
 is stopped with the run that asked for it, and a command it cannot take as a fresh child would run is started
-fresh with the reason in its log. The suite's own runs use this worker's host (conftest.py's ``engine_host``)."""
+fresh with the reason in its log. A whole `quark-ptq-eval` command forked by it (QUARK_PTQ_EVAL_HOST_COMMANDS=1)
+ends as the fresh command does, and goes with the process that stands in for it. The suite's own runs use this
+worker's host (conftest.py's ``engine_host``; the ``cli`` fixture's commands are forked by it too)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from quark_ptq_eval.execute.engine_host import HOST_ENV, admission, request_for
+from quark_ptq_eval.execute.engine_host import COMMANDS_ENV, HOST_ENV, admission, request_for
 from quark_ptq_eval.execute.runner import run_command
 
 ENGINE = [sys.executable, "-m", "quark_ptq_eval.execute.quark_api_engine"]
@@ -114,7 +116,8 @@ def test_what_it_cannot_take_as_a_fresh_child_would_run_starts_fresh(host, tmp_p
     base = request_for(ENGINE, dict(os.environ), tmp_path)
     assert admission(base, os.getuid()) is None
     assert admission({**base, "argv": ["/usr/bin/python3", *ENGINE[1:]]}, os.getuid()).startswith("another interpreter")
-    assert admission({**base, "argv": [sys.executable, "-m", "os"]}, os.getuid()) == "not one of our engine modules"
+    assert admission({**base, "argv": [sys.executable, "-m", "os"]}, os.getuid()) == \
+        "not one of our engine modules or commands"
     assert admission(base, os.getuid() + 1) == "another user asked"
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     above = {**base, "rlimits": {**base["rlimits"], "RLIMIT_NOFILE": (soft, hard + 1)}}
@@ -129,3 +132,97 @@ def test_a_second_host_on_a_served_socket_says_so_at_once(host, cli):
     assert res.rc == 2 and res.err.strip() == f"error: {host} is already served by another engine host; stop it " \
         "or name another --socket."
     assert host.exists()
+
+
+# --- whole commands forked by the host (execute/engine_client.forward_command) ----------------------------------
+def _command(args: list, env: dict[str, str], **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "quark_ptq_eval", *map(str, args)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env}, **popen)
+
+
+def test_a_forwarded_command_ends_as_the_fresh_command_does(host, quantized, tiny_llama, tmp_path):
+    """`quark-ptq-eval validate EXPORT` forked by the host and run fresh: the same exit code, the same report, its
+    stdout and stderr on the asker's own streams; only the fresh one imports Quark (its announcement), and the
+    process that stands in for the forked one spends a fraction of the fresh one's CPU time."""
+    export, runs = quantized("int8"), {}
+    for mode, env in (("fresh", {COMMANDS_ENV: "0"}), ("forked", {COMMANDS_ENV: "1"})):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        proc = _command(["validate", "--source", tiny_llama, "--quantized", export, "--workdir", tmp_path / mode], env)
+        out, err = proc.communicate(timeout=600)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        report = json.loads((tmp_path / mode / "validation_report.json").read_text())
+        runs[mode] = (proc.returncode, report, err + out, cpu)
+    fresh, forked = runs["fresh"], runs["forked"]
+    assert fresh[0] == forked[0] == 0, (fresh[2][-2000:], forked[2][-2000:])
+
+    def checks(doc: dict) -> dict:
+        return {name: check["status"] for name, check in doc["checks"].items()}
+    assert checks(forked[1]) == checks(fresh[1]) and forked[1]["status"] == fresh[1]["status"] == "success"
+    assert "importing Quark for" in fresh[2] and "importing Quark for" not in forked[2]
+    assert forked[3] < fresh[3] / 5, (forked[3], fresh[3])
+
+
+def test_a_forwarded_command_is_interrupted_or_killed_with_its_stand_in(host, tiny_llama, corpus, tmp_path):
+    """Ctrl-C (SIGINT) to the stand-in reaches the forked command, which stops as a fresh one does (exit 130,
+    "interrupted", its engine stopped); a SIGKILLed stand-in's command is SIGKILLed by the host at once. Either way
+    nothing the command started is left, and the host serves on."""
+    host_proc = next(p for p in psutil.process_iter(["cmdline"]) if str(host) in " ".join(p.info["cmdline"] or []))
+    for how in (signal.SIGINT, signal.SIGKILL):
+        wd = tmp_path / f"wd-{how.name}"
+        proc = _command(["run", tiny_llama, "-o", tmp_path / f"out-{how.name}", "--workdir", wd, "--scheme", "int8",
+                         "--calib-data", corpus, "--num-calib-samples", "1400", "--calib-seq-len", "64",
+                         "--offline", "--yes"], {COMMANDS_ENV: "1"})
+        deadline = time.monotonic() + 300
+        while "[quark-ptq-eval] loading" not in _text(wd / "logs" / "engine.log"):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.2)
+        forked = set(host_proc.children(recursive=True))
+        assert forked, "the command is not the host's child"
+        os.kill(proc.pid, how)
+        _, err = proc.communicate(timeout=120)
+        if how == signal.SIGINT:
+            assert proc.returncode == 130 and "error: Interrupted; the engine was stopped" in err, (proc.returncode, err[-2000:])
+        else:
+            assert proc.returncode == -signal.SIGKILL
+        gone, alive = psutil.wait_procs(list(forked), timeout=60)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    again = _command(["--version"], {COMMANDS_ENV: "1"})
+    assert again.communicate(timeout=60)[0].startswith("quark-ptq-eval ") and again.returncode == 0
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def test_a_terminal_or_no_opt_in_runs_the_command_here(host, monkeypatch):
+    """Never forwarded without QUARK_PTQ_EVAL_HOST_COMMANDS=1, nor with a terminal on stdin (its job control and
+    Ctrl-C belong to the process the user started); no host is asked then."""
+    from quark_ptq_eval.execute import engine_client
+
+    monkeypatch.setattr(engine_client.socket, "socket", lambda *a: pytest.fail("the host was asked"))
+    monkeypatch.setenv(COMMANDS_ENV, "0")
+    assert engine_client.forward_command(["--version"]) is None
+    monkeypatch.setenv(COMMANDS_ENV, "1")
+    monkeypatch.setattr(engine_client.os, "isatty", lambda fd: fd == 0)
+    assert engine_client.forward_command(["--version"]) is None
+
+
+def test_going_offline_reaches_the_hub_libraries_a_fork_has_imported(monkeypatch):
+    """A forked command has huggingface_hub and datasets imported already (they read their offline flag at import):
+    --offline sets their flags as well as the environment its children inherit."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    from quark_ptq_eval.base.options import apply_offline
+
+    for module, name in ((huggingface_hub.constants, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+                         (datasets.config, "HF_DATASETS_OFFLINE")):
+        monkeypatch.setattr(module, name, False)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    apply_offline(True)
+    assert huggingface_hub.constants.HF_HUB_OFFLINE and huggingface_hub.is_offline_mode()
+    assert datasets.config.HF_HUB_OFFLINE and datasets.config.HF_DATASETS_OFFLINE
+    assert os.environ["HF_DATASETS_OFFLINE"] == "1"

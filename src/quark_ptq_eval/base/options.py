@@ -216,9 +216,25 @@ def add_offline_flag(group: argparse._ActionsContainer) -> None:
     group.add_argument("--offline", action="store_true", default=None, help=OFFLINE_HELP)
 
 
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def apply_offline(offline: bool | None) -> None:
     """Offline for this process and every child it starts (Hub, datasets, transformers)."""
     import os
 
     if offline:
-        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        os.environ.update(OFFLINE_ENV)
+        offline_if_imported()
+
+
+def offline_if_imported() -> None:
+    """The Hub libraries read their offline flag once, at import: where this process has them imported already (a
+    command forked by the engine host, execute/engine_host.py), their flags are set too, as the import would have."""
+    import sys
+
+    for name, flags in (("huggingface_hub.constants", ("HF_HUB_OFFLINE",)),
+                        ("datasets.config", ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))):
+        module = sys.modules.get(name)
+        for flag_name in flags if module is not None else ():
+            setattr(module, flag_name, True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from types import FrameType
@@ -67,8 +68,13 @@ def entry() -> None:
     """The `quark-ptq-eval` console script: main(), then out without the interpreter's teardown
     (base/process_exit.py)."""
     from quark_ptq_eval.base.process_exit import exit_now
+    from quark_ptq_eval.execute.engine_client import forward_command
 
-    exit_now(main())
+    forwarded = forward_command(sys.argv[1:])  # forked by a warm engine host where the user asked for it
+    if forwarded is not None and forwarded < 0:  # ended by a signal: this stand-in ends the same way
+        signal.signal(-forwarded, signal.SIG_DFL)
+        os.kill(os.getpid(), -forwarded)
+    exit_now(main() if forwarded is None else forwarded)
 
 
 if __name__ == "__main__":

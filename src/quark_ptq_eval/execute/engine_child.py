@@ -13,17 +13,21 @@ import signal
 import sys
 from typing import Any
 
-STARTING_ENV: dict[str, str] = {}  # the host's environment as it started, before the imports that set some
+COMMAND_MODULE = "quark_ptq_eval"  # engine_host.COMMAND_MODULE (which imports this module)
+STARTING_ENV: dict[str, str] = {}
+HOSTED = False  # this process is a command the host forked: it runs here, never asks a host again  # the host's environment as it started, before the imports that set some
 
 
 
 
-def become_engine(req: dict[str, Any], out_fd: int) -> None:
-    """In the forked child: never returns (the process exits with the engine's code)."""
+def become_engine(req: dict[str, Any], fds: list[int]) -> None:
+    """In the forked child: never returns (the process exits with the engine's or the command's code). ``fds``: an
+    engine's output pipe, or a command's stdin, stdout and stderr."""
     code = 1
     try:
-        _inherit(req, out_fd)
-        code = _run_module(req["argv"][2], req["argv"][3:])
+        _inherit(req, fds)
+        argv = req["argv"]
+        code = _run_command(argv[3:]) if argv[2] == COMMAND_MODULE else _run_module(argv[2], argv[3:])
     except BaseException:  # noqa: BLE001 - the child must not return into the host's loop
         import traceback
 
@@ -33,7 +37,7 @@ def become_engine(req: dict[str, Any], out_fd: int) -> None:
         _finish(code)
 
 
-def _inherit(req: dict[str, Any], out_fd: int) -> None:
+def _inherit(req: dict[str, Any], fds: list[int]) -> None:
     os.setsid()  # its own process group, as start_new_session gives a fresh child
     from quark_ptq_eval.base.process_exit import die_with_parent
 
@@ -50,11 +54,10 @@ def _inherit(req: dict[str, Any], out_fd: int) -> None:
     set_by_imports = {k: v for k, v in os.environ.items() if k not in STARTING_ENV}
     os.environ.clear()
     os.environ.update({**set_by_imports, **req["env"]})
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
-    for fd in (devnull, out_fd):
+    stdin, stdout, stderr = fds if len(fds) == 3 else (os.open(os.devnull, os.O_RDONLY), fds[0], fds[0])
+    for target, fd in enumerate((stdin, stdout, stderr)):
+        os.dup2(fd, target)
+    for fd in {stdin, stdout, stderr} - {0, 1, 2}:
         os.close(fd)
     _fresh_streams()
     _forget_host_exit_hooks()
@@ -103,7 +106,9 @@ def _run_module(module: str, args: list[str]) -> int:
     import runpy
 
     sys.argv = [module, *args]
-    sys.modules.pop(module, None)  # run as __main__ afresh (runpy warns of a copy already imported); its imports stay
+    # run as __main__ afresh (runpy warns of a copy already imported); its imports stay. A package runs its
+    # __main__, which the host never imported: the package itself stays
+    sys.modules.pop(module if module != COMMAND_MODULE else f"{module}.__main__", None)
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
@@ -112,6 +117,14 @@ def _run_module(module: str, args: list[str]) -> int:
         print(exc.code, file=sys.stderr)
         return 1
     return 0
+
+
+def _run_command(args: list[str]) -> int:
+    """``python -m quark_ptq_eval ARGS`` in this process, as a fresh one runs it (its __main__, its exit); the
+    command is not handed to a host again from here (``HOSTED``, which engine_client.forward_command reads)."""
+    global HOSTED
+    HOSTED = True
+    return _run_module(COMMAND_MODULE, args)
 
 
 def _finish(code: int) -> None:

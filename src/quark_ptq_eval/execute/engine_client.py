@@ -3,14 +3,25 @@ the forked engine's pid and its output read back, waited for as a fresh child's 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
-from quark_ptq_eval.execute.engine_host import HOST_ENV, is_engine_module, request_for
+from quark_ptq_eval.execute import engine_child
+from quark_ptq_eval.execute.engine_host import (
+    COMMANDS_ENV,
+    HOST_ENV,
+    is_engine_module,
+    request_for,
+)
+
+# What a command's asker passes on to the forked command (SIGKILL it cannot: the host kills the command then).
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class HostedChild:
@@ -78,3 +89,38 @@ def _split_line(conn: socket.socket, buffered: bytes, timeout: float | None) -> 
         buffered += more
     line, _, rest = buffered.partition(b"\n")
     return line, rest
+
+
+def forward_command(args: list[str]) -> int | None:
+    """``quark-ptq-eval ARGS`` forked by the engine host, this process its stand-in: the command's exit code (negative:
+    the signal that ended it), or None to run the command here. Asked only with ``$QUARK_PTQ_EVAL_HOST_COMMANDS=1``
+    beside the host's socket and no terminal on stdin (a script's or a CI runner's command): a terminal's job control
+    and Ctrl-C belong to the process the user started. The host declines as it declines an engine (admission); the
+    offline switch a command flips at its start is applied to the environment it is judged by."""
+    if engine_child.HOSTED or os.environ.get(COMMANDS_ENV) != "1" or not os.environ.get(HOST_ENV) or os.isatty(0):
+        return None
+    from quark_ptq_eval.base.options import OFFLINE_ENV
+
+    env = {**os.environ, **(OFFLINE_ENV if "--offline" in args else {})}
+    argv = [sys.executable, "-m", engine_child.COMMAND_MODULE, *args]
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(10)
+        conn.connect(os.environ[HOST_ENV])
+        socket.send_fds(conn, [json.dumps(request_for(argv, env, Path.cwd())).encode() + b"\n"], [0, 1, 2])
+        line, rest = _split_line(conn, b"", 30)
+        pid = int(json.loads(line)["pid"]) if line and b'"pid"' in line else None
+    except (OSError, ValueError):
+        pid = None
+    if pid is None:
+        conn.close()
+        return None
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, lambda number, _frame: _pass_on(pid, number))
+    line = _split_line(conn, rest, None)[0]
+    return int(json.loads(line)["exit"]) if line else -signal.SIGKILL  # the host gone: the command with it
+
+
+def _pass_on(pid: int, number: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, number)

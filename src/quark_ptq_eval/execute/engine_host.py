@@ -33,10 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.execute.engine_child import STARTING_ENV, become_engine
+from quark_ptq_eval.execute.engine_child import COMMAND_MODULE, STARTING_ENV, become_engine
 
 HOST_ENV = "QUARK_PTQ_EVAL_ENGINE_HOST"
 ENGINE_MODULES = ("quark_ptq_eval.execute.quark_api_engine", "quark_ptq_eval.execute.engines.file2file")
+# `quark-ptq-eval ARGS` itself, forked too where its process asks (engine_client.forward_command): a script's or a
+# CI runner's command pays no import of torch, transformers and Quark either. Opt-in, and never for a terminal.
+COMMANDS_ENV = "QUARK_PTQ_EVAL_HOST_COMMANDS"
+COMMAND_IMPORTS = ("quark_ptq_eval.cli.main", "quark_ptq_eval.cli.commands")  # by name: the CLI is the layer above
 # Read by the imported libraries when they import (huggingface_hub's offline flag, torch's and OpenMP's
 # threads, CUDA's devices...): a command whose environment differs in one of these is started fresh.
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "CUDA", "HIP", "ROCR", "ROCM",
@@ -45,7 +49,7 @@ IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH"
 # Not read at import, or read at import only for what an engine never does: PYTHONUNBUFFERED (the child's streams
 # are line-buffered anyway), PYTHONBREAKPOINT (read at each breakpoint()), HF_XET_HIGH_PERFORMANCE (a Hub download's
 # transfer mode; lm_eval's import sets it in the asking run, and an engine reads a local directory).
-RUNTIME_ONLY = {"PYTHONUNBUFFERED", "PYTHONBREAKPOINT", "HF_XET_HIGH_PERFORMANCE", HOST_ENV}
+RUNTIME_ONLY = {"PYTHONUNBUFFERED", "PYTHONBREAKPOINT", "HF_XET_HIGH_PERFORMANCE", HOST_ENV, COMMANDS_ENV}
 KILL_GRACE_S = 10.0
 
 
@@ -64,8 +68,8 @@ def admission(req: dict[str, Any], uid: int) -> str | None:
     argv = req["argv"]
     if uid != os.getuid():
         return "another user asked"
-    if not is_engine_module(argv):
-        return "not one of our engine modules"
+    if not (is_engine_module(argv) or is_command(argv)):
+        return "not one of our engine modules or commands"
     if os.path.abspath(argv[0]) != os.path.abspath(sys.executable):
         return f"another interpreter ({argv[0]}; the host runs {sys.executable})"
     changed = _env_changes(req["env"])
@@ -85,6 +89,16 @@ def admission(req: dict[str, Any], uid: int) -> str | None:
 def is_engine_module(argv: list[str]) -> bool:
     """``argv`` is ``PYTHON -m`` one of our engine modules (what a host may fork; quark-cli keeps its own process)."""
     return len(argv) >= 3 and argv[1] == "-m" and argv[2] in ENGINE_MODULES
+
+
+def is_command(argv: list[str]) -> bool:
+    """``argv`` is ``PYTHON -m quark_ptq_eval ARGS``: a whole command, with its own stdin, stdout and stderr."""
+    return len(argv) >= 3 and argv[1] == "-m" and argv[2] == COMMAND_MODULE
+
+
+def streams_for(argv: list[str]) -> int:
+    """The descriptors a request passes: a command's stdin, stdout and stderr; an engine's one output pipe."""
+    return 3 if is_command(argv) else 1
 
 
 def _env_changes(env: dict[str, str]) -> list[str]:
@@ -132,6 +146,7 @@ def _handler(sig: int) -> Any:
 class _Hosted:
     conn: socket.socket
     pid: int
+    command: bool = False  # a whole command (is_command), not an engine
     kill_at: float | None = None  # once its run's connection closed: SIGKILL what is left then
 
 
@@ -158,11 +173,12 @@ class Host:
         fds: list[int] = []
         try:  # one asker's broken request or early hang-up must not end the host
             req, fds = _receive(conn)
-            why = admission(req, _peer_uid(conn)) if len(fds) == 1 else "no output pipe was passed"
+            wanted = streams_for(req.get("argv", []))
+            why = admission(req, _peer_uid(conn)) if len(fds) == wanted else f"not {wanted} streams passed"
             if why:
                 _reply(conn, {"refused": why})
             else:
-                self._fork(conn, req, fds[0])
+                self._fork(conn, req, fds)
                 return
         except (OSError, ValueError) as exc:
             with contextlib.suppress(OSError):
@@ -171,29 +187,32 @@ class Host:
         for fd in fds:
             os.close(fd)
 
-    def _fork(self, conn: socket.socket, req: dict[str, Any], out_fd: int) -> None:
+    def _fork(self, conn: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
         pid = os.fork()
         if pid == 0:
             self.listener.close()
             for hosted in self.by_pid.values():
                 hosted.conn.close()
             conn.close()
-            become_engine(req, out_fd)
-        os.close(out_fd)
-        self.by_pid[pid] = _Hosted(conn, pid)
+            become_engine(req, fds)
+        for fd in fds:
+            os.close(fd)
+        self.by_pid[pid] = _Hosted(conn, pid, command=is_command(req["argv"]))
         with contextlib.suppress(OSError):  # an asker gone already: _asker_gone stops its engine
             _reply(conn, {"pid": pid})
 
     def _asker_gone(self, conn: socket.socket) -> None:
-        """Its run's process closed the connection (killed, or done with it): stop the engine's group."""
+        """Its run's process closed the connection (killed, or done with it): stop the engine's group. A command's
+        asker forwards every signal it can catch (engine_client.forward_command), so it went by SIGKILL: the
+        command goes the same way at once, as a fresh process killed so would have."""
         with contextlib.suppress(OSError):
             if conn.recv(4096):
                 return  # nothing else is expected from it: ignored
         for hosted in self.by_pid.values():
             if hosted.conn is conn:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(hosted.pid, signal.SIGTERM)
-                hosted.kill_at = time.monotonic() + KILL_GRACE_S
+                    os.killpg(hosted.pid, signal.SIGKILL if hosted.command else signal.SIGTERM)
+                hosted.kill_at = time.monotonic() + (0.0 if hosted.command else KILL_GRACE_S)
 
     def _reap(self) -> None:
         while self.by_pid:
@@ -252,7 +271,7 @@ def _prepare() -> None:
     from quark_ptq_eval.base.quark_import import import_quark_torch
 
     import_quark_torch()
-    for module in ENGINE_MODULES:
+    for module in (*ENGINE_MODULES, *COMMAND_IMPORTS):
         importlib.import_module(module)
 
 

@@ -23,6 +23,7 @@ from quark_ptq_eval.base.catalog import load_catalog
 from quark_ptq_eval.base.errors import CheckpointPending, UsageError
 from quark_ptq_eval.base.fsio import write_json
 from quark_ptq_eval.base.gates import Approver, Gatekeeper
+from quark_ptq_eval.base.options import offline_if_imported
 from quark_ptq_eval.base.quark_import import import_seconds
 from quark_ptq_eval.base.state import RunState, WorkdirLock
 from quark_ptq_eval.base.step_table import STEP_NAMES, STEPS, SUMMARY_FILE, Step
@@ -100,6 +101,7 @@ class Recipe:
         offline = bool(opts.offline)
         if offline:
             os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+            offline_if_imported()  # a command the engine host forked has the Hub libraries imported
         assert opts.model, "run() refuses a run without a model"
         model_path, _ = resolve_model(opts.model, offline)
         output_dir = self._output_dir(opts, model_path) if opts.output_dir or stop_after != "intake" else None
