@@ -3,6 +3,8 @@ and how measured variants are judged beside the original. The real run is tests/
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 
 from quark_ptq_eval.evaluate.remedy_variants import HELPED, Evidence, Scored, judge, propose, table_markdown
@@ -85,6 +87,27 @@ def test_the_estimate_scales_from_what_this_runs_own_steps_took():
     assert estimate_s({EXECUTE: 100.0, VALIDATE: 30.0}, results, variants[:1], 16) == 20 + (100 + 30 + 20)
     assert estimate_s({VALIDATE: 30.0}, results, variants, 16) is None
     assert estimate_s(timings, {}, variants, 16) is None
+    # the engine child's own start-up, from its log, replaces the validation's imports for the quantizations
+    assert estimate_s(timings, results, variants, 16, 35.0) == 20 + 2 * (65 + 10 + 20) + (4 * 65 + 10 + 20)
+    # and a validation measured again warm in the run's process replaces the cold one's figure
+    assert estimate_s(timings, results, variants, 16, 35.0, 2.0) == 20 + 2 * (65 + 2 + 20) + (4 * 65 + 2 + 20)
+
+
+def test_an_engine_says_how_long_its_start_took_in_its_log(tmp_path):
+    """A fresh engine process's line after its imports (its age from /proc), read back as a number; none in an
+    engine run inside another process (compare's in-process engines), nor in a log without it."""
+    from quark_ptq_eval.base.process_exit import READY_LINE, process_age_s, ready_after_s
+
+    code = "from quark_ptq_eval.base.process_exit import say_ready; say_ready()"
+    line = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert line.startswith(READY_LINE) and line.endswith(" s\n")
+    log = tmp_path / "engine.log"
+    log.write_text(f"loading\n{READY_LINE}9.0 s\n{line}done\n")
+    assert ready_after_s(log) == float(line[len(READY_LINE):].split()[0]) >= 0  # the last one: a resumed engine
+    age = process_age_s()
+    assert age is not None and age > 0
+    log.write_text("loading\ndone\n")
+    assert ready_after_s(log) is None and ready_after_s(tmp_path / "none.log") is None
 
 
 def test_the_pilot_estimates_the_others_from_the_first_variant_as_it_ran_here(tmp_path, monkeypatch):

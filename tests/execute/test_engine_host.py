@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from quark_ptq_eval.execute import engine_host as host_module
 from quark_ptq_eval.execute.engine_host import COMMANDS_ENV, HOST_ENV, admission, request_for
 from quark_ptq_eval.execute.runner import run_command
 
@@ -122,6 +123,12 @@ def test_what_it_cannot_take_as_a_fresh_child_would_run_starts_fresh(host, tmp_p
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     above = {**base, "rlimits": {**base["rlimits"], "RLIMIT_NOFILE": (soft, hard + 1)}}
     assert admission(above, os.getuid()) == "its RLIMIT_NOFILE is above the host's"
+    # a host whose imported modules are older than the files on disk (an upgrade, an edit) would mix the two
+    stamp = host_module.code_stamp()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host_module, "CODE_AT_START", [(stamp[0], stamp[1] - 1)])
+        assert admission(base, os.getuid()) == "our code changed on disk since the host started (restart the host " \
+            "to use it)"
     assert os.environ[HOST_ENV] == str(host)
 
 

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -37,3 +38,33 @@ def die_with_parent() -> None:
     PR_SET_PDEATHSIG), so an engine cannot go on writing an output nobody will verify."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+READY_LINE = "[quark-ptq-eval] engine ready after "  # an engine's line once its imports are done (engine logs)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process began (a forked one: since its fork), from /proc; None where there is none."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22, starttime, in clock ticks
+
+
+def say_ready() -> None:
+    """An engine's start-up (its imports, or a fork from a warm host) in its log: what a warm in-process engine
+    would not pay (flows/recipe/remedies_side.estimate_s reads it back with ``ready_after_s``)."""
+    age = process_age_s()
+    if age is not None:
+        print(f"{READY_LINE}{age:.1f} s", flush=True)
+
+
+def ready_after_s(log: Path) -> float | None:
+    """The last ``say_ready`` figure in an engine's log (None: no log, or an engine that says none)."""
+    try:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith(READY_LINE)]
+        return float(lines[-1][len(READY_LINE):].split()[0]) if lines else None
+    except (OSError, ValueError):
+        return None

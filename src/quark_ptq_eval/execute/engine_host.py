@@ -51,6 +51,7 @@ IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH"
 # transfer mode; lm_eval's import sets it in the asking run, and an engine reads a local directory).
 RUNTIME_ONLY = {"PYTHONUNBUFFERED", "PYTHONBREAKPOINT", "HF_XET_HIGH_PERFORMANCE", HOST_ENV, COMMANDS_ENV}
 KILL_GRACE_S = 10.0
+CODE_AT_START: list[tuple[int, int]] = []  # the host's code_stamp() before its imports (main)
 
 
 # --- what the asking process hands over, and whether the host can honour it -----------------------------
@@ -72,6 +73,8 @@ def admission(req: dict[str, Any], uid: int) -> str | None:
         return "not one of our engine modules or commands"
     if os.path.abspath(argv[0]) != os.path.abspath(sys.executable):
         return f"another interpreter ({argv[0]}; the host runs {sys.executable})"
+    if CODE_AT_START and code_stamp() != CODE_AT_START[0]:  # modules it imported then, files read now: a mix
+        return "our code changed on disk since the host started (restart the host to use it)"
     changed = _env_changes(req["env"])
     if changed:
         return f"its environment differs from the host's in {', '.join(changed[:4])}"
@@ -84,6 +87,13 @@ def admission(req: dict[str, Any], uid: int) -> str | None:
         if host_hard != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > host_hard):
             return f"its {name} is above the host's"
     return None
+
+
+def code_stamp() -> tuple[int, int]:
+    """This package's Python files as the host sees them: how many, and the latest change (an upgrade or an edit
+    after the host imported them shows in either)."""
+    files = list(Path(__file__).resolve().parents[1].rglob("*.py"))
+    return len(files), max((f.stat().st_mtime_ns for f in files), default=0)
 
 
 def is_engine_module(argv: list[str]) -> bool:
@@ -311,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     STARTING_ENV.update(os.environ)
+    CODE_AT_START.append(code_stamp())
     try:
         refuse_if_served(args.socket)  # before the imports: a second host says so at once
         _prepare()

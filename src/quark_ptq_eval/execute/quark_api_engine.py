@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     from quark_ptq_eval.base.textdata import load_texts
 
     transformers.logging.set_verbosity_error()  # e.g. "sequence longer than max length": we window it
+    if __name__ == "__main__":  # a process of its own (not compare's in-process engine): its start-up, which the
+        from quark_ptq_eval.base.process_exit import say_ready  # remedies' estimate leaves out of a warm one
+
+        say_ready()
     t0 = time.time()
     print(f"[quark-ptq-eval] loading {args.model_dir} on {args.device}", flush=True)
     model = AutoModelForCausalLM.from_pretrained(

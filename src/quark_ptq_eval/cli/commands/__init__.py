@@ -67,6 +67,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("card", "Write the export's model card (README.md) again from its run's artifacts.", card),
     Command("status", "Show where the run in --workdir stands.", status),
     Command("engine-host", "Keep torch, transformers and Quark imported and fork each engine of the runs that name "
-                           "this host in $QUARK_PTQ_EVAL_ENGINE_HOST (many runs in a row on one CPU host).", engine_host),
+                           "this host in $QUARK_PTQ_EVAL_ENGINE_HOST, and their whole commands where "
+                           "$QUARK_PTQ_EVAL_HOST_COMMANDS=1 and no terminal is on stdin (many runs in a row on one "
+                           "CPU host).", engine_host),
 )
 BY_NAME = {c.name: c for c in COMMANDS}

@@ -71,6 +71,22 @@ def _checked(flow: Flow, source: Path | None, plan_json: PlanJson) -> Validation
         ui.end_progress()
 
 
+def warm_validation_s(flow: Flow, plan: QuantPlan, run_checks: dict[str, Any]) -> float:
+    """Seconds one more validation of this run's export takes in this process, now warm (its libraries imported and
+    first used): what each remedy's validation costs beside it (flows/recipe/remedies_side.py). Nothing is written.
+    No serving check: it starts a vLLM process of its own each time, so what it took in the run (``run_checks``,
+    validation_report.json's checks) is added, as is any check this pass skips and the run did not."""
+    import time
+
+    started = time.monotonic()
+    again = validate_model(effective_source(plan, flow.model_path), flow.output(), flow.plan_json(plan),
+                           load_check=not flow.opts.no_load_check,
+                           load_budget_s=load_budget_s(flow.opts.load_check_minutes))
+    took = time.monotonic() - started
+    skipped_now = {c.name for c in again.checks if c.skipped_reason}
+    return took + sum(float((run_checks.get(name) or {}).get("seconds") or 0.0) for name in skipped_now)
+
+
 def eval_step(flow: Flow, plan: QuantPlan) -> EvalReport | str:
     """eval_report.md / eval_results.json at the chosen tier, or ``SKIPPED``. Tier 1's baseline is
     the source as validation compared it (the staged BF16 copy of an FP8 release)."""

@@ -25,6 +25,7 @@ from typing import Any
 from quark_ptq_eval.base.artifacts import QuantPlan
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.base.fsio import atomic_write_text, read_json, write_json
+from quark_ptq_eval.base.process_exit import ready_after_s
 from quark_ptq_eval.evaluate.context import format_duration
 from quark_ptq_eval.evaluate.remedy_variants import (
     Evidence,
@@ -44,6 +45,7 @@ from quark_ptq_eval.flows.recipe.recipe_flow import IMPORT_SUFFIX, Flow
 REMEDIES_DIR = "remedies"  # under the run's work dir: a comparison's own root
 OFFERED = 3  # remedies offered when none were asked for
 EXECUTE, VALIDATE = "phase1_execute", "phase2_validate"  # the step table's timing names
+PROBE_MAX_S = 120.0  # a validation this short is measured again warm for the estimate (_warm_check_s)
 SECTION = re.compile(r"\n## Remedies, measured\n.*", re.S)
 
 
@@ -73,7 +75,8 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
     if not variants:
         ui.info("Remedies: none left to measure: the plan already does what they would change.")
         return None
-    estimate = estimate_s(flow.run.timings, results, variants, plan.calibration.get("num_samples"))
+    estimate = estimate_s(flow.run.timings, results, variants, plan.calibration.get("num_samples"),
+                          ready_after_s(flow.run.workdir / "logs" / "engine.log"), _warm_check_s(flow, plan, validation))
     if not count and not _accepted(flow, len(variants), estimate):
         return None
     ui.info(f"Remedies: measuring {len(variants)} variant(s) of the plan on the same windows, one quantization each "
@@ -223,20 +226,41 @@ class Runtime:
                 "pilot": None if self.piloted is None else self.piloted.as_json()}
 
 
+def _warm_check_s(flow: Flow, plan: QuantPlan, validation: dict[str, Any] | None) -> float | None:
+    """A variant's validation, measured: this run's export validated again here, warm (check_steps.warm_validation_s,
+    with the run's own serving check: a fresh vLLM each time). Only where the run's validation was short
+    (PROBE_MAX_S): there start-up is most of it and the cold figure misleads; a longer one is mostly the work
+    itself, which the cold figure holds, and a second pass would cost the user as long again."""
+    validate = flow.run.timings.get(VALIDATE)
+    if validate is None or validate > PROBE_MAX_S or not validation:
+        return None
+    from quark_ptq_eval.flows.recipe.check_steps import warm_validation_s
+
+    try:
+        return warm_validation_s(flow, plan, validation.get("checks") or {})
+    except QpeError:
+        return None
+
+
 def estimate_s(timings: dict[str, float], results: dict[str, Any], variants: list[Variant],
-               samples: int | None) -> float | None:
+               samples: int | None, engine_ready_s: float | None = None,
+               warm_check_s: float | None = None) -> float | None:
     """What ``variants`` cost, from what this run's own steps took in this process: each variant one quantization,
     one validation and its side of Tier 1 (half of the run's, which scored both sides); the baseline's side once,
     for the comparison's cache. The comparison runs its engines in this process, warm: the cold start this run's
     validation paid (importing torch, transformers and quark.torch: measured) is left out of the validations,
-    and out of the quantizations (the engine's child paid the same). A quantization on more calibration samples
+    and the engine child's own start-up (``engine_ready_s``, from its log; a fresh child imports more than the
+    validation did, a forked one nothing) out of the quantizations; a validation measured warm here
+    (``warm_check_s``) replaces the cold one's figure. A quantization on more calibration samples
     scales with them. None where a step ran in an earlier process (a resumed run)."""
     execute, validate = timings.get(EXECUTE), timings.get(VALIDATE)
     tier1 = (results.get("runtime") or {}).get("actual_s")
     if execute is None or validate is None or not isinstance(tier1, int | float):
         return None
     cold = timings.get(VALIDATE + IMPORT_SUFFIX, 0.0)
-    quantize, check = max(execute - cold, execute / 10), max(validate - cold, validate / 10)
+    started = cold if engine_ready_s is None else engine_ready_s
+    quantize = max(execute - started, execute / 10)
+    check = max(validate - cold, validate / 10) if warm_check_s is None else warm_check_s
     total = tier1 / 2
     for v in variants:
         more = v.request.num_calib_samples
