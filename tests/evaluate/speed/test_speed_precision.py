@@ -84,6 +84,7 @@ def test_the_pilot_sizes_a_repeat_in_whole_waves_to_last_the_least_seconds():
     assert precision.repeat_prompts(workload, [0.30, 0.36]) == 136  # 5 s / (0.30 s / 8 prompts) = 134, in waves of 4
     assert precision.repeat_prompts(workload, [9.0, 12.0]) == 8  # a pilot already long: never fewer than asked
     assert precision.repeat_prompts(workload, [0.0, 0.0]) == 8
+    assert precision.repeat_prompts(workload, [0.30, 0.36], 1.0) == 28  # --speed-min-repeat-s 1: 27 prompts, waves of 4
 
 
 def test_the_estimate_before_the_gate_expects_the_pairs_the_precision_needs():
@@ -175,7 +176,7 @@ def test_the_runtime_estimate_covers_the_pairs_expected_up_to_the_cap():
     loose = SpeedOptions(speed_precision=50.0)  # a few pairs of two expected repeats, well within the cap
     assert 3 < precision.expected_pairs(loose) < 10
     assert tier._alternated_s(workload, loose, host) == pytest.approx(
-        start + precision.expected_pairs(loose) * 2 * precision.EXPECTED_REPEAT_S)
+        start + precision.expected_pairs(loose) * 2 * precision.EXPECTED_REPEAT_FACTOR * 5.0)
     assert tier._alternated_s(workload, SpeedOptions(), host) == pytest.approx(start + 600)  # +-10 %: the cap
     assert tier._alternated_s(workload, SpeedOptions(speed_max_s=120), host) == pytest.approx(start + 120)
     assert tier._predicted_s(workload, 2, host) < tier._alternated_s(workload, loose, host)

