@@ -56,21 +56,21 @@ SHARED_WORKER = {
     "tests/flows/test_compare.py": "compare", "tests/flows/test_compare_ray.py": "compare",
     "tests/reliability/test_ray_chaos.py": "compare",  # the Ray files share a worker: one cluster up at a time
 }
-# A group's seconds on one worker of `make test` (round 25's run on a quiet host, `--durations`, load 1.8-9.3 from the
+# A group's seconds on one worker of `make test` (round 26's run, commands forked by the engine host, `--durations`, load 1.1-6.1 from the
 # suite itself): the longest go first, so that the last group to start is a short one and neither worker idles at
 # the end (longest-first scheduling). Groups not named here follow, the files with more tests first (xdist's own
 # order). "compare" includes the Ray chaos slice (its planted trial and a local reference since round 25; the
 # campaign's checks on real code run on test_compare_ray's comparison that loses a node).
 GROUP_SECONDS = {
-    "compare": 635, "tests/evaluate/speed/test_speed_real_vllm.py": 465, "tests/flows/test_budget_search.py": 380,
-    "tests/publish/test_model_card.py": 265, "tests/validate/test_validate_damage.py": 127,
-    "tests/flows/test_pipeline.py": 108, "tests/execute/test_quark_cli_engine.py": 86,
-    "tests/execute/test_sequential_engine.py": 85, "tests/reliability/test_reliability_crash.py": 70,
-    "tests/reliability/test_reliability_interrupts.py": 52, "tests/flows/test_newcomer.py": 52,
-    "tests/plan/test_plan_goals.py": 52, "tests/evaluate/vllm/test_tier3_real_vllm.py": 52,
-    "tests/architecture/test_registry.py": 50, "tests/reliability/test_reliability_writes.py": 49,
-    "tests/flows/test_families.py": 44, "tests/evaluate/ppl/test_stream_tier1.py": 38,
-    "tests/sensitivity/test_sensitivity_moe.py": 33, "tests/evaluate/vllm/test_tier3_script.py": 27,
+    "compare": 582, "tests/evaluate/speed/test_speed_real_vllm.py": 408, "tests/flows/test_budget_search.py": 297,
+    "tests/publish/test_model_card.py": 240, "tests/validate/test_validate_damage.py": 110,
+    "tests/execute/test_sequential_engine.py": 77, "tests/execute/test_quark_cli_engine.py": 70,
+    "tests/reliability/test_reliability_crash.py": 70, "tests/flows/test_pipeline.py": 67,
+    "tests/reliability/test_reliability_interrupts.py": 53, "tests/architecture/test_registry.py": 53,
+    "tests/flows/test_families.py": 48, "tests/evaluate/vllm/test_tier3_real_vllm.py": 45,
+    "tests/reliability/test_reliability_writes.py": 40, "tests/flows/test_newcomer.py": 33,
+    "tests/execute/test_engine_host.py": 29, "tests/evaluate/vllm/test_tier3_script.py": 28,
+    "tests/plan/test_plan_goals.py": 25, "tests/test_install.py": 24, "tests/plan/test_plan_resources.py": 24,
 }
 
 
