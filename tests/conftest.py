@@ -56,8 +56,8 @@ SHARED_WORKER = {
     "tests/flows/test_compare.py": "compare", "tests/flows/test_compare_ray.py": "compare",
     "tests/reliability/test_ray_chaos.py": "compare",  # the Ray files share a worker: one cluster up at a time
 }
-# A group's seconds on one worker of `make test` (round 26's run, commands forked by the engine host, `--durations`, load 1.1-6.1 from the
-# suite itself): the longest go first, so that the last group to start is a short one and neither worker idles at
+# A group's seconds on one worker of `make test` (round 26's run, commands forked by the engine host, `--durations`,
+# load 1.1-6.1 from the suite itself): the longest go first, so that the last group to start is a short one and neither worker idles at
 # the end (longest-first scheduling). Groups not named here follow, the files with more tests first (xdist's own
 # order). "compare" includes the Ray chaos slice (its planted trial and a local reference since round 25; the
 # campaign's checks on real code run on test_compare_ray's comparison that loses a node).
