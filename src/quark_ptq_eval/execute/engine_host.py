@@ -7,11 +7,14 @@ suite) ``python -m quark_ptq_eval.execute.engine_host --socket PATH`` keeps them
 ``QUARK_PTQ_EVAL_ENGINE_HOST=PATH`` in their environment ask it for each engine of ours. Each engine is
 still a process of its own: its own process group, its output on our pipe, stopped with the run that
 asked for it (the host stops it when that run's connection closes, as PR_SET_PDEATHSIG does for a child).
+A whole ``quark-ptq-eval`` command can be forked the same way (engine_client.forward_command, opt-in with
+``QUARK_PTQ_EVAL_HOST_COMMANDS=1`` and never for a terminal): its process stands in for it, passing its stdin,
+stdout, stderr and signals, and the host SIGKILLs the command when that stand-in is SIGKILLed.
 
 The host takes a command only where the forked child is what a fresh child would be (``admission``):
-the same interpreter and user, one of our engine modules, no variable that the imported libraries read
-at import changed, limits and scheduling the host can grant; else the run starts the engine fresh and
-its log says why. It never runs a tensor operation itself (a child forked after an OpenMP region has
+the same interpreter and user, one of our engine modules or the CLI, no variable that the imported libraries
+read at import changed, limits and scheduling the host can grant, our code unchanged on disk since the host
+imported it; else the run starts the engine (or runs the command) fresh, and an engine's log says why. It never runs a tensor operation itself (a child forked after an OpenMP region has
 run hangs in its own first one), and it refuses to start where a GPU is visible: a parent that has
 touched the GPU runtime cannot hand it to a forked child, so GPU hosts start each engine fresh.
 """
