@@ -13,9 +13,9 @@ import signal
 import sys
 from typing import Any
 
-COMMAND_MODULE = "quark_ptq_eval"  # engine_host.COMMAND_MODULE (which imports this module)
-STARTING_ENV: dict[str, str] = {}
-HOSTED = False  # this process is a command the host forked: it runs here, never asks a host again  # the host's environment as it started, before the imports that set some
+COMMAND_MODULE = "quark_ptq_eval"  # `python -m quark_ptq_eval`: the CLI, forked whole as a command (engine_host.is_command)
+STARTING_ENV: dict[str, str] = {}  # the host's environment as it started, before the imports that set some
+HOSTED = False  # this process is a command the host forked: it runs here, never asks a host again
 
 
 

@@ -13,12 +13,7 @@ import sys
 from pathlib import Path
 
 from quark_ptq_eval.execute import engine_child
-from quark_ptq_eval.execute.engine_host import (
-    COMMANDS_ENV,
-    HOST_ENV,
-    is_engine_module,
-    request_for,
-)
+from quark_ptq_eval.execute.engine_host import COMMANDS_ENV, HOST_ENV, is_engine_module, request_for
 
 # What a command's asker passes on to the forked command (SIGKILL it cannot: the host kills the command then).
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -103,6 +98,16 @@ def forward_command(args: list[str]) -> int | None:
 
     env = {**os.environ, **(OFFLINE_ENV if "--offline" in args else {})}
     argv = [sys.executable, "-m", engine_child.COMMAND_MODULE, *args]
+    target: list[int] = []  # the forked command's pid, once the host named it
+    pending: list[int] = []  # signals that came before: passed on once it runs, or delivered here if it never does
+
+    def on_signal(number: int, _frame: object) -> None:
+        if target:
+            _pass_on(target[0], number)
+        else:
+            pending.append(number)
+
+    before = {sig: signal.signal(sig, on_signal) for sig in FORWARDED_SIGNALS}
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.settimeout(10)
@@ -112,11 +117,16 @@ def forward_command(args: list[str]) -> int | None:
         pid = int(json.loads(line)["pid"]) if line and b'"pid"' in line else None
     except (OSError, ValueError):
         pid = None
-    if pid is None:
+    if pid is None:  # the command runs here, as without a host
         conn.close()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        for number in pending:
+            os.kill(os.getpid(), number)
         return None
-    for sig in FORWARDED_SIGNALS:
-        signal.signal(sig, lambda number, _frame: _pass_on(pid, number))
+    target.append(pid)
+    for number in pending:
+        _pass_on(pid, number)
     line = _split_line(conn, rest, None)[0]
     return int(json.loads(line)["exit"]) if line else -signal.SIGKILL  # the host gone: the command with it
 
