@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from quark_ptq_eval.execute import engine_child
 from quark_ptq_eval.execute.engine_host import COMMANDS_ENV, HOST_ENV, is_engine_module, request_for
@@ -51,20 +52,13 @@ def start_hosted(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[Hoste
     read_end, write_end = os.pipe()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.settimeout(10)
-        conn.connect(path)
-        socket.send_fds(conn, [json.dumps(request_for(argv, env, cwd)).encode() + b"\n"], [write_end])
-        os.close(write_end)
-        write_end = -1
-        line, rest = _split_line(conn, b"", 30)
-        reply = json.loads(line)
+        reply, rest = _ask(conn, path, request_for(argv, env, cwd), [write_end])
     except (OSError, ValueError) as exc:
         conn.close()
         os.close(read_end)
         return None, f"no engine host answered at {path} ({exc})"
     finally:
-        if write_end >= 0:
-            os.close(write_end)
+        os.close(write_end)  # the host holds its own copy now (or never will)
     if "pid" not in reply:
         conn.close()
         os.close(read_end)
@@ -72,6 +66,16 @@ def start_hosted(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[Hoste
     conn.settimeout(None)
     stdout = open(read_end, encoding="utf-8", errors="replace")  # noqa: SIM115 - the engine's output, read to its end
     return HostedChild(argv, int(reply["pid"]), conn, stdout, rest), ""
+
+
+def _ask(conn: socket.socket, path: str, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], bytes]:
+    """The host's first reply to ``request`` with ``fds`` passed ({"pid": N} or {"refused": why}), and what came
+    after it on the connection; OSError or ValueError where no host answers in time."""
+    conn.settimeout(10)
+    conn.connect(path)
+    socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
+    line, rest = _split_line(conn, b"", 30)
+    return json.loads(line), rest
 
 
 def _split_line(conn: socket.socket, buffered: bytes, timeout: float | None) -> tuple[bytes, bytes]:
@@ -110,11 +114,8 @@ def forward_command(args: list[str]) -> int | None:
     before = {sig: signal.signal(sig, on_signal) for sig in FORWARDED_SIGNALS}
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.settimeout(10)
-        conn.connect(os.environ[HOST_ENV])
-        socket.send_fds(conn, [json.dumps(request_for(argv, env, Path.cwd())).encode() + b"\n"], [0, 1, 2])
-        line, rest = _split_line(conn, b"", 30)
-        pid = int(json.loads(line)["pid"]) if line and b'"pid"' in line else None
+        reply, rest = _ask(conn, os.environ[HOST_ENV], request_for(argv, env, Path.cwd()), [0, 1, 2])
+        pid = int(reply["pid"]) if "pid" in reply else None
     except (OSError, ValueError):
         pid = None
     if pid is None:  # the command runs here, as without a host
