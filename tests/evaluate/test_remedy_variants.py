@@ -73,24 +73,89 @@ def test_a_variant_measured_worse_than_the_original_is_never_recommended():
     assert judged.recommendation.variant == variants[0] and judged.cause.startswith("smoothquant is the cause")
 
 
-def test_the_estimate_scales_from_what_this_runs_own_steps_took():
-    """Each variant: the run's quantization and validation less the cold start its validation measured (the
-    comparison runs warm), scaled by the calibration samples, and its side of Tier 1 (half the run's, which scored
-    both); the baseline's side once. No estimate where a step ran in an earlier process (a resumed run)."""
-    from quark_ptq_eval.flows.recipe.recipe_flow import IMPORT_SUFFIX
-    from quark_ptq_eval.flows.recipe.remedies_side import EXECUTE, VALIDATE, estimate_s
+def _engine_log(workdir, split, ready=None):
+    from quark_ptq_eval.base.process_exit import READY_LINE
 
-    variants = propose(SQ, DAMAGE, 3)  # the third: 16 -> 64 calibration samples
-    results = {"runtime": {"actual_s": 40.0}}
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    (workdir / "logs" / "engine.log").write_text(("" if ready is None else f"{READY_LINE}{ready} s\n")
+                                                  + ("" if split is None else split.line() + "\n") + "done\n")
+
+
+def test_the_estimate_scales_each_variant_from_the_runs_own_quantization(tmp_path):
+    """Each variant: the run's quantization (less the engine's start-up: its log's ready line, else the validation's
+    imports), its validation less the cold start (the comparison runs warm) and its side of Tier 1 (half the run's,
+    which scored both); the baseline's side once. With the engine's split, more samples lengthen only the decoder
+    forwards and the variant without the algorithm drops the algorithm's own work; without it, the whole step
+    scales with the samples. No estimate where a step ran in an earlier process (a resumed run)."""
+    from quark_ptq_eval.execute.quant_split import QuantSplit
+    from quark_ptq_eval.flows.recipe.recipe_flow import IMPORT_SUFFIX
+    from quark_ptq_eval.flows.recipe.remedy_cost import EXECUTE, VALIDATE, QuantCost, estimate_s, run_cost
+
+    variants = propose(SQ, DAMAGE, 3)  # SmoothQuant removed, block 0 kept, 16 -> 64 calibration samples
+    sq, results = ("smoothquant",), {"runtime": {"actual_s": 40.0}}
     timings = {EXECUTE: 100.0, VALIDATE: 30.0, VALIDATE + IMPORT_SUFFIX: 20.0}
-    assert estimate_s(timings, results, variants, 16) == 20 + 2 * (80 + 10 + 20) + (4 * 80 + 10 + 20)
-    assert estimate_s({EXECUTE: 100.0, VALIDATE: 30.0}, results, variants[:1], 16) == 20 + (100 + 30 + 20)
-    assert estimate_s({VALIDATE: 30.0}, results, variants, 16) is None
-    assert estimate_s(timings, {}, variants, 16) is None
-    # the engine child's own start-up, from its log, replaces the validation's imports for the quantizations
-    assert estimate_s(timings, results, variants, 16, 35.0) == 20 + 2 * (65 + 10 + 20) + (4 * 65 + 10 + 20)
-    # and a validation measured again warm in the run's process replaces the cold one's figure
-    assert estimate_s(timings, results, variants, 16, 35.0, 2.0) == 20 + 2 * (65 + 2 + 20) + (4 * 65 + 2 + 20)
+    whole = run_cost(timings, tmp_path, sq, 16, None)  # no engine log: no split, the imports as start-up
+    assert whole == QuantCost(80.0, sq, 16)
+    assert estimate_s(timings, results, variants, whole, sq, 16) == 20 + 2 * (80 + 10 + 20) + (4 * 80 + 10 + 20)
+    # the engine's split: 30 s in SmoothQuant, 10 s in decoder forwards (one calibration pass + SmoothQuant's 1.5)
+    _engine_log(tmp_path, QuantSplit(30.0, 10.0, 10.0, 16), ready=35.0)
+    split = run_cost(timings, tmp_path, sq, 16, 35.0)
+    assert split is not None and split.seconds == 65.0 and split.parts() == (31.0, 16.0, 4.0)
+    # without SmoothQuant: fixed 31 s + one pass; block 0 kept: as the run; 64 samples: four times the forwards
+    assert [split.variant(v, sq, 16) for v in variants] == [35.0, 65.0, 95.0]
+    assert estimate_s(timings, results, variants, split, sq, 16) == 20 + (35 + 10 + 20) + (65 + 10 + 20) + (95 + 10 + 20)
+    # a validation measured again warm in the run's process replaces the cold one's figure
+    assert estimate_s(timings, results, variants, split, sq, 16, 2.0) == 20 + (35 + 2 + 20) + (65 + 2 + 20) + (95 + 2 + 20)
+    assert run_cost({VALIDATE: 30.0}, tmp_path, sq, 16, None) is None
+    assert estimate_s(timings, {}, variants, split, sq, 16) is None and estimate_s(timings, results, variants, None, sq, 16) is None
+
+
+def test_the_engine_splits_its_quantization_and_the_estimate_reads_it_back(tmp_path, capsys):
+    """Quark's two steps wrapped on the instance only, decoder-layer forwards timed by hooks that are removed
+    after; the line round-trips; a quantizer without those steps says nothing (the estimate falls back)."""
+    import time
+
+    import torch
+
+    from quark_ptq_eval.execute.quant_split import STEPS, QuantSplit, measured
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(passes):
+        for _ in range(passes):
+            x = torch.ones(2, 4)
+            for layer in model.layers:
+                x = layer(x)
+                time.sleep(0.01)  # inside no layer: not a forward
+
+    class Quantizer:
+        def _apply_advanced_quant_algo(self, m, data):
+            forward(2)
+            time.sleep(0.05)
+            return m
+
+        def _do_calibration(self, m, data):
+            forward(1)
+            return m
+
+        def quantize_model(self, m, data):
+            return self._do_calibration(self._apply_advanced_quant_algo(m, data), data)
+
+    q = Quantizer()
+    with measured(q, model, 16):
+        q.quantize_model(model, None)
+    line = capsys.readouterr().out
+    _engine_log(tmp_path, None)
+    (tmp_path / "logs" / "engine.log").write_text(f"loading\n{line}exporting\n")
+    split = QuantSplit.read(tmp_path / "logs" / "engine.log")
+    assert split is not None and split.samples == 16, line
+    assert split.algorithm_s >= 0.05 + 0.06 and split.calibration_s >= 0.03 and split.forwards_s < 0.06, split
+    assert not any(name in vars(q) for name in STEPS.values())  # the class's methods again
+    assert all(not layer._forward_hooks and not layer._forward_pre_hooks for layer in model.layers)
+    with measured(object(), model, 16):
+        pass
+    assert capsys.readouterr().out == "" and QuantSplit.read(tmp_path / "none.log") is None
 
 
 def test_an_engine_says_how_long_its_start_took_in_its_log(tmp_path):
@@ -112,30 +177,39 @@ def test_an_engine_says_how_long_its_start_took_in_its_log(tmp_path):
 
 def test_the_pilot_estimates_the_others_from_the_first_variant_as_it_ran_here(tmp_path, monkeypatch):
     """The first variant is timed from its start to its end (the comparison's progress events); the others are said
-    from it at once, its quantization share (its run summary's steps) scaled by each one's calibration samples, and
-    set beside the time they took. Only one variant: nothing to estimate."""
+    from it at once: its checks and scoring as they took, its quantization (its run summary's step and its engine's
+    split) scaled to each, the algorithm it did not run at the rate the run measured; then set beside the time they
+    took. Only one variant: nothing to estimate."""
     from quark_ptq_eval.base.fsio import write_json
-    from quark_ptq_eval.flows.recipe import remedies_side
-    from quark_ptq_eval.flows.recipe.remedies_side import EXECUTE, Pilot
+    from quark_ptq_eval.execute.quant_split import QuantSplit
+    from quark_ptq_eval.flows.recipe import remedy_cost
+    from quark_ptq_eval.flows.recipe.remedy_cost import EXECUTE, Pilot, QuantCost
 
     clock = iter([0.0, 10.0, 30.0, 95.0]).__next__  # began, first started, first done, the others ended
-    monkeypatch.setattr(remedies_side.time, "monotonic", clock)
-    variants = propose(SQ, DAMAGE, 3)  # the third: 16 -> 64 calibration samples
+    monkeypatch.setattr(remedy_cost.time, "monotonic", clock)
+    variants = propose(SQ, DAMAGE, 3)  # the first: SmoothQuant removed; the third: 16 -> 64 calibration samples
     first = variants[0].label
     write_json(tmp_path / "work" / first / "run_summary.json", {"timings_s": {EXECUTE: 6.0, "phase2_validate": 2.0,
-                                                                              "phase3_eval": 2.0, EXECUTE + "_imports": 50.0}})
+                                                                              "phase3_eval": 2.0}})
+    _engine_log(tmp_path / "work" / first, QuantSplit(0.0, 2.0, 2.0, 16))  # fixed 4 s, one pass 2 s
+    run = QuantCost(65.0, ("smoothquant",), 16, QuantSplit(30.0, 10.0, 10.0, 16))  # SmoothQuant's own: 16 s a pass
     said: list[str] = []
-    pilot = Pilot(variants, 16, tmp_path, said.append)
+    pilot = Pilot(variants, ("smoothquant",), 16, tmp_path, said.append, run)
     for event, label in [("started", first), ("done", first), ("started", variants[1].label)]:
         pilot(event, label)
-    # 20 s each: 40 % others, 60 % quantization (the imports are not a step); the third's quantization x4
-    assert pilot.rest_estimated_s == 20.0 + 20 * (0.4 + 0.6 * 4)
+    # 20 s, of which 6 quantizing: block 0 kept 4 + 16 * 1.5 + 2 * 2.5; 64 samples 4 + 24 + 2 * 2.5 * 4
+    assert pilot.rest_estimated_s == (20 - 6 + 33) + (20 - 6 + 48)
     assert len(said) == 1 and said[0].startswith(f"Remedies: {first} took 20 s here; the other 2: about "), said
     result = pilot.result()
     assert result is not None and result.rest_actual_s == 65.0 and result.seconds == 20.0
-    assert result.as_json()["rest_estimated_over_actual"] == round(76.0 / 65.0, 3)
-    monkeypatch.setattr(remedies_side.time, "monotonic", iter([0.0, 1.0, 2.0]).__next__)
-    lone = Pilot(variants[:1], 16, tmp_path, said.append)
+    assert result.as_json()["rest_estimated_over_actual"] == round(109.0 / 65.0, 3)
+    monkeypatch.setattr(remedy_cost.time, "monotonic", iter([0.0, 1.0, 2.0, 3.0]).__next__)
+    blind = Pilot(variants[:2], ("smoothquant",), 16, tmp_path / "nothing", said.append)  # no summary: as long as it
+    blind("started", first)
+    blind("done", first)
+    assert blind.rest_estimated_s == 1.0
+    monkeypatch.setattr(remedy_cost.time, "monotonic", iter([0.0, 1.0, 2.0]).__next__)
+    lone = Pilot(variants[:1], ("smoothquant",), 16, tmp_path, said.append)
     lone("started", first)
     lone("done", first)
     assert lone.result() is None

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quark_ptq_eval.base.textdata import load_texts
+    from quark_ptq_eval.execute.quant_split import measured
 
     transformers.logging.set_verbosity_error()  # e.g. "sequence longer than max length": we window it
     if __name__ == "__main__":  # a process of its own (not compare's in-process engine): its start-up, which the
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     print("[quark-ptq-eval] quantizing", flush=True)
     quantizer = ModelQuantizer(config)
     with torch.no_grad():
-        model = quantizer.quantize_model(model, batches)
+        with measured(quantizer, model, sum(len(b) for b in batches)):  # its split, for the remedies' estimate
+            model = quantizer.quantize_model(model, batches)
         model = quantizer.freeze(model)
         print("[quark-ptq-eval] exporting", flush=True)
         out = Path(args.output_dir)

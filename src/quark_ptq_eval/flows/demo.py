@@ -118,7 +118,7 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
-    _train(model, tokenizer(text, return_tensors="pt").input_ids[0], train_steps, seed)
+    train(model, tokenizer(text, return_tensors="pt").input_ids[0], train_steps, seed)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
@@ -126,7 +126,8 @@ def build_tiny_model(
     return out_dir
 
 
-def _train(model, ids, steps: int, seed: int, seq: int = 128, batch: int = 16) -> None:
+def train(model, ids, steps: int, seed: int, seq: int = 128, batch: int = 16) -> None:
+    """``steps`` of next-token training on random windows of ``ids`` (parameters that need no grad stay as they are)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)

@@ -17,8 +17,7 @@ from __future__ import annotations
 import re
 import shlex
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +39,19 @@ from quark_ptq_eval.evaluate.remedy_variants import (
 )
 from quark_ptq_eval.flows.compare.options import MixCell
 from quark_ptq_eval.flows.recipe.budget_side import compare_cells, measure_side_by_side
-from quark_ptq_eval.flows.recipe.recipe_flow import IMPORT_SUFFIX, Flow
+from quark_ptq_eval.flows.recipe.recipe_flow import Flow
+from quark_ptq_eval.flows.recipe.remedy_cost import (
+    ENGINE_LOG,
+    VALIDATE,
+    Pilot,
+    Runtime,
+    algorithms,
+    estimate_s,
+    run_cost,
+)
 
 REMEDIES_DIR = "remedies"  # under the run's work dir: a comparison's own root
 OFFERED = 3  # remedies offered when none were asked for
-EXECUTE, VALIDATE = "phase1_execute", "phase2_validate"  # the step table's timing names
 PROBE_MAX_S = 120.0  # a validation this short is measured again warm for the estimate (_warm_check_s)
 SECTION = re.compile(r"\n## Remedies, measured\n.*", re.S)
 
@@ -75,15 +82,16 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
     if not variants:
         ui.info("Remedies: none left to measure: the plan already does what they would change.")
         return None
-    estimate = estimate_s(flow.run.timings, results, variants, plan.calibration.get("num_samples"),
-                          ready_after_s(flow.run.workdir / "logs" / "engine.log"), _warm_check_s(flow, plan, validation))
+    ran, samples = algorithms(plan.algorithm), plan.calibration.get("num_samples")
+    cost = run_cost(flow.run.timings, wd, ran, samples, ready_after_s(wd / ENGINE_LOG))
+    estimate = estimate_s(flow.run.timings, results, variants, cost, ran, samples, _warm_check_s(flow, plan, validation))
     if not count and not _accepted(flow, len(variants), estimate):
         return None
     ui.info(f"Remedies: measuring {len(variants)} variant(s) of the plan on the same windows, one quantization each "
             f"({', '.join(v.label for v in variants)}){_about(estimate)}")
     cells = {v.label: MixCell(v.scheme, dict(plan.layer_quant_config), v.request) for v in variants}
     root = wd / REMEDIES_DIR
-    pilot = Pilot(variants, plan.calibration.get("num_samples"), root, ui.info)
+    pilot = Pilot(variants, ran, samples, root, ui.info, cost)
     doc = compare_cells(flow, plan, cells, root, "Remedies", progress=pilot)
     runtime = Runtime(estimate, time.monotonic() - pilot.began, pilot.result())
     measured = {r["scheme"]: Scored.of({**r, "on_target": _served(root / "work" / r["scheme"])})
@@ -108,48 +116,6 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
     return judged
 
 
-class Pilot:
-    """The first variant, timed as it runs in this process, is the pilot of the others: the comparison's engines
-    and checks run warm here, which the run's own cold steps (a fresh engine process, a first validation) cannot
-    show, so the time the others will take is said from it as soon as it ends, and set beside what they took.
-    A variant on more calibration samples scales the pilot's quantization share by them."""
-
-    def __init__(self, variants: list[Variant], samples: int | None, root: Path, say: Callable[[str], None]):
-        self.variants, self.samples, self.root, self.say = {v.label: v for v in variants}, samples, root, say
-        self.began = time.monotonic()
-        self.first: str | None = None
-        self.first_began = self.rest_began = 0.0
-        self.pilot_s: float | None = None
-        self.rest_estimated_s: float | None = None
-
-    def __call__(self, event: str, label: str) -> None:  # the comparison's progress events
-        if event == "started" and self.first is None:
-            self.first, self.first_began = label, time.monotonic()
-        elif event in ("done", "failed") and label == self.first and self.pilot_s is None:
-            self.rest_began = time.monotonic()
-            self.pilot_s = self.rest_began - self.first_began
-            rest = [v for name, v in self.variants.items() if name != label]
-            if rest:
-                share = _execute_share(self.root / "work" / label)  # its run summary, read once
-                self.rest_estimated_s = sum(self._cost(v, share) for v in rest)
-                self.say(f"Remedies: {label} took {self.pilot_s:.0f} s here; the other {len(rest)}: about "
-                         f"{format_duration(self.rest_estimated_s)}")
-
-    def _cost(self, v: Variant, share: float) -> float:
-        assert self.first is not None and self.pilot_s is not None
-        return self.pilot_s * (1 - share + share * self._calibration(v) / self._calibration(self.variants[self.first]))
-
-    def _calibration(self, v: Variant) -> float:
-        more = v.request.num_calib_samples
-        return more / self.samples if more and self.samples else 1.0
-
-    def result(self) -> PilotResult | None:
-        """The pilot and the rest's estimate beside the rest's time (None: no variant ended, or only one ran)."""
-        if self.first is None or self.pilot_s is None or self.rest_estimated_s is None:
-            return None
-        return PilotResult(self.first, self.pilot_s, self.rest_estimated_s, time.monotonic() - self.rest_began)
-
-
 def on_target(plan: Mapping[str, Any] | None) -> str | None:
     """How the plan's deployment target serves its global scheme, by the rule the planner warns by
     (plan/targets.py ``runs_natively``, which ``native_warning`` uses: weight-only and the target's native formats run
@@ -172,60 +138,6 @@ def _served(workdir: Path) -> str | None:
         return None
 
 
-def _execute_share(workdir: Path) -> float:
-    """The share of a finished cell's time its quantization took (its run summary's step timings; half if unknown)."""
-    try:
-        timings = read_json(workdir / "run_summary.json", "run summary").get("timings_s") or {}
-    except QpeError:  # a cell that failed early may have written none: the even split stands
-        return 0.5
-    steps = {k: float(v) for k, v in timings.items() if isinstance(v, int | float) and not k.endswith(IMPORT_SUFFIX)}
-    total = sum(steps.values())
-    return steps.get(EXECUTE, 0.0) / total if total > 0 else 0.5
-
-
-@dataclass(frozen=True)
-class PilotResult:
-    """The first variant's time, and the others' estimate from it beside the time they took."""
-
-    variant: str
-    seconds: float
-    rest_estimated_s: float
-    rest_actual_s: float
-
-    def as_json(self) -> dict[str, object]:
-        ratio = round(self.rest_estimated_s / self.rest_actual_s, 3) if self.rest_actual_s else None
-        return {"variant": self.variant, "seconds": round(self.seconds, 1),
-                "rest_estimated_s": round(self.rest_estimated_s, 1), "rest_actual_s": round(self.rest_actual_s, 1),
-                "rest_estimated_over_actual": ratio}
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """The remedies' estimate before they ran, the time they took (quantize, validate, score: all of them), and the
-    pilot's estimate of the variants after the first beside their time."""
-
-    estimated_s: float | None
-    actual_s: float
-    piloted: PilotResult | None = None
-
-    @property
-    def ratio(self) -> float | None:
-        return None if self.estimated_s is None or not self.actual_s else self.estimated_s / self.actual_s
-
-    def said(self) -> str:
-        against = "" if self.ratio is None else (f" against the {self.estimated_s:.0f} s estimated "
-                                                  f"(estimate/actual {self.ratio:.2f})")
-        p = None if self.piloted is None else self.piloted.as_json()
-        after = "" if p is None else (f"; after the first ({p['variant']}, {p['seconds']:.0f} s), the others: "
-                                      f"{p['rest_estimated_s']:.0f} s estimated, {p['rest_actual_s']:.0f} s taken "
-                                      f"(estimate/actual {p['rest_estimated_over_actual']:.2f})")
-        return f"measured in {self.actual_s:.0f} s{against}{after}"
-
-    def as_json(self) -> dict[str, Any]:
-        return {"estimated_s": self.estimated_s, "actual_s": round(self.actual_s, 1), "estimated_over_actual": self.ratio,
-                "pilot": None if self.piloted is None else self.piloted.as_json()}
-
-
 def _warm_check_s(flow: Flow, plan: QuantPlan, validation: dict[str, Any] | None) -> float | None:
     """A variant's validation, measured: this run's export validated again here, warm (check_steps.warm_validation_s,
     with the run's own serving check: a fresh vLLM each time). Only where the run's validation was short
@@ -240,32 +152,6 @@ def _warm_check_s(flow: Flow, plan: QuantPlan, validation: dict[str, Any] | None
         return warm_validation_s(flow, plan, validation.get("checks") or {})
     except QpeError:
         return None
-
-
-def estimate_s(timings: dict[str, float], results: dict[str, Any], variants: list[Variant],
-               samples: int | None, engine_ready_s: float | None = None,
-               warm_check_s: float | None = None) -> float | None:
-    """What ``variants`` cost, from what this run's own steps took in this process: each variant one quantization,
-    one validation and its side of Tier 1 (half of the run's, which scored both sides); the baseline's side once,
-    for the comparison's cache. The comparison runs its engines in this process, warm: the cold start this run's
-    validation paid (importing torch, transformers and quark.torch: measured) is left out of the validations,
-    and the engine child's own start-up (``engine_ready_s``, from its log; a fresh child imports more than the
-    validation did, a forked one nothing) out of the quantizations; a validation measured warm here
-    (``warm_check_s``) replaces the cold one's figure. A quantization on more calibration samples
-    scales with them. None where a step ran in an earlier process (a resumed run)."""
-    execute, validate = timings.get(EXECUTE), timings.get(VALIDATE)
-    tier1 = (results.get("runtime") or {}).get("actual_s")
-    if execute is None or validate is None or not isinstance(tier1, int | float):
-        return None
-    cold = timings.get(VALIDATE + IMPORT_SUFFIX, 0.0)
-    started = cold if engine_ready_s is None else engine_ready_s
-    quantize = max(execute - started, execute / 10)
-    check = max(validate - cold, validate / 10) if warm_check_s is None else warm_check_s
-    total = tier1 / 2
-    for v in variants:
-        more = v.request.num_calib_samples
-        total += quantize * (more / samples if more and samples else 1.0) + check + tier1 / 2
-    return total
 
 
 def _about(estimate: float | None) -> str:
