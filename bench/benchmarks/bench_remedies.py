@@ -13,12 +13,13 @@ with its defaults: the load check names the worst module). It prints each varian
 the recommendation, the remedies' estimate (said before they ran) beside their measured time and the ratio, and
 the load average at the start and the end. The issue's bound on the estimate: within 30 % of the time taken. Two
 estimates: the one said before any variant ran (from the run's own steps, which paid a cold start the comparison's
-warm engines do not), and the pilot's (remedies_side.Pilot: the first variant timed, the others estimated from it).
+warm engines do not), and the pilot's (remedy_cost.Pilot: the first variant timed, the others estimated from it).
 
     .venv/bin/python -m bench.benchmarks.bench_remedies --work DIR [--case super-weights|smoothquant] [--remedies 2]
 
-``--case smoothquant``: the trained 8-block tiny Qwen2 with outlier channels (no massive activation), ``int8`` +
-SmoothQuant, the plan's own advice for int8: the remedies should measure the plan without SmoothQuant.
+``--case smoothquant``: the trained 8-block tiny Qwen2 with outlier channels and block 0's MLP channel 100 large in
+both activation and weight, the rest trained around it (traits.massive_channel), ``int8`` + SmoothQuant, the plan's
+own advice for int8 and here the harm: the remedies should measure the plan without SmoothQuant healthy and name it.
 """
 
 from __future__ import annotations
@@ -37,15 +38,16 @@ BLOCK = 0  # the block a tiny trained model leans on (removing block 1 costs KL 
 def fixture(work: Path, case: str, factor: float) -> tuple[Path, Path]:
     """(source, corpus): built once under ``work``."""
     from quark_ptq_eval.flows.demo import build_corpus
-    from tests.fixtures.traits import super_weights, trained_with_traits
+    from tests.fixtures.traits import massive_channel, super_weights, trained_with_traits
 
     corpus = work / "corpus.txt"
     if not corpus.exists():
         build_corpus(corpus)
-    if case == "smoothquant":  # the issue's Qwen2: outlier channels (exact rescales), no massive activation
-        source = work / "tiny-qwen2-8-traits"
+    if case == "smoothquant":  # the issue's Qwen2: outlier channels and a channel large in activation and weight
+        source = work / "tiny-qwen2-8-massive-channel"
         if not (source / "config.json").exists():
             trained_with_traits(source, corpus, arch="qwen2", layers=8)
+            massive_channel(source, corpus, 0, 100)
         return source, corpus
     source = work / f"tiny-llama-8-super-weights-attn-{BLOCK}-{int(factor)}"
     if not (source / "config.json").exists():

@@ -208,7 +208,7 @@ def _cause(rows: list[RemedyRow], original: Scored, verdict: str | None) -> str 
     by_kind = {r.variant.kind: r for r in rows}
     removed, kept = by_kind.get("algorithm_removed"), by_kind.get("block_kept")
     if removed is not None and removed.outcome == HELPED:
-        return (f"{removed.variant.changed.replace(' removed', '')} is the cause: the same plan without it is "
+        return (f"{removed.variant.changed.replace(' removed', '')} is the cause: the same plan without it measured "
                 f"{removed.scored.verdict} (KL {fmt(removed.scored.kl_mean)} against the original's "
                 f"{fmt(original.kl_mean)})")
     if kept is not None and kept.outcome == HELPED:
