@@ -55,7 +55,7 @@ def process_age_s() -> float | None:
 
 def say_ready() -> None:
     """An engine's start-up (its imports, or a fork from a warm host) in its log: what a warm in-process engine
-    would not pay (flows/recipe/remedies_side.estimate_s reads it back with ``ready_after_s``)."""
+    would not pay (flows/recipe/remedy_cost.run_cost reads it back with ``ready_after_s``)."""
     age = process_age_s()
     if age is not None:
         print(f"{READY_LINE}{age:.1f} s", flush=True)
