@@ -58,8 +58,8 @@ def _decoder_layers(model: Any) -> list[Any]:
     """The model's decoder layers: the longest ModuleList of its modules (empty where it has none)."""
     import torch
 
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+    lists: list[list[Any]] = [list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return max(lists, key=len, default=[])
 
 
 @contextlib.contextmanager
