@@ -12,7 +12,7 @@ with the samples, as before.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.base.fsio import read_json
 from quark_ptq_eval.evaluate.context import format_duration
+from quark_ptq_eval.evaluate.remedies import plan_algorithms
 from quark_ptq_eval.evaluate.remedy_variants import Variant
 from quark_ptq_eval.execute.quant_split import QuantSplit
 from quark_ptq_eval.flows.compare.plans import ALGORITHM_PASSES
@@ -29,9 +30,10 @@ EXECUTE, VALIDATE = "phase1_execute", "phase2_validate"  # the step table's timi
 ENGINE_LOG = Path("logs") / "engine.log"
 
 
-def algorithms(text: str | None) -> tuple[str, ...]:
-    """A plan's algorithm field as names ('' or None: none)."""
-    return tuple(a.strip() for a in (text or "").split(",") if a.strip())
+def variant_plan(v: Variant, ran: Collection[str], samples: int | None) -> tuple[Collection[str], int | None]:
+    """The algorithms and calibration samples ``v`` quantizes with: its own where it changes them, else the plan's."""
+    algos = ran if v.request.algorithm is None else plan_algorithms({"algorithm": v.request.algorithm})
+    return algos, v.request.num_calib_samples or samples
 
 
 def _passes(names: Iterable[str]) -> float:
@@ -44,7 +46,7 @@ class QuantCost:
     engine's split of it (None: it said none)."""
 
     seconds: float
-    algorithms: tuple[str, ...]
+    algorithms: Collection[str]
     samples: int | None
     split: QuantSplit | None = None
 
@@ -59,7 +61,7 @@ class QuantCost:
         own = max(split.algorithm_s - one_pass * here, 0.0)
         return max(self.seconds - split.forwards_s - own, 0.0), (own / here if here else None), one_pass
 
-    def to(self, target: tuple[str, ...], samples: int | None, own_rate: float | None = None) -> float:
+    def to(self, target: Collection[str], samples: int | None, own_rate: float | None = None) -> float:
         """The same quantization with ``target``'s algorithms on ``samples`` calibration samples: the fixed part,
         the algorithms' own work by their passes (at this one's rate, else ``own_rate``: measured by another
         quantization that ran one), and one forward pass over the samples per calibration and algorithm pass."""
@@ -71,14 +73,12 @@ class QuantCost:
         there = _passes(target)
         return fixed + (rate if rate is not None else own_rate or 0.0) * there + one_pass * (1 + there) * more
 
-    def variant(self, v: Variant, plan_algorithms: tuple[str, ...], plan_samples: int | None,
-                own_rate: float | None = None) -> float:
-        target = plan_algorithms if v.request.algorithm is None else algorithms(v.request.algorithm)
-        return self.to(target, v.request.num_calib_samples or plan_samples, own_rate)
+    def variant(self, v: Variant, ran: Collection[str], samples: int | None, own_rate: float | None = None) -> float:
+        return self.to(*variant_plan(v, ran, samples), own_rate)
 
 
 def estimate_s(timings: dict[str, float], results: dict[str, Any], variants: list[Variant], cost: QuantCost | None,
-               plan_algorithms: tuple[str, ...], samples: int | None, warm_check_s: float | None = None) -> float | None:
+               ran: Collection[str], samples: int | None, warm_check_s: float | None = None) -> float | None:
     """What ``variants`` cost, from what this run's own steps took in this process: each variant one quantization
     (``cost``: the run's, its engine's start-up left out, scaled to the variant), one validation and its side of
     Tier 1 (half of the run's, which scored both sides); the baseline's side once, for the comparison's cache. The
@@ -91,10 +91,10 @@ def estimate_s(timings: dict[str, float], results: dict[str, Any], variants: lis
         return None
     cold = timings.get(VALIDATE + IMPORT_SUFFIX, 0.0)
     check = max(validate - cold, validate / 10) if warm_check_s is None else warm_check_s
-    return tier1 / 2 + sum(cost.variant(v, plan_algorithms, samples) + check + tier1 / 2 for v in variants)
+    return tier1 / 2 + sum(cost.variant(v, ran, samples) + check + tier1 / 2 for v in variants)
 
 
-def run_cost(timings: dict[str, float], workdir: Path, plan_algorithms: tuple[str, ...], samples: int | None,
+def run_cost(timings: dict[str, float], workdir: Path, ran: Collection[str], samples: int | None,
              engine_ready_s: float | None) -> QuantCost | None:
     """The run's quantization as measured: its execute step less what a warm in-process engine would not pay (the
     engine child's start-up, from its log's ready line: a fresh child imports, a forked one nothing; else the
@@ -103,11 +103,11 @@ def run_cost(timings: dict[str, float], workdir: Path, plan_algorithms: tuple[st
     if execute is None:
         return None
     started = timings.get(VALIDATE + IMPORT_SUFFIX, 0.0) if engine_ready_s is None else engine_ready_s
-    return QuantCost(max(execute - started, execute / 10), plan_algorithms, samples,
+    return QuantCost(max(execute - started, execute / 10), ran, samples,
                      QuantSplit.read(workdir / ENGINE_LOG))
 
 
-def _cell_cost(workdir: Path, v: Variant, plan_algorithms: tuple[str, ...], samples: int | None) -> QuantCost | None:
+def _cell_cost(workdir: Path, v: Variant, ran: Collection[str], samples: int | None) -> QuantCost | None:
     """A finished comparison cell's quantization (its run summary's execute step; in-process, so no start-up)."""
     try:
         timings = read_json(workdir / "run_summary.json", "run summary").get("timings_s") or {}
@@ -116,8 +116,7 @@ def _cell_cost(workdir: Path, v: Variant, plan_algorithms: tuple[str, ...], samp
     execute = timings.get(EXECUTE)
     if not isinstance(execute, int | float):
         return None
-    target = plan_algorithms if v.request.algorithm is None else algorithms(v.request.algorithm)
-    return QuantCost(float(execute), target, v.request.num_calib_samples or samples, QuantSplit.read(workdir / ENGINE_LOG))
+    return QuantCost(float(execute), *variant_plan(v, ran, samples), QuantSplit.read(workdir / ENGINE_LOG))
 
 
 class Pilot:
@@ -127,12 +126,12 @@ class Pilot:
     took, its quantization scaled to each: where it ran without the plan's algorithm, that algorithm's own work at
     the rate the run measured), and set beside what they took."""
 
-    def __init__(self, variants: list[Variant], plan_algorithms: tuple[str, ...], samples: int | None, root: Path,
+    def __init__(self, variants: list[Variant], ran: Collection[str], samples: int | None, root: Path,
                  say: Callable[[str], None], run: QuantCost | None = None):
         self.variants, self.root, self.say = {v.label: v for v in variants}, root, say
         parts = None if run is None else run.parts()
         self.own_rate = None if parts is None else parts[1]  # the run's algorithm's own work: a pilot without it
-        self.plan_algorithms, self.samples = plan_algorithms, samples
+        self.ran, self.samples = ran, samples
         self.began = time.monotonic()
         self.first: str | None = None
         self.first_began = self.rest_began = 0.0
@@ -148,7 +147,7 @@ class Pilot:
             rest = [v for name, v in self.variants.items() if name != label]
             if rest:
                 first = self.variants[label]
-                cost = _cell_cost(self.root / "work" / label, first, self.plan_algorithms, self.samples)
+                cost = _cell_cost(self.root / "work" / label, first, self.ran, self.samples)
                 self.rest_estimated_s = sum(self._cost(cost, v) for v in rest)
                 self.say(f"Remedies: {label} took {self.pilot_s:.0f} s here; the other {len(rest)}: about "
                          f"{format_duration(self.rest_estimated_s)}")
@@ -157,7 +156,7 @@ class Pilot:
         assert self.pilot_s is not None
         if cost is None:  # the pilot said nothing of its steps: each of the others as long as it
             return self.pilot_s
-        return self.pilot_s - cost.seconds + cost.variant(v, self.plan_algorithms, self.samples, self.own_rate)
+        return self.pilot_s - cost.seconds + cost.variant(v, self.ran, self.samples, self.own_rate)
 
     def result(self) -> PilotResult | None:
         """The pilot and the rest's estimate beside the rest's time (None: no variant ended, or only one ran)."""
