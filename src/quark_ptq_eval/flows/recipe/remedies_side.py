@@ -176,6 +176,13 @@ def reproduce(flow: Flow, plan: QuantPlan, v: Variant) -> str:
     excluded = list(plan.exclude_layers if change.exclude_layers is None else change.exclude_layers)
     calib = plan.calibration
     parts = ["quark-ptq-eval", "run", str(flow.model_path), "-o", f"{flow.output()}-{v.label}", "--scheme", v.scheme]
+    request = flow.opts.request  # the target and KV cache the variant was measured with (a goal naming a GPU sets them)
+    if request.goal:
+        parts += ["--goal", request.goal]
+    if request.target:
+        parts += ["--target", request.target]
+    if plan.kv_cache_scheme:
+        parts += ["--kv-cache-scheme", plan.kv_cache_scheme]
     if algorithm is not None and (algorithm or plan.algorithm):
         parts += ["--algorithm", algorithm]
     if excluded:
