@@ -51,8 +51,12 @@ def suggest_remedies(plan: Mapping[str, Any] | None, num_layers: int | None = No
 
 
 def plan_algorithms(plan: Mapping[str, Any]) -> set[str]:
-    value = plan.get("algorithm") or plan.get("algorithms") or []
-    items = value.split(",") if isinstance(value, str) else list(value)
+    return algorithm_names(plan.get("algorithm") or plan.get("algorithms"))
+
+
+def algorithm_names(value: str | list[str] | tuple[str, ...] | None) -> set[str]:
+    """A plan's algorithm field ("smoothquant,gptq", a list, '' or None) as lower-case names."""
+    items = (value or "").split(",") if isinstance(value, str) or value is None else list(value)
     return {a.strip().lower() for a in items if a and a.strip()}
 
 

@@ -26,7 +26,7 @@ from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.base.fsio import atomic_write_text, read_json, write_json
 from quark_ptq_eval.base.process_exit import ready_after_s
 from quark_ptq_eval.evaluate.context import format_duration
-from quark_ptq_eval.evaluate.remedies import plan_algorithms
+from quark_ptq_eval.evaluate.remedies import algorithm_names
 from quark_ptq_eval.evaluate.remedy_variants import (
     Evidence,
     Judged,
@@ -82,7 +82,7 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
     if not variants:
         ui.info("Remedies: none left to measure: the plan already does what they would change.")
         return None
-    ran, samples = plan_algorithms(plan.as_json()), plan.calibration.get("num_samples")
+    ran, samples = algorithm_names(plan.algorithm), plan.calibration.get("num_samples")
     cost = run_cost(flow.run.timings, wd, ran, samples, ready_after_s(wd / ENGINE_LOG))
     estimate = estimate_s(flow.run.timings, results, variants, cost, ran, samples, _warm_check_s(flow, plan, validation))
     if not count and not _accepted(flow, len(variants), estimate):

@@ -20,7 +20,7 @@ from typing import Any
 from quark_ptq_eval.base.errors import QpeError
 from quark_ptq_eval.base.fsio import read_json
 from quark_ptq_eval.evaluate.context import format_duration
-from quark_ptq_eval.evaluate.remedies import plan_algorithms
+from quark_ptq_eval.evaluate.remedies import algorithm_names
 from quark_ptq_eval.evaluate.remedy_variants import Variant
 from quark_ptq_eval.execute.quant_split import QuantSplit
 from quark_ptq_eval.flows.compare.plans import ALGORITHM_PASSES
@@ -32,7 +32,7 @@ ENGINE_LOG = Path("logs") / "engine.log"
 
 def variant_plan(v: Variant, ran: Collection[str], samples: int | None) -> tuple[Collection[str], int | None]:
     """The algorithms and calibration samples ``v`` quantizes with: its own where it changes them, else the plan's."""
-    algos = ran if v.request.algorithm is None else plan_algorithms({"algorithm": v.request.algorithm})
+    algos = ran if v.request.algorithm is None else algorithm_names(v.request.algorithm)
     return algos, v.request.num_calib_samples or samples
 
 
