@@ -43,8 +43,7 @@ class QuantizeWorkload:
 
 
 # ---- measured scaling (bench/benchmarks/measure_memory.py on the CPU engine; see docs/planning.md) ----------
-BASE_BYTES = 1.15 * GIB  # python + torch + transformers + quark.torch imported, tokenizer loaded (re-measured
-# 2026-12-05: the tiny fp8 engine child peaked at 1.07 GiB, on the commit before this round too; 1.40 measured first)
+BASE_BYTES = 1.15 * GIB  # python + torch + transformers + quark.torch imported, tokenizer loaded (docs/planning.md)
 WEIGHT_FACTOR = 2.0  # peak / model bytes for plain PTQ: model, its quantized copy at freeze, export
 ACT_FACTOR = 1.0  # x one calibration forward's live activations (fp32); modelled, not fitted
 # Algorithms: extra multiples of the model bytes and of the cached calibration inputs (modelled).

