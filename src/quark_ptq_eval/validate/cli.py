@@ -37,7 +37,8 @@ def add_validate_arguments(parser: argparse.ArgumentParser) -> None:
                         help=LOAD_MINUTES_HELP)
     parser.add_argument("--vllm-python", type=Path, default=None, metavar="PYTHON",
                         help="the serving check: start this vLLM environment's server on the export (e.g. "
-                             ".venv-vllm/bin/python from `make vllm-env`; default $QUARK_PTQ_EVAL_VLLM_PYTHON)")
+                             ".venv-vllm/bin/python from `make vllm-env`; default $QUARK_PTQ_EVAL_VLLM_PYTHON, "
+                             "else this checkout's .venv-vllm)")
 
 
 def cmd_validate(args: argparse.Namespace, approver: Approver) -> int:

@@ -46,7 +46,7 @@ class CheckInputs:
     load_check: bool = False
     stream_blocks: bool | None = None  # the load check one part at a time (None: when the whole model does not fit)
     load_budget_s: float | None = DEFAULT_BUDGET_S  # the streamed load check's blocks (load_sample.py; 0: all)
-    vllm_python: Path | None = None  # the serving check's vLLM (None: $QUARK_PTQ_EVAL_VLLM_PYTHON, if set)
+    vllm_python: Path | None = None  # the serving check's vLLM (None: runtime/vllm_host.vllm_python's)
     vllm_args: tuple[str, ...] = ()  # the user's --vllm-arg values, over the sized ones (runtime/vllm_sizing.py)
     server_handover: ServerHandover | None = None  # the serving check's server, handed on (compare --speed)
     progress: Progress | None = None

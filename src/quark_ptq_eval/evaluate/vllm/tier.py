@@ -1,7 +1,7 @@
 """Tier 3: a vLLM server and lm-eval over its OpenAI-compatible endpoint.
 
 It runs where a vLLM is: on ROCm (a container, or vLLM on the host), or on any host (ROCm, CUDA,
-CPU) whose vLLM environment is named by its interpreter (``--vllm-python``, runtime/vllm_host.py): that
+CPU) with a vLLM environment (``--vllm-python``, else the checkout's own: runtime/vllm_host.vllm_python): that
 server is started in a process group of its own and lm-eval from our environment scores it.
 Elsewhere nothing runs: the exact commands are planned, printed and recorded for a ROCm host.
 On ROCm the plan is executed after approval: a holder container with a non-vLLM entrypoint

@@ -24,7 +24,7 @@ from quark_ptq_eval.evaluate.ppl.baseline_cache import DEFAULT_TOP_K
 from quark_ptq_eval.evaluate.speed.workload import WITH_TIER3, SpeedOptions
 from quark_ptq_eval.plan.request import CHOICE, SEARCH_FIELDS, PlanChange, PlanRequest
 from quark_ptq_eval.publish import BASE_MODEL_HELP, check_base_model
-from quark_ptq_eval.runtime.vllm_host import ENV_VAR as VLLM_PYTHON_ENV
+from quark_ptq_eval.runtime.vllm_host import vllm_python
 
 DEFAULT_MAX_PPL_INCREASE_PCT = 2.0  # the healthy threshold of a single run's verdict
 BUDGET, CACHE, CARD, RUN = "budget", "cache", "card", "run"  # the concerns of the comparison's own options
@@ -136,10 +136,10 @@ class CompareOptions:
             raise UsageError("--max-task-drop-pct needs task scores.", "Pass --tasks (lm-eval task names) too.")
         if self.eval.include_path and not Path(self.eval.include_path).is_dir():
             raise UsageError(f"--include-path {self.eval.include_path} is not a directory of lm-eval task YAMLs.")
-        if self.speed and not (self.eval.vllm_python or os.environ.get(VLLM_PYTHON_ENV)):
-            raise UsageError("compare --speed serves each model with a vLLM on this host, and none is named.",
-                             "Name its interpreter with --vllm-python (e.g. .venv-vllm/bin/python after "
-                             "`make vllm-env`), or leave out --speed.")
+        if self.speed and vllm_python(self.eval.vllm_python) is None:
+            raise UsageError("compare --speed serves each model with a vLLM on this host, and none is found.",
+                             "Name its interpreter with --vllm-python, build the checkout's own with "
+                             "`make vllm-env`, or leave out --speed.")
 
     @property
     def budget(self) -> dict[str, float]:
