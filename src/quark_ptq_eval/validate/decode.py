@@ -161,6 +161,8 @@ def _folded(folds: FoldFinder, result: CheckResult, one: Callable[..., Outcome])
             if isinstance(again[2], RowErrors):
                 folds.settle(target, refold, again[2])
                 target, fold, outcome = again
+        if isinstance(outcome, RowErrors):
+            fold, outcome = folds.certify(target, fold, outcome)
         result.findings += folds.unfoldable(target, fold)
         yield target, fold, outcome
     damage.record(result, folds.damage)

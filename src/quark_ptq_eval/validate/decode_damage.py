@@ -36,6 +36,7 @@ from quark_ptq_eval.validate.report import CheckResult
 if TYPE_CHECKING:
     import numpy as np
 
+    from quark_ptq_eval.validate.decode_blocks import DecodeTarget
     from quark_ptq_eval.validate.decode_weights import RowErrors
 
 
@@ -103,3 +104,62 @@ def record(result: CheckResult, damage: list[Damage]) -> None:
         "costs): the scheme rounded these rows to (nearly) nothing, so their own codes cannot bound the scale "
         "folded into them; with the scale their consumer's columns certify, they decode within the bound")
     result.notes += [f"damage: {d.describe()}" for d in damage[:MAX_ROWS_LISTED]]
+
+
+@dataclass(frozen=True)
+class Intervals:
+    """Per channel, the scales ``[lo, hi]`` under which every code of it is round-to-nearest of its source;
+    per channel also the codes off their zero point and the largest (for the damage record)."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    nonzero: np.ndarray
+    peak: np.ndarray
+
+
+def scale_intervals(target: DecodeTarget, cols: np.ndarray | None, divided: bool, slack: float) -> Intervals:
+    """Where a row (``divided``: the row was divided by ``s``) or a column (multiplied by ``s``) allows ``s``
+    to be, from the format's own arithmetic: code ``v`` stands for every ``x = w k / step + zero`` between the
+    midpoints to its grid neighbours (beyond an end of the grid, the quantizer clamps: unbounded there), so
+    each element bounds ``k`` (``1 / s`` or ``s``); a channel's interval is the elements' intersection,
+    widened by the model's float rounding (``slack``, relative). No estimate: an empty interval is a fault
+    no fold explains, a non-empty one is what round-to-nearest makes of the source for some ``s`` in it."""
+    import numpy as np
+
+    from quark_ptq_eval.validate import decode_formats as fmt
+    from quark_ptq_eval.validate.decode_blocks import TileReader
+
+    reader = TileReader(target)
+    n = reader.rows if divided else reader.cols
+    lo, hi = np.zeros(n, np.float64), np.full(n, np.inf, np.float64)
+    nonzero, peak = np.zeros(n, np.int64), np.zeros(n, np.float64)
+    values = fmt.grid(target.dtype).values.astype(np.float64)
+    below = np.concatenate([[-np.inf], (values[:-1] + values[1:]) / 2])  # each grid value's lower midpoint
+    above = np.concatenate([(values[:-1] + values[1:]) / 2, [np.inf]])
+    axis = 1 if divided else 0
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for tile in reader.tiles():
+            w = fmt.as_float(target.source, tile.w).astype(np.float64)
+            if cols is not None:
+                w = w * cols[None, tile.c0:tile.c1]
+            width = (tile.c1 - tile.c0) // tile.scale.shape[1]
+            step = np.repeat(tile.scale.astype(np.float64), width, axis=1)
+            zero = np.repeat(tile.zero.astype(np.float64), width, axis=1)
+            v = fmt.code_values(target.dtype, tile.codes).astype(np.float64)
+            where = np.searchsorted(values, v)
+            edge_lo, edge_hi = (below[where] - zero) * step, (above[where] - zero) * step
+            # w k must lie in [edge_lo, edge_hi]: k's bounds flip with w's sign; w = 0 fits where the edges hold 0
+            k_lo = np.where(w > 0, edge_lo / w, np.where(w < 0, edge_hi / w, np.where(edge_lo <= 0, 0.0, np.inf)))
+            k_hi = np.where(w > 0, edge_hi / w, np.where(w < 0, edge_lo / w, np.where(edge_hi >= 0, np.inf, 0.0)))
+            k_lo, k_hi = np.maximum(np.nan_to_num(k_lo, nan=0.0), 0.0), np.nan_to_num(k_hi, nan=np.inf)
+            off = np.abs(v - zero)
+            if divided:  # k = 1 / s
+                s_lo, s_hi = 1.0 / k_hi.min(axis=1), 1.0 / k_lo.max(axis=1)
+                sl = slice(tile.r0, tile.r1)
+            else:
+                s_lo, s_hi = k_lo.max(axis=0), k_hi.min(axis=0)
+                sl = slice(tile.c0, tile.c1)
+            lo[sl], hi[sl] = np.maximum(lo[sl], s_lo), np.minimum(hi[sl], s_hi)
+            nonzero[sl] += (off != 0).sum(axis=axis)
+            peak[sl] = np.maximum(peak[sl], off.max(axis=axis))
+    return Intervals(lo * (1 - slack), hi * (1 + slack), nonzero, peak)

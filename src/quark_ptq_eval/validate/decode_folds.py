@@ -160,6 +160,60 @@ class FoldFinder:
                                          [float(c.peak[r]) for r in ok], c.cols, consumer,
                                          float(max(bound[r] for r in ok))))
 
+    def certify(self, target: DecodeTarget, fold: Fold | None, c: RowErrors) -> tuple[Fold | None, RowErrors]:
+        """Rows still failing for want of a scale, certified by round-to-nearest's own arithmetic instead: the
+        scales the row's codes allow intersected with those its consumer's column allows
+        (``decode_damage.scale_intervals``). Where the intersection holds a scale, the pair is what the fold
+        and the scheme make of the source (damage, recorded); where it is empty, the finding stands."""
+        import numpy as np
+
+        if fold is None or fold.rows is None or not self._feeds_a_fold(target, self.targets):
+            return fold, c
+        consumers = self._sole_consumers(target)
+        if consumers is None:
+            return fold, c
+        with np.errstate(invalid="ignore"):
+            failing = sorted(set(c.over) | set(np.flatnonzero(~(fold.rows > 0) | ~np.isfinite(fold.rows)).tolist()))
+        slack = _float_slack(self.ctx, target)
+        own = damage.scale_intervals(target, fold.cols, True, slack)
+        lo, hi = own.lo.copy(), own.hi.copy()
+        for consumer in consumers:
+            theirs = damage.scale_intervals(consumer, None, False, slack)
+            index = _to_columns(np.arange(len(lo)), len(theirs.lo), self.ctx.src_config).astype(np.int64)
+            np.maximum.at(lo, index, theirs.lo)
+            np.minimum.at(hi, index, theirs.hi)
+        with np.errstate(invalid="ignore"):
+            exact = (lo > 0) & (lo <= hi) & (hi < np.inf)
+        # the consumer is judged with the exact scale where the pair allows one: its columns magnify any estimate's error
+        scale, s_err = self._row_scale(target.module)
+        scale[exact] = np.sqrt(lo[exact] * hi[exact])
+        s_err[exact] = (np.sqrt(hi[exact] / lo[exact]) - 1) / FOLD_SIGMAS
+        ok = [r for r in failing if exact[r]]
+        if not ok:
+            return fold, c
+        rows = fold.rows.copy()
+        rows[ok] = scale[ok]
+        for r in ok:
+            c.over.pop(r, None)
+            c.worst_steps[r] = 0.5
+        names = " and ".join(t.module for t in consumers)
+        self.damage.append(damage.Damage(target.weight.name, ok, [int(own.nonzero[r]) for r in ok],
+                                         [float(own.peak[r]) for r in ok], c.cols,
+                                         f"{names} (round-to-nearest's arithmetic on both)",
+                                         float(np.max(np.sqrt(hi[ok] / lo[ok]) - 1))))
+        return Fold(fold.cols, rows, fold.tolerance, fold.origin), c
+
+    def _sole_consumers(self, target: DecodeTarget) -> list[DecodeTarget] | None:
+        """The linears whose columns took ``target``'s row scale and no other scale; None where one carries more."""
+        local = self._local(target.module)
+        assert local is not None  # target feeds a fold
+        layer, rel, groups = local
+        names = [f"{layer}.{x}" for prev, layers in groups if prev == rel for x in layers]
+        consumers = [self.targets[n] for n in dict.fromkeys(names) if n in self.targets]
+        if any(self._folds_into(t) != [target.module] or self._feeds_a_fold(t, self.targets) for t in consumers):
+            return None
+        return consumers or None
+
     def unfoldable(self, target: DecodeTarget, fold: Fold | None) -> list[Finding]:
         return _unfoldable_rows(target, fold.rows) if fold is not None and fold.rows is not None else []
 
@@ -168,16 +222,12 @@ class FoldFinder:
         None where a consumer carries other scales too (another fold into its columns, or its rows folded)."""
         import numpy as np
 
-        local = self._local(target.module)
-        assert local is not None  # target feeds a fold
-        layer, rel, groups = local
-        names = [f"{layer}.{x}" for prev, layers in groups if prev == rel for x in layers]
-        consumers = [self.targets[n] for n in dict.fromkeys(names) if n in self.targets]
+        consumers = self._sole_consumers(target)
+        if consumers is None:
+            return None
         rows = len(self.row_scales[target.module][0])
         sums = np.zeros((3, rows), np.float64)
         for consumer in consumers:
-            if self._folds_into(consumer) != [target.module] or self._feeds_a_fold(consumer, self.targets):
-                return None
             col_sums = compare(consumer, math.inf, col_stats=True).col_sums
             assert col_sums is not None  # col_stats=True computes them
             index = _to_columns(np.arange(rows, dtype=np.float64), col_sums.shape[1], self.ctx.src_config)
