@@ -152,8 +152,9 @@ def tied_embeddings(config: dict[str, Any], source: dict[str, TensorInfo] | None
 
 CHECKS: Registry[Check] = Registry("validation check", (
     Check("layout", "Layout against the plan (safetensors headers, shapes)", run_layout, structural=True,
-          module="quark_ptq_eval.validate.layout"),
-    Check("index", "Shard index (model.safetensors.index.json)", check_index, structural=True),
+          module="quark_ptq_eval.validate.layout", unloadable_when_failed=True),
+    Check("index", "Shard index (model.safetensors.index.json)", check_index, structural=True,
+          unloadable_when_failed=True),
     Check("aux", "Auxiliary files and tokenizer behaviour", run_aux, structural=False,
           next_action="Re-copy the missing or changed files from the source: `validate ... --approve fix`.",
           fixable=True, module="quark_ptq_eval.validate.auxfiles"),

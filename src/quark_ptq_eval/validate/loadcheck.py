@@ -59,8 +59,8 @@ def check_load(ctx: CheckInputs) -> CheckResult:
         result.skipped_reason = ("not requested (--no-load-check, or load_check=False in the API): the export was "
                                  "not loaded or run")
         return result
-    if ctx.shared.structural_failed:
-        result.skipped_reason = "a structural check failed: loading weights known to be wrong proves nothing"
+    if ctx.shared.unloadable:
+        result.skipped_reason = "the layout or shard index check failed: the files are not what a loader reads"
         return result
     streamed, too_big = load_mode(ctx)
     if too_big:  # said before anything loads: the kernel's OOM killer would end validate with no report

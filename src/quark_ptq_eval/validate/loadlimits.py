@@ -24,8 +24,8 @@ from quark_ptq_eval.validate.rewrites import SCALING, algorithms
 MARGIN = 2.0  # the sweeps cover 8 families of 34: room for the others' spread
 CEILING = 0.45  # the former single limit: planted scale x4 faults read >= 0.52 over 159 exports
 # format -> largest healthy module error measured (docs/reliability.md, "Load-check limits per format"):
-# bench/benchmarks/bench_load_check.py --no-faults over a family-matrix subset (8 families, random BF16 weights,
-# 2026-12-01) and the trained tiny Llama's exports; fp4 from the 34-family sweep (experts 0.33).
+# bench/benchmarks/bench_load_check.py --no-faults over a family-matrix subset (8 families, random BF16 weights)
+# and the trained tiny Llama's exports; fp4 from the 34-family sweep (experts 0.33).
 HEALTHY = {"int8": 0.059, "fp8": 0.084, "int4": 0.184, "fp4": 0.33,
            "fp6": 0.33}  # fp6: one measurement only (0.071, trained Llama): held to fp4's figure
 # AWQ / SmoothQuant, replayed by fold unit: int4 AWQ from the 34-family sweep (all healthy <= 0.29),

@@ -30,7 +30,8 @@ class Handoffs:
     quantized_modules: set[str] = field(default_factory=set)  # layout: modules the plan quantizes (bytes check)
     expected_qconfig: dict[str, Any] | None = None  # plan conformance: the expected qconfig (KV-scale check)
     module_error_limit: tuple[float, str] | None = None  # load check: (limit, why) of its module replay
-    structural_failed: bool = False  # a structural check failed: the load and serving checks do not run
+    structural_failed: bool = False  # a structural check failed: the serving check does not run
+    unloadable: bool = False  # the files cannot be what a loader reads (layout, shard index): the load check does not run
 
 
 @dataclass
@@ -103,6 +104,9 @@ class Check:
     next_action: str = ""  # what the report advises when it fails
     fixable: bool = False  # its failing findings name files the fix gate re-copies from the source
     module: str | None = None  # the module that implements it, when ``run`` is an adapter in checks.py
+    # failing, the files are not what a loader reads: the load check does not run (other faults leave it running,
+    # so that one validation names every fault)
+    unloadable_when_failed: bool = False
 
     @property
     def implemented_in(self) -> str:

@@ -86,6 +86,7 @@ def validate_model(source: Path | None, quantized: Path, plan: PlanJson | None =
         results.append(result)
         if check.structural and result.status == "fail":
             ctx.shared.structural_failed = True
+            ctx.shared.unloadable |= check.unloadable_when_failed
         notify(check.name, i, len(CHECKS))
     return ValidationReport(source, quantized, results, exclude_patterns=ctx.exclude, exclusions_from=ctx.exclusions_from,
                             seconds=time.perf_counter() - t0,
