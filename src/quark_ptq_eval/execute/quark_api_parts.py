@@ -52,8 +52,35 @@ def template_config(model_type: str, scheme: str, *, algorithm: list[str] | None
     """Quark's config for ``scheme`` from the model type's template (its exclusions unless given)."""
     from quark.torch import LLMTemplate
 
+    kv_configs_per_module()
     return LLMTemplate.get(model_type).get_config(scheme=scheme, algorithm=algorithm, kv_cache_scheme=kv_cache_scheme,
                                                   layer_config=layer_config or {}, exclude_layers=exclude_layers)
+
+
+def kv_configs_per_module() -> None:
+    """Quark 0.13's ``setup_kv_cache_config`` gives every k/v projection the one config object of its KV-cache
+    pattern and then clears that object's weight for an excluded projection: excluding one layer's k_proj (a
+    block kept unquantized) left every layer's k/v weights unquantized. Each projection gets its own copy."""
+    import copy
+    from fnmatch import fnmatch
+
+    from quark.torch.quantization import model_transformation as transformation
+
+    if getattr(transformation.setup_kv_cache_config, "per_module", False):
+        return
+
+    def setup(config: Any, named_modules: dict[str, Any], module_configs: dict[str, Any]) -> None:
+        for name, module in named_modules.items():
+            if not transformation._is_quantizable_layer(module):
+                continue
+            for pattern, shared in config.kv_cache_quant_config.items():  # the last pattern matching wins, as in Quark
+                if fnmatch(name, pattern):
+                    own = module_configs[name] = copy.copy(shared)
+                    if any(fnmatch(name, excluded) for excluded in config.exclude):
+                        own.input_tensors, own.weight = None, None
+
+    setup.per_module = True  # type: ignore[attr-defined]
+    transformation.setup_kv_cache_config = setup
 
 
 def loaded_exclusions(model: torch.nn.Module, model_dir: str | PathLike[str],
