@@ -6,7 +6,8 @@ differ from the run's in one thing, ranked by what this run measured:
 
 - the plan's scaling algorithm removed, first where validation found rows a fold crushed (a check's
   ``quantization_damage``) or a unit holding folded scales far from the source (``quantization_error``);
-- the block the evidence names (the damage, else the load check's worst module) kept unquantized;
+- the linears whose error the load check traced to an input outlier channel kept unquantized (with the linears
+  vLLM fuses them with), and the block the evidence names (the damage, else the load check's worst module);
 - no algorithm in the plan: the one its scheme calls for added (SmoothQuant for W8A8, GPTQ weight-only);
 - more calibration data; a wider format.
 
@@ -26,7 +27,9 @@ from typing import Any
 from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.evaluate.remedies import MIN_CALIBRATION, plan_algorithms
 from quark_ptq_eval.plan.choices import SCALING_ALGORITHMS
+from quark_ptq_eval.plan.groups import FUSED_LEAVES, LEAF_TO_FUSED
 from quark_ptq_eval.plan.request import PlanChange
+from quark_ptq_eval.validate.load_judge import OUTLIER_RATIO
 
 LAYER_BLOCK = "model.layers."
 CALIBRATION_FACTOR = 4
@@ -39,7 +42,7 @@ class Variant:
     """One remedy as a plan: the run's plan with ``request`` over its options."""
 
     label: str  # the comparison cell's name
-    kind: str  # algorithm_removed, algorithm_added, block_kept, calibration, wider_format
+    kind: str  # algorithm_removed, algorithm_added, outliers_kept, block_kept, calibration, wider_format
     changed: str  # what differs from the run's plan, in words
     why: str  # the evidence that proposed it
     scheme: str
@@ -58,6 +61,7 @@ class Evidence:
     worst_module: str | None = None
     worst_cause: str = ""
     worst_error: float = 0.0
+    outliers: tuple[str, ...] = ()  # modules whose error the load check traced to an input outlier channel
 
     @classmethod
     def of(cls, report: Mapping[str, object] | None) -> Evidence:
@@ -74,8 +78,9 @@ class Evidence:
         worst = max(errors, key=lambda e: _num(e.get("error"), -math.inf), default=None)
         if worst is None:
             return cls(tuple(damaged))
+        outliers = tuple(str(e["module"]) for e in errors if e.get("module") and _outlier(e))
         return cls(tuple(damaged), str(worst.get("module") or "") or None, str(worst.get("cause") or ""),
-                   _num(worst.get("error"), 0.0))
+                   _num(worst.get("error"), 0.0), outliers)
 
     @property
     def folded(self) -> bool:
@@ -83,12 +88,31 @@ class Evidence:
         return "folded scales" in self.worst_cause and self.worst_error > 0.1
 
 
+def _outlier(error: Mapping[str, object]) -> bool:
+    """The load check named an input channel far above its median under per-tensor activations as the cause."""
+    return _num(error.get("input_outlier_ratio"), 0.0) >= OUTLIER_RATIO and "per_tensor" in str(error.get("cause"))
+
+
+def _kept_with_siblings(modules: tuple[str, ...]) -> tuple[str, ...]:
+    """The modules and the linears vLLM fuses with each (q/k/v, gate/up): a fused group is kept whole."""
+    kept: list[str] = []
+    for module in modules:
+        parent, _, leaf = module.rpartition(".")
+        fused = LEAF_TO_FUSED.get(leaf)
+        for name in [f"{parent}.{x}" for x in FUSED_LEAVES[fused]] if fused else [module]:
+            if name not in kept:
+                kept.append(name)
+    return tuple(kept)
+
+
 def _records(value: object) -> list[Mapping[str, object]]:
     return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
 
 
-def propose(plan: PlanJson, evidence: Evidence, count: int) -> list[Variant]:
-    """The ``count`` most promising variants of ``plan`` (quant_plan.json's content), given validation's evidence."""
+def propose(plan: PlanJson, evidence: Evidence, count: int, calibration_room: int | None = None) -> list[Variant]:
+    """The ``count`` most promising variants of ``plan`` (quant_plan.json's content), given validation's evidence;
+    ``calibration_room``: the samples of the plan's length its calibration text holds (None: not counted), so
+    that no variant asks for more text than there is."""
     scheme = str(plan.get("global_scheme") or "")
     algos = plan_algorithms(plan)
     excluded = tuple(plan.get("exclude_layers") or [])
@@ -109,6 +133,13 @@ def propose(plan: PlanJson, evidence: Evidence, count: int) -> list[Variant]:
         ranked.append((1.0, Variant(f"{scheme}-keep-block-{block}", "block_kept",
                                     f"block {block} kept unquantized", f"{source} in block {block}", scheme,
                                     PlanChange(exclude_layers=(*excluded, f"{LAYER_BLOCK}{block}.*")))))
+    outliers = tuple(m for m in _kept_with_siblings(evidence.outliers) if m not in excluded)
+    if outliers:
+        ranked.append((0.5, Variant(f"{scheme}-keep-outlier-inputs", "outliers_kept",
+                                    f"{len(outliers)} linears kept unquantized", "the load check traced their "
+                                    f"error to an input channel far above its median ({', '.join(outliers[:3])}"
+                                    f"{' ...' if len(outliers) > 3 else ''})", scheme,
+                                    PlanChange(exclude_layers=(*excluded, *outliers)))))
     if not algos:
         added = "gptq" if "_wo" in scheme else "smoothquant" if scheme.startswith("int8") else None
         if added:
@@ -116,8 +147,8 @@ def propose(plan: PlanJson, evidence: Evidence, count: int) -> list[Variant]:
                                         "the plan ran no accuracy-recovering algorithm", scheme,
                                         PlanChange(algorithm=added))))
     samples = int(_num((plan.get("calibration") or {}).get("num_samples"), 0))
-    if 0 < samples < MIN_CALIBRATION:
-        more = min(MIN_CALIBRATION, CALIBRATION_FACTOR * samples)
+    more = min(MIN_CALIBRATION, CALIBRATION_FACTOR * samples, calibration_room or MIN_CALIBRATION)
+    if 0 < samples < more:
         ranked.append((3.0, Variant(f"{scheme}-calib-{more}", "calibration", f"calibration {samples} -> {more} samples",
                                     f"{samples} calibration samples", scheme, PlanChange(num_calib_samples=more))))
     wider = next((w for k, w in WIDER.items() if scheme.startswith(k)), None)
@@ -200,6 +231,20 @@ def judge(original: Scored, variants: list[Variant], measured: Mapping[str, Scor
     return Judged(rows, eligible[0] if eligible else None, _cause(rows, original, original_verdict))
 
 
+def shortfall(judged: Judged) -> str | None:
+    """One sentence where no variant measured reached healthy or watch: which came closest and what it measured."""
+    if any(r.outcome == HELPED and r.scored.verdict in ("healthy", "watch") for r in judged.rows):
+        return None
+    measured = [r for r in judged.rows if r.outcome != FAILED and r.scored.kl_mean is not None]
+    if not measured:
+        return (f"none of the {len(judged.rows)} variants could be measured"
+                + (f" (first: {judged.rows[0].variant.label}, {judged.rows[0].outcome_detail})" if judged.rows else ""))
+    close = min(measured, key=lambda r: _num(r.scored.kl_mean))
+    return (f"none of the {len(judged.rows)} variants measured reached healthy or watch: the closest, "
+            f"{close.variant.label} ({close.variant.changed}), measured {close.scored.verdict} at KL "
+            f"{fmt(close.scored.kl_mean)}")
+
+
 def _cause(rows: list[RemedyRow], original: Scored, verdict: str | None) -> str | None:
     """What the measurements name as the harm: the algorithm, where the plan without it helped beyond noise; else
     the block, where keeping it unquantized did (saying that removing the algorithm did not)."""
@@ -207,6 +252,11 @@ def _cause(rows: list[RemedyRow], original: Scored, verdict: str | None) -> str 
         return None
     by_kind = {r.variant.kind: r for r in rows}
     removed, kept = by_kind.get("algorithm_removed"), by_kind.get("block_kept")
+    outliers = by_kind.get("outliers_kept")
+    if (removed is None or removed.outcome != HELPED) and outliers is not None and outliers.outcome == HELPED:
+        return (f"the outlier input channels carry the harm: with {outliers.variant.changed} the model is "
+                f"{outliers.scored.verdict} (KL {fmt(outliers.scored.kl_mean)} against the original's "
+                f"{fmt(original.kl_mean)})")
     if removed is not None and removed.outcome == HELPED:
         return (f"{removed.variant.changed.replace(' removed', '')} is the cause: the same plan without it measured "
                 f"{removed.scored.verdict} (KL {fmt(removed.scored.kl_mean)} against the original's "

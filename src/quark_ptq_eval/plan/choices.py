@@ -78,7 +78,12 @@ def choose_algorithm(req: PlanRequest, scheme_info: SchemeInfo, template_algorit
         return "awq", "accuracy first on a 4-bit weight-only scheme: AWQ protects salient channels"
     int8_activations = "int8" in (scheme_info.get("activation_dtypes") or [])
     if int8_activations and ACCURACY_FIRST.search(req.goal.lower()) and "smoothquant" in (template_algorithms or []):
-        return "smoothquant", "accuracy first with INT8 activations: SmoothQuant moves activation outliers into weights"
+        # Quark's templates smooth at alpha 1 for most families: a massive activation's whole range moves into
+        # its weight column, and a per-tensor weight scale then rounds the other columns to nothing.
+        return None, ("plain PTQ, measured before anything is added: SmoothQuant in Quark's template moves an "
+                      "outlier channel's whole range into the weights (alpha 1), which can destroy a layer on real "
+                      "models; --remedies N measures it, the outlier layers kept unquantized and a wider format on "
+                      "your text")
     if any(d.startswith("fp8") for d in scheme_info.get("activation_dtypes") or []):
         return None, ("plain PTQ: FP8's exponent range absorbs activation outliers; add --algorithm smoothquant "
                       "if accuracy drops")

@@ -36,6 +36,7 @@ from quark_ptq_eval.evaluate.remedy_variants import (
     fmt,
     judge,
     propose,
+    shortfall,
     table_markdown,
 )
 from quark_ptq_eval.flows.compare.options import MixCell
@@ -78,7 +79,7 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
         return None
     validation_path = wd / "validation_report.json"
     validation = read_json(validation_path, "validation report") if validation_path.is_file() else None
-    variants = propose(plan.as_json(), Evidence.of(validation), count or OFFERED)
+    variants = propose(plan.as_json(), Evidence.of(validation), count or OFFERED, calibration_room(plan))
     if not variants:
         ui.info("Remedies: none left to measure: the plan already does what they would change.")
         return None
@@ -112,8 +113,25 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
         ui.info(f"Remedies: {judged.cause}.")
     ui.info(f"Remedies: recommended {best.label} ({best.changed}): {command}" if best else
             "Remedies: none helped beyond noise; none is recommended.")
+    if short := shortfall(judged):
+        ui.info(f"Remedies: {short}.")
     ui.info(f"Remedies: {runtime.said()}")
     return judged
+
+
+def calibration_room(plan: QuantPlan) -> int | None:
+    """Samples of the plan's length the engine's calibration text holds, counted as far as a variant could ask
+    (None: not a local text, or no tokenizer)."""
+    from quark_ptq_eval.base.calibration_text import count_tokens
+    from quark_ptq_eval.base.textdata import load_texts
+    from quark_ptq_eval.evaluate.remedies import MIN_CALIBRATION
+
+    calibration = plan.calibration
+    seq, path = calibration.get("seq_len"), calibration.get("path")
+    if calibration.get("source") != "local_file" or not isinstance(seq, int) or seq <= 0 or not path:
+        return None
+    tokens = count_tokens(load_texts(path), Path(plan.model["model_path"]), MIN_CALIBRATION * seq)
+    return None if tokens is None else tokens // seq
 
 
 def on_target(plan: Mapping[str, Any] | None) -> str | None:
@@ -222,6 +240,7 @@ def _details(original: Scored, judged: Judged, command: str | None, root: Path, 
     """eval_results.json's details.remedies."""
     rec = judged.recommendation
     return {"original": original.as_json(), "variants": [r.as_json() for r in judged.rows], "cause": judged.cause,
+            "shortfall": shortfall(judged),
             "comparison": str(root), "runtime": runtime.as_json(), "recommendation": None if rec is None else {
                 "label": rec.variant.label, "changed": rec.variant.changed, "verdict": rec.scored.verdict,
                 "kl_mean": rec.scored.kl_mean, "model_dir": rec.scored.model_dir, "command": command,
