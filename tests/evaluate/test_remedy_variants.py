@@ -7,7 +7,15 @@ import subprocess
 import sys
 from dataclasses import replace
 
-from quark_ptq_eval.evaluate.remedy_variants import HELPED, Evidence, Scored, judge, propose, table_markdown
+from quark_ptq_eval.evaluate.remedy_variants import (
+    HELPED,
+    Evidence,
+    Scored,
+    judge,
+    propose,
+    shortfall,
+    table_markdown,
+)
 from quark_ptq_eval.plan.request import PlanChange
 
 SQ = {"global_scheme": "int8", "algorithm": "smoothquant", "exclude_layers": ["lm_head"],
@@ -47,6 +55,27 @@ def test_what_the_plan_already_does_is_never_proposed():
     assert [v.kind for v in propose({**SQ, "algorithm": "gptq"}, NONE, 5)] == ["calibration", "wider_format"]
 
 
+def test_linears_traced_to_input_outliers_are_kept_with_the_linears_vllm_fuses_them_with():
+    errors = [{"module": "model.layers.9.mlp.down_proj", "error": 0.22, "input_outlier_ratio": 290.0,
+               "cause": "input absmax 290x its median channel: static per_tensor int8 activations"},
+              {"module": "model.layers.29.mlp.up_proj", "error": 0.19, "input_outlier_ratio": 83.0,
+               "cause": "input absmax 83x its median channel: static per_tensor int8 activations"},
+              {"module": "model.layers.3.self_attn.o_proj", "error": 0.05, "input_outlier_ratio": 3.0,
+               "cause": "static per_tensor int8 activations"}]
+    evidence = Evidence.of({"checks": {"load": {"stats": {"quantization_error": errors}}}})
+    plain = {**SQ, "algorithm": None}
+    kept = propose(plain, evidence, 1)[0]
+    assert kept.kind == "outliers_kept" and kept.request == PlanChange(exclude_layers=(
+        "lm_head", "model.layers.9.mlp.down_proj", "model.layers.29.mlp.gate_proj", "model.layers.29.mlp.up_proj"))
+
+
+def test_no_variant_asks_for_more_calibration_text_than_the_text_holds():
+    plain = {**SQ, "algorithm": "gptq", "calibration": {"num_samples": 64, "seq_len": 256}}
+    assert propose(plain, NONE, 1)[0].request == PlanChange(num_calib_samples=256)
+    assert propose(plain, NONE, 1, calibration_room=204)[0].request == PlanChange(num_calib_samples=204)
+    assert [v.kind for v in propose(plain, NONE, 5, calibration_room=64)] == ["wider_format"]  # no room: not proposed
+
+
 def _row(delta, lo, hi, kl, verdict, validation="success"):
     return Scored.of({"status": "evaluated", "validation": validation, "delta_nll": delta, "delta_nll_ci95": [lo, hi],
             "kl_mean": kl, "verdict": verdict, "size_bytes": 2**20, "bits_per_weight": 8.3, "top1_agreement": 0.9,
@@ -64,9 +93,12 @@ def test_a_variant_measured_worse_than_the_original_is_never_recommended():
                                                    "rejected: not usable"]
     assert judged.recommendation is None and judged.cause is None
     assert "**Recommendation:** none" in table_markdown(original, judged, None)
+    assert shortfall(judged) == ("none of the 3 variants measured reached healthy or watch: the closest, "
+                                 f"{variants[1].label} ({variants[1].changed}), measured hurt at KL 0.31")
     helped = {**worse, variants[1].label: _row(0.01, 0.0, 0.02, 0.01, "healthy")}
     judged = judge(original, variants, helped, "hurt")
     assert judged.rows[1].outcome == HELPED and judged.recommendation.variant == variants[1]
+    assert shortfall(judged) is None
     assert judged.cause.startswith("block 0 carries the harm") and "not the algorithm" in judged.cause
     helped[variants[0].label] = _row(0.002, -0.001, 0.005, 0.002, "healthy")
     judged = judge(original, variants, helped, "hurt")
