@@ -64,9 +64,17 @@ def test_linears_traced_to_input_outliers_are_kept_with_the_linears_vllm_fuses_t
                "cause": "static per_tensor int8 activations"}]
     evidence = Evidence.of({"checks": {"load": {"stats": {"quantization_error": errors}}}})
     plain = {**SQ, "algorithm": None}
-    kept = propose(plain, evidence, 1)[0]
-    assert kept.kind == "outliers_kept" and kept.request == PlanChange(exclude_layers=(
-        "lm_head", "model.layers.9.mlp.down_proj", "model.layers.29.mlp.gate_proj", "model.layers.29.mlp.up_proj"))
+    kept = ("lm_head", "model.layers.9.mlp.down_proj", "model.layers.29.mlp.gate_proj", "model.layers.29.mlp.up_proj")
+    both, alone, searched = propose(plain, evidence, 3, offered=("smoothquant", "autosmoothquant"))
+    assert both.request == PlanChange(algorithm="autosmoothquant", exclude_layers=kept)
+    assert alone.kind == "outliers_kept" and alone.request == PlanChange(exclude_layers=kept)
+    assert searched.request == PlanChange(algorithm="autosmoothquant")
+    assert propose(plain, evidence, 1)[0] == replace(alone, label=alone.label)  # no AutoSmoothQuant offered
+    errors.append({**errors[0], "module": "model.layers.10.mlp.down_proj"})  # a role listed in two layers: all
+    evidence = Evidence.of({"checks": {"load": {"stats": {"quantization_error": errors}}}})
+    assert propose(plain, evidence, 1)[0].request.exclude_layers == (
+        "lm_head", "*down_proj", "model.layers.29.mlp.gate_proj", "model.layers.29.mlp.up_proj")
+    assert "outliers_kept" not in [v.kind for v in propose(SQ, evidence, 5)]  # SmoothQuant's to move
 
 
 def test_no_variant_asks_for_more_calibration_text_than_the_text_holds():

@@ -42,7 +42,8 @@ class Variant:
     """One remedy as a plan: the run's plan with ``request`` over its options."""
 
     label: str  # the comparison cell's name
-    kind: str  # algorithm_removed, algorithm_added, outliers_kept, block_kept, calibration, wider_format
+    kind: str  # algorithm_removed, algorithm_added, outliers_kept (both: algorithm_added_outliers_kept), block_kept,
+    # calibration, wider_format
     changed: str  # what differs from the run's plan, in words
     why: str  # the evidence that proposed it
     scheme: str
@@ -93,15 +94,20 @@ def _outlier(error: Mapping[str, object]) -> bool:
     return _num(error.get("input_outlier_ratio"), 0.0) >= OUTLIER_RATIO and "per_tensor" in str(error.get("cause"))
 
 
-def _kept_with_siblings(modules: tuple[str, ...]) -> tuple[str, ...]:
-    """The modules and the linears vLLM fuses with each (q/k/v, gate/up): a fused group is kept whole."""
+def _outlier_patterns(modules: tuple[str, ...]) -> tuple[str, ...]:
+    """What to keep unquantized for the outlier modules the load check listed (its largest errors: a sample): a
+    role listed in several layers (``down_proj``, where LLMs' massive activations enter) in every layer, the others
+    by name; each with the linears vLLM fuses it with (q/k/v, gate/up), so that no fused group is split."""
+    from collections import Counter
+
+    roles = Counter(m.rpartition(".")[2] for m in modules)
     kept: list[str] = []
     for module in modules:
         parent, _, leaf = module.rpartition(".")
         fused = LEAF_TO_FUSED.get(leaf)
-        for name in [f"{parent}.{x}" for x in FUSED_LEAVES[fused]] if fused else [module]:
-            if name not in kept:
-                kept.append(name)
+        leaves = FUSED_LEAVES[fused] if fused else (leaf,)
+        names = [f"*{x}" for x in leaves] if roles[leaf] > 1 else [f"{parent}.{x}" for x in leaves]
+        kept += [n for n in names if n not in kept]
     return tuple(kept)
 
 
@@ -109,10 +115,12 @@ def _records(value: object) -> list[Mapping[str, object]]:
     return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
 
 
-def propose(plan: PlanJson, evidence: Evidence, count: int, calibration_room: int | None = None) -> list[Variant]:
+def propose(plan: PlanJson, evidence: Evidence, count: int, calibration_room: int | None = None,
+            offered: tuple[str, ...] = ()) -> list[Variant]:
     """The ``count`` most promising variants of ``plan`` (quant_plan.json's content), given validation's evidence;
     ``calibration_room``: the samples of the plan's length its calibration text holds (None: not counted), so
-    that no variant asks for more text than there is."""
+    that no variant asks for more text than there is; ``offered``: the algorithms Quark's template for the model
+    offers (empty: not known)."""
     scheme = str(plan.get("global_scheme") or "")
     algos = plan_algorithms(plan)
     excluded = tuple(plan.get("exclude_layers") or [])
@@ -134,13 +142,24 @@ def propose(plan: PlanJson, evidence: Evidence, count: int, calibration_room: in
                                     f"block {block} kept unquantized", f"{source} in block {block}", scheme,
                                     PlanChange(exclude_layers=(*excluded, f"{LAYER_BLOCK}{block}.*")))))
     # under a scaling algorithm the outliers are its to move: removing it is the hypothesis above
-    outliers = () if scaling else tuple(m for m in _kept_with_siblings(evidence.outliers) if m not in excluded)
+    outliers = () if scaling else tuple(p for p in _outlier_patterns(evidence.outliers) if p not in excluded)
     if outliers:
         ranked.append((0.5, Variant(f"{scheme}-keep-outlier-inputs", "outliers_kept",
-                                    f"{len(outliers)} linears kept unquantized", "the load check traced their "
-                                    f"error to an input channel far above its median ({', '.join(outliers[:3])}"
-                                    f"{' ...' if len(outliers) > 3 else ''})", scheme,
+                                    f"{', '.join(outliers)} kept unquantized", "the load check traced their "
+                                    "error to an input channel far above its median", scheme,
                                     PlanChange(exclude_layers=(*excluded, *outliers)))))
+    if evidence.outliers and not algos and "autosmoothquant" in offered and scheme.startswith("int8"):
+        why = ("input outlier channels under per-tensor activations: Quark's AutoSmoothQuant searches each layer's "
+               "migration strength instead of the template's fixed one")
+        ranked.append((0.6, Variant(f"{scheme}-with-autosmoothquant", "algorithm_added", "autosmoothquant added", why,
+                                    scheme, PlanChange(algorithm="autosmoothquant"))))
+        # the two together first: smoothing where it can, the worst inputs kept where it cannot (on a real model
+        # with massive activations each alone stayed hurt and the pair reached watch: docs/real_model.md)
+        if outliers:
+            ranked.append((0.4, Variant(
+                f"{scheme}-with-autosmoothquant-keep-outlier-inputs", "algorithm_added_outliers_kept",
+                f"autosmoothquant added, {', '.join(outliers)} kept unquantized", why, scheme,
+                PlanChange(algorithm="autosmoothquant", exclude_layers=(*excluded, *outliers)))))
     if not algos:
         added = "gptq" if "_wo" in scheme else "smoothquant" if scheme.startswith("int8") else None
         if added:
