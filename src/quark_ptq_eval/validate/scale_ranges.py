@@ -34,7 +34,10 @@ if TYPE_CHECKING:
     from quark_ptq_eval.validate.report import CheckResult
 
 OBSERVER = "PerTensorMinMaxObserver"
-MAX_WINDOWS = 64  # calibration windows re-run at most (beyond: the upper bound is not judged)
+# Calibration windows re-run at most, evenly spaced over the run's: each is a whole forward of the source, as many as
+# Tier 1's. A sample's maximum bounds calibration's from below, so a sample judges scales too small (clipping); only
+# every window judges a scale too large.
+OBSERVED_WINDOWS = 8
 RESAMPLES = 200
 UNOBSERVED = 1.0  # the calibration check's
 ROUNDING = 2.0 ** -7
@@ -118,8 +121,9 @@ def judge_observation(observation: Observation, maxima: dict[tuple[str, str], li
     bad = [(s, bounds) for s in scales if (bounds := _bounds(maxima[(s.module, s.side)], s.top, capped))
            and not bounds[0] <= s.exported <= bounds[1]]
     result.stats["static_scales_off"] = len(bad)
-    note = f" (first {len(windows)} windows: only too-small scales judged)" if capped else ""
-    result.notes.append(f"{len(scales)} static activation scales re-observed on the run's {len(windows)} "
+    note = " (a sample, evenly spaced: only scales too small judged)" if capped else ""
+    result.stats["static_scale_windows"] = len(windows)
+    result.notes.append(f"{len(scales)} static activation scales re-observed on {len(windows)} of the run's "
                         f"calibration windows{note}; {len(bad)} outside the resampled spread")
     for s, (low, high) in bad[:MAX_LISTED]:
         clip = "clips activations the calibration text reaches" if s.exported < low else "wastes the format's range"
@@ -135,8 +139,11 @@ def _windows(tokenizer: Any, calibration: dict[str, Any]) -> tuple[list[torch.Te
 
     texts = load_texts(calibration["path"], calibration.get("text_field") or "text")
     num = int(calibration.get("num_samples") or 128)
-    windows = calibration_windows(tokenizer, texts, int(calibration.get("seq_len") or 512), min(num, MAX_WINDOWS))
-    return [w[None, :] for w in windows], num > MAX_WINDOWS
+    windows = calibration_windows(tokenizer, texts, int(calibration.get("seq_len") or 512), num)
+    if len(windows) > OBSERVED_WINDOWS:
+        step = len(windows) / OBSERVED_WINDOWS
+        return [windows[int(i * step)][None, :] for i in range(OBSERVED_WINDOWS)], True
+    return [w[None, :] for w in windows], False
 
 
 def _observe(model: torch.nn.Module, windows: list[torch.Tensor],
