@@ -79,7 +79,8 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
         return None
     validation_path = wd / "validation_report.json"
     validation = read_json(validation_path, "validation report") if validation_path.is_file() else None
-    variants = propose(plan.as_json(), Evidence.of(validation), count or OFFERED, calibration_room(plan))
+    variants = propose(plan.as_json(), Evidence.of(validation), count or OFFERED, calibration_room(plan),
+                       _offered(plan))
     if not variants:
         ui.info("Remedies: none left to measure: the plan already does what they would change.")
         return None
@@ -117,6 +118,14 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
         ui.info(f"Remedies: {short}.")
     ui.info(f"Remedies: {runtime.said()}")
     return judged
+
+
+def _offered(plan: QuantPlan) -> tuple[str, ...]:
+    """The algorithms Quark's template for the plan's model offers (the capability catalog, cached per install)."""
+    from quark_ptq_eval.base.catalog import load_catalog
+
+    template = load_catalog()["templates"].get(str(plan.model.get("model_type")), {})
+    return tuple(template.get("algorithms") or ())
 
 
 def calibration_room(plan: QuantPlan) -> int | None:
