@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-CALIBRATION = ("--num-calib-samples", "32", "--calib-seq-len", "256")
-SEQ_LEN, WINDOWS = 256, 16
+CALIBRATION = ("--num-calib-samples", "16", "--calib-seq-len", "256")
+SEQ_LEN, WINDOWS = 256, 8
 
 # the schemes and algorithms no goal below plans (the goals add fp8, ptpc_fp8, mxfp4, nvfp4 and int4 with a KV cache)
 SCHEMES: list[tuple[str, list[str]]] = [

@@ -56,11 +56,11 @@ def test_what_the_plan_already_does_is_never_proposed():
 
 
 def test_linears_traced_to_input_outliers_are_kept_with_the_linears_vllm_fuses_them_with():
-    errors = [{"module": "model.layers.9.mlp.down_proj", "error": 0.22, "input_outlier_ratio": 290.0,
+    errors = [{"module": "model.layers.9.mlp.down_proj", "error": 0.22, "input_outlier_ratio": 290.0, "input_outlier": True,
                "cause": "input absmax 290x its median channel: static per_tensor int8 activations"},
-              {"module": "model.layers.29.mlp.up_proj", "error": 0.19, "input_outlier_ratio": 83.0,
+              {"module": "model.layers.29.mlp.up_proj", "error": 0.19, "input_outlier_ratio": 83.0, "input_outlier": True,
                "cause": "input absmax 83x its median channel: static per_tensor int8 activations"},
-              {"module": "model.layers.3.self_attn.o_proj", "error": 0.05, "input_outlier_ratio": 3.0,
+              {"module": "model.layers.3.self_attn.o_proj", "error": 0.05, "input_outlier_ratio": 3.0, "input_outlier": False,
                "cause": "static per_tensor int8 activations"}]
     evidence = Evidence.of({"checks": {"load": {"stats": {"quantization_error": errors}}}})
     plain = {**SQ, "algorithm": None}

@@ -29,7 +29,6 @@ from quark_ptq_eval.evaluate.remedies import MIN_CALIBRATION, plan_algorithms
 from quark_ptq_eval.plan.choices import SCALING_ALGORITHMS
 from quark_ptq_eval.plan.groups import FUSED_LEAVES, LEAF_TO_FUSED
 from quark_ptq_eval.plan.request import PlanChange
-from quark_ptq_eval.validate.load_judge import OUTLIER_RATIO
 
 LAYER_BLOCK = "model.layers."
 CALIBRATION_FACTOR = 4
@@ -79,7 +78,7 @@ class Evidence:
         worst = max(errors, key=lambda e: _num(e.get("error"), -math.inf), default=None)
         if worst is None:
             return cls(tuple(damaged))
-        outliers = tuple(str(e["module"]) for e in errors if e.get("module") and _outlier(e))
+        outliers = tuple(str(e["module"]) for e in errors if e.get("module") and e.get("input_outlier") is True)
         return cls(tuple(damaged), str(worst.get("module") or "") or None, str(worst.get("cause") or ""),
                    _num(worst.get("error"), 0.0), outliers)
 
@@ -87,11 +86,6 @@ class Evidence:
     def folded(self) -> bool:
         """The largest error sits in a unit holding folded scales, and is large."""
         return "folded scales" in self.worst_cause and self.worst_error > 0.1
-
-
-def _outlier(error: Mapping[str, object]) -> bool:
-    """The load check named an input channel far above its median under per-tensor activations as the cause."""
-    return _num(error.get("input_outlier_ratio"), 0.0) >= OUTLIER_RATIO and "per_tensor" in str(error.get("cause"))
 
 
 def _outlier_patterns(modules: tuple[str, ...]) -> tuple[str, ...]:

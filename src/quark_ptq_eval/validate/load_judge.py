@@ -54,7 +54,14 @@ class QuantError:
 
     def as_json(self) -> dict[str, Any]:
         return {"module": self.module, "error": _round(self.error), "weights_only": _round(self.weights_only),
-                "cause": self.cause, "input_outlier_ratio": _round(self.input_outlier_ratio)}
+                "cause": self.cause, "input_outlier_ratio": _round(self.input_outlier_ratio),
+                "input_outlier": self.input_outlier}
+
+    @property
+    def input_outlier(self) -> bool:
+        """The error traced to an input channel far above its median under per-tensor activations."""
+        ratio = self.input_outlier_ratio
+        return ratio is not None and ratio >= OUTLIER_RATIO and "per_tensor" in self.cause
 
 
 @dataclass

@@ -124,8 +124,8 @@ def _offered(plan: QuantPlan) -> tuple[str, ...]:
     """The algorithms Quark's template for the plan's model offers (the capability catalog, cached per install)."""
     from quark_ptq_eval.base.catalog import load_catalog
 
-    template = load_catalog()["templates"].get(str(plan.model.get("model_type")), {})
-    return tuple(template.get("algorithms") or ())
+    template = load_catalog()["templates"].get(str(plan.model.get("model_type")))
+    return tuple(template.get("algorithms") or ()) if template else ()
 
 
 def calibration_room(plan: QuantPlan) -> int | None:
