@@ -62,7 +62,7 @@ SHARED_WORKER = {
 # order). "compare" includes the Ray chaos slice (its planted trial and a local reference since round 25; the
 # campaign's checks on real code run on test_compare_ray's comparison that loses a node).
 GROUP_SECONDS = {
-    "compare": 582, "tests/evaluate/speed/test_speed_real_vllm.py": 408, "tests/flows/test_real_model.py": 400, "tests/flows/test_budget_search.py": 297,
+    "compare": 582, "tests/evaluate/speed/test_speed_real_vllm.py": 408, "tests/flows/test_real_model.py": 165, "tests/flows/test_budget_search.py": 297,
     "tests/publish/test_model_card.py": 240, "tests/validate/test_validate_damage.py": 130,
     "tests/execute/test_sequential_engine.py": 77, "tests/execute/test_quark_cli_engine.py": 70,
     "tests/reliability/test_reliability_crash.py": 70, "tests/flows/test_pipeline.py": 67,
