@@ -169,11 +169,11 @@ class FoldFinder:
 
         if fold is None or fold.rows is None or not self._feeds_a_fold(target, self.targets):
             return fold, c
-        consumers = self._sole_consumers(target)
-        if consumers is None:
-            return fold, c
         with np.errstate(invalid="ignore"):
             failing = sorted(set(c.over) | set(np.flatnonzero(~(fold.rows > 0) | ~np.isfinite(fold.rows)).tolist()))
+        consumers = self._sole_consumers(target) if failing else None  # a healthy pair is not read again
+        if consumers is None:
+            return fold, c
         slack = _float_slack(self.ctx, target)
         own = damage.scale_intervals(target, fold.cols, True, slack)
         lo, hi = own.lo.copy(), own.hi.copy()
