@@ -12,6 +12,7 @@ import pytest
 from quark_ptq_eval.base import contracts
 from quark_ptq_eval.base.errors import CheckpointPending, UsageError
 from quark_ptq_eval.base.gates import FlagApprover, Gatekeeper
+from quark_ptq_eval.base.plan_records import PlannedCalibration
 from quark_ptq_eval.base.state import RunState
 from quark_ptq_eval.base.step_table import STEP_NAMES, STEPS
 from quark_ptq_eval.evaluate.tiers import TIERS, tier_checkpoint
@@ -339,7 +340,7 @@ def test_engine_names_come_from_the_registry_everywhere():
         assert get_engine(name).name == name
     with pytest.raises(UsageError, match="Unknown engine"):
         get_engine("quark-onnx")
-    local = {"source": "local_file"}
+    local = PlannedCalibration("local_file", None, "calibration.txt", 16, 128, 1)
     assert choose_engine("auto", "cpu", local, True)[0] == "quark-api"
     assert choose_engine("auto", "amd-rocm", local, False) == (
         "quark-cli", "quark-cli with your text served from a private offline datasets cache")

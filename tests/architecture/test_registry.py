@@ -220,7 +220,7 @@ from quark_ptq_eval.plan.engines.quark_api import QuarkApiEngine
 class QuarkApiCopyEngine(QuarkApiEngine):
     name = "quark-api-copy"
 
-    def auto_reason(self, accelerator: str, calibration: dict, device_is_cpu: bool) -> str | None:
+    def auto_reason(self, accelerator: str, calibration: object, device_is_cpu: bool) -> str | None:
         return None  # only when asked for
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import FlagApprover
+from quark_ptq_eval.base.plan_records import PlannedCalibration
 from quark_ptq_eval.intake import analyze_model
 from quark_ptq_eval.plan import PlanRequest, make_plan
 from quark_ptq_eval.plan import resources as R
@@ -33,28 +34,28 @@ def engine_row(plan):
 def test_the_plan_picks_file2file_when_the_whole_model_engine_does_not_fit_the_host(tiny_analysis, catalog,
                                                                                    corpus, tmp_path):
     info = catalog["scheme_info"]["ptpc_fp8"]
-    whole = R.estimate_quantize(tiny_analysis, info, None, {"num_samples": 32, "seq_len": 512, "batch_size": 1},
+    whole = R.estimate_quantize(tiny_analysis, info, None, PlannedCalibration("local_file", None, "c.txt", 32, 512, 1),
                                 "cpu")["host_peak_bytes"]
     f2f = R.estimate_file2file(tiny_analysis, "cpu")["host_peak_bytes"]
     assert f2f < whole
     host_gib = (whole + f2f) / 2 / R.HEADROOM / R.GIB  # between the two estimates
     p = plan_for(tiny_analysis, catalog, corpus, tmp_path, host_gib, scheme="ptpc_fp8")
-    assert p.engine["name"] == "file2file" and p.resources["fits"]
+    assert p.engine.name == "file2file" and p.resources["fits"]
     reason = engine_row(p)["reason"]
     assert R.gb(whole) in reason and R.gb(host_gib * R.GIB) in reason and "file-to-file" in reason, reason
     assert p.resources["quantize"]["host_peak_bytes"] == f2f
     # A static scheme needs calibration: the whole-model engine stays and the plan stops (file2file is no proposal;
     # on a model this small one block and the embeddings are the model, so the sequential engine saves nothing).
     static = plan_for(tiny_analysis, catalog, corpus, tmp_path, host_gib, scheme="fp8")
-    assert static.engine["name"] == "quark-api" and not static.resources["fits"]
+    assert static.engine.name == "quark-api" and not static.resources["fits"]
     assert "--engine file2file" not in [x["change"] for x in static.resources["proposals"]]
     roomy = plan_for(tiny_analysis, catalog, corpus, tmp_path, 64, scheme="ptpc_fp8")
-    assert roomy.engine["name"] == "quark-api" and roomy.resources["fits"]
+    assert roomy.engine.name == "quark-api" and roomy.resources["fits"]
 
 
 def test_a_plan_no_engine_can_hold_stops_at_the_plan_checkpoint(tiny_analysis, catalog, corpus, tmp_path):
     p = plan_for(tiny_analysis, catalog, corpus, tmp_path, 0.5, scheme="ptpc_fp8")
-    assert not p.resources["fits"] and p.engine["name"] == "quark-api"
+    assert not p.resources["fits"] and p.engine.name == "quark-api"
     f2f_row = next(x for x in p.resources["proposals"] if x["change"] == "--engine file2file")
     assert "still too much" in f2f_row["detail"]
     assert "cannot hold this plan" in hold_message(p, "batch_execute", FlagApprover(all_gates=True), False)

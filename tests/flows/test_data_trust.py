@@ -157,7 +157,7 @@ def test_windows_beyond_the_context_are_refused_or_clamped(cli, tiny_llama, corp
                          tmp_path / "model_analysis.json", tmp_path / "out")
 
     clamped = plan()
-    assert clamped.calibration["seq_len"] == 128
+    assert clamped.calibration.seq_len == 128
     row = next(d for d in clamped.decisions if d["decision"] == "calibration size")
     assert "clamped from the default 512 to the model's context of 128 tokens" in row["reason"]
     with pytest.raises(UsageError, match="--calib-seq-len 256 is longer than the model's context of 128 tokens"):

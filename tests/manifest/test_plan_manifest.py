@@ -130,7 +130,7 @@ def test_quark_cli_engine_command_flags_all_exist_in_installed_help(plan_for, tm
 
     plan = plan_for(env("amd-rocm", "gfx942", 192), scheme="int4_wo_128", algorithm="awq", kv_cache_scheme="fp8",
                     exclude_layers=["lm_head"], layer_quant_config={"*down_proj": "fp8"}, multi_device=True)
-    assert plan.engine["name"] == "quark-cli"
+    assert plan.engine.name == "quark-cli"
     m = manifest_for(plan, tmp_path, offline=False)
     argv = m.command["argv"]
     assert argv[1] == "torch-llm-ptq" and Path(argv[0]).name == "quark-cli"
@@ -146,7 +146,7 @@ def test_quark_cli_engine_command_flags_all_exist_in_installed_help(plan_for, tm
 
 def test_hub_dataset_calibration_online(plan_for, tmp_path):
     plan = plan_for(env("amd-rocm", "gfx942"), scheme="fp8", calib_data=None)
-    assert plan.calibration["source"] == "hub_dataset" and plan.calibration["dataset"] == "pileval"
+    assert plan.calibration.source == "hub_dataset" and plan.calibration.dataset == "pileval"
     argv = manifest_for(plan, tmp_path, offline=False).command["argv"]
     assert argv[argv.index("--dataset") + 1] == "pileval"
 

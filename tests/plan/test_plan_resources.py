@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from quark_ptq_eval.base.gates import FlagApprover
+from quark_ptq_eval.base.plan_records import PlannedCalibration
 from quark_ptq_eval.context.preflight import detect_env
 from quark_ptq_eval.intake import analyze_model
 from quark_ptq_eval.plan import PlanRequest, make_plan
@@ -41,7 +42,7 @@ def llama8b_analysis(llama8b, catalog):
 
 
 def calib(samples=16, seq=128):
-    return {"num_samples": samples, "seq_len": seq, "batch_size": 1}
+    return PlannedCalibration("local_file", None, "calibration.txt", samples, seq, 1)
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int4_wo_128"])
@@ -76,7 +77,7 @@ def test_an_8b_model_does_not_fit_a_24_gib_host_and_the_plan_proposes_what_does(
     assert "one decoder block at a time" in sequential["detail"] and "(fits)" in sequential["detail"]
     auto = make_plan(llama8b_analysis, cpu_env(24), PlanRequest(scheme="fp8", calib_data=str(corpus), target="mi300x"),
                      catalog, tmp_path / "a.json", tmp_path / "out")
-    assert auto.engine["name"] == "sequential" and auto.resources["fits"], auto.engine
+    assert auto.engine.name == "sequential" and auto.resources["fits"], auto.engine
     reason = next(d for d in auto.decisions if d["decision"] == "engine")["reason"]
     assert "file-to-file cannot run this plan (the scheme has static activation scales" in reason, reason
     assert res["quantize"]["host_peak_bytes"] > 2 * llama8b_analysis.size["bytes"]  # measured factor > 2
@@ -85,7 +86,7 @@ def test_an_8b_model_does_not_fit_a_24_gib_host_and_the_plan_proposes_what_does(
     assert rerun.startswith("quark-ptq-eval run ") and "--device cuda" in rerun and "--target mi300x" in rerun
     assert any(d["decision"] == "does not fit: host RAM" and d["value"] == "STOP" for d in p.decisions)
     roomy = make_plan(llama8b_analysis, cpu_env(512), req, catalog, tmp_path / "a.json", tmp_path / "out")
-    assert roomy.resources["fits"] and not roomy.resources["proposals"] and roomy.engine["name"] == "quark-api"
+    assert roomy.resources["fits"] and not roomy.resources["proposals"] and roomy.engine.name == "quark-api"
 
 
 def test_fewer_samples_and_no_algorithm_are_proposed_with_their_estimates(llama8b_analysis, catalog):

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, TypedDict, TypeVar, cast
 from quark_ptq_eval.base import contracts
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import atomic_write_text, read_json, write_json
+from quark_ptq_eval.base.plan_records import PlanEngine, PlannedCalibration
 from quark_ptq_eval.base.state import digest
 
 
@@ -40,7 +41,12 @@ class Artifact:
     def from_dict(cls: type[ArtifactT], data: dict[str, Any], source: str | Path = "artifact") -> ArtifactT:
         contracts.check(cls.KIND, data, source)
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return cls(**cls._sections({k: v for k, v in data.items() if k in names}))
+
+    @classmethod
+    def _sections(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """The fields with the sections a subclass types read from their JSON (the one place that reads them)."""
+        return fields
 
     @property
     def digest(self) -> str:
@@ -193,9 +199,9 @@ class QuantPlan(Artifact):
     layer_quant_config: dict[str, str]
     algorithm: str | None
     kv_cache_scheme: str | None
-    calibration: dict[str, Any]
+    calibration: PlannedCalibration
     device_strategy: dict[str, Any]
-    engine: dict[str, Any]
+    engine: PlanEngine
     trust_remote_code: bool
     evaluation_intent: str
     decisions: list[Decision]  # a row given as the dict quant_plan.json holds is read as its Decision
@@ -210,8 +216,14 @@ class QuantPlan(Artifact):
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
+        data["calibration"], data["engine"] = self.calibration.to_dict(), self.engine.to_dict()
         data["decisions"] = [Decision.of(d).as_dict() for d in self.decisions]  # the rows as written
         return data
+
+    @classmethod
+    def _sections(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        return {**fields, "calibration": PlannedCalibration.from_dict(fields["calibration"]),
+                "engine": PlanEngine.from_dict(fields["engine"])}
 
     def as_json(self) -> PlanJson:
         """The plan as quant_plan.json holds it (to_dict), typed for the checks after execute."""

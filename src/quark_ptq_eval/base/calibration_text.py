@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 from quark_ptq_eval.base.artifacts import QuantPlan
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import atomic_write_text
+from quark_ptq_eval.base.plan_records import CalibrationSize, HeldOutSplit, PlannedCalibration
 
 SPLIT_DIR = "calibration_split"  # under the work dir
 CALIB_PART, HELDOUT_PART = "calibration.jsonl", "heldout_eval.jsonl"
@@ -33,47 +34,7 @@ OVERLAP_RULE = (f"the same file, or at least {OVERLAP_DOCS:.0%} of the evaluatio
 OPTIMISTIC = "optimistic: scored on calibration text"
 
 
-# ---------------------------------------------------------------- the records (plan.json's ``calibration``)
-
-
-@dataclass(frozen=True)
-class CalibrationSize:
-    """What calibration really gets from the text (the engine's windowing): the plan's ``calibration["actual"]``."""
-
-    tokens: int | None  # counted (up to what the plan needs); None: no tokenizer loaded
-    samples: int | None
-    tokens_per_sample: int | None
-    short: bool  # fewer samples than the plan asked for
-    text: str  # in words, e.g. "8 samples of 512 tokens"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, row: Mapping[str, Any]) -> CalibrationSize:
-        return cls(row.get("tokens"), row.get("samples"), row.get("tokens_per_sample"), bool(row.get("short")),
-                   str(row.get("text") or ""))
-
-
-@dataclass(frozen=True)
-class HeldOutSplit:
-    """The text split in two (the plan's ``calibration["split"]``): calibration reads the first part,
-    Tier 1 scores on the held-out rest."""
-
-    documents: int
-    calibration_documents: int
-    heldout_documents: int
-    dropped_duplicates: int  # held-out documents also in the calibration part, dropped
-    calibration_path: str
-    heldout_path: str
-    rule: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, row: Mapping[str, Any]) -> HeldOutSplit:
-        return cls(**{f.name: row[f.name] for f in dataclasses.fields(cls)})
+# ---------------------------------------------------------------- the records (the plan's in base/plan_records.py)
 
 
 @dataclass(frozen=True)
@@ -86,28 +47,6 @@ class CalibrationOverlap:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class PlannedCalibration:
-    """The plan's calibration record (plan.json's ``calibration``), the fields read here."""
-
-    source: str | None = None  # local_file | dataset | ...
-    path: str | None = None  # what the engine reads (the calibration part when split)
-    source_path: str | None = None  # the text as given, when ``path`` is a part or a copy of it
-    dataset: str | None = None
-    num_samples: int | None = None
-    seq_len: int | None = None
-    actual: CalibrationSize | None = None
-    split: HeldOutSplit | None = None
-
-    @classmethod
-    def from_dict(cls, calibration: Mapping[str, Any]) -> PlannedCalibration:
-        actual, split = calibration.get("actual"), calibration.get("split")
-        return cls(calibration.get("source"), calibration.get("path"), calibration.get("source_path"),
-                   calibration.get("dataset"), calibration.get("num_samples"), calibration.get("seq_len"),
-                   CalibrationSize.from_dict(actual) if actual else None,
-                   HeldOutSplit.from_dict(split) if split else None)
 
 
 # ---------------------------------------------------------------- reading
@@ -183,8 +122,8 @@ def actual_size(tokens: int | None, num_samples: int, seq_len: int) -> Calibrati
 
 def describe_used(plan: QuantPlan) -> str:
     """One line: the calibration the plan's run actually used (manifest, validation report, summary)."""
-    calibration = PlannedCalibration.from_dict(plan.calibration)
-    source = calibration.source_path or calibration.path or calibration.dataset
+    calibration = plan.calibration
+    source = calibration.source_file or calibration.dataset
     actual, split = calibration.actual, calibration.split
     size = (actual.text if actual else "") or f"{calibration.num_samples} x {calibration.seq_len} tokens (not counted)"
     part = f" (documents 1-{split.calibration_documents} of {split.documents}; the rest held out for " \

@@ -94,7 +94,8 @@ def estimate_runtime(
 
 def calibration_overlap(ctx: TierInputs) -> CalibrationOverlap | None:
     """Tier 1 text that overlaps the plan's calibration text (calibration_text.OVERLAP_RULE), said now."""
-    from quark_ptq_eval.base.calibration_text import PlannedCalibration, overlap
+    from quark_ptq_eval.base.calibration_text import overlap
+    from quark_ptq_eval.base.plan_records import PlannedCalibration
     from quark_ptq_eval.base.textdata import split_plain_text
     from quark_ptq_eval.evaluate.context import text_scorer
 

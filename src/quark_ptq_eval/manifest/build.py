@@ -51,7 +51,7 @@ def manifest_steps(workdir: Path, calibration: list[dict[str, Any]], run: dict[s
 
 def build_manifest(plan: QuantPlan, workdir: Path, output_dir: Path, *, offline: bool,
                    engine_version: str | None = None) -> RunManifest:
-    engine = get_engine(plan.engine["name"])
+    engine = get_engine(plan.engine.name)
     engine_version = engine_version or engine.version()
     model_dir = Path(plan.model["model_path"])
     if not model_dir.is_absolute():
@@ -78,7 +78,7 @@ def build_manifest(plan: QuantPlan, workdir: Path, output_dir: Path, *, offline:
         workflow=WORKFLOW,
         inputs={"model_dir": str(model_dir), "quant_plan": str(workdir / "quant_plan.json"),
                 "model_analysis": str(workdir / "model_analysis.json"),
-                "calibration": plan.calibration.get("path") or plan.calibration.get("dataset"),
+                "calibration": plan.calibration.path or plan.calibration.dataset,
                 "calibration_used": describe_used(plan),
                 **({"source_reading": reading} if reading.get("mode") not in (None, "direct") else {})},
         outputs={"quantized_model_dir": str(output_dir), "staging_dir": str(staging), "workdir": str(workdir),
@@ -86,7 +86,7 @@ def build_manifest(plan: QuantPlan, workdir: Path, output_dir: Path, *, offline:
         checkpoints=[{"id": f"checkpoint_{GATES[g].number}", "gate": g, "question": GATES[g].question,
                       "reason": GATES[g].reason} for g in PIPELINE_GATES],
         steps=steps,
-        engine={"name": engine.name, "version": engine_version, "reason": plan.engine["reason"]},
+        engine={"name": engine.name, "version": engine_version, "reason": plan.engine.reason},
         command={**command, "digest": ""},
     )
     manifest.command["digest"] = manifest.command_digest

@@ -24,9 +24,9 @@ def hold_message(plan: QuantPlan, execution_mode: str, approver: Approver, alrea
 
     A plan this host cannot hold is not approved by --yes: only by name (``--approve plan``), by a
     person at the terminal who saw the table, or in plan_only mode (nothing runs there)."""
-    from quark_ptq_eval.base.calibration_text import PlannedCalibration, short_message
+    from quark_ptq_eval.base.calibration_text import short_message
 
-    unfit = unfit_message(plan) or short_message(PlannedCalibration.from_dict(plan.calibration))  # less calibration text than planned, too
+    unfit = unfit_message(plan) or short_message(plan.calibration)  # less calibration text than planned, too
     if unfit is None or execution_mode == "plan_only" or already_approved:
         return None
     if approver.weighs("plan"):  # named, or someone who sees the table answers

@@ -4,6 +4,7 @@ The numbers come from the memory model (``resources.py``), the host's from ``hos
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from quark_ptq_eval.base.sizes import gb
@@ -157,16 +158,18 @@ def _proposals(work: QuantizeWorkload, host: dict[str, Any], est: dict[str, Any]
     ram = host["ram_bytes"] or 0
     out: list[dict[str, Any]] = []
 
-    def variant(change: str, algo: str | None, **calib: int) -> None:
-        e = estimate_quantize(analysis, info, algo, {**calibration, **calib}, device["device"])
+    def variant(change: str, algo: str | None, num_samples: int = 0, seq_len: int = 0) -> None:
+        calib = dataclasses.replace(calibration, num_samples=num_samples or calibration.num_samples,
+                                    seq_len=seq_len or calibration.seq_len)
+        e = estimate_quantize(analysis, info, algo, calib, device["device"])
         if e["host_peak_bytes"] < 0.95 * est["host_peak_bytes"]:
             fits = "fits" if not ram or e["host_peak_bytes"] <= ram * HEADROOM else "still too much"
             out.append({"change": change, "detail": f"{change}: about {gb(e['host_peak_bytes'])} ({fits})"})
 
-    if calibration["num_samples"] > 16:
-        variant(f"--num-calib-samples {max(16, calibration['num_samples'] // 4)}", algorithm,
-                num_samples=max(16, calibration["num_samples"] // 4))
-    if calibration["seq_len"] > 256:
+    if calibration.num_samples > 16:
+        variant(f"--num-calib-samples {max(16, calibration.num_samples // 4)}", algorithm,
+                num_samples=max(16, calibration.num_samples // 4))
+    if calibration.seq_len > 256:
         variant("--calib-seq-len 256", algorithm, seq_len=256)
     if algorithm:
         variant("--algorithm '' (plain PTQ)", None)
@@ -235,9 +238,9 @@ def _sequential_proposal(work: QuantizeWorkload, host: dict[str, Any]) -> list[d
 def _samples_that_fit(work: QuantizeWorkload, host: dict[str, Any], least: int = 8) -> tuple[int, dict[str, Any]] | None:
     """The most calibration samples (halving from the plan's, not below ``least``) with which the sequential engine
     fits this host, with its estimate then; None where even ``least`` does not."""
-    samples = int(work.calibration.get("num_samples") or 0) // 2
+    samples = work.calibration.num_samples // 2
     while samples >= least:
-        e = estimate_sequential(work.analysis, work.algorithm, {**work.calibration, "num_samples": samples})
+        e = estimate_sequential(work.analysis, work.algorithm, dataclasses.replace(work.calibration, num_samples=samples))
         if _fits(e, host, work.device):
             return samples, e
         samples //= 2

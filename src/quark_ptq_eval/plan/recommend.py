@@ -14,6 +14,7 @@ from quark_ptq_eval.base.artifacts import Decision, ModelAnalysis, QuantPlan
 from quark_ptq_eval.base.catalog import QuarkCatalog, SchemeInfo
 from quark_ptq_eval.base.context_window import fit_window, read_model_config
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.plan_records import PlanEngine, PlannedCalibration
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.base.textdata import check_text_source
 from quark_ptq_eval.context.preflight import HostEnv
@@ -37,20 +38,19 @@ from quark_ptq_eval.plan.targets import (
 )
 
 
-def _calibration(req: PlanRequest, accelerator: str, model_config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+def _calibration(req: PlanRequest, accelerator: str, model_config: dict[str, Any]) -> tuple[PlannedCalibration, str]:
     samples = req.num_calib_samples or (128 if accelerator in ("cpu", "unknown") else 512)
     seq_len, clamped = fit_window(req.calib_seq_len, 512, model_config, "--calib-seq-len")
-    common: dict[str, Any] = {"num_samples": samples, "seq_len": seq_len, "batch_size": req.batch_size}
-    if clamped:
-        common["seq_len_reason"] = clamped
     if req.calib_data:
         path = check_text_source(req.calib_data, "calibration data")
-        return {"source": "local_file", "dataset": None, "path": str(path), **common}, "your local text"
+        return PlannedCalibration("local_file", None, str(path), samples, seq_len, req.batch_size,
+                                  clamped or None), "your local text"
     if req.offline:
         raise UsageError("Offline mode needs local calibration text: the Hub datasets cannot be fetched.",
                          "Pass --calib-data PATH (.txt, .jsonl or .parquet).")
     dataset = req.calib_dataset or "pileval"
-    return {"source": "hub_dataset", "dataset": dataset, "path": None, **common}, f"Quark's standard {dataset}"
+    return PlannedCalibration("hub_dataset", dataset, None, samples, seq_len, req.batch_size, clamped or None), \
+        f"Quark's standard {dataset}"
 
 
 def _device(req: PlanRequest, env: HostEnv, size_bytes: int) -> dict[str, Any]:
@@ -98,13 +98,13 @@ def _scheme_reason(why: str, tc: Deployment, scheme: str) -> str:
     return f"{why}; {tc.label} " + ("runs it natively" if native else "has no native support for it (see the warning)")
 
 
-def _calibration_size(req: PlanRequest, calibration: dict[str, Any], info: SchemeInfo, algorithm: str | None, kv: str | None,
+def _calibration_size(req: PlanRequest, calibration: PlannedCalibration, info: SchemeInfo, algorithm: str | None, kv: str | None,
                       accelerator: str) -> str:
     if req.num_calib_samples:
         return "explicit"
     if not info.get("static_activations") and not algorithm and not kv:
-        calibration["num_samples"] = min(calibration["num_samples"], LITTLE_CALIBRATION)
-        return (f"{calibration['num_samples']} samples: no static activation or KV scales and no algorithm, "
+        calibration.num_samples = min(calibration.num_samples, LITTLE_CALIBRATION)
+        return (f"{calibration.num_samples} samples: no static activation or KV scales and no algorithm, "
                 "so calibration only sees weight ranges")
     if accelerator in ("cpu", "unknown"):
         return "CPU-sized default: enough for min-max observers, minutes not hours"
@@ -222,7 +222,7 @@ def _groups_row(settled: Settled) -> list[Decision]:
 
 
 def _plan_calibration(req: PlanRequest, analysis: ModelAnalysis, analysis_ref: Path, accelerator: str,
-                      info: SchemeInfo, algorithm: str | None, kv: str | None) -> tuple[dict[str, Any], str, str, str]:
+                      info: SchemeInfo, algorithm: str | None, kv: str | None) -> tuple[PlannedCalibration, str, str, str]:
     """The calibration source and its size, the text read and tokenized now (before anything runs)."""
     calibration, why = _calibration(req, accelerator, read_model_config(analysis.model.get("model_path")))
     size_why = _calibration_size(req, calibration, info, algorithm, kv, accelerator)
@@ -270,7 +270,7 @@ def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: 
         Decision("layer_quant_config", overrides, "your per-pattern overrides" if req.layer_quant_config else
                  "no overrides"),
         *_groups_row(groups),
-        Decision("calibration", calibration.get("source_path") or calibration.get("path") or calibration["dataset"],
+        Decision("calibration", calibration.source_file or calibration.dataset,
                  calib_why + source_note(calibration)),
         Decision("calibration_size", calib_size, calib_size_why),
         Decision("device", device["device"] + (" (multi-device)" if device["multi_device"] else ""),
@@ -290,7 +290,7 @@ def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: 
         model={"model_type": model_type, "analysis_ref": str(analysis_ref), "model_path": analysis.model["model_path"]},
         global_scheme=scheme, exclude_layers=excludes, exclude_source=ex_source,
         layer_quant_config=overrides, algorithm=algorithm, kv_cache_scheme=kv,
-        calibration=calibration, device_strategy=device, engine={"name": engine, "reason": engine_why},
+        calibration=calibration, device_strategy=device, engine=PlanEngine(engine, engine_why),
         trust_remote_code=req.trust_remote_code, evaluation_intent=req.evaluation_intent, decisions=decisions,
         requires_confirmation=True, output_dir=str(output_dir), target=target, resources=fit,
         source_reading=reading,
@@ -306,6 +306,6 @@ def check_plan(plan: QuantPlan, analysis: ModelAnalysis, catalog: QuarkCatalog) 
                  list(plan.exclude_layers), catalog["schemes"])
     settle_plan_groups(analysis.model["model_path"], plan.global_scheme, plan.layer_quant_config,
                        list(plan.exclude_layers), False, catalog["schemes"])  # an edited plan is refused, never widened
-    engine = ENGINES.get(plan.engine.get("name") or "")
-    if engine is not None and engine.reads_text_file and plan.calibration.get("source") == "local_file":
-        check_text_source(plan.calibration.get("path") or "", "calibration data")
+    engine = ENGINES.get(plan.engine.name)
+    if engine is not None and engine.reads_text_file and plan.calibration.source == "local_file":
+        check_text_source(plan.calibration.path or "", "calibration data")

@@ -6,24 +6,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from quark_ptq_eval.base.plan_records import PlannedCalibration
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.plan.resources import STREAM_STATE_BYTES, output_basis
 
 
 def rerun_command(model: str, output_dir: Path | None, scheme: str, algorithm: str | None, kv: str | None,
-                  calibration: dict[str, Any], target: str | None) -> list[str]:
+                  calibration: PlannedCalibration, target: str | None) -> list[str]:
     """The `quark-ptq-eval run` command that reproduces this plan on a GPU host."""
     import shlex
 
     argv = ["quark-ptq-eval", "run", model, "-o", str(output_dir or "OUTPUT_DIR"), "--scheme", scheme,
-            "--device", "cuda", "--num-calib-samples", str(calibration["num_samples"]),
-            "--calib-seq-len", str(calibration["seq_len"])]
+            "--device", "cuda", "--num-calib-samples", str(calibration.num_samples),
+            "--calib-seq-len", str(calibration.seq_len)]
     if algorithm:
         argv += ["--algorithm", algorithm]
     if kv:
         argv += ["--kv-cache-scheme", kv]
-    if calibration.get("path"):
-        argv += ["--calib-data", calibration["path"]]
+    if calibration.path:
+        argv += ["--calib-data", calibration.path]
     if target:
         argv += ["--target", target]
     return [shlex.quote(a) for a in argv]

@@ -26,6 +26,7 @@ from quark_ptq_eval.intake.formats import FORMATS, release_of
 if TYPE_CHECKING:
     from quark_ptq_eval.base.artifacts import ModelAnalysis
     from quark_ptq_eval.base.catalog import SchemeInfo
+    from quark_ptq_eval.base.plan_records import PlannedCalibration
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class QuantizeWorkload:
     scheme: str
     info: SchemeInfo
     algorithm: str | None
-    calibration: dict[str, Any]
+    calibration: PlannedCalibration
     device: dict[str, Any] = field(default_factory=lambda: {"device": "cpu", "multi_device": False})
     kv: str | None = None
 
@@ -158,21 +159,21 @@ def output_basis(analysis: ModelAnalysis | None) -> str:
 
 
 # ---- the engine ----------------------------------------------------------------------------------
-def calibration_activation_bytes(analysis: ModelAnalysis, calibration: dict[str, Any]) -> int:
+def calibration_activation_bytes(analysis: ModelAnalysis, calibration: PlannedCalibration) -> int:
     """Live tensors of one calibration forward (fp32): hidden states, MLP intermediates and logits."""
     a = model_shape(analysis)
-    tokens = calibration["batch_size"] * calibration["seq_len"]
+    tokens = calibration.batch_size * calibration.seq_len
     width = 4 * a.hidden_size + 2 * a.intermediate_size + a.vocab_size
     return int(tokens * width * 4)
 
 
-def calibration_cache_bytes(analysis: ModelAnalysis, calibration: dict[str, Any]) -> int:
+def calibration_cache_bytes(analysis: ModelAnalysis, calibration: PlannedCalibration) -> int:
     """Every calibration sample's input to one decoder layer, as AWQ/GPTQ keep them (model dtype)."""
     h = model_shape(analysis).hidden_size
-    return int(calibration["num_samples"] * calibration["seq_len"] * h * bytes_per_param(analysis))
+    return int(calibration.tokens * h * bytes_per_param(analysis))
 
 
-def estimate_quantize(analysis: ModelAnalysis, info: SchemeInfo, algorithm: str | None, calibration: dict[str, Any], device: str) -> dict[str, Any]:
+def estimate_quantize(analysis: ModelAnalysis, info: SchemeInfo, algorithm: str | None, calibration: PlannedCalibration, device: str) -> dict[str, Any]:
     """Peak host RAM (and GPU memory on a GPU device) of the engine for this plan, with its terms."""
     w = loaded_bytes(analysis)
     act = calibration_activation_bytes(analysis, calibration)
@@ -223,7 +224,7 @@ def estimate_file2file(analysis: ModelAnalysis, device: str) -> dict[str, Any]:
             "terms": terms, "basis": "modelled (file-to-file on a GPU: not measured here)"}
 
 
-def estimate_sequential(analysis: ModelAnalysis, algorithm: str | None, calibration: dict[str, Any]) -> dict[str, Any]:
+def estimate_sequential(analysis: ModelAnalysis, algorithm: str | None, calibration: PlannedCalibration) -> dict[str, Any]:
     """Peak host RAM of the sequential engine: start-up, the larger of one decoder block (times the whole-model
     engine's factors: the block, its quantized copy, its export) and the exit's parts (embedding and lm_head held
     together; lm_head excluded by the templates, so no quantized copy), one block's calibration forward, and the
@@ -244,7 +245,7 @@ def estimate_sequential(analysis: ModelAnalysis, algorithm: str | None, calibrat
             "terms": terms, "basis": "modelled (the sequential engine: one block at a time)"}
 
 
-def engine_estimate(engine: str | None, analysis: ModelAnalysis, info: SchemeInfo, algorithm: str | None, calibration: dict[str, Any],
+def engine_estimate(engine: str | None, analysis: ModelAnalysis, info: SchemeInfo, algorithm: str | None, calibration: PlannedCalibration,
                     device: str) -> dict[str, Any]:
     from quark_ptq_eval.plan.engines import holds_one_block, holds_one_shard
 

@@ -52,15 +52,14 @@ def _quantization(facts: RunFacts) -> list[str]:
             ("algorithm", f"`{plan.algorithm}`" if plan.algorithm else "none (plain PTQ)", reasons.get("algorithm", "")),
             ("KV cache", f"`{plan.kv_cache_scheme}`" if plan.kv_cache_scheme else "model dtype (not quantized)",
              reasons.get("kv_cache_scheme", "")),
-            ("calibration", describe_used(plan) if plan.calibration else "none",
-             reasons.get("calibration", "")),
-            ("calibration size", f"{plan.calibration.get('num_samples')} samples x "
-                                 f"{plan.calibration.get('seq_len')} tokens", reasons.get("calibration size", ""))]
+            ("calibration", describe_used(plan), reasons.get("calibration", "")),
+            ("calibration size", f"{plan.calibration.num_samples} samples x "
+                                 f"{plan.calibration.seq_len} tokens", reasons.get("calibration size", ""))]
     exclusions = ", ".join(f"`{p}`" for p in plan.exclude_layers) or "none (every linear layer quantized)"
     rows.append(("kept unquantized", exclusions, f"{reasons.get('exclude_layers', '')} (from: {plan.exclude_source})"))
     for pattern, scheme in sorted(plan.layer_quant_config.items()):
         rows.append(("override", f"`{pattern}` → `{scheme}`", reasons.get("layer_quant_config", "")))
-    rows.append(("engine", f"{plan.engine.get('name')}", reasons.get("engine", "")))
+    rows.append(("engine", plan.engine.name, reasons.get("engine", "")))
     rows.append(("versions", ", ".join(f"{k} {v or 'unknown'}" for k, v in versions.items()),
                  "Quark from the manifest, torch from the install check, transformers from the export's config.json"))
     lines = ["## Quantization", "", "| | value | why |", "|---|---|---|"]

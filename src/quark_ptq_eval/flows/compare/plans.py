@@ -78,10 +78,9 @@ def record_engine_run(analysis, plan, seconds: float) -> None:
     """Remember a finished engine run (what the next estimate scales from)."""
     from quark_ptq_eval.base.fsio import write_json
 
-    calib = plan.calibration
     entry = {"scheme": plan.global_scheme, "algorithm": plan.algorithm or None, "device": _device_kind(plan),
              "params": resources.param_count(analysis),
-             "calib_tokens": int(calib.get("num_samples") or 0) * int(calib.get("seq_len") or 0),
+             "calib_tokens": plan.calibration.tokens,
              "seconds": round(float(seconds), 2), "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         path = _timings_path()
@@ -102,7 +101,7 @@ def _engine_seconds(analysis, plan, history: list[dict], rate: float) -> tuple[f
     A record is reused as is only for the same scheme, algorithm, device, parameters and calibration
     tokens: scaling the small difference between two short runs by size would scale their noise."""
     params = resources.param_count(analysis)
-    calib = plan.calibration.get("num_samples", 0) * plan.calibration.get("seq_len", 0)
+    calib = plan.calibration.tokens
     kind = _device_kind(plan)
     on_device = [r for r in history if r.get("device") == kind]
     same = [r for r in on_device if r.get("scheme") == plan.global_scheme
@@ -173,8 +172,7 @@ def combined_plan_table(plans: dict, totals: dict) -> list[tuple[str, ...]]:
         calib = plan.calibration
         rows.append((scheme, f"{est['bits_per_weight']:.2f}", gb(est["output_bytes"]),
                      _duration(est["quantize_s"] + est["eval_s"]), plan.algorithm or "-",
-                     f"{calib.get('path') or calib.get('dataset')}: {calib.get('num_samples')} x "
-                     f"{calib.get('seq_len')}"))
+                     f"{calib.path or calib.dataset}: {calib.num_samples} x {calib.seq_len}"))
     return rows
 
 

@@ -77,10 +77,10 @@ def _options(flow: Flow, plan: QuantPlan, cells: dict[str, MixCell], root: Path)
     request = flow.opts.request
     shared = {k: v for k, v in PLAN.values(request).items()
               if k in flow.opts.request_given and v is not None and k not in SEARCH_FIELDS}  # searched already
-    if plan.calibration.get("path"):
-        shared["calib_data"] = plan.calibration["path"]  # the calibration part the run's plan used
-    shared["num_calib_samples"] = plan.calibration.get("num_samples")
-    shared["calib_seq_len"] = plan.calibration.get("seq_len")
+    if plan.calibration.path:
+        shared["calib_data"] = plan.calibration.path  # the calibration part the run's plan used
+    shared["num_calib_samples"] = plan.calibration.num_samples
+    shared["calib_seq_len"] = plan.calibration.seq_len
     shared["exclude_layers"] = list(plan.exclude_layers)
     return CompareOptions(model=str(flow.model_path), schemes=list(cells), out_root=str(root),
                           plan=shared, eval=EvalOptions(**TIER1.values(flow.opts.eval)), offline=flow.ctx.offline,

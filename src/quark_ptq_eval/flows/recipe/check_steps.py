@@ -41,10 +41,9 @@ def validate_step(flow: Flow, plan: QuantPlan) -> ValidationReport:
         import_torch_stack()
     report = _checked(flow, source, plan_json)
     report = fix_and_revalidate(report, run.gates, lambda: _checked(flow, source, plan_json), announce)
-    if plan.calibration:
-        from quark_ptq_eval.base.calibration_text import describe_used
+    from quark_ptq_eval.base.calibration_text import describe_used
 
-        report.calibration = describe_used(plan)
+    report.calibration = describe_used(plan)
     report.write(run.workdir)
     run.ui.info(report.one_line())
     run.state.record_step("validate", report.status, report=str(run.workdir / "validation_report.md"))
@@ -119,17 +118,17 @@ def eval_step(flow: Flow, plan: QuantPlan) -> EvalReport | str:
 
 def _heldout_default(flow: Flow, plan: QuantPlan) -> None:
     """One text given: Tier 1 scores the part of it the plan held out from calibration."""
-    split = plan.calibration.get("split")
+    split = plan.calibration.split
     tier = flow.opts.eval_tier
     if split and not flow.opts.eval.eval_data and (tier is None or scores_text(tier)):
-        _set_eval(flow, eval_data=Path(split["heldout_path"]))
+        _set_eval(flow, eval_data=Path(split.heldout_path))
 
 
 def _say_heldout(flow: Flow, tier: str, plan: QuantPlan) -> None:
-    split = plan.calibration.get("split")
-    if scores_text(tier) and split and flow.opts.eval.eval_data == Path(split["heldout_path"]):
-        flow.run.ui.info(f"Tier 1 text: the held-out part of your calibration text ({split['heldout_documents']} of "
-                         f"{split['documents']} documents, {split['rule']}), which calibration never saw.")
+    split = plan.calibration.split
+    if scores_text(tier) and split and flow.opts.eval.eval_data == Path(split.heldout_path):
+        flow.run.ui.info(f"Tier 1 text: the held-out part of your calibration text ({split.heldout_documents} of "
+                         f"{split.documents} documents, {split.rule}), which calibration never saw.")
 
 
 def _ask_tier(flow: Flow) -> str:

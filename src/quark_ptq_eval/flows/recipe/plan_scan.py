@@ -95,7 +95,7 @@ def served_on_target(proposal: Proposal, names: list[str], family: ArchFamily | 
 
 def calibration_text(plan: QuantPlan, workdir: Path) -> str:
     """The plan's local calibration text, else the demo corpus (built in the work dir)."""
-    return plan.calibration.get("path") or str(_demo_corpus(workdir))
+    return plan.calibration.path or str(_demo_corpus(workdir))
 
 
 def _scan_result(proposal: Proposal, report: str) -> ScanResult:

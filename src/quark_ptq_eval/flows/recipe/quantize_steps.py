@@ -84,9 +84,9 @@ def _hold_out(flow: Flow) -> bool:
     """Split off a held-out part of the calibration text? Decided once, when the plan is first
     made for this text: a resume (e.g. `--eval-tier skip`) must not change what was approved."""
     previous = load_quietly(QuantPlan, flow.run.workdir)
-    calib = previous.calibration if previous is not None else {}
-    if calib.get("source_path", calib.get("path")) == flow.opts.request.calib_data:
-        return bool(calib.get("split"))
+    calib = previous.calibration if previous is not None else None
+    if calib is not None and calib.source_file == flow.opts.request.calib_data:
+        return calib.split is not None
     # calibration text given and Tier 1 would have no other text: hold a part of it out
     return bool(flow.opts.request.calib_data) and flow.tier1_lacks_text(flow.opts.eval_tier)
 

@@ -84,7 +84,7 @@ def measure_remedies(flow: Flow, plan: QuantPlan) -> Judged | None:
     if not variants:
         ui.info("Remedies: none left to measure: the plan already does what they would change.")
         return None
-    ran, samples = algorithm_names(plan.algorithm), plan.calibration.get("num_samples")
+    ran, samples = algorithm_names(plan.algorithm), plan.calibration.num_samples
     cost = run_cost(flow.run.timings, wd, ran, samples, ready_after_s(wd / ENGINE_LOG))
     estimate = estimate_s(flow.run.timings, results, variants, cost, ran, samples, _warm_check_s(flow, plan, validation))
     if not count and not _accepted(flow, len(variants), estimate):
@@ -136,8 +136,8 @@ def calibration_room(plan: QuantPlan) -> int | None:
     from quark_ptq_eval.evaluate.remedies import MIN_CALIBRATION
 
     calibration = plan.calibration
-    seq, path = calibration.get("seq_len"), calibration.get("path")
-    if calibration.get("source") != "local_file" or not isinstance(seq, int) or seq <= 0 or not path:
+    seq, path = calibration.seq_len, calibration.path
+    if calibration.source != "local_file" or seq <= 0 or not path:
         return None
     tokens = count_tokens(load_texts(path), Path(plan.model["model_path"]), MIN_CALIBRATION * seq)
     return None if tokens is None else tokens // seq
@@ -218,9 +218,9 @@ def reproduce(flow: Flow, plan: QuantPlan, v: Variant) -> str:
         parts += ["--layer-quant-scheme", pattern, scheme]
     if flow.opts.request.calib_data:
         parts += ["--calib-data", str(flow.opts.request.calib_data)]
-    samples = calib.get("num_samples") if change.num_calib_samples is None else change.num_calib_samples
+    samples = calib.num_samples if change.num_calib_samples is None else change.num_calib_samples
     parts += ["--num-calib-samples", str(samples),
-              "--calib-seq-len", str(calib.get("seq_len"))]
+              "--calib-seq-len", str(calib.seq_len)]
     return " ".join(shlex.quote(p) for p in parts)
 
 

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from quark_ptq_eval.base.catalog import SchemeInfo
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.plan_records import PlannedCalibration
 from quark_ptq_eval.base.registry import Registry, load
 
 
@@ -22,7 +23,7 @@ class Engine(Protocol):
 
     name: str
 
-    def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
+    def auto_reason(self, accelerator: str, calibration: PlannedCalibration, device_is_cpu: bool) -> str | None:
         """Why this engine is the automatic choice for such a plan, or None when it is not."""
 
     def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: dict[str, Any]) -> None:
@@ -146,7 +147,7 @@ def holds_one_shard(name: str | None) -> bool:
     return name is not None and name in ENGINES and ENGINES[name].memory == ONE_SHARD
 
 
-def choose_engine(requested: str, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> tuple[str, str]:
+def choose_engine(requested: str, accelerator: str, calibration: PlannedCalibration, device_is_cpu: bool) -> tuple[str, str]:
     """The plan's engine decision: (name, reason)."""
     if requested != "auto":
         get_engine(requested)  # an unknown name is refused here, with the known ones

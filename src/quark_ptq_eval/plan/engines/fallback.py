@@ -8,6 +8,7 @@ from typing import Any
 
 from quark_ptq_eval.base.catalog import SchemeInfo
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.plan_records import PlannedCalibration
 
 Unsupported = Callable[[SchemeInfo, "str | None", "str | None"], "str | None"]
 
@@ -18,7 +19,7 @@ class MemoryFallback:
     def __init__(self, unsupported: Unsupported, refusal: Callable[[str], UsageError]):
         self._unsupported, self._refusal = unsupported, refusal
 
-    def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
+    def auto_reason(self, accelerator: str, calibration: PlannedCalibration, device_is_cpu: bool) -> str | None:
         return None
 
     def unsupported_reason(self, scheme_info: SchemeInfo, algorithm: str | None, kv_cache_scheme: str | None) -> str | None:

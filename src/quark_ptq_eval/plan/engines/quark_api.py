@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.catalog import SchemeInfo
+from quark_ptq_eval.base.plan_records import PlannedCalibration
 from quark_ptq_eval.plan.engines.flags import head_flags, tail_flags
 
 CHILD_MODULE = "quark_ptq_eval.execute.quark_api_engine"  # the child entry point
@@ -17,7 +18,7 @@ class QuarkApiEngine:
     name = "quark-api"
     child_module = CHILD_MODULE
 
-    def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
+    def auto_reason(self, accelerator: str, calibration: PlannedCalibration, device_is_cpu: bool) -> str | None:
         if accelerator in ("cpu", "unknown") or device_is_cpu:
             return ("quark-cli 0.13 loads with device_map='auto' and fails on a host without a GPU; "
                     "Quark's Python API quantizes on the CPU")
@@ -28,7 +29,7 @@ class QuarkApiEngine:
 
     def argv(self, plan: Any, model_dir: Path, out: Path) -> list[str]:
         argv = [sys.executable, "-m", self.child_module, *head_flags(plan, model_dir, out),
-                "--calib_data", plan.calibration["path"]]
+                "--calib_data", plan.calibration.path]
         if plan.trust_remote_code:
             argv.append("--trust_remote_code")
         return [*argv, *tail_flags(plan)]

@@ -13,6 +13,7 @@ from typing import Any
 from quark_ptq_eval.base.catalog import SchemeInfo
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.legacy_exclusions import loaded_name_exclusions
+from quark_ptq_eval.base.plan_records import PlannedCalibration
 from quark_ptq_eval.context.quark_cli import SUBCOMMAND, find_quark_cli
 from quark_ptq_eval.plan.engines.flags import head_flags, tail_flags
 
@@ -22,10 +23,10 @@ CALIB_CACHE_DIR = "calib_cache"  # under the work dir
 class QuarkCliEngine:
     name = "quark-cli"
 
-    def auto_reason(self, accelerator: str, calibration: dict[str, Any], device_is_cpu: bool) -> str | None:
+    def auto_reason(self, accelerator: str, calibration: PlannedCalibration, device_is_cpu: bool) -> str | None:
         if accelerator in ("cpu", "unknown") or device_is_cpu:
             return None  # it loads with device_map="auto": the quark-api engine serves CPU hosts
-        if calibration["source"] == "local_file":
+        if calibration.source == "local_file":
             return "quark-cli with your text served from a private offline datasets cache"
         return "the public Quark CLI serves this plan as is"
 
@@ -48,7 +49,7 @@ class QuarkCliEngine:
             raise UsageError("quark-cli is not installed.", "Install it with: pip install 'amd-quark[cli]==0.13'.")
         cal = plan.calibration
         # A local file is served as pileval from the private cache.
-        argv = [cli, SUBCOMMAND, *head_flags(plan, model_dir, out), "--dataset", cal["dataset"] or "pileval"]
+        argv = [cli, SUBCOMMAND, *head_flags(plan, model_dir, out), "--dataset", cal.dataset or "pileval"]
         if plan.device_strategy["multi_device"]:
             argv.append("--multi_device")
         if not plan.trust_remote_code:
@@ -59,7 +60,7 @@ class QuarkCliEngine:
         return [*argv, *tail_flags(plan, loaded), "--skip_evaluation"]
 
     def env(self, plan: Any, workdir: Path) -> dict[str, str]:
-        if plan.calibration["source"] != "local_file":
+        if plan.calibration.source != "local_file":
             return {}
         from quark_ptq_eval.plan.engines.calib_cache import offline_env
 
