@@ -6,8 +6,11 @@ calibrated on the machine's licence texts and scored on CPython's pydoc prose. E
 algorithm); beside Tier 1's perplexity stands one computed by plain transformers on the same windows
 (``independent_perplexity``: the export loaded through transformers' own Quark integration), and the row says
 whether validation made a structural call. Recovery is the baseline's perplexity over the export's, in percent.
+The independent figure scores the same batches of windows Tier 1 reports (BF16 logits change with the batch, by
+more than 1 % on an export the scheme damaged); a float32 run of the same export, which no batch changes, stands
+beside both.
 
-    .venv/bin/python -m bench.docgen.real_model --work DIR [--only LABEL ...] [--write docs/real_model.md]
+    .venv/bin/python -m bench.docgen.real_model --work DIR [--only LABEL ...] [--reuse] [--write docs/real_model.md]
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def plan_key(wd: Path) -> tuple[str, str, str] | None:
     return str(plan.get("global_scheme")), str(plan.get("algorithm") or "-"), str(plan.get("kv_cache_scheme") or "-")
 
 
-def run_row(label: str, args: list[str], work: Path, model: Path, calib: Path, text: Path) -> dict:
+def run_row(label: str, args: list[str], work: Path, model: Path, calib: Path, text: Path, reuse: bool) -> dict:
     from quark_ptq_eval.flows.compare.results import export_row
     from tests.fixtures.real_model import independent_perplexity
 
@@ -82,7 +85,10 @@ def run_row(label: str, args: list[str], work: Path, model: Path, calib: Path, t
     t0 = time.monotonic()
     # the serving check (a vLLM server per row) is left out: what is measured here is quantization and accuracy
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "QUARK_PTQ_EVAL_VLLM_PYTHON": "none"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if reuse and (wd / "eval_results.json").is_file():  # an earlier run of this row with the same settings
+        done = subprocess.CompletedProcess(cmd, 0, "", "")
+    else:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     row: dict = {"label": label, "rc": done.returncode, "seconds": round(time.monotonic() - t0, 1),
                  "plan": plan_key(wd)}
     summary = wd / "run_summary.json"
@@ -96,26 +102,31 @@ def run_row(label: str, args: list[str], work: Path, model: Path, calib: Path, t
         row["failed_checks"] = [n for n, c in (doc.get("checks") or {}).items() if c.get("status") == "fail"]
     results = wd / "eval_results.json"
     if results.is_file():
-        row.update(export_row(json.loads(results.read_text()), out, model))
-        row["independent"] = independent_perplexity(out, model, text, SEQ_LEN, WINDOWS)
+        doc = json.loads(results.read_text())
+        row.update(export_row(doc, out, model))
+        row["batch_size"] = batch = int(doc["details"]["batch_size"])
+        row["independent"] = independent_perplexity(out, model, text, SEQ_LEN, WINDOWS, batch)
+        row["independent_fp32"] = independent_perplexity(out, model, text, SEQ_LEN, WINDOWS, dtype="float32")
     else:
         row["error"] = (done.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
     return row
 
 
 def table(rows: list[dict], baseline_independent: float) -> str:
-    lines = ["| run | plan (scheme, algorithm, KV) | validation | Tier 1 PPL | transformers PPL | Δ | recovery | "
-             "KL | top-1 | verdict | validate / Tier 1 s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | plan (scheme, algorithm, KV) | validation | Tier 1 PPL | transformers PPL | Δ | "
+             "transformers FP32 PPL | recovery | KL | top-1 | verdict | validate / Tier 1 s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         plan = " / ".join(r["plan"]) if r.get("plan") else "-"
         if r.get("perplexity") is None:
-            lines.append(f"| {r['label']} | {plan} | {r.get('validation', '-')} | - | - | - | - | - | - | "
+            lines.append(f"| {r['label']} | {plan} | {r.get('validation', '-')} | - | - | - | - | - | - | - | "
                          f"exit {r['rc']}: {r.get('error', '')} | - |")
             continue
         ours, theirs = r["perplexity"], r["independent"]
         calls = ", ".join(r.get("failed_checks") or []) or "no structural call"
         lines.append(f"| {r['label']} | {plan} | {r.get('validation')} ({calls}) | {ours:.3f} | {theirs:.3f} | "
-                     f"{100 * (ours / theirs - 1):+.2f} % | {100 * r['baseline_perplexity'] / ours:.1f} % | "
+                     f"{100 * (ours / theirs - 1):+.2f} % | {r['independent_fp32']:.3f} | "
+                     f"{100 * r['baseline_perplexity'] / ours:.1f} % | "
                      f"{r['kl_mean']:.4f} | {100 * r['top1_agreement']:.1f} % | {r['verdict']} | "
                      f"{_s(r.get('validate_s'))} / {_s(r.get('tier1_s'))} |")
     return "\n".join(lines) + f"\n\nBF16 baseline: transformers PPL {baseline_independent:.3f}.\n"
@@ -129,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--only", nargs="*", help="labels to run (default: every scheme and goal)")
+    p.add_argument("--reuse", action="store_true", help="keep a row's earlier run where its results exist")
     p.add_argument("--write", type=Path, help="also write the table into this markdown file")
     a = p.parse_args(argv)
     from tests.fixtures.real_model import independent_perplexity
@@ -144,14 +156,15 @@ def main(argv: list[str] | None = None) -> int:
         if key is not None and key in seen:  # the same plan as a row above: its measurement stands
             row = {**seen[key], "label": f"{label} (= {seen[key]['label']})"}
         else:
-            row = run_row(label, args, a.work, model, calib, text)
+            row = run_row(label, args, a.work, model, calib, text, a.reuse)
             if row.get("plan"):
                 seen.setdefault(row["plan"], row)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k in ("label", "rc", "seconds", "plan", "validation",
-                                                                  "perplexity", "independent", "kl_mean",
+                                                                  "perplexity", "independent", "independent_fp32", "kl_mean",
                                                                   "verdict", "error")}), flush=True)
-    baseline = independent_perplexity(model, model, text, SEQ_LEN, WINDOWS)
+    batch = next((r["batch_size"] for r in rows if r.get("batch_size")), 1)
+    baseline = independent_perplexity(model, model, text, SEQ_LEN, WINDOWS, batch)
     out = table(rows, baseline) + f"\nLoad average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end.\n"
     print(out)
     if a.write:

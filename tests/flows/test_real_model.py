@@ -2,9 +2,9 @@
 
 Its layers carry massive activations, as real LLMs do. The plan's advice for "int8 for MI300X, accuracy first" is
 run as a user types it: validation must pass (SmoothQuant's crushed rows are the scheme's damage, not Quark's
-fault), Tier 1 must agree with a perplexity computed by plain transformers on the same windows, and with
---remedies the run must end on an int8 export that is not hurt. Faults planted into the real export are each named,
-all in one validation.
+fault), Tier 1 must agree with a perplexity computed by plain transformers on the same batches of windows, and with
+--remedies the run must end on an int8 export that is not hurt. Faults planted into the real export (a truncated
+shard among them) are each named, all in one validation.
 """
 
 from __future__ import annotations
@@ -61,14 +61,16 @@ def test_tier1_agrees_with_plain_transformers_on_the_same_windows(mi300x_run, re
     _, wd, out = mi300x_run
     details = _json(wd / "eval_results.json")["details"]
     for model, ours in ((real_model.path, details["baseline"]["perplexity"]), (out, details["quantized"]["perplexity"])):
-        theirs = independent_perplexity(model, real_model.path, real_model.evaluation, SEQ_LEN, WINDOWS)
+        theirs = independent_perplexity(model, real_model.path, real_model.evaluation, SEQ_LEN, WINDOWS,
+                                        details["batch_size"])
         assert abs(ours / theirs - 1) < 0.01, (model, ours, theirs)
 
 
-def test_every_fault_planted_into_the_real_export_is_named_in_one_validation(mi300x_run, real_model, tmp_path,
-                                                                             scale_in_file):
-    """The run's own export (int8 + FP8 KV cache, Quark's files): a weight scale x1.25, a static input scale x0.5
-    and a zeroed row of codes, each named in one validation; the load check runs although the decode check failed."""
+def test_every_fault_planted_into_the_real_export_is_named_in_one_validation(mi300x_run, real_model, tmp_path):
+    """The run's own export (int8 + FP8 KV cache, Quark's files) cut into two shards as a larger release ships, with
+    a weight scale x1.25, a static input scale x0.5 and a zeroed row of codes in the first shard and the second
+    truncated (a partial download): all four named in one validation; the load check runs on the blocks whose bytes
+    are all there although the decode check failed."""
     from safetensors.torch import load_file, save_file
 
     from quark_ptq_eval.validate.runner import validate_model
@@ -76,16 +78,28 @@ def test_every_fault_planted_into_the_real_export_is_named_in_one_validation(mi3
     _, wd, out = mi300x_run
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)
-    scale_in_file(broken, "model.layers.3.self_attn.o_proj.weight_scale", 1.25)
-    scale_in_file(broken, "model.layers.5.mlp.gate_proj.input_scale", 0.5)
     tensors = load_file(broken / "model.safetensors")
+    (broken / "model.safetensors").unlink()
+    tensors["model.layers.3.self_attn.o_proj.weight_scale"] *= 1.25
+    tensors["model.layers.5.mlp.gate_proj.input_scale"] *= 0.5
     tensors["model.layers.7.mlp.down_proj.weight"][11] = 0  # a row of codes zeroed
-    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    plan = _json(wd / "quant_plan.json")
-    report = validate_model(real_model.path, broken, plan, load_check=True)
+    second = {n for n in tensors if n.startswith("model.layers.") and int(n.split(".")[2]) >= 20}
+    shards = {"model-00001-of-00002.safetensors": sorted(tensors.keys() - second),
+              "model-00002-of-00002.safetensors": sorted(second)}
+    for shard, names in shards.items():
+        save_file({n: tensors[n] for n in names}, broken / shard, metadata={"format": "pt"})
+    (broken / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: shard for shard, names in shards.items() for n in names}}))
+    cut = broken / "model-00002-of-00002.safetensors"
+    with open(cut, "r+b") as fh:  # the download stopped a third of the way before the end
+        fh.truncate(cut.stat().st_size * 2 // 3)
+    report = validate_model(real_model.path, broken, _json(wd / "quant_plan.json"), load_check=True)
     checks = {c.name: c for c in report.checks}
     named = [f"{f.subject}: {f.message}" for c in report.checks for f in c.failures]
     for planted in ("model.layers.3.self_attn.o_proj.weight", "model.layers.5.mlp.gate_proj.input_scale",
-                    "model.layers.7.mlp.down_proj.weight"):
+                    "model.layers.7.mlp.down_proj.weight", "model-00002-of-00002.safetensors: is truncated"):
         assert any(line.startswith(planted) for line in named), (planted, named)
-    assert checks["load"].status == "fail", checks["load"].to_dict()  # run although the decode check failed
+    assert checks["index"].status == "pass", checks["index"].to_dict()
+    load = checks["load"]
+    assert load.status == "fail" and load.stats["blocks_replayed"] < 20, load.to_dict()  # run up to the cut
+    assert any("past a truncated shard's cut" in n for n in load.notes), load.notes

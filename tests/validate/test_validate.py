@@ -286,14 +286,14 @@ def test_a_changed_vocabulary_is_not_benign(tiny_llama, int8_copy):
     assert finding.message == "changed: the tokenizer differs in vocab."
 
 
-def test_a_truncated_shard_fails_layout_and_md5(tiny_llama, int8_copy):
+def test_a_truncated_shard_fails_layout_and_the_rest_is_still_judged(tiny_llama, int8_copy):
     path = int8_copy / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
     report = validate_model(tiny_llama, int8_copy)
-    assert "is truncated: its tensors need" in messages(report, "layout")
+    assert "is truncated: its data stops at byte" in messages(report, "layout")
     assert report.check("layout").failures[0].side == "environment"
-    assert report.check("md5").status == "fail"
     assert report.structural_failure
+    assert report.check("md5").stats["checked"] > 0 and report.check("decode").stats["checked"] > 0
 
 
 def test_a_header_length_beyond_the_file_fails_layout(tiny_llama, int8_copy):

@@ -52,6 +52,15 @@ class SafetensorsHeader:
     data_start: int
 
 
+class TruncatedFileError(UnsafeInputError):
+    """A safetensors file whose header is whole and sound but whose data stops short (a partial download or copy):
+    ``header`` holds every tensor it declares, ``data_end`` the absolute offset where its bytes stop."""
+
+    def __init__(self, message: str, header: SafetensorsHeader, data_end: int):
+        super().__init__(message)
+        self.header, self.data_end = header, data_end
+
+
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """Parse and check one safetensors header; never reads tensor payloads."""
     path = Path(path)
@@ -78,8 +87,10 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     if not isinstance(metadata, dict):
         raise UnsafeInputError(f"{path} is corrupt: __metadata__ is not an object.")
     tensors = {name: _tensor_info(path, name, entry, data_start) for name, entry in header.items()}
-    _check_layout(path, tensors, size - data_start, data_start)
-    return SafetensorsHeader(path, tensors, {str(k): str(v) for k, v in metadata.items()}, data_start)
+    parsed = SafetensorsHeader(path, tensors, {str(k): str(v) for k, v in metadata.items()}, data_start)
+    if (short := _check_layout(path, tensors, size - data_start, data_start)) is not None:
+        raise TruncatedFileError(short, parsed, size)
+    return parsed
 
 
 def _nonblocking(path: str, flags: int) -> int:
@@ -127,16 +138,16 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> Tenso
     return TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
 
 
-def _check_layout(path: Path, tensors: dict[str, TensorInfo], data_len: int, data_start: int) -> None:
+def _check_layout(path: Path, tensors: dict[str, TensorInfo], data_len: int, data_start: int) -> str | None:
+    """Refuses overlapping tensors; returns the sentence for data that stops short (the caller decides)."""
     pos = data_start
     for t in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
         if t.start < pos:
             raise UnsafeInputError(f"{path} is corrupt: tensor {t.name!r} overlaps another tensor's bytes.")
         pos = t.end
     if pos - data_start > data_len:
-        raise UnsafeInputError(
-            f"{path} is truncated: its tensors need {pos - data_start} bytes of data but only {data_len} are present."
-        )
+        return f"{path} is truncated: its tensors need {pos - data_start} bytes of data but only {data_len} are present."
+    return None
 
 
 def _contained(root: Path, candidate: Path, what: str) -> Path:
@@ -179,17 +190,34 @@ def weight_files(model_dir: str | os.PathLike[str]) -> list[Path]:
     return [_contained(root, p, "Shard") for p in sorted(root.glob("*.safetensors"))]
 
 
-def read_model_headers(model_dir: str | os.PathLike[str]) -> dict[str, TensorInfo]:
-    """All tensors of a model directory keyed by name (duplicates across shards are refused)."""
+def read_model_headers(model_dir: str | os.PathLike[str],
+                       truncated: dict[Path, TruncatedFileError] | None = None) -> dict[str, TensorInfo]:
+    """All tensors of a model directory keyed by name (duplicates across shards are refused). With ``truncated``,
+    a shard whose data stops short is kept by its header and recorded there instead of refused."""
     tensors: dict[str, TensorInfo] = {}
     for shard in weight_files(model_dir):
-        for name, info in read_header(shard).tensors.items():
+        try:
+            header = read_header(shard)
+        except TruncatedFileError as exc:
+            if truncated is None:
+                raise
+            truncated[shard] = exc
+            header = exc.header
+        for name, info in header.tensors.items():
             if name in tensors:
                 raise UnsafeInputError(f"Tensor {name!r} appears in both {tensors[name].file} and {shard}.")
             tensors[name] = info
     return tensors
 
 
+def with_data(tensors: dict[str, TensorInfo], truncated: dict[Path, TruncatedFileError]) -> dict[str, TensorInfo]:
+    """``tensors`` less every module with a tensor past a truncated shard's last byte (a module is judged whole or
+    not at all: its weight without its scale decodes to nothing)."""
+    if not truncated:
+        return tensors
+    ends = {path: exc.data_end for path, exc in truncated.items()}  # both paths as weight_files resolved them
+    cut = {n.rpartition(".")[0] for n, t in tensors.items() if t.end > ends.get(t.file, t.end)}
+    return {n: t for n, t in tensors.items() if n.rpartition(".")[0] not in cut}
 
 
 def canonical_name(name: str) -> str:

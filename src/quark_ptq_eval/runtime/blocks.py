@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import QpeError
-from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
+from quark_ptq_eval.base.safetensors_io import TensorInfo, TruncatedFileError, read_model_headers, with_data
 
 if TYPE_CHECKING:
     import torch
@@ -91,14 +91,17 @@ class StreamedModel:
         return sum(t.nbytes for t in self.parts.get(part, []))
 
 
-def open_streamed(model_dir: Path, device: str = "cpu", trust_remote_code: bool = False) -> StreamedModel:
-    """The checkpoint ``model_dir`` on meta, its linears mapped by the loader Tier 1 would use."""
+def open_streamed(model_dir: Path, device: str = "cpu", trust_remote_code: bool = False,
+                  partial: bool = False) -> StreamedModel:
+    """The checkpoint ``model_dir`` on meta, its linears mapped by the loader Tier 1 would use. ``partial``: a
+    truncated shard's modules whose bytes are missing are left out of the parts (the caller skips those parts)."""
     from quark_ptq_eval.runtime.loading import QUARK, pick_loader, read_config_or_raise
 
     model_dir = Path(model_dir)
     config_dict = read_config_or_raise(model_dir)
     loader, reason = pick_loader(model_dir, config_dict)
-    headers = read_model_headers(model_dir)
+    truncated: dict[Path, TruncatedFileError] = {}
+    headers = with_data(read_model_headers(model_dir, truncated if partial else None), truncated)
     if (config_dict.get("quantization_config") or {}).get("quant_method") == "quark":
         from quark_ptq_eval.base.first_use import announce_quark_import
         from quark_ptq_eval.base.quark_import import import_quark_torch
@@ -256,23 +259,30 @@ def read_part(streamed: StreamedModel, part: str) -> dict[str, Any]:
 
 def load(streamed: StreamedModel, part: str) -> None:
     """Read ``part``'s tensors (only those) and load them into the meta model through the loader's own code."""
+    load_tensors(streamed, part, part, streamed.parts.get(part, []))
+    if part not in (ENTRY, EXIT):
+        missing = [n for n, t in _named_tensors(part_module(streamed, part)) if t.device.type == "meta"]
+        if missing:
+            raise QpeError(f"{streamed.path.name}: block {part}'s tensors {', '.join(missing[:3])} are not in its "
+                           "files, or not under the names its loader expects; the checkpoint is incomplete.")
+
+
+def load_tensors(streamed: StreamedModel, key: str, part: str, infos: list[TensorInfo]) -> None:
+    """Read ``infos`` (some of ``part``'s tensors, or slices of them) and load them through the loader's own
+    code; ``free(streamed, key)`` returns what they filled to meta (runtime/expert_groups.py loads a block in
+    pieces: its experts a group at a time)."""
     started = time.perf_counter()
-    tensors = read_part(streamed, part)
+    tensors = {t.name: read_tensor(t) for t in infos}
     streamed.read_s += time.perf_counter() - started
-    streamed.read_bytes += streamed.part_bytes(part)
+    streamed.read_bytes += sum(t.nbytes for t in infos)
     before = _meta_names(streamed.model)
     if streamed.load_config is not None:
         _load_with_transformers(streamed, tensors)
     else:
         _load_with_quark(streamed, part, tensors)
     _tie(streamed)
-    streamed.loaded[part] = sorted(before - _meta_names(streamed.model))
+    streamed.loaded[key] = sorted(before - _meta_names(streamed.model))
     streamed.load_s += time.perf_counter() - started
-    if part not in (ENTRY, EXIT):
-        missing = [n for n, t in _named_tensors(part_module(streamed, part)) if t.device.type == "meta"]
-        if missing:
-            raise QpeError(f"{streamed.path.name}: block {part}'s tensors {', '.join(missing[:3])} are not in its "
-                           "files, or not under the names its loader expects; the checkpoint is incomplete.")
 
 
 def _load_with_transformers(streamed: StreamedModel, tensors: dict[str, Any]) -> None:

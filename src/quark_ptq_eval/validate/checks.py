@@ -24,7 +24,7 @@ from quark_ptq_eval.validate.calibration import check_calibration
 from quark_ptq_eval.validate.configdiff import HeaderFacts, check_config
 from quark_ptq_eval.validate.decode import check_decode
 from quark_ptq_eval.validate.index import check_index
-from quark_ptq_eval.validate.layout import LayoutInputs, check_layout, layer_count
+from quark_ptq_eval.validate.layout import LayoutInputs, check_layout, layer_count, truncation_findings
 from quark_ptq_eval.validate.loadcheck import check_load
 from quark_ptq_eval.validate.plan_conformance import plan_expectation
 from quark_ptq_eval.validate.registry import Check, CheckInputs, unreadable_headers
@@ -43,10 +43,10 @@ def run_layout(ctx: CheckInputs) -> CheckResult:
     # Overrides missing from the export are the conformance findings' job once the plan has a scheme.
     overrides = {} if expectation.origin == "plan" else \
         {str(k): str(v) for k, v in ((ctx.plan or {}).get("layer_quant_config") or {}).items()}
-    inputs = LayoutInputs(ctx.readable("source"), ctx.readable("output"), expectation.qconfig, ctx.exclude, overrides,
+    inputs = LayoutInputs(ctx.readable("source"), ctx.declared_output, expectation.qconfig, ctx.exclude, overrides,
                           export_has_qconfig=ctx.qconfig is not None, export_qconfig=ctx.qconfig)
     result = check_layout(inputs)
-    result.findings[:0] = expectation.findings
+    result.findings[:0] = [*truncation_findings(ctx.truncated, ctx.without_data()), *expectation.findings]
     result.notes[:0] = expectation.notes
     result.stats["expectations_from"] = expectation.origin
     ctx.shared.quantized_modules = inputs.quantized_modules
@@ -59,7 +59,7 @@ def run_aux(ctx: CheckInputs) -> CheckResult:
 
 
 def run_config(ctx: CheckInputs) -> CheckResult:
-    counts = (layer_count(h) if isinstance(h, dict) else 0 for h in (ctx.headers["source"], ctx.headers["output"]))
+    counts = (layer_count(h) if isinstance(h, dict) else 0 for h in (ctx.headers["source"], ctx.declared_output))
     return check_config(ctx.source, ctx.quantized, HeaderFacts(*counts))
 
 
@@ -71,10 +71,14 @@ def run_bytes(ctx: CheckInputs) -> CheckResult:
     quantized = ctx.shared.quantized_modules
     must = [n for n in source if not (n.endswith(".weight") and n.rpartition(".")[0] in quantized)]
     rewritten = rewritten_by(must, ctx.qconfig, ctx.plan)
-    keep = [n for n in must if n not in rewritten]
+    lost = set(ctx.without_data())  # past a truncated shard's cut: each named, none read
+    keep = [n for n in must if n not in rewritten and n not in lost]
     sampling = Sampling(ctx.max_samples, ctx.seed, ctx.workers, ctx.progress)
     result = compare_tensors(source, output, keep, sampling=sampling, result=CheckResult("md5"))
-    checked = set(result.stats["checked_names"])
+    uncompared = [n for n in must if n in lost and n not in rewritten]
+    result.findings += [Finding(n, "cannot be compared with the source: its bytes lie past a truncated shard's cut "
+                                   "(the layout check names the shard).", side="environment") for n in uncompared]
+    checked = set(result.stats["checked_names"]) | set(uncompared)  # held to the source, as an unreadable one is
     excluded = excluded_candidates(source, ctx.exclude, tied_embeddings(ctx.src_config, source))
     result.stats["excluded_checked"] = len(checked & set(excluded))
     _check_rewritten(source, output, rewritten, result)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from quark_ptq_eval.base.errors import UnsafeInputError
-from quark_ptq_eval.base.safetensors_io import INDEX_NAME, read_header
+from quark_ptq_eval.base.safetensors_io import INDEX_NAME, TruncatedFileError, read_header
 from quark_ptq_eval.validate.registry import CheckInputs
 from quark_ptq_eval.validate.report import CheckResult, Finding
 
@@ -63,6 +63,8 @@ def _shard_contents(root: Path, shards: list[str], result: CheckResult) -> dict[
             if not path.is_relative_to(root.resolve()):
                 raise UnsafeInputError(f"{shard} points outside the model directory.")
             names = read_header(path).tensors
+        except TruncatedFileError as exc:  # the mapping is the header's; the layout check names the truncation
+            names = exc.header.tensors
         except (OSError, UnsafeInputError) as exc:
             result.findings.append(Finding(shard, f"cannot be read: {getattr(exc, 'message', exc)}",
                                            side="environment"))

@@ -12,9 +12,10 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from quark_ptq_eval.base.safetensors_io import TensorInfo, canonical_name
+from quark_ptq_eval.base.safetensors_io import TensorInfo, TruncatedFileError, canonical_name
 from quark_ptq_eval.base.schemes import is_embedding
 from quark_ptq_eval.validate.expectations import (
     TensorExpectation,
@@ -138,6 +139,22 @@ class _Share:
         result.stats["expected_share"] = round(self.plan / self.total, 4)
         result.notes.insert(0, f"quantized share of matrix parameters: {self.done / self.total:.1%} "
                                f"(expected: {self.plan / self.total:.1%} of {self.total})")
+
+
+def truncation_findings(truncated: dict[Path, TruncatedFileError], without_data: list[str]) -> list[Finding]:
+    """One finding per shard whose data stops short, saying which modules no check could judge because of it."""
+    findings = []
+    for path, exc in sorted(truncated.items()):
+        lost = sorted({n.rpartition(".")[0] for n in without_data if n in exc.header.tensors})
+        blocks = sorted({int(m.group(1)) for n in lost if (m := re.search(r"\.layers\.(\d+)\.", n))})
+        where = f"blocks {blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else f"block {blocks[0]}" if blocks else \
+            ", ".join(lost[:3])
+        findings.append(Finding(path.name, f"is truncated: its data stops at byte {exc.data_end:,} of "
+                                           f"{max(t.end for t in exc.header.tensors.values()):,}; the {len(lost)} "
+                                           f"modules past the cut ({where}) were judged by no check: copy, download "
+                                           "or export it again.", side="environment",
+                                evidence="the header is whole and every tensor before the cut was checked"))
+    return findings
 
 
 def _group(tensors: dict[str, TensorInfo]) -> dict[str, dict[str, TensorInfo]]:

@@ -74,6 +74,25 @@ def _part_sizes(ctx: CheckInputs, side: str) -> dict[str, int]:
     return parts
 
 
+def cut_parts(ctx: CheckInputs) -> set[str]:
+    """The export's parts with a module past a truncated shard's cut (``CheckInputs.truncated``)."""
+    from quark_ptq_eval.runtime.blocks import split_parts, stack_path
+
+    lost = set(ctx.without_data())
+    if not lost:
+        return set()
+    declared = ctx.declared_output
+    return {part for part, infos in split_parts(declared, stack_path(declared) or "model.layers").items()
+            if any(t.name in lost for t in infos)}
+
+
+def cut_ends(ctx: CheckInputs) -> bool:
+    """The embeddings or the head lost bytes to a truncated shard: nothing can run through the export."""
+    from quark_ptq_eval.runtime.blocks import ENTRY, EXIT
+
+    return bool(cut_parts(ctx) & {ENTRY, EXIT})
+
+
 def probe_streamed(ctx: CheckInputs, result: CheckResult, tokenizer: Any, ids: torch.Tensor, trust: bool) -> None:
     """The load check's probe over streamed checkpoints: findings and notes into ``result``. The static activation
     scales are re-observed on the way, each calibration window run through the source's parts as they pass."""
@@ -83,7 +102,8 @@ def probe_streamed(ctx: CheckInputs, result: CheckResult, tokenizer: Any, ids: t
     from quark_ptq_eval.validate.scale_ranges import judge_observation, prepare_observation
 
     src = _Side(blocks.open_streamed(ctx.source, trust_remote_code=trust))
-    out = _Side(blocks.open_streamed(ctx.quantized, trust_remote_code=trust))
+    out = _Side(blocks.open_streamed(ctx.quantized, trust_remote_code=trust, partial=bool(ctx.truncated)))
+    cut = cut_parts(ctx)
     walk = _Walk(ctx, src, out, ids, Judged(), result.name)
     walk.observation = prepare_observation(ctx, {name for name, _ in src.model.model.named_modules()}, tokenizer, result)
     chosen = BlockSample(out.model.num_blocks, ctx.load_budget_s)
@@ -91,6 +111,9 @@ def probe_streamed(ctx: CheckInputs, result: CheckResult, tokenizer: Any, ids: t
     walk.part(blocks.ENTRY)
     chosen.entry_took(time.perf_counter() - started)
     for index in range(out.model.num_blocks):
+        if str(index) in cut:  # skipped on both sides, as a block the sample leaves out
+            walk.skip()
+            continue
         if not chosen.take(index):
             walk.skip()
             continue
@@ -101,7 +124,12 @@ def probe_streamed(ctx: CheckInputs, result: CheckResult, tokenizer: Any, ids: t
     walk.report_notes(result)
     if (note := chosen.note()) is not None:
         result.notes.append(note)
-        result.stats.update(blocks_replayed=out.model.num_blocks - len(chosen.skipped))
+    if cut:
+        blocks_cut = sorted(int(p) for p in cut)
+        result.notes.append(f"{len(blocks_cut)} blocks ({blocks_cut[0]}-{blocks_cut[-1]}) not run: their bytes lie past "
+                            "a truncated shard's cut (the layout check names it); each skipped on both sides")
+    if chosen.note() is not None or cut:
+        result.stats.update(blocks_replayed=out.model.num_blocks - len(chosen.skipped) - len(cut))
     if walk.observation is not None:
         judge_observation(walk.observation, walk.maxima, result)
     loader = out.model.loader

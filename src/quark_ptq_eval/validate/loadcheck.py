@@ -110,6 +110,13 @@ def load_mode(ctx: CheckInputs, available: int | None = None) -> tuple[bool, str
 
     free = available if available is not None else mem_available_bytes()
     whole_refused = memory_refusal(ctx, free)
+    if ctx.truncated:  # no loader reads the whole export: the blocks whose bytes are all there, one at a time
+        from quark_ptq_eval.validate.load_stream import cut_ends
+
+        if cut_ends(ctx):
+            return True, ("not run: the embeddings or the model's head lie past a truncated shard's cut, so no block "
+                          "can be run (the layout check names the shard)")
+        return True, stream_refusal(ctx, free)
     streamed = ctx.stream_blocks if ctx.stream_blocks is not None else bool(whole_refused)
     if streamed:
         return True, stream_refusal(ctx, free)
@@ -138,8 +145,9 @@ def _probe(ctx: CheckInputs, result: CheckResult, streamed: bool = False) -> Non
 
         tokenizer = AutoTokenizer.from_pretrained(ctx.source, trust_remote_code=trust)
         ids = tokenizer(PROBE, return_tensors="pt").input_ids[:, :MAX_PROBE_TOKENS]
-        result.notes.append("streamed one part at a time: the whole model does not fit the RAM free"
-                            if ctx.stream_blocks is None else "streamed one part at a time, as asked")
+        result.notes.append("streamed one part at a time: a shard is truncated, so no loader reads the whole export"
+                            if ctx.truncated else "streamed one part at a time: the whole model does not fit the RAM "
+                            "free" if ctx.stream_blocks is None else "streamed one part at a time, as asked")
         probe_streamed(ctx, result, tokenizer, ids, trust)
         return
     _probe_whole(ctx, result, trust)

@@ -15,7 +15,7 @@ from typing import Any
 
 from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.registry import load
-from quark_ptq_eval.base.safetensors_io import TensorInfo, read_model_headers
+from quark_ptq_eval.base.safetensors_io import TensorInfo, TruncatedFileError, read_model_headers, with_data
 from quark_ptq_eval.runtime.vllm_server import ServerHandover
 from quark_ptq_eval.validate.load_sample import DEFAULT_BUDGET_S
 from quark_ptq_eval.validate.report import CheckResult, Finding
@@ -58,6 +58,10 @@ class CheckInputs:
     headers: dict[str, dict[str, TensorInfo] | str] = field(default_factory=dict)
     shared: Handoffs = field(default_factory=Handoffs)  # results one check hands to a later one
     weights_source: Path | None = None  # where the decode check reads source weights (an FP8 release's BF16 copy)
+    # an export shard whose data stops short: its header kept for the layout, its modules without bytes left out of
+    # ``headers`` (what every data-reading check sees), so the rest of the export is still judged in this run
+    truncated: dict[Path, TruncatedFileError] = field(default_factory=dict)
+    declared_output: dict[str, TensorInfo] = field(default_factory=dict)  # every tensor the export's headers declare
 
     @property
     def qconfig(self) -> dict[str, Any] | None:
@@ -67,9 +71,12 @@ class CheckInputs:
     def read_headers(self) -> None:
         for side, model_dir in (("source", self.source), ("output", self.quantized)):
             try:
-                self.headers[side] = read_model_headers(model_dir)
+                self.headers[side] = read_model_headers(model_dir, self.truncated if side == "output" else None)
             except UnsafeInputError as exc:
                 self.headers[side] = exc.message
+        if (declared := self.tensors("output")) is not None:
+            self.declared_output = declared
+            self.headers["output"] = with_data(declared, self.truncated)
         src, out = self.tensors("source"), self.tensors("output")
         if src is not None and out is not None:  # legacy checkpoint names (Mixtral's w1/w2/w3) -> the export's
             from quark_ptq_eval.base.tensor_names import align_source_names
@@ -83,6 +90,10 @@ class CheckInputs:
     def tensors(self, side: str) -> dict[str, TensorInfo] | None:
         h = self.headers.get(side)
         return h if isinstance(h, dict) else None
+
+    def without_data(self) -> list[str]:
+        """The export's declared tensors whose module lost bytes to a truncated shard, in name order."""
+        return sorted(self.declared_output.keys() - (self.tensors("output") or {}).keys())
 
     def readable(self, side: str) -> dict[str, TensorInfo]:
         """The parsed headers of ``side``, for a check past its ``unreadable_headers`` guard."""

@@ -13,7 +13,7 @@ from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.runtime.vllm_server import ServerHandover
 from quark_ptq_eval.validate.load_sample import DEFAULT_BUDGET_S
 from quark_ptq_eval.validate.registry import CheckInputs, Progress, read_config_or_empty
-from quark_ptq_eval.validate.report import ValidationReport
+from quark_ptq_eval.validate.report import CheckResult, ValidationReport
 
 DEFAULT_EXCLUDE = ["lm_head"]
 
@@ -86,11 +86,17 @@ def validate_model(source: Path | None, quantized: Path, plan: PlanJson | None =
         results.append(result)
         if check.structural and result.status == "fail":
             ctx.shared.structural_failed = True
-            ctx.shared.unloadable |= check.unloadable_when_failed
+            ctx.shared.unloadable |= check.unloadable_when_failed and not _only_truncation(ctx, result)
         notify(check.name, i, len(CHECKS))
     return ValidationReport(source, quantized, results, exclude_patterns=ctx.exclude, exclusions_from=ctx.exclusions_from,
                             seconds=time.perf_counter() - t0,
                             structural=tuple(c.name for c in CHECKS.values() if c.structural))
+
+
+def _only_truncation(ctx: CheckInputs, result: CheckResult) -> bool:
+    """Every failure is a truncated shard: the load check still runs on the blocks whose bytes are all there."""
+    cut = {path.name for path in ctx.truncated}
+    return bool(cut) and all(f.subject in cut for f in result.findings if not f.benign)
 
 
 def _existing_dir(path: Path | str | None, what: str) -> Path:

@@ -1,0 +1,247 @@
+"""Expert groups as the streaming unit: a MoE decoder block run with its routed experts read G at a time.
+
+A giant MoE block (DeepSeek-V3: 256 routed experts a block; Kimi-K2: 384) can exceed the host, so the block
+streamer (``runtime/blocks.py``) cannot hold it whole. Here a block of a ``StreamedModel`` is loaded without
+its routed experts (attention, norms, router, shared experts: through the loader's own code), then its routed
+experts a group of G at a time (only that group's tensors or rows of fused tensors are read), each group
+freed after use. Group size comes from a byte budget, at least one expert.
+
+The block's output is the model's own: transformers' decoder layer runs with its routed-experts module
+replaced by a stand-in. A first pass records what the layer hands its experts (the hidden states, and the
+top-k indices and weights of transformers' own router); the experts module itself, shrunk to the group,
+then computes each routed (token, slot) pair's output for the group's experts (the family's own math:
+gate/up, activation or gpt-oss's clamped GLU, biases, down); each pair's output is weighted and summed over
+the slots in float32 as transformers' default ``grouped_mm`` experts implementation does; a second pass of
+the layer gets that sum from the stand-in (shared experts, residuals: the layer's own). Supported: routed
+experts held as transformers' fused experts module (3-D parameters, one row per expert: qwen3_moe,
+deepseek_v3, gpt_oss, ...) loaded through transformers' own loading step; others stream whole blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from quark_ptq_eval.base.errors import QpeError
+from quark_ptq_eval.runtime import blocks
+from quark_ptq_eval.runtime.block_pass import no_grad
+
+if TYPE_CHECKING:
+    from quark_ptq_eval.base.safetensors_io import TensorInfo
+    from quark_ptq_eval.runtime.block_pass import Recorded
+    from quark_ptq_eval.runtime.blocks import StreamedModel
+
+_EXPERT_INDEX = re.compile(r"^(\d+)\.")  # a per-expert checkpoint name after the experts' prefix: "7.gate_proj..."
+
+
+@dataclass
+class ExpertPlan:
+    """How block ``index`` of a model is split: its tensors without the routed experts, and the experts' own."""
+
+    index: int
+    module_path: str  # the routed-experts module inside the decoder layer: "mlp.experts"
+    num_experts: int
+    rest: list[TensorInfo]  # everything of the block but the routed experts
+    per_expert: dict[int, list[TensorInfo]]  # checkpoints storing one tensor per expert (converted on load)
+    fused: list[TensorInfo]  # checkpoints storing fused tensors, dim 0 = expert
+    group_size: int
+
+    @property
+    def expert_bytes(self) -> int:
+        """The most bytes one expert's tensors hold (fused tensors: one row)."""
+        per = max((sum(t.nbytes for t in ts) for ts in self.per_expert.values()), default=0)
+        return per + sum(t.nbytes // self.num_experts for t in self.fused)
+
+    def groups(self) -> Iterator[tuple[int, int]]:
+        for start in range(0, self.num_experts, self.group_size):
+            yield start, min(start + self.group_size, self.num_experts)
+
+
+def routed_experts(layer: Any) -> tuple[str, Any] | None:
+    """The decoder layer's routed-experts module when it is transformers' fused kind (``num_experts`` and
+    parameters whose first dimension is the expert, run by ``forward(hidden, top_k_index, top_k_weights)``)."""
+    for name, module in layer.named_modules():
+        count = getattr(module, "num_experts", None)
+        params = list(module.named_parameters(recurse=False))
+        if (not name.endswith("experts") or "shared" in name.rsplit(".", 1)[-1] or not isinstance(count, int)
+                or not params or len(list(module.parameters())) != len(params)):
+            continue
+        if all(p.ndim >= 2 and p.shape[0] == count for _, p in params):
+            return name, module
+    return None
+
+
+def plan_block(streamed: StreamedModel, index: int, budget: int) -> ExpertPlan | None:
+    """Block ``index`` split into its rest and groups of experts fitting ``budget`` bytes beside the rest, or
+    None where the block fits the budget whole or cannot be split (no fused routed experts, Quark's importer)."""
+    if streamed.block_bytes(index) <= budget or streamed.load_config is None:
+        return None
+    found = routed_experts(streamed.layers[index])
+    if found is None:
+        return None
+    module_path, experts = found
+    prefix = f"{streamed.layers_path}.{index}.{module_path}."
+    rest: list[TensorInfo] = []
+    per_expert: dict[int, list[TensorInfo]] = defaultdict(list)
+    fused: list[TensorInfo] = []
+    for info in streamed.parts.get(str(index), []):
+        if not info.name.startswith(prefix):
+            rest.append(info)
+        elif match := _EXPERT_INDEX.match(info.name[len(prefix):]):
+            per_expert[int(match.group(1))].append(info)
+        elif info.shape and info.shape[0] == experts.num_experts and not info.transposed:
+            fused.append(info)
+        else:
+            return None  # a tensor of the experts not held per expert (a shared scale): not split here
+    plan = ExpertPlan(index, module_path, experts.num_experts, rest, dict(per_expert), fused, 1)
+    spare = budget - sum(t.nbytes for t in rest)
+    plan.group_size = max(1, min(plan.num_experts, spare // max(1, plan.expert_bytes)))
+    return plan
+
+
+def _group_tensors(plan: ExpertPlan, prefix: str, start: int, end: int) -> list[TensorInfo]:
+    """The group's tensors as the loader sees a checkpoint of ``end - start`` experts: per-expert names
+    renumbered from 0, fused tensors cut to the group's rows (their byte range only)."""
+    infos = []
+    for expert in range(start, end):
+        for info in plan.per_expert.get(expert, []):
+            tail = info.name[len(prefix):].split(".", 1)[1]
+            infos.append(dataclasses.replace(info, name=f"{prefix}{expert - start}.{tail}"))
+    for info in plan.fused:
+        row = info.nbytes // plan.num_experts
+        infos.append(dataclasses.replace(info, shape=(end - start, *info.shape[1:]), start=info.start + start * row,
+                                         end=info.start + end * row))
+    return infos
+
+
+def _resize(experts: Any, count: int) -> None:
+    """The experts module on meta with ``count`` experts: its expert-indexed parameters' first dimension."""
+    for name, param in list(experts.named_parameters(recurse=False)):
+        experts._parameters[name] = torch.nn.Parameter(
+            torch.empty((count, *param.shape[1:]), dtype=param.dtype, device="meta"), requires_grad=False)
+    experts.num_experts = count
+
+
+@dataclass
+class _Routed:
+    """What one forward of the layer handed its experts, and their weighted sum once the groups ran."""
+
+    hidden: torch.Tensor
+    index: torch.Tensor
+    weights: torch.Tensor
+    total: torch.Tensor | None = None  # float32, as transformers' grouped_mm sums the slots
+
+
+class _Captured(Exception):
+    """Raised by the recording stand-in: the layer's pass has what its experts would be given."""
+
+
+class _StandIn(torch.nn.Module):
+    """The routed experts during a pass of the layer: records their inputs (``output`` None), or returns the
+    groups' weighted sum."""
+
+    def __init__(self, original: Any, sink: list[_Routed], output: torch.Tensor | None = None):
+        super().__init__()
+        self.sink, self.output = sink, output
+        self.num_experts = original.num_experts
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        if self.output is None:
+            self.sink.append(_Routed(hidden_states, top_k_index, top_k_weights))
+            raise _Captured
+        return self.output
+
+
+def _with_experts(layer: Any, module_path: str, module: Any) -> Any:
+    """Put ``module`` at ``module_path`` of ``layer``; returns what was there."""
+    owner_path, _, leaf = module_path.rpartition(".")
+    owner = layer.get_submodule(owner_path) if owner_path else layer
+    previous = owner._modules[leaf]
+    owner._modules[leaf] = module
+    return previous
+
+
+def _add_group(experts: Any, routed: _Routed, start: int, end: int) -> None:
+    """The group's experts on the (token, slot) pairs routed to them: each pair's expert output from the
+    experts module's own forward (one slot a row, weight 1: the output unweighted and exact), weighted as
+    transformers' grouped_mm weights it (``out * weight`` in the promoted dtype), added in float32."""
+    flat = routed.index.reshape(-1)
+    pairs = ((flat >= start) & (flat < end)).nonzero().squeeze(-1)
+    if not pairs.numel():
+        return
+    k = routed.index.shape[-1]
+    tokens = pairs // k
+    local = (flat[pairs] - start).unsqueeze(-1)
+    weights = routed.weights.reshape(-1)[pairs].unsqueeze(-1)
+    out = experts(routed.hidden[tokens], local, torch.ones_like(weights))
+    assert routed.total is not None
+    routed.total.index_add_(0, tokens, (out * weights).float())
+
+
+def run_block(streamed: StreamedModel, plan: ExpertPlan, jobs: list[tuple[torch.Tensor, Recorded]],
+              inference: bool = True) -> list[torch.Tensor]:
+    """Block ``plan.index`` applied to each ``(hidden states, layer arguments)`` of ``jobs``, its routed experts
+    loaded a group at a time (each group once for all jobs); the block is loaded and freed here."""
+    index = plan.index
+    layer = streamed.layers[index]
+    part, key = str(index), f"{index}:rest"
+    prefix = f"{streamed.layers_path}.{index}.{plan.module_path}."
+    experts = layer.get_submodule(plan.module_path)
+    blocks.load_tensors(streamed, key, part, plan.rest)
+    _require_loaded(streamed, layer, plan.module_path)
+    sink: list[_Routed] = []
+    try:
+        _with_experts(layer, plan.module_path, _StandIn(experts, sink))
+        for hidden, recorded in jobs:  # pass 1: the router's choices for every job
+            try:
+                with no_grad(inference):
+                    layer(hidden, *recorded.args, **recorded.kwargs)
+            except _Captured:
+                pass
+        _with_experts(layer, plan.module_path, experts)  # the groups load into the real module
+        with no_grad(inference):
+            for routed in sink:
+                routed.total = torch.zeros(routed.hidden.shape, dtype=torch.float32, device=routed.hidden.device)
+            for start, end in plan.groups():
+                _resize(experts, end - start)
+                blocks.load_tensors(streamed, f"{index}:experts", part, _group_tensors(plan, prefix, start, end))
+                _require_group(experts, end - start)
+                for routed in sink:
+                    _add_group(experts, routed, start, end)
+                blocks.free(streamed, f"{index}:experts")
+        outputs = []
+        for (hidden, recorded), routed in zip(jobs, sink, strict=True):  # pass 2: the layer with the groups' sum
+            assert routed.total is not None
+            _with_experts(layer, plan.module_path, _StandIn(experts, sink, routed.total.to(routed.hidden.dtype)))
+            with no_grad(inference):
+                out = layer(hidden, *recorded.args, **recorded.kwargs)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+    finally:
+        _with_experts(layer, plan.module_path, experts)
+        _resize(experts, plan.num_experts)
+        blocks.free(streamed, key)
+    return outputs
+
+
+def _require_loaded(streamed: StreamedModel, layer: Any, module_path: str) -> None:
+    """Every tensor of the block but the routed experts' is loaded (an incomplete checkpoint is named)."""
+    missing = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()]
+               if t.device.type == "meta" and not n.startswith(module_path + ".")]
+    if missing:
+        raise QpeError(f"{streamed.path.name}: tensors {', '.join(missing[:3])} of a block are not in its files, or "
+                       "not under the names its loader expects; the checkpoint is incomplete.")
+
+
+def _require_group(experts: Any, count: int) -> None:
+    """The group's tensors filled every expert parameter with ``count`` rows."""
+    wrong = [n for n, p in experts.named_parameters(recurse=False) if p.device.type == "meta" or p.shape[0] != count]
+    if wrong:
+        raise QpeError(f"a group of {count} routed experts did not load into {', '.join(wrong)}: the checkpoint's "
+                       "expert tensors are not where or as the loader expects them.")
