@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.allocator import release_freed_memory
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome, hardware_description
 from quark_ptq_eval.evaluate.details import PerplexityDetails
 from quark_ptq_eval.evaluate.ppl.data import auto_batch_size, eval_texts, token_windows
 from quark_ptq_eval.evaluate.ppl.kernels import pair_stats, synchronize, token_stats
 from quark_ptq_eval.evaluate.ppl.pilot import FINISH_S, Clock, resolution_warning
 from quark_ptq_eval.evaluate.ppl.stats import Accumulator
-from quark_ptq_eval.runtime import block_pass, blocks
+from quark_ptq_eval.runtime import block_pass, blocks, expert_groups
 from quark_ptq_eval.runtime.loading import require_finite, resolve_device
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 STATE_BUDGET = 3 * 2**30  # bytes of hidden states held at once (both models); more windows go in chunks
 OWN_ERROR_WINDOWS = 1  # windows a block's own error is measured on (each chunk's first): its tokens are the sample
+BLOCK_SHARE = 4  # a block of one model may hold this fraction of the RAM free at the start: states and cache share the rest
 
 
 @dataclass
@@ -70,6 +72,8 @@ class StreamPrepared:
     # per block: [sum of per-token distances, tokens, sum of the block's own per-token error, tokens]
     distance: list[list[float]] = field(default_factory=list)
     next_block: int = 1  # the pilot ran chunk 0's entry and block 0
+    block_budget: int = 2**62  # bytes one block of one model may hold; a MoE block over it runs by expert groups
+    grouped: dict[int, int] = field(default_factory=dict)  # block -> its largest expert group, where one was used
 
 
 def prepare(ctx: TierInputs, fit_eval_window: Callable[[TierInputs], str | None]) -> StreamPrepared:
@@ -100,7 +104,7 @@ def prepare(ctx: TierInputs, fit_eval_window: Callable[[TierInputs], str | None]
     per_window = seq_len * hidden * _itemsize(quantized.dtype) * (2 if baseline else 1) * 2  # states + a block's output
     chunk = max(batch_size, (STATE_BUDGET // max(1, per_window)) // batch_size * batch_size)
     prepared = StreamPrepared(ctx, quantized, baseline, windows, batch_size, min(chunk, windows.shape[0]),
-                              Accumulator(), _placeholder(), window_note=window_note)
+                              Accumulator(), _placeholder(), window_note=window_note, block_budget=block_budget())
     started = time.perf_counter()
     _start_chunk(prepared, 0)
     entry_s = time.perf_counter() - started
@@ -111,6 +115,14 @@ def prepare(ctx: TierInputs, fit_eval_window: Callable[[TierInputs], str | None]
     prepared.estimate = _estimate(prepared, entry_s, block_s)
     prepared.estimate.parts = clock.parts
     return prepared
+
+
+def block_budget() -> int:
+    """Bytes one block of one model may hold at once: a share of the RAM free now (no limit where unknown)."""
+    from quark_ptq_eval.plan.host_memory import mem_available_bytes
+
+    free = mem_available_bytes()
+    return free // BLOCK_SHARE if free else 2**62
 
 
 def _placeholder() -> RuntimeEstimate:
@@ -172,6 +184,10 @@ def _block(prepared: StreamPrepared, index: int) -> None:
     """Block ``index`` of each model read, applied to every batch, freed. With a baseline, the distance of
     the hidden states after it, and the block's own error: the quantized block on the baseline's input of
     the chunk's first window, against the baseline block's output (where the error enters, not where it grew)."""
+    plans = [expert_groups.plan_block(side.model, index, prepared.block_budget) for side in prepared.sides]
+    if any(plans):
+        _block_by_groups(prepared, index, plans)
+        return
     for side in prepared.sides:
         blocks.load(side.model, str(index))
     _prefetch(prepared, index + 1)
@@ -192,19 +208,57 @@ def _block(prepared: StreamPrepared, index: int) -> None:
     release_freed_memory()
 
 
-def _quantized_with_own_error(prepared: StreamPrepared, index: int) -> torch.Tensor:
-    """The quantized block on the first batch, with the baseline's first window(s) as extra rows of the same
-    forward (one weight dequantization, not two: on a CPU that is most of an FP8 block's time). Each row of a
-    decoder layer is computed on its own (per-row norms and attention, GEMMs reduce along the hidden size),
-    so the batch's rows are what a forward without the extra rows gives (the tests hold it to the in-memory
-    tier). Returns the extra rows' output: the block's own error on the baseline's input."""
+def _block_by_groups(prepared: StreamPrepared, index: int, plans: list[expert_groups.ExpertPlan | None]) -> None:
+    """Block ``index`` where a model's block exceeds the budget: that model's routed experts read a group at a
+    time (``runtime/expert_groups.py``), the other's block whole; one model's block at a time. The same jobs
+    and the same own-error rows as ``_block``."""
+    if index not in prepared.grouped:
+        prepared.ctx.log(f"block {index}: over {gb(prepared.block_budget)} a model, its routed experts read "
+                         f"{max(p.group_size for p in plans if p)} at a time")
+    prepared.grouped[index] = max(p.group_size for p in plans if p)
+    _prefetch(prepared, index + 1)
+    local = None
+    for number, (side, plan) in enumerate(zip(prepared.sides, plans, strict=True)):
+        jobs = [(state, recorded[index]) for state, recorded in zip(side.states, side.recorded, strict=True)]
+        rows = None
+        if number == 0 and len(prepared.sides) == 2:  # before the baseline advances: its input is the extra rows
+            joined, arguments, rows = _own_error_job(prepared, index)
+            jobs[0] = (joined, arguments)
+        if plan is None:
+            blocks.load(side.model, str(index))
+            outputs = [block_pass.run_block(side.model, index, state, recorded) for state, recorded in jobs]
+            synchronize(side.model.device)
+            blocks.free(side.model, str(index))
+        else:
+            outputs = expert_groups.run_block(side.model, plan, jobs)
+        if rows is not None:
+            local, outputs[0] = outputs[0][rows:], outputs[0][:rows]
+        side.states = outputs
+        release_freed_memory()
+    if local is not None:
+        _record_distance(prepared, index, local)
+
+
+def _own_error_job(prepared: StreamPrepared, index: int) -> tuple[torch.Tensor, Recorded, int]:
+    """The quantized model's first batch with the baseline's first window(s) as extra rows, their arguments,
+    and the batch's row count (``_quantized_with_own_error``)."""
     import torch
 
     quantized, base = prepared.sides
     rows = quantized.states[0].shape[0]
     joined = torch.cat([quantized.states[0], base.states[0][:OWN_ERROR_WINDOWS].to(quantized.states[0].dtype)])
     extra = block_pass.first_rows(base.recorded[0][index], OWN_ERROR_WINDOWS, base.states[0].shape[0])
-    arguments = block_pass.join_rows(quantized.recorded[0][index], extra, rows)
+    return joined, block_pass.join_rows(quantized.recorded[0][index], extra, rows), rows
+
+
+def _quantized_with_own_error(prepared: StreamPrepared, index: int) -> torch.Tensor:
+    """The quantized block on the first batch, with the baseline's first window(s) as extra rows of the same
+    forward (one weight dequantization, not two: on a CPU that is most of an FP8 block's time). Each row of a
+    decoder layer is computed on its own (per-row norms and attention, GEMMs reduce along the hidden size),
+    so the batch's rows are what a forward without the extra rows gives (the tests hold it to the in-memory
+    tier). Returns the extra rows' output: the block's own error on the baseline's input."""
+    quantized = prepared.sides[0]
+    joined, arguments, rows = _own_error_job(prepared, index)
     out = block_pass.run_block(quantized.model, index, joined, arguments)
     quantized.states[0] = out[:rows]
     return out[rows:]
@@ -319,6 +373,10 @@ def score(prepared: StreamPrepared, outcome_from: Callable[[Accumulator, int, St
     outcome.notes.append(f"Streamed block by block: {read / 2**30:.2f} GiB read from the checkpoints in {read_s:.1f} s "
                          f"({load_s:.1f} s with the loader's own step; {_chunks(prepared)} pass(es)); at most one "
                          "block of each model was in memory.")
+    if prepared.grouped:
+        outcome.notes.append(f"{len(prepared.grouped)} MoE block(s) exceeded {gb(prepared.block_budget)} a "
+                             f"model: their routed experts were read up to {max(prepared.grouped.values())} at a time "
+                             "(runtime/expert_groups.py).")
     return outcome
 
 
