@@ -17,7 +17,7 @@ What each line counts, read from the working tree (nothing is run but one import
   dispatches), then imports the run path's orchestration, ``cli/recipe.py`` and ``flows/recipe/``, together with
   every module those two import inside any of their functions (their late imports: counted whether or not this
   command line calls that function, as a reader must follow them), and the module of the ``ppl`` tier as the tier
-  table names it (``evaluate/context.tier_module`` imports it by name); then it counts the ``quark_ptq_eval``
+  table names it (``evaluate/context.tier_runner`` imports it by name); then it counts the ``quark_ptq_eval``
   modules in ``sys.modules``. So a module counts when that path reaches it by module-level imports; a late import
   below the orchestration (inside a step's own package) is not followed, and the engine, a child process of its
   own, is not counted.
@@ -55,9 +55,9 @@ for p in path:
             names |= {a.name for n in ast.walk(fn) if isinstance(n, ast.Import) for a in n.names}
 for name in sorted(n for n in names if n and n.startswith("quark_ptq_eval")):
     importlib.import_module(name)
-from quark_ptq_eval.evaluate.context import tier_module
+from quark_ptq_eval.evaluate.context import tier_runner
 from quark_ptq_eval.evaluate.tiers import get_tier
-tier_module(get_tier("ppl"))
+tier_runner(get_tier("ppl"))
 print(sum(1 for m in sys.modules if m.split(".")[0] == "quark_ptq_eval"))
 """
 

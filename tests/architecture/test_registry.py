@@ -103,7 +103,7 @@ def _registered() -> dict[str, list[tuple[str, set[str]]]]:
         child = getattr(load_ref(e.module), "CHILD_MODULE", e.module)  # the engine's own child entry point
         rows.setdefault(e.name, []).append(("engine", {e.module, child}))
     for t in TIERS.values():
-        rows.setdefault(t.name, []).append(("tier", {t.module} if t.module else set()))
+        rows.setdefault(t.name, []).append(("tier", {t.runner.partition(":")[0]} if t.runner else set()))
     for c in CHECKS.values():
         rows.setdefault(c.name, []).append(("check", {c.implemented_in} | ({c.run.__module__} if callable(c.run) else set())))
     for f in FORMATS.values():
@@ -232,7 +232,7 @@ import time
 from dataclasses import dataclass
 
 from quark_ptq_eval.base.safetensors_io import read_model_headers
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome, TierRunner
 
 
 @dataclass
@@ -241,27 +241,27 @@ class Prepared:
     estimate: RuntimeEstimate
 
 
-def prepare(ctx: TierInputs) -> Prepared:
-    started = time.perf_counter()
-    headers = read_model_headers(ctx.model_dir)  # the pilot: the whole work, timed
-    size = sum(t.nbytes for t in headers.values())
-    return Prepared(ctx, RuntimeEstimate(tier="census", seconds=time.perf_counter() - started, hardware="this host",
-                                         model_bytes=size, data=f"{len(headers)} tensor headers",
-                                         basis="one read of the headers"))
+class CensusTier(TierRunner):
+    def prepare(self, ctx: TierInputs) -> Prepared:
+        started = time.perf_counter()
+        headers = read_model_headers(ctx.model_dir)  # the pilot: the whole work, timed
+        size = sum(t.nbytes for t in headers.values())
+        return Prepared(ctx, RuntimeEstimate(tier="census", seconds=time.perf_counter() - started,
+                                             hardware="this host", model_bytes=size,
+                                             data=f"{len(headers)} tensor headers", basis="one read of the headers"))
 
+    def score(self, prepared: Prepared) -> TierOutcome:
+        headers = read_model_headers(prepared.ctx.model_dir)
+        quantized = sum(1 for name in headers if name.endswith("weight_scale"))
+        scores = {"census": {"tensors": float(len(headers)), "scaled_weights": float(quantized)}}
+        return TierOutcome(quantized=scores, directions={"census": {"tensors": True, "scaled_weights": True}},
+                           details={"census": {"tensors": len(headers), "scaled_weights": quantized}},
+                           informational=("tensors", "scaled_weights"))
 
-def score(prepared: Prepared) -> TierOutcome:
-    headers = read_model_headers(prepared.ctx.model_dir)
-    quantized = sum(1 for name in headers if name.endswith("weight_scale"))
-    scores = {"census": {"tensors": float(len(headers)), "scaled_weights": float(quantized)}}
-    return TierOutcome(quantized=scores, directions={"census": {"tensors": True, "scaled_weights": True}},
-                       details={"census": {"tensors": len(headers), "scaled_weights": quantized}},
-                       informational=("tensors", "scaled_weights"))
-
-
-def section(report) -> list[str]:
-    census = report.details["census"]
-    return ["## Tensor census", "", f"- {census['tensors']} tensors, {census['scaled_weights']} with a weight scale", ""]
+    def section(self, report) -> list[str]:
+        census = report.details["census"]
+        return ["## Tensor census", "", f"- {census['tensors']} tensors, {census['scaled_weights']} with a weight "
+                "scale", ""]
 '''
 CHECK_MODULE = '''"""Check ``census``: the export holds at least as many tensors as the source (scales added)."""
 
@@ -293,8 +293,8 @@ EXTENSIONS = (  # (module path, its text, the table file, the table's name, its 
      'EngineEntry("quark-api-copy", "quark_ptq_eval.plan.engines.quark_api_copy", "quark-api again", '
      'reads_text_file=True),', None),
     ("evaluate/tier_census.py", TIER_MODULE, "evaluate/tiers.py", "TIERS",
-     'Tier("census", "c", "census", "tensor census of the export", "seconds", "quark_ptq_eval.evaluate.tier_census", '
-     'False, "tensor census", report_section="quark_ptq_eval.evaluate.tier_census:section"),', None),
+     'Tier("census", "c", "census", "tensor census of the export", "seconds", '
+     '"quark_ptq_eval.evaluate.tier_census:CensusTier", False, "tensor census"),', None),
     ("validate/census.py", CHECK_MODULE, "validate/checks.py", "CHECKS",
      'Check("census", "Tensor census (extension)", "quark_ptq_eval.validate.census:check_census", structural=False),',
      None),
@@ -371,29 +371,17 @@ def test_a_tier_row_that_lacks_the_contract_is_refused_when_registered():
     row = TIERS["ppl"]
     tiers.register(row)  # a shipped row keeps the contract
     cases = {  # a row lacking one part -> what the refusal names
-        "no_score": (Tier("no_score", "x", "t", "m", "c", "quark_ptq_eval.evaluate.ppl.kld_report", True,
-                        report_section="quark_ptq_eval.evaluate.ppl.kld_report:kld_report_lines"),
-                   "its module quark_ptq_eval.evaluate.ppl.kld_report defines no prepare, score"),
-        "no_section": (Tier("no_section", "x", "t", "m", "c", "quark_ptq_eval.evaluate.lmeval.tier", True),
-                       "it names no report_section"),
-        "bad_section": (Tier("bad_section", "x", "t", "m", "c", "quark_ptq_eval.evaluate.lmeval.tier", True,
-                             report_section="quark_ptq_eval.evaluate.lmeval.tier:no_such_section"),
-                        "its report_section quark_ptq_eval.evaluate.lmeval.tier defines no no_such_section"),
-        "bad_options": (Tier("bad_options", "x", "t", "m", "c", "quark_ptq_eval.evaluate.lmeval.tier", True,
-                             report_section="quark_ptq_eval.evaluate.lmeval.tier:section",
+        "no_class": (Tier("no_class", "x", "t", "m", "c", "quark_ptq_eval.evaluate.ppl.kld_report:KldTier", True),
+                     "its runner quark_ptq_eval.evaluate.ppl.kld_report defines no KldTier"),
+        "no_ref": (Tier("no_ref", "x", "t", "m", "c", "quark_ptq_eval.evaluate.lmeval.tier", True),
+                   "its runner 'quark_ptq_eval.evaluate.lmeval.tier' is not \"module:name\""),
+        "bad_options": (Tier("bad_options", "x", "t", "m", "c", "quark_ptq_eval.evaluate.lmeval.tier:LmEvalTier", True,
                              options="quark_ptq_eval.evaluate.lmeval.tier:NoOptions"),
                         "its options quark_ptq_eval.evaluate.lmeval.tier defines no NoOptions"),
-        "missing": (Tier("missing", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_nowhere", True,
-                         report_section="quark_ptq_eval.evaluate.tier_nowhere:section"),
-                    "its module quark_ptq_eval.evaluate.tier_nowhere does not exist"),
-        "text": (Tier("text", "x", "t", "m", "c", "quark_ptq_eval.evaluate.lmeval.tier", True, scores_text=True,
-                      report_section="quark_ptq_eval.evaluate.lmeval.tier:section"),
-                 "defines no eval_texts, token_windows, auto_batch_size, new_accumulator, text_outcome"),
-        "tasks": (Tier("tasks", "x", "t", "m", "c", "quark_ptq_eval.evaluate.vllm.tier", True, scores_tasks=True,
-                       report_section="quark_ptq_eval.evaluate.vllm.tier:section"),
-                  "defines no task_manager, check_tasks, evaluate_tasks, samples_path, scores_from, paired_tests"),
-        "idle": (Tier("idle", "-", "t", "m", "c", None, False, report_section="a.b:c"),
-                 "it runs nothing (no module) but sets report_section"),
+        "missing": (Tier("missing", "x", "t", "m", "c", "quark_ptq_eval.evaluate.tier_nowhere:NowhereTier", True),
+                    "its runner quark_ptq_eval.evaluate.tier_nowhere does not exist"),
+        "idle": (Tier("idle", "-", "t", "m", "c", None, False, options="a.b:c"),
+                 "it runs nothing (no runner) but sets options"),
     }
     for name, (bad, why) in cases.items():
         with pytest.raises(InvalidEntry, match="is refused: ") as refused:
@@ -426,8 +414,24 @@ def test_compare_scores_through_the_tiers_interfaces_never_their_modules():
                and (node.module or "").split(".")[1:2] == ["evaluate"]
                and (node.module.split(".") + [""])[2] in TIER_PACKAGES and node.module not in COMPARE_MAY_IMPORT}
     assert reached == set(), "compare imports a tier's own modules"
-    assert isinstance(text_scorer(), TextScorer) and text_scorer().__name__ == text_tier().module
-    assert isinstance(task_scorer(), TaskScorer) and task_scorer().__name__ == task_tier().module
+    assert isinstance(text_scorer(), TextScorer) and text_tier().runner.endswith(type(text_scorer()).__name__)
+    assert isinstance(task_scorer(), TaskScorer) and task_tier().runner.endswith(type(task_scorer()).__name__)
+
+
+def test_a_tier_runner_that_breaks_its_rows_promise_is_refused_when_loaded():
+    """A row's runner must subclass the base its flags promise and define every abstract method."""
+    import dataclasses
+
+    from quark_ptq_eval.base.registry import InvalidEntry
+    from quark_ptq_eval.evaluate.context import tier_runner
+    from quark_ptq_eval.evaluate.tiers import TIERS
+
+    scores_text = dataclasses.replace(TIERS["lm_eval"], scores_text=True)  # Tier 2's runner is no TextScorer
+    with pytest.raises(InvalidEntry, match="is no subclass of TextScorer"):
+        tier_runner(scores_text)
+    not_a_tier = dataclasses.replace(TIERS["ppl"], runner="quark_ptq_eval.evaluate.ppl.tier:PplPrepared")
+    with pytest.raises(InvalidEntry, match="is no subclass of TextScorer"):
+        tier_runner(not_a_tier)
 
 
 NAMES_MODULE = '''"""Every way a module's top level binds a name."""
@@ -493,7 +497,7 @@ from dataclasses import dataclass, field
 
 from quark_ptq_eval.base.options import flag
 from quark_ptq_eval.base.safetensors_io import read_model_headers
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome, TierRunner
 
 
 @dataclass
@@ -509,30 +513,29 @@ class Prepared:
     estimate: RuntimeEstimate
 
 
-def prepare(ctx: TierInputs) -> Prepared:
-    started = time.perf_counter()
-    headers = read_model_headers(ctx.model_dir)
-    return Prepared(ctx, ctx.options.of(PatternOptions),
-                    RuntimeEstimate(tier="pattern", seconds=time.perf_counter() - started, hardware="this host",
-                                    model_bytes=sum(t.nbytes for t in headers.values()),
-                                    data=f"{len(headers)} tensor headers", basis="one read of the headers"))
+class PatternTier(TierRunner):
+    def prepare(self, ctx: TierInputs) -> Prepared:
+        started = time.perf_counter()
+        headers = read_model_headers(ctx.model_dir)
+        return Prepared(ctx, ctx.options.of(PatternOptions),
+                        RuntimeEstimate(tier="pattern", seconds=time.perf_counter() - started, hardware="this host",
+                                        model_bytes=sum(t.nbytes for t in headers.values()),
+                                        data=f"{len(headers)} tensor headers", basis="one read of the headers"))
 
+    def score(self, prepared: Prepared) -> TierOutcome:
+        pattern = prepared.options.census_pattern
+        matching = [name for name in read_model_headers(prepared.ctx.model_dir) if fnmatch.fnmatch(name, pattern)]
+        return TierOutcome(quantized={"pattern": {"matching": float(len(matching))}},
+                           directions={"pattern": {"matching": True}}, informational=("matching",),
+                           details={"pattern": pattern, "matching": len(matching)})
 
-def score(prepared: Prepared) -> TierOutcome:
-    pattern = prepared.options.census_pattern
-    matching = [name for name in read_model_headers(prepared.ctx.model_dir) if fnmatch.fnmatch(name, pattern)]
-    return TierOutcome(quantized={"pattern": {"matching": float(len(matching))}},
-                       directions={"pattern": {"matching": True}}, informational=("matching",),
-                       details={"pattern": pattern, "matching": len(matching)})
-
-
-def section(report) -> list[str]:
-    return ["## Pattern census", "", f"- {report.details['matching']} tensors match `{report.details['pattern']}`", ""]
+    def section(self, report) -> list[str]:
+        return ["## Pattern census", "", f"- {report.details['matching']} tensors match "
+                f"`{report.details['pattern']}`", ""]
 '''
 OPTION_TIER = ("evaluate/tier_pattern.py", OPTION_TIER_MODULE, "evaluate/tiers.py", "TIERS",
                'Tier("pattern", "p", "pattern", "tensors matching a glob", "seconds", '
-               '"quark_ptq_eval.evaluate.tier_pattern", False, "pattern census", '
-               'report_section="quark_ptq_eval.evaluate.tier_pattern:section", '
+               '"quark_ptq_eval.evaluate.tier_pattern:PatternTier", False, "pattern census", '
                'options="quark_ptq_eval.evaluate.tier_pattern:PatternOptions"),', None)
 
 

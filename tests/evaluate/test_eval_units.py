@@ -40,7 +40,7 @@ def test_importing_evaluate_pulls_in_no_heavy_library():
 def test_registry_holds_the_three_tiers_the_speed_tier_and_skip():
     assert list(TIERS) == ["ppl", "lm_eval", "vllm", "speed", "skip"]
     assert [t.number for t in TIERS.values()] == ["1", "2", "3", "speed", "-"]
-    assert TIERS["skip"].module is None and all(TIERS[n].module for n in ("ppl", "lm_eval", "vllm", "speed"))
+    assert TIERS["skip"].runner is None and all(TIERS[n].runner for n in ("ppl", "lm_eval", "vllm", "speed"))
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from quark_ptq_eval.evaluate.context import (
     TierOutcome,
     format_duration,
     log,
-    tier_module,
+    tier_runner,
 )
 from quark_ptq_eval.evaluate.eval_report import EvalReport
 from quark_ptq_eval.evaluate.options import BASELINE_FROM_SOURCE, EvalOptions
@@ -45,7 +45,7 @@ def evaluate(
     model_dir, workdir = Path(model_dir), Path(workdir)
     options = _resolve_baseline(options, source_model)
     tier = get_tier(options.tier)
-    if tier.module is not None and not (model_dir / "config.json").is_file():
+    if tier.runner is not None and not (model_dir / "config.json").is_file():
         raise UsageError(f"{model_dir} has no config.json: give the quantized model's output directory.")
     workdir.mkdir(parents=True, exist_ok=True)
     plan_read = PlanJson(**plan) if plan is not None else None  # a copy: the tiers only read it
@@ -53,9 +53,9 @@ def evaluate(
                       started=started)
     estimate, outcome, timed_from = None, TierOutcome(quantized={}, notes=["Evaluation skipped."]), None
     overlap = None
-    if tier.module is not None:
-        module = tier_module(tier)
-        prepared = module.prepare(ctx)
+    if tier.runner is not None:
+        runner = tier_runner(tier)
+        prepared = runner.prepare(ctx)
         estimate = prepared.estimate
         estimate.elapsed_s = time.perf_counter() - started  # loading and the pilot are part of the span
         ctx.log(estimate.summary())
@@ -63,7 +63,7 @@ def evaluate(
         asked = time.perf_counter()
         _confirm_if_long(estimate, tier.name, approver)
         timed_from = started + (time.perf_counter() - asked)  # a person's answer is not the evaluation's time
-        outcome = module.score(prepared)
+        outcome = runner.score(prepared)
     report = build_report(ctx, outcome, estimate, None)
     if overlap is not None:
         report.details["calibration_overlap"] = overlap.to_dict()
@@ -83,11 +83,11 @@ def estimate_runtime(
 
     options = _resolve_baseline(options, source_model)
     tier = get_tier(options.tier)
-    if tier.module is None:
+    if tier.runner is None:
         return RuntimeEstimate(tier.name, 0.0, "-", 0, "none", "skipped: nothing runs")
     with tempfile.TemporaryDirectory(prefix="qpe-estimate-") as scratch:
         ctx = TierInputs(Path(model_dir), options, Path(scratch), None, source_model, None)
-        estimate: RuntimeEstimate = tier_module(tier).prepare(ctx).estimate
+        estimate: RuntimeEstimate = tier_runner(tier).prepare(ctx).estimate
         estimate.elapsed_s = time.perf_counter() - ctx.started  # the same span evaluate() announces
         return estimate
 

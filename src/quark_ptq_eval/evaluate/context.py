@@ -5,17 +5,18 @@ from __future__ import annotations
 import importlib
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.registry import InvalidEntry
 from quark_ptq_eval.evaluate.details import TierDetails, details_of
 from quark_ptq_eval.evaluate.options import EvalOptions
-from quark_ptq_eval.evaluate.tiers import RUNNER_CONTRACT, Tier
+from quark_ptq_eval.evaluate.tiers import Tier
 
 if TYPE_CHECKING:
     from quark_ptq_eval.runtime.loading import LoadedModel
@@ -167,39 +168,63 @@ class ScoredText:
     baseline_cache: dict[str, Any] | None = None
 
 
-@runtime_checkable
-class TextScorer(Protocol):
-    """What the tier that scores a text offers compare and the calibration-overlap check (tiers.TEXT_SCORER)."""
+class TierRunner(ABC):
+    """A tier: its module subclasses this (or TextScorer / TaskScorer below) and its registry row names the
+    subclass (``Tier.runner``). ``prepare`` measures a pilot and asks nothing; ``score`` runs the rest;
+    ``section`` renders the tier's details as the report's lines (report.py adds the generic parts)."""
 
-    def eval_texts(self, path: Path | None, limit: int | None) -> list[str]: ...
+    @abstractmethod
+    def prepare(self, ctx: TierInputs) -> Prepared: ...
 
+    @abstractmethod
+    def score(self, prepared: Any) -> TierOutcome: ...
+
+    @abstractmethod
+    def section(self, report: Any) -> list[str]: ...  # an eval_report.EvalReport (which imports this module)
+
+
+class TextScorer(TierRunner):
+    """The tier that scores a text, as compare and the calibration-overlap check score through it."""
+
+    @abstractmethod
+    def eval_texts(self, eval_data: Path | None, limit: int | None = None) -> list[str]: ...
+
+    @abstractmethod
     def token_windows(self, tokenizer: Any, texts: list[str], seq_len: int, max_windows: int | None) -> Any: ...
 
+    @abstractmethod
     def auto_batch_size(self, seq_len: int, vocab: int, device: str) -> int: ...
 
+    @abstractmethod
     def new_accumulator(self) -> Any: ...
 
+    @abstractmethod
     def text_outcome(self, scored: ScoredText) -> TierOutcome: ...
 
 
-@runtime_checkable
-class TaskScorer(Protocol):
-    """What the tier that scores lm-eval tasks in this process offers compare (tiers.TASK_SCORER):
-    the tasks checked before any model loads, a run on a loaded model (results and per-document
-    scores, written under ``ctx.workdir``), where a run's per-document scores are kept, the results
-    read back as scores, and the paired per-document tests against a baseline's."""
+class TaskScorer(TierRunner):
+    """The tier that scores lm-eval tasks in this process, as compare scores through it: the tasks checked
+    before any model loads, a run on a loaded model (results and per-document scores, written under
+    ``ctx.workdir``), where a run's per-document scores are kept, the results read back as scores, and the paired
+    per-document tests against a baseline's."""
 
+    @abstractmethod
     def task_manager(self, include_path: Path | None) -> Any: ...
 
+    @abstractmethod
     def check_tasks(self, manager: Any, tasks: list[str]) -> list[str]: ...
 
+    @abstractmethod
     def evaluate_tasks(self, loaded: LoadedModel, ctx: TierInputs, task_names: list[str],
                        label: str) -> dict[str, Any]: ...
 
+    @abstractmethod
     def samples_path(self, workdir: Path, label: str) -> Path: ...
 
+    @abstractmethod
     def scores_from(self, results: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]: ...
 
+    @abstractmethod
     def paired_tests(self, baseline: dict[str, Any], quantized: dict[str, Any],
                      directions: dict[str, Any] | None = None) -> dict[str, dict[str, dict[str, Any]]]: ...
 
@@ -211,44 +236,37 @@ class Prepared(Protocol):
     def estimate(self) -> RuntimeEstimate: ...
 
 
-@runtime_checkable
-class TierRunner(Protocol):
-    """What runs a tier (the contract in tiers.py): its module, or any object with these two."""
-
-    def prepare(self, ctx: TierInputs) -> Prepared: ...
-
-    def score(self, prepared: Any) -> TierOutcome: ...
-
-
-def tier_module(tier: Tier) -> TierRunner:
-    """The module that runs ``tier`` (imported only now: its dependencies are heavy), checked
-    again against the contract its row was registered with."""
-    if tier.module is None:
+def tier_runner(tier: Tier) -> TierRunner:
+    """The runner of ``tier`` (its module imported only now: its dependencies are heavy), held to the base class
+    its row promises: a TextScorer where it scores a text, a TaskScorer where it scores tasks in this process."""
+    if tier.runner is None:
         raise UsageError(f"Tier {tier.name!r} runs nothing.")
-    runner = importlib.import_module(tier.module)
-    if not isinstance(runner, TierRunner):
-        raise InvalidEntry(f"Tier {tier.name!r}: {tier.module} does not keep the tier contract ({RUNNER_CONTRACT}).")
-    return runner
+    module, _, name = tier.runner.partition(":")
+    cls = getattr(importlib.import_module(module), name, None)
+    base = TextScorer if tier.scores_text else TaskScorer if tier.scores_tasks and tier.loads_model else TierRunner
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise InvalidEntry(f"Tier {tier.name!r}: {tier.runner} is no subclass of {base.__name__} "
+                           f"(evaluate/context.py).")
+    try:
+        return cls()
+    except TypeError as exc:  # an abstract method left undefined
+        raise InvalidEntry(f"Tier {tier.name!r}: {tier.runner} does not keep the tier contract: {exc}.") from None
 
 
 def text_scorer() -> TextScorer:
-    """The module of the tier that scores a text (tiers.text_tier()), as compare scores through it."""
-    from quark_ptq_eval.evaluate.tiers import TEXT_SCORER, text_tier
+    """The runner of the tier that scores a text (tiers.text_tier()), as compare scores through it."""
+    from quark_ptq_eval.evaluate.tiers import text_tier
 
-    tier = text_tier()
-    scorer = tier_module(tier)
-    if not isinstance(scorer, TextScorer):
-        raise InvalidEntry(f"Tier {tier.name!r} scores a text but {tier.module} lacks {', '.join(TEXT_SCORER)}.")
+    scorer = tier_runner(text_tier())
+    assert isinstance(scorer, TextScorer)  # tier_runner held it to the class its row promises
     return scorer
 
 
 def task_scorer() -> TaskScorer:
-    """The module of the tier that scores lm-eval tasks in this process (tiers.task_tier()), as
-    compare scores through it."""
-    from quark_ptq_eval.evaluate.tiers import TASK_SCORER, task_tier
+    """The runner of the tier that scores lm-eval tasks in this process (tiers.task_tier()), as compare scores
+    through it."""
+    from quark_ptq_eval.evaluate.tiers import task_tier
 
-    tier = task_tier()
-    scorer = tier_module(tier)
-    if not isinstance(scorer, TaskScorer):
-        raise InvalidEntry(f"Tier {tier.name!r} scores tasks but {tier.module} lacks {', '.join(TASK_SCORER)}.")
+    scorer = tier_runner(task_tier())
+    assert isinstance(scorer, TaskScorer)  # tier_runner held it to the class its row promises
     return scorer

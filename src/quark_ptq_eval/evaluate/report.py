@@ -198,12 +198,12 @@ def _pct(value: float) -> str:
 
 
 def _details_section(report: EvalReport) -> list[str]:
-    """The tier's own section (its row's report_section), then the files it wrote."""
-    from quark_ptq_eval.base.registry import load
+    """The tier's own section (its runner's ``section``), then the files it wrote."""
+    from quark_ptq_eval.evaluate.context import tier_runner
     from quark_ptq_eval.evaluate.tiers import TIERS
 
     tier = TIERS.get(report.tier)
-    lines: list[str] = load(tier.report_section)(report) if tier and tier.report_section else []
+    lines: list[str] = tier_runner(tier).section(report) if tier and tier.runner else []
     if report.artifacts:
         lines += ["## Files", "", *[f"- {name}: `{path}`" for name, path in report.artifacts.items()], ""]
     return lines

@@ -4,26 +4,15 @@ Adding a tier is one row here plus one module that keeps the contract below (see
 docs/extending.md). Nothing else names tiers: ``--eval-tier`` choices, the checkpoint's message,
 its continue command and the report's title are derived from this table.
 
-The contract of a tier (checked by :func:`check_tier` when its row is registered, from the
-named modules' source without importing them, and again when the tier is loaded:
-``context.TierRunner``):
-
-- ``prepare(ctx: TierInputs)`` -> a prepared object whose ``estimate`` (a
-  :class:`RuntimeEstimate`) is *measured* by a pilot on the real model and data (``seconds``
-  None when nothing runs on this host); ``pilot_s`` (optional) is the pilot's own time. It
-  must not ask anything: the flow shows the estimate and asks the ``eval`` gate when it is long.
-- ``score(prepared)`` -> :class:`TierOutcome`: scores (task -> metric -> value), the baseline's
-  when asked, each metric's direction, its typed ``details`` (details.py: what the report
-  shows, and the verdict's evidence: ``noise``, ``required``), notes, deferred commands and
-  files written. Any further approval goes through ``as_gatekeeper(ctx.approver)``.
-- **report section** (``report_section``): ``"module:function"`` rendering the tier's details
-  as Markdown lines; report.py adds the generic parts (settings, scores, notes). It writes no report.
-- **options** (``options``, optional): ``"module:Class"``, a dataclass whose fields declare
-  their own flags (``base.options.flag``): ``--eval-tier``'s commands take them, the tier reads
-  them with ``ctx.options.of(Class)``, the report's settings show the ones given.
-- a tier that scores a text (``scores_text``) also offers what compare scores through
-  (``context.TextScorer``): ``TEXT_SCORER``; one that scores tasks on the model in this process
-  (``scores_tasks`` and ``loads_model``) likewise (``context.TaskScorer``): ``TASK_SCORER``.
+The contract of a tier is a class: its module subclasses ``context.TierRunner`` (``prepare`` a pilot that measures
+and asks nothing, ``score``, ``section`` for the report), or ``context.TextScorer`` where it scores a text and
+``context.TaskScorer`` where it scores lm-eval tasks in this process (what compare scores through). The row names
+the subclass as ``"module:Class"``: :func:`check_tier` checks at registration that the module defines it (from its
+source, without importing it: its dependencies are heavy), ``context.tier_runner`` when the tier runs that it
+subclasses the base its row promises and leaves no abstract method undefined. A tier's own options
+(``options``, optional) are ``"module:Class"``, a dataclass whose fields declare their own flags
+(``base.options.flag``): ``--eval-tier``'s commands take them, the tier reads them with ``ctx.options.of(Class)``,
+the report's settings show the ones given.
 """
 
 from __future__ import annotations
@@ -40,42 +29,28 @@ class Tier:
     title: str
     method: str
     cost: str
-    module: str | None  # runs the tier; None: nothing to run
+    runner: str | None  # "module:Class", the tier's subclass of context.TierRunner; None: nothing to run
     loads_model: bool  # runs the model in this process (so a pilot can time it)
     choice: str = ""  # a few words shown where the evaluation checkpoint stops for a choice
     scores_text: bool = False  # scores a text (--eval-data, or the held-out part of the calibration text)
     scores_tasks: bool = False  # scores lm-eval tasks (--tasks)
     default: bool = False  # EvalOptions' tier when none is named
-    # "module:function" rendering this tier's details as report lines (report.py adds the generic ones)
-    report_section: str | None = None
     options: str | None = None  # "module:Class": a dataclass of the tier's own options, each declaring its flag
-
-
-RUNNER_CONTRACT = "prepare(ctx) -> an object with .estimate, score(prepared) -> TierOutcome"
-RUNNER = ("prepare", "score")
-TEXT_SCORER = ("eval_texts", "token_windows", "auto_batch_size", "new_accumulator", "text_outcome")
-TASK_SCORER = ("task_manager", "check_tasks", "evaluate_tasks", "samples_path", "scores_from", "paired_tests")
 
 
 def check_tier(tier: Tier) -> None:
     """Refuse a row that lacks the contract (module docstring), naming every part that is missing."""
     problems = [f"its {what} is empty" for what in ("name", "number", "title") if not getattr(tier, what)]
-    if tier.module is None:
-        named = [f for f in ("report_section", "options", "scores_text", "scores_tasks", "default") if getattr(tier, f)]
-        problems += [f"it runs nothing (no module) but sets {', '.join(named)}"] if named else []
+    if tier.runner is None:
+        named = [f for f in ("options", "scores_text", "scores_tasks", "default") if getattr(tier, f)]
+        problems += [f"it runs nothing (no runner) but sets {', '.join(named)}"] if named else []
     else:
-        wanted = (RUNNER + (TEXT_SCORER if tier.scores_text else ())
-                  + (TASK_SCORER if tier.scores_tasks and tier.loads_model else ()))
-        problems += _missing(tier.module, wanted, "module")
-        if tier.report_section is None:
-            problems.append("it names no report_section (\"module:function\" rendering its details)")
-        else:
-            problems += _missing_ref(tier.report_section, "report_section")
+        problems += _missing_ref(tier.runner, "runner")
         if tier.options is not None:
             problems += _missing_ref(tier.options, "options")
     if problems:
-        raise InvalidEntry(f"The evaluation tier {tier.name!r} is refused: {'; '.join(problems)}. A tier keeps the "
-                           f"contract of evaluate/tiers.py ({RUNNER_CONTRACT}); see docs/extending.md.")
+        raise InvalidEntry(f"The evaluation tier {tier.name!r} is refused: {'; '.join(problems)}. A tier's runner "
+                           "subclasses context.TierRunner (evaluate/tiers.py); see docs/extending.md.")
 
 
 def _missing(module: str, names: tuple[str, ...], what: str) -> list[str]:
@@ -102,12 +77,11 @@ TIERS: Registry[Tier] = Registry("evaluation tier", entry_type=Tier, check=check
         "token-level perplexity on wikitext-2 or a given text "
         "(+ KL divergence and top-1 agreement against the baseline)",
         "minutes",
-        "quark_ptq_eval.evaluate.ppl.tier",
+        "quark_ptq_eval.evaluate.ppl.tier:PerplexityTier",
         True,
         "perplexity, minutes",
         scores_text=True,
         default=True,
-        report_section="quark_ptq_eval.evaluate.ppl.tier:section",
         options="quark_ptq_eval.evaluate.ppl.options:PplOptions",
     ),
     Tier(
@@ -116,11 +90,10 @@ TIERS: Registry[Tier] = Registry("evaluation tier", entry_type=Tier, check=check
         "medium",
         "lm-eval library task benchmarks, model loaded directly",
         "can take hours on full benchmarks",
-        "quark_ptq_eval.evaluate.lmeval.tier",
+        "quark_ptq_eval.evaluate.lmeval.tier:LmEvalTier",
         True,
         "task benchmarks, can take hours",
         scores_tasks=True,
-        report_section="quark_ptq_eval.evaluate.lmeval.tier:section",
     ),
     Tier(
         "vllm",
@@ -128,11 +101,10 @@ TIERS: Registry[Tier] = Registry("evaluation tier", entry_type=Tier, check=check
         "full",
         "vLLM server + lm-eval over its OpenAI endpoint (ROCm, or any host's vLLM named with --vllm-python)",
         "fast on a ROCm GPU; without a vLLM the commands are recorded for later",
-        "quark_ptq_eval.evaluate.vllm.tier",
+        "quark_ptq_eval.evaluate.vllm.tier:VllmTier",
         False,
         "vLLM server (ROCm, or --vllm-python)",
         scores_tasks=True,
-        report_section="quark_ptq_eval.evaluate.vllm.tier:section",
     ),
     Tier(
         "speed",
@@ -142,16 +114,15 @@ TIERS: Registry[Tier] = Registry("evaluation tier", entry_type=Tier, check=check
         "--baseline, its source: a warm-up, then --speed-repeats repeats, with a baseline on a CPU vLLM alternately "
         "until the gain is within --speed-precision (needs --vllm-python)",
         "minutes on a CPU with the small default workload; a server start per model",
-        "quark_ptq_eval.evaluate.speed.tier",
+        "quark_ptq_eval.evaluate.speed.tier:SpeedTier",
         False,
         "vLLM serving throughput and latency (--vllm-python)",
-        report_section="quark_ptq_eval.evaluate.speed.tier:section",
         options="quark_ptq_eval.evaluate.speed.workload:SpeedOptions",
     ),
     Tier("skip", "-", "skip", "no evaluation", "none", None, False),
 ))
 DEFAULT_TIER: str = TIERS.where(lambda t: t.default)[0].name
-NO_EVALUATION: str = TIERS.where(lambda t: t.module is None)[0].name  # what --skip_evaluation means
+NO_EVALUATION: str = TIERS.where(lambda t: t.runner is None)[0].name  # what --skip_evaluation means
 
 
 def text_tier() -> Tier:
@@ -166,7 +137,7 @@ def task_tier() -> Tier:
 
 def runs(name: str | None) -> bool:
     """Whether the tier named runs anything (an unknown name is refused with the known ones)."""
-    return name is not None and TIERS[name].module is not None
+    return name is not None and TIERS[name].runner is not None
 
 
 def scores_text(name: str | None) -> bool:
@@ -175,8 +146,8 @@ def scores_text(name: str | None) -> bool:
 
 def tier_checkpoint() -> tuple[str, str]:
     """The evaluation checkpoint's stop: its message and the flag that continues."""
-    runs = "; ".join(f"{t.name} = {t.choice}" for t in TIERS.values() if t.module is not None)
-    skip = [t.name for t in TIERS.values() if t.module is None]
+    runs = "; ".join(f"{t.name} = {t.choice}" for t in TIERS.values() if t.runner is not None)
+    skip = [t.name for t in TIERS.values() if t.runner is None]
     message = f"Stopped at the evaluation checkpoint: choose a tier ({runs}) or {' or '.join(skip)}."
     return message, f"--eval-tier {'|'.join(TIERS)}"
 

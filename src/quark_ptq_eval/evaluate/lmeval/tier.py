@@ -12,7 +12,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome, hardware_description
+from quark_ptq_eval.evaluate.context import (
+    RuntimeEstimate,
+    TaskScorer,
+    TierInputs,
+    TierOutcome,
+    hardware_description,
+)
 from quark_ptq_eval.evaluate.details import TaskDetails
 from quark_ptq_eval.evaluate.lmeval.estimate import (  # noqa: F401 - re-exported
     DEFAULT_GEN_TOKS,
@@ -182,3 +188,17 @@ def _paired_lines(paired: dict[str, Any] | None) -> list[str]:
                          f"documents, {t['test']} p = {t['p_value']:.3g}"
                          + (" (significant)" if t["significant"] else " (not significant)"))
     return [*lines, ""]
+
+
+class LmEvalTier(TaskScorer):
+    """Tier 2 as its registry row names it: the functions above, and what compare scores tasks through."""
+
+    prepare = staticmethod(prepare)
+    score = staticmethod(score)
+    section = staticmethod(section)
+    task_manager = staticmethod(task_manager)
+    check_tasks = staticmethod(check_tasks)
+    evaluate_tasks = staticmethod(evaluate_tasks)
+    samples_path = staticmethod(samples_path)
+    scores_from = staticmethod(scores_from)
+    paired_tests = staticmethod(paired_tests)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from quark_ptq_eval.base.errors import QpeError, UsageError
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, ScoredText, TierInputs, TierOutcome
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, ScoredText, TextScorer, TierInputs, TierOutcome
 from quark_ptq_eval.evaluate.details import MetricNoise, PerplexityDetails
 from quark_ptq_eval.evaluate.ppl.data import (  # noqa: F401 - re-exported
     CPU_TOKENS_PER_BATCH,
@@ -360,3 +360,16 @@ def _agreement_table(kl: dict[str, Any], paired: dict[str, Any] | None) -> list[
         f"{100 * kl['top1_agreement']:.2f} % | {delta} |",
         "",
     ]
+
+
+class PerplexityTier(TextScorer):
+    """Tier 1 as its registry row names it: the functions above, and what compare scores a text through."""
+
+    prepare = staticmethod(prepare)
+    score = staticmethod(score)
+    section = staticmethod(section)
+    eval_texts = staticmethod(eval_texts)
+    token_windows = staticmethod(token_windows)
+    auto_batch_size = staticmethod(auto_batch_size)
+    new_accumulator = staticmethod(new_accumulator)
+    text_outcome = staticmethod(text_outcome)

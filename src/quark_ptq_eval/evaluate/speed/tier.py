@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import as_gatekeeper
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome, TierRunner
 from quark_ptq_eval.evaluate.serving.commands import (
     ServedModel,
     served_models,
@@ -273,3 +273,11 @@ def bench_or_refusal(bench: PendingBench, log_path: Path) -> tuple[list[Path], P
 def start_bench(prepared: SpeedPrepared, label: str) -> PendingBench:
     """``label``'s benchmark, started now beside its server (bench.py): it waits for the server to be ready."""
     return PendingBench(prepared.bench[label], result_dir(prepared.ctx.workdir, label), prepared.workload.repeats)
+
+
+class SpeedTier(TierRunner):
+    """The speed tier as its registry row names it: the functions above."""
+
+    prepare = staticmethod(prepare)
+    score = staticmethod(score)
+    section = staticmethod(section)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.gates import as_gatekeeper
-from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome
+from quark_ptq_eval.evaluate.context import RuntimeEstimate, TierInputs, TierOutcome, TierRunner
 from quark_ptq_eval.evaluate.details import ServerDetails
 from quark_ptq_eval.evaluate.serving.commands import (
     LM_EVAL_CONCURRENT,
@@ -212,3 +212,11 @@ def _server_lines(details: dict[str, Any]) -> list[str]:
             lines += [f"- {command['purpose']}:", f"  `{shlex.join(command['argv'])}`"]
     return [*lines, "- between them: `/health` polled until it answers (at most --vllm-health-timeout s); each "
                     "server stopped with its process group and its port awaited free", ""]
+
+
+class VllmTier(TierRunner):
+    """Tier 3 as its registry row names it: the functions above."""
+
+    prepare = staticmethod(prepare)
+    score = staticmethod(score)
+    section = staticmethod(section)
