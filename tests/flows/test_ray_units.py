@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.plan_records import DeviceStrategy
 
 
 def test_the_cli_imports_no_ray_until_asked():
@@ -20,7 +21,7 @@ def test_the_cli_imports_no_ray_until_asked():
     assert out == ["auto", "False"]
 
 
-def _plan(device: dict, quantize: int, evaluate: int):
+def _plan(device: DeviceStrategy, quantize: int, evaluate: int):
     return SimpleNamespace(device_strategy=device, resources={"quantize": {"host_peak_bytes": quantize},
                                                               "evaluate": {"host_peak_bytes": evaluate}})
 
@@ -28,11 +29,11 @@ def _plan(device: dict, quantize: int, evaluate: int):
 def test_a_cells_resources_come_from_its_plan():
     from quark_ptq_eval.flows.compare.ray_cluster import demand_of
 
-    cpu = demand_of(_plan({"device": "cpu"}, 3 * 2**30, 2 * 2**30))
+    cpu = demand_of(_plan(DeviceStrategy("cpu", False), 3 * 2**30, 2 * 2**30))
     assert (cpu.num_cpus, cpu.num_gpus, cpu.memory) == (1.0, 0.0, 3 * 2**30)
-    one = demand_of(_plan({"device": "cuda", "multi_device": False, "gpu_count": 8}, 2**30, 5 * 2**30))
+    one = demand_of(_plan(DeviceStrategy("cuda", False, 8), 2**30, 5 * 2**30))
     assert (one.num_gpus, one.memory) == (1.0, 5 * 2**30)
-    every = demand_of(_plan({"device": "cuda", "multi_device": True, "gpu_count": 8}, 2**30, 2**30))
+    every = demand_of(_plan(DeviceStrategy("cuda", True, 8), 2**30, 2**30))
     assert every.num_gpus == 8.0 and "8 GPU" in every.text()
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from quark_ptq_eval.base.gates import FlagApprover
+from quark_ptq_eval.base.plan_records import DeviceStrategy
 from quark_ptq_eval.base.safetensors_io import read_model_headers
 from quark_ptq_eval.intake import analyze_model
 from tests.fixtures.families import build_family
@@ -108,7 +109,7 @@ def test_file2file_is_refused_by_the_plan_step_on_a_cpu_host_with_the_staging_al
     _, fp8 = release(family)
     a = analyze_model(str(fp8), offline=True, catalog=catalog)
     with pytest.raises(UsageError) as exc:
-        decide(a, "file2file", {"device": "cpu"}, tmp_path)
+        decide(a, "file2file", DeviceStrategy("cpu", False), tmp_path)
     assert "Triton kernel that needs a GPU" in exc.value.message
     assert "Leave out --engine" in exc.value.hint and "exact BF16 staging copy" in exc.value.hint
     assert "128x128 block x its weight_scale_inv" in exc.value.hint
@@ -149,7 +150,7 @@ def test_refused_formats_say_what_to_start_from(release, catalog, tmp_path):
         a = analyze_model(str(model), offline=True, catalog=catalog)
         assert a.source_format["name"] == "int4" and a.risks[0]["severity"] == "high"
         with pytest.raises(UsageError) as exc:
-            decide(a, "quark-api", {"device": "cpu"}, tmp_path)
+            decide(a, "quark-api", DeviceStrategy("cpu", False), tmp_path)
         assert words in exc.value.hint and "BF16" in exc.value.hint
 
 
@@ -381,10 +382,10 @@ def test_file2file_on_an_mxfp4_release_is_refused_with_the_staging_alternative(g
     a = analyze_model(str(gpt_oss_release[1]), offline=True, catalog=catalog)
     for device in ("cpu", "cuda"):  # Quark 0.13 does not read the gpt-oss layout on any device
         with pytest.raises(UsageError) as exc:
-            decide(a, "file2file", {"device": device}, tmp_path)
+            decide(a, "file2file", DeviceStrategy(device, False), tmp_path)
         assert "DeepSeek-V4 MXFP4 layout only" in exc.value.message and "staging copy" in exc.value.hint
         assert not file2file_can_read(a, device)
-    reading = decide(a, "quark-api", {"device": "cpu"}, tmp_path)
+    reading = decide(a, "quark-api", DeviceStrategy("cpu", False), tmp_path)
     assert reading["mode"] == "stage_bf16" and reading["disk_bytes"] == a.source_format["read_as_bytes"]
     assert "E2M1" in reading["reason"] and not any(tmp_path.iterdir())  # planned, nothing created
 
@@ -433,7 +434,7 @@ def test_scale_labels_come_from_the_real_dtypes(tiny_model, release, catalog, tm
     a = analyze_model(str(ct), offline=True, catalog=catalog)
     assert a.source_format["name"] == "fp8_tensor"
     assert a.source_format["summary"] == "FP8 (E4M3) weights with a per-channel BF16 scale"
-    reading = decide(a, "quark-api", {"device": "cpu"}, tmp_path / "wd")
+    reading = decide(a, "quark-api", DeviceStrategy("cpu", False), tmp_path / "wd")
     assert reading["reason"].startswith("FP8 (E4M3) weights with a per-channel BF16 scale: ") and "F32" not in reading["reason"]
     block = analyze_model(str(release("qwen3")[1]), offline=True, catalog=catalog).source_format
     assert block["summary"].startswith("FP8 (E4M3) weights with one F32 scale per block")  # the releases' own F32

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from quark_ptq_eval.base.gates import FlagApprover
-from quark_ptq_eval.base.plan_records import PlannedCalibration
+from quark_ptq_eval.base.plan_records import DeviceStrategy, PlannedCalibration
 from quark_ptq_eval.context.preflight import detect_env
 from quark_ptq_eval.intake import analyze_model
 from quark_ptq_eval.plan import PlanRequest, make_plan
@@ -93,8 +93,8 @@ def test_fewer_samples_and_no_algorithm_are_proposed_with_their_estimates(llama8
     info = catalog["scheme_info"]["int4_wo_128"]
     host = {"ram_bytes": 24 * R.GIB, "ram_available_bytes": None, "gpu_bytes_per_device": 0, "gpu_count": 0,
             "disk_free_bytes": None}
-    res = assess(R.QuantizeWorkload(llama8b_analysis, "int4_wo_128", info, "gptq", calib(512, 2048), {"device": "cpu",
-                   "multi_device": False}), host, ["quark-ptq-eval", "run"])
+    res = assess(R.QuantizeWorkload(llama8b_analysis, "int4_wo_128", info, "gptq", calib(512, 2048),
+                                    DeviceStrategy("cpu", False)), host, ["quark-ptq-eval", "run"])
     changes = [x["change"] for x in res["proposals"]]
     assert changes[:3] == ["--num-calib-samples 128", "--calib-seq-len 256", "--algorithm '' (plain PTQ)"]
     assert all("about" in x["detail"] for x in res["proposals"])
@@ -104,7 +104,7 @@ def test_gpu_memory_and_disk_are_checked_and_multi_device_proposed(llama8b_analy
     info = catalog["scheme_info"]["fp8"]
     host = {"ram_bytes": 256 * R.GIB, "ram_available_bytes": None, "gpu_bytes_per_device": 16 * R.GIB,
             "gpu_count": 2, "disk_free_bytes": 2 * R.GIB}
-    res = assess(R.QuantizeWorkload(llama8b_analysis, "fp8", info, None, calib(), {"device": "cuda", "multi_device": False}),
+    res = assess(R.QuantizeWorkload(llama8b_analysis, "fp8", info, None, calib(), DeviceStrategy("cuda", False)),
                    host, [])
     assert {x["what"] for x in res["problems"] if x["blocking"]} == {"GPU memory", "disk"}
     assert "--multi-device" in [x["change"] for x in res["proposals"]]
@@ -148,15 +148,14 @@ def test_a_plan_only_the_disk_blocks_proposes_another_disk_not_another_host(llam
     info = catalog["scheme_info"]["fp8"]
     host = {"ram_bytes": 512 * R.GIB, "ram_available_bytes": None, "gpu_bytes_per_device": 0, "gpu_count": 0,
             "disk_free_bytes": 2 * R.GIB}
-    res = assess(R.QuantizeWorkload(llama8b_analysis, "fp8", info, None, calib(), {"device": "cpu",
-                                                                                  "multi_device": False}), host, [])
+    res = assess(R.QuantizeWorkload(llama8b_analysis, "fp8", info, None, calib(), DeviceStrategy("cpu", False)), host, [])
     assert not res["fits"] and [x["what"] for x in res["problems"] if x["blocking"]] == ["disk"]
     assert [x["change"] for x in res["proposals"]] == ["-o on another disk"]
     assert R.gb(res["output_bytes"]) in res["proposals"][0]["detail"] and "memory is not the problem" in \
         res["proposals"][0]["detail"]
     host["ram_bytes"] = 8 * R.GIB  # memory blocks too: both said, the memory proposals after the disk's
     changes = [x["change"] for x in assess(R.QuantizeWorkload(llama8b_analysis, "fp8", info, None, calib(),
-                                                             {"device": "cpu", "multi_device": False}), host, [])["proposals"]]
+                                                             DeviceStrategy("cpu", False)), host, [])["proposals"]]
     assert changes[0] == "-o on another disk" and changes[-1] == "another host"
 
 
@@ -166,8 +165,7 @@ def test_where_the_sequential_engine_is_over_the_host_with_the_plans_calibration
     21.6 GiB on a 23.5 GiB host (over its 90 %), with 64 samples 17.6 GiB: the plan says both, the second as a
     command that fits. Here the same on the 8 B shape, a host sized between the two estimates."""
     info = catalog["scheme_info"]["fp8"]
-    work = R.QuantizeWorkload(llama8b_analysis, "fp8", info, None, calib(128, 2048), {"device": "cpu",
-                                                                                      "multi_device": False})
+    work = R.QuantizeWorkload(llama8b_analysis, "fp8", info, None, calib(128, 2048), DeviceStrategy("cpu", False))
     full = R.estimate_sequential(llama8b_analysis, None, calib(128, 2048))["host_peak_bytes"]
     half = R.estimate_sequential(llama8b_analysis, None, calib(64, 2048))["host_peak_bytes"]
     assert half < full

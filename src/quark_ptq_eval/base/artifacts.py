@@ -15,7 +15,7 @@ from typing import Any, ClassVar, TypedDict, TypeVar, cast
 from quark_ptq_eval.base import contracts
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import atomic_write_text, read_json, write_json
-from quark_ptq_eval.base.plan_records import PlanEngine, PlannedCalibration
+from quark_ptq_eval.base.plan_records import DeviceStrategy, PlanEngine, PlannedCalibration
 from quark_ptq_eval.base.state import digest
 
 
@@ -200,7 +200,7 @@ class QuantPlan(Artifact):
     algorithm: str | None
     kv_cache_scheme: str | None
     calibration: PlannedCalibration
-    device_strategy: dict[str, Any]
+    device_strategy: DeviceStrategy
     engine: PlanEngine
     trust_remote_code: bool
     evaluation_intent: str
@@ -216,13 +216,15 @@ class QuantPlan(Artifact):
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
-        data["calibration"], data["engine"] = self.calibration.to_dict(), self.engine.to_dict()
+        for name in ("calibration", "device_strategy", "engine"):  # the typed sections, as the plan has written them
+            data[name] = getattr(self, name).to_dict()
         data["decisions"] = [Decision.of(d).as_dict() for d in self.decisions]  # the rows as written
         return data
 
     @classmethod
     def _sections(cls, fields: dict[str, Any]) -> dict[str, Any]:
         return {**fields, "calibration": PlannedCalibration.from_dict(fields["calibration"]),
+                "device_strategy": DeviceStrategy.from_dict(fields["device_strategy"]),
                 "engine": PlanEngine.from_dict(fields["engine"])}
 
     def as_json(self) -> PlanJson:

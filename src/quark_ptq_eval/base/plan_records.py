@@ -121,3 +121,21 @@ class PlanEngine:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PlanEngine:
         return cls(str(data["name"]), str(data["reason"]))
+
+
+@dataclass(frozen=True)
+class DeviceStrategy:
+    """The plan's ``device_strategy``: the torch device the engine runs on, whether it spreads the model over the
+    host's GPUs, and how many GPUs the host has."""
+
+    device: str  # cpu | cuda
+    multi_device: bool
+    gpu_count: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceStrategy:
+        """Exact for a plan's section; a hand-edited one without ``gpu_count`` reads it as 0."""
+        return cls(str(data["device"]), bool(data["multi_device"]), int(data.get("gpu_count") or 0))

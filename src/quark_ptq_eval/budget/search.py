@@ -95,7 +95,7 @@ def _scan(plan: QuantPlan, scheme: str, text: Path) -> ScanResult:
     from quark_ptq_eval.sensitivity.scan import ScanOptions, scan_result
 
     opts = ScanOptions(model_dir=Path(plan.model["model_path"]), scheme=scheme, calib_data=text,
-                       exclude=list(plan.exclude_layers), device=plan.device_strategy.get("device", "cpu"),
+                       exclude=list(plan.exclude_layers), device=plan.device_strategy.device,
                        trust_remote_code=plan.trust_remote_code)
     check_scheme_runs(opts.model_dir, scheme, opts.exclude, None)  # before anything loads
     return scan_result(opts, lambda line: print(f"[{scheme}] {line}", flush=True))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from quark_ptq_eval.base.plan_records import DeviceStrategy
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.context.preflight import HostEnv
 from quark_ptq_eval.plan.host_memory import host_capacity
@@ -24,9 +25,9 @@ from quark_ptq_eval.plan.resources import (
 )
 
 
-def _fits(est: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> bool:
+def _fits(est: dict[str, Any], host: dict[str, Any], device: DeviceStrategy) -> bool:
     ram = host["ram_bytes"]
-    gpu = host["gpu_bytes_per_device"] * (host["gpu_count"] if device["multi_device"] else 1)
+    gpu = host["gpu_bytes_per_device"] * (host["gpu_count"] if device.multi_device else 1)
     return ((not ram or est["host_peak_bytes"] <= ram * HEADROOM)
             and (not est["gpu_peak_bytes"] or not gpu or est["gpu_peak_bytes"] <= gpu * HEADROOM))
 
@@ -45,7 +46,7 @@ def engine_for_host(work: QuantizeWorkload, engine: str, why: str, requested: st
                 raise fallback.refusal(why_not)
             return engine, why
     host = host_capacity(env, None)
-    whole = estimate_quantize(work.analysis, info, algorithm, work.calibration, device["device"])
+    whole = estimate_quantize(work.analysis, info, algorithm, work.calibration, device.device)
     if requested != "auto" or _fits(whole, host, device):
         return engine, why
     key, have = (("gpu_peak_bytes", host["gpu_bytes_per_device"]) if whole["gpu_peak_bytes"]
@@ -62,9 +63,9 @@ def _shard_choice(work: QuantizeWorkload, host: dict[str, Any], key: str, needs:
 
     shard = shard_engine()
     if (shard is None or shard.unsupported_reason(work.info, work.algorithm, work.kv)
-            or not engine_reads_source(shard.name, work.analysis, work.device["device"])):
+            or not engine_reads_source(shard.name, work.analysis, work.device.device)):
         return None
-    f2f = estimate_file2file(work.analysis, work.device["device"])
+    f2f = estimate_file2file(work.analysis, work.device.device)
     if not _fits(f2f, host, work.device):
         return None
     return shard.name, (f"{needs}; Quark's file-to-file quantization holds one shard at a time: about "
@@ -94,7 +95,7 @@ def assess(work: QuantizeWorkload, host: dict[str, Any], rerun: list[str], engin
     analysis, scheme, info, algorithm, device = work.analysis, work.scheme, work.info, work.algorithm, work.device
     calibration = work.calibration
 
-    est = engine_estimate(engine, analysis, info, algorithm, calibration, device["device"])
+    est = engine_estimate(engine, analysis, info, algorithm, calibration, device.device)
     out = output_bytes(analysis, scheme, info)
     ev = estimate_eval(analysis, out)
     ev["with_baseline_bytes"] = estimate_eval(analysis, out, baseline=True)["host_peak_bytes"]
@@ -115,9 +116,9 @@ def assess(work: QuantizeWorkload, host: dict[str, Any], rerun: list[str], engin
             "fits": fits, "problems": problems, "proposals": proposals}
 
 
-def _problems(est: dict[str, Any], out: int, ev: dict[str, Any], host: dict[str, Any], device: dict[str, Any]) -> list[dict[str, Any]]:
+def _problems(est: dict[str, Any], out: int, ev: dict[str, Any], host: dict[str, Any], device: DeviceStrategy) -> list[dict[str, Any]]:
     problems = []
-    ram, gpu = host["ram_bytes"], host["gpu_bytes_per_device"] * (host["gpu_count"] if device["multi_device"] else 1)
+    ram, gpu = host["ram_bytes"], host["gpu_bytes_per_device"] * (host["gpu_count"] if device.multi_device else 1)
     if ram and est["host_peak_bytes"] > ram * HEADROOM:
         problems.append({"blocking": True, "what": "host RAM",
                          "message": f"the engine needs about {gb(est['host_peak_bytes'])} of RAM at its peak; "
@@ -125,7 +126,7 @@ def _problems(est: dict[str, Any], out: int, ev: dict[str, Any], host: dict[str,
     if est["gpu_peak_bytes"] and gpu and est["gpu_peak_bytes"] > gpu * HEADROOM:
         problems.append({"blocking": True, "what": "GPU memory",
                          "message": f"the engine needs about {gb(est['gpu_peak_bytes'])} of GPU memory; "
-                                    f"{'all GPUs' if device['multi_device'] else 'one GPU'} here hold {gb(gpu)}"})
+                                    f"{'all GPUs' if device.multi_device else 'one GPU'} here hold {gb(gpu)}"})
     if host["disk_free_bytes"] is not None and out > host["disk_free_bytes"]:
         problems.append({"blocking": True, "what": "disk",
                          "message": f"the output needs about {gb(out)} on disk; {gb(host['disk_free_bytes'])} is free"})
@@ -161,7 +162,7 @@ def _proposals(work: QuantizeWorkload, host: dict[str, Any], est: dict[str, Any]
     def variant(change: str, algo: str | None, num_samples: int = 0, seq_len: int = 0) -> None:
         calib = dataclasses.replace(calibration, num_samples=num_samples or calibration.num_samples,
                                     seq_len=seq_len or calibration.seq_len)
-        e = estimate_quantize(analysis, info, algo, calib, device["device"])
+        e = estimate_quantize(analysis, info, algo, calib, device.device)
         if e["host_peak_bytes"] < 0.95 * est["host_peak_bytes"]:
             fits = "fits" if not ram or e["host_peak_bytes"] <= ram * HEADROOM else "still too much"
             out.append({"change": change, "detail": f"{change}: about {gb(e['host_peak_bytes'])} ({fits})"})
@@ -173,7 +174,7 @@ def _proposals(work: QuantizeWorkload, host: dict[str, Any], est: dict[str, Any]
         variant("--calib-seq-len 256", algorithm, seq_len=256)
     if algorithm:
         variant("--algorithm '' (plain PTQ)", None)
-    if device["device"] == "cuda" and host["gpu_count"] > 1 and not device["multi_device"]:
+    if device.device == "cuda" and host["gpu_count"] > 1 and not device.multi_device:
         out.append({"change": "--multi-device", "detail": f"--multi-device: spread the model over the "
                                                           f"{host['gpu_count']} GPUs here"})
     gpu_est = estimate_quantize(analysis, info, algorithm, calibration, "cuda")
@@ -199,7 +200,7 @@ def _file2file_proposal(work: QuantizeWorkload, host: dict[str, Any]) -> list[di
         if not (kv and not shard.unsupported_reason(info, algorithm, None)):
             return []
         no_kv = " --kv-cache-scheme ''"  # file-to-file never runs the model, so it calibrates no KV scales
-    if not engine_reads_source(shard.name, analysis, device["device"]):
+    if not engine_reads_source(shard.name, analysis, device.device):
         if not engine_reads_source(shard.name, analysis, "cuda"):
             return []
         e = estimate_file2file(analysis, "cuda")
@@ -208,7 +209,7 @@ def _file2file_proposal(work: QuantizeWorkload, host: dict[str, Any]) -> list[di
                            f"at a time: about {gb(e['gpu_peak_bytes'])} of GPU memory and {gb(e['host_peak_bytes'])} "
                            f"of RAM (this host has no GPU for its FP8 kernel)"
                            + ("; without the KV-cache scheme, whose scales need calibration" if no_kv else "")}]
-    e = estimate_file2file(analysis, device["device"])
+    e = estimate_file2file(analysis, device.device)
     fits = "fits" if _fits(e, host, device) else "still too much"
     return [{"change": f"--engine {shard.name}{no_kv}", "detail": f"--engine {shard.name}{no_kv}: one shard at a time, "
                                                                f"about {gb(e['host_peak_bytes'])} ({fits})"}]

@@ -14,7 +14,7 @@ from quark_ptq_eval.base.artifacts import Decision, ModelAnalysis, QuantPlan
 from quark_ptq_eval.base.catalog import QuarkCatalog, SchemeInfo
 from quark_ptq_eval.base.context_window import fit_window, read_model_config
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.base.plan_records import PlanEngine, PlannedCalibration
+from quark_ptq_eval.base.plan_records import DeviceStrategy, PlanEngine, PlannedCalibration
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.base.textdata import check_text_source
 from quark_ptq_eval.context.preflight import HostEnv
@@ -53,13 +53,12 @@ def _calibration(req: PlanRequest, accelerator: str, model_config: dict[str, Any
         f"Quark's standard {dataset}"
 
 
-def _device(req: PlanRequest, env: HostEnv, size_bytes: int) -> dict[str, Any]:
+def _device(req: PlanRequest, env: HostEnv, size_bytes: int) -> DeviceStrategy:
     acc, _ = gpu_of(env)
     device = req.device or ("cpu" if acc in ("cpu", "unknown") else "cuda")
     mem = env["hardware"].get("memory_gb") or 0
     multi = req.multi_device or (device == "cuda" and mem and size_bytes > 0.8 * mem * 2**30)
-    return {"device": device, "multi_device": bool(multi),
-            "gpu_count": env["hardware"].get("gpu_count", 0)}
+    return DeviceStrategy(device, bool(multi), env["hardware"].get("gpu_count", 0))
 
 
 LITTLE_CALIBRATION = 32  # samples when calibration only sees weight ranges
@@ -255,7 +254,7 @@ def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: 
                                                                            info, algorithm, kv)
     device = _device(req, env, analysis.size["bytes"])
     # The engines registry decides (plan/engines/): its automatic choice and its constraints.
-    engine, engine_why = choose_engine(req.engine, accelerator, calibration, device["device"] == "cpu")
+    engine, engine_why = choose_engine(req.engine, accelerator, calibration, device.device == "cpu")
     work = resources.QuantizeWorkload(analysis, scheme, info, algorithm, calibration, device, kv)
     engine, engine_why = host_fit.engine_for_host(work, engine, engine_why, req.engine, env)  # file2file when too big
     get_engine(engine).check_constraints(info, algorithm, device)
@@ -273,7 +272,7 @@ def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: 
         Decision("calibration", calibration.source_file or calibration.dataset,
                  calib_why + source_note(calibration)),
         Decision("calibration_size", calib_size, calib_size_why),
-        Decision("device", device["device"] + (" (multi-device)" if device["multi_device"] else ""),
+        Decision("device", device.device + (" (multi-device)" if device.multi_device else ""),
                  "explicit" if req.device else f"detected {hw}"),
         Decision("engine", engine, engine_why),
         *([Decision.of(source_reading.decision_row(reading))] if reading["mode"] != "direct" else []),

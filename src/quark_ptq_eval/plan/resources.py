@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from quark_ptq_eval.base.sizes import GIB, gb, kv_bytes_per_token_of  # noqa: F401 (gb: callers use resources.gb)
@@ -26,20 +26,20 @@ from quark_ptq_eval.intake.formats import FORMATS, release_of
 if TYPE_CHECKING:
     from quark_ptq_eval.base.artifacts import ModelAnalysis
     from quark_ptq_eval.base.catalog import SchemeInfo
-    from quark_ptq_eval.base.plan_records import PlannedCalibration
+    from quark_ptq_eval.base.plan_records import DeviceStrategy, PlannedCalibration
 
 
 @dataclass(frozen=True)
 class QuantizeWorkload:
     """What the engine is asked to do: the model (its analysis), the scheme and its catalog ``info``,
-    the algorithm, the calibration, the device strategy ({"device", "multi_device"}) and the KV scheme."""
+    the algorithm, the calibration, the device strategy and the KV scheme."""
 
     analysis: ModelAnalysis
     scheme: str
     info: SchemeInfo
     algorithm: str | None
     calibration: PlannedCalibration
-    device: dict[str, Any] = field(default_factory=lambda: {"device": "cpu", "multi_device": False})
+    device: DeviceStrategy
     kv: str | None = None
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
 from quark_ptq_eval.base.errors import UsageError
+from quark_ptq_eval.base.plan_records import DeviceStrategy
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.intake.formats import (
     CONVERT_BIN,
@@ -46,7 +47,7 @@ def source_format(analysis: ModelAnalysis) -> dict[str, Any]:
     return fmt
 
 
-def decide(analysis: ModelAnalysis, engine: str, device: dict[str, Any], workdir: Path) -> dict[str, Any]:
+def decide(analysis: ModelAnalysis, engine: str, device: DeviceStrategy, workdir: Path) -> dict[str, Any]:
     """The plan's ``source_reading``: mode, reason, the dir the engine reads and the staging's disk cost."""
     fmt = source_format(analysis)
     model = analysis.model["model_path"]
@@ -96,7 +97,7 @@ def _reads_itself(engine: str) -> Mapping[str, SourceRead]:
     return ENGINES[engine].reads_sources if engine in ENGINES else {}
 
 
-def _check_native(engine: str, name: str, read: SourceRead | None, device: dict[str, Any], disk: int,
+def _check_native(engine: str, name: str, read: SourceRead | None, device: DeviceStrategy, disk: int,
                   how: str) -> SourceRead:
     """``read`` when ``engine`` can read this staged format itself on this device, else its UsageError."""
     staging = (f"Leave out --engine: the plan then reads it through an exact BF16 staging copy ({how}, about "
@@ -104,11 +105,11 @@ def _check_native(engine: str, name: str, read: SourceRead | None, device: dict[
     if read is None or not read.reads:
         why = read.note if read else f"the {engine} engine does not read {name} sources"
         raise UsageError(f"--engine {engine} cannot read this source: {why}.", staging + ".")
-    if read.gpu_only and device["device"] == "cpu":
+    if read.gpu_only and device.device == "cpu":
         raise UsageError(f"--engine {engine} cannot read this {release_of(name)} release on this CPU host: "
                          f"{read.gpu_only}.",
                          f"{staging}; or run on a GPU host with --engine {engine} --device cuda.")
-    if read.one_device and device.get("multi_device"):
+    if read.one_device and device.multi_device:
         raise UsageError(read.one_device,
                          f"Drop --multi-device (one GPU, shard by shard), or leave out --engine {engine}.")
     return read

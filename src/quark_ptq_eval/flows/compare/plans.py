@@ -36,7 +36,7 @@ PILOT_S = 0.2
 
 
 def _device_kind(plan) -> str:
-    return "cpu" if plan.device_strategy.get("device", "cpu") == "cpu" else "cuda"
+    return "cpu" if plan.device_strategy.device == "cpu" else "cuda"
 
 
 def measured_rate(analysis, device: str) -> float:

@@ -148,10 +148,10 @@ def demand_of(plan) -> Demand:
     res = plan.resources or {}
     quantize = (res.get("quantize") or {}).get("host_peak_bytes") or 0
     evaluate = (res.get("evaluate") or {}).get("host_peak_bytes") or 0
-    device = plan.device_strategy or {}
+    device = plan.device_strategy
     gpus = 0.0
-    if device.get("device", "cpu") != "cpu":
-        gpus = float(max(1, int(device.get("gpu_count") or 1)) if device.get("multi_device") else 1)
+    if device.device != "cpu":
+        gpus = float(max(1, device.gpu_count) if device.multi_device else 1)
     return Demand(num_gpus=gpus, memory=int(max(quantize, evaluate)),
                   basis=[f"engine host peak {gb(quantize)}", f"Tier 1 host peak {gb(evaluate)}"])
 

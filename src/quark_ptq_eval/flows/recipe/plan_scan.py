@@ -59,7 +59,7 @@ def run_plan_scan(plan: QuantPlan, max_kl: float | None, workdir: Path) -> ScanR
         raise UsageError(f"--sensitivity needs a local model directory; {model_dir} is not one.",
                          "Download the model first, or plan without --sensitivity.")
     opts = ScanOptions(model_dir=model_dir, scheme=plan.global_scheme, calib_data=Path(calibration_text(plan, workdir)),
-                       exclude=list(plan.exclude_layers), device=plan.device_strategy.get("device", "cpu"),
+                       exclude=list(plan.exclude_layers), device=plan.device_strategy.device,
                        trust_remote_code=plan.trust_remote_code)
     from quark_ptq_eval.plan.targets import FAMILIES
 

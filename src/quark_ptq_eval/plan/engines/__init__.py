@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from quark_ptq_eval.base.catalog import SchemeInfo
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.base.plan_records import PlannedCalibration
+from quark_ptq_eval.base.plan_records import DeviceStrategy, PlannedCalibration
 from quark_ptq_eval.base.registry import Registry, load
 
 
@@ -26,7 +26,7 @@ class Engine(Protocol):
     def auto_reason(self, accelerator: str, calibration: PlannedCalibration, device_is_cpu: bool) -> str | None:
         """Why this engine is the automatic choice for such a plan, or None when it is not."""
 
-    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: dict[str, Any]) -> None:
+    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: DeviceStrategy) -> None:
         """Raise UsageError (what is wrong + what to do) when it cannot serve this plan."""
 
     def argv(self, plan: Any, model_dir: Path, out: Path) -> list[str]:

@@ -4,11 +4,10 @@ for an accelerator, and a refusal that says why for a plan they cannot serve."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from quark_ptq_eval.base.catalog import SchemeInfo
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.base.plan_records import PlannedCalibration
+from quark_ptq_eval.base.plan_records import DeviceStrategy, PlannedCalibration
 
 Unsupported = Callable[[SchemeInfo, "str | None", "str | None"], "str | None"]
 
@@ -28,7 +27,7 @@ class MemoryFallback:
     def refusal(self, why: str) -> UsageError:
         return self._refusal(why)
 
-    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: dict[str, Any]) -> None:
+    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: DeviceStrategy) -> None:
         why = self._unsupported(scheme_info, algorithm, None)
         if why:
             raise self._refusal(why)

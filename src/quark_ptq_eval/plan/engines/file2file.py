@@ -56,8 +56,8 @@ class File2FileEngine(MemoryFallback):
     def argv(self, plan: Any, model_dir: Path, out: Path) -> list[str]:
         # No calibration flags: this engine reads weights only.
         argv = [sys.executable, "-m", CHILD_MODULE, "--model_dir", str(model_dir), "--output_dir", str(out),
-                "--quant_scheme", plan.global_scheme, "--device", plan.device_strategy["device"]]
-        if plan.device_strategy["multi_device"]:
+                "--quant_scheme", plan.global_scheme, "--device", plan.device_strategy.device]
+        if plan.device_strategy.multi_device:
             argv.append("--multi_device")
         return [*argv, *tail_flags(plan)]
 

@@ -9,7 +9,7 @@ from typing import Any
 def head_flags(plan: Any, model_dir: Path, out: Path) -> list[str]:
     cal = plan.calibration
     return ["--model_dir", str(model_dir), "--output_dir", str(out),
-            "--quant_scheme", plan.global_scheme, "--device", plan.device_strategy["device"],
+            "--quant_scheme", plan.global_scheme, "--device", plan.device_strategy.device,
             "--seq_len", str(cal.seq_len), "--batch_size", str(cal.batch_size),
             "--num_calib_data", str(cal.num_samples)]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_ptq_eval.base.catalog import SchemeInfo
-from quark_ptq_eval.base.plan_records import PlannedCalibration
+from quark_ptq_eval.base.plan_records import DeviceStrategy, PlannedCalibration
 from quark_ptq_eval.plan.engines.flags import head_flags, tail_flags
 
 CHILD_MODULE = "quark_ptq_eval.execute.quark_api_engine"  # the child entry point
@@ -24,7 +24,7 @@ class QuarkApiEngine:
                     "Quark's Python API quantizes on the CPU")
         return None
 
-    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: dict[str, Any]) -> None:
+    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: DeviceStrategy) -> None:
         return None  # any device, any scheme the installed Quark supports
 
     def argv(self, plan: Any, model_dir: Path, out: Path) -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any
 from quark_ptq_eval.base.catalog import SchemeInfo
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.legacy_exclusions import loaded_name_exclusions
-from quark_ptq_eval.base.plan_records import PlannedCalibration
+from quark_ptq_eval.base.plan_records import DeviceStrategy, PlannedCalibration
 from quark_ptq_eval.context.quark_cli import SUBCOMMAND, find_quark_cli
 from quark_ptq_eval.plan.engines.flags import head_flags, tail_flags
 
@@ -30,12 +30,12 @@ class QuarkCliEngine:
             return "quark-cli with your text served from a private offline datasets cache"
         return "the public Quark CLI serves this plan as is"
 
-    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: dict[str, Any]) -> None:
+    def check_constraints(self, scheme_info: SchemeInfo, algorithm: str | None, device: DeviceStrategy) -> None:
         """quark-cli 0.13 always loads with device_map='auto'; without a GPU accelerate offloads the
         model to disk, which only weight-only / dynamic-activation schemes survive (measured)."""
-        if device["device"] != "cpu":
+        if device.device != "cpu":
             return
-        if not device["multi_device"]:
+        if not device.multi_device:
             raise UsageError("quark-cli on a CPU-only host needs --multi-device (it otherwise refuses with an "
                              "out-of-GPU-memory error).", "Add --multi-device, or use --engine quark-api.")
         if scheme_info.get("static_activations") or algorithm:
@@ -50,7 +50,7 @@ class QuarkCliEngine:
         cal = plan.calibration
         # A local file is served as pileval from the private cache.
         argv = [cli, SUBCOMMAND, *head_flags(plan, model_dir, out), "--dataset", cal.dataset or "pileval"]
-        if plan.device_strategy["multi_device"]:
+        if plan.device_strategy.multi_device:
             argv.append("--multi_device")
         if not plan.trust_remote_code:
             argv.append("--no_trust_remote_code")  # quark-cli trusts remote code unless told not to
