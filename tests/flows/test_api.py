@@ -76,3 +76,17 @@ def test_a_given_context_file_is_validated_and_names_the_field(tiny_llama, corpu
     assert res.rc == 0, res.err
     plan = json.loads((tmp_path / "w2" / "quant_plan.json").read_text())
     assert plan["global_scheme"] == "fp8" and plan["engine"]["name"] == "quark-cli"
+
+
+def test_a_session_context_that_says_offline_makes_the_run_offline_from_its_start(tiny_llama, tmp_path, cli):
+    """Offline is settled once, before the model resolves: the given session context's constraint counts as
+    --offline would (a Hub calibration dataset is then refused up front)."""
+    import json
+
+    from quark_ptq_eval.context.preflight import session as session_context
+
+    session = tmp_path / "session_context.json"
+    session.write_text(json.dumps(session_context("int8", True, "batch_execute", tmp_path)))
+    res = cli("plan", tiny_llama, "-o", tmp_path / "out", "--workdir", tmp_path / "w", "--scheme", "int8",
+              "--session-context", session, "--yes")
+    assert res.rc == 2 and "local calibration text" in res.err and "Traceback" not in res.err, res.err

@@ -72,6 +72,15 @@ def load_context(kind: str, path: str | Path) -> dict[str, Any]:
     return data
 
 
+def asked_offline(given: dict[str, str | None], offline: bool | None) -> bool:
+    """Whether a run is offline, settled before anything resolves a model: ``--offline`` (or the API's
+    ``offline``) where given, else the given session context's constraint (as ``gather`` writes it)."""
+    if offline is not None:
+        return offline
+    path = given.get("session_context")
+    return bool(path and load_context("session_context", path).get("constraints", {}).get("offline"))
+
+
 def detect_env() -> HostEnv:
     """env_context: the machine, and the GPU as torch sees it when a GPU driver is present."""
     hw: Hardware = {"accelerator": "cpu", "cuda_version": None, "rocm_version": None, "gpu_count": 0,

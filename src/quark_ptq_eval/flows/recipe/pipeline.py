@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import shlex
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from quark_ptq_eval.base.catalog import load_catalog
 from quark_ptq_eval.base.errors import CheckpointPending, UsageError
 from quark_ptq_eval.base.fsio import write_json
 from quark_ptq_eval.base.gates import Approver, Gatekeeper
-from quark_ptq_eval.base.options import offline_if_imported
+from quark_ptq_eval.base.options import apply_offline
 from quark_ptq_eval.base.quark_import import import_seconds
 from quark_ptq_eval.base.state import RunState, WorkdirLock
 from quark_ptq_eval.base.step_table import STEP_NAMES, STEPS, SUMMARY_FILE, Step
@@ -98,10 +97,10 @@ class Recipe:
         from quark_ptq_eval.intake import resolve_model
 
         self._clock, self._imported = time.monotonic(), import_seconds()
-        offline = bool(opts.offline)
-        if offline:
-            os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-            offline_if_imported()  # a command the engine host forked has the Hub libraries imported
+        offline = preflight.asked_offline(opts.contexts, opts.offline)  # once, before a model id could resolve
+        if offline and not opts.offline:
+            opts = dataclasses.replace(opts, offline=True)
+        apply_offline(offline)  # this process and every child; a forked command's Hub libraries too
         assert opts.model, "run() refuses a run without a model"
         model_path, _ = resolve_model(opts.model, offline)
         output_dir = self._output_dir(opts, model_path) if opts.output_dir or stop_after != "intake" else None
@@ -109,8 +108,6 @@ class Recipe:
                                preflight.SessionAsk(opts.request.goal, opts.offline, opts.execution_mode),
                                preflight.WorkspaceAsk(opts.model, model_path, output_dir or Path(""),
                                                       opts.request.trust_remote_code))
-        if ctx.offline and not offline:
-            return self._run_locked(dataclasses.replace(opts, offline=True), services, plan_flags_given, stop_after)
         refuse_early(opts, ctx.offline, model_path)
         flow = self.flow = Flow(opts, ctx, load_catalog(), model_path, output_dir, services, plan_flags_given)
         try:
