@@ -185,8 +185,8 @@ def cell_options(setup: Setup, model_dir: Path, base: Path, plan: dict):
             "device": "cpu", "engine": "quark-api", **plan}
     evaluation = {"eval_data": str(setup.corpus), "max_windows": setup.windows, "seq_len": 64, "device": "cpu",
                   "baseline": BASELINE_FROM_SOURCE}
-    return RunOptions(model=str(model_dir), output_dir=str(base / "out"), request=plan, eval_tier="ppl",
-                      eval=evaluation, offline=True, contexts={"env_context": str(setup.env_file())})
+    return RunOptions(model=str(model_dir), output_dir=str(base / "out"), request=plan,
+                      eval={"tier": "ppl", **evaluation}, offline=True, contexts={"env_context": str(setup.env_file())})
 
 
 def run_cell(setup: Setup, family: str, model_dir: Path, column: str) -> Cell:

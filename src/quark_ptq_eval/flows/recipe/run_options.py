@@ -35,7 +35,6 @@ class RunOptions:
     output_dir: str | None = None
     request: PlanRequest = field(default_factory=PlanRequest)
     overwrite: bool = False
-    eval_tier: str | None = None
     eval: EvalOptions = field(default_factory=EvalOptions)
     offline: bool | None = None
     execution_mode: str | None = None
@@ -60,6 +59,11 @@ class RunOptions:
         self.request, self.request_given = _typed(PlanRequest, given_request, self.request_given)
         self.eval, self.eval_given = _typed(EvalOptions, given_eval, self.eval_given)
         check_base_model(self.base_model)  # refused before any work, not at the card, the run's last step
+
+    @property
+    def eval_tier(self) -> str | None:
+        """The evaluation tier asked for (``eval.tier`` where given; None: the evaluation checkpoint asks)."""
+        return self.eval.tier if "tier" in self.eval_given else None
 
     def to_state(self) -> dict[str, Any]:
         """These options as run_state.json holds them: the plan and evaluation fields given, as JSON."""
@@ -94,9 +98,21 @@ class RunOptions:
 
 
 def _current_keys(stored: dict[str, Any]) -> dict[str, Any]:
-    """``stored`` with the keys an earlier version wrote under another name renamed (``RENAMED``)."""
+    """``stored`` with the keys an earlier version wrote under another name renamed (``RENAMED``), and its own
+    ``eval_tier`` (the tier was held twice) as the evaluation options' ``tier``."""
     renamed = {RENAMED[k]: v for k, v in stored.items() if k in RENAMED}
-    return {**renamed, **{k: v for k, v in stored.items() if k not in RENAMED}}  # today's key wins
+    current = {**renamed, **{k: v for k, v in stored.items() if k not in RENAMED}}  # today's key wins
+    return _tier_in_eval(current)
+
+
+def _tier_in_eval(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``eval_tier`` given beside the evaluation options (the CLI's and the API's keyword, an earlier
+    run_state.json) moved into them as ``tier``: one field holds the tier."""
+    moved = dict(options)
+    tier = moved.pop("eval_tier", None)
+    if tier is not None:
+        moved["eval"] = {"tier": tier, **(moved.get("eval") or {})}
+    return moved
 
 
 def _typed(cls: type[OptionsT], given: OptionsT | dict[str, Any], names: tuple[str, ...]) -> tuple[OptionsT, tuple[str, ...]]:
@@ -131,7 +147,9 @@ def run_options(model: str | Path | None, output_dir: str | Path | None, options
     own = {f.name for f in dataclasses.fields(RunOptions)} - set(COMPOSED)
     run_given = {k: v for k, v in options.items() if k in own}
     eval_given = dict(cast("Mapping[str, object]", options.get("eval_options") or {}))
-    request_given = {k: v for k, v in options.items() if k not in own and k != "eval_options"}
+    if options.get("eval_tier") is not None:  # run's --eval-tier, the API's eval_tier=: the evaluation options' tier
+        eval_given.setdefault("tier", options["eval_tier"])
+    request_given = {k: v for k, v in options.items() if k not in own and k not in ("eval_options", "eval_tier")}
     check_names(PlanRequest, request_given, "plan")
     check_names(EvalOptions, eval_given, "evaluation")
     return RunOptions.from_given(request_given, eval_given, model=str(model) if model else None,
