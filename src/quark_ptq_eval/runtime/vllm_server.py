@@ -18,6 +18,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -172,3 +173,22 @@ class ServerHandover(Protocol):
     def take(self, server: VllmServer) -> None: ...
 
     def not_served(self, failure: ServerNotHealthy | str) -> None: ...
+
+
+# the one hook between a run's caller and its serving check: compare --speed sets it around a cell's run
+_HANDOVER: ContextVar[ServerHandover | None] = ContextVar("server_handover", default=None)
+
+
+@contextmanager
+def handing_over(handover: ServerHandover | None) -> Iterator[None]:
+    """Within: the serving check of a run hands the server it starts to ``handover`` (None: nobody)."""
+    token = _HANDOVER.set(handover)
+    try:
+        yield
+    finally:
+        _HANDOVER.reset(token)
+
+
+def current_handover() -> ServerHandover | None:
+    """Who takes the server the serving check starts now (``handing_over``), if anyone."""
+    return _HANDOVER.get()

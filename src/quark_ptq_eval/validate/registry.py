@@ -16,7 +16,6 @@ from typing import Any
 from quark_ptq_eval.base.errors import UnsafeInputError
 from quark_ptq_eval.base.registry import load
 from quark_ptq_eval.base.safetensors_io import TensorInfo, TruncatedFileError, read_model_headers, with_data
-from quark_ptq_eval.runtime.vllm_server import ServerHandover
 from quark_ptq_eval.validate.load_sample import DEFAULT_BUDGET_S
 from quark_ptq_eval.validate.report import CheckResult, Finding
 
@@ -49,7 +48,6 @@ class CheckInputs:
     load_budget_s: float | None = DEFAULT_BUDGET_S  # the streamed load check's blocks (load_sample.py; 0: all)
     vllm_python: Path | None = None  # the serving check's vLLM (None: runtime/vllm_host.vllm_python's)
     vllm_args: tuple[str, ...] = ()  # the user's --vllm-arg values, over the sized ones (runtime/vllm_sizing.py)
-    server_handover: ServerHandover | None = None  # the serving check's server, handed on (compare --speed)
     progress: Progress | None = None
     src_config: dict[str, Any] = field(default_factory=dict)
     out_config: dict[str, Any] = field(default_factory=dict)

@@ -10,7 +10,6 @@ from typing import Any, TypedDict, Unpack
 
 from quark_ptq_eval.base.artifacts import PlanJson
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.runtime.vllm_server import ServerHandover
 from quark_ptq_eval.validate.load_sample import DEFAULT_BUDGET_S
 from quark_ptq_eval.validate.registry import CheckInputs, Progress, read_config_or_empty
 from quark_ptq_eval.validate.report import CheckResult, ValidationReport
@@ -35,7 +34,6 @@ class ValidateOptions:
     load_budget_s: float | None = DEFAULT_BUDGET_S  # the streamed load check's blocks (load_sample.py; 0: all)
     vllm_python: Path | None = None
     vllm_args: tuple[str, ...] = ()
-    server_handover: ServerHandover | None = None  # a later user of the serving check's server (compare --speed)
 
 
 class ValidateKeywords(TypedDict, total=False):
@@ -49,7 +47,6 @@ class ValidateKeywords(TypedDict, total=False):
     load_budget_s: float | None
     vllm_python: Path | None
     vllm_args: tuple[str, ...]
-    server_handover: ServerHandover | None
 
 
 def validate_model(source: Path | None, quantized: Path, plan: PlanJson | None = None,
@@ -71,8 +68,7 @@ def validate_model(source: Path | None, quantized: Path, plan: PlanJson | None =
     ctx = CheckInputs(source, quantized, plan_read, max_samples=opts.max_samples, seed=opts.seed,
                             workers=opts.workers, load_check=opts.load_check,
                             load_budget_s=opts.load_budget_s, vllm_python=opts.vllm_python,
-                            vllm_args=tuple(opts.vllm_args), progress=progress,
-                            server_handover=opts.server_handover)
+                            vllm_args=tuple(opts.vllm_args), progress=progress)
     ctx.src_config, ctx.out_config = read_config_or_empty(source), read_config_or_empty(quantized)
     ctx.exclude, ctx.exclusions_from = _exclusions(plan_read, ctx.qconfig)
     ctx.read_headers()

@@ -43,7 +43,9 @@ def check_serving(ctx: CheckInputs) -> CheckResult:
         result.findings.append(Finding("vllm", exc.message, side="environment"))
         return result
     if host is not None:
-        _serve(ctx.quantized, host, result, ctx.vllm_args, ctx.server_handover)
+        from quark_ptq_eval.runtime.vllm_server import current_handover
+
+        _serve(ctx.quantized, host, result, ctx.vllm_args, current_handover())
     elif importlib.util.find_spec("vllm") is not None:
         _against_classes(ctx.qconfig, result)
     else:

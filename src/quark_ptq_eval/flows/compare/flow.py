@@ -30,7 +30,7 @@ from quark_ptq_eval.base.ui import Reporter, noise_to_log
 from quark_ptq_eval.execute.runner import EngineRunner, run_command
 from quark_ptq_eval.flows.compare.budget import searched_cells
 from quark_ptq_eval.flows.compare.options import CompareOptions, budget_asked, scheme_label
-from quark_ptq_eval.runtime.vllm_server import ServerHandover
+from quark_ptq_eval.runtime.vllm_server import ServerHandover, handing_over
 
 if TYPE_CHECKING:
     from quark_ptq_eval.flows.compare.speed_handover import CellSpeed
@@ -222,9 +222,9 @@ class Comparison:
         # the recipe's own steps to the end; its Phase 3 is Tier 1 against the baseline cached once
         recipe = self._recipe(opts, scheme, {"intake", "plan", "execute"}, quiet=self.ui.quiet)
         recipe.evaluator = lambda output_dir, source, plan: evaluate_scheme(self, opts, scheme, baseline, plan)
-        recipe.server_handover = self._speed_handover(opts, scheme)  # --speed: its serving check's server measured
         try:
-            recipe.run(self._run_options(opts, scheme))
+            with handing_over(self._speed_handover(opts, scheme)):  # --speed: its serving check's server measured
+                recipe.run(self._run_options(opts, scheme))
         except CheckpointPending as exc:
             self._relay(scheme, exc)
         except QpeError as exc:

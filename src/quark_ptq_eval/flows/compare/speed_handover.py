@@ -1,7 +1,7 @@
 """`compare --speed` serves each cell's export once: the cell's serving check (validate/servecheck.py) starts the
 server its speed measurement needs (the speed tier's exact command and sizing, asked at the ``eval`` gate first)
-and hands it over, healthy, before it stops it (the recipe's ``server_handover``, given to validate_model). The measurement is the
-speed tier's on that server (evaluate/speed/alone.py), kept as the cell's speed.json as speed.py keeps it; the
+and hands it over, healthy, before it stops it (``runtime/vllm_server.handing_over`` around the cell's run). The
+measurement is the speed tier's on that server (evaluate/speed/alone.py), kept as the cell's speed.json as speed.py keeps it; the
 comparison's speed step then measures only the baseline and any cell not measured here (a resumed comparison's,
 a gate still to answer, a cell on Ray).
 """

@@ -65,7 +65,7 @@ def _checked(flow: Flow, source: Path | None, plan_json: PlanJson) -> Validation
         return validate_model(source, flow.output(), plan_json, load_check=not flow.opts.no_load_check,
                               load_budget_s=load_budget_s(flow.opts.load_check_minutes),
                               progress=progress, vllm_python=flow.opts.eval.vllm_python,
-                              vllm_args=tuple(flow.opts.eval.vllm_args), server_handover=flow.run.server_handover)
+                              vllm_args=tuple(flow.opts.eval.vllm_args))
     finally:
         ui.end_progress()
 

@@ -41,7 +41,6 @@ from quark_ptq_eval.flows.recipe.quantize_steps import (
 from quark_ptq_eval.flows.recipe.recipe_flow import IMPORT_SUFFIX, AfterEval, Evaluator, Flow, RunServices
 from quark_ptq_eval.flows.recipe.run_options import RunOptions
 from quark_ptq_eval.flows.recipe.summary import RunSummary
-from quark_ptq_eval.runtime.vllm_server import ServerHandover
 
 RUN_LOG = "run.log"  # in-process library output of a run (the engine's own is engine.log)
 ProducedT = TypeVar("ProducedT")
@@ -67,7 +66,6 @@ class Recipe:
         self.flow: Flow | None = None  # the last run's: what each step produced, for a caller to read
         self.evaluator = evaluator  # Phase 3 in place of the tier choice (compare: against its cached baseline)
         self.after_eval = after_eval  # after the run's own Tier 1 (the budget search's side by side)
-        self.server_handover: ServerHandover | None = None  # compare --speed: who takes the serving check's server
         self.timings: dict[str, float] = {}
         self._clock = 0.0
 
@@ -88,7 +86,7 @@ class Recipe:
             resume = f"quark-ptq-eval resume --workdir {shlex.quote(str(self.workdir))}"
             gates = Gatekeeper(self.approver, state, lambda flags: f"{resume} {flags}")
             services = RunServices(self.workdir, self.ui, state, gates, self.approver, self.engine_runner, claims,
-                                   self.evaluator, self.after_eval, self.server_handover, self.timings)
+                                   self.evaluator, self.after_eval, timings=self.timings)
             with noise_to_log(self.workdir / "logs" / RUN_LOG):  # library chatter: the log, not the terminal
                 return self._run_locked(opts, services, bool(options.request_given), stop_after)
 

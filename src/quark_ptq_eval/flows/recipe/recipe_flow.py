@@ -20,7 +20,6 @@ from quark_ptq_eval.context import preflight
 from quark_ptq_eval.evaluate.ppl.text import refuse_without_tier1_text, tier1_lacks_text
 from quark_ptq_eval.execute.runner import EngineRunner
 from quark_ptq_eval.flows.recipe.run_options import RunOptions
-from quark_ptq_eval.runtime.vllm_server import ServerHandover
 
 IMPORT_SUFFIX = "_imports"  # a timed phase's share spent importing torch, transformers and quark.torch
 
@@ -45,8 +44,6 @@ class RunServices:
     # after a Tier 1 evaluation of the run's own (`run` and `resume`: a budget search's plans measured side by
     # side, flows/recipe/budget_side.py; given by the entry points, so the recipe's modules need not import compare's)
     after_eval: AfterEval | None = None
-    # a later user of the serving check's server (compare --speed: the cell's speed measurement takes it over)
-    server_handover: ServerHandover | None = None
     # each timed phase's seconds in this process (the step table's ``timing`` names): what the remedies' estimate
     # scales from
     timings: dict[str, float] = field(default_factory=dict)
