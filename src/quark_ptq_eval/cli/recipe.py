@@ -41,7 +41,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser, model_required: bool) -> No
     add_run_control(p)
 
 
-def run_options(args: argparse.Namespace) -> RunOptions:
+def options_from_args(args: argparse.Namespace) -> RunOptions:
     """RunOptions from the command line, built as the Python API builds them (``run_options``): the
     keywords are the flags given, paths made absolute (run_state.json serves a `resume` from anywhere)."""
     from quark_ptq_eval.base.options import given
@@ -64,7 +64,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                        absolute(getattr(args, "output_dir", None)), {**plan, **own, "eval_options": eval_opts})
 
 
-def run_recipe(args: argparse.Namespace) -> int:
+def recipe_command(args: argparse.Namespace) -> int:
     """The recipe up to the step ``args.command`` stops after, then its summary (a table, or JSON)."""
     from quark_ptq_eval.base.step_table import STOP_AFTER
     from quark_ptq_eval.base.ui import Reporter
@@ -73,7 +73,7 @@ def run_recipe(args: argparse.Namespace) -> int:
     from quark_ptq_eval.flows.recipe.summary import summary_rows
 
     ui = Reporter(quiet=args.quiet or args.json)
-    summary = run_steps(run_options(args), args.workdir, approver(args), ui, STOP_AFTER[args.command],
+    summary = run_steps(options_from_args(args), args.workdir, approver(args), ui, STOP_AFTER[args.command],
                         after_own_eval)
     if args.json:
         print(json.dumps(summary, indent=2))

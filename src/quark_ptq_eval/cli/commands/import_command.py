@@ -22,14 +22,14 @@ def run(args: argparse.Namespace) -> int:
     from quark_ptq_eval.base.ui import Reporter
     from quark_ptq_eval.cli.commands import run as run_command
     from quark_ptq_eval.cli.quark_cli_flags import translate, with_common_options
-    from quark_ptq_eval.cli.recipe import run_recipe
+    from quark_ptq_eval.cli.recipe import recipe_command
 
     ours, rows = translate(args.quark_command)
     argv = ["run", *ours, *with_common_options(args, CONTEXT_KINDS)]
     ui = Reporter(quiet=args.quiet or args.json)
     ui.table("quark-cli flags -> quark-ptq-eval", rows, ("quark-cli", "quark-ptq-eval", "value"))
     ui.info("Equivalent: quark-ptq-eval " + " ".join(shlex.quote(a) for a in argv))
-    code = run_recipe(run_command.parse(argv[1:]))
+    code = recipe_command(run_command.parse(argv[1:]))
     if not args.execution_mode:
         ui.info(f"To quantize with this plan: quark-ptq-eval resume --workdir {shlex.quote(str(args.workdir))} "
                 "--execution-mode interactive_execute (it asks before running anything)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from quark_ptq_eval.cli.args import add_model_and_output, add_run_control
-from quark_ptq_eval.cli.recipe import run_recipe as run
+from quark_ptq_eval.cli.recipe import recipe_command as run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from quark_ptq_eval.cli.recipe import add_step_arguments as add_arguments
-from quark_ptq_eval.cli.recipe import run_recipe as run
+from quark_ptq_eval.cli.recipe import recipe_command as run
 
 __all__ = ["add_arguments", "run"]

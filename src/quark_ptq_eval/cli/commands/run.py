@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from quark_ptq_eval.cli.recipe import add_recipe_arguments
-from quark_ptq_eval.cli.recipe import run_recipe as run
+from quark_ptq_eval.cli.recipe import recipe_command as run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
