@@ -3,10 +3,11 @@ budget runs with its routed experts read a group at a time, and streamed Tier 1 
 
 Tiny qwen3_moe (per-expert checkpoint tensors fused on load), deepseek_v3 (a dense first block, shared experts,
 a float32 grouped router) and gpt_oss (fused checkpoint tensors with biases, the clamped GLU) from
-tests/fixtures/families.py, each judged beside a noised copy of itself (a nonzero KL). The budget is set so the
-MoE blocks take groups of 3 of their 4 experts (3 + 1). Each pair's expert output is the experts module's
-own and the slots are summed in float32 as transformers' grouped_mm does: with top-2 routing the sum is the
-same addition, so the figures agree to the last bit (held to 1e-4 relative, the issue's bound).
+tests/fixtures/families.py, each judged beside a noised copy of itself (a nonzero KL); and Quark's int8 export
+of the qwen3_moe (Quark's importer, its per-expert QuarkExperts) beside its source. The budget is set
+so the MoE blocks take groups of 3 of their 4 experts (3 + 1). Each pair's expert output is the experts
+module's own and the sums are the module's own additions, so the figures agree to the last bit (held to 1e-4
+relative, the issue's bound).
 """
 
 from __future__ import annotations
@@ -60,6 +61,23 @@ def group_budget(model: Path) -> int:
     return sum(t.nbytes for t in block) - experts + GROUP * experts // 4
 
 
+def assert_equal(model: Path, baseline: Path, eval_text: Path, work: Path, monkeypatch) -> None:
+    """Streamed Tier 1 with groups of ``GROUP`` experts equals the in-memory tier (both models' figures)."""
+    from quark_ptq_eval.evaluate.ppl import stream
+
+    budget = group_budget(model)
+    monkeypatch.setattr(stream, "block_budget", lambda: budget)
+    memory = tier1(model, baseline, eval_text, work / "memory", stream=False)
+    streamed = tier1(model, baseline, eval_text, work / "streamed", stream=True)
+    for metric in METRICS:
+        a, b = memory["quantized"]["perplexity"][metric], streamed["quantized"]["perplexity"][metric]
+        assert abs(a - b) <= 1e-4 * abs(a), (model.name, metric, a, b)
+    assert memory["quantized"]["perplexity"]["kl_divergence"] > 1e-5  # the two models differ
+    base_memory, base_streamed = (r["baseline"]["perplexity"]["perplexity"] for r in (memory, streamed))
+    assert abs(base_memory - base_streamed) <= 1e-4 * base_memory
+    assert any(f"routed experts were read up to {GROUP} at a time" in note for note in streamed["notes"])
+
+
 def tier1(model: Path, baseline: Path, eval_text: Path, work: Path, stream: bool) -> dict:
     options = EvalOptions(tier="ppl", eval_data=eval_text, seq_len=64, max_windows=4, device="cpu",
                           baseline=baseline, tier_options={"stream_blocks": stream})
@@ -69,19 +87,14 @@ def tier1(model: Path, baseline: Path, eval_text: Path, work: Path, stream: bool
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_streamed_tier1_by_expert_groups_equals_in_memory(family, tiny_model, eval_text, tmp_path, monkeypatch):
-    from quark_ptq_eval.evaluate.ppl import stream
-
     source = tiny_model(family)
-    model = noised(source, tmp_path / "noised")
-    budget = group_budget(model)
-    monkeypatch.setattr(stream, "block_budget", lambda: budget)
-    memory = tier1(model, source, eval_text, tmp_path / "memory", stream=False)
-    streamed = tier1(model, source, eval_text, tmp_path / "streamed", stream=True)
-    for metric in METRICS:
-        a, b = memory["quantized"]["perplexity"][metric], streamed["quantized"]["perplexity"][metric]
-        assert abs(a - b) <= 1e-4 * abs(a), (family, metric, a, b)
-    assert memory["quantized"]["perplexity"]["kl_divergence"] > 1e-5  # the noised copy differs from its source
-    base_memory, base_streamed = (r["baseline"]["perplexity"]["perplexity"] for r in (memory, streamed))
-    assert abs(base_memory - base_streamed) <= 1e-4 * base_memory
-    notes = " ".join(streamed["notes"]) if "notes" in streamed else json.dumps(streamed)
-    assert f"routed experts were read up to {GROUP} at a time" in notes
+    assert_equal(noised(source, tmp_path / "noised"), source, eval_text, tmp_path, monkeypatch)
+
+
+def test_a_quark_moe_export_streams_by_expert_groups(tiny_model, shared_assets, corpus, eval_text, tmp_path,
+                                                     monkeypatch):
+    """int8 only: Quark's fp8 export of it loads into the same QuarkExperts and QParamsLinear (equal to the bit too)."""
+    from tests.evaluate.ppl.test_stream_tier1 import export  # its cached export: built once for both tests
+
+    source = tiny_model("qwen3_moe")
+    assert_equal(export(shared_assets, corpus, source, "int8"), source, eval_text, tmp_path, monkeypatch)

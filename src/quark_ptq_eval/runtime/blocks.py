@@ -267,10 +267,11 @@ def load(streamed: StreamedModel, part: str) -> None:
                            "files, or not under the names its loader expects; the checkpoint is incomplete.")
 
 
-def load_tensors(streamed: StreamedModel, key: str, part: str, infos: list[TensorInfo]) -> None:
+def load_tensors(streamed: StreamedModel, key: str, part: str, infos: list[TensorInfo], holder: Any = None) -> None:
     """Read ``infos`` (some of ``part``'s tensors, or slices of them) and load them through the loader's own
     code; ``free(streamed, key)`` returns what they filled to meta (runtime/expert_groups.py loads a block in
-    pieces: its experts a group at a time)."""
+    pieces: its experts a group at a time). ``holder``: the modules Quark's post-load step converts (default:
+    the part's)."""
     started = time.perf_counter()
     tensors = {t.name: read_tensor(t) for t in infos}
     streamed.read_s += time.perf_counter() - started
@@ -279,7 +280,7 @@ def load_tensors(streamed: StreamedModel, key: str, part: str, infos: list[Tenso
     if streamed.load_config is not None:
         _load_with_transformers(streamed, tensors)
     else:
-        _load_with_quark(streamed, part, tensors)
+        _load_with_quark(streamed, part, tensors, holder)
     _tie(streamed)
     streamed.loaded[key] = sorted(before - _meta_names(streamed.model))
     streamed.load_s += time.perf_counter() - started
@@ -295,7 +296,7 @@ def _load_with_transformers(streamed: StreamedModel, tensors: dict[str, Any]) ->
     convert_and_load_state_dict_in_model(streamed.model, tensors, config)
 
 
-def _load_with_quark(streamed: StreamedModel, part: str, tensors: dict[str, Any]) -> None:
+def _load_with_quark(streamed: StreamedModel, part: str, tensors: dict[str, Any], holder: Any = None) -> None:
     """Quark's importer's steps on one part: its key renaming, ``load_state_dict(assign=True)``, its
     post-load conversion of the modules the part holds."""
     from quark.torch.export.utils import _convert_quantized_model, _fix_loaded_weights_key_mismatch
@@ -305,7 +306,8 @@ def _load_with_quark(streamed: StreamedModel, part: str, tensors: dict[str, Any]
                                              custom_mode=model_config.quantization_config["quant_method"])
     fixed = {k: v.to(streamed.device) for k, v in fixed.items()}
     streamed.model.load_state_dict(fixed, assign=True, strict=False)
-    holder = _Only(streamed) if part in (ENTRY, EXIT) else part_module(streamed, part)
+    if holder is None:
+        holder = _Only(streamed) if part in (ENTRY, EXIT) else part_module(streamed, part)
     _convert_quantized_model(holder, model_config)
 
 
