@@ -7,7 +7,8 @@ arguments the model hands its layers; then block 0 of the quantized model and bl
 baseline are read (only their tensors), applied to every batch, and freed; then block 1, and so on;
 then the exit (final norm, lm_head: the model's own forward) gives each batch's logits, scored by the
 same kernels and statistics as the in-memory tier (``kernels.pair_stats``, ``stats.Accumulator``).
-At most one block of each model is in memory, and each checkpoint is read once per chunk.
+At most one block of each model is in memory, and each checkpoint is read once per chunk. A MoE block larger
+than ``block_budget()`` is itself streamed: its routed experts read a group at a time (``runtime/expert_groups.py``).
 
 The numbers are the in-memory tier's: the same transformers classes, the same loader's modules
 (transformers' Quark integration or Quark's importer, mapped on meta and filled per block), the
