@@ -55,6 +55,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 SHARED_WORKER = {
     "tests/flows/test_compare.py": "compare", "tests/flows/test_compare_ray.py": "compare",
     "tests/reliability/test_ray_chaos.py": "compare",  # the Ray files share a worker: one cluster up at a time
+    # expert groups reuse the streamed tier's Quark export and its imports (20 s after it, 68 s cold)
+    "tests/evaluate/ppl/test_stream_tier1.py": "stream", "tests/runtime/test_expert_groups.py": "stream",
 }
 # A group's seconds on one worker of `make test` (round 26's run, commands forked by the engine host, `--durations`,
 # load 1.1-6.1 from the suite itself): the longest go first, so that the last group to start is a short one and neither worker idles at
@@ -71,6 +73,7 @@ GROUP_SECONDS = {
     "tests/reliability/test_reliability_writes.py": 40, "tests/flows/test_newcomer.py": 33,
     "tests/execute/test_engine_host.py": 29, "tests/evaluate/vllm/test_tier3_script.py": 28,
     "tests/plan/test_plan_goals.py": 25, "tests/test_install.py": 24, "tests/plan/test_plan_resources.py": 24,
+    "stream": 60,
 }
 
 
