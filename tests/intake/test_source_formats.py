@@ -386,8 +386,8 @@ def test_file2file_on_an_mxfp4_release_is_refused_with_the_staging_alternative(g
         assert "DeepSeek-V4 MXFP4 layout only" in exc.value.message and "staging copy" in exc.value.hint
         assert not file2file_can_read(a, device)
     reading = decide(a, "quark-api", DeviceStrategy("cpu", False), tmp_path)
-    assert reading["mode"] == "stage_bf16" and reading["disk_bytes"] == a.source_format["read_as_bytes"]
-    assert "E2M1" in reading["reason"] and not any(tmp_path.iterdir())  # planned, nothing created
+    assert reading.mode == "stage_bf16" and reading.disk_bytes == a.source_format["read_as_bytes"]
+    assert "E2M1" in reading.reason and not any(tmp_path.iterdir())  # planned, nothing created
 
 
 @pytest.mark.slow
@@ -435,7 +435,7 @@ def test_scale_labels_come_from_the_real_dtypes(tiny_model, release, catalog, tm
     assert a.source_format["name"] == "fp8_tensor"
     assert a.source_format["summary"] == "FP8 (E4M3) weights with a per-channel BF16 scale"
     reading = decide(a, "quark-api", DeviceStrategy("cpu", False), tmp_path / "wd")
-    assert reading["reason"].startswith("FP8 (E4M3) weights with a per-channel BF16 scale: ") and "F32" not in reading["reason"]
+    assert reading.reason.startswith("FP8 (E4M3) weights with a per-channel BF16 scale: ") and "F32" not in reading.reason
     block = analyze_model(str(release("qwen3")[1]), offline=True, catalog=catalog).source_format
     assert block["summary"].startswith("FP8 (E4M3) weights with one F32 scale per block")  # the releases' own F32
 

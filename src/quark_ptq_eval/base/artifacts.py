@@ -15,7 +15,7 @@ from typing import Any, ClassVar, TypedDict, TypeVar, cast
 from quark_ptq_eval.base import contracts
 from quark_ptq_eval.base.errors import UsageError
 from quark_ptq_eval.base.fsio import atomic_write_text, read_json, write_json
-from quark_ptq_eval.base.plan_records import DeviceStrategy, PlanEngine, PlannedCalibration
+from quark_ptq_eval.base.plan_records import DeviceStrategy, PlanEngine, PlannedCalibration, SourceReading
 from quark_ptq_eval.base.state import digest
 
 
@@ -209,7 +209,7 @@ class QuantPlan(Artifact):
     output_dir: str = ""
     target: dict[str, Any] = field(default_factory=dict)  # where it will be served (plan/targets.py)
     resources: dict[str, Any] = field(default_factory=dict)  # what this host must hold (plan/resources.py)
-    source_reading: dict[str, Any] = field(default_factory=dict)  # how the source is read (plan/source_reading.py)
+    source_reading: SourceReading | None = None  # how the source is read (plan/source_reading.py); None: an older plan
 
     def __post_init__(self) -> None:
         self.decisions = [Decision.of(d) for d in self.decisions]
@@ -218,6 +218,7 @@ class QuantPlan(Artifact):
         data = super().to_dict()
         for name in ("calibration", "device_strategy", "engine"):  # the typed sections, as the plan has written them
             data[name] = getattr(self, name).to_dict()
+        data["source_reading"] = self.source_reading.to_dict() if self.source_reading else {}  # {}: as older plans hold it
         data["decisions"] = [Decision.of(d).as_dict() for d in self.decisions]  # the rows as written
         return data
 
@@ -225,7 +226,8 @@ class QuantPlan(Artifact):
     def _sections(cls, fields: dict[str, Any]) -> dict[str, Any]:
         return {**fields, "calibration": PlannedCalibration.from_dict(fields["calibration"]),
                 "device_strategy": DeviceStrategy.from_dict(fields["device_strategy"]),
-                "engine": PlanEngine.from_dict(fields["engine"])}
+                "engine": PlanEngine.from_dict(fields["engine"]),
+                "source_reading": SourceReading.from_dict(fields.get("source_reading") or {})}
 
     def as_json(self) -> PlanJson:
         """The plan as quant_plan.json holds it (to_dict), typed for the checks after execute."""

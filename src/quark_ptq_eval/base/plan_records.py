@@ -139,3 +139,32 @@ class DeviceStrategy:
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceStrategy:
         """Exact for a plan's section; a hand-edited one without ``gpu_count`` reads it as 0."""
         return cls(str(data["device"]), bool(data["multi_device"]), int(data.get("gpu_count") or 0))
+
+
+@dataclass(frozen=True)
+class SourceReading:
+    """The plan's ``source_reading`` (plan/source_reading.py): how the engine reads the source, and the staged copy
+    (BF16, or safetensors converted from .bin) made after the execution gate when it cannot read it as it is."""
+
+    format: str  # the source format (intake/formats.py)
+    source_dir: str  # what validation, the load check and Tier 1's baseline read
+    engine_reads: str  # what the engine reads
+    disk_bytes: int  # the staged copy's size on disk (0: none)
+    mode: str  # direct | file2file_native | stage_bf16 | convert_bin
+    reason: str
+
+    @property
+    def staged(self) -> bool:
+        """Whether a copy of the source is made before the engine runs."""
+        return self.mode != "direct"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SourceReading | None:
+        """None for a plan written before the plan recorded it (``{}``)."""
+        if not data:
+            return None
+        return cls(str(data["format"]), str(data["source_dir"]), str(data["engine_reads"]), int(data["disk_bytes"]),
+                   str(data["mode"]), str(data["reason"]))

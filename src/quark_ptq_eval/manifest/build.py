@@ -58,8 +58,8 @@ def build_manifest(plan: QuantPlan, workdir: Path, output_dir: Path, *, offline:
         raise UsageError(f"The model path {model_dir} is not a local absolute path.",
                          "Download the model and pass its directory.")
     staging = staging_dir(output_dir)
-    reading = plan.source_reading or {}
-    engine_reads = Path(reading.get("engine_reads") or model_dir)  # a staged BF16 / converted copy, or the model
+    reading = plan.source_reading if plan.source_reading is not None and plan.source_reading.staged else None
+    engine_reads = Path(reading.engine_reads if reading else model_dir)  # a staged BF16 / converted copy, or the model
     argv = engine.argv(plan, engine_reads, staging)
     env = engine_env(plan, engine, offline, workdir)
     calibration = []
@@ -67,9 +67,9 @@ def build_manifest(plan: QuantPlan, workdir: Path, output_dir: Path, *, offline:
         calibration.append({"name": "prepare_calibration", "kind": "generate",
                             "description": "serve the local calibration text to quark-cli from a private offline cache",
                             "produces": [env["HF_DATASETS_CACHE"]]})
-    if reading.get("mode") not in (None, "direct"):
-        calibration.insert(0, {"name": "prepare_source", "kind": "generate", "description": reading["reason"],
-                               "produces": [reading["source_dir"]]})
+    if reading is not None:
+        calibration.insert(0, {"name": "prepare_source", "kind": "generate", "description": reading.reason,
+                               "produces": [reading.source_dir]})
     run = {"name": "run", "kind": "run", "command": shell_line(argv, env), "argv": argv,
            "produces": [str(staging)], "then": f"verified output is moved to {output_dir}"}
     steps = manifest_steps(workdir, calibration, run)
@@ -80,7 +80,7 @@ def build_manifest(plan: QuantPlan, workdir: Path, output_dir: Path, *, offline:
                 "model_analysis": str(workdir / "model_analysis.json"),
                 "calibration": plan.calibration.path or plan.calibration.dataset,
                 "calibration_used": describe_used(plan),
-                **({"source_reading": reading} if reading.get("mode") not in (None, "direct") else {})},
+                **({"source_reading": reading.to_dict()} if reading is not None else {})},
         outputs={"quantized_model_dir": str(output_dir), "staging_dir": str(staging), "workdir": str(workdir),
                  "log": str(workdir / "logs" / "engine.log")},
         checkpoints=[{"id": f"checkpoint_{GATES[g].number}", "gate": g, "question": GATES[g].question,

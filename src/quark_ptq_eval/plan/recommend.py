@@ -275,7 +275,7 @@ def make_plan(analysis: ModelAnalysis, env: HostEnv, req: PlanRequest, catalog: 
         Decision("device", device.device + (" (multi-device)" if device.multi_device else ""),
                  "explicit" if req.device else f"detected {hw}"),
         Decision("engine", engine, engine_why),
-        *([Decision.of(source_reading.decision_row(reading))] if reading["mode"] != "direct" else []),
+        *([Decision.of(source_reading.decision_row(reading))] if reading.staged else []),
         Decision("trust_remote_code", req.trust_remote_code,
                  "approved explicitly (--trust-remote-code)" if req.trust_remote_code else
                  "off: nothing from the model repository is executed"),

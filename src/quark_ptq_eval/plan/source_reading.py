@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from quark_ptq_eval.base.artifacts import ModelAnalysis, QuantPlan
 from quark_ptq_eval.base.errors import UsageError
-from quark_ptq_eval.base.plan_records import DeviceStrategy
+from quark_ptq_eval.base.plan_records import DeviceStrategy, SourceReading
 from quark_ptq_eval.base.sizes import gb
 from quark_ptq_eval.intake.formats import (
     CONVERT_BIN,
@@ -47,7 +47,7 @@ def source_format(analysis: ModelAnalysis) -> dict[str, Any]:
     return fmt
 
 
-def decide(analysis: ModelAnalysis, engine: str, device: DeviceStrategy, workdir: Path) -> dict[str, Any]:
+def decide(analysis: ModelAnalysis, engine: str, device: DeviceStrategy, workdir: Path) -> SourceReading:
     """The plan's ``source_reading``: mode, reason, the dir the engine reads and the staging's disk cost."""
     fmt = source_format(analysis)
     model = analysis.model["model_path"]
@@ -55,16 +55,16 @@ def decide(analysis: ModelAnalysis, engine: str, device: DeviceStrategy, workdir
     if fmt["reading"] == REFUSED:
         raise UsageError(f"This source cannot be quantized here: its weights are {fmt.get('summary') or entry.summary}.",
                          entry.refusal[0].upper() + entry.refusal[1:] + ".")
-    base = {"format": fmt["name"], "source_dir": model, "engine_reads": model, "disk_bytes": 0}
+    name = fmt["name"]
     if fmt["reading"] == DIRECT:
-        return {**base, "mode": "direct", "reason": f"{fmt.get('summary') or entry.summary}: read as they are"}
+        return SourceReading(name, model, model, 0, "direct", f"{fmt.get('summary') or entry.summary}: read as they are")
     if fmt["reading"] == CONVERT_BIN:
         staged = str(Path(workdir) / CONVERTED_BIN_DIR)
         disk = int(analysis.size.get("bytes") or 0)
-        return {**base, "mode": "convert_bin", "source_dir": staged, "engine_reads": staged, "disk_bytes": disk,
-                "reason": f"only pytorch_model.bin: converted to safetensors in {staged} after the execution gate "
-                          f"(torch.load(weights_only=True), about {gb(disk)} on disk); the engine, validation and "
-                          "the baseline read that copy"}
+        return SourceReading(name, staged, staged, disk, "convert_bin",
+                             f"only pytorch_model.bin: converted to safetensors in {staged} after the execution gate "
+                             f"(torch.load(weights_only=True), about {gb(disk)} on disk); the engine, validation and "
+                             "the baseline read that copy")
     assert fmt["reading"] == STAGE_BF16
     staged = str(Path(workdir) / STAGED_BF16_DIR)
     disk = int(fmt.get("read_as_bytes") or 2 * int(analysis.size.get("params") or 0))
@@ -72,13 +72,13 @@ def decide(analysis: ModelAnalysis, engine: str, device: DeviceStrategy, workdir
     reads = _reads_itself(engine)
     if reads:
         read = _check_native(engine, fmt["name"], reads.get(fmt["name"]), device, disk, how)
-        return {**base, "mode": "file2file_native", "source_dir": staged, "disk_bytes": disk,
-                "reason": f"{read.note}; validation and the baseline read an exact BF16 copy ({how}) written to "
-                          f"{staged} after the execution gate (about {gb(disk)} on disk)"}
-    return {**base, "mode": "stage_bf16", "source_dir": staged, "engine_reads": staged, "disk_bytes": disk,
-            "reason": f"{fmt.get('summary') or entry.summary}: the {engine} engine loads the model with transformers, which cannot load "
-                      f"{entry.unloadable}, and calibration needs the model; an exact BF16 copy ({how}) is written "
-                      f"shard by shard to {staged} after the execution gate: about {gb(disk)} on disk"}
+        return SourceReading(name, staged, model, disk, "file2file_native",
+                             f"{read.note}; validation and the baseline read an exact BF16 copy ({how}) written to "
+                             f"{staged} after the execution gate (about {gb(disk)} on disk)")
+    return SourceReading(name, staged, staged, disk, "stage_bf16",
+                         f"{fmt.get('summary') or entry.summary}: the {engine} engine loads the model with transformers, "
+                         f"which cannot load {entry.unloadable}, and calibration needs the model; an exact BF16 copy "
+                         f"({how}) is written shard by shard to {staged} after the execution gate: about {gb(disk)} on disk")
 
 
 def _dequant_rule(fmt: dict[str, Any]) -> str:
@@ -128,26 +128,24 @@ def effective_source(plan: QuantPlan | None, model_path: Path | None) -> Path | 
     """The source validation, the load check and Tier 1's baseline compare against: the staged
     BF16 (or converted) copy when the plan made one and it is complete, else the model dir.
     For other checks that want the dequantized source (e.g. a decode check in validate/)."""
-    reading = (plan.source_reading if plan is not None else None) or {}
-    staged = reading.get("source_dir")
-    staged_modes = ("stage_bf16", "convert_bin", "file2file_native")
-    if reading.get("mode") in staged_modes and staged and (Path(staged) / COMPLETE_MARK).is_file():
-        return Path(staged)
+    reading = plan.source_reading if plan is not None else None
+    if reading is not None and reading.staged and (Path(reading.source_dir) / COMPLETE_MARK).is_file():
+        return Path(reading.source_dir)
     return model_path
 
 
-def decision_row(reading: dict[str, Any]) -> dict[str, Any]:
-    value = reading["mode"] + (f" ({gb(reading['disk_bytes'])} on disk)" if reading.get("disk_bytes") else "")
-    return {"decision": "source reading", "value": value, "reason": reading["reason"]}
+def decision_row(reading: SourceReading) -> dict[str, Any]:
+    value = reading.mode + (f" ({gb(reading.disk_bytes)} on disk)" if reading.disk_bytes else "")
+    return {"decision": "source reading", "value": value, "reason": reading.reason}
 
 
-def disk_problem(reading: dict[str, Any], fit: dict[str, Any]) -> list[dict[str, Any]]:
+def disk_problem(reading: SourceReading, fit: dict[str, Any]) -> list[dict[str, Any]]:
     """A staged copy larger than the free disk blocks the plan (added to ``fit``); its table row."""
     free = (fit.get("host") or {}).get("disk_free_bytes")
-    need = int(reading.get("disk_bytes") or 0) + int(fit.get("output_bytes") or 0)
-    if not reading.get("disk_bytes") or free is None or need <= free:
+    need = reading.disk_bytes + int(fit.get("output_bytes") or 0)
+    if not reading.disk_bytes or free is None or need <= free:
         return []
-    message = (f"the staged source copy ({gb(reading['disk_bytes'])}) and the output ({gb(fit['output_bytes'])}) "
+    message = (f"the staged source copy ({gb(reading.disk_bytes)}) and the output ({gb(fit['output_bytes'])}) "
                f"need about {gb(need)} on disk; {gb(free)} is free")
     fit.setdefault("problems", []).append({"blocking": True, "what": "disk (staged source)", "message": message})
     fit["fits"] = False
