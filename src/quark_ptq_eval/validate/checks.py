@@ -46,7 +46,7 @@ def run_layout(ctx: CheckInputs) -> CheckResult:
     inputs = LayoutInputs(ctx.readable("source"), ctx.declared_output, expectation.qconfig, ctx.exclude, overrides,
                           export_has_qconfig=ctx.qconfig is not None, export_qconfig=ctx.qconfig)
     result = check_layout(inputs)
-    result.findings[:0] = [*truncation_findings(ctx.truncated, ctx.without_data()), *expectation.findings]
+    result.findings[:0] = [*truncation_findings(ctx.truncated, ctx.without_data), *expectation.findings]
     result.notes[:0] = expectation.notes
     result.stats["expectations_from"] = expectation.origin
     ctx.shared.quantized_modules = inputs.quantized_modules
@@ -71,7 +71,7 @@ def run_bytes(ctx: CheckInputs) -> CheckResult:
     quantized = ctx.shared.quantized_modules
     must = [n for n in source if not (n.endswith(".weight") and n.rpartition(".")[0] in quantized)]
     rewritten = rewritten_by(must, ctx.qconfig, ctx.plan)
-    lost = set(ctx.without_data())  # past a truncated shard's cut: each named, none read
+    lost = set(ctx.without_data)  # past a truncated shard's cut: each named, none read
     keep = [n for n in must if n not in rewritten and n not in lost]
     sampling = Sampling(ctx.max_samples, ctx.seed, ctx.workers, ctx.progress)
     result = compare_tensors(source, output, keep, sampling=sampling, result=CheckResult("md5"))

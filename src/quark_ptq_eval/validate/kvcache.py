@@ -37,7 +37,7 @@ def check_kv_scales(ctx: CheckInputs, result: CheckResult, read_floats: FloatRea
     patterns = {p: (cfg or {}).get("output_tensors") for p, cfg in (qconfig.get("kv_cache_quant_config") or {}).items()}
     if not patterns:  # no KV-cache scheme: nothing to list
         return
-    cut = {name.rpartition(".")[0] for name in ctx.without_data()}  # past a truncated shard's cut: layout names it
+    cut = {name.rpartition(".")[0] for name in ctx.without_data}  # past a truncated shard's cut: layout names it
     modules = {m: spec for m, spec in _kv_modules(ctx.readable("source"), patterns).items() if m not in cut}
     scheme = (ctx.plan or {}).get("kv_cache_scheme") or "the export's"
     if not modules:

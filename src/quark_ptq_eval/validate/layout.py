@@ -141,7 +141,7 @@ class _Share:
                                f"(expected: {self.plan / self.total:.1%} of {self.total})")
 
 
-def truncation_findings(truncated: dict[Path, TruncatedFileError], without_data: list[str]) -> list[Finding]:
+def truncation_findings(truncated: dict[Path, TruncatedFileError], without_data: tuple[str, ...]) -> list[Finding]:
     """One finding per shard whose data stops short, saying which modules no check could judge because of it."""
     findings = []
     for path, exc in sorted(truncated.items()):

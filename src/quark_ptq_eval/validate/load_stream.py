@@ -78,7 +78,7 @@ def cut_parts(ctx: CheckInputs) -> set[str]:
     """The export's parts with a module past a truncated shard's cut (``CheckInputs.truncated``)."""
     from quark_ptq_eval.runtime.blocks import split_parts, stack_path
 
-    lost = set(ctx.without_data())
+    lost = set(ctx.without_data)
     if not lost:
         return set()
     declared = ctx.declared_output

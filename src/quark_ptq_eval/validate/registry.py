@@ -60,6 +60,7 @@ class CheckInputs:
     # ``headers`` (what every data-reading check sees), so the rest of the export is still judged in this run
     truncated: dict[Path, TruncatedFileError] = field(default_factory=dict)
     declared_output: dict[str, TensorInfo] = field(default_factory=dict)  # every tensor the export's headers declare
+    without_data: tuple[str, ...] = ()  # declared tensors whose module lost bytes to a truncated shard, in name order
 
     @property
     def qconfig(self) -> dict[str, Any] | None:
@@ -74,7 +75,8 @@ class CheckInputs:
                 self.headers[side] = exc.message
         if (declared := self.tensors("output")) is not None:
             self.declared_output = declared
-            self.headers["output"] = with_data(declared, self.truncated)
+            self.headers["output"] = kept = with_data(declared, self.truncated)
+            self.without_data = tuple(sorted(declared.keys() - kept.keys()))
         src, out = self.tensors("source"), self.tensors("output")
         if src is not None and out is not None:  # legacy checkpoint names (Mixtral's w1/w2/w3) -> the export's
             from quark_ptq_eval.base.tensor_names import align_source_names
@@ -88,10 +90,6 @@ class CheckInputs:
     def tensors(self, side: str) -> dict[str, TensorInfo] | None:
         h = self.headers.get(side)
         return h if isinstance(h, dict) else None
-
-    def without_data(self) -> list[str]:
-        """The export's declared tensors whose module lost bytes to a truncated shard, in name order."""
-        return sorted(self.declared_output.keys() - (self.tensors("output") or {}).keys())
 
     def readable(self, side: str) -> dict[str, TensorInfo]:
         """The parsed headers of ``side``, for a check past its ``unreadable_headers`` guard."""
