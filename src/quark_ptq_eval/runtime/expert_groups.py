@@ -295,8 +295,8 @@ def _require_loaded(streamed: StreamedModel, layer: Any, module_path: str) -> No
 def _require_group(experts: Any, plan: ExpertPlan, start: int, end: int) -> None:
     """The group's tensors filled every parameter of its experts (fused: with ``end - start`` rows)."""
     if plan.per_module:
-        wrong = [n for n, t in [*_Group(experts, start, end).named_parameters(),
-                                *_Group(experts, start, end).named_buffers()] if t.device.type == "meta"]
+        group = _Group(experts, start, end)
+        wrong = [n for n, t in [*group.named_parameters(), *group.named_buffers()] if t.device.type == "meta"]
     else:
         wrong = [n for n, p in experts.named_parameters(recurse=False)
                  if p.device.type == "meta" or p.shape[0] != end - start]
