@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from quark_ptq_eval.base.options import build, check_names, flag
 from quark_ptq_eval.evaluate.options import EvalOptions
@@ -146,9 +146,8 @@ def run_options(model: str | Path | None, output_dir: str | Path | None, options
     that is no RunOptions field: a PlanRequest field); an unknown name is refused."""
     own = {f.name for f in dataclasses.fields(RunOptions)} - set(COMPOSED)
     run_given = {k: v for k, v in options.items() if k in own}
-    eval_given = dict(cast("Mapping[str, object]", options.get("eval_options") or {}))
-    if options.get("eval_tier") is not None:  # run's --eval-tier, the API's eval_tier=: the evaluation options' tier
-        eval_given.setdefault("tier", options["eval_tier"])
+    eval_given = _tier_in_eval({"eval_tier": options.get("eval_tier"),  # run's --eval-tier, the API's eval_tier=
+                                "eval": options.get("eval_options") or {}}).get("eval") or {}
     request_given = {k: v for k, v in options.items() if k not in own and k not in ("eval_options", "eval_tier")}
     check_names(PlanRequest, request_given, "plan")
     check_names(EvalOptions, eval_given, "evaluation")
